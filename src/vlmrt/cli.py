@@ -1,0 +1,112 @@
+"""vlmrt command line: a thin layer over vlmrt.export and vlmrt.runtime."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _export(a) -> int:
+    from .export.pipeline import export
+
+    out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, force=a.force,
+                 progress=not a.quiet)
+    print(out)
+    return 0
+
+
+def _stats_report(r) -> str:
+    s = r.stats
+    lines = [
+        f"prompt tokens      {s.prompt_tokens} ({s.image_tiles} image tiles)",
+        f"generated tokens   {s.generated_tokens} (stop: {s.stop_reason})",
+        f"model load         {s.load_s:.3f} s",
+        f"image preprocess   {s.preprocess_s:.3f} s",
+        f"vision encode      {s.vision_s:.3f} s",
+        f"time to 1st token  {s.ttft_s:.3f} s",
+        f"prefill            {s.prefill_tokens_per_s:.1f} tokens/s",
+        f"decode             {s.decode_tokens_per_s:.1f} tokens/s ({s.decode_ms_per_token:.1f} ms/token)",
+        f"peak RSS           {s.peak_rss_mb:.0f} MB",
+    ]
+    return "\n".join(lines)
+
+
+def _run(a) -> int:
+    from .runtime.pipeline import VLM
+    from .runtime.sampler import SamplingConfig
+
+    sampling = SamplingConfig(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    sampling.validate()
+    if a.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    vlm = VLM.load(a.bundle, device=a.device, threads=a.threads)
+    gen = vlm.generate(a.prompt, a.image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
+                       ignore_eos=a.ignore_eos)
+    if a.json:
+        for _ in gen:
+            pass
+        print(json.dumps(vlm.result.to_dict()))
+    else:
+        for piece in gen:
+            print(piece, end="", flush=True)
+        print()
+        print(_stats_report(vlm.result), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vlmrt", description="Export and run small vision-language models as static ONNX graphs.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    e = sub.add_parser("export", help="export a Hugging Face checkpoint (folder or hub id) to a bundle")
+    e.add_argument("src", help="checkpoint folder or hub id (e.g. HuggingFaceTB/SmolVLM-256M-Instruct)")
+    e.add_argument("out", help="bundle folder to write")
+    e.add_argument("--prefill-ar", type=int, default=32, help="tokens per prefill graph call (default 32)")
+    e.add_argument("--max-seq-len", type=int, default=1024, help="KV cache size = max context in tokens (default 1024)")
+    e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    e.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    e.add_argument("--quiet", action="store_true", help="no progress display")
+    e.set_defaults(fn=_export)
+
+    r = sub.add_parser("run", help="ask a question about an image")
+    r.add_argument("bundle")
+    r.add_argument("--image", help="image file (omit for a text-only prompt)")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--mode", choices=["kv", "hybrid"], default=None, help="kv: prompt through the AR=1 graph; hybrid: AR=N prefill blocks (default)")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    r.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+    r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
+    r.set_defaults(fn=_run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .export.checkpoint import CheckpointError
+    from .manifest import BundleError
+    from .runtime.image import ImageError
+
+    expected = (BundleError, CheckpointError, ImageError, ValueError, OSError, KeyError)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("vlmrt: interrupted", file=sys.stderr)
+        return 130
+    except expected as e:
+        if os.environ.get("VLMRT_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"vlmrt: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Render a model's Jinja chat template once, at export, into the manifest's prompt templates.
+
+The runtime has no Jinja: it fills `{image}` and `{prompt}` in the rendered strings. We render
+the template like transformers does (sandboxed, trim_blocks, lstrip_blocks, loopcontrols) for a
+single user turn with a generation prompt, with sentinels where the image and text go.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TEXT_SENTINEL = "\x00VLMRT_PROMPT\x00"
+
+
+def _env():
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template error: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def render(template: str, messages: list[dict[str, Any]], special: dict[str, str]) -> str:
+    return _env().from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+
+
+def prompt_templates(template: str, image_placeholder: str, special: dict[str, str], system: str | None = None) -> tuple[str, str]:
+    """(template_image, template_text) with `{image}` / `{prompt}` markers.
+
+    image_placeholder is what the template writes for an image item (e.g. "<image>"), which the
+    runtime's expansion op replaces with the expanded image text.
+    """
+    sys_msgs = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+    with_image = render(
+        template,
+        sys_msgs + [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT_SENTINEL}]}],
+        special,
+    )
+    text_only = render(template, sys_msgs + [{"role": "user", "content": [{"type": "text", "text": TEXT_SENTINEL}]}], special)
+    if with_image.count(TEXT_SENTINEL) != 1 or with_image.count(image_placeholder) != 1 or text_only.count(TEXT_SENTINEL) != 1:
+        raise ValueError("the chat template does not render one image and one text item as expected")
+    for s in (with_image, text_only):
+        if "{prompt}" in s or "{image}" in s:
+            raise ValueError("the chat template contains a literal {prompt} or {image}")
+    with_image = with_image.replace(image_placeholder, "{image}").replace(TEXT_SENTINEL, "{prompt}")
+    return with_image, text_only.replace(TEXT_SENTINEL, "{prompt}")

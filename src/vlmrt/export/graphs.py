@@ -1,0 +1,131 @@
+"""torch -> ONNX at fixed shapes, family-agnostic.
+
+Each graph is exported with the dynamo exporter into its own folder entry; `share_weights`
+then stores every large initializer once, content-addressed, in one data file that the
+prefill and decode graphs (the same decoder at two AR sizes) both point into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import external_data_helper
+
+from ..manifest import TensorSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def kv_names(layers: int) -> tuple[list[str], list[str]]:
+    ins, outs = [], []
+    for i in range(layers):
+        ins += [f"past_key_{i}", f"past_value_{i}"]
+        outs += [f"new_key_{i}", f"new_value_{i}"]
+    return ins, outs
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The dynamo exporter prints progress and warnings per graph; keep the CLI output ours."""
+    buf = io.StringIO()
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buf):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def export_graph(module: torch.nn.Module, args: tuple, input_names: list[str], output_names: list[str], path: Path) -> None:
+    """Export module at the shapes of args to path (+ path.data for weights)."""
+    with _quiet(), torch.no_grad():
+        program = torch.onnx.export(
+            module, args, dynamo=True, input_names=input_names, output_names=output_names, optimize=True
+        )
+        program.save(str(path), external_data=True)
+    onnx.checker.check_model(str(path))
+
+
+def io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    m = onnx.load(str(path), load_external_data=False)
+
+    def spec(vi) -> TensorSpec:
+        t = vi.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        return TensorSpec(name=vi.name, shape=[d.dim_value for d in t.shape.dim], dtype=dtype)
+
+    return [spec(v) for v in m.graph.input], [spec(v) for v in m.graph.output]
+
+
+def export_vision(vision: torch.nn.Module, patches: int, patch_dim: int, dtype: str, path: Path) -> None:
+    x = torch.zeros(patches, patch_dim, dtype=TORCH_DTYPES[dtype])
+    export_graph(vision.to(TORCH_DTYPES[dtype]), (x,), ["pixel_patches"], ["image_embeds"], path)
+
+
+def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, dtype: str, path: Path) -> None:
+    dt = TORCH_DTYPES[dtype]
+    decoder = decoder.to(dt)
+    embeds = torch.zeros(ar, hidden, dtype=dt)
+    positions = torch.arange(ar, dtype=torch.int64)
+    mask = torch.zeros(ar, max_context + ar, dtype=dt)
+    past = [torch.zeros(max_context, kv_dim, dtype=dt) for _ in range(2 * layers)]
+    kin, kout = kv_names(layers)
+    export_graph(
+        decoder, (embeds, positions, mask, *past),
+        ["inputs_embeds", "position_ids", "attention_mask", *kin], ["logits", *kout], path,
+    )
+
+
+def share_weights(folder: Path, graph_files: list[str], data_file: str, min_bytes: int = 1024) -> None:
+    """Rewrite the graphs so that all initializers >= min_bytes live once in folder/data_file.
+
+    Identical tensors (same bytes, dtype and shape) across graphs are stored once; graphs'
+    own .data files are removed afterwards.
+    """
+    folder = Path(folder)
+    offsets: dict[str, tuple[int, int]] = {}  # content key -> (offset, length)
+    old_data: set[Path] = set()
+    with open(folder / data_file, "wb") as out:
+        for name in graph_files:
+            path = folder / name
+            model = onnx.load(str(path), load_external_data=False)
+            for init in model.graph.initializer:
+                if external_data_helper.uses_external_data(init):
+                    info = {e.key: e.value for e in init.external_data}
+                    src = folder / info["location"]
+                    old_data.add(src)
+                    with open(src, "rb") as f:
+                        f.seek(int(info.get("offset", 0)))
+                        raw = f.read(int(info["length"]))
+                else:
+                    raw = onnx.numpy_helper.to_array(init).tobytes()
+                    if len(raw) < min_bytes:
+                        continue
+                key = hashlib.sha256(raw + repr((init.data_type, tuple(init.dims))).encode()).hexdigest()
+                if key not in offsets:
+                    pad = (-out.tell()) % 64  # keep tensors aligned for mmap
+                    out.write(b"\0" * pad)
+                    offsets[key] = (out.tell(), len(raw))
+                    out.write(raw)
+                off, length = offsets[key]
+                init.ClearField("raw_data")
+                for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+                    init.ClearField(f)
+                del init.external_data[:]
+                init.data_location = onnx.TensorProto.EXTERNAL
+                for k, v in (("location", data_file), ("offset", str(off)), ("length", str(length))):
+                    init.external_data.add(key=k, value=v)
+            onnx.save(model, str(path))
+    for p in old_data:
+        if p.name != data_file and p.exists():
+            os.remove(p)

@@ -1,0 +1,187 @@
+"""`vlmrt export`: checkpoint -> bundle folder, written into a temporary folder and renamed at the end."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from .. import manifest as mf
+from . import graphs
+from .chat_template import prompt_templates
+from .checkpoint import Checkpoint, CheckpointError, resolve
+
+# config.json model_type -> family module (vlmrt.families.<name>)
+FAMILIES = {"smolvlm": "smolvlm", "idefics3": "smolvlm"}
+DTYPES = {"fp32": "float32", "fp16": "float16"}
+
+
+class ExportError(ValueError):
+    pass
+
+
+class Progress:
+    """One line per step on stderr: `[2/6] vision graph ... 3.1 s`."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.n, self.enabled = total, 0, enabled
+        self.t = 0.0
+
+    def start(self, what: str) -> None:
+        self.n += 1
+        self.t = time.perf_counter()
+        if self.enabled:
+            print(f"[{self.n}/{self.total}] {what} ...", end="", file=sys.stderr, flush=True)
+
+    def done(self, note: str = "") -> None:
+        if self.enabled:
+            extra = f" {note}" if note else ""
+            print(f" {time.perf_counter() - self.t:.1f} s{extra}", file=sys.stderr, flush=True)
+
+
+def family_for(config: dict):
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        known = ", ".join(sorted(FAMILIES))
+        raise ExportError(f"unknown model type {model_type!r} in config.json; vlmrt exports: {known}")
+    return importlib.import_module(f"vlmrt.families.{FAMILIES[model_type]}")
+
+
+def _eos_ids(ckpt: Checkpoint, tok_json: dict) -> list[int]:
+    gen = ckpt.json("generation_config.json", {})
+    eos = gen.get("eos_token_id", ckpt.config.get("eos_token_id", ckpt.config.get("text_config", {}).get("eos_token_id")))
+    if eos is None:
+        tc = ckpt.json("tokenizer_config.json", {})
+        name = tc.get("eos_token")
+        name = name.get("content") if isinstance(name, dict) else name
+        eos = next((t["id"] for t in tok_json.get("added_tokens", []) if t["content"] == name), None)
+    if eos is None:
+        raise ExportError("cannot find the EOS token id (generation_config.json, config.json or tokenizer_config.json)")
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
+    tc = ckpt.json("tokenizer_config.json", {})
+    out = {}
+    for k in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        v = tc.get(k)
+        out[k] = (v.get("content") if isinstance(v, dict) else v) or ""
+    return out
+
+
+def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int = 1024, dtype: str = "fp32",
+           force: bool = False, progress: bool = True) -> Path:
+    import json
+
+    import torch
+
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
+        raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
+    out = Path(out)
+    if out.exists() and not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it")
+    p = Progress(8, progress)
+
+    p.start("reading checkpoint")
+    ckpt = Checkpoint.open(resolve(src))
+    family = family_for(ckpt.config)
+    try:
+        cfg = family.Config.from_hf(ckpt.config)
+    except KeyError as e:
+        raise ExportError(f"config.json lacks {e}") from None
+    host = family.host_spec(ckpt, cfg)
+    template = ckpt.chat_template()
+    if not template:
+        raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
+    tmpl_image, tmpl_text = prompt_templates(template, host["image_placeholder"], _special_strings(ckpt), host["system_prompt"])
+    tok_path = ckpt.path / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ExportError("the checkpoint has no tokenizer.json (a fast tokenizer is required)")
+    tok_json = json.loads(tok_path.read_text())
+    torch.manual_seed(0)
+    vision, decoder, embed = family.load_weights(cfg, ckpt.tensors())
+    p.done(f"({ckpt.path})")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        t = cfg.text
+        kv_dim = t.kv_heads * t.head_dim
+        p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens)")
+        graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, dtype, tmp / "vision.onnx")
+        p.done()
+        p.start(f"prefill graph (AR={prefill_ar}, context {max_seq_len}, {t.layers} layers)")
+        graphs.export_decoder(decoder, ar=prefill_ar, max_context=max_seq_len, hidden=t.hidden, kv_dim=kv_dim,
+                              layers=t.layers, dtype=dtype, path=tmp / "prefill.onnx")
+        p.done()
+        p.start("decode graph (AR=1)")
+        graphs.export_decoder(decoder, ar=1, max_context=max_seq_len, hidden=t.hidden, kv_dim=kv_dim,
+                              layers=t.layers, dtype=dtype, path=tmp / "decode.onnx")
+        p.done()
+        p.start("sharing weights between graphs")
+        graphs.share_weights(tmp, ["vision.onnx"], "vision.data")
+        graphs.share_weights(tmp, ["prefill.onnx", "decode.onnx"], "decoder.data")
+        p.done()
+        p.start("embedding table + tokenizer")
+        np.save(tmp / "embed.npy", embed.numpy().astype(DTYPES[dtype]))
+        shutil.copyfile(tok_path, tmp / "tokenizer.json")
+        p.done()
+
+        p.start("manifest")
+        gspecs = {}
+        for name in ("vision", "prefill", "decode"):
+            ins, outs = graphs.io_specs(tmp / f"{name}.onnx")
+            gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=dtype, inputs=ins, outputs=outs)
+        files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]
+        image = host["image"]
+        m = mf.Manifest(
+            model={"family": family.__name__.rsplit(".", 1)[-1], "model_type": ckpt.config.get("model_type"),
+                   "source": str(src), "exported_by": f"vlmrt {__version__}",
+                   "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            graphs=gspecs,
+            tokenizer_file="tokenizer.json",
+            image=mf.ImageSpec(**image),
+            prompt=mf.PromptSpec(template_image=tmpl_image, template_text=tmpl_text, expansion=host["prompt_expansion"],
+                                 tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True, params=host["prompt_params"]),
+            special_tokens=mf.SpecialTokens(image_token_id=cfg.image_token_id, eos_token_ids=_eos_ids(ckpt, tok_json),
+                                            pad_token_id=int(ckpt.config.get("pad_token_id") or t.vocab - 1)),
+            kv=mf.KVSpec(layers=t.layers, dim=kv_dim, max_context=max_seq_len, dtype=DTYPES[dtype],
+                         key_input="past_key_{layer}", value_input="past_value_{layer}",
+                         key_output="new_key_{layer}", value_output="new_value_{layer}"),
+            decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=prefill_ar,
+                                   embeds_input="inputs_embeds", positions_input="position_ids",
+                                   mask_input="attention_mask", logits_output="logits",
+                                   embedding_file="embed.npy", embedding_dtype=DTYPES[dtype]),
+            vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
+            generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
+            files=mf.list_files(tmp, files),
+        )
+        leftovers = sorted(set(os.listdir(tmp)) - set(files))
+        if leftovers:
+            raise ExportError(f"export left unlisted files: {leftovers}")
+        mf.save(m, tmp)
+        mf.load(tmp)  # what we wrote must read back
+        p.done()
+
+        p.start(f"writing {out}")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        p.done()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+__all__ = ["export", "ExportError", "CheckpointError"]

@@ -1,0 +1,196 @@
+"""Ops written once for static export: no data-dependent control flow, 2-D [seq, dim] I/O.
+
+Decoder attention follows ExecuTorch's static attention: the KV cache is an input
+[max_context, kv_dim] per layer (rows addressed by absolute position), the graph attends
+over concat(cache, new rows) under a host-built additive mask and returns only the new
+rows. runtime/kv_cache.py writes them back; tests/test_kv_contract.py holds the two together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    # mirrors transformers LlamaRMSNorm: normalize in fp32, then scale
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def activation(name: str):
+    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    if name == "silu":
+        return F.silu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    # exactly transformers' compute_default_rope_parameters
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = position_ids[:, None].float() * inv_freq[None, :]  # [seq, head_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [seq, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [seq, heads, head_dim]; cos/sin [seq, head_dim]
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class CachedGQAttention(nn.Module):
+    """Grouped-query attention over an external cache; returns output and the new K/V rows."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        # x [ar, hidden]; mask [ar, ctx+ar]; past_k/v [ctx, kv_heads*head_dim]
+        ar = x.shape[0]
+        ctx = past_k.shape[0]
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        rep = h // kvh
+        q = apply_rope(self.q_proj(x).view(ar, h, d), cos, sin)  # [ar, h, d]
+        k_new = apply_rope(self.k_proj(x).view(ar, kvh, d), cos, sin)  # [ar, kvh, d]
+        v_new = self.v_proj(x).view(ar, kvh, d)
+        k = torch.cat([past_k.view(ctx, kvh, d), k_new], dim=0).permute(1, 2, 0)[:, None]  # [kvh, 1, d, ctx+ar]
+        v = torch.cat([past_v.view(ctx, kvh, d), v_new], dim=0).transpose(0, 1)[:, None]  # [kvh, 1, ctx+ar, d]
+        # query head j uses kv head j // rep (transformers' repeat_kv): group queries per kv head.
+        # Keep the matmuls 4-D: onnxscript's optimizer folds a reshape->3-D matmul->reshape chain
+        # into a 4-D x 3-D MatMul that broadcasts over the wrong axis when kv_heads == rep.
+        q = q.view(ar, kvh, rep, d).permute(1, 2, 0, 3)  # [kvh, rep, ar, d]
+        scores = torch.matmul(q, k) * (1.0 / math.sqrt(d)) + mask  # [kvh, rep, ar, ctx+ar]
+        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        out = torch.matmul(probs, v)  # [kvh, rep, ar, d]
+        out = out.permute(2, 0, 1, 3).reshape(ar, h * d)
+        return self.o_proj(out), k_new.reshape(ar, kvh * d), v_new.reshape(ar, kvh * d)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama/Qwen block with cache I/O."""
+
+    def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias=False):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = CachedGQAttention(hidden, heads, kv_heads, head_dim, bias=qkv_bias)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = GatedMLP(hidden, intermediate, act)
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        a, k_new, v_new = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_new, v_new
+
+
+class CausalDecoder(nn.Module):
+    """Decoder stack + final norm + lm head: one static step over `ar` tokens.
+
+    forward(inputs_embeds [ar, hidden], position_ids [ar], attention_mask [ar, ctx+ar],
+            *past (k_0, v_0, k_1, v_1, ...) each [ctx, kv_dim])
+      -> (logits [ar, vocab], new_k_0, new_v_0, ...) each new row block [ar, kv_dim]
+    """
+
+    def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab, qkv_bias=False):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias) for _ in range(layers)
+        )
+        self.norm = RMSNorm(hidden, eps)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta), persistent=False)
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, *past):
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)
+        x = inputs_embeds
+        new = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, cos, sin, attention_mask, past[2 * i], past[2 * i + 1])
+            new += [k, v]
+        return (self.lm_head(self.norm(x)), *new)
+
+
+class ViTLayer(nn.Module):
+    """Pre-norm ViT block (SigLIP): LayerNorm, MHA with biases, LayerNorm, fc1-act-fc2."""
+
+    def __init__(self, dim, heads, intermediate, eps, act):
+        super().__init__()
+        self.heads = heads
+        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
+        self.fc1 = nn.Linear(dim, intermediate)
+        self.fc2 = nn.Linear(intermediate, dim)
+        self.act = activation(act)
+
+    def forward(self, x):  # x [patches, dim]
+        n, dim = x.shape
+        h = self.heads
+        d = dim // h
+        y = self.layer_norm1(x)
+        q = self.q_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
+        k = self.k_proj(y).view(n, h, d).permute(1, 2, 0)  # [h, d, n]
+        v = self.v_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
+        p = torch.softmax(torch.matmul(q, k) * (d**-0.5), dim=-1)
+        x = x + self.out_proj(torch.matmul(p, v).transpose(0, 1).reshape(n, dim))
+        return x + self.fc2(self.act(self.fc1(self.layer_norm2(x))))
+
+
+def pixel_shuffle(x: torch.Tensor, side: int, scale: int) -> torch.Tensor:
+    """[side*side, dim] -> [(side/scale)^2, dim*scale^2], exactly Idefics3Connector.pixel_shuffle."""
+    n, dim = x.shape
+    x = x.view(side, side // scale, dim * scale)  # [h, w/s, d*s]
+    x = x.permute(1, 0, 2).reshape(side // scale, side // scale, dim * scale * scale)  # [w/s, h/s, d*s*s]
+    x = x.permute(1, 0, 2)  # [h/s, w/s, d*s*s]
+    return x.reshape(n // (scale * scale), dim * scale * scale)
+
+
+def conv_as_matmul_weight(w: torch.Tensor) -> torch.Tensor:
+    """Conv2d patch-embedding weight [out, c, p, p] -> Linear weight [out, c*p*p].
+
+    The host unfolds a tile [c, H, W] into rows ordered (c, py, px) — runtime/image.py:unfold_patches.
+    """
+    return w.reshape(w.shape[0], -1)

@@ -1,0 +1,271 @@
+"""SmolVLM / Idefics3: SigLIP vision tower + pixel-shuffle connector + Llama (SmolLM2) decoder.
+
+Mirrors transformers/models/smolvlm/modeling_smolvlm.py (and idefics3, which it copies), written
+for static shapes: the vision graph takes one full tile as host-unfolded patches, the decoder
+graphs take embeddings (the host looks up and splices them) and an external KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import layers
+
+
+class UnsupportedCheckpoint(ValueError):
+    pass
+
+
+@dataclass
+class VisionConfig:
+    hidden: int
+    heads: int
+    layers: int
+    intermediate: int
+    image_size: int  # one tile's side in pixels
+    patch_size: int
+    eps: float
+    act: str
+
+
+@dataclass
+class TextConfig:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    intermediate: int
+    eps: float
+    act: str
+    rope_theta: float
+    vocab: int
+
+
+@dataclass
+class SmolVLMConfig:
+    vision: VisionConfig
+    text: TextConfig
+    scale_factor: int
+    image_token_id: int
+    tie_word_embeddings: bool
+
+    @property
+    def patches_per_tile(self) -> int:
+        return (self.vision.image_size // self.vision.patch_size) ** 2
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.patches_per_tile // self.scale_factor**2
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "SmolVLMConfig":
+        v, t = cfg["vision_config"], cfg["text_config"]
+        rope = t.get("rope_scaling") or t.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedCheckpoint(f"RoPE scaling {rope_type!r} is not supported yet")
+        theta = t.get("rope_theta", rope.get("rope_theta", 10000.0))
+        hidden, heads = t["hidden_size"], t["num_attention_heads"]
+        # transformers 5 ties lm_head to embed_tokens by the top-level flag (_tied_weights_keys);
+        # released SmolVLM configs carry it at both levels.
+        tie = cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+        return cls(
+            vision=VisionConfig(
+                hidden=v["hidden_size"],
+                heads=v["num_attention_heads"],
+                layers=v["num_hidden_layers"],
+                intermediate=v["intermediate_size"],
+                image_size=v["image_size"],
+                patch_size=v["patch_size"],
+                eps=v.get("layer_norm_eps", 1e-6),
+                act=v.get("hidden_act", "gelu_pytorch_tanh"),
+            ),
+            text=TextConfig(
+                hidden=hidden,
+                heads=heads,
+                kv_heads=t.get("num_key_value_heads", heads),
+                head_dim=t.get("head_dim") or hidden // heads,
+                layers=t["num_hidden_layers"],
+                intermediate=t["intermediate_size"],
+                eps=t.get("rms_norm_eps", 1e-6),
+                act=t.get("hidden_act", "silu"),
+                rope_theta=float(theta),
+                vocab=t["vocab_size"],
+            ),
+            scale_factor=cfg.get("scale_factor", 2),
+            image_token_id=cfg["image_token_id"],
+            tie_word_embeddings=bool(tie),
+        )
+
+
+def patch_position_ids(num_patches_per_side: int) -> torch.Tensor:
+    """Position ids of a full tile, computed as SmolVLMVisionEmbeddings.forward does (bucketize of
+    fractional coordinates) so that float rounding matches the reference exactly."""
+    n = num_patches_per_side
+    boundaries = torch.arange(1 / n, 1.0, 1 / n)
+    coords = torch.clamp(torch.arange(n, dtype=torch.float32) * (1.0 / torch.tensor(float(n))), max=1.0 - 1e-6)
+    bucket = torch.bucketize(coords, boundaries, right=True)
+    return (bucket[:, None] * n + bucket[None, :]).reshape(-1)
+
+
+class VisionEncoder(nn.Module):
+    """One tile -> image-token embeddings in the decoder's space.
+
+    forward(patches [patches, 3*p*p]) -> [tokens_per_tile, text_hidden]
+    """
+
+    def __init__(self, cfg: SmolVLMConfig):
+        super().__init__()
+        v = cfg.vision
+        self.side = v.image_size // v.patch_size
+        self.scale = cfg.scale_factor
+        self.patch_embedding = nn.Linear(3 * v.patch_size**2, v.hidden)  # Conv2d as MatMul
+        self.position_embedding = nn.Parameter(torch.zeros(self.side**2, v.hidden))  # already gathered for a full tile
+        self.layers = nn.ModuleList(layers.ViTLayer(v.hidden, v.heads, v.intermediate, v.eps, v.act) for _ in range(v.layers))
+        self.post_layernorm = nn.LayerNorm(v.hidden, eps=v.eps)
+        self.proj = nn.Linear(v.hidden * cfg.scale_factor**2, cfg.text.hidden, bias=False)
+
+    def forward(self, patches):
+        x = self.patch_embedding(patches) + self.position_embedding  # [patches, vision_hidden]
+        for layer in self.layers:
+            x = layer(x)
+        x = self.post_layernorm(x)
+        x = layers.pixel_shuffle(x, self.side, self.scale)  # [tokens, vision_hidden*scale^2]
+        return self.proj(x)  # [tokens, text_hidden]
+
+
+def build_decoder(cfg: SmolVLMConfig) -> layers.CausalDecoder:
+    t = cfg.text
+    return layers.CausalDecoder(
+        layers=t.layers, hidden=t.hidden, heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim,
+        intermediate=t.intermediate, eps=t.eps, act=t.act, rope_theta=t.rope_theta, vocab=t.vocab,
+    )
+
+
+# --- weights: HF name -> ours ---------------------------------------------------------------
+# Checkpoints name the inner model "model." (transformers >= 4.46 / 5.x); older Idefics3 exports
+# have no prefix. Keys below are relative to that inner model.
+VISION_LAYER_KEYS = {
+    "encoder.layers.{i}.layer_norm1.{p}": "layers.{i}.layer_norm1.{p}",
+    "encoder.layers.{i}.layer_norm2.{p}": "layers.{i}.layer_norm2.{p}",
+    "encoder.layers.{i}.self_attn.q_proj.{p}": "layers.{i}.q_proj.{p}",
+    "encoder.layers.{i}.self_attn.k_proj.{p}": "layers.{i}.k_proj.{p}",
+    "encoder.layers.{i}.self_attn.v_proj.{p}": "layers.{i}.v_proj.{p}",
+    "encoder.layers.{i}.self_attn.out_proj.{p}": "layers.{i}.out_proj.{p}",
+    "encoder.layers.{i}.mlp.fc1.{p}": "layers.{i}.fc1.{p}",
+    "encoder.layers.{i}.mlp.fc2.{p}": "layers.{i}.fc2.{p}",
+}
+TEXT_LAYER_KEYS = {
+    "layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
+    "layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
+}
+
+
+def _inner_prefix(keys) -> str:
+    for prefix in ("model.", ""):
+        if f"{prefix}text_model.embed_tokens.weight" in keys:
+            return prefix
+    raise UnsupportedCheckpoint("not a SmolVLM/Idefics3 checkpoint: no text_model.embed_tokens.weight")
+
+
+def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> tuple[VisionEncoder, layers.CausalDecoder, torch.Tensor]:
+    """Build the modules from HF tensors. Returns (vision, decoder, embedding table [vocab, hidden])."""
+    pre = _inner_prefix(tensors.keys())
+    vp, tp = pre + "vision_model.", pre + "text_model."
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise UnsupportedCheckpoint(f"checkpoint is missing weight {name}")
+        used.add(name)
+        return tensors[name].float()
+
+    vision = VisionEncoder(cfg)
+    vsd = {
+        "patch_embedding.weight": layers.conv_as_matmul_weight(take(vp + "embeddings.patch_embedding.weight")),
+        "patch_embedding.bias": take(vp + "embeddings.patch_embedding.bias"),
+        "position_embedding": take(vp + "embeddings.position_embedding.weight")[patch_position_ids(vision.side)],
+        "post_layernorm.weight": take(vp + "post_layernorm.weight"),
+        "post_layernorm.bias": take(vp + "post_layernorm.bias"),
+        "proj.weight": take(pre + "connector.modality_projection.proj.weight"),
+    }
+    for i in range(cfg.vision.layers):
+        for src, dst in VISION_LAYER_KEYS.items():
+            for p in ("weight", "bias"):
+                vsd[dst.format(i=i, p=p)] = take(vp + src.format(i=i, p=p))
+    vision.load_state_dict(vsd, strict=True)
+
+    decoder = build_decoder(cfg)
+    embed = take(tp + "embed_tokens.weight")
+    if cfg.tie_word_embeddings:
+        head = embed
+    elif "lm_head.weight" in tensors:
+        head = take("lm_head.weight")
+    else:
+        raise UnsupportedCheckpoint("config says the lm head is not tied, but the checkpoint has no lm_head.weight")
+    dsd = {"norm.weight": take(tp + "norm.weight"), "lm_head.weight": head}
+    for i in range(cfg.text.layers):
+        for src, dst in TEXT_LAYER_KEYS.items():
+            dsd[dst.format(i=i)] = take(tp + src.format(i=i))
+    decoder.load_state_dict(dsd, strict=True)
+    unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
+    if unused:
+        raise UnsupportedCheckpoint(f"checkpoint has {len(unused)} weights this exporter does not map, e.g. {unused[0]}")
+    return vision.eval(), decoder.eval(), embed
+
+
+# --- what the runtime needs besides graphs: host preprocessing, prompt, special tokens --------
+PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
+
+
+def host_spec(ckpt, cfg: SmolVLMConfig) -> dict[str, Any]:
+    """Image/prompt/special-token parameters from the checkpoint's processor files.
+
+    Mirrors transformers' SmolVLMImageProcessor (preprocessor_config.json) and SmolVLMProcessor
+    (processor_config.json, tokenizer attributes)."""
+    pp = ckpt.json("preprocessor_config.json", {})
+    proc = ckpt.json("processor_config.json", {})
+    tc = ckpt.json("tokenizer_config.json", {})
+    tile = pp.get("max_image_size", {}).get("longest_edge", cfg.vision.image_size)
+    if tile != cfg.vision.image_size:
+        raise UnsupportedCheckpoint(f"max_image_size {tile} differs from the vision tower's image_size {cfg.vision.image_size}")
+    seq = proc.get("image_seq_len", cfg.tokens_per_tile)
+    if seq != cfg.tokens_per_tile:
+        raise UnsupportedCheckpoint(f"processor image_seq_len {seq} != tokens per tile {cfg.tokens_per_tile} from the config")
+    resample = pp.get("resample", 1)
+    image = {
+        "tiling": "longest_edge_grid",
+        "tile_size": tile,
+        "patch_size": cfg.vision.patch_size,
+        "resample": PIL_RESAMPLE[resample] if isinstance(resample, int) else str(resample).lower(),
+        "rescale_factor": pp.get("rescale_factor", 1 / 255),
+        "mean": pp.get("image_mean", [0.5, 0.5, 0.5]),
+        "std": pp.get("image_std", [0.5, 0.5, 0.5]),
+        "params": {
+            "longest_edge": pp.get("size", {}).get("longest_edge", 4 * tile),
+            "split": pp.get("do_image_splitting", True),
+        },
+    }
+    tokens = {
+        "image_token": tc.get("image_token", "<image>"),
+        "fake_token": tc.get("fake_image_token", "<fake_token_around_image>"),
+        "global_token": tc.get("global_image_token", "<global-img>"),
+        "tile_marker": "<row_{row}_col_{col}>",
+    }
+    return {"image": image, "prompt_expansion": "grid_markers", "prompt_params": tokens,
+            "image_placeholder": tokens["image_token"], "system_prompt": None}
+
+
+Config = SmolVLMConfig  # the name export/pipeline.py looks for in every family module

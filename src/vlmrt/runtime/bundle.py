@@ -1,0 +1,75 @@
+"""A bundle opened for execution: verified manifest, ORT sessions, tokenizer, embedding table."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import manifest as mf
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def default_threads() -> int:
+    """Physical cores if we can tell, else logical CPUs available to this process."""
+    try:
+        cores = set()
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                    cores.add((phys, core))
+        n = len(cores)
+    except OSError:
+        n = 0
+    avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n, avail) if n else avail)
+
+
+def make_session(path: Path, device: str, threads: int | None):
+    import onnxruntime as ort
+
+    if device not in PROVIDERS:
+        raise mf.BundleError(f"unknown device {device!r}; choose one of {', '.join(PROVIDERS)}")
+    providers = PROVIDERS[device]
+    if providers[0] not in ort.get_available_providers():
+        raise mf.BundleError(f"device {device!r} needs onnxruntime's {providers[0]}, which this onnxruntime lacks")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or default_threads()
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), sess_options=so, providers=providers)
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+        raise mf.BundleError(f"cannot load graph {path.name}: {str(e).splitlines()[0]}") from None
+
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: mf.Manifest
+    sessions: dict  # graph name -> session
+    tokenizer: object  # tokenizers.Tokenizer
+    embed_table: np.ndarray  # [vocab, hidden] memmap
+
+    @classmethod
+    def open(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True) -> "Bundle":
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        m = mf.load(path, verify=verify)
+        sessions = {name: make_session(path / g.file, device, threads) for name, g in m.graphs.items()}
+        try:
+            tok = Tokenizer.from_file(str(path / m.tokenizer_file))
+        except Exception as e:
+            raise mf.BundleError(f"cannot load tokenizer {m.tokenizer_file}: {e}") from None
+        table = np.load(path / m.decoder.embedding_file, mmap_mode="r")
+        if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):
+            raise mf.BundleError(f"embedding table shape {table.shape} does not match the manifest")
+        return cls(path, m, sessions, tok, table)

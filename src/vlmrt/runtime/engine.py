@@ -1,0 +1,149 @@
+"""The generation engine: prompt embeddings in, token ids out. It knows nothing about text.
+
+    engine = Engine(prefill_session, decode_session, manifest.kv, manifest.decoder, embed_table, eos_ids)
+    for token_id in engine.generate(prompt_embeds, mode="hybrid", max_new_tokens=64, sampler=Sampler(...)):
+        ...
+    engine.last  # GenerationStats of the finished call
+
+Sessions only need `run(output_names, feeds) -> list[np.ndarray]` (onnxruntime.InferenceSession
+or a fake one in tests).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from ..manifest import DecoderSpec, KVSpec
+from .kv_cache import KVCache, attention_mask
+from .sampler import Sampler, SamplingConfig
+
+MODES = ("kv", "hybrid")
+
+
+class Session(Protocol):
+    def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+
+
+class ContextOverflow(ValueError):
+    pass
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0  # prompt through the decoder up to the first token's logits
+    decode_s: float = 0.0  # all later decoder steps
+    stop_reason: str = ""  # "eos" | "length" | "context"
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1  # the first token comes from prefill
+        return steps / self.decode_s if self.decode_s and steps > 0 else 0.0
+
+
+class Engine:
+    def __init__(self, prefill: Session | None, decode: Session, kv: KVSpec, dec: DecoderSpec,
+                 embed_table: np.ndarray, eos_ids: list[int], io_dtype: str = "float32"):
+        self.prefill_session, self.decode_session = prefill, decode
+        self.kv_spec, self.dec = kv, dec
+        self.embed_table = embed_table  # [vocab, hidden], usually a read-only memmap
+        self.eos = set(eos_ids)
+        self.dtype = np.dtype(io_dtype)
+        self.cache = KVCache(kv)
+        self.last = GenerationStats()
+        self._out_names = [dec.logits_output, *self.cache.output_names()]
+
+    def embed(self, ids: list[int] | np.ndarray) -> np.ndarray:
+        return np.asarray(self.embed_table[np.asarray(ids, dtype=np.int64)], dtype=self.dtype)
+
+    def _step(self, session: Session, embeds: np.ndarray, ar: int) -> np.ndarray:
+        """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab]."""
+        n = embeds.shape[0]
+        pos = self.cache.length
+        if n < ar:  # pad the last block; padded rows are computed and dropped
+            embeds = np.concatenate([embeds, np.zeros((ar - n, embeds.shape[1]), embeds.dtype)])
+        feeds = {
+            self.dec.embeds_input: np.ascontiguousarray(embeds, dtype=self.dtype),
+            self.dec.positions_input: np.arange(pos, pos + ar, dtype=np.int64),
+            self.dec.mask_input: attention_mask(pos, ar, self.kv_spec.max_context, self.dtype),
+            **self.cache.feeds(),
+        }
+        logits, *rows = session.run(self._out_names, feeds)
+        self.cache.write(rows, n)
+        return logits[:n]
+
+    def prefill(self, prompt_embeds: np.ndarray, mode: str) -> np.ndarray:
+        """Run the prompt through the decoder from an empty cache; returns the last token's logits."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        n = prompt_embeds.shape[0]
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n >= self.kv_spec.max_context:
+            raise ContextOverflow(
+                f"prompt is {n} tokens but the bundle's max context is {self.kv_spec.max_context} "
+                f"(room is needed for at least one new token); re-export with a larger --max-seq-len"
+            )
+        self.cache.reset()
+        if mode == "hybrid" and self.prefill_session is not None:
+            ar = self.dec.prefill_ar
+            for start in range(0, n, ar):
+                logits = self._step(self.prefill_session, prompt_embeds[start : start + ar], ar)
+        else:
+            for i in range(n):
+                logits = self._step(self.decode_session, prompt_embeds[i : i + 1], 1)
+        return logits[-1]
+
+    def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
+                 sampler: Sampler | None = None, ignore_eos: bool = False) -> Iterator[int]:
+        """Yield generated token ids (EOS is not yielded). Stats land in self.last when done."""
+        sampler = sampler or Sampler(SamplingConfig())
+        st = self.last = GenerationStats(prompt_tokens=int(prompt_embeds.shape[0]))
+        if max_new_tokens <= 0:
+            st.stop_reason = "length"
+            return
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt_embeds, mode)
+        token = sampler(logits)
+        st.prefill_s = time.perf_counter() - t0
+        while True:
+            if token in self.eos and not ignore_eos:
+                st.stop_reason = "eos"
+                return
+            st.generated_tokens += 1
+            yield token
+            if st.generated_tokens >= max_new_tokens:
+                st.stop_reason = "length"
+                return
+            if self.cache.length >= self.kv_spec.max_context:
+                st.stop_reason = "context"
+                return
+            t = time.perf_counter()
+            logits = self._step(self.decode_session, self.embed([token]), 1)[-1]
+            token = sampler(logits)
+            dt = time.perf_counter() - t
+            st.decode_s += dt
+            st.step_times.append(dt)
+
+
+def splice(ids: list[int], embed: np.ndarray, image_embeds: np.ndarray | None, image_token_id: int) -> np.ndarray:
+    """Prompt embeddings [n, hidden]: token embeddings with image-token rows replaced, in order, by
+    the vision graph's rows (image_embeds [tiles*tokens_per_tile, hidden])."""
+    slots = np.flatnonzero(np.asarray(ids) == image_token_id)
+    have = 0 if image_embeds is None else image_embeds.shape[0]
+    if len(slots) != have:
+        raise ValueError(f"prompt has {len(slots)} image tokens but the image gives {have} embeddings")
+    if have:
+        embed = embed.copy() if not embed.flags.writeable else embed
+        embed[slots] = image_embeds
+    return embed

@@ -1,0 +1,134 @@
+"""Host image ops: load, tile, rescale/normalize, unfold into patches (Pillow + numpy).
+
+Tiling strategies are named host ops; the manifest's `image.tiling` picks one and
+`image.params` parameterizes it. Each returns the tiles (uint8 HWC, tile_size²) and the
+grid (rows, cols) that prompt expansion needs; (0, 0) means one global tile, no grid.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from ..manifest import ImageSpec
+
+RESAMPLE = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+}
+MAX_IMAGE_SIZE = 4096  # transformers' SmolVLM/Idefics3 cap on the resized image
+
+
+class ImageError(ValueError):
+    pass
+
+
+@dataclass
+class Tiles:
+    pixels: np.ndarray  # [tiles, channels, tile, tile] float32, normalized
+    rows: int
+    cols: int
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Open an image file as RGB; transparency is composited onto white (as transformers does)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ImageError(f"image not found: {path}")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return to_rgb(im)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ImageError(f"cannot read image {path}: {e}") from None
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        im = im.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", im.size, (255, 255, 255, 255)), im).convert("RGB")
+    return im.convert("RGB")
+
+
+def _even_up(n: int) -> int:
+    return n + 1 if n % 2 else n
+
+
+def longest_edge_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
+    """Idefics3 `_resize_output_size_rescale_to_max_len` then `_scale_below_upper_bound(4096)`."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest_edge, _even_up(int(longest_edge / aspect))
+    else:
+        height, width = longest_edge, _even_up(int(longest_edge * aspect))
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > MAX_IMAGE_SIZE:
+        width, height = MAX_IMAGE_SIZE, int(MAX_IMAGE_SIZE / aspect)
+    elif height > width and height > MAX_IMAGE_SIZE:
+        height, width = MAX_IMAGE_SIZE, int(MAX_IMAGE_SIZE * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
+    """Idefics3 `resize_for_vision_encoder`: round sides up to multiples of the tile size."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
+
+
+def longest_edge_grid(im: Image.Image, spec: ImageSpec) -> tuple[list[Image.Image], int, int]:
+    """SmolVLM / Idefics3 tiling: a rows×cols grid of full tiles + one global tile, row-major."""
+    tile, resample = spec.tile_size, RESAMPLE[spec.resample]
+    h, w = longest_edge_size(im.height, im.width, spec.params["longest_edge"])
+    im = im.resize((w, h), resample=resample)
+    if not spec.params.get("split", True):
+        return [im.resize((tile, tile), resample=resample)], 0, 0
+    h, w = tile_multiple_size(h, w, tile)
+    im = im.resize((w, h), resample=resample)
+    if h <= tile and w <= tile:
+        return [im], 0, 0
+    rows, cols = (h - tile) // tile + 1, (w - tile) // tile + 1
+    tiles = [im.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile)) for r in range(rows) for c in range(cols)]
+    tiles.append(im.resize((tile, tile), resample=resample))
+    return tiles, rows, cols
+
+
+TILING = {"longest_edge_grid": longest_edge_grid}
+
+
+def normalize(tiles: list[Image.Image], spec: ImageSpec) -> np.ndarray:
+    """uint8 tiles -> [tiles, 3, H, W] float32: x * rescale (in float64, as transformers) then (x - mean) / std."""
+    x = np.stack([np.asarray(t, dtype=np.uint8) for t in tiles])  # [tiles, H, W, 3]
+    x = (x.astype(np.float64) * spec.rescale_factor).astype(np.float32)
+    x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+def preprocess(im: Image.Image, spec: ImageSpec) -> Tiles:
+    if spec.tiling not in TILING:
+        raise ImageError(f"this vlmrt has no image tiling op {spec.tiling!r}; upgrade vlmrt")
+    tiles, rows, cols = TILING[spec.tiling](im, spec)
+    for t in tiles:
+        if t.size != (spec.tile_size, spec.tile_size):
+            raise AssertionError(f"tiling produced a {t.size} tile, expected {spec.tile_size}²")
+    return Tiles(normalize(tiles, spec), rows, cols)
+
+
+def unfold_patches(tile: np.ndarray, patch: int) -> np.ndarray:
+    """[c, H, W] -> [(H/p)*(W/p), c*p*p], rows in raster order, each row ordered (c, py, px)
+    — the layout of a Conv2d(kernel=stride=p) weight flattened to [out, c*p*p]."""
+    c, h, w = tile.shape
+    x = tile.reshape(c, h // patch, patch, w // patch, patch).transpose(1, 3, 0, 2, 4)
+    return np.ascontiguousarray(x.reshape((h // patch) * (w // patch), c * patch * patch))

@@ -1,0 +1,60 @@
+"""The KV cache outside the graphs — the one definition of how it is read and updated.
+
+Layout (manifest `kv`): per layer a K and a V buffer [max_context, dim]; slot p holds the
+(post-RoPE) key/value of the token at absolute position p. A graph step over AR tokens at
+positions pos..pos+AR-1 reads all slots, masked so that slots < pos are visible and the
+step's own tokens see each other causally, and returns AR new rows per buffer; `write`
+stores the first n_valid of them at slots pos..pos+n_valid-1 (padding rows are dropped).
+families/layers.py:CachedGQAttention is the graph side; tests/test_kv_contract.py checks both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..manifest import KVSpec
+
+
+def attention_mask(pos: int, ar: int, max_context: int, dtype=np.float32, out: np.ndarray | None = None) -> np.ndarray:
+    """Additive mask [ar, max_context + ar] for a step whose first token is at position pos."""
+    neg = np.finfo(dtype).min
+    m = out if out is not None else np.empty((ar, max_context + ar), dtype)
+    m.fill(neg)
+    m[:, :pos] = 0  # the cache holds positions 0..pos-1
+    m[:, max_context:][np.tril_indices(ar)] = 0  # causal within the step
+    return m
+
+
+class KVCache:
+    def __init__(self, spec: KVSpec, dtype=None):
+        self.spec = spec
+        self.dtype = np.dtype(dtype or spec.dtype)
+        n = spec.layers
+        self.keys = [np.zeros((spec.max_context, spec.dim), self.dtype) for _ in range(n)]
+        self.values = [np.zeros((spec.max_context, spec.dim), self.dtype) for _ in range(n)]
+        self.length = 0  # number of valid slots (= next position)
+
+    def reset(self) -> None:
+        self.length = 0  # stale rows beyond length are masked, no need to clear
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        s = self.spec
+        f = {}
+        for i in range(s.layers):
+            f[s.key_input.format(layer=i)] = self.keys[i]
+            f[s.value_input.format(layer=i)] = self.values[i]
+        return f
+
+    def output_names(self) -> list[str]:
+        s = self.spec
+        return [n.format(layer=i) for i in range(s.layers) for n in (s.key_output, s.value_output)]
+
+    def write(self, new_rows: list[np.ndarray], n_valid: int) -> None:
+        """new_rows in output_names() order, each [ar, dim]; store the first n_valid at slots length.."""
+        pos = self.length
+        if pos + n_valid > self.spec.max_context:
+            raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
+        for i in range(self.spec.layers):
+            self.keys[i][pos : pos + n_valid] = new_rows[2 * i][:n_valid]
+            self.values[i][pos : pos + n_valid] = new_rows[2 * i + 1][:n_valid]
+        self.length = pos + n_valid

@@ -1,0 +1,34 @@
+"""Prompt building: the chat template rendered at export, image text expansion as named host ops."""
+
+from __future__ import annotations
+
+from ..manifest import PromptSpec
+
+
+def grid_markers(rows: int, cols: int, p: PromptSpec) -> str:
+    """SmolVLM / Idefics3: per tile `<fake><row_r_col_c><image>×n`, a newline per grid row,
+    then the global tile `\\n<fake><global-img><image>×n<fake>`; a lone global tile when rows == cols == 0."""
+    fake, image, glob = p.params["fake_token"], p.params["image_token"], p.params["global_token"]
+    run = image * p.tokens_per_tile
+    if rows == 0 and cols == 0:
+        return f"{fake}{glob}{run}{fake}"
+    text = ""
+    for r in range(rows):
+        for c in range(cols):
+            text += fake + p.params["tile_marker"].format(row=r + 1, col=c + 1) + run
+        text += "\n"
+    return text + f"\n{fake}{glob}{run}{fake}"
+
+
+EXPANSION = {"grid_markers": grid_markers}
+
+
+def build_prompt(p: PromptSpec, user_text: str, grid: tuple[int, int] | None) -> str:
+    """The full prompt text: the chat template with the expanded image (grid given) or text only."""
+    if grid is None:
+        return p.template_text.replace("{prompt}", user_text)
+    if p.expansion not in EXPANSION:
+        raise ValueError(f"this vlmrt has no prompt expansion op {p.expansion!r}; upgrade vlmrt")
+    image_text = EXPANSION[p.expansion](grid[0], grid[1], p)
+    head, tail = p.template_image.split("{prompt}", 1)
+    return head.replace("{image}", image_text) + user_text + tail.replace("{image}", image_text)

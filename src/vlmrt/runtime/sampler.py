@@ -1,0 +1,51 @@
+"""Next-token choice from logits: greedy, or temperature / top-k / top-p sampling with a seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top-k must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top-p must be in (0, 1]")
+
+
+class Sampler:
+    def __init__(self, cfg: SamplingConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.rng = np.random.default_rng(cfg.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """logits [vocab] -> token id."""
+        c = self.cfg
+        if c.temperature == 0:
+            return int(np.argmax(logits))
+        x = logits.astype(np.float64) / c.temperature
+        if c.top_k and c.top_k < x.size:
+            kth = np.partition(x, -c.top_k)[-c.top_k]
+            x = np.where(x < kth, -np.inf, x)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        if c.top_p < 1.0:
+            order = np.argsort(-p, kind="stable")
+            cum = np.cumsum(p[order])
+            keep = cum - p[order] < c.top_p  # smallest set whose mass reaches top_p (always >= 1 token)
+            mask = np.zeros_like(p, dtype=bool)
+            mask[order[keep]] = True
+            p = np.where(mask, p, 0.0)
+            p /= p.sum()
+        return int(self.rng.choice(p.size, p=p))
