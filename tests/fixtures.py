@@ -446,7 +446,7 @@ def hf_generate(
     messages = [{"role": "user", "content": content}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if image is not None:
-        inputs = processor(text=[text], images=[[image.convert("RGB")]], return_tensors="pt")
+        inputs = processor(text=[text], images=[[image]], return_tensors="pt")
         pixel_values = inputs["pixel_values"].to(torch.float32).numpy()
     else:
         inputs = processor(text=[text], return_tensors="pt")

@@ -142,7 +142,11 @@ class VLM:
             if piece:
                 pieces.append(piece)
                 yield piece
-        res.text = "".join(pieces)
+        # DecodeStream holds back an incomplete UTF-8 sequence; flush what the full decode has beyond it
+        res.text = self.bundle.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        streamed = "".join(pieces)
+        if res.text.startswith(streamed) and len(res.text) > len(streamed):
+            yield res.text[len(streamed):]
         g = self.engine.last
         st.generated_tokens = g.generated_tokens
         st.prefill_s = g.prefill_s

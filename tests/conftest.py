@@ -1,0 +1,109 @@
+"""Shared test fixtures: tiny random SmolVLM checkpoints (tests/fixtures.py) exported once per session."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A checkpoint shape to test: tiling on/off, tied/untied head, tile/patch/pixel-shuffle sizes."""
+
+    name: str
+    tie: bool
+    split: bool
+    tile: int
+    patch: int
+    scale: int
+    longest_edge_tiles: int
+    prefill_ar: int
+    max_seq_len: int
+
+
+CASES = [
+    Case("untied-split", tie=False, split=True, tile=64, patch=8, scale=2, longest_edge_tiles=3, prefill_ar=8, max_seq_len=320),
+    Case("tied-nosplit", tie=True, split=False, tile=32, patch=4, scale=4, longest_edge_tiles=2, prefill_ar=16, max_seq_len=96),
+    Case("tied-split-s4", tie=True, split=True, tile=64, patch=4, scale=4, longest_edge_tiles=4, prefill_ar=32, max_seq_len=400),
+]
+
+
+def synthetic(kind: str) -> Image.Image:
+    rng = np.random.default_rng(0)
+    if kind == "tall":  # portrait 1:2.6 with structure, so resize filters matter
+        x = (np.linspace(0, 255, 130)[None, :, None] + rng.integers(0, 60, (340, 130, 3))).clip(0, 255)
+        return Image.fromarray(x.astype(np.uint8), "RGB")
+    if kind == "rgba":  # transparency must be composited onto white
+        x = rng.integers(0, 256, (90, 120, 4)).astype(np.uint8)
+        x[:45, :, 3] = 0
+        return Image.fromarray(x, "RGBA")
+    raise ValueError(kind)
+
+
+IMAGES = ["chelsea.png", "rocket.jpg", "page.png", "camera.png", "no_time_for_that_tiny.gif", "tall", "rgba"]
+
+
+def image_file(name: str, tmp_dir: Path) -> Path:
+    if (ASSETS / name).exists():
+        return ASSETS / name
+    p = tmp_dir / f"{name}.png"
+    if not p.exists():
+        synthetic(name).save(p)
+    return p
+
+
+@dataclass
+class Exported:
+    case: Case
+    ckpt: Path
+    bundle: Path
+    tmp: Path
+    _hf: tuple | None = None
+
+    def hf(self):
+        """(model, processor), loaded once."""
+        if self._hf is None:
+            from fixtures import hf_processor, load_hf_model
+
+            self._hf = (load_hf_model(self.ckpt), hf_processor(self.ckpt))
+        return self._hf
+
+    def manifest(self) -> dict:
+        return json.loads((self.bundle / "manifest.json").read_text())
+
+
+_EXPORTED: dict[str, Exported] = {}
+
+
+def exported(case: Case, tmp_path_factory) -> Exported:
+    if case.name not in _EXPORTED:
+        from fixtures import make_smolvlm_checkpoint
+
+        from vlmrt.export.pipeline import export
+
+        root = tmp_path_factory.mktemp(case.name)
+        ckpt = make_smolvlm_checkpoint(
+            root / "ckpt", tie_word_embeddings=case.tie, do_image_splitting=case.split, tile_size=case.tile,
+            patch_size=case.patch, scale_factor=case.scale, longest_edge_tiles=case.longest_edge_tiles,
+            seed=len(_EXPORTED),
+        )
+        bundle = export(str(ckpt), root / "bundle", prefill_ar=case.prefill_ar, max_seq_len=case.max_seq_len, progress=False)
+        _EXPORTED[case.name] = Exported(case, ckpt, bundle, root)
+    return _EXPORTED[case.name]
+
+
+@pytest.fixture(params=CASES, ids=[c.name for c in CASES])
+def smolvlm(request, tmp_path_factory) -> Exported:
+    return exported(request.param, tmp_path_factory)
+
+
+@pytest.fixture
+def default_bundle(tmp_path_factory) -> Exported:
+    return exported(CASES[0], tmp_path_factory)

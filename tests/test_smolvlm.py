@@ -1,0 +1,110 @@
+"""SmolVLM end to end against transformers on the same weights: pixels, prompt ids, greedy ids."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import IMAGES, image_file
+from vlmrt import cli
+from vlmrt.manifest import ImageSpec, PromptSpec
+from vlmrt.runtime import image as img_ops
+from vlmrt.runtime.pipeline import VLM
+
+pytest.importorskip("transformers")
+
+PROMPT = "What is in the image? Describe the colours."
+
+
+def hf_run(ex, image_path, prompt, n, ignore_eos=True):
+    from fixtures import hf_generate
+
+    model, proc = ex.hf()
+    im = Image.open(image_path) if image_path else None
+    return hf_generate(ex.ckpt, im, prompt, n, ignore_eos=ignore_eos, model=model, processor=proc)
+
+
+def cli_json(capsys, *args) -> dict:
+    assert cli.main(["run", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_pixels_and_prompt_ids_equal_hf_processor(smolvlm, image, tmp_path):
+    path = image_file(image, tmp_path)
+    prompt_ids, pixels, _ = hf_run(smolvlm, path, PROMPT, 1)
+    m = smolvlm.manifest()
+    tiles = img_ops.preprocess(img_ops.load_image(path), ImageSpec(**m["image"]))
+    assert tiles.pixels.shape == pixels.shape[1:]
+    np.testing.assert_array_equal(tiles.pixels, pixels[0])  # same Pillow resizes, same float ops: exact
+    vlm = VLM.load(smolvlm.bundle)
+    assert vlm.prompt_ids(PROMPT, (tiles.rows, tiles.cols)) == prompt_ids
+
+
+@pytest.mark.parametrize("mode", ["kv", "hybrid"])
+@pytest.mark.parametrize("image", ["chelsea.png", "page.png", "tall"])
+def test_greedy_ids_equal_transformers(smolvlm, image, mode, tmp_path, capsys):
+    path = image_file(image, tmp_path)
+    prompt_ids, _, want = hf_run(smolvlm, path, PROMPT, 24)
+    got = cli_json(capsys, smolvlm.bundle, "--image", path, "--prompt", PROMPT, "--mode", mode,
+                   "--max-new-tokens", 24, "--ignore-eos")
+    assert got["prompt_tokens"] == len(prompt_ids)
+    assert len(set(want)) > 4  # the reference is not degenerate
+    assert got["token_ids"] == want
+
+
+def test_text_only_and_eos_stop_equal_transformers(smolvlm, capsys):
+    prompt_ids, _, want = hf_run(smolvlm, None, "Describe a red square on a blue page.", 24)
+    got = cli_json(capsys, smolvlm.bundle, "--prompt", "Describe a red square on a blue page.", "--max-new-tokens", 24, "--ignore-eos")
+    assert got["prompt_tokens"] == len(prompt_ids) and got["token_ids"] == want
+    # without --ignore-eos both stop at the first EOS (the fixture's EOS id appears in its greedy runs often
+    # enough that the two paths are compared on several lengths across the cases)
+    _, _, want = hf_run(smolvlm, image_file("rocket.jpg", None), PROMPT, 40, ignore_eos=False)
+    got = cli_json(capsys, smolvlm.bundle, "--image", image_file("rocket.jpg", None), "--prompt", PROMPT, "--max-new-tokens", 40)
+    eos = smolvlm.manifest()["special_tokens"]["eos_token_ids"]
+    assert got["token_ids"] == [t for t in want if t not in eos][: len(got["token_ids"])]
+    assert got["token_ids"] == want[: len(got["token_ids"])]
+    stopped = len(want) < 40 or want[-1] in eos
+    assert got["stats"]["stop_reason"] == ("eos" if stopped else "length")
+
+
+def test_first_logits_close_to_transformers(default_bundle):
+    """The decoder graph's logits match transformers' to float32 rounding (measured max |diff| ~2e-6)."""
+    import torch
+    from fixtures import hf_processor
+
+    ex = default_bundle
+    path = image_file("chelsea.png", None)
+    model, proc = ex.hf()
+    vlm = VLM.load(ex.bundle)
+    tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
+    ids = vlm.prompt_ids(PROMPT, (tiles.rows, tiles.cols))
+    from vlmrt.runtime.engine import splice
+
+    embeds = splice(ids, vlm.engine.embed(ids), vlm.encode_image(tiles.pixels), vlm.manifest.special_tokens.image_token_id)
+    for mode in ("kv", "hybrid"):
+        got = vlm.engine.prefill(embeds, mode)
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(tiles.pixels[None])).logits[0, -1].numpy()
+        assert np.abs(got - ref).max() < 2e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_streamed_text_equals_decoded_ids(default_bundle):
+    vlm = VLM.load(default_bundle.bundle)
+    pieces = list(vlm.generate(PROMPT, image_file("chelsea.png", None), max_new_tokens=20, ignore_eos=True))
+    r = vlm.result
+    assert "".join(pieces) == r.text == vlm.bundle.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    s = r.stats
+    assert s.generated_tokens == 20 and s.prompt_tokens == len(r.prompt_ids) and s.image_tiles == 7
+    assert 0 < s.ttft_s <= s.total_s and s.vision_s > 0 and s.decode_tokens_per_s > 0 and s.peak_rss_mb > 0
+
+
+def test_sampling_is_seeded(default_bundle, capsys):
+    args = [default_bundle.bundle, "--prompt", "Tell me a story.", "--max-new-tokens", 16, "--temperature", 1.0,
+            "--top-k", 20, "--top-p", 0.9, "--ignore-eos"]
+    a = cli_json(capsys, *args, "--seed", 1)["token_ids"]
+    assert a == cli_json(capsys, *args, "--seed", 1)["token_ids"]
+    assert a != cli_json(capsys, *args, "--seed", 2)["token_ids"]
