@@ -32,17 +32,26 @@ class Progress:
     def __init__(self, total: int, enabled: bool = True):
         self.total, self.n, self.enabled = total, 0, enabled
         self.t = 0.0
+        self.open = False
 
     def start(self, what: str) -> None:
         self.n += 1
         self.t = time.perf_counter()
+        self.open = True
         if self.enabled:
             print(f"[{self.n}/{self.total}] {what} ...", end="", file=sys.stderr, flush=True)
 
     def done(self, note: str = "") -> None:
+        self.open = False
         if self.enabled:
             extra = f" {note}" if note else ""
             print(f" {time.perf_counter() - self.t:.1f} s{extra}", file=sys.stderr, flush=True)
+
+    def failed(self) -> None:
+        """End an open step's line so that the error message starts on its own line."""
+        if self.open and self.enabled:
+            print(" failed", file=sys.stderr, flush=True)
+        self.open = False
 
 
 def family_for(config: dict):
@@ -77,6 +86,17 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int = 1024, dtype: str = "fp32",
            force: bool = False, progress: bool = True) -> Path:
+    """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`."""
+    p = Progress(8, progress)
+    try:
+        return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, force=force)
+    except BaseException:
+        p.failed()
+        raise
+
+
+def _export(src: str, out: Path, p: Progress, *, prefill_ar: int = 32, max_seq_len: int = 1024, dtype: str,
+            force: bool) -> Path:
     import json
 
     import torch
@@ -85,10 +105,8 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
-    out = Path(out)
     if out.exists() and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
-    p = Progress(8, progress)
 
     p.start("reading checkpoint")
     ckpt = Checkpoint.open(resolve(src))

@@ -120,7 +120,7 @@ class VLM:
         st.prompt_tokens = len(ids)
         if len(ids) >= m.kv.max_context:
             raise ContextOverflow(
-                f"image + prompt are {len(ids)} tokens but the bundle's max context is {m.kv.max_context}; "
+                f"{'image + prompt' if image is not None else 'prompt'} is {len(ids)} tokens but the bundle's max context is {m.kv.max_context}; "
                 f"re-export with a larger --max-seq-len or use a smaller image/prompt"
             )
         t1 = time.perf_counter()

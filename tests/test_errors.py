@@ -1,0 +1,169 @@
+"""Bad input: one readable error line, a non-zero exit, no traceback, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CASES, exported, image_file
+from vlmrt import cli
+
+
+def run_cli(*args, env=None):
+    """The real command line in a fresh interpreter; also proves `vlmrt run` never imports torch."""
+    code = (
+        "import sys; from vlmrt import cli; rc = cli.main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules or sys.argv[1] != 'run', 'vlmrt run imported torch'; sys.exit(rc)"
+    )
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def assert_one_line_error(p, *needles):
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if not re.match(r"\[\d+/\d+\] ", ln)]  # export progress
+    assert len(lines) == 1 and lines[0].startswith("vlmrt: error: "), p.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def in_process(capsys, *args):
+    capsys.readouterr()  # drop what fixtures printed
+    rc = cli.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    return subprocess.CompletedProcess(args, rc, "", err)
+
+
+def test_run_in_fresh_process_works_without_torch(default_bundle):
+    p = run_cli("run", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt", "Hi",
+                "--max-new-tokens", 3, "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(out) >= {"text", "token_ids", "prompt_tokens", "stats"}
+    assert set(out["stats"]) >= {"load_s", "preprocess_s", "vision_s", "ttft_s", "prefill_tokens_per_s",
+                                 "decode_tokens_per_s", "peak_rss_mb"}
+
+
+def test_human_output_has_stats_report(default_bundle):
+    p = run_cli("run", default_bundle.bundle, "--prompt", "Hi", "--max-new-tokens", 3)
+    assert p.returncode == 0, p.stderr
+    for k in ("prompt tokens", "generated tokens", "model load", "image preprocess", "vision encode",
+              "time to 1st token", "prefill", "decode", "peak RSS"):
+        assert k in p.stderr
+
+
+def test_missing_image(default_bundle, capsys, tmp_path):
+    p = in_process(capsys, "run", default_bundle.bundle, "--image", tmp_path / "nope.png", "--prompt", "hi")
+    assert_one_line_error(p, "image not found")
+
+
+@pytest.mark.parametrize("content", [b"", b"not an image at all", b"\x89PNG\r\n\x1a\n" + b"\0" * 40])
+def test_corrupt_image(default_bundle, capsys, tmp_path, content):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(content)
+    assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--image", bad, "--prompt", "hi"), "cannot read image")
+
+
+def test_truncated_image(default_bundle, capsys, tmp_path):
+    bad = tmp_path / "cut.jpg"
+    bad.write_bytes(image_file("rocket.jpg", None).read_bytes()[:3000])
+    assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--image", bad, "--prompt", "hi"), "cannot read image")
+
+
+@pytest.fixture
+def bundle_copy(default_bundle, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(default_bundle.bundle, dst)
+    return dst
+
+
+@pytest.mark.parametrize("victim", ["decoder.data", "decode.onnx", "tokenizer.json", "embed.npy"])
+def test_altered_bundle_file(bundle_copy, capsys, victim):
+    with open(bundle_copy / victim, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    p = in_process(capsys, "run", bundle_copy, "--prompt", "hi")
+    assert_one_line_error(p, "sha256 mismatch", victim)
+
+
+def test_missing_bundle_file(bundle_copy, capsys):
+    os.remove(bundle_copy / "vision.data")
+    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), "missing", "vision.data")
+
+
+def test_not_a_bundle(capsys, tmp_path):
+    assert_one_line_error(in_process(capsys, "run", tmp_path, "--prompt", "hi"), "not a vlmrt bundle")
+    (tmp_path / "manifest.json").write_text("{ nope")
+    assert_one_line_error(in_process(capsys, "run", tmp_path, "--prompt", "hi"), "cannot read")
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": 999}))
+    assert_one_line_error(in_process(capsys, "run", tmp_path, "--prompt", "hi"), "schema version 999")
+
+
+def test_prompt_longer_than_context(tmp_path_factory, capsys):
+    small = exported(CASES[1], tmp_path_factory)  # max context 96
+    p = in_process(capsys, "run", small.bundle, "--prompt", "red green blue " * 60)
+    assert_one_line_error(p, "prompt is", "max context is 96", "--max-seq-len")
+    p = in_process(capsys, "run", small.bundle, "--image", image_file("chelsea.png", None), "--prompt", "red " * 80)
+    assert_one_line_error(p, "image + prompt is", "--max-seq-len")
+
+
+def test_bad_sampling_args(default_bundle, capsys):
+    assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--top-p", "0"), "top-p")
+    assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens")
+
+
+def test_image_token_in_user_text_is_refused(default_bundle, capsys):
+    p = in_process(capsys, "run", default_bundle.bundle, "--prompt", "look: <image>")
+    assert_one_line_error(p, "image tokens")
+
+
+# --- export -----------------------------------------------------------------------------------
+
+def _no_leftovers(parent):
+    assert not [p for p in parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_export_unknown_model_type(default_bundle, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(default_bundle.ckpt, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["model_type"] = "mystery_vlm"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    p = in_process(capsys, "export", ck, tmp_path / "out", "--quiet")
+    assert_one_line_error(p, "unknown model type 'mystery_vlm'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_missing_weight_leaves_nothing(default_bundle, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    shutil.copytree(default_bundle.ckpt, ck)
+    t = load_file(ck / "model.safetensors")
+    del t["model.text_model.norm.weight"]
+    save_file(t, ck / "model.safetensors")
+    p = in_process(capsys, "export", ck, tmp_path / "out", "--quiet")
+    assert_one_line_error(p, "missing weight model.text_model.norm.weight")
+    assert not (tmp_path / "out").exists()
+    _no_leftovers(tmp_path)
+
+
+def test_export_refuses_existing_output(default_bundle, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    assert_one_line_error(in_process(capsys, "export", default_bundle.ckpt, tmp_path / "out"), "already exists", "--force")
+
+
+def test_export_missing_source_and_offline_hub(tmp_path):
+    assert_one_line_error(run_cli("export", tmp_path / "nothing_here", tmp_path / "out"), "checkpoint not found")
+    p = run_cli("export", "HuggingFaceTB/SmolVLM-256M-Instruct", tmp_path / "out", env={"HF_HUB_OFFLINE": "1"})
+    assert_one_line_error(p, "cannot download HuggingFaceTB/SmolVLM-256M-Instruct")
+    assert not (tmp_path / "out").exists()
