@@ -246,8 +246,13 @@ def make_smolvlm_checkpoint(
     vision_layers: int = 2,
     seed: int = 0,
     gain: float = 1.0,
+    text_overrides: dict | None = None,
+    vision_overrides: dict | None = None,
 ) -> Path:
-    """Write a tiny random SmolVLM checkpoint (hub layout) into ``out_dir`` and return it."""
+    """Write a tiny random SmolVLM checkpoint (hub layout) into ``out_dir`` and return it.
+
+    text_overrides / vision_overrides replace entries of the text / vision config (e.g. the real
+    SmolVLM-256M sizes for benchmarks; a vocab_size larger than the tokenizer is allowed)."""
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast
     from transformers.models.smolvlm import SmolVLMConfig, SmolVLMForConditionalGeneration
@@ -286,6 +291,7 @@ def make_smolvlm_checkpoint(
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
+    text_config.update(text_overrides or {})
     vision_config = dict(
         model_type="smolvlm_vision",
         hidden_size=VISION_HIDDEN,
@@ -298,6 +304,7 @@ def make_smolvlm_checkpoint(
         hidden_act="gelu_pytorch_tanh",
         layer_norm_eps=1e-6,
     )
+    vision_config.update(vision_overrides or {})
     config = SmolVLMConfig(
         text_config=text_config,
         vision_config=vision_config,

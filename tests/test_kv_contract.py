@@ -1,0 +1,82 @@
+"""The graph side (families/layers.py) and the host side (runtime/kv_cache.py) of the KV cache agree.
+
+The torch decoder run once over a whole sequence (empty cache) must give the same logits as the
+same decoder stepped through the sequence with the runtime's KVCache writing the returned rows
+and the runtime's attention_mask — in AR=1 steps and in padded AR=N blocks.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vlmrt.families.layers import CausalDecoder  # noqa: E402
+from vlmrt.manifest import KVSpec  # noqa: E402
+from vlmrt.runtime.kv_cache import KVCache, attention_mask  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, CTX = 2, 32, 4, 2, 8, 50, 24
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    torch.manual_seed(0)
+    d = CausalDecoder(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate=64,
+                      eps=1e-5, act="silu", rope_theta=1e4, vocab=VOCAB).eval()
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1 / p.shape[1] ** 0.5)
+    return d
+
+
+def full_sequence_logits(decoder, x):
+    n = x.shape[0]
+    empty = [torch.zeros(0, KV_HEADS * HEAD_DIM) for _ in range(2 * LAYERS)]
+    mask = torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)
+    with torch.no_grad():
+        return decoder(torch.from_numpy(x), torch.arange(n), mask, *empty)[0].numpy()
+
+
+def stepped_logits(decoder, x, ar):
+    spec = KVSpec(layers=LAYERS, dim=KV_HEADS * HEAD_DIM, max_context=CTX, dtype="float32", key_input="k{layer}",
+                  value_input="v{layer}", key_output="nk{layer}", value_output="nv{layer}")
+    cache = KVCache(spec)
+    out = []
+    for start in range(0, len(x), ar):
+        block = x[start : start + ar]
+        n = len(block)
+        block = np.concatenate([block, np.zeros((ar - n, HIDDEN), np.float32)])  # padded last block
+        pos = cache.length
+        feeds = cache.feeds()
+        past = [torch.from_numpy(feeds[f"{kv}{i}"]) for i in range(LAYERS) for kv in ("k", "v")]
+        with torch.no_grad():
+            logits, *rows = decoder(torch.from_numpy(block), torch.arange(pos, pos + ar),
+                                    torch.from_numpy(attention_mask(pos, ar, CTX)), *past)
+        cache.write([r.numpy() for r in rows], n)
+        out.append(logits.numpy()[:n])
+    assert cache.length == len(x)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("ar", [1, 3, 4, 8])
+def test_stepped_equals_full_sequence(decoder, ar):
+    x = np.random.default_rng(ar).standard_normal((11, HIDDEN)).astype(np.float32)
+    want = full_sequence_logits(decoder, x)
+    got = stepped_logits(decoder, x, ar)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+
+
+def test_stale_rows_beyond_length_are_ignored(decoder):
+    """reset() keeps old rows; the mask must hide them."""
+    x = np.random.default_rng(0).standard_normal((6, HIDDEN)).astype(np.float32)
+    spec = KVSpec(layers=LAYERS, dim=KV_HEADS * HEAD_DIM, max_context=CTX, dtype="float32", key_input="k{layer}",
+                  value_input="v{layer}", key_output="nk{layer}", value_output="nv{layer}")
+    cache = KVCache(spec)
+    for buf in cache.keys + cache.values:
+        buf[:] = 1e3  # garbage from an earlier request
+    cache.reset()
+    feeds = cache.feeds()
+    past = [torch.from_numpy(feeds[f"{kv}{i}"]) for i in range(LAYERS) for kv in ("k", "v")]
+    with torch.no_grad():
+        got = decoder(torch.from_numpy(x), torch.arange(6), torch.from_numpy(attention_mask(0, 6, CTX)), *past)[0].numpy()
+    np.testing.assert_allclose(got, full_sequence_logits(decoder, x), rtol=0, atol=2e-5)
