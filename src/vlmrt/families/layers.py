@@ -63,13 +63,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CachedGQAttention(nn.Module):
     """Grouped-query attention over an external cache; returns output and the new K/V rows."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
+                 qk_norm: bool = False, eps: float = 1e-6):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)  # Qwen2: q/k/v biases
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        # Qwen3: RMSNorm over each head's q and k before RoPE
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         # x [ar, hidden]; mask [ar, ctx+ar]; past_k/v [ctx, kv_heads*head_dim]
@@ -77,8 +81,8 @@ class CachedGQAttention(nn.Module):
         ctx = past_k.shape[0]
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         rep = h // kvh
-        q = apply_rope(self.q_proj(x).view(ar, h, d), cos, sin)  # [ar, h, d]
-        k_new = apply_rope(self.k_proj(x).view(ar, kvh, d), cos, sin)  # [ar, kvh, d]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(ar, h, d)), cos, sin)  # [ar, h, d]
+        k_new = apply_rope(self.k_norm(self.k_proj(x).view(ar, kvh, d)), cos, sin)  # [ar, kvh, d]
         v_new = self.v_proj(x).view(ar, kvh, d)
         k = torch.cat([past_k.view(ctx, kvh, d), k_new], dim=0).permute(1, 2, 0)[:, None]  # [kvh, 1, d, ctx+ar]
         v = torch.cat([past_v.view(ctx, kvh, d), v_new], dim=0).transpose(0, 1)[:, None]  # [kvh, 1, ctx+ar, d]
@@ -108,10 +112,10 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm Llama/Qwen block with cache I/O."""
 
-    def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias=False):
+    def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias=False, qk_norm=False):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = CachedGQAttention(hidden, heads, kv_heads, head_dim, bias=qkv_bias)
+        self.self_attn = CachedGQAttention(hidden, heads, kv_heads, head_dim, bias=qkv_bias, qk_norm=qk_norm, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, intermediate, act)
 
@@ -130,10 +134,11 @@ class CausalDecoder(nn.Module):
       -> (logits [ar, vocab], new_k_0, new_v_0, ...) each new row block [ar, kv_dim]
     """
 
-    def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab, qkv_bias=False):
+    def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
+                 qkv_bias=False, qk_norm=False):
         super().__init__()
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias) for _ in range(layers)
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm) for _ in range(layers)
         )
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)

@@ -13,11 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import layers
-
-
-class UnsupportedCheckpoint(ValueError):
-    pass
+from . import decoder, layers
+from .decoder import TextConfig, UnsupportedCheckpoint
 
 
 @dataclass
@@ -30,20 +27,6 @@ class VisionConfig:
     patch_size: int
     eps: float
     act: str
-
-
-@dataclass
-class TextConfig:
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layers: int
-    intermediate: int
-    eps: float
-    act: str
-    rope_theta: float
-    vocab: int
 
 
 @dataclass
@@ -65,12 +48,6 @@ class SmolVLMConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "SmolVLMConfig":
         v, t = cfg["vision_config"], cfg["text_config"]
-        rope = t.get("rope_scaling") or t.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise UnsupportedCheckpoint(f"RoPE scaling {rope_type!r} is not supported yet")
-        theta = t.get("rope_theta", rope.get("rope_theta", 10000.0))
-        hidden, heads = t["hidden_size"], t["num_attention_heads"]
         # transformers 5 ties lm_head to embed_tokens by the top-level flag (_tied_weights_keys);
         # released SmolVLM configs carry it at both levels.
         tie = cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
@@ -85,18 +62,7 @@ class SmolVLMConfig:
                 eps=v.get("layer_norm_eps", 1e-6),
                 act=v.get("hidden_act", "gelu_pytorch_tanh"),
             ),
-            text=TextConfig(
-                hidden=hidden,
-                heads=heads,
-                kv_heads=t.get("num_key_value_heads", heads),
-                head_dim=t.get("head_dim") or hidden // heads,
-                layers=t["num_hidden_layers"],
-                intermediate=t["intermediate_size"],
-                eps=t.get("rms_norm_eps", 1e-6),
-                act=t.get("hidden_act", "silu"),
-                rope_theta=float(theta),
-                vocab=t["vocab_size"],
-            ),
+            text=TextConfig.from_hf({"model_type": "llama", **t}),
             scale_factor=cfg.get("scale_factor", 2),
             image_token_id=cfg["image_token_id"],
             tie_word_embeddings=bool(tie),
@@ -139,14 +105,6 @@ class VisionEncoder(nn.Module):
         return self.proj(x)  # [tokens, text_hidden]
 
 
-def build_decoder(cfg: SmolVLMConfig) -> layers.CausalDecoder:
-    t = cfg.text
-    return layers.CausalDecoder(
-        layers=t.layers, hidden=t.hidden, heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim,
-        intermediate=t.intermediate, eps=t.eps, act=t.act, rope_theta=t.rope_theta, vocab=t.vocab,
-    )
-
-
 # --- weights: HF name -> ours ---------------------------------------------------------------
 # Checkpoints name the inner model "model." (transformers >= 4.46 / 5.x); older Idefics3 exports
 # have no prefix. Keys below are relative to that inner model.
@@ -159,17 +117,6 @@ VISION_LAYER_KEYS = {
     "encoder.layers.{i}.self_attn.out_proj.{p}": "layers.{i}.out_proj.{p}",
     "encoder.layers.{i}.mlp.fc1.{p}": "layers.{i}.fc1.{p}",
     "encoder.layers.{i}.mlp.fc2.{p}": "layers.{i}.fc2.{p}",
-}
-TEXT_LAYER_KEYS = {
-    "layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
-    "layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
 }
 
 
@@ -207,23 +154,13 @@ def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> tuple[
                 vsd[dst.format(i=i, p=p)] = take(vp + src.format(i=i, p=p))
     vision.load_state_dict(vsd, strict=True)
 
-    decoder = build_decoder(cfg)
-    embed = take(tp + "embed_tokens.weight")
-    if cfg.tie_word_embeddings:
-        head = embed
-    elif "lm_head.weight" in tensors:
-        head = take("lm_head.weight")
-    else:
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
         raise UnsupportedCheckpoint("config says the lm head is not tied, but the checkpoint has no lm_head.weight")
-    dsd = {"norm.weight": take(tp + "norm.weight"), "lm_head.weight": head}
-    for i in range(cfg.text.layers):
-        for src, dst in TEXT_LAYER_KEYS.items():
-            dsd[dst.format(i=i)] = take(tp + src.format(i=i))
-    decoder.load_state_dict(dsd, strict=True)
+    dec, embed = decoder.load(cfg.text, take, tp, None if cfg.tie_word_embeddings else "lm_head.weight")
     unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
     if unused:
         raise UnsupportedCheckpoint(f"checkpoint has {len(unused)} weights this exporter does not map, e.g. {unused[0]}")
-    return vision.eval(), decoder.eval(), embed
+    return vision.eval(), dec, embed
 
 
 # --- what the runtime needs besides graphs: host preprocessing, prompt, special tokens --------
