@@ -41,7 +41,7 @@ def test_pixels_and_prompt_ids_equal_hf_processor(smolvlm, image, tmp_path):
     assert tiles.pixels.shape == pixels.shape[1:]
     np.testing.assert_array_equal(tiles.pixels, pixels[0])  # same Pillow resizes, same float ops: exact
     vlm = VLM.load(smolvlm.bundle)
-    assert vlm.prompt_ids(PROMPT, (tiles.rows, tiles.cols)) == prompt_ids
+    assert vlm.prompt_ids(PROMPT, tiles.grid) == prompt_ids
 
 
 @pytest.mark.parametrize("mode", ["kv", "hybrid"])
@@ -81,7 +81,7 @@ def test_first_logits_close_to_transformers(default_bundle):
     model, proc = ex.hf()
     vlm = VLM.load(ex.bundle)
     tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
-    ids = vlm.prompt_ids(PROMPT, (tiles.rows, tiles.cols))
+    ids = vlm.prompt_ids(PROMPT, tiles.grid)
     from vlmrt.runtime.engine import splice
 
     embeds = splice(ids, vlm.engine.embed(ids), vlm.encode_image(tiles.pixels), vlm.manifest.special_tokens.image_token_id)
@@ -125,7 +125,7 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
         logits = {}
         for key, v in (("32", v32), ("16", v16)):
             t = img_ops.preprocess(img_ops.load_image(image_file(name, None)), v.manifest.image)
-            ids = v.prompt_ids(PROMPT, (t.rows, t.cols))
+            ids = v.prompt_ids(PROMPT, t.grid)
             e = splice(ids, v.engine.embed(ids), v.encode_image(t.pixels), v.manifest.special_tokens.image_token_id)
             logits[key] = {m: v.engine.prefill(e, m).astype(np.float32) for m in ("kv", "hybrid")}
         for m in ("kv", "hybrid"):

@@ -43,7 +43,7 @@ def _run(a) -> int:
         raise ValueError("--max-new-tokens must be >= 1")
     vlm = VLM.load(a.bundle, device=a.device, threads=a.threads)
     gen = vlm.generate(a.prompt, a.image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
-                       ignore_eos=a.ignore_eos)
+                       ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
     if a.json:
         for _ in gen:
             pass
@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("src", help="checkpoint folder or hub id (e.g. HuggingFaceTB/SmolVLM-256M-Instruct)")
     e.add_argument("out", help="bundle folder to write")
     e.add_argument("--prefill-ar", type=int, default=32, help="tokens per prefill graph call (default 32)")
-    e.add_argument("--max-seq-len", type=int, default=1024, help="KV cache size = max context in tokens (default 1024)")
+    e.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV cache size = max context in tokens (default: the family's, e.g. 1024 for SmolVLM, "
+                        "room for the default max tiles for InternVL)")
     e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
@@ -81,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    r.add_argument("--max-tiles", type=int, default=None,
+                   help="cap the image's tile count (bundles whose tiling has one, e.g. InternVL)")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")

@@ -18,7 +18,7 @@ from .chat_template import prompt_templates
 from .checkpoint import Checkpoint, CheckpointError, resolve
 
 # config.json model_type -> family module (vlmrt.families.<name>)
-FAMILIES = {"smolvlm": "smolvlm", "idefics3": "smolvlm"}
+FAMILIES = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl"}
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 
 
@@ -75,6 +75,13 @@ def _eos_ids(ckpt: Checkpoint, tok_json: dict) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def _pad_id(ckpt: Checkpoint, vocab: int) -> int:
+    for src in (ckpt.json("generation_config.json", {}), ckpt.config, ckpt.config.get("text_config", {})):
+        if isinstance(src.get("pad_token_id"), int):
+            return src["pad_token_id"]
+    return vocab - 1
+
+
 def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
     tc = ckpt.json("tokenizer_config.json", {})
     out = {}
@@ -84,7 +91,7 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
     return out
 
 
-def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int = 1024, dtype: str = "fp32",
+def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
            force: bool = False, progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`."""
     p = Progress(8, progress)
@@ -95,7 +102,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
         raise
 
 
-def _export(src: str, out: Path, p: Progress, *, prefill_ar: int = 32, max_seq_len: int = 1024, dtype: str,
+def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
             force: bool) -> Path:
     import json
 
@@ -103,8 +110,6 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int = 32, max_seq_l
 
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
-        raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
     if out.exists() and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
 
@@ -115,18 +120,23 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int = 32, max_seq_l
         cfg = family.Config.from_hf(ckpt.config)
     except KeyError as e:
         raise ExportError(f"config.json lacks {e}") from None
-    host = family.host_spec(ckpt, cfg)
-    template = ckpt.chat_template()
-    if not template:
-        raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
-    tmpl_image, tmpl_text = prompt_templates(template, host["image_placeholder"], _special_strings(ckpt), host["system_prompt"])
     tok_path = ckpt.path / "tokenizer.json"
     if not tok_path.is_file():
         raise ExportError("the checkpoint has no tokenizer.json (a fast tokenizer is required)")
     tok_json = json.loads(tok_path.read_text())
+    host = family.host_spec(ckpt, cfg, tok_json)
+    ctx_note = "from --max-seq-len"
+    if max_seq_len is None:
+        max_seq_len, ctx_note = family.default_max_context(cfg, host)
+    if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
+        raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
+    template = ckpt.chat_template()
+    if not template:
+        raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
+    tmpl_image, tmpl_text = prompt_templates(template, host["image_placeholder"], _special_strings(ckpt), host["system_prompt"])
     torch.manual_seed(0)
     vision, decoder, embed = family.load_weights(cfg, ckpt.tensors())
-    p.done(f"({ckpt.path})")
+    p.done(f"({ckpt.path}; max context {max_seq_len} tokens: {ctx_note})")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -171,8 +181,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int = 32, max_seq_l
             image=mf.ImageSpec(**image),
             prompt=mf.PromptSpec(template_image=tmpl_image, template_text=tmpl_text, expansion=host["prompt_expansion"],
                                  tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True, params=host["prompt_params"]),
-            special_tokens=mf.SpecialTokens(image_token_id=cfg.image_token_id, eos_token_ids=_eos_ids(ckpt, tok_json),
-                                            pad_token_id=int(ckpt.config.get("pad_token_id") or t.vocab - 1)),
+            special_tokens=mf.SpecialTokens(image_token_id=host["image_token_id"], eos_token_ids=_eos_ids(ckpt, tok_json),
+                                            pad_token_id=_pad_id(ckpt, t.vocab)),
             kv=mf.KVSpec(layers=t.layers, dim=kv_dim, max_context=max_seq_len, dtype=DTYPES[dtype],
                          key_input="past_key_{layer}", value_input="past_value_{layer}",
                          key_output="new_key_{layer}", value_output="new_value_{layer}"),

@@ -167,7 +167,7 @@ def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> tuple[
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
 
 
-def host_spec(ckpt, cfg: SmolVLMConfig) -> dict[str, Any]:
+def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> dict[str, Any]:
     """Image/prompt/special-token parameters from the checkpoint's processor files.
 
     Mirrors transformers' SmolVLMImageProcessor (preprocessor_config.json) and SmolVLMProcessor
@@ -202,7 +202,11 @@ def host_spec(ckpt, cfg: SmolVLMConfig) -> dict[str, Any]:
         "tile_marker": "<row_{row}_col_{col}>",
     }
     return {"image": image, "prompt_expansion": "grid_markers", "prompt_params": tokens,
-            "image_placeholder": tokens["image_token"], "system_prompt": None}
+            "image_placeholder": tokens["image_token"], "system_prompt": None, "image_token_id": cfg.image_token_id}
+
+
+def default_max_context(cfg: SmolVLMConfig, host: dict[str, Any]) -> tuple[int, str]:
+    return 1024, "vlmrt's default for SmolVLM: a 4x4 grid + global tile of 64-token tiles and text"
 
 
 Config = SmolVLMConfig  # the name export/pipeline.py looks for in every family module

@@ -7,6 +7,7 @@ grid (rows, cols) that prompt expansion needs; (0, 0) means one global tile, no 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,11 @@ class Tiles:
     pixels: np.ndarray  # [tiles, channels, tile, tile] float32, normalized
     rows: int
     cols: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """(rows, cols, tiles) — what prompt expansion needs."""
+        return self.rows, self.cols, len(self.pixels)
 
 
 def load_image(path: str | Path) -> Image.Image:
@@ -105,7 +111,41 @@ def longest_edge_grid(im: Image.Image, spec: ImageSpec) -> tuple[list[Image.Imag
     return tiles, rows, cols
 
 
-TILING = {"longest_edge_grid": longest_edge_grid}
+def grid_candidates(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
+    """(cols, rows) grids with min <= cols*rows <= max, by tile count (stable)."""
+    grids = [(c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1) if min_tiles <= c * r <= max_tiles]
+    return sorted(grids, key=lambda g: g[0] * g[1])
+
+
+def best_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """GotOcr2 / InternVL `get_optimal_tiled_canvas`: the grid whose aspect ratio is closest to the
+    image's; on a tie the larger grid, while the image area exceeds half of the grid's pixel area."""
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for cols, rows in grid_candidates(min_tiles, max_tiles):
+        diff = abs(aspect - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and area > 0.5 * tile * tile * cols * rows:
+            best = (cols, rows)
+    return best
+
+
+def closest_aspect_grid(im: Image.Image, spec: ImageSpec) -> tuple[list[Image.Image], int, int]:
+    """InternVL / GotOcr2 tiling: resize to the closest-aspect grid of tiles, cut row-major, then a
+    thumbnail of the whole image when there is more than one tile."""
+    tile, resample, p = spec.tile_size, RESAMPLE[spec.resample], spec.params
+    if p["max_tiles"] <= 1:
+        return [im.resize((tile, tile), resample=resample)], 1, 1
+    cols, rows = best_grid(im.height, im.width, tile, p["min_tiles"], p["max_tiles"])
+    big = im.resize((cols * tile, rows * tile), resample=resample)
+    tiles = [big.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile)) for r in range(rows) for c in range(cols)]
+    if p.get("thumbnail", True) and len(tiles) > 1:
+        tiles.append(im.resize((tile, tile), resample=resample))
+    return tiles, rows, cols
+
+
+TILING = {"longest_edge_grid": longest_edge_grid, "closest_aspect_grid": closest_aspect_grid}
 
 
 def normalize(tiles: list[Image.Image], spec: ImageSpec) -> np.ndarray:
@@ -114,6 +154,17 @@ def normalize(tiles: list[Image.Image], spec: ImageSpec) -> np.ndarray:
     x = (x.astype(np.float64) * spec.rescale_factor).astype(np.float32)
     x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
     return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+def with_max_tiles(spec: ImageSpec, max_tiles: int | None) -> ImageSpec:
+    """The spec with a user's tile cap (`vlmrt run --max-tiles`), for tiling ops that have one."""
+    if max_tiles is None:
+        return spec
+    if "max_tiles" not in spec.params:
+        raise ImageError(f"this bundle's tiling ({spec.tiling}) has no tile-count setting; --max-tiles does not apply")
+    if max_tiles < max(1, spec.params.get("min_tiles", 1)):
+        raise ImageError(f"--max-tiles must be >= {max(1, spec.params.get('min_tiles', 1))}")
+    return dataclasses.replace(spec, params={**spec.params, "max_tiles": max_tiles})
 
 
 def preprocess(im: Image.Image, spec: ImageSpec) -> Tiles:

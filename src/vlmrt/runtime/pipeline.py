@@ -80,7 +80,8 @@ class VLM:
         return cls(b, time.perf_counter() - t)
 
     # --- host steps -----------------------------------------------------------------------
-    def prompt_ids(self, prompt: str, grid: tuple[int, int] | None) -> list[int]:
+    def prompt_ids(self, prompt: str, grid: tuple[int, int, int] | None) -> list[int]:
+        """Token ids of the templated prompt; grid = (rows, cols, tiles) of the image, None for text only."""
         text = build_prompt(self.manifest.prompt, prompt, grid)
         return self.bundle.tokenizer.encode(text, add_special_tokens=self.manifest.prompt.add_special_tokens).ids
 
@@ -98,7 +99,7 @@ class VLM:
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompt: str, image: str | Path | Image.Image | None = None, *, mode: str | None = None,
                  max_new_tokens: int = 256, sampling: SamplingConfig | None = None,
-                 ignore_eos: bool = False) -> Iterator[str]:
+                 ignore_eos: bool = False, max_tiles: int | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are generated; self.result holds text, ids and stats at the end."""
         m = self.manifest
         mode = mode or m.generate.get("default_mode", "hybrid")
@@ -113,15 +114,18 @@ class VLM:
         image_embeds, grid = None, None
         if image is not None:
             im = img_ops.load_image(image) if not isinstance(image, Image.Image) else img_ops.to_rgb(image)
-            tiles = img_ops.preprocess(im, m.image)
-            grid = (tiles.rows, tiles.cols)
+            tiles = img_ops.preprocess(im, img_ops.with_max_tiles(m.image, max_tiles))
+            grid = tiles.grid
             st.image_tiles = len(tiles.pixels)
         res.prompt_ids = ids = self.prompt_ids(prompt, grid)
         st.prompt_tokens = len(ids)
         if len(ids) >= m.kv.max_context:
+            fix = "re-export with a larger --max-seq-len"
+            if image is not None and "max_tiles" in m.image.params and st.image_tiles > 1:
+                fix = f"use fewer tiles (--max-tiles, this image used {st.image_tiles}) or " + fix
             raise ContextOverflow(
-                f"{'image + prompt' if image is not None else 'prompt'} is {len(ids)} tokens but the bundle's max context is {m.kv.max_context}; "
-                f"re-export with a larger --max-seq-len or use a smaller image/prompt"
+                f"{'image + prompt' if image is not None else 'prompt'} is {len(ids)} tokens but the bundle's max "
+                f"context is {m.kv.max_context}; {fix}"
             )
         t1 = time.perf_counter()
         st.preprocess_s = t1 - t0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..manifest import PromptSpec
 
 
-def grid_markers(rows: int, cols: int, p: PromptSpec) -> str:
+def grid_markers(rows: int, cols: int, tiles: int, p: PromptSpec) -> str:
     """SmolVLM / Idefics3: per tile `<fake><row_r_col_c><image>×n`, a newline per grid row,
     then the global tile `\\n<fake><global-img><image>×n<fake>`; a lone global tile when rows == cols == 0."""
     fake, image, glob = p.params["fake_token"], p.params["image_token"], p.params["global_token"]
@@ -20,15 +20,20 @@ def grid_markers(rows: int, cols: int, p: PromptSpec) -> str:
     return text + f"\n{fake}{glob}{run}{fake}"
 
 
-EXPANSION = {"grid_markers": grid_markers}
+def wrapped_run(rows: int, cols: int, tiles: int, p: PromptSpec) -> str:
+    """InternVL: `<img>` + `<IMG_CONTEXT>` × (tokens per tile × tiles) + `</img>`."""
+    return p.params["start_token"] + p.params["image_token"] * (p.tokens_per_tile * tiles) + p.params["end_token"]
 
 
-def build_prompt(p: PromptSpec, user_text: str, grid: tuple[int, int] | None) -> str:
-    """The full prompt text: the chat template with the expanded image (grid given) or text only."""
+EXPANSION = {"grid_markers": grid_markers, "wrapped_run": wrapped_run}
+
+
+def build_prompt(p: PromptSpec, user_text: str, grid: tuple[int, int, int] | None) -> str:
+    """The full prompt text: the chat template with the expanded image, grid = (rows, cols, tiles), or text only."""
     if grid is None:
         return p.template_text.replace("{prompt}", user_text)
     if p.expansion not in EXPANSION:
         raise ValueError(f"this vlmrt has no prompt expansion op {p.expansion!r}; upgrade vlmrt")
-    image_text = EXPANSION[p.expansion](grid[0], grid[1], p)
+    image_text = EXPANSION[p.expansion](*grid, p)
     head, tail = p.template_image.split("{prompt}", 1)
     return head.replace("{image}", image_text) + user_text + tail.replace("{image}", image_text)

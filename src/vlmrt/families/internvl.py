@@ -1,0 +1,355 @@
+"""InternVL3 / InternVL3.5: InternViT + pixel-shuffle MLP projector + Qwen2.5 / Qwen3 decoder.
+
+Two checkpoint layouts map onto one set of modules:
+  transformers (`model_type: internvl`, InternVLForConditionalGeneration, the `-hf` repos) —
+      mirrors transformers/models/internvl/modeling_internvl.py
+  original OpenGVLab (`model_type: internvl_chat`, InternVLChatModel) — mirrors
+      OpenGVLab's modeling_intern_vit.py / modeling_internvl_chat.py (fused qkv, ls1/ls2, mlp1.*)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import decoder, layers
+from .decoder import TextConfig, UnsupportedCheckpoint
+
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+
+
+def _side(v) -> int:
+    if isinstance(v, (list, tuple)):
+        if v[0] != v[1]:
+            raise UnsupportedCheckpoint(f"non-square vision size {v} is not supported")
+        return int(v[0])
+    return int(v)
+
+
+@dataclass
+class VisionConfig:
+    hidden: int
+    heads: int
+    layers: int
+    intermediate: int
+    image_size: int
+    patch_size: int
+    eps: float
+    act: str
+    norm: str  # "layer_norm" | "rms_norm"
+    qkv_bias: bool
+    qk_norm: bool
+    final_norm: bool  # transformers: LayerNorm after the encoder unless use_mean_pooling
+
+
+@dataclass
+class InternVLConfig:
+    layout: str  # "hf" | "original"
+    vision: VisionConfig
+    text: TextConfig
+    downsample_ratio: float
+    tie_word_embeddings: bool
+    feature_layer: int  # -1 = last layer (after the final norm, if any)
+    drop_cls: bool
+    projector_act: str
+    image_token_id: int | None  # hf: config.image_token_id; original: from the tokenizer
+    min_tiles: int = 1
+    max_tiles: int = 12
+    thumbnail: bool = True
+
+    @property
+    def scale(self) -> int:
+        return int(round(1 / self.downsample_ratio))
+
+    @property
+    def patches_per_tile(self) -> int:
+        return (self.vision.image_size // self.vision.patch_size) ** 2
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.patches_per_tile // self.scale**2
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "InternVLConfig":
+        if cfg.get("model_type") == "internvl_chat":
+            return cls._from_original(cfg)
+        v, t = cfg["vision_config"], cfg["text_config"]
+        return cls(
+            layout="hf",
+            vision=VisionConfig(
+                hidden=v["hidden_size"], heads=v["num_attention_heads"], layers=v["num_hidden_layers"],
+                intermediate=v["intermediate_size"], image_size=_side(v.get("image_size", 448)),
+                patch_size=_side(v.get("patch_size", 14)), eps=v.get("layer_norm_eps", 1e-6), act=v.get("hidden_act", "gelu"),
+                norm=v.get("norm_type", "layer_norm"), qkv_bias=v.get("attention_bias", False),
+                qk_norm=v.get("use_qk_norm", False), final_norm=not v.get("use_mean_pooling", True),
+            ),
+            text=TextConfig.from_hf(t),
+            downsample_ratio=cfg.get("downsample_ratio", 0.5),
+            # transformers 5 ties by the top-level flag; InternVLConfig defaults it to True
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            feature_layer=cfg.get("vision_feature_layer", -1),
+            drop_cls=cfg.get("vision_feature_select_strategy", "default") == "default",
+            projector_act=cfg.get("projector_hidden_act", "gelu"),
+            image_token_id=cfg.get("image_token_id", 151667),
+        )
+
+    @classmethod
+    def _from_original(cls, cfg: dict[str, Any]) -> "InternVLConfig":
+        v, t = cfg["vision_config"], cfg["llm_config"]
+        if cfg.get("ps_version", "v2") != "v2":
+            raise UnsupportedCheckpoint(f"pixel shuffle {cfg.get('ps_version')!r} is not supported (only v2)")
+        size = cfg.get("force_image_size") or v.get("image_size", 448)
+        return cls(
+            layout="original",
+            vision=VisionConfig(
+                hidden=v["hidden_size"], heads=v["num_attention_heads"], layers=v["num_hidden_layers"],
+                intermediate=v["intermediate_size"], image_size=_side(size), patch_size=_side(v.get("patch_size", 14)),
+                eps=v.get("layer_norm_eps", 1e-6), act=v.get("hidden_act", "gelu"), norm=v.get("norm_type", "rms_norm"),
+                qkv_bias=v.get("qkv_bias", True), qk_norm=v.get("qk_normalization", False), final_norm=False,
+            ),
+            text=TextConfig.from_hf(t),
+            downsample_ratio=cfg.get("downsample_ratio", 0.5),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
+            feature_layer=cfg.get("select_layer", -1),
+            drop_cls=True,
+            projector_act="gelu",
+            image_token_id=None,
+            min_tiles=cfg.get("min_dynamic_patch", 1),
+            max_tiles=cfg.get("max_dynamic_patch", 12) if cfg.get("dynamic_image_size", True) else 1,
+            thumbnail=cfg.get("use_thumbnail", True),
+        )
+
+
+class InternViTLayer(nn.Module):
+    """x + λ1·attn(norm1(x)); x + λ2·mlp(norm2(x)) — InternVLVisionLayer."""
+
+    def __init__(self, v: VisionConfig):
+        super().__init__()
+        norm = (lambda: nn.LayerNorm(v.hidden, eps=v.eps)) if v.norm == "layer_norm" else (lambda: layers.RMSNorm(v.hidden, v.eps))
+        self.heads = v.heads
+        self.norm1, self.norm2 = norm(), norm()
+        self.q_proj = nn.Linear(v.hidden, v.hidden, bias=v.qkv_bias)
+        self.k_proj = nn.Linear(v.hidden, v.hidden, bias=v.qkv_bias)
+        self.v_proj = nn.Linear(v.hidden, v.hidden, bias=v.qkv_bias)
+        self.q_norm = layers.RMSNorm(v.hidden, 1e-6) if v.qk_norm else nn.Identity()  # over the full width
+        self.k_norm = layers.RMSNorm(v.hidden, 1e-6) if v.qk_norm else nn.Identity()
+        self.proj = nn.Linear(v.hidden, v.hidden)
+        self.lambda_1 = nn.Parameter(torch.ones(v.hidden))
+        self.lambda_2 = nn.Parameter(torch.ones(v.hidden))
+        self.fc1 = nn.Linear(v.hidden, v.intermediate)
+        self.fc2 = nn.Linear(v.intermediate, v.hidden)
+        self.act = layers.activation(v.act)
+
+    def forward(self, x):  # x [tokens, dim]
+        n, dim = x.shape
+        h = self.heads
+        d = dim // h
+        y = self.norm1(x)
+        q = self.q_norm(self.q_proj(y)).view(n, h, d).transpose(0, 1)  # [h, n, d]
+        k = self.k_norm(self.k_proj(y)).view(n, h, d).permute(1, 2, 0)  # [h, d, n]
+        v = self.v_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
+        p = torch.softmax(torch.matmul(q, k) * (d**-0.5), dim=-1)
+        x = x + self.lambda_1 * self.proj(torch.matmul(p, v).transpose(0, 1).reshape(n, dim))
+        return x + self.lambda_2 * self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+class VisionEncoder(nn.Module):
+    """One tile -> image-token embeddings in the decoder's space.
+
+    forward(patches [patches, 3*p*p]) -> [tokens_per_tile, text_hidden]
+    """
+
+    def __init__(self, cfg: InternVLConfig):
+        super().__init__()
+        v = cfg.vision
+        self.side = v.image_size // v.patch_size
+        self.scale = cfg.scale
+        self.drop_cls = cfg.drop_cls
+        run = v.layers if cfg.feature_layer == -1 else (cfg.feature_layer if cfg.feature_layer >= 0 else v.layers + 1 + cfg.feature_layer)
+        self.patch_embedding = nn.Linear(3 * v.patch_size**2, v.hidden)  # Conv2d as MatMul
+        self.cls_token = nn.Parameter(torch.zeros(1, v.hidden))
+        self.position_embedding = nn.Parameter(torch.zeros(self.side**2 + 1, v.hidden))  # for this tile size
+        self.layers = nn.ModuleList(InternViTLayer(v) for _ in range(run))
+        final = v.final_norm and cfg.feature_layer == -1
+        self.final_norm = nn.LayerNorm(v.hidden, eps=v.eps) if final else nn.Identity()
+        wide = v.hidden * self.scale**2
+        self.proj_norm = nn.LayerNorm(wide, eps=1e-5)
+        self.proj_1 = nn.Linear(wide, cfg.text.hidden)
+        self.proj_act = layers.activation(cfg.projector_act)
+        self.proj_2 = nn.Linear(cfg.text.hidden, cfg.text.hidden)
+
+    def forward(self, patches):
+        x = torch.cat([self.cls_token, self.patch_embedding(patches)]) + self.position_embedding  # [1+patches, dim]
+        for layer in self.layers:
+            x = layer(x)
+        x = self.final_norm(x)
+        if self.drop_cls:
+            x = x[1:]
+        x = layers.pixel_shuffle(x, self.side, self.scale)  # [tokens, dim*scale^2]; InternVL v2 == Idefics3's
+        return self.proj_2(self.proj_act(self.proj_1(self.proj_norm(x))))  # [tokens, text_hidden]
+
+
+def interpolate_positions(pos: torch.Tensor, side: int) -> torch.Tensor:
+    """[1+n², dim] -> [1+side², dim], bicubic like InternVLVisionEmbeddings.interpolate_pos_encoding."""
+    n = int(math.isqrt(pos.shape[0] - 1))
+    if n == side:
+        return pos
+    grid = pos[1:].reshape(1, n, n, -1).permute(0, 3, 1, 2)
+    grid = nn.functional.interpolate(grid, size=(side, side), mode="bicubic", align_corners=False)
+    return torch.cat([pos[:1], grid.permute(0, 2, 3, 1).reshape(side * side, -1)])
+
+
+# --- weights: HF name -> ours ---------------------------------------------------------------
+# per vision layer, ours: (transformers name, original OpenGVLab name); None = fused / absent there
+VISION_LAYER_KEYS = {
+    "layers.{i}.norm1.{p}": ("encoder.layer.{i}.layernorm_before.{p}", "encoder.layers.{i}.norm1.{p}"),
+    "layers.{i}.norm2.{p}": ("encoder.layer.{i}.layernorm_after.{p}", "encoder.layers.{i}.norm2.{p}"),
+    "layers.{i}.proj.{p}": ("encoder.layer.{i}.attention.projection_layer.{p}", "encoder.layers.{i}.attn.proj.{p}"),
+    "layers.{i}.fc1.{p}": ("encoder.layer.{i}.mlp.fc1.{p}", "encoder.layers.{i}.mlp.fc1.{p}"),
+    "layers.{i}.fc2.{p}": ("encoder.layer.{i}.mlp.fc2.{p}", "encoder.layers.{i}.mlp.fc2.{p}"),
+}
+VISION_SCALE_KEYS = {
+    "layers.{i}.lambda_1": ("encoder.layer.{i}.lambda_1", "encoder.layers.{i}.ls1"),
+    "layers.{i}.lambda_2": ("encoder.layer.{i}.lambda_2", "encoder.layers.{i}.ls2"),
+}
+QK_NORM_KEYS = {
+    "layers.{i}.q_norm.weight": ("encoder.layer.{i}.attention.q_norm.weight", "encoder.layers.{i}.attn.q_norm.weight"),
+    "layers.{i}.k_norm.weight": ("encoder.layer.{i}.attention.k_norm.weight", "encoder.layers.{i}.attn.k_norm.weight"),
+}
+PROJECTOR_KEYS = {  # ours: (transformers, original mlp1 = Sequential(LayerNorm, Linear, GELU, Linear))
+    "proj_norm.{p}": ("model.multi_modal_projector.layer_norm.{p}", "mlp1.0.{p}"),
+    "proj_1.{p}": ("model.multi_modal_projector.linear_1.{p}", "mlp1.1.{p}"),
+    "proj_2.{p}": ("model.multi_modal_projector.linear_2.{p}", "mlp1.3.{p}"),
+}
+PREFIXES = {  # layout -> (vision, text model, lm head)
+    "hf": ("model.vision_tower.", "model.language_model.", "lm_head.weight"),
+    "original": ("vision_model.", "language_model.model.", "language_model.lm_head.weight"),
+}
+
+
+def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
+    """Build the modules from HF or original tensors. Returns (vision, decoder, embedding table)."""
+    col = 0 if cfg.layout == "hf" else 1
+    vp, tp, head = PREFIXES[cfg.layout]
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise UnsupportedCheckpoint(f"checkpoint is missing weight {name}")
+        used.add(name)
+        return tensors[name].float()
+
+    v = cfg.vision
+    vision = VisionEncoder(cfg)
+    if cfg.layout == "hf":
+        emb = {"patch": "embeddings.patch_embeddings.projection.", "cls": "embeddings.cls_token",
+               "pos": "embeddings.position_embeddings"}
+    else:
+        emb = {"patch": "embeddings.patch_embedding.", "cls": "embeddings.class_embedding",
+               "pos": "embeddings.position_embedding"}
+    vsd = {
+        "patch_embedding.weight": layers.conv_as_matmul_weight(take(vp + emb["patch"] + "weight")),
+        "patch_embedding.bias": take(vp + emb["patch"] + "bias"),
+        "cls_token": take(vp + emb["cls"]).reshape(1, v.hidden),
+        "position_embedding": interpolate_positions(take(vp + emb["pos"]).reshape(-1, v.hidden), vision.side),
+    }
+    if isinstance(vision.final_norm, nn.LayerNorm):
+        vsd["final_norm.weight"] = take(vp + "layernorm.weight")
+        vsd["final_norm.bias"] = take(vp + "layernorm.bias")
+    norm_params = ("weight", "bias") if v.norm == "layer_norm" else ("weight",)
+    for i in range(len(vision.layers)):
+        for ours, names in VISION_LAYER_KEYS.items():
+            for p in norm_params if "norm" in ours else ("weight", "bias"):
+                vsd[ours.format(i=i, p=p)] = take(vp + names[col].format(i=i, p=p))
+        for ours, names in VISION_SCALE_KEYS.items():
+            vsd[ours.format(i=i)] = take(vp + names[col].format(i=i)).reshape(-1)
+        if v.qk_norm:
+            for ours, names in QK_NORM_KEYS.items():
+                vsd[ours.format(i=i)] = take(vp + names[col].format(i=i))
+        qkv = ("weight", "bias") if v.qkv_bias else ("weight",)
+        for p in qkv:
+            if cfg.layout == "hf":
+                for n in "qkv":
+                    vsd[f"layers.{i}.{n}_proj.{p}"] = take(vp + f"encoder.layer.{i}.attention.{n}_proj.{p}")
+            else:  # fused [3*dim, ...], rows q | k | v (InternAttention reshapes to (3, heads, head_dim))
+                for n, part in zip("qkv", take(vp + f"encoder.layers.{i}.attn.qkv.{p}").chunk(3, dim=0)):
+                    vsd[f"layers.{i}.{n}_proj.{p}"] = part
+    for ours, names in PROJECTOR_KEYS.items():
+        for p in ("weight", "bias"):
+            vsd[ours.format(p=p)] = take(names[col].format(p=p))
+    vision.load_state_dict(vsd, strict=True)
+
+    if not cfg.tie_word_embeddings and head not in tensors:
+        raise UnsupportedCheckpoint(f"config says the lm head is not tied, but the checkpoint has no {head}")
+    dec, embed = decoder.load(cfg.text, take, tp, None if cfg.tie_word_embeddings else head)
+    skipped_vision = [k for k in tensors if k.startswith(vp + "encoder.") and k not in used and cfg.feature_layer != -1]
+    unused = sorted(k for k in tensors if k not in used and k != head and k not in skipped_vision)
+    if unused:
+        raise UnsupportedCheckpoint(f"checkpoint has {len(unused)} weights this exporter does not map, e.g. {unused[0]}")
+    return vision.eval(), dec, embed
+
+
+# --- what the runtime needs besides graphs ------------------------------------------------------
+PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
+
+
+def _token_id(tok_json: dict, token: str) -> int | None:
+    for t in tok_json.get("added_tokens", []):
+        if t["content"] == token:
+            return t["id"]
+    return tok_json.get("model", {}).get("vocab", {}).get(token)
+
+
+def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> dict[str, Any]:
+    """Image/prompt parameters: transformers' GotOcr2 image processor (crop_to_patches) and
+    InternVLProcessor (`<img>` + `<IMG_CONTEXT>`×tokens×tiles + `</img>` in place of the template's image)."""
+    pp = ckpt.json("preprocessor_config.json", {}) or {}
+    proc = ckpt.json("processor_config.json", {}) or {}
+    tc = ckpt.json("tokenizer_config.json", {}) or {}
+    size = pp.get("size", {})
+    tile = size.get("height", cfg.vision.image_size) if isinstance(size, dict) else cfg.vision.image_size
+    if tile != cfg.vision.image_size:
+        raise UnsupportedCheckpoint(f"processor tile size {tile} differs from the vision tower's {cfg.vision.image_size}")
+    seq = proc.get("image_seq_length", cfg.tokens_per_tile)
+    if seq != cfg.tokens_per_tile:
+        raise UnsupportedCheckpoint(f"processor image_seq_length {seq} != tokens per tile {cfg.tokens_per_tile}")
+    crop = pp.get("crop_to_patches", cfg.layout == "original")
+    max_tiles = pp.get("max_patches", cfg.max_tiles) if crop else 1
+    resample = pp.get("resample", 3)
+    tokens = {
+        "start_token": tc.get("start_image_token", "<img>"),
+        "end_token": tc.get("end_image_token", "</img>"),
+        "image_token": tc.get("context_image_token", "<IMG_CONTEXT>"),
+    }
+    image_token_id = cfg.image_token_id if cfg.image_token_id is not None else _token_id(tok_json, tokens["image_token"])
+    if image_token_id is None or _token_id(tok_json, tokens["image_token"]) not in (None, image_token_id):
+        raise UnsupportedCheckpoint(f"the tokenizer's {tokens['image_token']} id does not match the config's image_token_id")
+    image = {
+        "tiling": "closest_aspect_grid",
+        "tile_size": tile,
+        "patch_size": cfg.vision.patch_size,
+        "resample": PIL_RESAMPLE[resample] if isinstance(resample, int) else str(resample).lower(),
+        "rescale_factor": pp.get("rescale_factor", 1 / 255),
+        "mean": pp.get("image_mean", IMAGENET_MEAN),
+        "std": pp.get("image_std", IMAGENET_STD),
+        "params": {"min_tiles": pp.get("min_patches", cfg.min_tiles), "max_tiles": max_tiles, "thumbnail": cfg.thumbnail},
+    }
+    return {"image": image, "prompt_expansion": "wrapped_run", "prompt_params": tokens,
+            "image_placeholder": tokens["image_token"], "system_prompt": None, "image_token_id": image_token_id}
+
+
+def default_max_context(cfg: InternVLConfig, host: dict[str, Any]) -> tuple[int, str]:
+    """Room for the default max tiles (+ thumbnail) and 512 tokens of text, rounded up to 256."""
+    p = host["image"]["params"]
+    tiles = p["max_tiles"] + (1 if p["thumbnail"] and p["max_tiles"] > 1 else 0)
+    need = tiles * cfg.tokens_per_tile + 512
+    ctx = -(-need // 256) * 256
+    return ctx, f"{tiles} tiles × {cfg.tokens_per_tile} image tokens + 512 for text"
+
+
+Config = InternVLConfig
