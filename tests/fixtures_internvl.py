@@ -58,7 +58,17 @@ VIDEO_TOKEN = "<video>"
 # Qwen2.5 vocab -> <img>=151665 ... </box>=151673, image_token_id 151667 (InternVL3-1B-hf);
 # Qwen3 vocab (which already ends with <think></think>) -> <img>=151669, <IMG_CONTEXT>=151671
 # (InternVL3_5-1B-HF's image_token_id).
-INTERNVL_TOKENS: list[str] = [IMG_START, IMG_END, IMG_CONTEXT, "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>"]
+INTERNVL_TOKENS: list[str] = [
+    IMG_START,
+    IMG_END,
+    IMG_CONTEXT,
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+]
 # The -hf tokenizer_config declares video_token="<video>" (InternVLProcessor reads it); transformers
 # adds it to the vocab at load time when missing, so it is written explicitly after the others.
 ADDED_TOKENS: list[str] = INTERNVL_TOKENS + [VIDEO_TOKEN]
@@ -80,7 +90,8 @@ INTERNVL_TOKENIZER_ATTRS = {
 # (NFC + this Split + ByteLevel) from vocab/merges instead of using tokenizer.json's, so the tiny
 # tokenizer uses exactly that pipeline: the oracle and a `tokenizers`-based runtime then agree.
 QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 BPE_VOCAB_SIZE = 480  # 256 byte symbols + 3 Qwen specials + ~221 merges; + 10 InternVL tokens -> ~490
@@ -167,7 +178,17 @@ def make_internvl_tokenizer(out_dir: Path, *, real_qwen3: bool = False) -> None:
     ``INTERNVL_TOKENIZER_ATTRS`` InternVLProcessor needs (top level and as an ``extra_special_tokens``
     dict, as in the -hf repos).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +202,7 @@ def make_internvl_tokenizer(out_dir: Path, *, real_qwen3: bool = False) -> None:
     else:
         from fixtures import _corpus
 
-        tok = Tokenizer(models_bpe())
+        tok = Tokenizer(models.BPE())
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -204,9 +225,7 @@ def make_internvl_tokenizer(out_dir: Path, *, real_qwen3: bool = False) -> None:
         config = {
             "add_bos_token": False,
             "add_prefix_space": False,
-            "added_tokens_decoder": {
-                str(tok.token_to_id(t)): _added_token_entry(t) for t in QWEN_SPECIAL_TOKENS
-            },
+            "added_tokens_decoder": {str(tok.token_to_id(t)): _added_token_entry(t) for t in QWEN_SPECIAL_TOKENS},
             "bos_token": None,
             "clean_up_tokenization_spaces": False,
             "eos_token": IM_END,
@@ -242,12 +261,6 @@ def make_internvl_tokenizer(out_dir: Path, *, real_qwen3: bool = False) -> None:
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
-def models_bpe():
-    from tokenizers import models
-
-    return models.BPE()
-
-
 # ---------------------------------------------------------------------------
 # Checkpoint
 # ---------------------------------------------------------------------------
@@ -270,6 +283,7 @@ IMAGENET_STD = [0.229, 0.224, 0.225]
 # as tests/fixtures.py: q/k drawn this much above unit gain so attention is selective and greedy
 # generation does not collapse into repeating one token.
 QK_GAIN = 2.0
+QK_NORM_GAIN = 2.5  # Qwen3 q_norm / k_norm weights (see _redraw_weights)
 
 
 def image_seq_len_for(image_size: int, patch_size: int, downsample_ratio: float) -> int:
@@ -306,6 +320,10 @@ def _redraw_weights(model, seed: int, gain: float, image_token_id: int) -> None:
                 fan_in = math.prod(p.shape[1:])
                 f = QK_GAIN if ("q_proj" in name or "k_proj" in name) else 1.0
                 p.copy_(torch.randn(p.shape, generator=g) * (f * gain / math.sqrt(fan_in)))
+            elif leaf == "weight" and ("self_attn.q_norm" in name or "self_attn.k_norm" in name):
+                # Qwen3 normalizes q and k per head, which undoes QK_GAIN: scale the norm weights
+                # instead, or attention stays near-uniform and greedy output collapses
+                p.copy_(QK_NORM_GAIN * (1.0 + 0.1 * torch.randn(p.shape, generator=g)))
             elif leaf == "weight":
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
@@ -504,19 +522,29 @@ def make_internvl_checkpoint(
 
 
 def _hf_to_original_key(key: str) -> str:
-    """One -hf tensor name -> its original InternVLChatModel name (q/k/v are fused by the caller)."""
-    if key == "lm_head.weight":
+    """One -hf tensor name -> its original InternVLChatModel name (vision q/k/v are fused by the caller).
+
+    Accepts both the on-disk names (transformers 5 save_pretrained writes the legacy llava-style
+    ``vision_tower.*`` / ``multi_modal_projector.*`` / ``language_model.model.*`` /
+    ``language_model.lm_head.weight``, as the real -hf repos have) and the in-memory module names
+    (``model.vision_tower.*``, ``model.language_model.*``, ``lm_head.weight``).
+    """
+    if key in ("lm_head.weight", "language_model.lm_head.weight"):
         return "language_model.lm_head.weight"
-    if key.startswith("model.language_model."):
-        return "language_model.model." + key[len("model.language_model.") :]
-    if key.startswith("model.multi_modal_projector."):
-        rest = key[len("model.multi_modal_projector.") :]
-        for hf, orig in (("layer_norm.", "mlp1.0."), ("linear_1.", "mlp1.1."), ("linear_2.", "mlp1.3.")):
-            if rest.startswith(hf):
-                return orig + rest[len(hf) :]
-        raise KeyError(key)
-    if key.startswith("model.vision_tower."):
-        rest = key[len("model.vision_tower.") :]
+    for prefix in ("model.language_model.", "language_model.model."):
+        if key.startswith(prefix):
+            return "language_model.model." + key[len(prefix) :]
+    for prefix in ("model.multi_modal_projector.", "multi_modal_projector."):
+        if key.startswith(prefix):
+            rest = key[len(prefix) :]
+            for hf, orig in (("layer_norm.", "mlp1.0."), ("linear_1.", "mlp1.1."), ("linear_2.", "mlp1.3.")):
+                if rest.startswith(hf):
+                    return orig + rest[len(hf) :]
+            raise KeyError(key)
+    for prefix in ("model.vision_tower.", "vision_tower."):
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
         emb = {
             "embeddings.cls_token": "embeddings.class_embedding",
             "embeddings.position_embeddings": "embeddings.position_embedding",
@@ -527,6 +555,10 @@ def _hf_to_original_key(key: str) -> str:
             return "vision_model." + emb[rest]
         if rest.startswith("encoder.layer."):
             idx, sub = rest[len("encoder.layer.") :].split(".", 1)
+            if sub == "lambda_1":
+                return f"vision_model.encoder.layers.{idx}.ls1"
+            if sub == "lambda_2":
+                return f"vision_model.encoder.layers.{idx}.ls2"
             layer = {
                 "attention.projection_layer.": "attn.proj.",
                 "attention.q_norm.": "attn.q_norm.",
@@ -536,13 +568,9 @@ def _hf_to_original_key(key: str) -> str:
                 "mlp.fc1.": "mlp.fc1.",
                 "mlp.fc2.": "mlp.fc2.",
             }
-            if sub == "lambda_1":
-                return f"vision_model.encoder.layers.{idx}.ls1"
-            if sub == "lambda_2":
-                return f"vision_model.encoder.layers.{idx}.ls2"
             for hf, orig in layer.items():
                 if sub.startswith(hf):
-                    return f"vision_model.encoder.layers.{idx}.{orig}{sub[len(hf):]}"
+                    return f"vision_model.encoder.layers.{idx}.{orig}{sub[len(hf) :]}"
         raise KeyError(key)
     raise KeyError(key)
 
@@ -553,30 +581,31 @@ def to_original_layout(hf_ckpt: Path, out_dir: Path) -> Path:
     The inverse of transformers' ``convert_internvl_weights_to_hf.py`` (ORIGINAL_TO_CONVERTED_KEY_MAPPING_*
     and the ``attn.qkv`` split ``q = qkv[:dim], k = qkv[dim:2*dim], v = qkv[-dim:]``)::
 
-        -hf (InternVLForConditionalGeneration)                   original (InternVLChatModel)
-        ------------------------------------------------------   --------------------------------------------------
-        model.vision_tower.embeddings.cls_token        [1,1,D]    vision_model.embeddings.class_embedding     [1,1,D]
-        model.vision_tower.embeddings.position_embeddings [1,N+1,D] vision_model.embeddings.position_embedding [1,N+1,D]
-        model.vision_tower.embeddings.patch_embeddings.projection.{weight,bias}
-                                                                 vision_model.embeddings.patch_embedding.{weight,bias}
-        model.vision_tower.encoder.layer.{i}.attention.{q,k,v}_proj.{weight,bias}
-                                                                 vision_model.encoder.layers.{i}.attn.qkv.{weight,bias}
-                                                                   = cat([q, k, v], dim=0): rows [0,D) q, [D,2D) k,
-                                                                   [2D,3D) v, each head-major (no permutation: the
-                                                                   original reshapes qkv(x) to (B, N, 3, H, hd))
-        ...encoder.layer.{i}.attention.projection_layer.*        ...encoder.layers.{i}.attn.proj.*
-        ...encoder.layer.{i}.attention.{q,k}_norm.weight         ...encoder.layers.{i}.attn.{q,k}_norm.weight (qk_norm only)
-        ...encoder.layer.{i}.lambda_1 / lambda_2       [D]       ...encoder.layers.{i}.ls1 / ls2        [D]
-        ...encoder.layer.{i}.layernorm_before.*                  ...encoder.layers.{i}.norm1.*
-        ...encoder.layer.{i}.layernorm_after.*                   ...encoder.layers.{i}.norm2.*
-        ...encoder.layer.{i}.mlp.fc1.* / mlp.fc2.*               ...encoder.layers.{i}.mlp.fc1.* / mlp.fc2.*
-        model.multi_modal_projector.layer_norm.*                 mlp1.0.*   (LayerNorm(4*D), eps 1e-5)
-        model.multi_modal_projector.linear_1.*                   mlp1.1.*   (Linear 4*D -> H)
-        (projector_hidden_act "gelu")                            mlp1.2     (nn.GELU(), no weights)
-        model.multi_modal_projector.linear_2.*                   mlp1.3.*   (Linear H -> H)
-        model.language_model.*                                   language_model.model.*
-        lm_head.weight                                           language_model.lm_head.weight
-                                                                   (absent when tied, as save_pretrained drops it)
+        -hf model.safetensors (as saved by transformers 5.24)   original (InternVLChatModel)
+        V = vision_tower.,  E = V + "encoder.layer.{i}."          O = vision_model.encoder.layers.{i}.
+        -----------------------------------------------------   -------------------------------------------------
+        V embeddings.cls_token                  [1,1,D]         vision_model.embeddings.class_embedding   [1,1,D]
+        V embeddings.position_embeddings        [1,N+1,D]       vision_model.embeddings.position_embedding [1,N+1,D]
+        V embeddings.patch_embeddings.projection.weight/bias    vision_model.embeddings.patch_embedding.weight/bias
+        E attention.{q,k,v}_proj.weight  [D,D]  (x3)            O attn.qkv.weight  [3D,D] = cat([q, k, v], dim=0)
+        E attention.{q,k,v}_proj.bias    [D]    (x3)            O attn.qkv.bias    [3D]   = cat([q, k, v], dim=0)
+              rows [0,D) q, [D,2D) k, [2D,3D) v, each head-major; no permutation (the original reshapes
+              qkv(x) to (B, N, 3, heads, head_dim))
+        E attention.projection_layer.*                          O attn.proj.*
+        E attention.{q,k}_norm.weight (use_qk_norm only)        O attn.{q,k}_norm.weight
+        E lambda_1 / lambda_2                   [D]             O ls1 / ls2   [D]
+        E layernorm_before.* / layernorm_after.*                O norm1.* / norm2.*
+        E mlp.fc1.* / mlp.fc2.*                                 O mlp.fc1.* / mlp.fc2.*
+        multi_modal_projector.layer_norm.*      [4D]            mlp1.0.*  nn.LayerNorm(4D), eps 1e-5 in both
+        multi_modal_projector.linear_1.*        [H,4D]          mlp1.1.*
+        (projector_hidden_act "gelu")                           mlp1.2    nn.GELU() (exact erf), no weights
+        multi_modal_projector.linear_2.*        [H,H]           mlp1.3.*
+        language_model.model.*                                  language_model.model.*  (unchanged)
+        language_model.lm_head.weight                           language_model.lm_head.weight (both absent if tied)
+
+    (In memory the -hf names carry ``model.`` -- ``model.vision_tower.*``, ``model.language_model.*``
+    without the inner ``.model``, ``lm_head.weight`` -- transformers' "llava" conversion mapping renames
+    on load / save; both spellings are accepted.)
 
     Config: InternVLVisionConfig -> InternVisionConfig (attention_bias -> qkv_bias, use_qk_norm ->
     qk_normalization, layer_scale_init_value -> initializer_factor, attention_dropout, projection_dropout
@@ -603,18 +632,15 @@ def to_original_layout(hf_ckpt: Path, out_dir: Path) -> Path:
     out: dict[str, torch.Tensor] = {}
     qkv: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in sd.items():
-        if ".attention.q_proj." in key or ".attention.k_proj." in key or ".attention.v_proj." in key:
-            prefix, which, leaf = key.rsplit(".", 2)  # ...attention, q_proj, weight
-            qkv.setdefault(f"{prefix}.qkv.{leaf}", {})[which[0]] = t
+        if "vision_tower." in key and any(f".attention.{w}_proj." in key for w in "qkv"):
+            # vision_tower.encoder.layer.{i}.attention.{q,k,v}_proj.{weight,bias}
+            idx = key.split("encoder.layer.", 1)[1].split(".", 1)[0]
+            which, leaf = key.rsplit(".", 2)[1:]
+            qkv.setdefault(f"vision_model.encoder.layers.{idx}.attn.qkv.{leaf}", {})[which[0]] = t
             continue
         out[_hf_to_original_key(key)] = t.contiguous()
     for key, parts in qkv.items():
-        # key: model.vision_tower.encoder.layer.{i}.attention.qkv.{weight,bias}
-        idx = key.split("encoder.layer.", 1)[1].split(".", 1)[0]
-        leaf = key.rsplit(".", 1)[1]
-        out[f"vision_model.encoder.layers.{idx}.attn.qkv.{leaf}"] = torch.cat(
-            [parts["q"], parts["k"], parts["v"]], dim=0
-        ).contiguous()
+        out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0).contiguous()
     save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
     def _int(x):

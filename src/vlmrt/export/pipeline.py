@@ -133,7 +133,14 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     template = ckpt.chat_template()
     if not template:
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
-    tmpl_image, tmpl_text = prompt_templates(template, host["image_placeholder"], _special_strings(ckpt), host["system_prompt"])
+    special = _special_strings(ckpt)
+    try:
+        tmpl_image, tmpl_text = prompt_templates(template, host["image_placeholder"], special, host["system_prompt"])
+    except ValueError:
+        if not host.get("image_in_text_fallback"):
+            raise
+        placeholder, in_text = host["image_in_text_fallback"]
+        tmpl_image, tmpl_text = prompt_templates(template, placeholder, special, host["system_prompt"], in_text)
     torch.manual_seed(0)
     vision, decoder, embed = family.load_weights(cfg, ckpt.tensors())
     p.done(f"({ckpt.path}; max context {max_seq_len} tokens: {ctx_note})")

@@ -222,20 +222,33 @@ QK_NORM_KEYS = {
     "layers.{i}.k_norm.weight": ("encoder.layer.{i}.attention.k_norm.weight", "encoder.layers.{i}.attn.k_norm.weight"),
 }
 PROJECTOR_KEYS = {  # ours: (transformers, original mlp1 = Sequential(LayerNorm, Linear, GELU, Linear))
-    "proj_norm.{p}": ("model.multi_modal_projector.layer_norm.{p}", "mlp1.0.{p}"),
-    "proj_1.{p}": ("model.multi_modal_projector.linear_1.{p}", "mlp1.1.{p}"),
-    "proj_2.{p}": ("model.multi_modal_projector.linear_2.{p}", "mlp1.3.{p}"),
+    "proj_norm.{p}": ("multi_modal_projector.layer_norm.{p}", "mlp1.0.{p}"),
+    "proj_1.{p}": ("multi_modal_projector.linear_1.{p}", "mlp1.1.{p}"),
+    "proj_2.{p}": ("multi_modal_projector.linear_2.{p}", "mlp1.3.{p}"),
 }
-PREFIXES = {  # layout -> (vision, text model, lm head)
-    "hf": ("model.vision_tower.", "model.language_model.", "lm_head.weight"),
-    "original": ("vision_model.", "language_model.model.", "language_model.lm_head.weight"),
+# layout -> (root, vision, text model, lm head). transformers 5 saves the llava-style names
+# (`vision_tower.`, `language_model.model.`, as the -hf repos hold); in memory it uses `model.`-rooted
+# ones, which other writers may save — both are accepted.
+PREFIXES = {
+    "hf": ("", "vision_tower.", "language_model.model.", "language_model.lm_head.weight"),
+    "hf-inner": ("model.", "model.vision_tower.", "model.language_model.", "lm_head.weight"),
+    "original": ("", "vision_model.", "language_model.model.", "language_model.lm_head.weight"),
 }
+
+
+def _prefixes(cfg: InternVLConfig, keys) -> tuple[str, str, str, str]:
+    if cfg.layout == "original":
+        return PREFIXES["original"]
+    for name in ("hf", "hf-inner"):
+        if PREFIXES[name][1] + "embeddings.cls_token" in keys:
+            return PREFIXES[name]
+    raise UnsupportedCheckpoint("not an InternVL checkpoint: no vision_tower.embeddings.cls_token")
 
 
 def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
     """Build the modules from HF or original tensors. Returns (vision, decoder, embedding table)."""
     col = 0 if cfg.layout == "hf" else 1
-    vp, tp, head = PREFIXES[cfg.layout]
+    root, vp, tp, head = _prefixes(cfg, tensors.keys())
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
@@ -281,7 +294,7 @@ def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
                     vsd[f"layers.{i}.{n}_proj.{p}"] = part
     for ours, names in PROJECTOR_KEYS.items():
         for p in ("weight", "bias"):
-            vsd[ours.format(p=p)] = take(names[col].format(p=p))
+            vsd[ours.format(p=p)] = take((root if col == 0 else "") + names[col].format(p=p))
     vision.load_state_dict(vsd, strict=True)
 
     if not cfg.tie_word_embeddings and head not in tensors:
@@ -340,7 +353,10 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> dict[str, Any]:
         "params": {"min_tiles": pp.get("min_patches", cfg.min_tiles), "max_tiles": max_tiles, "thumbnail": cfg.thumbnail},
     }
     return {"image": image, "prompt_expansion": "wrapped_run", "prompt_params": tokens,
-            "image_placeholder": tokens["image_token"], "system_prompt": None, "image_token_id": image_token_id}
+            "image_placeholder": tokens["image_token"], "system_prompt": None, "image_token_id": image_token_id,
+            # original repos' templates know only string content: OpenGVLab's model.chat() writes
+            # "<image>\n" + question and expands "<image>" (used when the template renders no image item)
+            "image_in_text_fallback": ("<image>", "<image>\n")}
 
 
 def default_max_context(cfg: InternVLConfig, host: dict[str, Any]) -> tuple[int, str]:

