@@ -204,7 +204,7 @@ TEXTS = [
     "What is the capital of France?",
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
-    "Héllo wörld — naïve café 🙂 日本語, ½ ℃",
+    "Héllo wörld — naïve café 🙂 日本語 ℃",
     "def f(x):\n    return x ** 2  # square\n\n\n\tindented\r\n",
     "  leading and trailing spaces   ",
     "I'm sure you'll see they're here, isn't it?",
@@ -230,13 +230,14 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(meta, gguf_tokenizer, ckpt
 def test_digits_split_as_llama_cpp_smollm(meta):
     """llama.cpp's "smollm" pre-tokenizer (= the real tokenizer.json) splits digits off *before* the
     GPT-2 regex, so whitespace before a number stays one piece: "a  2" -> a, ĠĠ, 2. (transformers'
-    GGUF tokenizer applies the GPT-2 regex alone here and gives a, Ġ, Ġ, 2.)"""
+    GGUF tokenizer applies the GPT-2 regex alone here and gives a, Ġ, Ġ, 2, and Ġ½ for " ½".)"""
     from tokenizers import Tokenizer
 
     tok: Tokenizer = smollm2.tokenizer_from_gguf(meta)
     v = tok.get_vocab()
     assert tok.encode("a  2").ids == [v["a"], v["ĠĠ"], v["2"]]
     assert tok.encode("2024").ids == [v["2"], v["0"], v["2"], v["4"]]
+    assert tok.encode(", ½").ids == [v[","], v["Ġ"], v["Â½"]]  # \p{N} is not only 0-9
 
 
 def test_checkpoint_loads_as_smolvlm_in_transformers(ckpt):

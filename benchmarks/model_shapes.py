@@ -1,0 +1,77 @@
+"""Export + run timing for random checkpoints with real model shapes, on this machine.
+
+    python benchmarks/model_shapes.py smolvlm-256m|internvl3-1b [--work DIR] [--image P]
+
+Builds the checkpoint with transformers (a test dependency; tests/fixtures*.py), then times
+`vlmrt export` and `vlmrt run` (hybrid and kv) as a user runs them, each in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def smolvlm_256m(out: Path) -> None:
+    # HuggingFaceTB/SmolVLM-256M-Instruct config.json sizes
+    from fixtures import make_smolvlm_checkpoint
+
+    text = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                head_dim=64, vocab_size=49280, rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=512, patch_size=16)
+    make_smolvlm_checkpoint(out, tie_word_embeddings=False, tile_size=512, patch_size=16, scale_factor=4, longest_edge_tiles=4,
+                            text_layers=30, vision_layers=12, text_overrides=text, vision_overrides=vision)
+
+
+def internvl3_1b(out: Path) -> None:
+    # OpenGVLab/InternVL3-1B-hf: InternViT-300M-448px + Qwen2.5-0.5B
+    from fixtures_internvl import make_internvl_checkpoint
+
+    text = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                head_dim=64, vocab_size=151674, rope_theta=1000000.0, max_position_embeddings=32768)
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
+    make_internvl_checkpoint(out, decoder="qwen2", tie_word_embeddings=True, image_size=448, patch_size=14, max_tiles=12,
+                             text_layers=24, vision_layers=24, text_overrides=text, vision_overrides=vision)
+
+
+MODELS = {"smolvlm-256m": smolvlm_256m, "internvl3-1b": internvl3_1b}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", choices=sorted(MODELS))
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--image", default=str(ROOT / "tests/assets/chelsea.png"))
+    ap.add_argument("--tokens", type=int, default=32)
+    a = ap.parse_args()
+    work = Path(a.work or f"/tmp/vlmrt-shape-{a.model}")
+    ckpt, bundle = work / "ckpt", work / "bundle"
+    if not (ckpt / "config.json").exists():
+        MODELS[a.model](ckpt)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "vlmrt.cli", "export", str(ckpt), str(bundle), "--force"], check=True)
+    export_s = time.perf_counter() - t
+    size = sum(p.stat().st_size for p in bundle.iterdir()) / 1e6
+    print(f"{a.model} export: {export_s:.1f} s, bundle {size:.0f} MB")
+    for mode in ("hybrid", "kv"):
+        t = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "vlmrt.cli", "run", str(bundle), "--image", a.image, "--prompt",
+                            "Describe this image.", "--max-new-tokens", str(a.tokens), "--ignore-eos", "--mode", mode, "--json"],
+                           check=True, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        s = json.loads(p.stdout.strip().splitlines()[-1])["stats"]
+        print(f"run --mode {mode}: wall {wall:.1f} s | prompt {s['prompt_tokens']} tokens, {s['image_tiles']} tiles | "
+              f"load {s['load_s']:.2f} s, preprocess {s['preprocess_s']:.3f} s, vision {s['vision_s']:.2f} s, "
+              f"TTFT {s['ttft_s']:.2f} s, prefill {s['prefill_tokens_per_s']:.0f} tok/s, "
+              f"decode {s['decode_tokens_per_s']:.1f} tok/s, peak RSS {s['peak_rss_mb']:.0f} MB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
