@@ -30,6 +30,22 @@ PROMPTS = ["What is the capital of France?", "Give me three tips for staying hea
 N_NEW = 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """torch on one intra-op thread while this module runs. On a 2-core machine that another process
+    keeps busy, 2 OpenMP threads made a 32-token generate 20x slower (50 s vs 2.6 s); 1 thread costs
+    little when the cores are free (a 135M model, batch 1)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return smollm2.build_smolvlm_checkpoint(tmp_path_factory.mktemp("smollm2") / "ckpt", vision="tiny")
@@ -268,6 +284,26 @@ def test_checkpoint_loads_as_smolvlm_in_transformers(ckpt):
     n_tiles = inputs["pixel_values"].shape[1]
     assert inputs["pixel_values"].shape[2:] == (3, 64, 64)
     assert int((inputs["input_ids"][0] == 49190).sum()) == 16 * n_tiles
+
+
+def test_smollm2_chat_template_renders_like_the_gguf_template(meta):
+    pytest.importorskip("jinja2")
+    from vlmrt.export.chat_template import render
+
+    gguf_template = meta["tokenizer.chat_template"]
+    for system in (None, "Answer in French."):
+        head = [{"role": "system", "content": system}] if system else []
+        head_list = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+        plain = head + [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Why?"}]
+        items = head_list + [{"role": "user", "content": [{"type": "text", "text": "Hi!"}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
+                             {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
+        want = render(gguf_template, plain, {})
+        assert render(smollm2.SMOLLM2_CHAT_TEMPLATE, plain, {}) == want
+        assert render(smollm2.SMOLLM2_CHAT_TEMPLATE, items, {}) == want
+    with_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    assert render(smollm2.SMOLLM2_CHAT_TEMPLATE, with_image, {}).endswith(
+        "<|im_start|>user\n<image>What is this?<|im_end|>\n<|im_start|>assistant\n")
 
 
 # --- the real model ---------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import sys
 def _export(a) -> int:
     from .export.pipeline import export
 
-    out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, force=a.force,
-                 progress=not a.quiet)
+    out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
+                 force=a.force, progress=not a.quiet)
     print(out)
     return 0
 
@@ -56,6 +56,33 @@ def _run(a) -> int:
     return 0
 
 
+def _eval(a) -> int:
+    from . import evaluate
+    from .runtime.pipeline import VLM
+
+    if a.tokens < 1:
+        raise ValueError("--tokens must be >= 1")
+    bundle = VLM.load(a.bundle, device=a.device, threads=a.threads)
+    ref = evaluate.load_reference(a.reference, bundle)
+    if a.image or a.prompt:
+        prompts = a.prompt or evaluate.IMAGE_PROMPTS
+        samples = [(img, p) for img in (a.image or [None]) for p in prompts]
+    else:
+        samples = evaluate.default_samples(text_only=a.text_only)
+    r = evaluate.evaluate(bundle, ref, samples, tokens=a.tokens, mode=a.mode)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"bundle            {r['bundle']}  ({', '.join(f'{k} {v}' for k, v in r['precision'].items())}, lm head {r['lm_head']})")
+    print(f"samples           {r['samples']} ({r['positions']} scored positions, mode {r['mode']})")
+    print(f"first-token match {r['first_token_match']:.3f}")
+    print(f"top-1 agreement   {r['top1_agreement']:.4f}")
+    print(f"mean KL           {r['mean_kl']:.5f}")
+    print(f"bundle size       {r['bundle_bytes'] / 1e6:.1f} MB")
+    print(f"peak RSS          {r['peak_rss_mb']:.0f} MB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vlmrt", description="Export and run small vision-language models as static ONNX graphs.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -67,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache size = max context in tokens (default: the family's, e.g. 1024 for SmolVLM, "
                         "room for the default max tiles for InternVL)")
-    e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="graph I/O and KV cache type (default fp32)")
+    e.add_argument("--quant", default=None,
+                   help="weight precision: fp32|fp16|w8a16|w4a16 for all graphs, or per graph, e.g. "
+                        "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype)")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)
@@ -89,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
     r.set_defaults(fn=_run)
+
+    v = sub.add_parser("eval", help="accuracy of a bundle against the float reference on the same weights")
+    v.add_argument("bundle")
+    v.add_argument("--reference", required=True, help="fp32 bundle folder, or the checkpoint folder (needs vlmrt[export])")
+    v.add_argument("--image", action="append", help="image file (repeatable); default: the shipped sample images")
+    v.add_argument("--prompt", action="append", help="prompt (repeatable); default: a built-in set")
+    v.add_argument("--text-only", action="store_true", help="default set without images")
+    v.add_argument("--tokens", type=int, default=32, help="reference tokens generated per sample (default 32)")
+    v.add_argument("--mode", choices=["kv", "hybrid"], default="hybrid")
+    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    v.add_argument("--threads", type=int, default=None)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=_eval)
     return ap
 
 

@@ -38,9 +38,10 @@ class GraphSpec:
     """One static ONNX graph."""
 
     file: str
-    precision: str  # "fp32" | "fp16" | ...
+    precision: str  # weights: "fp32" | "fp16" | "w8a16" | "w4a16"
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    weights: dict[str, Any] = field(default_factory=dict)  # e.g. {"block_size": 32, "symmetric": true, "lm_head": "w8a16"}
 
     def input(self, name: str) -> TensorSpec:
         return _by_name(self.inputs, name, self.file)
@@ -125,7 +126,8 @@ class DecoderSpec:
     mask_input: str
     logits_output: str
     embedding_file: str  # [vocab, hidden] .npy, memory-mapped by the host
-    embedding_dtype: str
+    embedding_dtype: str  # float32 | float16 | int8 (then rows are scaled by embedding_scale_file [vocab])
+    embedding_scale_file: str | None = None
 
 
 @dataclass
@@ -187,7 +189,8 @@ def from_dict(d: dict[str, Any]) -> Manifest:
         raise BundleError(f"bundle schema version {version} is not supported (this vlmrt reads {SCHEMA_VERSION}); re-export it")
     try:
         graphs = {
-            k: GraphSpec(file=g["file"], precision=g["precision"], inputs=_tensors(g["inputs"]), outputs=_tensors(g["outputs"]))
+            k: GraphSpec(file=g["file"], precision=g["precision"], inputs=_tensors(g["inputs"]), outputs=_tensors(g["outputs"]),
+                         weights=g.get("weights", {}))
             for k, g in d["graphs"].items()
         }
         return Manifest(
@@ -220,6 +223,8 @@ def load(folder: Path, verify: bool = True) -> Manifest:
         raise BundleError(f"cannot read {path}: {e}") from None
     m = from_dict(d)
     named = {g.file for g in m.graphs.values()} | {m.tokenizer_file, m.decoder.embedding_file}
+    if m.decoder.embedding_scale_file:
+        named.add(m.decoder.embedding_scale_file)
     missing = sorted(n for n in named if n not in m.files)
     if missing:
         raise BundleError(f"manifest does not list {', '.join(missing)}")

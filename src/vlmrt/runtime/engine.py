@@ -53,10 +53,12 @@ class GenerationStats:
 
 class Engine:
     def __init__(self, prefill: Session | None, decode: Session, kv: KVSpec, dec: DecoderSpec,
-                 embed_table: np.ndarray, eos_ids: list[int], io_dtype: str = "float32"):
+                 embed_table: np.ndarray, eos_ids: list[int], io_dtype: str = "float32",
+                 embed_scale: np.ndarray | None = None):
         self.prefill_session, self.decode_session = prefill, decode
         self.kv_spec, self.dec = kv, dec
         self.embed_table = embed_table  # [vocab, hidden], usually a read-only memmap
+        self.embed_scale = embed_scale  # [vocab] when the table is int8 rows
         self.eos = set(eos_ids)
         self.dtype = np.dtype(io_dtype)
         self.cache = KVCache(kv)
@@ -64,7 +66,11 @@ class Engine:
         self._out_names = [dec.logits_output, *self.cache.output_names()]
 
     def embed(self, ids: list[int] | np.ndarray) -> np.ndarray:
-        return np.asarray(self.embed_table[np.asarray(ids, dtype=np.int64)], dtype=self.dtype)
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = self.embed_table[ids]
+        if self.embed_scale is not None:
+            return (rows.astype(np.float32) * self.embed_scale[ids][:, None]).astype(self.dtype)
+        return np.asarray(rows, dtype=self.dtype)
 
     def _step(self, session: Session, embeds: np.ndarray, ar: int) -> np.ndarray:
         """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab]."""
@@ -103,6 +109,15 @@ class Engine:
             for i in range(n):
                 logits = self._step(self.decode_session, prompt_embeds[i : i + 1], 1)
         return logits[-1]
+
+    def score(self, prompt_embeds: np.ndarray, tokens: list[int], mode: str = "hybrid") -> np.ndarray:
+        """Teacher forcing: logits [len(tokens), vocab], row i predicting tokens[i] after prompt + tokens[:i]."""
+        out = [self.prefill(prompt_embeds, mode)]
+        for t in tokens[:-1]:
+            if self.cache.length >= self.kv_spec.max_context:
+                break
+            out.append(self._step(self.decode_session, self.embed([t]), 1)[-1])
+        return np.stack(out)
 
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
                  sampler: Sampler | None = None, ignore_eos: bool = False) -> Iterator[int]:

@@ -69,7 +69,7 @@ class VLM:
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
         self.engine = Engine(
             bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
-            bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype,
+            bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale,
         )
         self.result = Result()
 

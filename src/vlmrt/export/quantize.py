@@ -1,0 +1,134 @@
+"""Weight precisions per graph, and weight-only quantization (MatMulNBits) for the CPU/CUDA EPs.
+
+    --quant w4a16                                     every graph
+    --quant vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16   per graph (QHexRT's InternVL3.5 balance)
+
+Precisions:
+  fp32   float32 weights and compute
+  fp16   float16 weights and compute; the graph's I/O stays in the bundle's I/O dtype (casts at the edges)
+  w8a16  int8 weights, block-wise symmetric (block 32), dequantized inside MatMulNBits; activations stay
+  w4a16  int4 weights, block-wise symmetric (block 32)  float (fp32 on the CPU EP, fp16 on CUDA with --dtype fp16)
+
+`lm_head` is the decoder's last MatMul (in both prefill and decode); it follows its graph unless named.
+Weight-only quantization uses onnxruntime.quantization.matmul_nbits_quantizer (the well-kept
+implementation ORT GenAI uses) after turning the exporter's Gemm(transB=1) nodes into MatMul.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16")
+GRAPHS = ("vision", "prefill", "decode", "lm_head")
+WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4}
+BLOCK_SIZE = 32
+
+
+class QuantError(ValueError):
+    pass
+
+
+def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
+    """'w4a16' or 'vision=fp16,decode=w4a16,...' -> {graph: precision} for vision/prefill/decode/lm_head."""
+    if not spec:
+        spec = default
+    out: dict[str, str] = {}
+    if "=" not in spec:
+        if spec not in PRECISIONS:
+            raise QuantError(f"unknown precision {spec!r}; choose one of {', '.join(PRECISIONS)}")
+        out = {g: spec for g in GRAPHS if g != "lm_head"}
+    else:
+        for part in spec.split(","):
+            name, _, prec = part.partition("=")
+            name, prec = name.strip(), prec.strip()
+            if name not in GRAPHS:
+                raise QuantError(f"unknown graph {name!r} in --quant; graphs: {', '.join(GRAPHS)}")
+            if prec not in PRECISIONS:
+                raise QuantError(f"unknown precision {prec!r} for {name}; choose one of {', '.join(PRECISIONS)}")
+            out[name] = prec
+        for g in ("vision", "prefill", "decode"):
+            out.setdefault(g, default)
+    return out
+
+
+def gemm_to_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Gemm(x, W, b; transB=1) with constant W -> MatMul(x, Wᵀ) [+ Add(b)], which MatMulNBits can take."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    nodes = []
+    for node in g.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (node.op_type != "Gemm" or node.input[1] not in inits or attrs.get("transA", 0)
+                or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
+            nodes.append(node)
+            continue
+        w = numpy_helper.to_array(inits[node.input[1]])
+        if attrs.get("transB", 0):
+            w = np.ascontiguousarray(w.T)
+        name_t = node.input[1] + "_kn"
+        g.initializer.append(numpy_helper.from_array(w, name_t))
+        out = node.output[0]
+        if len(node.input) > 2 and node.input[2]:
+            mm = node.name + "_matmul_out"
+            nodes.append(helper.make_node("MatMul", [node.input[0], name_t], [mm], name=node.name + "_matmul"))
+            nodes.append(helper.make_node("Add", [mm, node.input[2]], [out], name=node.name + "_bias"))
+        else:
+            nodes.append(helper.make_node("MatMul", [node.input[0], name_t], [out], name=node.name or out + "_matmul"))
+    del g.node[:]
+    g.node.extend(nodes)
+    used = {i for n in g.node for i in n.input}
+    keep = [i for i in g.initializer if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    return model
+
+
+def producer_matmul(model: onnx.ModelProto, output: str) -> str | None:
+    """Name of the MatMul that produces graph output `output` (the lm head for 'logits')."""
+    by_out = {o: n for n in model.graph.node for o in n.output}
+    node = by_out.get(output)
+    while node is not None and node.op_type in ("Cast", "Identity", "Add"):
+        node = by_out.get(node.input[0])
+    return node.name if node is not None and node.op_type == "MatMul" else None
+
+
+def weight_only(model: onnx.ModelProto, bits: int, *, include: list[str] | None = None,
+                exclude: list[str] | None = None) -> onnx.ModelProto:
+    """MatMulNBits for constant-weight MatMuls (all, or only `include`, minus `exclude`)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=None,
+                             nodes_to_exclude=exclude or [], nodes_to_include=include)
+    q.process()
+    return q.model.model
+
+
+def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str) -> onnx.ModelProto:
+    """Weight-only quantization of a decoder graph exported in float: body and lm head precisions."""
+    if body not in WEIGHT_ONLY_BITS and head not in WEIGHT_ONLY_BITS:
+        return model
+    model = gemm_to_matmul(model)
+    lm = producer_matmul(model, logits)
+    if lm is None:
+        raise QuantError("cannot find the lm head MatMul in the decoder graph")
+    if head in WEIGHT_ONLY_BITS:
+        model = weight_only(model, WEIGHT_ONLY_BITS[head], include=[lm])
+    if body in WEIGHT_ONLY_BITS:
+        model = weight_only(model, WEIGHT_ONLY_BITS[body], exclude=[lm])
+    return model
+
+
+def quantize_vision(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    if precision not in WEIGHT_ONLY_BITS:
+        return model
+    return weight_only(gemm_to_matmul(model), WEIGHT_ONLY_BITS[precision])
+
+
+def int8_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric int8: table ≈ q * scale[:, None]."""
+    amax = np.abs(table).max(axis=1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(table / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale

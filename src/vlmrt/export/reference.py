@@ -1,0 +1,56 @@
+"""The float reference as a bundle: vlmrt's torch modules behind the session interface.
+
+`vlmrt eval --reference CKPT` runs the checkpoint through the same family modules the exporter
+traces (verified against transformers in tests), in fp32, with the evaluated bundle's host plan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..manifest import Manifest
+from ..runtime.bundle import Bundle
+from .checkpoint import Checkpoint
+from .pipeline import family_for
+
+
+class TorchVision:
+    def __init__(self, module, out_name: str):
+        self.module, self.out_name = module, out_name
+
+    def run(self, names, feeds):
+        (x,) = feeds.values()
+        with torch.no_grad():
+            return [self.module(torch.from_numpy(np.asarray(x, np.float32))).numpy()]
+
+
+class TorchDecoder:
+    """run(names, feeds) over layers.CausalDecoder, feeds keyed by the manifest's tensor names."""
+
+    def __init__(self, module, m: Manifest):
+        self.module, self.m = module, m
+        kv = m.kv
+        self.past = [n.format(layer=i) for i in range(kv.layers) for n in (kv.key_input, kv.value_input)]
+        self.outs = [m.decoder.logits_output] + [n.format(layer=i) for i in range(kv.layers) for n in (kv.key_output, kv.value_output)]
+
+    def run(self, names, feeds):
+        d = self.m.decoder
+        t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
+        with torch.no_grad():
+            out = self.module(t[d.embeds_input].float(), t[d.positions_input], t[d.mask_input].float(),
+                              *[t[n].float() for n in self.past])
+        by_name = dict(zip(self.outs, (o.numpy() for o in out)))
+        return [by_name[n] for n in names]
+
+
+def torch_bundle(ckpt_path: Path, m: Manifest, tokenizer) -> Bundle:
+    ckpt = Checkpoint.open(Path(ckpt_path))
+    family = family_for(ckpt.config)
+    cfg = family.Config.from_hf(ckpt.config)
+    vision, decoder, embed = family.load_weights(cfg, ckpt.tensors())
+    dec = TorchDecoder(decoder.float(), m)
+    sessions = {"vision": TorchVision(vision.float(), m.vision.embeds_output), "prefill": dec, "decode": dec}
+    return Bundle(Path(ckpt_path), m, sessions, tokenizer, embed.numpy().astype(np.float32))
