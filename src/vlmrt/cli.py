@@ -11,8 +11,14 @@ import sys
 def _export(a) -> int:
     from .export.pipeline import export
 
+    calibration = None
+    if a.calibration:
+        from .evaluate import calibration_set
+
+        calibration = calibration_set(a.calibration)
     out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
-                 force=a.force, progress=not a.quiet)
+                 target=a.target, htp_weights=a.htp_weights, calibration=calibration, soc_model=a.soc_model,
+                 htp_arch=a.htp_arch, force=a.force, progress=not a.quiet)
     print(out)
     return 0
 
@@ -42,6 +48,7 @@ def _run(a) -> int:
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
     vlm = VLM.load(a.bundle, device=a.device, threads=a.threads)
+    vlm.engine.kv_requant = not a.no_kv_requant
     gen = vlm.generate(a.prompt, a.image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
                        ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
     if a.json:
@@ -63,6 +70,7 @@ def _eval(a) -> int:
     if a.tokens < 1:
         raise ValueError("--tokens must be >= 1")
     bundle = VLM.load(a.bundle, device=a.device, threads=a.threads)
+    bundle.engine.kv_requant = not a.no_kv_requant
     ref = evaluate.load_reference(a.reference, bundle)
     if a.image or a.prompt:
         prompts = a.prompt or evaluate.IMAGE_PROMPTS
@@ -98,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quant", default=None,
                    help="weight precision: fp32|fp16|w8a16|w4a16 for all graphs, or per graph, e.g. "
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype)")
+    e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
+                   help="htp: static QDQ graphs for the Qualcomm NPU (16-bit activations, uint8 KV cache)")
+    e.add_argument("--htp-weights", type=int, choices=[8, 4], default=8, help="HTP weight bits (per-channel; default 8)")
+    e.add_argument("--calibration", default=None,
+                   help="HTP calibration set: a folder of images (+ optional prompts.txt, one prompt per line); "
+                        "default: vlmrt's sample images and prompts")
+    e.add_argument("--soc-model", default=None, help="HTP: Snapdragon SoC model id recorded for the QNN EP")
+    e.add_argument("--htp-arch", default=None, help="HTP: DSP architecture (e.g. 73, 75) recorded for the QNN EP")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)
@@ -115,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
     r.add_argument("--max-tiles", type=int, default=None,
                    help="cap the image's tile count (bundles whose tiling has one, e.g. InternVL)")
-    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"],
+                   help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
+    r.add_argument("--no-kv-requant", action="store_true",
+                   help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
     r.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
     r.set_defaults(fn=_run)
@@ -128,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--text-only", action="store_true", help="default set without images")
     v.add_argument("--tokens", type=int, default=32, help="reference tokens generated per sample (default 32)")
     v.add_argument("--mode", choices=["kv", "hybrid"], default="hybrid")
-    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    v.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"])
+    v.add_argument("--no-kv-requant", action="store_true")
     v.add_argument("--threads", type=int, default=None)
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=_eval)

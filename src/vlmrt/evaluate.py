@@ -46,6 +46,19 @@ def default_samples(text_only: bool = False) -> list[tuple[Path | None, str]]:
     return out
 
 
+def calibration_set(folder: str | Path) -> list[tuple[Path | None, str]]:
+    """Images of a folder × its prompts.txt (one per line; default prompts otherwise), plus text-only prompts."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"calibration folder not found: {folder}")
+    images = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp"))
+    pf = folder / "prompts.txt"
+    prompts = [ln.strip() for ln in pf.read_text().splitlines() if ln.strip()] if pf.is_file() else IMAGE_PROMPTS
+    if not images:
+        raise ValueError(f"no images in calibration folder {folder}")
+    return [(img, p) for img in images for p in prompts] + [(None, p) for p in prompts]
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max(-1, keepdims=True)

@@ -112,6 +112,9 @@ class KVSpec:
     value_input: str
     key_output: str
     value_output: str
+    # uint8 caches (HTP bundles): per graph, per layer (scale, zero_point) of K and V rows,
+    # {"prefill": {"key": [[s, zp], ...], "value": [...]}, "decode": {...}}; q = round(x / s) + zp
+    encodings: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,6 +131,7 @@ class DecoderSpec:
     embedding_file: str  # [vocab, hidden] .npy, memory-mapped by the host
     embedding_dtype: str  # float32 | float16 | int8 (then rows are scaled by embedding_scale_file [vocab])
     embedding_scale_file: str | None = None
+    mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
 
 
 @dataclass
@@ -155,6 +159,8 @@ class Manifest:
     decoder: DecoderSpec
     vision: VisionSpec
     generate: dict[str, Any]  # {"default_mode": "hybrid", "modes": [...], "max_new_tokens": N}
+    # where the graphs are meant to run: {"name": "cpu"} or {"name": "htp", "soc_model": ..., "htp_arch": ...}
+    target: dict[str, Any] = field(default_factory=lambda: {"name": "cpu"})
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> {sha256, bytes}
     schema_version: int = SCHEMA_VERSION
 
@@ -204,6 +210,7 @@ def from_dict(d: dict[str, Any]) -> Manifest:
             decoder=DecoderSpec(**d["decoder"]),
             vision=VisionSpec(**d["vision"]),
             generate=d["generate"],
+            target=d.get("target", {"name": "cpu"}),
             files=d["files"],
             schema_version=version,
         )

@@ -112,6 +112,8 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     from . import quantize
 
     dt = TORCH_DTYPES[io_dtype]
+    decoder = copy.deepcopy(decoder)
+    decoder.rope_table(max_context + ar)  # positions of a step: pos..pos+ar-1 with pos < max_context
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
     positions = torch.arange(ar, dtype=torch.int64)

@@ -14,6 +14,7 @@ import numpy as np
 from .. import __version__
 from .. import manifest as mf
 from . import graphs, quantize
+from . import htp as htp_mod
 from .chat_template import prompt_templates
 from .checkpoint import Checkpoint, CheckpointError, resolve
 
@@ -92,21 +93,31 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 
 
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
-           quant: str | None = None, force: bool = False, progress: bool = True) -> Path:
+           quant: str | None = None, target: str = "cpu", htp_weights: int = 8, calibration: list | None = None,
+           soc_model: str | None = None, htp_arch: str | None = None, force: bool = False, progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
-    dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph."""
-    p = Progress(8, progress)
+    dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
+    target "htp": static QDQ graphs (16-bit activations, htp_weights-bit weights) with a uint8 KV cache,
+    calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set)."""
+    if target not in ("cpu", "htp"):
+        raise ExportError(f"unknown target {target!r}; choose cpu or htp")
+    if target == "htp" and (quant or dtype != "fp32"):
+        raise ExportError("--target htp sets its own precisions (16-bit activations, --htp-weights); drop --quant/--dtype")
+    if htp_weights not in (4, 8):
+        raise ExportError("--htp-weights must be 8 or 4")
+    p = Progress(9 if target == "htp" else 8, progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
-                       force=force)
+                       force=force, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
+                                             htp_arch=htp_arch) if target == "htp" else None)
     except BaseException:
         p.failed()
         raise
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            quant: str | None, force: bool) -> Path:
+            quant: str | None, force: bool, htp: dict | None) -> Path:
     import json
 
     import torch
@@ -218,7 +229,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
                                    embeds_input="inputs_embeds", positions_input="position_ids",
                                    mask_input="attention_mask", logits_output="logits",
                                    embedding_file="embed.npy", embedding_dtype=embed_dtype,
-                                   embedding_scale_file=scale_file),
+                                   embedding_scale_file=scale_file,
+                                   mask_value=htp_mod.HTP_MASK_VALUE if htp else None),
             vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
             generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
             files=mf.list_files(tmp, files),
@@ -229,6 +241,24 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back
         p.done()
+
+        if htp:
+            p.start(f"HTP: calibrating and quantizing (16-bit activations, {htp['weights']}-bit weights, uint8 KV)")
+            from ..evaluate import default_samples
+
+            float_dir, tmp = tmp, out.parent / f".{out.name}.htp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                m = htp_mod.quantize_bundle(float_dir, tmp, htp["calibration"] or default_samples(), weight_bits=htp["weights"],
+                                            soc_model=htp["soc_model"], htp_arch=htp["htp_arch"])
+                mf.save(m, tmp)
+                mf.load(tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            finally:
+                shutil.rmtree(float_dir, ignore_errors=True)
+            p.done()
 
         p.start(f"writing {out}")
         if out.exists():

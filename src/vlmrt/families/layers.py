@@ -143,10 +143,19 @@ class CausalDecoder(nn.Module):
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta), persistent=False)
+        self.rope_table(4096)
+
+    def rope_table(self, positions: int) -> None:
+        """Precompute cos/sin [positions, head_dim] (in fp32, as transformers does per step): the graph
+        gathers rows by position instead of running Sin/Cos — exact, cheaper, and NPU-friendly
+        (the HTP's 16-bit Sin/Cos of large angles is not). Export sizes it to max context + AR."""
+        cos, sin = rope_cos_sin(torch.arange(positions), self.inv_freq)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, inputs_embeds, position_ids, attention_mask, *past):
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
-        cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)
+        cos = self.rope_cos[position_ids].to(inputs_embeds.dtype)  # [ar, head_dim]
+        sin = self.rope_sin[position_ids].to(inputs_embeds.dtype)
         x = inputs_embeds
         new = []
         for i, layer in enumerate(self.layers):

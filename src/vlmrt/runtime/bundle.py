@@ -11,6 +11,26 @@ import numpy as np
 from .. import manifest as mf
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+DEVICES = ("cpu", "cuda", "htp")
+_QNN_REGISTERED = False
+
+
+def _qnn_devices():
+    """Register the QNN plugin EP (PyPI onnxruntime-qnn) once; return its ORT devices."""
+    global _QNN_REGISTERED
+    import onnxruntime as ort
+
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        raise mf.BundleError("--device htp needs the QNN execution provider: pip install 'vlmrt[htp]'") from None
+    if not _QNN_REGISTERED:
+        ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
+        _QNN_REGISTERED = True
+    devs = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
+    if not devs:
+        raise mf.BundleError("the QNN execution provider found no device")
+    return devs, onnxruntime_qnn.get_qnn_htp_path()
 
 
 def default_threads() -> int:
@@ -32,19 +52,32 @@ def default_threads() -> int:
     return max(1, min(n, avail) if n else avail)
 
 
-def make_session(path: Path, device: str, threads: int | None):
+def make_session(path: Path, device: str, threads: int | None, target: dict | None = None):
     import onnxruntime as ort
 
-    if device not in PROVIDERS:
-        raise mf.BundleError(f"unknown device {device!r}; choose one of {', '.join(PROVIDERS)}")
-    providers = PROVIDERS[device]
-    if providers[0] not in ort.get_available_providers():
-        raise mf.BundleError(f"device {device!r} needs onnxruntime's {providers[0]}, which this onnxruntime lacks")
+    if device not in DEVICES:
+        raise mf.BundleError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or default_threads()
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    providers = None
+    if device == "htp":
+        # everything on the NPU: a node the HTP cannot take is an error, not a silent CPU fallback
+        devs, backend = _qnn_devices()
+        opts = {"backend_path": backend}
+        for k in ("soc_model", "htp_arch"):
+            if target and target.get(k):
+                opts[k] = str(target[k])
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        so.add_provider_for_devices(devs, opts)
+    else:
+        providers = PROVIDERS[device]
+        if providers[0] not in ort.get_available_providers():
+            raise mf.BundleError(f"device {device!r} needs onnxruntime's {providers[0]}, which this onnxruntime lacks")
     try:
+        if providers is None:
+            return ort.InferenceSession(str(path), sess_options=so)
         return ort.InferenceSession(str(path), sess_options=so, providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise mf.BundleError(f"cannot load graph {path.name}: {str(e).splitlines()[0]}") from None
@@ -65,7 +98,9 @@ class Bundle:
 
         path = Path(path)
         m = mf.load(path, verify=verify)
-        sessions = {name: make_session(path / g.file, device, threads) for name, g in m.graphs.items()}
+        if device == "htp" and m.target.get("name") != "htp":
+            raise mf.BundleError(f"this bundle was exported for {m.target.get('name')}; export with --target htp to run on the HTP")
+        sessions = {name: make_session(path / g.file, device, threads, m.target) for name, g in m.graphs.items()}
         try:
             tok = Tokenizer.from_file(str(path / m.tokenizer_file))
         except Exception as e:

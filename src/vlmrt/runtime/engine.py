@@ -62,6 +62,7 @@ class Engine:
         self.eos = set(eos_ids)
         self.dtype = np.dtype(io_dtype)
         self.cache = KVCache(kv)
+        self.kv_requant = True  # hybrid mode with per-graph uint8 KV encodings: convert prefill's rows for decode
         self.last = GenerationStats()
         self._out_names = [dec.logits_output, *self.cache.output_names()]
 
@@ -81,7 +82,7 @@ class Engine:
         feeds = {
             self.dec.embeds_input: np.ascontiguousarray(embeds, dtype=self.dtype),
             self.dec.positions_input: np.arange(pos, pos + ar, dtype=np.int64),
-            self.dec.mask_input: attention_mask(pos, ar, self.kv_spec.max_context, self.dtype),
+            self.dec.mask_input: attention_mask(pos, ar, self.kv_spec.max_context, self.dtype, neg=self.dec.mask_value),
             **self.cache.feeds(),
         }
         logits, *rows = session.run(self._out_names, feeds)
@@ -105,6 +106,9 @@ class Engine:
             ar = self.dec.prefill_ar
             for start in range(0, n, ar):
                 logits = self._step(self.prefill_session, prompt_embeds[start : start + ar], ar)
+            enc = self.kv_spec.encodings
+            if self.kv_requant and enc.get("prefill") and enc.get("decode"):
+                self.cache.requantize(enc["prefill"], enc["decode"])
         else:
             for i in range(n):
                 logits = self._step(self.decode_session, prompt_embeds[i : i + 1], 1)

@@ -15,9 +15,13 @@ import numpy as np
 from ..manifest import KVSpec
 
 
-def attention_mask(pos: int, ar: int, max_context: int, dtype=np.float32, out: np.ndarray | None = None) -> np.ndarray:
-    """Additive mask [ar, max_context + ar] for a step whose first token is at position pos."""
-    neg = np.finfo(dtype).min
+def attention_mask(pos: int, ar: int, max_context: int, dtype=np.float32, out: np.ndarray | None = None,
+                   neg: float | None = None) -> np.ndarray:
+    """Additive mask [ar, max_context + ar] for a step whose first token is at position pos.
+
+    neg is the value of hidden slots: the dtype's lowest by default; quantized (HTP) graphs use a
+    moderate value (manifest decoder.mask_value) so that the mask does not eat the 16-bit range."""
+    neg = np.finfo(dtype).min if neg is None else neg
     m = out if out is not None else np.empty((ar, max_context + ar), dtype)
     m.fill(neg)
     m[:, :pos] = 0  # the cache holds positions 0..pos-1
@@ -48,6 +52,18 @@ class KVCache:
     def output_names(self) -> list[str]:
         s = self.spec
         return [n.format(layer=i) for i in range(s.layers) for n in (s.key_output, s.value_output)]
+
+    def requantize(self, src: dict, dst: dict) -> None:
+        """Re-express the uint8 rows 0..length from encoding src into dst (per layer (scale, zp) of K and V):
+        q_dst = clip(round((q_src - zp_src) * s_src / s_dst) + zp_dst, 0, 255)."""
+        n = self.length
+        for kind, bufs in (("key", self.keys), ("value", self.values)):
+            for i, buf in enumerate(bufs):
+                (s1, z1), (s2, z2) = src[kind][i], dst[kind][i]
+                if s1 == s2 and z1 == z2:
+                    continue
+                x = (buf[:n].astype(np.float32) - z1) * (s1 / s2)
+                buf[:n] = np.clip(np.rint(x) + z2, 0, 255).astype(np.uint8)
 
     def write(self, new_rows: list[np.ndarray], n_valid: int) -> None:
         """new_rows in output_names() order, each [ar, dim]; store the first n_valid at slots length.."""

@@ -1,0 +1,275 @@
+"""The Qualcomm HTP target: static QDQ graphs (16-bit activations, 8- or 4-bit weights) with a uint8 KV cache.
+
+A float bundle (exported with a moderate mask value) is run by the runtime on calibration samples;
+its recorded graph inputs calibrate each graph separately (onnxruntime.quantization's QNN config,
+MinMax). The KV cache tensors get one uint8 encoding per layer and graph (past input == new-rows
+output, so that rows written by a graph read back correctly), forced with tensor overrides; then
+the graph edges around the cache are cut so that the cache I/O itself is uint8. Prefill and decode
+are calibrated apart, so their encodings differ: the runtime re-quantizes after prefill (kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .. import manifest as mf
+from . import graphs
+
+HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
+
+
+class Recorder:
+    """Wraps a session; keeps compact copies of the feeds of up to `limit` calls (reservoir sampling
+    over all calls), KV caches cut to their used rows (the rest is zeros when read back)."""
+
+    def __init__(self, session, kv_inputs: set[str], limit: int, positions: str = "position_ids"):
+        self.session, self.kv_inputs, self.limit, self.positions = session, kv_inputs, limit, positions
+        self.feeds: list[dict] = []
+        self.calls = 0
+        self.rng = np.random.default_rng(0)
+
+    def run(self, names, feeds):
+        self.calls += 1
+        slot = len(self.feeds) if len(self.feeds) < self.limit else int(self.rng.integers(0, self.calls))
+        if slot < self.limit:
+            used = int(feeds[self.positions][0]) if self.positions in feeds else 0
+            item = {k: (np.array(v[:used]), v.shape) if k in self.kv_inputs else (np.array(v), None) for k, v in feeds.items()}
+            if slot == len(self.feeds):
+                self.feeds.append(item)
+            else:
+                self.feeds[slot] = item
+        return self.session.run(names, feeds)
+
+    def reader(self):
+        from onnxruntime.quantization import CalibrationDataReader
+
+        items = self.feeds
+
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                self.it = iter(items)
+
+            def get_next(self):
+                f = next(self.it, None)
+                if f is None:
+                    return None
+                out = {}
+                for k, (v, shape) in f.items():
+                    if shape is None:
+                        out[k] = v
+                    else:
+                        full = np.zeros(shape, v.dtype)
+                        full[: len(v)] = v
+                        out[k] = full
+                return out
+
+            def rewind(self):
+                self.it = iter(items)
+
+        return Reader()
+
+
+def kv_ranges(rec_rows: list[list[np.ndarray]], layers: int) -> dict[str, list[tuple[float, float]]]:
+    """Per-layer (min, max) of K and V rows, from graph outputs in output_names() order."""
+    k = [(np.inf, -np.inf)] * layers
+    v = [(np.inf, -np.inf)] * layers
+    for rows in rec_rows:
+        for i in range(layers):
+            for store, r in ((k, rows[2 * i]), (v, rows[2 * i + 1])):
+                lo, hi = store[i]
+                store[i] = (min(lo, float(r.min())), max(hi, float(r.max())))
+    return {"key": k, "value": v}
+
+
+def uint8_encoding(lo: float, hi: float) -> tuple[float, int]:
+    lo, hi = min(lo, 0.0), max(hi, 0.0)  # zero must be exact (empty slots, padding)
+    scale = max(hi - lo, 1e-8) / 255.0
+    return float(np.float32(scale)), int(np.clip(round(-lo / scale), 0, 255))
+
+
+class RowsRecorder(Recorder):
+    """Also keeps the KV rows every call returns (for the cache encodings)."""
+
+    def __init__(self, session, kv_inputs, limit, positions):
+        super().__init__(session, kv_inputs, limit, positions)
+        self.rows: list[list[np.ndarray]] = []
+
+    def run(self, names, feeds):
+        out = super().run(names, feeds)
+        self.rows.append(out[1:])
+        return out
+
+
+def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 64):
+    """Run the float bundle on samples; returns recorders for vision, prefill (hybrid) and decode (kv + generation)."""
+    from ..evaluate import prompt_embeds
+    from ..runtime.pipeline import VLM
+
+    vlm = VLM.load(float_bundle)
+    m = vlm.manifest
+    kv_in = {n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)}
+    pos = m.decoder.positions_input
+    rec = {
+        "vision": Recorder(vlm.bundle.sessions["vision"], set(), limit),
+        "prefill": RowsRecorder(vlm.bundle.sessions["prefill"], kv_in, limit, pos),
+        "decode": RowsRecorder(vlm.bundle.sessions["decode"], kv_in, limit, pos),
+    }
+    vlm.bundle.sessions["vision"] = rec["vision"]
+    vlm.engine.prefill_session, vlm.engine.decode_session = rec["prefill"], rec["decode"]
+    for image, prompt in samples:
+        for mode in ("hybrid", "kv"):
+            _, embeds = prompt_embeds(vlm, image, prompt)
+            for _ in vlm.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True):
+                pass
+    return rec
+
+
+PASS_THROUGH = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
+
+
+def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, str]) -> dict[str, tuple[float, int]]:
+    """Make the KV cache I/O uint8, returning each input's (scale, zero_point) as the graph has it.
+
+      input x (float) -> [Reshape…] -> QuantizeLinear -> q   becomes   input x (uint8) -> [Reshape…] -> q
+      … -> QuantizeLinear -> p -> DequantizeLinear -> output y  becomes   … -> QuantizeLinear -> output y (uint8)
+    (data movement commutes with a per-tensor encoding). outputs maps each output to the input whose
+    encoding it must have (rows a graph writes are read back by the same graph): that output's last
+    QuantizeLinear gets exactly the input's scale and zero point."""
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+
+    def consumers(t):
+        return [n for n in g.node if t in n.input]
+
+    def enc(node) -> tuple[float, int]:
+        return float(numpy_helper.to_array(inits[node.input[1]])), int(numpy_helper.to_array(inits[node.input[2]]))
+
+    found: dict[str, tuple[float, int]] = {}
+    drop = []
+    for name in inputs:
+        t, cs = name, consumers(name)
+        while len(cs) == 1 and cs[0].op_type in PASS_THROUGH:
+            t, cs = cs[0].output[0], consumers(cs[0].output[0])
+        if len(cs) != 1 or cs[0].op_type != "QuantizeLinear":
+            raise ValueError(f"KV input {name} does not reach a single QuantizeLinear through data-movement ops")
+        found[name] = enc(cs[0])
+        # canonical QDQ: uint8 input -> DequantizeLinear(its encoding) -> [Reshape…] -> QuantizeLinear -> …
+        deq = name + "_kv_dequantized"
+        for n in g.node:
+            for j, i in enumerate(n.input):
+                if i == name:
+                    n.input[j] = deq
+        g.node.insert(0, helper.make_node("DequantizeLinear", [name, cs[0].input[1], cs[0].input[2]], [deq],
+                                          name=name + "_kv_DequantizeLinear"))
+        next(v for v in g.input if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    for name, like in outputs.items():
+        dq = next((n for n in g.node if name in n.output), None)
+        q = next((n for n in g.node if dq is not None and dq.input[0] in n.output), None)
+        if dq is None or dq.op_type != "DequantizeLinear" or q is None or q.op_type != "QuantizeLinear":
+            raise ValueError(f"KV output {name} is not produced by QuantizeLinear -> DequantizeLinear")
+        scale, zp = found[like]
+        g.initializer.append(numpy_helper.from_array(np.array(scale, np.float32), f"{name}_kv_scale"))
+        g.initializer.append(numpy_helper.from_array(np.array(zp, np.uint8), f"{name}_kv_zero_point"))
+        q.input[1], q.input[2] = f"{name}_kv_scale", f"{name}_kv_zero_point"
+        drop.append(dq)
+        src = dq.input[0]
+        for n in g.node:
+            for j, o in enumerate(n.output):
+                if o == src:
+                    n.output[j] = name
+            for j, i in enumerate(n.input):
+                if i == src and n is not dq:
+                    n.input[j] = name
+        next(v for v in g.output if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    keep = [n for n in g.node if not any(n is d for d in drop)]
+    del g.node[:]
+    g.node.extend(keep)
+    del g.value_info[:]  # intermediate types changed (uint8 through the data-movement ops); ORT re-infers them
+    return found
+
+
+def quantize_graph(src: Path, dst: Path, reader, weight_bits: int, overrides: dict | None = None) -> None:
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    wtype = {8: QuantType.QUInt8, 4: QuantType.QInt4}[weight_bits]
+    with graphs._quiet():
+        cfg = get_qnn_qdq_config(str(src), reader, activation_type=QuantType.QUInt16, weight_type=wtype, per_channel=True,
+                                 init_overrides=overrides)
+        quantize(str(src), str(dst), cfg)
+
+
+def kv_overrides(enc: dict, m: mf.Manifest) -> dict:
+    """One uint8 encoding per layer for the cache input and the new-rows output of K and V."""
+    from onnxruntime.quantization import QuantType
+
+    out = {}
+    for i in range(m.kv.layers):
+        for kind, fin, fout in (("key", m.kv.key_input, m.kv.key_output), ("value", m.kv.value_input, m.kv.value_output)):
+            s, zp = enc[kind][i]
+            for name in (fin.format(layer=i), fout.format(layer=i)):
+                out[name] = [{"quant_type": QuantType.QUInt8, "scale": np.array(s, np.float32), "zero_point": np.array(zp, np.uint8)}]
+    return out
+
+
+def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int = 8, tokens: int = 8,
+                    soc_model: str | None = None, htp_arch: str | None = None, progress=None) -> mf.Manifest:
+    """float bundle -> HTP bundle in out_dir (graphs, data, manifest)."""
+    m = mf.load(float_dir)
+    rec = calibrate(float_dir, samples, tokens)
+    encodings = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gspecs = {}
+    for name in ("vision", "prefill", "decode"):
+        src = float_dir / m.graphs[name].file
+        full = out_dir / f"{name}.float.onnx"
+        model = onnx.load(str(src))  # with weights
+        onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=f"{name}.float.data", size_threshold=1024)
+        overrides = None
+        if name != "vision":
+            ranges = kv_ranges(rec[name].rows, m.kv.layers)
+            enc = {kind: [uint8_encoding(lo, hi) for lo, hi in ranges[kind]] for kind in ("key", "value")}
+            encodings[name] = {k: [[s, z] for s, z in v] for k, v in enc.items()}
+            overrides = kv_overrides(enc, m)
+        dst = out_dir / f"{name}.onnx"
+        quantize_graph(full, dst, rec[name].reader(), weight_bits, overrides)
+        os.remove(full)
+        os.remove(out_dir / f"{name}.float.data")
+        q = onnx.load(str(dst))
+        if name != "vision":
+            kin = [n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)]
+            kout = {fout.format(layer=i): fin.format(layer=i) for i in range(m.kv.layers)
+                    for fin, fout in ((m.kv.key_input, m.kv.key_output), (m.kv.value_input, m.kv.value_output))}
+            got = _cut_kv_edges(q, kin, kout)
+            for i in range(m.kv.layers):  # record the graph's own encodings
+                for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input)):
+                    encodings[name][kind][i] = list(got[fin.format(layer=i)])
+        graphs.rewrite(dst, q)
+        ins, outs = graphs.io_specs(dst)
+        gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=f"qdq-a16w{weight_bits}", inputs=ins, outputs=outs,
+                                    weights={"activations": "uint16", "weights": f"{'u' if weight_bits == 8 else ''}int{weight_bits} per-channel",
+                                             "calibration_calls": rec[name].calls})
+        if progress:
+            progress(name)
+    graphs.share_weights(out_dir, ["vision.onnx"], "vision.data")
+    graphs.share_weights(out_dir, ["prefill.onnx", "decode.onnx"], "decoder.data")
+    for f in ("embed.npy", "tokenizer.json") + ((m.decoder.embedding_scale_file,) if m.decoder.embedding_scale_file else ()):
+        shutil.copyfile(float_dir / f, out_dir / f)
+    files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]
+    if m.decoder.embedding_scale_file:
+        files.append(m.decoder.embedding_scale_file)
+    target = {"name": "htp", "soc_model": soc_model, "htp_arch": htp_arch}
+    return dataclasses.replace(
+        m, graphs=gspecs, kv=dataclasses.replace(m.kv, dtype="uint8", encodings=encodings), target=target,
+        files=mf.list_files(out_dir, files),
+    )
