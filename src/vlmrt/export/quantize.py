@@ -99,8 +99,11 @@ def weight_only(model: onnx.ModelProto, bits: int, *, include: list[str] | None 
     """MatMulNBits for constant-weight MatMuls (all, or only `include`, minus `exclude`)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    exclude = list(exclude or [])
+    if include is not None:  # the quantizer's own nodes_to_include does not restrict (ORT 1.32): exclude the rest
+        exclude += [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in include]
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=None,
-                             nodes_to_exclude=exclude or [], nodes_to_include=include)
+                             nodes_to_exclude=exclude)
     q.process()
     return q.model.model
 
