@@ -421,6 +421,25 @@ def hf_processor(ckpt: Path):
     )
 
 
+def greedy_new_ids(model, inputs, max_new_tokens: int, ignore_eos: bool) -> list[int]:
+    """transformers greedy `generate` on processor inputs; the new ids. generate() fills every unset
+    option from model.generation_config, so passing eos_token_id=None does not disable EOS: with
+    ignore_eos the model's generation config is swapped for one without EOS (plain argmax, no stop)."""
+    import torch
+
+    saved = model.generation_config
+    gen_config = copy.deepcopy(saved)
+    if ignore_eos:
+        gen_config.eos_token_id = None
+    model.generation_config = gen_config
+    try:
+        with torch.no_grad():
+            out = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
+    finally:
+        model.generation_config = saved
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
 def hf_generate(
     ckpt: Path,
     image: "Image.Image | None",
@@ -460,18 +479,5 @@ def hf_generate(
         tile = model.config.vision_config.image_size
         pixel_values = np.zeros((1, 0, 3, tile, tile), dtype=np.float32)
 
-    # generate() fills every unset (None) option from model.generation_config, so passing
-    # eos_token_id=None does not disable EOS: swap the model's generation config instead.
-    saved = model.generation_config
-    gen_config = copy.deepcopy(saved)
-    if ignore_eos:
-        gen_config.eos_token_id = None
-    model.generation_config = gen_config
-    try:
-        with torch.no_grad():
-            out = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
-    finally:
-        model.generation_config = saved
     prompt_ids = inputs["input_ids"][0].tolist()
-    new_ids = out[0, len(prompt_ids) :].tolist()
-    return prompt_ids, pixel_values, new_ids
+    return prompt_ids, pixel_values, greedy_new_ids(model, inputs, max_new_tokens, ignore_eos)

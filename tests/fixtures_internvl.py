@@ -27,7 +27,6 @@ string the original ``model.chat()`` builds from ``<image>\\n{question}``.
 
 from __future__ import annotations
 
-import copy
 import gzip
 import json
 import math
@@ -789,6 +788,9 @@ def hf_processor(ckpt: Path):
     )
 
 
+from fixtures import greedy_new_ids  # noqa: E402  (one reference generate for both families)
+
+
 def hf_generate(
     ckpt: Path,
     image: "Image.Image | None",
@@ -827,18 +829,5 @@ def hf_generate(
         tile = model.config.vision_config.image_size[0]
         pixel_values = np.zeros((0, 3, tile, tile), dtype=np.float32)
 
-    # generate() fills every unset (None) option from model.generation_config, so passing
-    # eos_token_id=None does not disable EOS: swap the model's generation config instead.
-    saved = model.generation_config
-    gen_config = copy.deepcopy(saved)
-    if ignore_eos:
-        gen_config.eos_token_id = None
-    model.generation_config = gen_config
-    try:
-        with torch.no_grad():
-            out = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
-    finally:
-        model.generation_config = saved
     prompt_ids = inputs["input_ids"][0].tolist()
-    new_ids = out[0, len(prompt_ids) :].tolist()
-    return prompt_ids, pixel_values, new_ids
+    return prompt_ids, pixel_values, greedy_new_ids(model, inputs, max_new_tokens, ignore_eos)

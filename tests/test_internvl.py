@@ -15,7 +15,6 @@ from conftest import IMAGES, image_file
 from vlmrt import cli
 from vlmrt.export.pipeline import export
 from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.engine import splice
 from vlmrt.runtime.pipeline import VLM
 
 pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ from PIL import Image
 
 from conftest import IMAGES, image_file
 from vlmrt import cli
-from vlmrt.manifest import ImageSpec, PromptSpec
+from vlmrt.manifest import ImageSpec
 from vlmrt.runtime import image as img_ops
 from vlmrt.runtime.pipeline import VLM
 
@@ -74,7 +74,6 @@ def test_text_only_and_eos_stop_equal_transformers(smolvlm, capsys):
 def test_first_logits_close_to_transformers(default_bundle):
     """The decoder graph's logits match transformers' to float32 rounding (measured max |diff| ~2e-6)."""
     import torch
-    from fixtures import hf_processor
 
     ex = default_bundle
     path = image_file("chelsea.png", None)

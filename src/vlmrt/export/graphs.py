@@ -16,7 +16,6 @@ import os
 import warnings
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
 from onnx import external_data_helper

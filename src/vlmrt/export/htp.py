@@ -137,9 +137,10 @@ PASS_THROUGH = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
 def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, str]) -> dict[str, tuple[float, int]]:
     """Make the KV cache I/O uint8, returning each input's (scale, zero_point) as the graph has it.
 
-      input x (float) -> [Reshape…] -> QuantizeLinear -> q   becomes   input x (uint8) -> [Reshape…] -> q
-      … -> QuantizeLinear -> p -> DequantizeLinear -> output y  becomes   … -> QuantizeLinear -> output y (uint8)
-    (data movement commutes with a per-tensor encoding). outputs maps each output to the input whose
+      input x (float) -> [Reshape…] -> Q -> …    becomes   input x (uint8) -> DQ -> [Reshape…] -> Q -> …
+      … -> Q -> p -> DQ -> output y              becomes   … -> Q -> output y (uint8)
+    The input keeps the canonical QDQ form (a DequantizeLinear right at the input): with the uint8
+    input fed straight into a Reshape, the QNN HTP backend misread the cache (seen on its simulator). outputs maps each output to the input whose
     encoding it must have (rows a graph writes are read back by the same graph): that output's last
     QuantizeLinear gets exactly the input's scale and zero point."""
     from onnx import numpy_helper
@@ -156,9 +157,9 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
     found: dict[str, tuple[float, int]] = {}
     drop = []
     for name in inputs:
-        t, cs = name, consumers(name)
+        cs = consumers(name)
         while len(cs) == 1 and cs[0].op_type in PASS_THROUGH:
-            t, cs = cs[0].output[0], consumers(cs[0].output[0])
+            cs = consumers(cs[0].output[0])
         if len(cs) != 1 or cs[0].op_type != "QuantizeLinear":
             raise ValueError(f"KV input {name} does not reach a single QuantizeLinear through data-movement ops")
         found[name] = enc(cs[0])
