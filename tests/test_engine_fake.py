@@ -132,3 +132,30 @@ def test_sampler_greedy_topk_topp_seed():
     assert seq1 == [s2(logits) for _ in range(20)]
     with pytest.raises(ValueError):
         SamplingConfig(top_p=0).validate()
+
+
+class CountingSession:
+    def __init__(self, inner, ctx):
+        self.inner, self.ctx, self.calls = inner, ctx, 0
+
+    def run(self, names, feeds):
+        assert feeds["past_key_0"].shape[0] == self.ctx and feeds["attention_mask"].shape[1] == self.ctx + feeds["inputs_embeds"].shape[0]
+        self.calls += 1
+        return self.inner.run(names, feeds)
+
+
+def test_context_buckets_change_cost_not_results():
+    """Smaller-context graphs serve steps whose cache fits them: the same tokens, fewer slots read."""
+    engine, fake = make_engine(max_context=24, ar=4)
+    prompt = list(np.random.default_rng(3).integers(1, V, 7))
+    want = list(engine.generate(engine.embed(prompt), mode="hybrid", max_new_tokens=12, ignore_eos=True))
+    small = {kind: CountingSession(fake, 8) for kind in ("prefill", "decode")}
+    mid = {kind: CountingSession(fake, 16) for kind in ("prefill", "decode")}
+    for kind in ("prefill", "decode"):
+        engine.buckets[kind] = [(8, small[kind]), (16, mid[kind])]
+    for mode in ("hybrid", "kv"):
+        got = list(engine.generate(engine.embed(prompt), mode=mode, max_new_tokens=12, ignore_eos=True))
+        assert got == want, mode
+    # hybrid: blocks at positions 0 and 4 read 8 slots; decode steps at 7, 8 read 8, 9..16 read 16, 17.. the full 24
+    assert small["prefill"].calls == 2 and mid["prefill"].calls == 0
+    assert small["decode"].calls > 0 and mid["decode"].calls > 0

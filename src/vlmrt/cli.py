@@ -18,9 +18,20 @@ def _export(a) -> int:
         calibration = calibration_set(a.calibration)
     out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
                  target=a.target, htp_weights=a.htp_weights, calibration=calibration, soc_model=a.soc_model,
-                 htp_arch=a.htp_arch, force=a.force, progress=not a.quiet)
+                 htp_arch=a.htp_arch, buckets=_buckets(a.buckets), force=a.force, progress=not a.quiet)
     print(out)
     return 0
+
+
+def _buckets(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    if text in ("", "none"):
+        return []
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--buckets takes comma-separated context sizes or 'none', not {text!r}") from None
 
 
 def _stats_report(r) -> str:
@@ -91,6 +102,26 @@ def _eval(a) -> int:
     return 0
 
 
+def _bench(a) -> int:
+    from .bench import bench
+
+    if a.runs < 1 or a.gen_tokens < 1 or a.prompt_tokens < 1:
+        raise ValueError("--runs, --gen-tokens and --prompt-tokens must be >= 1")
+    r = bench(a.bundle, image=a.image, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, runs=a.runs,
+              threads=a.threads, mode=a.mode, device=a.device)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"{r['bundle']}: {r['prompt_tokens']} prompt tokens, {r['generated_tokens']} generated, {r['runs']} runs, "
+          f"mode {r['mode']}, device {r['device']}, threads {r['threads'] or 'default'}   (min / median / max)")
+    for k, unit in (("load_s", "s"), ("preprocess_s", "s"), ("vision_s", "s"), ("ttft_s", "s"),
+                    ("prefill_tokens_per_s", "tok/s"), ("decode_ms_per_token", "ms"), ("decode_tokens_per_s", "tok/s")):
+        v = r[k]
+        print(f"  {k:22s} {v['min']:9.3f} {v['median']:9.3f} {v['max']:9.3f} {unit}")
+    print(f"  peak RSS               {r['peak_rss_mb']:.0f} MB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vlmrt", description="Export and run small vision-language models as static ONNX graphs.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -114,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: vlmrt's sample images and prompts")
     e.add_argument("--soc-model", default=None, help="HTP: Snapdragon SoC model id recorded for the QNN EP")
     e.add_argument("--htp-arch", default=None, help="HTP: DSP architecture (e.g. 73, 75) recorded for the QNN EP")
+    e.add_argument("--buckets", default=None,
+                   help="smaller decoder contexts exported too, so that steps cost what the context in use costs, "
+                        "e.g. 256,512 (default: powers of two from 128 below --max-seq-len; 'none')")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)
@@ -152,6 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=int, default=None)
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=_eval)
+
+    b = sub.add_parser("bench", help="timings of a bundle over repeated runs (min / median / max)")
+    b.add_argument("bundle")
+    b.add_argument("--image", default=None)
+    b.add_argument("--prompt-tokens", type=int, default=256, help="total prompt tokens incl. image (default 256)")
+    b.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run, EOS ignored (default 64)")
+    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+    b.add_argument("--mode", choices=["kv", "hybrid"], default="hybrid")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"])
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench)
     return ap
 
 

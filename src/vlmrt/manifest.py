@@ -132,6 +132,10 @@ class DecoderSpec:
     embedding_dtype: str  # float32 | float16 | int8 (then rows are scaled by embedding_scale_file [vocab])
     embedding_scale_file: str | None = None
     mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
+    # smaller-context copies of the decoder graphs, so that a step's cost follows the context in use:
+    # {"prefill": [[256, "prefill_256"], ...], "decode": [...]}, ascending; a step whose first position
+    # is <= ctx reads the cache prefix [:ctx]; the full graphs ("prefill", "decode") serve the rest
+    buckets: dict[str, list[list]] = field(default_factory=dict)
 
 
 @dataclass

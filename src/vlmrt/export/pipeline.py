@@ -94,12 +94,15 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
            quant: str | None = None, target: str = "cpu", htp_weights: int = 8, calibration: list | None = None,
-           soc_model: str | None = None, htp_arch: str | None = None, force: bool = False, progress: bool = True) -> Path:
+           soc_model: str | None = None, htp_arch: str | None = None, buckets: list[int] | None = None,
+           force: bool = False, progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static QDQ graphs (16-bit activations, htp_weights-bit weights) with a uint8 KV cache,
-    calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set)."""
+    calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set).
+    buckets: smaller decoder contexts to export as well (default: powers of two from 128 below the max
+    context; [] for none; HTP bundles have none yet)."""
     if target not in ("cpu", "htp"):
         raise ExportError(f"unknown target {target!r}; choose cpu or htp")
     if target == "htp" and (quant or dtype != "fp32"):
@@ -109,7 +112,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     p = Progress(9 if target == "htp" else 8, progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
-                       force=force, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
+                       force=force, buckets=[] if target == "htp" else buckets, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
                                              htp_arch=htp_arch) if target == "htp" else None)
     except BaseException:
         p.failed()
@@ -117,7 +120,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            quant: str | None, force: bool, htp: dict | None) -> Path:
+            quant: str | None, force: bool, buckets: list[int] | None, htp: dict | None) -> Path:
     import json
 
     import torch
@@ -150,6 +153,11 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         max_seq_len, ctx_note = family.default_max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
+    if buckets is None:
+        buckets = [b for b in (128, 256, 512, 1024, 2048, 4096) if b < max_seq_len]
+    buckets = sorted(set(buckets))
+    if any(b < 1 or b >= max_seq_len for b in buckets):
+        raise ExportError(f"context buckets must be between 1 and --max-seq-len - 1 ({max_seq_len - 1})")
     template = ckpt.chat_template()
     if not template:
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
@@ -175,19 +183,25 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
         graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, dtype, prec["vision"], tmp / "vision.onnx")
         p.done()
+        decoder_graphs = []
         for name, ar in (("prefill", prefill_ar), ("decode", 1)):
             h = head or prec[name]
-            p.start(f"{name} graph (AR={ar}, context {max_seq_len}, {t.layers} layers, {prec[name]}, lm head {h})")
-            graphs.export_decoder(decoder, ar=ar, max_context=max_seq_len, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
-                                  io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{name}.onnx")
+            ctxs = [c for c in buckets if c >= ar] + [max_seq_len]
+            p.start(f"{name} graph (AR={ar}, context {'/'.join(map(str, ctxs))}, {t.layers} layers, {prec[name]}, lm head {h})")
+            for ctx in ctxs:
+                gname = name if ctx == max_seq_len else f"{name}_{ctx}"
+                graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
+                                      io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{gname}.onnx")
+                decoder_graphs.append(gname)
             p.done()
         p.start("sharing weights between graphs")
         graphs.share_weights(tmp, ["vision.onnx"], "vision.data")
-        graphs.share_weights(tmp, ["prefill.onnx", "decode.onnx"], "decoder.data")
+        graphs.share_weights(tmp, [f"{g}.onnx" for g in decoder_graphs], "decoder.data")
         p.done()
         p.start("embedding table + tokenizer")
         dec_precs = {prec["prefill"], prec["decode"], head or prec["decode"]}
-        files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]
+        files = ["vision.onnx", "vision.data", *[f"{g}.onnx" for g in decoder_graphs], "decoder.data", "embed.npy",
+                 "tokenizer.json"]
         scale_file = None
         if dec_precs & set(quantize.WEIGHT_ONLY_BITS):  # host table per-row int8 (a lookup touches a few rows)
             q, scale = quantize.int8_rows(embed.numpy())
@@ -204,12 +218,14 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
 
         p.start("manifest")
         gspecs = {}
-        for name in ("vision", "prefill", "decode"):
-            ins, outs = graphs.io_specs(tmp / f"{name}.onnx")
+        for gname in ["vision", *decoder_graphs]:
+            name = gname.split("_")[0]
+            ins, outs = graphs.io_specs(tmp / f"{gname}.onnx")
             weights = {"block_size": quantize.BLOCK_SIZE, "symmetric": True} if prec[name] in quantize.WEIGHT_ONLY_BITS else {}
             if name != "vision":
                 weights["lm_head"] = head or prec[name]
-            gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
+            gspecs[gname] = mf.GraphSpec(file=f"{gname}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
+        bucket_map = {k: [[int(g.split("_")[1]), g] for g in decoder_graphs if g.startswith(k + "_")] for k in ("prefill", "decode")}
         image = host["image"]
         m = mf.Manifest(
             model={"family": family.__name__.rsplit(".", 1)[-1], "model_type": ckpt.config.get("model_type"),
@@ -230,7 +246,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
                                    mask_input="attention_mask", logits_output="logits",
                                    embedding_file="embed.npy", embedding_dtype=embed_dtype,
                                    embedding_scale_file=scale_file,
-                                   mask_value=htp_mod.HTP_MASK_VALUE if htp else None),
+                                   mask_value=htp_mod.HTP_MASK_VALUE if htp else None,
+                                   buckets={k: v for k, v in bucket_map.items() if v}),
             vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
             generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
             files=mf.list_files(tmp, files),

@@ -56,6 +56,8 @@ class Engine:
                  embed_table: np.ndarray, eos_ids: list[int], io_dtype: str = "float32",
                  embed_scale: np.ndarray | None = None):
         self.prefill_session, self.decode_session = prefill, decode
+        # (context, session) ascending, each smaller than max_context: see DecoderSpec.buckets
+        self.buckets: dict[str, list[tuple[int, Session]]] = {"prefill": [], "decode": []}
         self.kv_spec, self.dec = kv, dec
         self.embed_table = embed_table  # [vocab, hidden], usually a read-only memmap
         self.embed_scale = embed_scale  # [vocab] when the table is int8 rows
@@ -73,17 +75,25 @@ class Engine:
             return (rows.astype(np.float32) * self.embed_scale[ids][:, None]).astype(self.dtype)
         return np.asarray(rows, dtype=self.dtype)
 
-    def _step(self, session: Session, embeds: np.ndarray, ar: int) -> np.ndarray:
+    def _session(self, kind: str, pos: int) -> tuple[int, Session]:
+        """The graph of `kind` with the smallest context that holds positions 0..pos-1."""
+        for ctx, session in self.buckets[kind]:
+            if pos <= ctx:
+                return ctx, session
+        return self.kv_spec.max_context, self.prefill_session if kind == "prefill" else self.decode_session
+
+    def _step(self, kind: str, embeds: np.ndarray, ar: int) -> np.ndarray:
         """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab]."""
         n = embeds.shape[0]
         pos = self.cache.length
+        ctx, session = self._session(kind, pos)
         if n < ar:  # pad the last block; padded rows are computed and dropped
             embeds = np.concatenate([embeds, np.zeros((ar - n, embeds.shape[1]), embeds.dtype)])
         feeds = {
             self.dec.embeds_input: np.ascontiguousarray(embeds, dtype=self.dtype),
             self.dec.positions_input: np.arange(pos, pos + ar, dtype=np.int64),
-            self.dec.mask_input: attention_mask(pos, ar, self.kv_spec.max_context, self.dtype, neg=self.dec.mask_value),
-            **self.cache.feeds(),
+            self.dec.mask_input: attention_mask(pos, ar, ctx, self.dtype, neg=self.dec.mask_value),
+            **self.cache.feeds(ctx),
         }
         logits, *rows = session.run(self._out_names, feeds)
         self.cache.write(rows, n)
@@ -105,13 +115,13 @@ class Engine:
         if mode == "hybrid" and self.prefill_session is not None:
             ar = self.dec.prefill_ar
             for start in range(0, n, ar):
-                logits = self._step(self.prefill_session, prompt_embeds[start : start + ar], ar)
+                logits = self._step("prefill", prompt_embeds[start : start + ar], ar)
             enc = self.kv_spec.encodings
             if self.kv_requant and enc.get("prefill") and enc.get("decode"):
                 self.cache.requantize(enc["prefill"], enc["decode"])
         else:
             for i in range(n):
-                logits = self._step(self.decode_session, prompt_embeds[i : i + 1], 1)
+                logits = self._step("decode", prompt_embeds[i : i + 1], 1)
         return logits[-1]
 
     def score(self, prompt_embeds: np.ndarray, tokens: list[int], mode: str = "hybrid") -> np.ndarray:
@@ -120,7 +130,7 @@ class Engine:
         for t in tokens[:-1]:
             if self.cache.length >= self.kv_spec.max_context:
                 break
-            out.append(self._step(self.decode_session, self.embed([t]), 1)[-1])
+            out.append(self._step("decode", self.embed([t]), 1)[-1])
         return np.stack(out)
 
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
@@ -148,7 +158,7 @@ class Engine:
                 st.stop_reason = "context"
                 return
             t = time.perf_counter()
-            logits = self._step(self.decode_session, self.embed([token]), 1)[-1]
+            logits = self._step("decode", self.embed([token]), 1)[-1]
             token = sampler(logits)
             dt = time.perf_counter() - t
             st.decode_s += dt

@@ -41,12 +41,13 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0  # stale rows beyond length are masked, no need to clear
 
-    def feeds(self) -> dict[str, np.ndarray]:
+    def feeds(self, ctx: int | None = None) -> dict[str, np.ndarray]:
+        """The cache as graph inputs; ctx < max_context gives the prefix [:ctx] (a contiguous view, no copy)."""
         s = self.spec
         f = {}
         for i in range(s.layers):
-            f[s.key_input.format(layer=i)] = self.keys[i]
-            f[s.value_input.format(layer=i)] = self.values[i]
+            f[s.key_input.format(layer=i)] = self.keys[i][:ctx]
+            f[s.value_input.format(layer=i)] = self.values[i][:ctx]
         return f
 
     def output_names(self) -> list[str]:

@@ -71,6 +71,8 @@ class VLM:
             bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
             bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale,
         )
+        for kind, pairs in m.decoder.buckets.items():
+            self.engine.buckets[kind] = sorted((int(ctx), bundle.sessions[name]) for ctx, name in pairs)
         self.result = Result()
 
     @classmethod

@@ -1,0 +1,61 @@
+"""`vlmrt bench`: repeatable timings of one bundle, min / median / max over runs.
+
+Each run times model load (fresh sessions), image preprocessing, vision encode, prefill (time to
+first token from the start of the request) and decode (exactly --gen-tokens tokens, EOS ignored,
+so that runs compare), and the process's peak RSS. The prompt is the sample image (if any) plus a
+text padded to --prompt-tokens tokens in total.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from .runtime.pipeline import VLM, peak_rss_mb
+
+FILLER = "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. "
+
+
+def make_prompt(vlm: VLM, image, prompt_tokens: int) -> str:
+    """A text whose full templated prompt (with the image, if any) is at most prompt_tokens tokens, as close as words allow."""
+    from .runtime import image as img_ops
+
+    grid = img_ops.preprocess(img_ops.load_image(image), vlm.manifest.image).grid if image else None
+    text = ""
+    for word in (FILLER * (prompt_tokens // 8 + 1)).split():
+        if len(vlm.prompt_ids(text + word + " ", grid)) > prompt_tokens:
+            break
+        text += word + " "
+    return text
+
+
+def summarize(xs: list[float]) -> dict:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens: int = 64, runs: int = 3,
+          threads: int | None = None, mode: str = "hybrid", device: str = "cpu") -> dict:
+    rows = []
+    prompt = None
+    for _ in range(runs):
+        t = time.perf_counter()
+        vlm = VLM.load(path, device=device, threads=threads, verify=False)
+        load = time.perf_counter() - t
+        if prompt is None:
+            prompt = make_prompt(vlm, image, prompt_tokens)
+        r = vlm(prompt, image, mode=mode, max_new_tokens=gen_tokens, ignore_eos=True)
+        s = r.stats
+        rows.append({"load_s": load, "preprocess_s": s.preprocess_s, "vision_s": s.vision_s, "ttft_s": s.ttft_s,
+                     "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_ms_per_token": s.decode_ms_per_token,
+                     "decode_tokens_per_s": s.decode_tokens_per_s, "prompt_tokens": s.prompt_tokens,
+                     "generated_tokens": s.generated_tokens})
+        del vlm
+    keys = [k for k in rows[0] if k not in ("prompt_tokens", "generated_tokens")]
+    return {
+        "bundle": str(path), "mode": mode, "device": device, "threads": threads, "runs": runs,
+        "image": str(image) if image else None, "prompt_tokens": rows[0]["prompt_tokens"],
+        "generated_tokens": rows[0]["generated_tokens"],
+        **{k: summarize([r[k] for r in rows]) for k in keys},
+        "peak_rss_mb": peak_rss_mb(),
+    }
