@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--htp-arch", default=None, help="HTP: DSP architecture (e.g. 73, 75) recorded for the QNN EP")
     e.add_argument("--buckets", default=None,
                    help="smaller decoder contexts exported too, so that steps cost what the context in use costs, "
-                        "e.g. 256,512 (default: powers of two from 128 below --max-seq-len; 'none')")
+                        "e.g. 256,512 (default none; each costs one more session's copy of the weights for now)")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)

@@ -101,8 +101,8 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static QDQ graphs (16-bit activations, htp_weights-bit weights) with a uint8 KV cache,
     calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set).
-    buckets: smaller decoder contexts to export as well (default: powers of two from 128 below the max
-    context; [] for none; HTP bundles have none yet)."""
+    buckets: smaller decoder contexts to export as well (default none: each is one more ORT session
+    holding its own copy of the weights until sessions share initializers; HTP bundles have none yet)."""
     if target not in ("cpu", "htp"):
         raise ExportError(f"unknown target {target!r}; choose cpu or htp")
     if target == "htp" and (quant or dtype != "fp32"):
@@ -153,9 +153,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         max_seq_len, ctx_note = family.default_max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
-    if buckets is None:
-        buckets = [b for b in (128, 256, 512, 1024, 2048, 4096) if b < max_seq_len]
-    buckets = sorted(set(buckets))
+    buckets = sorted(set(buckets or []))
     if any(b < 1 or b >= max_seq_len for b in buckets):
         raise ExportError(f"context buckets must be between 1 and --max-seq-len - 1 ({max_seq_len - 1})")
     template = ckpt.chat_template()
