@@ -230,6 +230,10 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
     """float bundle -> HTP bundle in out_dir (graphs, data, manifest)."""
     m = mf.load(float_dir)
     rec = calibrate(float_dir, samples, tokens)
+    for name, r in rec.items():
+        if not r.feeds:
+            what = "images" if name == "vision" else "prompts"
+            raise ValueError(f"the calibration set has no {what}: the {name} graph cannot be calibrated")
     encodings = {}
     out_dir.mkdir(parents=True, exist_ok=True)
     gspecs = {}
