@@ -110,14 +110,16 @@ def test_htp_bundle_on_cpu_ep(tmp_path_factory, default_bundle):
         assert all(len(t["shape"]) == 2 for t in m["graphs"][g]["inputs"] if t["name"] != "position_ids")
     ops = {n.op_type for n in onnx.load(str(b / "decode.onnx"), load_external_data=False).graph.node}
     assert "QuantizeLinear" in ops and "MatMulNBits" not in ops
-    want = VLM.load(default_bundle.bundle)("What is in the image?", image_file("chelsea.png", None), max_new_tokens=4,
+    want = VLM.load(default_bundle.bundle)("What is in the image?", image_file("chelsea.png", None), max_new_tokens=2,
                                            ignore_eos=True).token_ids
     for mode in ("kv", "hybrid"):
-        got = VLM.load(b)("What is in the image?", image_file("chelsea.png", None), mode=mode, max_new_tokens=4,
+        got = VLM.load(b)("What is in the image?", image_file("chelsea.png", None), mode=mode, max_new_tokens=2,
                           ignore_eos=True).token_ids
-        assert got == want  # measured: the first 5 greedy tokens agree with fp32
-    r = run_eval(b, default_bundle.ckpt)  # measured: first-token 1.0, top-1 0.40, KL 0.104
-    assert r["first_token_match"] >= 0.85 and r["top1_agreement"] >= 0.35 and r["mean_kl"] < 0.15
+        assert got == want  # measured: the first 2 greedy tokens agree with fp32 (this random model is chaotic)
+    r = run_eval(b, default_bundle.ckpt)  # measured: first-token 1.0, top-1 0.884, KL 0.0061
+    assert r["first_token_match"] >= 0.85 and r["top1_agreement"] >= 0.84 and r["mean_kl"] < 0.012
+    r = run_eval(b, default_bundle.ckpt, mode="kv")  # measured: first-token 0.857, top-1 0.839, KL 0.011
+    assert r["first_token_match"] >= 0.8 and r["top1_agreement"] >= 0.8 and r["mean_kl"] < 0.02
 
 
 def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory):

@@ -27,25 +27,37 @@ HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask k
 
 class Recorder:
     """Wraps a session; keeps compact copies of the feeds of up to `limit` calls (reservoir sampling
-    over all calls), KV caches cut to their used rows (the rest is zeros when read back)."""
+    over all calls) plus every call that starts a sequence (positions < 4: the first tokens carry the
+    LLM's largest activations, and a range that misses them clips the attention sink), KV caches cut
+    to their used rows (the rest is zeros when read back)."""
 
     def __init__(self, session, kv_inputs: set[str], limit: int, positions: str = "position_ids"):
         self.session, self.kv_inputs, self.limit, self.positions = session, kv_inputs, limit, positions
-        self.feeds: list[dict] = []
+        self.first: list[dict] = []
+        self.sampled: list[dict] = []
         self.calls = 0
         self.rng = np.random.default_rng(0)
 
     def run(self, names, feeds):
         self.calls += 1
-        slot = len(self.feeds) if len(self.feeds) < self.limit else int(self.rng.integers(0, self.calls))
-        if slot < self.limit:
-            used = int(feeds[self.positions][0]) if self.positions in feeds else 0
-            item = {k: (np.array(v[:used]), v.shape) if k in self.kv_inputs else (np.array(v), None) for k, v in feeds.items()}
-            if slot == len(self.feeds):
-                self.feeds.append(item)
-            else:
-                self.feeds[slot] = item
+        used = int(feeds[self.positions][0]) if self.positions in feeds else 0
+
+        def item():
+            return {k: (np.array(v[:used]), v.shape) if k in self.kv_inputs else (np.array(v), None) for k, v in feeds.items()}
+
+        if self.positions in feeds and used < 4:
+            self.first.append(item())
+        else:
+            slot = len(self.sampled) if len(self.sampled) < self.limit else int(self.rng.integers(0, self.calls))
+            if slot == len(self.sampled):
+                self.sampled.append(item())
+            elif slot < self.limit:
+                self.sampled[slot] = item()
         return self.session.run(names, feeds)
+
+    @property
+    def feeds(self) -> list[dict]:
+        return self.first + self.sampled
 
     def reader(self):
         from onnxruntime.quantization import CalibrationDataReader
