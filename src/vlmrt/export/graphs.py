@@ -68,11 +68,12 @@ def io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 
 class CastIO(torch.nn.Module):
-    """Run `inner` in compute dtype behind graph I/O in io dtype (float tensors only)."""
+    """Run `inner` in compute dtype behind graph I/O in io dtype (float tensors only).
+    Casts `inner` in place: callers pass their own copy."""
 
     def __init__(self, inner: torch.nn.Module, compute: torch.dtype, io: torch.dtype):
         super().__init__()
-        self.inner, self.compute, self.io = copy.deepcopy(inner).to(compute), compute, io
+        self.inner, self.compute, self.io = inner.to(compute), compute, io
 
     def forward(self, *args):
         args = [a.to(self.compute) if a.is_floating_point() else a for a in args]
@@ -92,7 +93,8 @@ def export_vision(vision: torch.nn.Module, patches: int, patch_dim: int, io_dtyp
 
     io = TORCH_DTYPES[io_dtype]
     x = torch.zeros(patches, patch_dim, dtype=io)
-    export_graph(CastIO(vision, TORCH_DTYPES[compute_dtype(precision, io_dtype)], io), (x,), ["pixel_patches"], ["image_embeds"], path)
+    module = CastIO(copy.deepcopy(vision), TORCH_DTYPES[compute_dtype(precision, io_dtype)], io)
+    export_graph(module, (x,), ["pixel_patches"], ["image_embeds"], path)
     if precision in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
             rewrite(path, quantize.quantize_vision(onnx.load(str(path)), precision))
@@ -111,7 +113,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     from . import quantize
 
     dt = TORCH_DTYPES[io_dtype]
-    decoder = copy.deepcopy(decoder)
+    decoder = copy.deepcopy(decoder)  # the one copy: CastIO casts it, the rope table is resized on it
     decoder.rope_table(max_context + ar)  # positions of a step: pos..pos+ar-1 with pos < max_context
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import decoder, layers
+from . import decoder, layers, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -308,9 +308,6 @@ def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
 
 
 # --- what the runtime needs besides graphs ------------------------------------------------------
-PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
-
-
 def _token_id(tok_json: dict, token: str) -> int | None:
     for t in tok_json.get("added_tokens", []):
         if t["content"] == token:
@@ -346,7 +343,7 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> dict[str, Any]:
         "tiling": "closest_aspect_grid",
         "tile_size": tile,
         "patch_size": cfg.vision.patch_size,
-        "resample": PIL_RESAMPLE[resample] if isinstance(resample, int) else str(resample).lower(),
+        "resample": resample_name(resample),
         "rescale_factor": pp.get("rescale_factor", 1 / 255),
         "mean": pp.get("image_mean", IMAGENET_MEAN),
         "std": pp.get("image_std", IMAGENET_STD),

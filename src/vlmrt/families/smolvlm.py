@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import decoder, layers
+from . import decoder, layers, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
 
 
@@ -164,9 +164,6 @@ def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> tuple[
 
 
 # --- what the runtime needs besides graphs: host preprocessing, prompt, special tokens --------
-PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
-
-
 def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> dict[str, Any]:
     """Image/prompt/special-token parameters from the checkpoint's processor files.
 
@@ -186,7 +183,7 @@ def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> dict[str, Any]:
         "tiling": "longest_edge_grid",
         "tile_size": tile,
         "patch_size": cfg.vision.patch_size,
-        "resample": PIL_RESAMPLE[resample] if isinstance(resample, int) else str(resample).lower(),
+        "resample": resample_name(resample),
         "rescale_factor": pp.get("rescale_factor", 1 / 255),
         "mean": pp.get("image_mean", [0.5, 0.5, 0.5]),
         "std": pp.get("image_std", [0.5, 0.5, 0.5]),
