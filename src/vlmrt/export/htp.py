@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from . import graphs
+from . import fuse, graphs
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
@@ -252,7 +252,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
     for name in ("vision", "prefill", "decode"):
         src = float_dir / m.graphs[name].file
         full = out_dir / f"{name}.float.onnx"
-        model = onnx.load(str(src))  # with weights
+        model, fused = fuse.prepare_for_qdq(onnx.load(str(src)))  # with weights; RMSNorm as one op
         onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=f"{name}.float.data", size_threshold=1024)
         overrides = None
@@ -278,7 +278,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
         ins, outs = graphs.io_specs(dst)
         gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=f"qdq-a16w{weight_bits}", inputs=ins, outputs=outs,
                                     weights={"activations": "uint16", "weights": f"{'u' if weight_bits == 8 else ''}int{weight_bits} per-channel",
-                                             "calibration_calls": rec[name].calls})
+                                             "calibration_calls": rec[name].calls, "fused_rms_norms": fused})
         if progress:
             progress(name)
     graphs.share_weights(out_dir, ["vision.onnx"], "vision.data")
