@@ -143,10 +143,10 @@ def test_htp_bundle_on_cpu_ep(tmp_path_factory, default_bundle):
         got = VLM.load(b)("What is in the image?", image_file("chelsea.png", None), mode=mode, max_new_tokens=2,
                           ignore_eos=True).token_ids
         assert got == want  # measured: the first 2 greedy tokens agree with fp32 (this random model is chaotic)
-    r = run_eval(b, default_bundle.ckpt)  # measured: first-token 1.0, top-1 0.884, KL 0.0061
-    assert r["first_token_match"] >= 0.85 and r["top1_agreement"] >= 0.84 and r["mean_kl"] < 0.012
-    r = run_eval(b, default_bundle.ckpt, mode="kv")  # measured: first-token 0.857, top-1 0.839, KL 0.011
-    assert r["first_token_match"] >= 0.8 and r["top1_agreement"] >= 0.8 and r["mean_kl"] < 0.02
+    r = run_eval(b, default_bundle.ckpt)  # measured: first-token 1.0, top-1 0.884, KL 0.0045 (0.0061 before RMSNorm fusion)
+    assert r["first_token_match"] >= 0.85 and r["top1_agreement"] >= 0.84 and r["mean_kl"] < 0.009
+    r = run_eval(b, default_bundle.ckpt, mode="kv")  # measured: first-token 0.857, top-1 0.839, KL 0.0085 (0.011 before)
+    assert r["first_token_match"] >= 0.8 and r["top1_agreement"] >= 0.8 and r["mean_kl"] < 0.017
 
 
 def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory):
