@@ -183,3 +183,25 @@ def test_too_many_tiles_says_which_flag(tmp_path_factory, tmp_path, capsys):
     assert rc == 1 and len(err) == 1 and "--max-tiles" in err[0] and "--max-seq-len" in err[0], err
     got = cli_json(capsys, b, "--image", image_file("page.png", None), "--prompt", "Hi", "--max-tiles", 1, "--max-new-tokens", 2)
     assert got["stats"]["image_tiles"] == 1
+
+
+def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
+    """--target htp on the InternVL3.5-style fixture (Qwen3 q/k norms, RMSNorm ViT): every RMSNorm is fused,
+    the bundle tracks the float reference on the CPU EP, and every graph loads and runs on the HTP simulator
+    with CPU fallback disabled."""
+    from vlmrt import evaluate
+    from vlmrt.runtime.pipeline import VLM
+
+    case = CASES[2]
+    ex = exported(case, tmp_path_factory)
+    b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl-htp") / "b", prefill_ar=case.prefill_ar, target="htp", progress=False)
+    m = json.loads((b / "manifest.json").read_text())
+    # vision: 2 layers x (norm1, norm2, q norm, k norm); decoder: 2 layers x (input, post-attention, q, k) + final
+    assert {k: g["weights"]["fused_rms_norms"] for k, g in m["graphs"].items()} == {"vision": 8, "prefill": 9, "decode": 9}
+    v = VLM.load(b)
+    r = evaluate.evaluate(v, evaluate.load_reference(ex.ckpt, v), evaluate.default_samples(), tokens=16)
+    assert r["top1_agreement"] >= 0.82 and r["mean_kl"] < 0.012  # measured: top-1 0.862, KL 0.0062
+    pytest.importorskip("onnxruntime_qnn")
+    npu = VLM.load(b, device="htp")
+    out = npu("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True)
+    assert len(out.token_ids) == 3

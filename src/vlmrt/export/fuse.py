@@ -105,6 +105,10 @@ def fuse_rms_norm(model: onnx.ModelProto) -> int:
             nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    dead = [init for init in g.initializer if init.name not in used]  # the chains' 2.0 / eps constants
+    for init in dead:
+        g.initializer.remove(init)
     return len(new)
 
 
