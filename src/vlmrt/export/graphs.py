@@ -152,7 +152,13 @@ def share_weights(folder: Path, graph_files: list[str], data_file: str, min_byte
                         f.seek(int(info.get("offset", 0)))
                         raw = f.read(int(info["length"]))
                 else:
-                    raw = onnx.numpy_helper.to_array(init).tobytes()
+                    # raw_data is the stored layout (4-bit tensors packed two per byte); to_array would unpack them
+                    if init.HasField("raw_data"):
+                        raw = init.raw_data
+                    elif init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+                        continue  # typed-field 4-bit data: left in the graph
+                    else:
+                        raw = onnx.numpy_helper.to_array(init).tobytes()
                     if len(raw) < min_bytes:
                         continue
                 key = hashlib.sha256(raw + repr((init.data_type, tuple(init.dims))).encode()).hexdigest()

@@ -52,6 +52,9 @@ def default_threads() -> int:
     return max(1, min(n, avail) if n else avail)
 
 
+PACKED_4BIT = (22, 21)  # onnx.TensorProto.INT4, UINT4 (the HTP target's --htp-weights 4)
+
+
 class SharedWeights:
     """Graph initializers kept in the bundle's data files, memory-mapped once and handed to every
     session as OrtValues over the mapping (SessionOptions.add_initializer): the prefill, decode and
@@ -72,8 +75,8 @@ class SharedWeights:
         model = onnx.load(str(graph_path), load_external_data=False)
         out = {}
         for init in model.graph.initializer:
-            if not external_data_helper.uses_external_data(init):
-                continue
+            if not external_data_helper.uses_external_data(init) or init.data_type in PACKED_4BIT:
+                continue  # 4-bit tensors are packed two per byte (no numpy dtype): ORT reads those itself
             info = {e.key: e.value for e in init.external_data}
             loc, off, n = info["location"], int(info.get("offset", 0)), int(info["length"])
             dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
