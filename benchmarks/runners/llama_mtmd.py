@@ -1,0 +1,37 @@
+"""llama.cpp's multimodal path (libmtmd through llama-cpp-python's MTMDChatHandler): one image + a question,
+then M tokens with EOS suppressed. Prints one JSON line; libmtmd's own timings go to stderr (verbose), where
+compare.py reads the vision-encode time per slice.
+
+    python llama_mtmd.py TEXT_GGUF MMPROJ_GGUF IMAGE THREADS GEN_TOKENS PROMPT
+"""
+import base64
+import json
+import mimetypes
+import resource
+import sys
+import time
+
+from llama_cpp import Llama
+from llama_cpp.llama_chat_format import MTMDChatHandler
+
+gguf, mmproj, image, threads, n_gen, prompt = sys.argv[1:7]
+threads, n_gen = int(threads), int(n_gen)
+t = time.perf_counter()
+handler = MTMDChatHandler(clip_model_path=mmproj, verbose=True, use_gpu=False)
+llm = Llama(model_path=gguf, chat_handler=handler, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
+            verbose=True)
+load = time.perf_counter() - t
+mime = mimetypes.guess_type(image)[0] or "image/png"
+url = f"data:{mime};base64," + base64.b64encode(open(image, "rb").read()).decode()
+messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": prompt}]}]
+eos = {str(i): -1e9 for i in {llm.token_eos(), *[i for i in (49279,) if i < llm.n_vocab()]}}
+t0 = time.perf_counter()
+first = None
+for chunk in llm.create_chat_completion(messages=messages, max_tokens=n_gen, temperature=0.0, stream=True, logit_bias=eos):
+    if first is None and chunk["choices"][0]["delta"].get("content"):
+        first = time.perf_counter()
+end = time.perf_counter()
+# tokens generated: llama keeps the prompt + generated ids in input_ids[:n_tokens]
+n_out = n_gen
+print(json.dumps({"load_s": load, "ttft_s": first - t0, "decode_tokens_per_s": (n_out - 1) / (end - first),
+                  "n_tokens": llm.n_tokens, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
