@@ -60,9 +60,10 @@ def spread(runs: list[dict], keys=("ttft_s", "decode_tokens_per_s")) -> dict:
     return out
 
 
-def vlmrt_bench(bundle: Path, a, mode: str, image: Path | None = None, prompt_tokens: int | None = None) -> dict:
+def vlmrt_bench(bundle: Path, a, mode: str, image: Path | None = None, prompt_tokens: int | None = None,
+                runs: int | None = None) -> dict:
     args = [sys.executable, "-m", "vlmrt.cli", "bench", bundle, "--prompt-tokens", prompt_tokens or a.prompt_tokens,
-            "--gen-tokens", a.gen_tokens, "--runs", a.runs, "--threads", a.threads, "--mode", mode, "--json"]
+            "--gen-tokens", a.gen_tokens, "--runs", runs or a.runs, "--threads", a.threads, "--mode", mode, "--json"]
     if image:
         args += ["--image", image]
     r = run_json(args, env={"PYTHONPATH": str(ROOT / "src")})
@@ -70,6 +71,7 @@ def vlmrt_bench(bundle: Path, a, mode: str, image: Path | None = None, prompt_to
            ("ttft_s", "decode_tokens_per_s", "vision_s", "preprocess_s", "host_overhead_ms_per_step", "load_s")}
     res["peak_rss_mb"] = r["peak_rss_mb"]
     res["prompt_tokens"] = r["prompt_tokens"]
+    res["tiles"] = r.get("image_tiles")
     return res
 
 
@@ -154,9 +156,10 @@ def image_rows(a, work: Path, notes: list) -> list[dict]:
         try:
             text_gguf, mmproj = compare_gguf.convert(ckpt, work / "gguf-256m", log=work / "convert.log")
             runs = []
-            for i in range(a.runs):
+            for i in range(a.image_runs):
                 r = runner("llama_mtmd.py", text_gguf, mmproj, a.image, a.threads, a.gen_tokens, prompt)
                 r.update(compare_gguf.mtmd_timings(r.pop("_stderr")))
+                r["prompt_tokens"] = r.get("prompt_tokens") or r.get("prompt_tokens_from_ctx")
                 runs.append(r)
             rows.append({"name": "llama.cpp mtmd (f16 text + f16 mmproj)", "group": "llama.cpp",
                          **spread(runs, ("ttft_s", "decode_tokens_per_s", "vision_s")),
@@ -165,7 +168,7 @@ def image_rows(a, work: Path, notes: list) -> list[dict]:
             notes.append(f"llama.cpp mtmd failed: {e}")
     for quant in a.image_precisions.split(","):
         b = export(ckpt, work / f"b256-{quant.replace('=', '-').replace(',', '_')}", quant, None)
-        r = vlmrt_bench(b, a, "hybrid", image=a.image, prompt_tokens=a.image_prompt_tokens)
+        r = vlmrt_bench(b, a, "hybrid", image=a.image, prompt_tokens=a.image_prompt_tokens, runs=a.image_runs)
         rows.append({"name": f"vlmrt {quant} (hybrid)", "group": "vlmrt", **r})
     return rows
 
@@ -182,6 +185,7 @@ def main() -> None:
                     help="vlmrt text rows; PREC@C1+C2 adds decoder context buckets C1, C2 (export --buckets)")
     ap.add_argument("--kv-precisions", default="w4a16,w4a8", help="precisions also measured in kv mode")
     ap.add_argument("--image", default=str(ROOT / "tests" / "assets" / "chelsea.png"))
+    ap.add_argument("--image-runs", type=int, default=2, help="runs of each image row (default 2)")
     ap.add_argument("--image-prompt-tokens", type=int, default=900, help="vlmrt image prompt budget (image + text)")
     ap.add_argument("--image-precisions", default="vision=fp32,prefill=w4a8,decode=w4a8")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=BUNDLE",

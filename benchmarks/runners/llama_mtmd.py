@@ -31,7 +31,6 @@ for chunk in llm.create_chat_completion(messages=messages, max_tokens=n_gen, tem
     if first is None and chunk["choices"][0]["delta"].get("content"):
         first = time.perf_counter()
 end = time.perf_counter()
-# tokens generated: llama keeps the prompt + generated ids in input_ids[:n_tokens]
-n_out = n_gen
-print(json.dumps({"load_s": load, "ttft_s": first - t0, "decode_tokens_per_s": (n_out - 1) / (end - first),
-                  "n_tokens": llm.n_tokens, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# EOS is suppressed, so all n_gen tokens are generated; the last one is sampled but never evaluated
+print(json.dumps({"load_s": load, "ttft_s": first - t0, "decode_tokens_per_s": (n_gen - 1) / (end - first),
+                  "n_tokens": llm.n_tokens, "prompt_tokens_from_ctx": llm.n_tokens - (n_gen - 1), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

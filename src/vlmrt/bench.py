@@ -52,14 +52,14 @@ def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens:
                      "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_ms_per_token": s.decode_ms_per_token,
                      "decode_tokens_per_s": s.decode_tokens_per_s,
                      "host_overhead_ms_per_step": vlm.engine.last.host_overhead_ms_per_step,
-                     "prompt_tokens": s.prompt_tokens,
+                     "prompt_tokens": s.prompt_tokens, "image_tiles": s.image_tiles,
                      "generated_tokens": s.generated_tokens})
         del vlm
-    keys = [k for k in rows[0] if k not in ("prompt_tokens", "generated_tokens")]
+    keys = [k for k in rows[0] if k not in ("prompt_tokens", "generated_tokens", "image_tiles")]
     return {
         "bundle": str(path), "mode": mode, "device": device, "threads": threads or default_threads(), "runs": runs,
         "image": str(image) if image else None, "prompt_tokens": rows[0]["prompt_tokens"],
-        "generated_tokens": rows[0]["generated_tokens"],
+        "generated_tokens": rows[0]["generated_tokens"], "image_tiles": rows[0]["image_tiles"],
         **{k: summarize([r[k] for r in rows]) for k in keys},
         "peak_rss_mb": peak_rss_mb(),
     }
