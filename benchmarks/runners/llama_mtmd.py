@@ -14,10 +14,24 @@ import time
 from llama_cpp import Llama
 from llama_cpp.llama_chat_format import MTMDChatHandler
 
+# SmolVLM's chat template (its processor's), over the handler's content parts: an image part arrives as a text
+# part holding libmtmd's media marker. (The text GGUF carries the SmolLM2 string template, which cannot take parts.)
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+class SmolVLMHandler(MTMDChatHandler):
+    def _get_chat_template(self, llama_model):
+        return SMOLVLM_TEMPLATE
+
+
 gguf, mmproj, image, threads, n_gen, prompt = sys.argv[1:7]
 threads, n_gen = int(threads), int(n_gen)
 t = time.perf_counter()
-handler = MTMDChatHandler(clip_model_path=mmproj, verbose=True, use_gpu=False)
+handler = SmolVLMHandler(clip_model_path=mmproj, verbose=True, use_gpu=False)
 llm = Llama(model_path=gguf, chat_handler=handler, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
             verbose=True)
 load = time.perf_counter() - t
