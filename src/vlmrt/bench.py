@@ -2,8 +2,9 @@
 
 Each run times model load (fresh sessions), image preprocessing, vision encode, prefill (time to
 first token from the start of the request) and decode (exactly --gen-tokens tokens, EOS ignored,
-so that runs compare), and the process's peak RSS. The prompt is the sample image (if any) plus a
-text padded to --prompt-tokens tokens in total.
+so that runs compare), the host (Python) time per decode step outside the graph call, and the
+process's peak RSS. The prompt is the sample image (if any) plus a text padded to --prompt-tokens
+tokens in total.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
+from .runtime.bundle import default_threads
 from .runtime.pipeline import VLM, peak_rss_mb
 
 FILLER = "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. "
@@ -48,14 +50,16 @@ def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens:
         s = r.stats
         rows.append({"load_s": load, "preprocess_s": s.preprocess_s, "vision_s": s.vision_s, "ttft_s": s.ttft_s,
                      "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_ms_per_token": s.decode_ms_per_token,
-                     "decode_tokens_per_s": s.decode_tokens_per_s, "prompt_tokens": s.prompt_tokens,
+                     "decode_tokens_per_s": s.decode_tokens_per_s,
+                     "host_overhead_ms_per_step": vlm.engine.last.host_overhead_ms_per_step,
+                     "prompt_tokens": s.prompt_tokens, "image_tiles": s.image_tiles,
                      "generated_tokens": s.generated_tokens})
         del vlm
-    keys = [k for k in rows[0] if k not in ("prompt_tokens", "generated_tokens")]
+    keys = [k for k in rows[0] if k not in ("prompt_tokens", "generated_tokens", "image_tiles")]
     return {
-        "bundle": str(path), "mode": mode, "device": device, "threads": threads, "runs": runs,
+        "bundle": str(path), "mode": mode, "device": device, "threads": threads or default_threads(), "runs": runs,
         "image": str(image) if image else None, "prompt_tokens": rows[0]["prompt_tokens"],
-        "generated_tokens": rows[0]["generated_tokens"],
+        "generated_tokens": rows[0]["generated_tokens"], "image_tiles": rows[0]["image_tiles"],
         **{k: summarize([r[k] for r in rows]) for k in keys},
         "peak_rss_mb": peak_rss_mb(),
     }

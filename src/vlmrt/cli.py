@@ -115,7 +115,8 @@ def _bench(a) -> int:
     print(f"{r['bundle']}: {r['prompt_tokens']} prompt tokens, {r['generated_tokens']} generated, {r['runs']} runs, "
           f"mode {r['mode']}, device {r['device']}, threads {r['threads'] or 'default'}   (min / median / max)")
     for k, unit in (("load_s", "s"), ("preprocess_s", "s"), ("vision_s", "s"), ("ttft_s", "s"),
-                    ("prefill_tokens_per_s", "tok/s"), ("decode_ms_per_token", "ms"), ("decode_tokens_per_s", "tok/s")):
+                    ("prefill_tokens_per_s", "tok/s"), ("decode_ms_per_token", "ms"), ("decode_tokens_per_s", "tok/s"),
+                    ("host_overhead_ms_per_step", "ms")):
         v = r[k]
         print(f"  {k:22s} {v['min']:9.3f} {v['median']:9.3f} {v['max']:9.3f} {unit}")
     print(f"  peak RSS               {r['peak_rss_mb']:.0f} MB")
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "room for the default max tiles for InternVL)")
     e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="graph I/O and KV cache type (default fp32)")
     e.add_argument("--quant", default=None,
-                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8 for all graphs, or per graph, e.g. "
+                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8 for all graphs, or per graph, e.g. "
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype)")
     e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
                    help="htp: static QDQ graphs for the Qualcomm NPU (16-bit activations, uint8 KV cache)")

@@ -109,11 +109,17 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 
 def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
-                   precision: str, head: str, path: Path) -> None:
-    from . import quantize
+                   precision: str, head: str, path: Path, cpu: bool = True) -> None:
+    """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): the AR=1 step reads
+    the cache without copying it (CachedGQAttention._decode_step) and RMSNorm chains become one fused op."""
+    from . import cpu_graph, quantize
+    from ..families.layers import CachedGQAttention
 
     dt = TORCH_DTYPES[io_dtype]
     decoder = copy.deepcopy(decoder)  # the one copy: CastIO casts it, the rope table is resized on it
+    for mod in decoder.modules():
+        if isinstance(mod, CachedGQAttention):
+            mod.copy_free_decode = cpu
     decoder.rope_table(max_context + ar)  # positions of a step: pos..pos+ar-1 with pos < max_context
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
@@ -128,6 +134,10 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
             rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits"))
+    if cpu:
+        model = onnx.load(str(path))
+        if cpu_graph.fuse_rmsnorm(model):
+            rewrite(path, model)
 
 
 def share_weights(folder: Path, graph_files: list[str], data_file: str, min_bytes: int = 1024) -> None:

@@ -189,7 +189,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
             for ctx in ctxs:
                 gname = name if ctx == max_seq_len else f"{name}_{ctx}"
                 graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
-                                      io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{gname}.onnx")
+                                      io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{gname}.onnx",
+                                      cpu=htp is None)
                 decoder_graphs.append(gname)
             p.done()
         p.start("sharing weights between graphs")

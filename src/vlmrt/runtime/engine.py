@@ -18,6 +18,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from ..manifest import DecoderSpec, KVSpec
+from . import binding
 from .kv_cache import KVCache, attention_mask
 from .sampler import Sampler, SamplingConfig
 
@@ -40,6 +41,13 @@ class GenerationStats:
     decode_s: float = 0.0  # all later decoder steps
     stop_reason: str = ""  # "eos" | "length" | "context"
     step_times: list[float] = field(default_factory=list)
+    decode_run_s: float = 0.0  # the part of decode_s spent inside the graph call (session.run)
+
+    @property
+    def host_overhead_ms_per_step(self) -> float:
+        """Decode time per step outside the graph call: embedding lookup, feeds, KV write, sampling."""
+        steps = len(self.step_times)
+        return 1000 * (self.decode_s - self.decode_run_s) / steps if steps else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -59,7 +67,9 @@ class Engine:
         # (context, session) ascending, each smaller than max_context: see DecoderSpec.buckets
         self.buckets: dict[str, list[tuple[int, Session]]] = {"prefill": [], "decode": []}
         self.kv_spec, self.dec = kv, dec
-        self.embed_table = embed_table  # [vocab, hidden], usually a read-only memmap
+        # [vocab, hidden], usually a read-only memmap: indexed as a plain ndarray over the same mapping (np.memmap's
+        # __getitem__ costs ~5 % of a decode step's host time in py-spy)
+        self.embed_table = embed_table.view(np.ndarray) if isinstance(embed_table, np.memmap) else embed_table
         self.embed_scale = embed_scale  # [vocab] when the table is int8 rows
         self.eos = set(eos_ids)
         self.dtype = np.dtype(io_dtype)
@@ -67,6 +77,8 @@ class Engine:
         self.kv_requant = True  # hybrid mode with per-graph uint8 KV encodings: convert prefill's rows for decode
         self.last = GenerationStats()
         self._out_names = [dec.logits_output, *self.cache.output_names()]
+        self._bound: dict[tuple[int, int], binding.BoundStep] = {}  # id(session), ar -> I/O-bound step
+        self.run_s = 0.0  # time inside graph calls, accumulated
 
     def embed(self, ids: list[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
@@ -83,10 +95,21 @@ class Engine:
         return self.kv_spec.max_context, self.prefill_session if kind == "prefill" else self.decode_session
 
     def _step(self, kind: str, embeds: np.ndarray, ar: int) -> np.ndarray:
-        """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab]."""
+        """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab].
+        With I/O binding the logits are a view of a buffer that the next step of the same graph overwrites."""
         n = embeds.shape[0]
         pos = self.cache.length
         ctx, session = self._session(kind, pos)
+        if binding.enabled(session):
+            step = self._bound.get((id(session), ar))
+            if step is None:
+                step = self._bound[(id(session), ar)] = binding.BoundStep(session, self.dec, self.cache, ctx, ar,
+                                                                          self.dec.mask_value)
+            t = time.perf_counter()
+            logits = step(embeds, pos)
+            self.run_s += time.perf_counter() - t
+            self.cache.write_block(step.rows, n)
+            return logits[:n]
         if n < ar:  # pad the last block; padded rows are computed and dropped
             embeds = np.concatenate([embeds, np.zeros((ar - n, embeds.shape[1]), embeds.dtype)])
         feeds = {
@@ -95,7 +118,9 @@ class Engine:
             self.dec.mask_input: attention_mask(pos, ar, ctx, self.dtype, neg=self.dec.mask_value),
             **self.cache.feeds(ctx),
         }
+        t = time.perf_counter()
         logits, *rows = session.run(self._out_names, feeds)
+        self.run_s += time.perf_counter() - t
         self.cache.write(rows, n)
         return logits[:n]
 
@@ -126,11 +151,11 @@ class Engine:
 
     def score(self, prompt_embeds: np.ndarray, tokens: list[int], mode: str = "hybrid") -> np.ndarray:
         """Teacher forcing: logits [len(tokens), vocab], row i predicting tokens[i] after prompt + tokens[:i]."""
-        out = [self.prefill(prompt_embeds, mode)]
+        out = [self.prefill(prompt_embeds, mode).copy()]  # copies: bound steps reuse their logits buffer
         for t in tokens[:-1]:
             if self.cache.length >= self.kv_spec.max_context:
                 break
-            out.append(self._step("decode", self.embed([t]), 1)[-1])
+            out.append(self._step("decode", self.embed([t]), 1)[-1].copy())
         return np.stack(out)
 
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
@@ -157,11 +182,12 @@ class Engine:
             if self.cache.length >= self.kv_spec.max_context:
                 st.stop_reason = "context"
                 return
-            t = time.perf_counter()
+            t, run0 = time.perf_counter(), self.run_s
             logits = self._step("decode", self.embed([token]), 1)[-1]
             token = sampler(logits)
             dt = time.perf_counter() - t
             st.decode_s += dt
+            st.decode_run_s += self.run_s - run0
             st.step_times.append(dt)
 
 

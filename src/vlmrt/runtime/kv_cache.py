@@ -33,9 +33,11 @@ class KVCache:
     def __init__(self, spec: KVSpec, dtype=None):
         self.spec = spec
         self.dtype = np.dtype(dtype or spec.dtype)
-        n = spec.layers
-        self.keys = [np.zeros((spec.max_context, spec.dim), self.dtype) for _ in range(n)]
-        self.values = [np.zeros((spec.max_context, spec.dim), self.dtype) for _ in range(n)]
+        # one block [layers, 2 (K, V), max_context, dim]: keys[i] / values[i] are views of it, so a step's
+        # new rows land in every buffer with one copy (write_block), and graph inputs bind to prefixes of it
+        self.data = np.zeros((spec.layers, 2, spec.max_context, spec.dim), self.dtype)
+        self.keys = [self.data[i, 0] for i in range(spec.layers)]
+        self.values = [self.data[i, 1] for i in range(spec.layers)]
         self.length = 0  # number of valid slots (= next position)
 
     def reset(self) -> None:
@@ -65,6 +67,14 @@ class KVCache:
                     continue
                 x = (buf[:n].astype(np.float32) - z1) * (s1 / s2)
                 buf[:n] = np.clip(np.rint(x) + z2, 0, 255).astype(np.uint8)
+
+    def write_block(self, rows: np.ndarray, n_valid: int) -> None:
+        """rows [layers, 2, ar, dim] (a step's outputs bound to one staging block): store the first n_valid."""
+        pos = self.length
+        if pos + n_valid > self.spec.max_context:
+            raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
+        self.data[:, :, pos : pos + n_valid] = rows[:, :, :n_valid]
+        self.length = pos + n_valid
 
     def write(self, new_rows: list[np.ndarray], n_valid: int) -> None:
         """new_rows in output_names() order, each [ar, dim]; store the first n_valid at slots length.."""

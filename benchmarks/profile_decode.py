@@ -1,0 +1,101 @@
+"""Where a decoder step's time goes: ORT's own per-node profile of one graph, by op type, and the host share.
+
+    python benchmarks/profile_decode.py BUNDLE [BUNDLE ...] [--graph decode|prefill] [--pos 300] [--steps 30] [--threads 2]
+
+For each bundle: the graph's node count after ORT's optimizations, ms per call, and the op types that take the
+time (ORT's profiler: kernel time per node, summed per op type). Then a full generation through the runtime
+(256-token text prompt, 64 tokens) gives the host (Python) time per decode step outside the graph call.
+For the Python side itself: py-spy record -o prof.svg -- python -m vlmrt.cli bench BUNDLE (pip install py-spy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) -> dict:
+    import onnxruntime as ort
+
+    from vlmrt import manifest as mf
+    from vlmrt.runtime.bundle import SharedWeights
+    from vlmrt.runtime.kv_cache import attention_mask
+
+    m = mf.load(bundle, verify=False)
+    g = m.graphs[graph]
+    shared = SharedWeights(bundle)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+    values, ops = shared.initializers(bundle / g.file)
+    for k, v in values.items():
+        so.add_initializer(k, v)
+    if "MatMulNBits" not in ops:
+        so.add_session_config_entry("session.disable_prepacking", "1")  # as the runtime does for shared float weights
+    so.enable_profiling = True
+    so.profile_file_prefix = f"/tmp/vlmrt-prof-{os.getpid()}"
+    s = ort.InferenceSession(str(bundle / g.file), so, providers=["CPUExecutionProvider"])
+    ar = 1 if graph == "decode" else m.decoder.prefill_ar
+    feeds = {i.name: np.zeros(i.shape, dtype=i.dtype) for i in g.inputs}
+    feeds[m.decoder.embeds_input] = (np.random.default_rng(0).standard_normal((ar, m.decoder.hidden_size)) * 0.02).astype(
+        feeds[m.decoder.embeds_input].dtype)
+    feeds[m.decoder.positions_input] = np.arange(pos, pos + ar)
+    feeds[m.decoder.mask_input] = attention_mask(pos, ar, m.kv.max_context, feeds[m.decoder.mask_input].dtype)
+    for _ in range(3):
+        s.run(None, feeds)
+    t = time.perf_counter()
+    for _ in range(steps):
+        s.run(None, feeds)
+    wall = (time.perf_counter() - t) / steps
+    events = json.load(open(s.end_profiling()))
+    tot, cnt = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            tot[e["args"]["op_name"]] += e["dur"]
+            cnt[e["args"]["op_name"]] += 1
+    calls = steps + 3
+    node_ms = sum(tot.values()) / 1000 / calls
+    return {"bundle": str(bundle), "graph": graph, "ms_per_call": 1000 * wall, "node_ms_per_call": node_ms,
+            "nodes": sum(cnt.values()) // calls,
+            "ops": [(op, d / 1000 / calls, cnt[op] // calls) for op, d in tot.most_common()]}
+
+
+def host_overhead(bundle: Path, threads: int) -> dict:
+    from vlmrt.bench import make_prompt
+    from vlmrt.runtime.pipeline import VLM
+
+    vlm = VLM.load(bundle, threads=threads, verify=False)
+    r = vlm(make_prompt(vlm, None, 256), None, max_new_tokens=64, ignore_eos=True)
+    g = vlm.engine.last
+    return {"decode_tokens_per_s": g.decode_tokens_per_s, "host_ms_per_step": g.host_overhead_ms_per_step,
+            "ttft_s": r.stats.ttft_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bundles", nargs="+")
+    ap.add_argument("--graph", default="decode")
+    ap.add_argument("--pos", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top", type=int, default=8)
+    a = ap.parse_args()
+    for b in a.bundles:
+        p = profile_graph(Path(b), a.graph, a.pos, a.steps, a.threads)
+        h = host_overhead(Path(b), a.threads)
+        print(f"\n{b} [{a.graph}]: {p['nodes']} nodes, {p['ms_per_call']:.2f} ms/call (kernels {p['node_ms_per_call']:.2f} ms); "
+              f"generation: {h['decode_tokens_per_s']:.1f} tok/s, host {h['host_ms_per_step']:.3f} ms/step")
+        for op, ms, n in p["ops"][: a.top]:
+            print(f"  {op:32s} {ms:7.2f} ms {n:5d} nodes {100 * ms / p['node_ms_per_call']:5.1f} %")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The runtime's speed paths give the same answers as the plain ones, and the CPU graphs have the shape they
+are meant to have. No timings are asserted here (benchmarks/compare.py measures them)."""
+
+import onnx
+import onnxruntime as ort
+import pytest
+
+import vlmrt
+from vlmrt.runtime.bundle import SharedWeights
+
+
+def _answer(bundle, monkeypatch, io_binding: str, mode: str, image=None):
+    monkeypatch.setenv("VLMRT_IO_BINDING", io_binding)
+    vlm = vlmrt.load(bundle)
+    r = vlm("Describe the picture in detail.", image, mode=mode, max_new_tokens=12, ignore_eos=True)
+    return r.token_ids, vlm.engine.cache.data[:, :, : vlm.engine.cache.length].copy(), vlm.engine.last
+
+
+@pytest.mark.parametrize("mode", ["kv", "hybrid"])
+def test_io_binding_equals_plain_run(default_bundle, monkeypatch, mode):
+    """Bound steps (OrtValues over the cache, reused I/O buffers; bucket sessions included) = session.run."""
+    ids_a, cache_a, _ = _answer(default_bundle.bundle, monkeypatch, "0", mode)
+    ids_b, cache_b, stats = _answer(default_bundle.bundle, monkeypatch, "1", mode)
+    assert ids_a == ids_b
+    assert (cache_a == cache_b).all()
+    assert 0 <= stats.decode_run_s <= stats.decode_s
+    assert stats.host_overhead_ms_per_step >= 0
+
+
+def test_score_keeps_rows_with_io_binding(default_bundle, monkeypatch):
+    """score() stacks logits rows; with bound steps each row must be a copy, not the reused buffer."""
+    import numpy as np
+
+    monkeypatch.setenv("VLMRT_IO_BINDING", "1")
+    vlm = vlmrt.load(default_bundle.bundle)
+    ids = vlm.prompt_ids("Hello there", None)
+    rows = vlm.engine.score(vlm.engine.embed(ids), [5, 6, 7, 8], mode="hybrid")
+    assert not np.allclose(rows[0], rows[-1])
+
+
+def _optimized(bundle, graph, tmp_path):
+    """The graph as ORT runs it on the CPU EP (after its own fusions)."""
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / f"{graph}.opt.onnx")
+    shared = SharedWeights(bundle)
+    values, _ = shared.initializers(bundle / f"{graph}.onnx")
+    for k, v in values.items():
+        so.add_initializer(k, v)
+    ort.InferenceSession(str(bundle / f"{graph}.onnx"), so, providers=["CPUExecutionProvider"])
+    return onnx.load(so.optimized_model_filepath, load_external_data=False)
+
+
+def test_decode_graph_reads_the_cache_in_place(default_bundle, tmp_path):
+    """AR=1 decode: every past K/V input goes straight into a MatMul (q·Kᵀ as FusedMatMul transB) — no Concat,
+    Transpose or other copy of the cache per token — and RMSNorm is ORT's fused kernel."""
+    m = _optimized(default_bundle.bundle, "decode", tmp_path)
+    past = {i.name for i in m.graph.input if i.name.startswith("past_")}
+    consumers = {}
+    for n in m.graph.node:
+        for i in n.input:
+            if i in past:
+                consumers.setdefault(i, []).append(n.op_type)
+    assert set(consumers) == past
+    assert {op for ops in consumers.values() for op in ops} <= {"MatMul", "FusedMatMul"}
+    ops = {n.op_type for n in m.graph.node}
+    assert "SimplifiedLayerNormalization" in ops or "SkipSimplifiedLayerNormalization" in ops
+    assert "ReduceMean" not in ops
