@@ -5,9 +5,9 @@
 Assembles the checkpoint (vlmrt.export.easyvqa), then scores on the same fixed stratified test
 subset (vlmrt.easyvqa_data.select, 20 questions per answer at 260):
   transformers fp32 on the checkpoint (greedy `generate`, the oracle; its token ids are compared with
-  vlmrt fp32's, which must be identical), vlmrt fp32 / w8a16 / w4a16 (hybrid and kv), the HTP bundle
+  vlmrt fp32's, which must be identical), vlmrt fp32 / w8a16 / w4a16 (hybrid), the HTP bundle
   (--target htp, calibrated on 12 easy-VQA *train* images x 4 questions) on the CPU EP in hybrid mode
-  with and without KV requantization and in kv mode, and on the HTP simulator (--device htp, first
+  with and without KV requantization, and on the HTP simulator (--device htp, first
   --htp-sim-limit questions of the subset; the simulator is slow). Writes WORK/results.json and
   prints the README table.
 """
@@ -122,15 +122,15 @@ def main(argv=None) -> int:
             res_path.write_text(json.dumps(results) + "\n")
             print(f"{name:40s} {r['accuracy']:.4f} ({r['correct']}/{r['questions']}) {time.time() - t:.0f} s", flush=True)
 
-    b = {q: export(ckpt, work / f"b-{q}", "--quant", q) for q in ("fp32", "w8a16", "w4a16")}
-    b["htp"] = export(ckpt, work / "b-htp", "--target", "htp", "--calibration", str(calibration_dir(work)))
+    b = {"fp32": export(ckpt, work / "b-fp32", "--quant", "fp32")}
+    run("vlmrt fp32 hybrid", lambda: score_vlmrt(b["fp32"], rows))
     run("transformers fp32 (checkpoint)", lambda: score_transformers(ckpt, rows))
-    for q in ("fp32", "w8a16", "w4a16"):
+    for q in ("w8a16", "w4a16"):
+        b[q] = export(ckpt, work / f"b-{q}", "--quant", q)
         run(f"vlmrt {q} hybrid", lambda q=q: score_vlmrt(b[q], rows))
-    run("vlmrt fp32 kv", lambda: score_vlmrt(b["fp32"], rows, mode="kv"))
+    b["htp"] = export(ckpt, work / "b-htp", "--target", "htp", "--calibration", str(calibration_dir(work)))
     run("vlmrt htp CPU EP hybrid", lambda: score_vlmrt(b["htp"], rows))
     run("vlmrt htp CPU EP hybrid --no-kv-requant", lambda: score_vlmrt(b["htp"], rows, kv_requant=False))
-    run("vlmrt htp CPU EP kv", lambda: score_vlmrt(b["htp"], rows, mode="kv"))
     if not a.skip_htp_sim:
         sub = rows[: a.htp_sim_limit]
         run("vlmrt htp CPU EP hybrid (sim subset)", lambda: score_vlmrt(b["htp"], sub))

