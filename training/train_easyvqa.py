@@ -171,16 +171,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=150, help="phase A (decoder side) optimizer steps")
+    ap.add_argument("--steps", type=int, default=80, help="phase A (decoder side) optimizer steps")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--vision-steps", type=int, default=400, help="phase B (vision side) optimizer steps, batch 32")
+    ap.add_argument("--vision-steps", type=int, default=300, help="phase B (vision side) optimizer steps, batch 32")
+    ap.add_argument("--vision-lr", type=float, default=1e-3)
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--lora-layers", type=int, default=2, help="LoRA on the last N decoder layers")
-    ap.add_argument("--max-prompts", type=int, default=480, help="distinct (question, colour, shape) prompts in phase A (0: all)")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--max-prompts", type=int, default=320, help="distinct (question, colour, shape) prompts in phase A (0: all)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--val", type=int, default=130, help="stratified test questions scored during training")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--init-vision", default=None, help="phase b: start from this vision.safetensors")
     ap.add_argument("--phase", choices=("a", "b", "join"), required=True,
                     help="a: decoder LoRA; b: vision tower + connector (independent of a, run both, then join)")
     ap.add_argument("--time-budget", type=float, default=0, help="stop phase A after this many seconds (0: no limit)")
@@ -334,7 +336,7 @@ def main(argv=None) -> int:
     log(f"phase A done: {step} steps in {t_a:.0f} s")
     save_file({n + k: getattr(m, k[1:]).detach().clone().contiguous() for n, m in loras.items() for k in (".lora_A", ".lora_B")},
               str(out / "lora.safetensors"))
-    (out / "phase_a.json").write_text(json.dumps({"steps": step, "time_s": round(t_a, 1), "prompts": len(keys_a), "curve": curve}) + "\n")
+    (out / "phase_a.json").write_text(json.dumps({"steps": step, "lr": a.lr, "lora_rank": a.lora_rank, "time_s": round(t_a, 1), "prompts": len(keys_a), "curve": curve}) + "\n")
     return 0
 
 
@@ -345,6 +347,11 @@ def phase_b(a, model, P, images, lab_train, lab_test, known, g, log, out: Path) 
     from safetensors.torch import save_file
 
     vision, connector = model.model.vision_model, model.model.connector
+    if a.init_vision:  # continue from an earlier phase b
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(a.init_vision), strict=False)
+        log(f"phase B starts from {a.init_vision}")
     for p in vision.parameters():
         p.requires_grad_(True)
     heads = nn.Linear(vision.config.hidden_size, len(ev.COLORS) + len(ev.SHAPES))
@@ -367,7 +374,7 @@ def phase_b(a, model, P, images, lab_train, lab_test, known, g, log, out: Path) 
 
     for step_b in range(1, a.vision_steps + 1):
         for gr in optb.param_groups:
-            gr["lr"] = 1e-3 * cosine(step_b, a.vision_steps, 10)
+            gr["lr"] = a.vision_lr * cosine(step_b, a.vision_steps, 10)
         b = torch.randint(len(keys), (32,), generator=g)
         z = heads(vision(pixel_values=X[b]).last_hidden_state.mean(1))  # [32, 11]
         ce = nn.functional.cross_entropy(z[:, :nc], Y[b, 0]) + nn.functional.cross_entropy(z[:, nc:], Y[b, 1])
@@ -398,7 +405,7 @@ def phase_b(a, model, P, images, lab_train, lab_test, known, g, log, out: Path) 
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
              if k.startswith(("model.vision_model.", "model.connector."))}
     save_file(state, str(out / "vision.safetensors"))
-    (out / "phase_b.json").write_text(json.dumps({"steps": a.vision_steps, "time_s": round(t_b, 1), "test_nearest_concept": nearest,
+    (out / "phase_b.json").write_text(json.dumps({"steps": a.vision_steps, "init": a.init_vision, "time_s": round(t_b, 1), "test_nearest_concept": nearest,
                                                   "test_relative_error": rel, "curve": curve}) + "\n")
     return 0
 
@@ -424,7 +431,7 @@ def join(a, model, batcher, val_rows, val_images, log, out: Path, t0: float) -> 
     info = {
         "preset": PRESET, "preset_config": VISION_PRESETS[PRESET], "seed": a.seed,
         "phase_a_steps": pa["steps"], "phase_a_prompts": pa["prompts"], "batch": a.batch, "phase_b_steps": pb["steps"], "phase_b_batch": 32,
-        "lora_rank": a.lora_rank, "lora_layers": len(loras) // len(LORA_TARGETS), "lora_targets": list(LORA_TARGETS), "lr": a.lr,
+        "lora_rank": a.lora_rank, "lora_layers": len(loras) // len(LORA_TARGETS), "lora_targets": list(LORA_TARGETS), "lr": pa.get("lr", a.lr),
         "threads": a.threads, "final_val_exact_match": acc, "phase_b_test_nearest_concept": pb["test_nearest_concept"],
         "val": f"{len(val_rows)} stratified test questions (seed 1), teacher-forced",
         "time_s": {"phase_a": pa["time_s"], "phase_b": pb["time_s"], "total": round(pa["time_s"] + pb["time_s"] + time.time() - t0, 1)},
@@ -455,11 +462,11 @@ def plot(curve: dict, path: Path, info: dict) -> None:
     a2.set_ylim(0, 1.02)
     a2.set_ylabel("exact match, test subset")
     ax.legend(loc="upper left", fontsize=8), a2.legend(loc="center right", fontsize=8)
-    bx.plot(curve["vision_step"], curve["vision_loss"], "o-", color="C0", label="MSE to concept prompt")
+    bx.plot(curve["vision_step"], curve["vision_loss"], "o-", color="C0", label="probe cross-entropy (batch)")
     bx.set_yscale("log")
-    bx.set_xlabel("phase B step (batch 64): vision tower + connector")
+    bx.set_xlabel(f"phase B step (batch {info['phase_b_batch']}): vision tower + probe")
     b2 = bx.twinx()
-    b2.plot(curve["vision_step"], curve["vision_acc"], "s-", color="C3", label="test images: nearest concept correct")
+    b2.plot(curve["vision_step"], curve["vision_acc"], "s-", color="C3", label="test images: colour and shape correct")
     b2.set_ylim(0, 1.02)
     bx.legend(loc="upper left", fontsize=8), b2.legend(loc="center right", fontsize=8)
     t = info["time_s"]
