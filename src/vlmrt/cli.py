@@ -58,7 +58,7 @@ def _run(a) -> int:
     sampling.validate()
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
-    vlm = VLM.load(a.bundle, device=a.device, threads=a.threads)
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads)
     vlm.engine.kv_requant = not a.no_kv_requant
     gen = vlm.generate(a.prompt, a.image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
                        ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
@@ -74,10 +74,48 @@ def _run(a) -> int:
     return 0
 
 
+def _bundle_or_default(bundle: str | None) -> str:
+    """The given bundle, or the offline default model (exported into the cache on first use)."""
+    if bundle is not None:
+        return bundle
+    from .default_model import ensure_bundle
+
+    return str(ensure_bundle(progress=True))
+
+
+def _eval_dataset(a) -> int:
+    from . import easyvqa_data as ev
+    from .runtime.pipeline import VLM
+
+    if a.dataset != "easy-vqa":
+        raise ValueError(f"unknown --dataset {a.dataset!r} (known: easy-vqa)")
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads)
+    vlm.engine.kv_requant = not a.no_kv_requant
+    rows = ev.select(a.split, a.limit)
+
+    def answer(image, question):
+        return vlm(question, image, mode=a.mode, max_new_tokens=8).text
+
+    r = ev.score(answer, rows, a.split, progress=not a.json)
+    r.update(bundle=str(vlm.bundle.folder) if hasattr(vlm.bundle, "folder") else a.bundle, mode=a.mode, device=a.device,
+             kv_requant=not a.no_kv_requant, subset=f"all {a.split}" if not a.limit else f"stratified {len(rows)} (seed 0)")
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    groups = ", ".join(f"{k} {v:.4f}" for k, v in r["by_group"].items() if v is not None)
+    print(f"easy-VQA {a.split}: {r['correct']}/{r['questions']} exact match = {r['accuracy']:.4f} ({groups}); "
+          f"{r['subset']}, mode {a.mode}, device {a.device}, {r['seconds']} s")
+    return 0
+
+
 def _eval(a) -> int:
     from . import evaluate
     from .runtime.pipeline import VLM
 
+    if a.dataset:
+        return _eval_dataset(a)
+    if a.reference is None or a.bundle is None:
+        raise ValueError("vlmrt eval needs BUNDLE and --reference (or --dataset easy-vqa)")
     if a.tokens < 1:
         raise ValueError("--tokens must be >= 1")
     bundle = VLM.load(a.bundle, device=a.device, threads=a.threads)
@@ -154,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=_export)
 
     r = sub.add_parser("run", help="ask a question about an image")
-    r.add_argument("bundle")
+    r.add_argument("bundle", nargs="?", default=None,
+                   help="bundle folder (default: the offline easy-VQA demo model, exported into $VLMRT_CACHE or "
+                        "~/.cache/vlmrt on first use)")
     r.add_argument("--image", help="image file (omit for a text-only prompt)")
     r.add_argument("--prompt", required=True)
     r.add_argument("--mode", choices=["kv", "hybrid"], default=None, help="kv: prompt through the AR=1 graph; hybrid: AR=N prefill blocks (default)")
@@ -175,8 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_run)
 
     v = sub.add_parser("eval", help="accuracy of a bundle against the float reference on the same weights")
-    v.add_argument("bundle")
-    v.add_argument("--reference", required=True, help="fp32 bundle folder, or the checkpoint folder (needs vlmrt[export])")
+    v.add_argument("bundle", nargs="?", default=None, help="bundle folder (with --dataset, default: the offline demo model)")
+    v.add_argument("--reference", default=None, help="fp32 bundle folder, or the checkpoint folder (needs vlmrt[export])")
+    v.add_argument("--dataset", default=None, help="easy-vqa: exact-match accuracy on the data set instead (pip install easy-vqa)")
+    v.add_argument("--split", default="test", choices=["train", "test"], help="--dataset split (default test)")
+    v.add_argument("--limit", type=int, default=260,
+                   help="--dataset: a fixed subset stratified by answer (20 per answer at 260, the default); 0 = all")
     v.add_argument("--image", action="append", help="image file (repeatable); default: the shipped sample images")
     v.add_argument("--prompt", action="append", help="prompt (repeatable); default: a built-in set")
     v.add_argument("--text-only", action="store_true", help="default set without images")

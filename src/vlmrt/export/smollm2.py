@@ -304,6 +304,10 @@ VISION_PRESETS: dict[str, dict[str, Any]] = {
     # fast experiments: 64 px tiles, patch 8, scale 2 -> 16 tokens per tile
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  image_size=64, patch_size=8, scale_factor=2, longest_edge=256),
+    # the shipped easy-vqa demo (vlmrt.export.easyvqa): one 64 px tile (a 64x64 image is a single
+    # global tile), patch 8, scale 4 -> 4 tokens (short sequences keep training cheap); weights trained by training/train_easyvqa.py
+    "easyvqa": dict(hidden_size=96, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                    image_size=64, patch_size=8, scale_factor=4, longest_edge=64),
 }
 VISION_ACT = "gelu_pytorch_tanh"
 VISION_EPS = 1e-6

