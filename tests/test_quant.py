@@ -59,31 +59,19 @@ def test_parse_precisions():
             quantize.parse(bad)
 
 
-def test_rms_norm_fusion_keeps_the_decoder_step(default_bundle, tmp_path):
-    """The HTP path fuses every RMSNorm chain into one SimplifiedLayerNormalization; the fused float graph
-    computes the same step on the CPU EP (measured: max |diff| 2.4e-7 of outputs ~1-10)."""
-    import onnxruntime as ort
-
+def test_rms_norm_is_one_op_in_the_graphs(default_bundle):
+    """Every RMSNorm chain of the CPU decoder graphs is one SimplifiedLayerNormalization (export/fuse.py);
+    their numerics are held to transformers by the greedy-id and logit tests of tests/test_smolvlm.py. The
+    HTP target fuses its float graphs the same way before QDQ (counted in test_internvl's HTP test); a
+    fused graph has nothing left to fuse."""
     from vlmrt.export import fuse
 
-    src = default_bundle.bundle / "decode.onnx"
-    model, n = fuse.prepare_for_qdq(onnx.load(str(src)))
-    assert n == 2 * 2 + 1  # 2 layers x (input, post-attention) + the final norm
+    model = onnx.load(str(default_bundle.bundle / "decode.onnx"), load_external_data=False)
     ops = [x.op_type for x in model.graph.node]
-    assert ops.count("SimplifiedLayerNormalization") == n and "Pow" not in ops and "Sqrt" not in ops
-    fused = tmp_path / "fused.onnx"
-    onnx.save(model, str(fused))
-    a, b = ort.InferenceSession(str(src)), ort.InferenceSession(str(fused))
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for i in a.get_inputs():
-        shape = i.shape
-        if "int" in i.type:
-            feeds[i.name] = np.full(shape, 5, np.int64)
-        else:
-            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
-    for x, y in zip(a.run(None, feeds), b.run(None, feeds)):
-        assert np.abs(x - y).max() < 1e-5 * max(1.0, np.abs(x).max())
+    assert ops.count("SimplifiedLayerNormalization") == 2 * 2 + 1  # 2 layers x (input, post-attention) + final
+    assert not {"Pow", "Sqrt", "Reciprocal"} & set(ops)
+    model, n = fuse.prepare_for_qdq(model)
+    assert n == 0 and next(o.version for o in model.opset_import if o.domain == "") == fuse.QDQ_OPSET
 
 
 def test_fp32_bundle_equals_float_reference(default_bundle):

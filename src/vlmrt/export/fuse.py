@@ -1,17 +1,20 @@
-"""Graph rewrites for the HTP target: RMSNorm as one op.
+"""RMSNorm as one op: ORT's SimplifiedLayerNormalization, for the CPU graphs and the HTP target.
 
 The exporter writes RMSNorm (layers.RMSNorm, mirroring transformers' LlamaRMSNorm) as primitive ops:
 
     x -> Pow(2) -> ReduceMean(-1, keepdims) -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x, .) -> Mul(weight, .)
 
-On the CPU EP this is fine (ORT fuses it itself). Quantized statically for the HTP, every one of those
-edges gets its own 16-bit encoding, and x**2 of a real LLM's residual stream (values in the hundreds
-at the attention-sink positions) needs a range of ~1e5 that a 16-bit grid cannot hold next to the
-small values of ordinary tokens: on SmolLM2-135M the QDQ decoder's top-1 agreement fell to 4 %.
-:func:`fuse_rms_norm` replaces the chain with ORT's ``SimplifiedLayerNormalization`` (the op ORT's own
-optimizer fuses RMSNorm into, which the QNN EP maps to the HTP's RmsNorm): only its input and
-output are quantized, the normalization runs inside the op. (ONNX opset 23's ``RMSNormalization`` is
-rejected by the QNN EP in onnxruntime-qnn 2.7.)
+:func:`fuse_rms_norm` replaces each chain with one ``SimplifiedLayerNormalization`` (domain "", ORT's
+fused RMSNorm kernel, which the QNN EP maps to the HTP's RmsNorm). Why, per target:
+
+* CPU/CUDA graphs (graphs.export_decoder): seven kernel launches per norm, and ORT's own
+  SimplifiedLayerNormFusion does not match this chain (it expects Div, not Reciprocal + Mul); fused, ORT
+  also folds the residual Add in front (SkipSimplifiedLayerNormalization). SmolLM2-135M decode: 61 chains.
+* HTP: quantized statically, every edge of the chain gets its own 16-bit encoding, and x**2 of a real
+  LLM's residual stream (values in the hundreds at the attention-sink positions) needs a range of ~1e5
+  that a 16-bit grid cannot hold next to the small values of ordinary tokens: on SmolLM2-135M the QDQ
+  decoder's top-1 agreement fell to 4 %. Fused, only the op's input and output are quantized (92 %).
+  (ONNX opset 23's ``RMSNormalization`` is rejected by the QNN EP in onnxruntime-qnn 2.7.)
 
 The contrib op has no schema in ``onnx``, so ORT's quantizer cannot run the version converter after
 the fusion (it converts to opset 21 for 16-bit QDQ): :func:`prepare_for_qdq` sets opset 21 first.

@@ -112,7 +112,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
                    precision: str, head: str, path: Path, cpu: bool = True) -> None:
     """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): the AR=1 step reads
     the cache without copying it (CachedGQAttention._decode_step) and RMSNorm chains become one fused op."""
-    from . import cpu_graph, quantize
+    from . import fuse, quantize
     from ..families.layers import CachedGQAttention
 
     dt = TORCH_DTYPES[io_dtype]
@@ -136,7 +136,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
             rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits"))
     if cpu:
         model = onnx.load(str(path))
-        if cpu_graph.fuse_rmsnorm(model):
+        if fuse.fuse_rms_norm(model):
             rewrite(path, model)
 
 
