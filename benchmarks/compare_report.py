@@ -70,7 +70,7 @@ def chart(res: dict, path: Path) -> None:
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10)
         ax.tick_params(labelsize=8)
-    fig.suptitle(f"vlmrt vs llama.cpp vs transformers, same weights — {res['date']}, {res['cpu']}, {res['threads']} threads",
+    fig.suptitle(f"vlmrt vs llama.cpp vs transformers, same weights — {res['date']}, {res['cpu']}, {res['threads']} threads, load avg {res['load'][0]:.1f}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,0 +1,22 @@
+"""Interleaved A/B of one decoder graph step across bundles, through the runtime engine (I/O binding included):
+min and median over reps. Usage: [G=decode|prefill] [T=threads] [R=reps] [POS=300] python benchmarks/step_ab.py BUNDLE [BUNDLE ...]"""
+import sys, time, statistics, numpy as np, os
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
+from vlmrt.runtime.pipeline import VLM
+graph = os.environ.get("G", "decode"); reps = int(os.environ.get("R", "15")); pos = int(os.environ.get("POS", "300"))
+vlms = {b: VLM.load(b, threads=int(os.environ.get("T", "2")), verify=False) for b in sys.argv[1:]}
+times = {b: [] for b in vlms}
+for b, v in vlms.items():
+    e = v.engine; e.cache.length = pos
+    ar = 1 if graph == "decode" else v.manifest.decoder.prefill_ar
+    x = np.random.randn(ar, v.manifest.decoder.hidden_size).astype(np.float32) * 0.02
+    for _ in range(3): e.cache.length = pos; e._step(graph, x, ar)
+for r in range(reps):
+    for b, v in vlms.items():
+        e = v.engine; ar = 1 if graph == "decode" else v.manifest.decoder.prefill_ar
+        x = np.random.randn(ar, v.manifest.decoder.hidden_size).astype(np.float32) * 0.02
+        for _ in range(5):
+            e.cache.length = pos
+            t = time.perf_counter(); e._step(graph, x, ar); times[b].append(time.perf_counter() - t)
+for b, ts in times.items():
+    print(f"{graph} {b:40s} min {1000*min(ts):7.2f} ms  median {1000*statistics.median(ts):7.2f} ms")
