@@ -23,7 +23,7 @@ from vlmrt import easyvqa_data as ev
 pytest.importorskip("easy_vqa")
 
 N_CI = 50
-FLOOR = {"fp32": 0.0, "w8a16": 0.0}  # measured on these 50 questions; set below from the README run
+FLOOR = {"fp32": 0.22, "w8a16": 0.22}  # measured on these 50 questions (11/50 each, 2026-11-30): the shipped model is weak, see README
 SAMPLE = Path(__file__).resolve().parents[1] / "src" / "vlmrt" / "data" / "easyvqa" / "shape.png"
 
 
