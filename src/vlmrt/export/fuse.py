@@ -29,18 +29,17 @@ from onnx import helper, numpy_helper
 QDQ_OPSET = 21  # 16-bit QuantizeLinear/DequantizeLinear; ORT's quantizer converts to it anyway
 
 
-def _const(model: onnx.ModelProto, name: str, producers: dict) -> np.ndarray | None:
-    for init in model.graph.initializer:
-        if init.name == name:
-            return numpy_helper.to_array(init)
+def _const(inits: dict, name: str, producers: dict) -> np.ndarray | None:
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
     node = producers.get(name)
     if node is not None and node.op_type == "Constant":
         return numpy_helper.to_array(node.attribute[0].t) if node.attribute[0].name == "value" else None
     return None
 
 
-def _scalar(model, name, producers) -> float | None:
-    v = _const(model, name, producers)
+def _scalar(inits, name, producers) -> float | None:
+    v = _const(inits, name, producers)
     return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
 
 
@@ -49,6 +48,7 @@ def fuse_rms_norm(model: onnx.ModelProto) -> int:
     returns how many. Chains whose intermediates are used elsewhere are left alone."""
     g = model.graph
     producers = {o: n for n in g.node for o in n.output}
+    inits = {i.name: i for i in g.initializer}
     consumers: dict[str, list] = {}
     for n in g.node:
         for i in n.input:
@@ -61,14 +61,14 @@ def fuse_rms_norm(model: onnx.ModelProto) -> int:
 
     drop, new = [], {}  # new: id(first node to replace) -> fused node
     for pow_ in g.node:
-        if pow_.op_type != "Pow" or _scalar(model, pow_.input[1], producers) != 2.0:
+        if pow_.op_type != "Pow" or _scalar(inits, pow_.input[1], producers) != 2.0:
             continue
         x = pow_.input[0]
         mean = only(pow_.output[0], "ReduceMean")
         if mean is None:
             continue
         keep = next((helper.get_attribute_value(a) for a in mean.attribute if a.name == "keepdims"), 1)
-        axes = _const(model, mean.input[1], producers) if len(mean.input) > 1 else None
+        axes = _const(inits, mean.input[1], producers) if len(mean.input) > 1 else None
         if axes is None:
             axes = next((np.array(helper.get_attribute_value(a)) for a in mean.attribute if a.name == "axes"), None)
         if keep != 1 or axes is None or axes.reshape(-1).tolist() != [-1]:
@@ -76,7 +76,7 @@ def fuse_rms_norm(model: onnx.ModelProto) -> int:
         add = only(mean.output[0], "Add")
         if add is None:
             continue
-        eps = _scalar(model, add.input[1] if add.input[0] == mean.output[0] else add.input[0], producers)
+        eps = _scalar(inits, add.input[1] if add.input[0] == mean.output[0] else add.input[0], producers)
         sqrt = only(add.output[0], "Sqrt")
         recip = only(sqrt.output[0], "Reciprocal") if sqrt is not None else None
         norm = only(recip.output[0], "Mul") if recip is not None else None
@@ -86,7 +86,7 @@ def fuse_rms_norm(model: onnx.ModelProto) -> int:
         w_name = None
         if scale is not None:
             other = scale.input[0] if scale.input[1] == norm.output[0] else scale.input[1]
-            w = _const(model, other, producers)
+            w = _const(inits, other, producers)
             if w is not None and w.ndim == 1:
                 w_name = other
         chain = [pow_, mean, add, sqrt, recip, norm]

@@ -164,12 +164,13 @@ class Bundle:
         # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
         # ORT loads it itself, prepacks its weights and drops the unpacked copy (SigLIP-256M tile, measured: 8.6 ->
         # 5.1 s with prepacking on a loaded machine; see README)
+        files = {name: _data_files(path / g.file) for name, g in m.graphs.items()}
         users: dict[str, int] = {}
-        for g in m.graphs.values():
-            for loc in _data_files(path / g.file):
+        for locs in files.values():
+            for loc in locs:
                 users[loc] = users.get(loc, 0) + 1
         sessions = {name: make_session(path / g.file, device, threads, m.target,
-                                       shared if any(users[loc] > 1 for loc in _data_files(path / g.file)) else None)
+                                       shared if any(users[loc] > 1 for loc in files[name]) else None)
                     for name, g in m.graphs.items()}
         try:
             tok = Tokenizer.from_file(str(path / m.tokenizer_file))
