@@ -11,14 +11,17 @@ in the 4 image-token slots, so they can run as two processes at once:
            slots, cross-entropy on the answer tokens (" green<|im_end|>"). The frozen first L-N layers
            run once per distinct prompt (no grad) and are cached; --max-prompts caps them.
   phase b  vision side, no decoder: the SigLIP tower (96 wide, 3 layers, 64 px tile, patch 8) trained
-           with a linear probe on per-image (colour, shape) labels read off the questions; then the
-           connector (pixel shuffle x4 -> Linear 1536 -> 576) solved by ridge regression onto P[c, s].
+           with a linear probe on per-image (colour, shape) labels read off the questions; the connector
+           (pixel shuffle x4 -> Linear 1536 -> 576) solved by ridge regression onto P[c, s]; then tower and
+           connector trained together on the probe + the connector's error to P[c, s], and ridge again.
   join     scores the whole model (teacher-forced exact match on a stratified test subset) and writes
            OUT/weights.safetensors (vision + connector HF names; `<linear>.lora_A` [r, in], `.lora_B`
            [out, r], delta W = lora_B @ lora_A), OUT/training.json and OUT/curve.png.
 
-    python training/train_easyvqa.py --phase a --out RUN &  python training/train_easyvqa.py --phase b --out RUN
+    python training/train_easyvqa.py --phase a --out RUN    # or both at once: --phase a ... & --phase b ...
+    python training/train_easyvqa.py --phase b --out RUN
     python training/train_easyvqa.py --phase join --out RUN
+(the defaults are the shipped run's settings; on an idle 2-core machine: a ~4 min, b ~8 min, join ~1 min).
 fp32, seeded (torch.manual_seed, a seeded generator for every draw), torch deterministic algorithms.
 """
 
@@ -171,16 +174,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=80, help="phase A (decoder side) optimizer steps")
+    ap.add_argument("--steps", type=int, default=600, help="phase A (decoder side) optimizer steps")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--vision-steps", type=int, default=300, help="phase B (vision side) optimizer steps, batch 32")
-    ap.add_argument("--vision-lr", type=float, default=1e-3)
+    ap.add_argument("--vision-steps", type=int, default=3000, help="phase B stage 1 (tower + probe) optimizer steps, batch 32")
+    ap.add_argument("--vision-lr", type=float, default=3e-3)
+    ap.add_argument("--connector-steps", type=int, default=1500, help="phase B stage 2: steps with the connector's concept-prompt loss")
+    ap.add_argument("--connector-lr", type=float, default=1e-3)
+    ap.add_argument("--connector-weight", type=float, default=1.0, help="phase B stage 2: weight of the connector's relative squared error")
     ap.add_argument("--lora-rank", type=int, default=8)
-    ap.add_argument("--lora-layers", type=int, default=2, help="LoRA on the last N decoder layers")
-    ap.add_argument("--max-prompts", type=int, default=320, help="distinct (question, colour, shape) prompts in phase A (0: all)")
+    ap.add_argument("--lora-layers", type=int, default=6, help="LoRA on the last N decoder layers")
+    ap.add_argument("--max-prompts", type=int, default=0, help="distinct (question, colour, shape) prompts in phase A (0: all)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=1000)
-    ap.add_argument("--val", type=int, default=130, help="stratified test questions scored during training")
+    ap.add_argument("--val", type=int, default=260, help="stratified test questions scored during training")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--init-vision", default=None, help="phase b: start from this vision.safetensors")
     ap.add_argument("--phase", choices=("a", "b", "join"), required=True,
@@ -341,9 +347,14 @@ def main(argv=None) -> int:
 
 
 def phase_b(a, model, P, images, lab_train, lab_test, known, g, log, out: Path) -> int:
-    """Vision side, no decoder: (1) tower + mean-pooled linear probe on (colour, shape), cross-entropy;
-    (2) the connector (pixel shuffle -> Linear 1536 -> 576, no bias) solved in closed form by ridge
-    regression onto the concept prompt P[c, s] of each training image's labels."""
+    """Vision side, no decoder, two stages:
+    (1) tower + mean-pooled linear probe on (colour, shape), cross-entropy (--vision-steps);
+    (2) the connector (pixel shuffle -> Linear 1536 -> 576, no bias) is solved in closed form by ridge
+        regression onto the concept prompt P[c, s] of each training image's labels, then tower, probe and
+        connector train together on probe CE + the connector's relative squared error to P[c, s]
+        (--connector-steps): each of the 4 image tokens sees one 32 px quadrant after the pixel shuffle,
+        so the tower must spread the colour and shape to every quadrant -- the probe alone does not ask it;
+    then the connector is solved by ridge regression once more (the least-squares optimum for the tower)."""
     from safetensors.torch import save_file
 
     vision, connector = model.model.vision_model, model.model.connector
@@ -352,10 +363,10 @@ def phase_b(a, model, P, images, lab_train, lab_test, known, g, log, out: Path) 
 
         model.load_state_dict(load_file(a.init_vision), strict=False)
         log(f"phase B starts from {a.init_vision}")
-    for p in vision.parameters():
+    for p in [*vision.parameters(), *connector.parameters()]:
         p.requires_grad_(True)
     heads = nn.Linear(vision.config.hidden_size, len(ev.COLORS) + len(ev.SHAPES))
-    optb = torch.optim.AdamW([*vision.parameters(), *heads.parameters()], lr=1e-3, weight_decay=0.0)
+    p_var = P.pow(2).mean()
     keys = sorted(known)
     X = torch.from_numpy(np.stack([images[k] for k in keys]))  # [N, 3, 64, 64]
     Y = torch.tensor([lab_train[k] for k in keys])  # [N, 2]
@@ -372,40 +383,66 @@ def phase_b(a, model, P, images, lab_train, lab_test, known, g, log, out: Path) 
             return torch.cat([connector.pixel_shuffle(vision(pixel_values=x[i:i + bs]).last_hidden_state, connector.scale_factor)
                               for i in range(0, len(x), bs)])
 
-    for step_b in range(1, a.vision_steps + 1):
-        for gr in optb.param_groups:
-            gr["lr"] = a.vision_lr * cosine(step_b, a.vision_steps, 10)
-        b = torch.randint(len(keys), (32,), generator=g)
-        z = heads(vision(pixel_values=X[b]).last_hidden_state.mean(1))  # [32, 11]
-        ce = nn.functional.cross_entropy(z[:, :nc], Y[b, 0]) + nn.functional.cross_entropy(z[:, nc:], Y[b, 1])
-        optb.zero_grad()
-        ce.backward()
-        optb.step()
-        if step_b % 50 == 0 or step_b == a.vision_steps:
-            with torch.no_grad():
-                model.eval()
-                zt = heads(vision(pixel_values=Xt).last_hidden_state.mean(1))
-                acc = ((zt[:, :nc].argmax(1) == Yt[:, 0]) & (zt[:, nc:].argmax(1) == Yt[:, 1])).float().mean().item()
-                model.train()
-            curve["vision_step"].append(step_b), curve["vision_loss"].append(ce.item()), curve["vision_acc"].append(acc)
-            log(f"B step {step_b} probe CE {ce.item():.4f}, test images (colour and shape) correct {acc:.4f}")
-    model.eval()
-    F = feats_of(X).reshape(-1, connector.modality_projection.proj.weight.shape[1])  # [N*4, 1536]
-    T = P[Y[:, 0], Y[:, 1]].reshape(-1, P.shape[-1])  # [N*4, 576]
-    lam = 1e-3 * F.pow(2).sum(1).mean()
-    W = torch.linalg.solve(F.T @ F + lam * torch.eye(F.shape[1]), F.T @ T)  # [1536, 576]
-    with torch.no_grad():
-        connector.modality_projection.proj.weight.copy_(W.T)
-        e = connector.modality_projection(feats_of(Xt))  # [n, 4, 576]
-        d = ((e[:, None] - Pflat[None]) ** 2).sum((-1, -2))  # [n, 24]
-        nearest = (d.argmin(1) == Yt[:, 0] * len(ev.SHAPES) + Yt[:, 1]).float().mean().item()
-        rel = ((e - P[Yt[:, 0], Yt[:, 1]]).norm() / P[Yt[:, 0], Yt[:, 1]].norm()).item()
+    def ridge() -> tuple[float, float]:
+        """Connector weight := ridge solution onto P[c, s]; returns (nearest concept, relative error) on test images."""
+        model.eval()
+        F = feats_of(X).reshape(-1, connector.modality_projection.proj.weight.shape[1])  # [N*4, 1536]
+        T = P[Y[:, 0], Y[:, 1]].reshape(-1, P.shape[-1])  # [N*4, 576]
+        lam = 1e-3 * F.pow(2).sum(1).mean()
+        W = torch.linalg.solve(F.T @ F + lam * torch.eye(F.shape[1]), F.T @ T)  # [1536, 576]
+        with torch.no_grad():
+            connector.modality_projection.proj.weight.copy_(W.T)
+            e = connector.modality_projection(feats_of(Xt))  # [n, 4, 576]
+            d = ((e[:, None] - Pflat[None]) ** 2).sum((-1, -2))  # [n, 24]
+            nearest = (d.argmin(1) == Yt[:, 0] * len(ev.SHAPES) + Yt[:, 1]).float().mean().item()
+            rel = ((e - P[Yt[:, 0], Yt[:, 1]]).norm() / P[Yt[:, 0], Yt[:, 1]].norm()).item()
+        model.train()
+        return nearest, rel
+
+    def train(steps: int, lr: float, w_conn: float, step0: int) -> None:
+        params = [*vision.parameters(), *heads.parameters()] + ([*connector.parameters()] if w_conn else [])
+        optb = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        for step_b in range(1, steps + 1):
+            for gr in optb.param_groups:
+                gr["lr"] = lr * cosine(step_b, steps, 10)
+            b = torch.randint(len(keys), (32,), generator=g)
+            # label-preserving augmentation: a seeded half of the batch mirrored left-right (the data's
+            # triangles all point up, so no vertical flips or transposes)
+            flip = (torch.rand(32, generator=g) < 0.5)[:, None, None, None]
+            x = torch.where(flip, X[b].flip(-1), X[b])
+            hid = vision(pixel_values=x).last_hidden_state  # [32, 64, 96]
+            z = heads(hid.mean(1))  # [32, 11]
+            loss = nn.functional.cross_entropy(z[:, :nc], Y[b, 0]) + nn.functional.cross_entropy(z[:, nc:], Y[b, 1])
+            if w_conn:  # relative squared error of the connector's [32, 4, 576] output to P[c, s]
+                loss = loss + w_conn * (connector(hid) - P[Y[b, 0], Y[b, 1]]).pow(2).mean() / p_var
+            optb.zero_grad()
+            loss.backward()
+            optb.step()
+            if step_b % 50 == 0 or step_b == steps:
+                with torch.no_grad():
+                    model.eval()
+                    zt = heads(vision(pixel_values=Xt).last_hidden_state.mean(1))
+                    hc, hs = zt[:, :nc].argmax(1) == Yt[:, 0], zt[:, nc:].argmax(1) == Yt[:, 1]
+                    acc = (hc & hs).float().mean().item()
+                    model.train()
+                curve["vision_step"].append(step0 + step_b), curve["vision_loss"].append(loss.item()), curve["vision_acc"].append(acc)
+                log(f"B step {step0 + step_b} loss {loss.item():.4f}, test images (colour and shape) correct {acc:.4f} "
+                    f"(colour {hc.float().mean():.4f}, shape {hs.float().mean():.4f})")
+
+    train(a.vision_steps, a.vision_lr, 0.0, 0)
+    nearest1, rel1 = ridge()
+    log(f"B stage 1 done: ridge connector, test images: nearest concept {nearest1:.4f}, relative error {rel1:.4f}")
+    if a.connector_steps:
+        train(a.connector_steps, a.connector_lr, a.connector_weight, a.vision_steps)
+    nearest, rel = ridge()
     t_b = time.time() - t_b
     log(f"phase B done in {t_b:.0f} s: connector by ridge regression; test images: nearest concept {nearest:.4f}, relative error {rel:.4f}")
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
              if k.startswith(("model.vision_model.", "model.connector."))}
     save_file(state, str(out / "vision.safetensors"))
-    (out / "phase_b.json").write_text(json.dumps({"steps": a.vision_steps, "init": a.init_vision, "time_s": round(t_b, 1), "test_nearest_concept": nearest,
+    (out / "phase_b.json").write_text(json.dumps({"steps": a.vision_steps, "connector_steps": a.connector_steps, "lr": a.vision_lr, "connector_lr": a.connector_lr,
+                                                  "connector_weight": a.connector_weight, "init": a.init_vision, "time_s": round(t_b, 1),
+                                                  "stage1_test_nearest_concept": nearest1, "test_nearest_concept": nearest,
                                                   "test_relative_error": rel, "curve": curve}) + "\n")
     return 0
 
@@ -430,7 +467,7 @@ def join(a, model, batcher, val_rows, val_images, log, out: Path, t0: float) -> 
     pa, pb = json.loads((out / "phase_a.json").read_text()), json.loads((out / "phase_b.json").read_text())
     info = {
         "preset": PRESET, "preset_config": VISION_PRESETS[PRESET], "seed": a.seed,
-        "phase_a_steps": pa["steps"], "phase_a_prompts": pa["prompts"], "batch": a.batch, "phase_b_steps": pb["steps"], "phase_b_batch": 32,
+        "phase_a_steps": pa["steps"], "phase_a_prompts": pa["prompts"], "batch": a.batch, "phase_b_steps": pb["steps"], "phase_b_connector_steps": pb.get("connector_steps", 0), "phase_b_batch": 32,
         "lora_rank": a.lora_rank, "lora_layers": len(loras) // len(LORA_TARGETS), "lora_targets": list(LORA_TARGETS), "lr": pa.get("lr", a.lr),
         "threads": a.threads, "final_val_exact_match": acc, "phase_b_test_nearest_concept": pb["test_nearest_concept"],
         "val": f"{len(val_rows)} stratified test questions (seed 1), teacher-forced",
@@ -462,15 +499,15 @@ def plot(curve: dict, path: Path, info: dict) -> None:
     a2.set_ylim(0, 1.02)
     a2.set_ylabel("exact match, test subset")
     ax.legend(loc="upper left", fontsize=8), a2.legend(loc="center right", fontsize=8)
-    bx.plot(curve["vision_step"], curve["vision_loss"], "o-", color="C0", label="probe cross-entropy (batch)")
+    bx.plot(curve["vision_step"], curve["vision_loss"], "o-", color="C0", label="loss (batch): probe CE (+ connector error from the 2nd stage)")
     bx.set_yscale("log")
-    bx.set_xlabel(f"phase B step (batch {info['phase_b_batch']}): vision tower + probe")
+    bx.set_xlabel(f"phase B step (batch {info['phase_b_batch']}): tower + probe, then + connector from step {info['phase_b_steps']}")
     b2 = bx.twinx()
     b2.plot(curve["vision_step"], curve["vision_acc"], "s-", color="C3", label="test images: colour and shape correct")
     b2.set_ylim(0, 1.02)
     bx.legend(loc="upper left", fontsize=8), b2.legend(loc="center right", fontsize=8)
     t = info["time_s"]
-    fig.suptitle(f"easy-VQA demo model: {t['total'] / 60:.1f} min on {info['threads']} shared CPU threads "
+    fig.suptitle(f"easy-VQA demo model: {t['total'] / 60:.1f} min on {info['threads']} CPU threads "
                  f"(A {t['phase_a'] / 60:.1f} min, B {t['phase_b'] / 60:.1f} min); final val exact match {info['final_val_exact_match']:.3f}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
