@@ -217,3 +217,41 @@ def test_requantize_rounds_and_clamps():
     err_cast = np.abs((cast[2][:10].astype(np.float32) - 90) * 0.04 - x).mean()
     assert err_requant < 0.03 < 0.5 < err_cast
     assert (c.keys[1][:10] == cast[1][:10]).all()  # identical encodings: untouched
+
+
+def test_kv_edges_take_the_cache_encoding_even_when_calibration_saw_an_empty_cache():
+    """A prefill graph calibrated only on prompts shorter than its AR reads an all-zero cache in every
+    calibration call: ORT gives the cache tensor (after its Reshape) a zero range. The cut KV edges
+    must carry the encoding computed from the rows the graphs write (htp.kv_ranges), on the input
+    and on the output, so that rows written and read back round-trip (found on easy-VQA: every
+    prefill row clipped to zero, HTP exact match 0.46 instead of fp32's 0.98)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from vlmrt.export import htp
+
+    def init(name, v):
+        return numpy_helper.from_array(np.array(v), name)
+
+    deg = [init("v_s", np.float32(1e-10)), init("v_zp", np.uint8(0)),  # the degenerate calibration
+           init("n_s", np.float32(0.2)), init("n_zp", np.uint8(3)), init("shape", np.array([4, 2], np.int64))]
+    nodes = [
+        helper.make_node("Reshape", ["past", "shape"], ["view"]),
+        helper.make_node("QuantizeLinear", ["view", "v_s", "v_zp"], ["vq"]),
+        helper.make_node("DequantizeLinear", ["vq", "v_s", "v_zp"], ["vdq"]),
+        helper.make_node("QuantizeLinear", ["x", "n_s", "n_zp"], ["nq"]),
+        helper.make_node("DequantizeLinear", ["nq", "n_s", "n_zp"], ["new"]),
+        helper.make_node("Concat", ["vdq", "x"], ["cat"], axis=0),
+    ]
+    f = TensorProto.FLOAT
+    g = helper.make_graph(nodes, "kv", [helper.make_tensor_value_info("past", f, [4, 2]), helper.make_tensor_value_info("x", f, [1, 2])],
+                          [helper.make_tensor_value_info("cat", f, [5, 2]), helper.make_tensor_value_info("new", f, [1, 2])], deg)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    got = htp._cut_kv_edges(model, ["past"], {"new": "past"}, {"past": (0.5, 7)})
+    assert got == {"past": (0.5, 7)}
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    past = np.array([[7, 9], [11, 0], [255, 8], [7, 7]], np.uint8)
+    x = np.array([[1.0, -2.0]], np.float32)
+    cat, new = s.run(["cat", "new"], {"past": past, "x": x})
+    np.testing.assert_array_equal(cat[:4], (past.astype(np.float32) - 7) * 0.5)  # the cache read back as written
+    assert new.dtype == np.uint8 and (new == encode(x, 0.5, 7)).all()  # rows written in the cache's encoding

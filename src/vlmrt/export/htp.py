@@ -146,7 +146,8 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 64):
 PASS_THROUGH = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
 
 
-def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, str]) -> dict[str, tuple[float, int]]:
+def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, str],
+                  want: dict[str, tuple[float, int]] | None = None) -> dict[str, tuple[float, int]]:
     """Make the KV cache I/O uint8, returning each input's (scale, zero_point) as the graph has it.
 
       input x (float) -> [Reshape…] -> Q -> …    becomes   input x (uint8) -> DQ -> [Reshape…] -> Q -> …
@@ -154,7 +155,12 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
     The input keeps the canonical QDQ form (a DequantizeLinear right at the input): with the uint8
     input fed straight into a Reshape, the QNN HTP backend misread the cache (seen on its simulator). outputs maps each output to the input whose
     encoding it must have (rows a graph writes are read back by the same graph): that output's last
-    QuantizeLinear gets exactly the input's scale and zero point."""
+    QuantizeLinear gets exactly the input's scale and zero point.
+
+    want (input -> (scale, zero point)) sets the encoding of the QuantizeLinear an input reaches: ORT
+    calibrates that tensor (the input after a Reshape) by itself, and a graph whose calibration calls
+    all saw an empty cache -- a prefill over prompts shorter than its AR -- gets a zero range there
+    (scale ~0: every cache row written or read back would be clipped to zero)."""
     from onnx import numpy_helper
 
     g = model.graph
@@ -174,6 +180,12 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
             cs = consumers(cs[0].output[0])
         if len(cs) != 1 or cs[0].op_type != "QuantizeLinear":
             raise ValueError(f"KV input {name} does not reach a single QuantizeLinear through data-movement ops")
+        if want is not None:  # the scale/zero-point initializers are this tensor's own (its Q and DQ)
+            sc, zp = want[name]
+            for init, val in ((inits[cs[0].input[1]], np.array(sc, np.float32)), (inits[cs[0].input[2]], np.array(zp, np.uint8))):
+                if numpy_helper.to_array(init).dtype != val.dtype:
+                    raise ValueError(f"KV input {name} is quantized as {numpy_helper.to_array(init).dtype}, not uint8")
+                init.CopyFrom(numpy_helper.from_array(val, init.name))
         found[name] = enc(cs[0])
         # canonical QDQ: uint8 input -> DequantizeLinear(its encoding) -> [Reshape…] -> QuantizeLinear -> …
         deq = name + "_kv_dequantized"
@@ -270,7 +282,9 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
             kin = [n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)]
             kout = {fout.format(layer=i): fin.format(layer=i) for i in range(m.kv.layers)
                     for fin, fout in ((m.kv.key_input, m.kv.key_output), (m.kv.value_input, m.kv.value_output))}
-            got = _cut_kv_edges(q, kin, kout)
+            want = {fin.format(layer=i): tuple(enc[kind][i]) for i in range(m.kv.layers)
+                    for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
+            got = _cut_kv_edges(q, kin, kout, want)
             for i in range(m.kv.layers):  # record the graph's own encodings
                 for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input)):
                     encodings[name][kind][i] = list(got[fin.format(layer=i)])
