@@ -68,20 +68,21 @@ class KVCache:
                 x = (buf[:n].astype(np.float32) - z1) * (s1 / s2)
                 buf[:n] = np.clip(np.rint(x) + z2, 0, 255).astype(np.uint8)
 
+    def _slots(self, n_valid: int) -> slice:
+        """The slots the next n_valid rows go to (length..length+n_valid-1); advances length."""
+        pos = self.length
+        if pos + n_valid > self.spec.max_context:
+            raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
+        self.length = pos + n_valid
+        return slice(pos, pos + n_valid)
+
     def write_block(self, rows: np.ndarray, n_valid: int) -> None:
         """rows [layers, 2, ar, dim] (a step's outputs bound to one staging block): store the first n_valid."""
-        pos = self.length
-        if pos + n_valid > self.spec.max_context:
-            raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
-        self.data[:, :, pos : pos + n_valid] = rows[:, :, :n_valid]
-        self.length = pos + n_valid
+        self.data[:, :, self._slots(n_valid)] = rows[:, :, :n_valid]
 
     def write(self, new_rows: list[np.ndarray], n_valid: int) -> None:
-        """new_rows in output_names() order, each [ar, dim]; store the first n_valid at slots length.."""
-        pos = self.length
-        if pos + n_valid > self.spec.max_context:
-            raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
-        for i in range(self.spec.layers):
-            self.keys[i][pos : pos + n_valid] = new_rows[2 * i][:n_valid]
-            self.values[i][pos : pos + n_valid] = new_rows[2 * i + 1][:n_valid]
-        self.length = pos + n_valid
+        """new_rows in output_names() order (K, V of layer 0, 1, ...), each [ar, dim]: the same update as
+        write_block for a step run without I/O binding."""
+        at = self._slots(n_valid)
+        for j, rows in enumerate(new_rows):
+            self.data[j // 2, j % 2, at] = rows[:n_valid]
