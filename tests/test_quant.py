@@ -50,7 +50,10 @@ def run_eval(b, ref, mode="hybrid", **kw) -> dict:
 
 
 def test_parse_precisions():
-    assert quantize.parse("w4a16") == {"vision": "w4a16", "prefill": "w4a16", "decode": "w4a16"}
+    assert quantize.parse("w4a16") == {"vision": "w8a16", "prefill": "w4a16", "decode": "w4a16"}  # vision stays 8-bit
+    assert quantize.parse("w4a8") == {"vision": "w8a8", "prefill": "w4a8", "decode": "w4a8"}
+    assert quantize.parse("w8a16") == {"vision": "w8a16", "prefill": "w8a16", "decode": "w8a16"}
+    assert quantize.parse("vision=w4a16")["vision"] == "w4a16"  # named: as asked
     assert quantize.parse("vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16") == {
         "vision": "fp16", "prefill": "fp16", "decode": "w4a16", "lm_head": "w8a16"}
     assert quantize.parse("decode=w8a16")["vision"] == "fp32"
