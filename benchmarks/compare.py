@@ -166,7 +166,7 @@ def image_rows(a, work: Path, notes: list) -> list[dict]:
                          "tiles": runs[0].get("tiles"), "prompt_tokens": runs[0].get("prompt_tokens")})
         except (RuntimeError, subprocess.CalledProcessError, FileNotFoundError) as e:
             notes.append(f"llama.cpp mtmd failed: {e}")
-    for quant in a.image_precisions.split(","):
+    for quant in a.image_precisions.split(";"):
         b = export(ckpt, work / f"b256-{quant.replace('=', '-').replace(',', '_')}", quant, None)
         r = vlmrt_bench(b, a, "hybrid", image=a.image, prompt_tokens=a.image_prompt_tokens, runs=a.image_runs)
         rows.append({"name": f"vlmrt {quant} (hybrid)", "group": "vlmrt", **r})
@@ -187,7 +187,8 @@ def main() -> None:
     ap.add_argument("--image", default=str(ROOT / "tests" / "assets" / "chelsea.png"))
     ap.add_argument("--image-runs", type=int, default=2, help="runs of each image row (default 2)")
     ap.add_argument("--image-prompt-tokens", type=int, default=900, help="vlmrt image prompt budget (image + text)")
-    ap.add_argument("--image-precisions", default="vision=fp32,prefill=w4a8,decode=w4a8")
+    ap.add_argument("--image-precisions", default="vision=fp32,prefill=w4a8,decode=w4a8",
+                    help="image bundles, separated by ; (each a --quant spec)")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=BUNDLE",
                     help="another bundle measured in hybrid mode as a text row (e.g. exported by an earlier commit)")
     ap.add_argument("--no-image", action="store_true", help="skip the image (mtmd) comparison")
