@@ -505,7 +505,7 @@ def plot(curve: dict, path: Path, info: dict) -> None:
     b2 = bx.twinx()
     b2.plot(curve["vision_step"], curve["vision_acc"], "s-", color="C3", label="test images: colour and shape correct")
     b2.set_ylim(0, 1.02)
-    bx.legend(loc="upper left", fontsize=8), b2.legend(loc="center right", fontsize=8)
+    bx.legend(loc="lower left", fontsize=8), b2.legend(loc="center right", fontsize=8)
     t = info["time_s"]
     fig.suptitle(f"easy-VQA demo model: {t['total'] / 60:.1f} min on {info['threads']} CPU threads "
                  f"(A {t['phase_a'] / 60:.1f} min, B {t['phase_b'] / 60:.1f} min); final val exact match {info['final_val_exact_match']:.3f}")
