@@ -69,16 +69,18 @@ class KVCache:
                 buf[:n] = np.clip(np.rint(x) + z2, 0, 255).astype(np.uint8)
 
     def _slots(self, n_valid: int) -> slice:
-        """The slots the next n_valid rows go to (length..length+n_valid-1); advances length."""
+        """The slots the next n_valid rows go to (length..length+n_valid-1); the caller advances length
+        once they are written."""
         pos = self.length
         if pos + n_valid > self.spec.max_context:
             raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
-        self.length = pos + n_valid
         return slice(pos, pos + n_valid)
 
     def write_block(self, rows: np.ndarray, n_valid: int) -> None:
         """rows [layers, 2, ar, dim] (a step's outputs bound to one staging block): store the first n_valid."""
-        self.data[:, :, self._slots(n_valid)] = rows[:, :, :n_valid]
+        at = self._slots(n_valid)
+        self.data[:, :, at] = rows[:, :, :n_valid]
+        self.length = at.stop
 
     def write(self, new_rows: list[np.ndarray], n_valid: int) -> None:
         """new_rows in output_names() order (K, V of layer 0, 1, ...), each [ar, dim]: the same update as
@@ -86,3 +88,4 @@ class KVCache:
         at = self._slots(n_valid)
         for j, rows in enumerate(new_rows):
             self.data[j // 2, j % 2, at] = rows[:n_valid]
+        self.length = at.stop
