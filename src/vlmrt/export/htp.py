@@ -147,8 +147,8 @@ PASS_THROUGH = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
 
 
 def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, str],
-                  want: dict[str, tuple[float, int]] | None = None) -> dict[str, tuple[float, int]]:
-    """Make the KV cache I/O uint8, returning each input's (scale, zero_point) as the graph has it.
+                  want: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+    """Make the KV cache I/O uint8 with the encodings ``want``; returns each input's (scale, zero_point) as the graph has it.
 
       input x (float) -> [Reshape…] -> Q -> …    becomes   input x (uint8) -> DQ -> [Reshape…] -> Q -> …
       … -> Q -> p -> DQ -> output y              becomes   … -> Q -> output y (uint8)
@@ -180,12 +180,11 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
             cs = consumers(cs[0].output[0])
         if len(cs) != 1 or cs[0].op_type != "QuantizeLinear":
             raise ValueError(f"KV input {name} does not reach a single QuantizeLinear through data-movement ops")
-        if want is not None:  # the scale/zero-point initializers are this tensor's own (its Q and DQ)
-            sc, zp = want[name]
-            for init, val in ((inits[cs[0].input[1]], np.array(sc, np.float32)), (inits[cs[0].input[2]], np.array(zp, np.uint8))):
-                if numpy_helper.to_array(init).dtype != val.dtype:
-                    raise ValueError(f"KV input {name} is quantized as {numpy_helper.to_array(init).dtype}, not uint8")
-                init.CopyFrom(numpy_helper.from_array(val, init.name))
+        sc, zp = want[name]  # the scale/zero-point initializers are this tensor's own (its Q and DQ)
+        for init, val in ((inits[cs[0].input[1]], np.array(sc, np.float32)), (inits[cs[0].input[2]], np.array(zp, np.uint8))):
+            if numpy_helper.to_array(init).dtype != val.dtype:
+                raise ValueError(f"KV input {name} is quantized as {numpy_helper.to_array(init).dtype}, not uint8")
+            init.CopyFrom(numpy_helper.from_array(val, init.name))
         found[name] = enc(cs[0])
         # canonical QDQ: uint8 input -> DequantizeLinear(its encoding) -> [Reshape…] -> QuantizeLinear -> …
         deq = name + "_kv_dequantized"
