@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vlmrt import default_model
+from vlmrt import cli, default_model
 from vlmrt import easyvqa_data as ev
 
 pytest.importorskip("easy_vqa")
@@ -91,8 +91,6 @@ def test_shipped_weights_fit_the_preset():
 
 
 def test_missing_export_extra_is_one_line(monkeypatch, tmp_path, capsys):
-    from vlmrt import cli
-
     monkeypatch.setenv("VLMRT_CACHE", str(tmp_path))
     monkeypatch.setattr(default_model, "missing_export_modules", lambda: ["torch"])
     rc = cli.main(["run", "--image", str(SAMPLE), "--prompt", "What color is the shape?"])
@@ -195,3 +193,13 @@ def test_bad_cache_is_rebuilt_check(cache, tmp_path):
     (copy / "manifest.json").write_text("{")
     assert not default_model._usable(copy)
     assert not default_model._usable(tmp_path / "nothing")
+
+
+def test_eval_dataset_cli_reports_the_default_bundle(cache, capsys, monkeypatch):
+    """`vlmrt eval --dataset easy-vqa` without BUNDLE scores the offline default and names the bundle it used."""
+    root, bundle = cache
+    monkeypatch.setenv("VLMRT_CACHE", str(root))
+    assert cli.main(["eval", "--dataset", "easy-vqa", "--limit", "13", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["bundle"] == str(bundle) and r["questions"] == 13
+    assert r["correct"] >= 12  # measured 13/13 (one per answer); one question of margin as FLOOR

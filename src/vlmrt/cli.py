@@ -97,7 +97,7 @@ def _eval_dataset(a) -> int:
         return vlm(question, image, mode=a.mode, max_new_tokens=8).text
 
     r = ev.score(answer, rows, a.split, progress=not a.json)
-    r.update(bundle=str(vlm.bundle.folder) if hasattr(vlm.bundle, "folder") else a.bundle, mode=a.mode, device=a.device,
+    r.update(bundle=str(vlm.bundle.path), mode=a.mode, device=a.device,
              kv_requant=not a.no_kv_requant, subset=f"all {a.split}" if not a.limit else f"stratified {len(rows)} (seed 0)")
     if a.json:
         print(json.dumps(r))
