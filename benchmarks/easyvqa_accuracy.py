@@ -5,7 +5,7 @@
 Assembles the checkpoint (vlmrt.export.easyvqa), then scores on the same fixed stratified test
 subset (vlmrt.easyvqa_data.select, 20 questions per answer at 260):
   transformers fp32 on the checkpoint (greedy `generate`, the oracle; its token ids are compared with
-  vlmrt fp32's, which must be identical), vlmrt fp32 / w8a16 / w4a16 (hybrid), the HTP bundle
+  vlmrt fp32's, which must be identical), vlmrt fp32 / w8a16 / w4a16 / w4a16m / w4a8 / w4a8m (hybrid), the HTP bundle
   (--target htp, calibrated on 12 easy-VQA *train* images x 4 questions) on the CPU EP in hybrid mode
   with and without KV requantization, and on the HTP simulator (--device htp, first
   --htp-sim-limit questions of the subset; the simulator is slow). Writes WORK/results.json and
@@ -122,20 +122,19 @@ def main(argv=None) -> int:
             res_path.write_text(json.dumps(results) + "\n")
             print(f"{name:40s} {r['accuracy']:.4f} ({r['correct']}/{r['questions']}) {time.time() - t:.0f} s", flush=True)
 
-    b = {"fp32": export(ckpt, work / "b-fp32", "--quant", "fp32")}
-    run("vlmrt fp32 hybrid", lambda: score_vlmrt(b["fp32"], rows))
+    # bundles are exported when a row needs them (rows already in WORK/results.json are kept, not re-run)
+    htp = lambda: export(ckpt, work / "b-htp", "--target", "htp", "--calibration", str(calibration_dir(work)))  # noqa: E731
+    run("vlmrt fp32 hybrid", lambda: score_vlmrt(export(ckpt, work / "b-fp32", "--quant", "fp32"), rows))
     run("transformers fp32 (checkpoint)", lambda: score_transformers(ckpt, rows))
-    for q in ("w8a16", "w4a16"):
-        b[q] = export(ckpt, work / f"b-{q}", "--quant", q)
-        run(f"vlmrt {q} hybrid", lambda q=q: score_vlmrt(b[q], rows))
-    b["htp"] = export(ckpt, work / "b-htp", "--target", "htp", "--calibration", str(calibration_dir(work)))
-    run("vlmrt htp CPU EP hybrid", lambda: score_vlmrt(b["htp"], rows))
-    run("vlmrt htp CPU EP hybrid --no-kv-requant", lambda: score_vlmrt(b["htp"], rows, kv_requant=False))
+    for q in ("w8a16", "w4a16", "w4a16m", "w4a8", "w4a8m"):
+        run(f"vlmrt {q} hybrid", lambda q=q: score_vlmrt(export(ckpt, work / f"b-{q}", "--quant", q), rows))
+    run("vlmrt htp CPU EP hybrid", lambda: score_vlmrt(htp(), rows))
+    run("vlmrt htp CPU EP hybrid --no-kv-requant", lambda: score_vlmrt(htp(), rows, kv_requant=False))
     if not a.skip_htp_sim:
         sub = rows[: a.htp_sim_limit]
-        run("vlmrt htp CPU EP hybrid (sim subset)", lambda: score_vlmrt(b["htp"], sub))
+        run("vlmrt htp CPU EP hybrid (sim subset)", lambda: score_vlmrt(htp(), sub))
         try:
-            run("vlmrt htp simulator hybrid (sim subset)", lambda: score_vlmrt(b["htp"], sub, device="htp"))
+            run("vlmrt htp simulator hybrid (sim subset)", lambda: score_vlmrt(htp(), sub, device="htp"))
         except Exception as e:  # no QNN EP here: say so in the table
             print(f"HTP simulator not available: {e}", flush=True)
     hf, fp = results["transformers fp32 (checkpoint)"], results["vlmrt fp32 hybrid"]

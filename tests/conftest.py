@@ -26,12 +26,11 @@ class Case:
     longest_edge_tiles: int
     prefill_ar: int
     max_seq_len: int
-    buckets: tuple = ()  # smaller decoder contexts (export --buckets)
+    buckets: tuple = ()  # smaller decoder contexts (export --buckets; static graphs); none: symbolic cache length
 
 
 CASES = [
-    Case("untied-split", tie=False, split=True, tile=64, patch=8, scale=2, longest_edge_tiles=3, prefill_ar=8, max_seq_len=320,
-         buckets=(64, 160)),
+    Case("untied-split", tie=False, split=True, tile=64, patch=8, scale=2, longest_edge_tiles=3, prefill_ar=8, max_seq_len=320),
     Case("tied-nosplit", tie=True, split=False, tile=32, patch=4, scale=4, longest_edge_tiles=2, prefill_ar=16, max_seq_len=96),
     Case("tied-split-s4", tie=True, split=True, tile=64, patch=4, scale=4, longest_edge_tiles=4, prefill_ar=32, max_seq_len=400,
          buckets=(128,)),

@@ -159,3 +159,33 @@ def test_context_buckets_change_cost_not_results():
     # hybrid: blocks at positions 0 and 4 read 8 slots; decode steps at 7, 8 read 8, 9..16 read 16, 17.. the full 24
     assert small["prefill"].calls == 2 and mid["prefill"].calls == 0
     assert small["decode"].calls > 0 and mid["decode"].calls > 0
+
+
+class ShapeRecorder:
+    def __init__(self, inner):
+        self.inner, self.ctxs = inner, []
+
+    def run(self, names, feeds):
+        ctx = feeds["past_key_0"].shape[0]
+        assert feeds["attention_mask"].shape[1] == ctx + feeds["inputs_embeds"].shape[0]
+        self.ctxs.append((int(feeds["position_ids"][0]), ctx))
+        return self.inner.run(names, feeds)
+
+
+def test_symbolic_context_reads_the_prefix_it_needs():
+    """Graphs with a symbolic cache length (DecoderSpec.context_step): each step reads the cache prefix that holds
+    its past, rounded up to the step, and the tokens are those of the full-cache graphs."""
+    import dataclasses
+
+    engine, fake = make_engine(max_context=24, ar=4)
+    prompt = list(np.random.default_rng(3).integers(1, V, 7))
+    want = list(engine.generate(engine.embed(prompt), mode="hybrid", max_new_tokens=15, ignore_eos=True))
+    engine.dec = dataclasses.replace(engine.dec, context_step=8)
+    for mode in ("hybrid", "kv"):
+        rec = ShapeRecorder(fake)
+        engine.prefill_session = engine.decode_session = rec
+        got = list(engine.generate(engine.embed(prompt), mode=mode, max_new_tokens=15, ignore_eos=True))
+        assert got == want, mode
+        assert all(ctx == min(24, max(8, -(-pos // 8) * 8)) for pos, ctx in rec.ctxs)
+        assert {ctx for _, ctx in rec.ctxs} == {8, 16, 24}  # 7 prompt + 15 tokens: positions 0..20
+    assert rec.ctxs[:3] == [(0, 8), (1, 8), (2, 8)] and (9, 16) in rec.ctxs and (17, 24) in rec.ctxs

@@ -18,7 +18,8 @@ def _export(a) -> int:
         calibration = calibration_set(a.calibration)
     out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
                  target=a.target, htp_weights=a.htp_weights, calibration=calibration, soc_model=a.soc_model,
-                 htp_arch=a.htp_arch, buckets=_buckets(a.buckets), force=a.force, progress=not a.quiet)
+                 htp_arch=a.htp_arch, buckets=_buckets(a.buckets), context_step=a.context_step, force=a.force,
+                 progress=not a.quiet)
     print(out)
     return 0
 
@@ -174,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "room for the default max tiles for InternVL)")
     e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="graph I/O and KV cache type (default fp32)")
     e.add_argument("--quant", default=None,
-                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8 for all graphs (4-bit ones keep the vision graph at 8 bits), or per graph, e.g. "
+                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8|w4a16m|w4a8m for all graphs (4-bit ones keep the vision graph "
+                        "at 8 bits; the m ones also keep each layer's v_proj and down_proj at 8 bits, as Q4_K_M), or per graph, e.g. "
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype)")
     e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
                    help="htp: static QDQ graphs for the Qualcomm NPU (16-bit activations, uint8 KV cache)")
@@ -187,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--buckets", default=None,
                    help="smaller decoder contexts exported too, so that steps cost what the context in use costs, "
                         "e.g. 256,512 (default none; each costs one more session's copy of the weights for now)")
+    e.add_argument("--context-step", type=int, default=None,
+                   help="CPU decoder graphs take any cache length and each step reads the cache prefix it needs, "
+                        "rounded up to this many slots (default 64; 0 = static graphs over the whole cache, as "
+                        "--buckets and --target htp use)")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)

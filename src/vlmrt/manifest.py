@@ -29,7 +29,7 @@ class BundleError(Exception):
 @dataclass
 class TensorSpec:
     name: str
-    shape: list[int]
+    shape: list[int | str]  # a str is a symbolic dim, e.g. "ctx" (graphs exported with a dynamic cache length)
     dtype: str  # numpy dtype name: "float32", "float16", "int64", "uint8"
 
 
@@ -38,7 +38,7 @@ class GraphSpec:
     """One static ONNX graph."""
 
     file: str
-    precision: str  # weights: "fp32" | "fp16" | "w8a16" | "w4a16"
+    precision: str  # weights: one of export.quantize.PRECISIONS ("fp32", "w4a16", "w4a8m", ...)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     weights: dict[str, Any] = field(default_factory=dict)  # e.g. {"block_size": 32, "symmetric": true, "lm_head": "w8a16"}
@@ -99,9 +99,10 @@ class PromptSpec:
 class KVSpec:
     """The KV cache lives outside the graphs, one [max_context, dim] buffer per layer and K/V.
 
-    A graph step with AR tokens at positions pos..pos+AR-1 reads the whole cache plus an
-    additive mask [AR, max_context + AR] and returns only the AR new rows per layer; the
-    host writes row i to cache slot pos+i (runtime/kv_cache.py is the one definition).
+    A graph step with AR tokens at positions pos..pos+AR-1 reads the cache (the whole of it, or
+    the prefix [:ctx] for a bucket or a graph with a symbolic cache length, DecoderSpec) plus an
+    additive mask [AR, ctx + AR] and returns only the AR new rows per layer; the host writes
+    row i to cache slot pos+i (runtime/kv_cache.py is the one definition).
     """
 
     layers: int
@@ -136,6 +137,10 @@ class DecoderSpec:
     # {"prefill": [[256, "prefill_256"], ...], "decode": [...]}, ascending; a step whose first position
     # is <= ctx reads the cache prefix [:ctx]; the full graphs ("prefill", "decode") serve the rest
     buckets: dict[str, list[list]] = field(default_factory=dict)
+    # > 0: the graphs' cache inputs have a symbolic length "ctx" (mask [ar, ctx + ar]); a step at first position
+    # pos reads the prefix [:ctx], ctx = pos rounded up to a multiple of context_step (at least context_step, at
+    # most max_context). 0: static graphs over the whole cache (or its buckets)
+    context_step: int = 0
 
 
 @dataclass

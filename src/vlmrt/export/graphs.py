@@ -46,11 +46,13 @@ def _quiet():
         logging.disable(logging.NOTSET)
 
 
-def export_graph(module: torch.nn.Module, args: tuple, input_names: list[str], output_names: list[str], path: Path) -> None:
-    """Export module at the shapes of args to path (+ path.data for weights)."""
+def export_graph(module: torch.nn.Module, args: tuple, input_names: list[str], output_names: list[str], path: Path,
+                 dynamic_shapes: tuple | None = None) -> None:
+    """Export module at the shapes of args (static unless dynamic_shapes names a dim) to path (+ path.data)."""
     with _quiet(), torch.no_grad():
         program = torch.onnx.export(
-            module, args, dynamo=True, input_names=input_names, output_names=output_names, optimize=True
+            module, args, dynamo=True, input_names=input_names, output_names=output_names, optimize=True,
+            dynamic_shapes=dynamic_shapes,
         )
         program.save(str(path), external_data=True)
     onnx.checker.check_model(str(path))
@@ -62,7 +64,7 @@ def io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     def spec(vi) -> TensorSpec:
         t = vi.type.tensor_type
         dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
-        return TensorSpec(name=vi.name, shape=[d.dim_value for d in t.shape.dim], dtype=dtype)
+        return TensorSpec(name=vi.name, shape=[d.dim_param or d.dim_value for d in t.shape.dim], dtype=dtype)
 
     return [spec(v) for v in m.graph.input], [spec(v) for v in m.graph.output]
 
@@ -109,9 +111,11 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 
 def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
-                   precision: str, head: str, path: Path, cpu: bool = True) -> None:
+                   precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False) -> None:
     """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): the AR=1 step reads
-    the cache without copying it (CachedGQAttention._decode_step) and RMSNorm chains become one fused op."""
+    the cache without copying it (CachedGQAttention._decode_step) and RMSNorm chains become one fused op.
+    dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
+    (the dim is named "ctx"), so that one graph reads only the prefix of the cache that a step needs."""
     from . import fuse, quantize
     from ..families.layers import CachedGQAttention
 
@@ -127,9 +131,13 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     mask = torch.zeros(ar, max_context + ar, dtype=dt)
     past = [torch.zeros(max_context, kv_dim, dtype=dt) for _ in range(2 * layers)]
     kin, kout = kv_names(layers)
+    dynamic = None
+    if dynamic_context:
+        ctx = torch.export.Dim("ctx", min=2, max=max_context)
+        dynamic = ((None, None, {1: ctx + ar}, *[{0: ctx}] * (2 * layers)),)  # CastIO.forward(*args): one varargs entry
     export_graph(
         module, (embeds, positions, mask, *past),
-        ["inputs_embeds", "position_ids", "attention_mask", *kin], ["logits", *kout], path,
+        ["inputs_embeds", "position_ids", "attention_mask", *kin], ["logits", *kout], path, dynamic,
     )
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():

@@ -21,6 +21,9 @@ from .checkpoint import Checkpoint, CheckpointError, resolve
 # config.json model_type -> family module (vlmrt.families.<name>)
 FAMILIES = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl"}
 DTYPES = {"fp32": "float32", "fp16": "float16"}
+# CPU decoder graphs take any cache length; a step reads the prefix rounded up to this many slots (fewer shapes
+# for ORT to plan than exact lengths; measured in README "Decode cost vs context")
+DEFAULT_CONTEXT_STEP = 64
 
 
 class ExportError(ValueError):
@@ -95,24 +98,34 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
            quant: str | None = None, target: str = "cpu", htp_weights: int = 8, calibration: list | None = None,
            soc_model: str | None = None, htp_arch: str | None = None, buckets: list[int] | None = None,
-           force: bool = False, progress: bool = True) -> Path:
+           context_step: int | None = None, force: bool = False, progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static QDQ graphs (16-bit activations, htp_weights-bit weights) with a uint8 KV cache,
     calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set).
     buckets: smaller decoder contexts to export as well (default none: each is one more ORT session
-    holding its own copy of the weights until sessions share initializers; HTP bundles have none yet)."""
+    holding its own copy of the weights until sessions share initializers; HTP bundles have none yet).
+    context_step: CPU decoder graphs with a symbolic cache length; a step reads the cache prefix rounded up to a
+    multiple of context_step (default DEFAULT_CONTEXT_STEP; 0 = static graphs over the whole cache, which
+    --buckets and the HTP target need)."""
     if target not in ("cpu", "htp"):
         raise ExportError(f"unknown target {target!r}; choose cpu or htp")
     if target == "htp" and (quant or dtype != "fp32"):
         raise ExportError("--target htp sets its own precisions (16-bit activations, --htp-weights); drop --quant/--dtype")
     if htp_weights not in (4, 8):
         raise ExportError("--htp-weights must be 8 or 4")
+    if context_step is None:
+        context_step = 0 if target == "htp" or buckets else -1  # -1: the default, once the max context is known
+    elif context_step and (target == "htp" or buckets):
+        raise ExportError("--context-step (a symbolic cache length) is for CPU graphs without --buckets; "
+                          "pass --context-step 0 with --buckets or --target htp")
+    elif context_step < 0 or context_step == 1:
+        raise ExportError("--context-step must be 0 (static) or at least 2")
     p = Progress(9 if target == "htp" else 8, progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
-                       force=force, buckets=[] if target == "htp" else buckets, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
+                       force=force, buckets=[] if target == "htp" else buckets, context_step=context_step, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
                                              htp_arch=htp_arch) if target == "htp" else None)
     except BaseException:
         p.failed()
@@ -120,7 +133,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            quant: str | None, force: bool, buckets: list[int] | None, htp: dict | None) -> Path:
+            quant: str | None, force: bool, buckets: list[int] | None, context_step: int, htp: dict | None) -> Path:
     import json
 
     import torch
@@ -153,6 +166,10 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         max_seq_len, ctx_note = family.default_max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
+    if context_step == -1:
+        context_step = min(DEFAULT_CONTEXT_STEP, max_seq_len)
+    if context_step > max_seq_len:
+        raise ExportError(f"--context-step {context_step} is larger than the max context {max_seq_len}")
     buckets = sorted(set(buckets or []))
     if any(b < 1 or b >= max_seq_len for b in buckets):
         raise ExportError(f"context buckets must be between 1 and --max-seq-len - 1 ({max_seq_len - 1})")
@@ -185,12 +202,13 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         for name, ar in (("prefill", prefill_ar), ("decode", 1)):
             h = head or prec[name]
             ctxs = [c for c in buckets if c >= ar] + [max_seq_len]
-            p.start(f"{name} graph (AR={ar}, context {'/'.join(map(str, ctxs))}, {t.layers} layers, {prec[name]}, lm head {h})")
+            cdesc = f"any context <= {max_seq_len} in steps of {context_step}" if context_step else f"context {'/'.join(map(str, ctxs))}"
+            p.start(f"{name} graph (AR={ar}, {cdesc}, {t.layers} layers, {prec[name]}, lm head {h})")
             for ctx in ctxs:
                 gname = name if ctx == max_seq_len else f"{name}_{ctx}"
                 graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
                                       io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{gname}.onnx",
-                                      cpu=htp is None)
+                                      cpu=htp is None, dynamic_context=context_step > 0)
                 decoder_graphs.append(gname)
             p.done()
         p.start("sharing weights between graphs")
@@ -223,6 +241,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
             weights = {"block_size": quantize.BLOCK_SIZE, "symmetric": True} if prec[name] in quantize.WEIGHT_ONLY_BITS else {}
             if name != "vision":
                 weights["lm_head"] = head or prec[name]
+                if prec[name] in quantize.MIX_OF:
+                    weights["8bit"] = {"precision": quantize.MIX_OF[prec[name]], "matmuls": list(quantize.MIXED_8BIT)}
             gspecs[gname] = mf.GraphSpec(file=f"{gname}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
         bucket_map = {k: [[int(g.split("_")[1]), g] for g in decoder_graphs if g.startswith(k + "_")] for k in ("prefill", "decode")}
         image = host["image"]
@@ -246,7 +266,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
                                    embedding_file="embed.npy", embedding_dtype=embed_dtype,
                                    embedding_scale_file=scale_file,
                                    mask_value=htp_mod.HTP_MASK_VALUE if htp else None,
-                                   buckets={k: v for k, v in bucket_map.items() if v}),
+                                   buckets={k: v for k, v in bucket_map.items() if v}, context_step=context_step),
             vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
             generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
             files=mf.list_files(tmp, files),

@@ -77,7 +77,7 @@ class Engine:
         self.kv_requant = True  # hybrid mode with per-graph uint8 KV encodings: convert prefill's rows for decode
         self.last = GenerationStats()
         self._out_names = [dec.logits_output, *self.cache.output_names()]
-        self._bound: dict[tuple[int, int], binding.BoundStep] = {}  # id(session), ar -> I/O-bound step
+        self._bound: dict[tuple[int, int, int], binding.BoundStep] = {}  # id(session), ctx, ar -> I/O-bound step
         self.run_s = 0.0  # time inside graph calls, accumulated
 
     def embed(self, ids: list[int] | np.ndarray) -> np.ndarray:
@@ -88,11 +88,17 @@ class Engine:
         return np.asarray(rows, dtype=self.dtype)
 
     def _session(self, kind: str, pos: int) -> tuple[int, Session]:
-        """The graph of `kind` with the smallest context that holds positions 0..pos-1."""
+        """The cache prefix [:ctx] a step at first position pos reads (it holds positions 0..pos-1), and the graph:
+        graphs with a symbolic cache length take pos rounded up to DecoderSpec.context_step; otherwise the
+        bucket with the smallest context that fits, else the full graph."""
+        full = self.prefill_session if kind == "prefill" else self.decode_session
+        step, top = self.dec.context_step, self.kv_spec.max_context
+        if step:
+            return min(top, max(step, -(-pos // step) * step)), full
         for ctx, session in self.buckets[kind]:
             if pos <= ctx:
                 return ctx, session
-        return self.kv_spec.max_context, self.prefill_session if kind == "prefill" else self.decode_session
+        return top, full
 
     def _step(self, kind: str, embeds: np.ndarray, ar: int) -> np.ndarray:
         """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab].
@@ -101,9 +107,9 @@ class Engine:
         pos = self.cache.length
         ctx, session = self._session(kind, pos)
         if binding.enabled(session):
-            step = self._bound.get((id(session), ar))
+            step = self._bound.get((id(session), ctx, ar))
             if step is None:
-                step = self._bound[(id(session), ar)] = binding.BoundStep(session, self.dec, self.cache, ctx, ar,
+                step = self._bound[(id(session), ctx, ar)] = binding.BoundStep(session, self.dec, self.cache, ctx, ar,
                                                                           self.dec.mask_value)
             t = time.perf_counter()
             logits = step(embeds, pos)
