@@ -20,6 +20,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from vlmrt.export import smollm2  # noqa: E402
+from vlmrt.export.gguf_llama import permute_qk, read_metadata, tokenizer_from_gguf, unpermute_qk  # noqa: E402
 
 try:
     GGUF = smollm2.find_gguf()
@@ -58,7 +59,7 @@ def reader():
 
 @pytest.fixture(scope="module")
 def meta(reader):
-    return smollm2.read_metadata(reader)
+    return read_metadata(reader)
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +124,8 @@ def test_unpermute_inverts_llama_cpp_permute(rows, n_head):
     w = np.random.default_rng(rows).standard_normal((rows, 24)).astype(np.float32)
     p = llama_cpp_permute(w, 9, n_head)  # k_proj: n_head_kv wins; q_proj: n_head == n_head_kv
     assert not np.array_equal(p, w)
-    np.testing.assert_array_equal(smollm2.unpermute_qk(p, n_head), w)
-    np.testing.assert_array_equal(smollm2.permute_qk(w, n_head), p)
+    np.testing.assert_array_equal(unpermute_qk(p, n_head), w)
+    np.testing.assert_array_equal(permute_qk(w, n_head), p)
 
 
 def _rope_hf(v, pos, theta):
@@ -232,7 +233,7 @@ TEXTS = [
 def test_tokenizer_equals_transformers_gguf_tokenizer(meta, gguf_tokenizer, ckpt):
     from tokenizers import Tokenizer
 
-    ours = smollm2.tokenizer_from_gguf(meta)
+    ours = tokenizer_from_gguf(meta)
     saved = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     assert ours.get_vocab_size() == len(gguf_tokenizer) == 49152
     for text in TEXTS:
@@ -249,7 +250,7 @@ def test_digits_split_as_llama_cpp_smollm(meta):
     GGUF tokenizer applies the GPT-2 regex alone here and gives a, Ġ, Ġ, 2, and Ġ½ for " ½".)"""
     from tokenizers import Tokenizer
 
-    tok: Tokenizer = smollm2.tokenizer_from_gguf(meta)
+    tok: Tokenizer = tokenizer_from_gguf(meta)
     v = tok.get_vocab()
     assert tok.encode("a  2").ids == [v["a"], v["ĠĠ"], v["2"]]
     assert tok.encode("2024").ids == [v["2"], v["0"], v["2"], v["4"]]

@@ -72,7 +72,7 @@ def ensure_bundle(progress: bool = True) -> Path:
                                 f"(missing: {', '.join(missing)}): {EXPORT_HINT}")
     from .export.easyvqa import build_checkpoint
     from .export.pipeline import export
-    from .export.smollm2 import SmolLM2Error
+    from .export.gguf_llama import GGUFError  # SmolLM2Error is one
 
     if progress:
         print(f"vlmrt: first use of the default model (easy-VQA demo): building it into {out}", file=sys.stderr, flush=True)
@@ -83,7 +83,7 @@ def ensure_bundle(progress: bool = True) -> Path:
     try:
         ckpt = build_checkpoint(work / "checkpoint", progress=progress)
         export(str(ckpt), out, max_seq_len=MAX_SEQ_LEN, progress=progress)
-    except SmolLM2Error as e:
+    except GGUFError as e:
         raise DefaultModelError(str(e)) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
