@@ -1,6 +1,6 @@
 """The shipped easy-VQA demo model: assembly, the offline default of `vlmrt run`, accuracy floors.
 
-CI-sized: the checkpoint is assembled and exported (fp32, w8a16) once per session; accuracy is exact
+CI-sized: the checkpoint is assembled and exported (fp32, w8a16, w4a16m) once per session; accuracy is exact
 match on the first 50 questions of the fixed stratified test subset (vlmrt.easyvqa_data.select).
 The floors are what was measured (README, "easy-VQA demo model"), not loosened.
 """
@@ -23,9 +23,9 @@ from vlmrt import easyvqa_data as ev
 pytest.importorskip("easy_vqa")
 
 N_CI = 50
-# measured on these 50 questions (2026-11-30, the retrained model): fp32 50/50, w8a16 50/50; the floors
+# measured on these 50 questions (2026-11-30, the retrained model): fp32 50/50, w8a16 50/50, w4a16m 50/50; the floors
 # leave one question for float differences across machines (greedy answers near a tie could flip)
-FLOOR = {"fp32": 0.98, "w8a16": 0.98}
+FLOOR = {"fp32": 0.98, "w8a16": 0.98, "w4a16m": 0.98}
 SAMPLE = Path(__file__).resolve().parents[1] / "src" / "vlmrt" / "data" / "easyvqa" / "shape.png"
 
 
@@ -122,13 +122,17 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def w8a16(cache, tmp_path_factory):
+def checkpoint(cache, tmp_path_factory):
     from vlmrt.export.easyvqa import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("easyvqa-ckpt") / "ckpt")
+
+
+def quantized(checkpoint, quant: str, tmp_path_factory) -> Path:
     from vlmrt.export.pipeline import export
 
-    work = tmp_path_factory.mktemp("easyvqa-w8")
-    ckpt = build_checkpoint(work / "ckpt")
-    return export(str(ckpt), work / "b", quant="w8a16", max_seq_len=default_model.MAX_SEQ_LEN, progress=False)
+    out = tmp_path_factory.mktemp(f"easyvqa-{quant}") / "b"
+    return export(str(checkpoint), out, quant=quant, max_seq_len=default_model.MAX_SEQ_LEN, progress=False)
 
 
 def accuracy(bundle: Path) -> float:
@@ -153,8 +157,9 @@ def test_fp32_accuracy_floor(cache):
     assert accuracy(cache[1]) >= FLOOR["fp32"]
 
 
-def test_w8a16_accuracy_floor(w8a16):
-    assert accuracy(w8a16) >= FLOOR["w8a16"]
+@pytest.mark.parametrize("quant", ["w8a16", "w4a16m"])
+def test_quantized_accuracy_floor(checkpoint, quant, tmp_path_factory):
+    assert accuracy(quantized(checkpoint, quant, tmp_path_factory)) >= FLOOR[quant]
 
 
 def test_answers_depend_on_the_image(cache):
