@@ -76,11 +76,15 @@ def vlmrt_bench(bundle: Path, a, mode: str, image: Path | None = None, prompt_to
 
 
 def export(ckpt: Path, out: Path, quant: str, max_seq_len: int | None, buckets: str | None = None) -> Path:
+    """buckets: "C1,C2" (static graphs + context buckets), "static" (static graphs over the whole cache, the
+    export before symbolic cache lengths) or None (the default export)."""
     if not (out / "manifest.json").exists():
         cmd = [sys.executable, "-m", "vlmrt.cli", "export", str(ckpt), str(out), "--quant", quant, "--quiet", "--force"]
         if max_seq_len:
             cmd += ["--max-seq-len", str(max_seq_len)]
-        if buckets:
+        if buckets == "static":
+            cmd += ["--context-step", "0"]
+        elif buckets:
             cmd += ["--buckets", buckets]
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     return out
@@ -93,7 +97,11 @@ def kv_bytes(m: dict, ctx: int) -> int:
 
 
 def decode_ctx(m: dict, used: int) -> int:
-    """Cache slots a decode step reads: the smallest decode graph (bucket) that holds the used context."""
+    """Cache slots a decode step reads: the used context rounded up to the context step (symbolic-length graphs),
+    else the smallest decode graph (bucket) that holds it."""
+    step = m["decoder"].get("context_step", 0)
+    if step:
+        return min(m["kv"]["max_context"], -(-used // step) * step)
     for ctx, _ in sorted(m["decoder"].get("buckets", {}).get("decode", [])):
         if used <= int(ctx):
             return int(ctx)
@@ -117,15 +125,15 @@ def text_rows(a, work: Path, ckpt: Path, notes: list) -> list[dict]:
         notes.append("llama-cpp-python is not installed (it is not a vlmrt dependency): llama.cpp rows left out. "
                      "Install: pip install llama-cpp-python==0.3.36 (builds llama.cpp from source, ~15 min on 2 cores).")
     for spec in a.precisions.split(","):
-        q, _, buckets = spec.partition("@")  # w4a8@128+256+384: with decoder context buckets
+        q, _, buckets = spec.partition("@")  # w4a8@128+256+384: static graphs + context buckets; w4a8@static
         buckets = buckets.replace("+", ",")
-        b = export(ckpt, work / (f"b-{q}" + (f"-buckets-{buckets.replace(',', '-')}" if buckets else "")), q, 512, buckets)
+        b = export(ckpt, work / (f"b-{q}" + (f"-{buckets.replace(',', '-')}" if buckets else "")), q, 512, buckets)
         m = json.loads((b / "manifest.json").read_text())
         wbytes = m["files"]["decoder.data"]["bytes"]
         modes = ["hybrid"] + (["kv"] if q in a.kv_precisions.split(",") else [])
         for mode in modes:
             r = vlmrt_bench(b, a, mode)
-            label = f"vlmrt {q}" + (f" + buckets {buckets}" if buckets else "")
+            label = f"vlmrt {q}" + ((" static" if buckets == "static" else f" + buckets {buckets}") if buckets else "")
             rows.append({"name": f"{label} ({mode})", "group": "vlmrt", **r,
                          "bytes_per_token": wbytes + kv_bytes(m, decode_ctx(m, mean_ctx))})
     for extra in a.extra:  # NAME=BUNDLE: e.g. a bundle exported by an earlier commit, for before/after rows
@@ -181,8 +189,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--precisions", default="fp32,w8a16,w4a16,w4a8,w4a8@128+256+384",
-                    help="vlmrt text rows; PREC@C1+C2 adds decoder context buckets C1, C2 (export --buckets)")
+    ap.add_argument("--precisions", default="fp32,w8a16,w4a16,w4a16m,w4a8,w4a8m,w4a8@static",
+                    help="vlmrt text rows; PREC@C1+C2: static graphs with decoder context buckets C1, C2 (export "
+                         "--buckets); PREC@static: static graphs over the whole cache (export --context-step 0)")
     ap.add_argument("--kv-precisions", default="w4a16,w4a8", help="precisions also measured in kv mode")
     ap.add_argument("--image", default=str(ROOT / "tests" / "assets" / "chelsea.png"))
     ap.add_argument("--image-runs", type=int, default=2, help="runs of each image row (default 2)")
