@@ -21,8 +21,9 @@ from .checkpoint import Checkpoint, CheckpointError, resolve
 # config.json model_type -> family module (vlmrt.families.<name>)
 FAMILIES = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl"}
 DTYPES = {"fp32": "float32", "fp16": "float16"}
-# CPU decoder graphs take any cache length; a step reads the prefix rounded up to this many slots (fewer shapes
-# for ORT to plan than exact lengths; measured in README "Decode cost vs context")
+# CPU decoder graphs take any cache length; a step reads the prefix rounded up to this many slots: at most
+# max_context / 64 shapes per graph for ORT to plan and the host to bind (not tuned: 32 would read up to 32
+# fewer slots per step, exact lengths a new shape every token)
 DEFAULT_CONTEXT_STEP = 64
 
 
