@@ -167,3 +167,15 @@ def test_export_missing_source_and_offline_hub(tmp_path):
     p = run_cli("export", "HuggingFaceTB/SmolVLM-256M-Instruct", tmp_path / "out", env={"HF_HUB_OFFLINE": "1"})
     assert_one_line_error(p, "cannot download HuggingFaceTB/SmolVLM-256M-Instruct")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--context-step", "1"], "--context-step must be 0"),
+    (["--context-step", "64", "--buckets", "128"], "without --buckets"),
+    (["--context-step", "64", "--target", "htp"], "--target htp"),
+    (["--context-step", "4096"], "larger than the max context"),
+    (["--quant", "w4a9m"], "unknown precision 'w4a9m'"),
+])
+def test_export_bad_context_step_or_precision(default_bundle, tmp_path, capsys, args, needle):
+    assert_one_line_error(in_process(capsys, "export", default_bundle.ckpt, tmp_path / "out", *args), needle)
+    assert not (tmp_path / "out").exists()
