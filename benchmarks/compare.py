@@ -35,8 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = Path(__file__).resolve().parent / "runners"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "src"))
 import compare_gguf  # noqa: E402
 import compare_report  # noqa: E402
+from vlmrt.runtime.kv_cache import context_slots  # noqa: E402
 
 
 def run_json(cmd: list, env: dict | None = None, stderr_to: Path | None = None) -> dict:
@@ -101,7 +103,7 @@ def decode_ctx(m: dict, used: int) -> int:
     else the smallest decode graph (bucket) that holds it."""
     step = m["decoder"].get("context_step", 0)
     if step:
-        return min(m["kv"]["max_context"], -(-used // step) * step)
+        return context_slots(used, step, m["kv"]["max_context"])
     for ctx, _ in sorted(m["decoder"].get("buckets", {}).get("decode", [])):
         if used <= int(ctx):
             return int(ctx)

@@ -15,6 +15,7 @@ import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from vlmrt.export import quantize  # noqa: E402
+from vlmrt.runtime.kv_cache import context_slots  # noqa: E402
 
 
 def build(src: str, prec: str, fuse: bool, out: Path) -> str:
@@ -40,9 +41,9 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="fusion-ab-"))
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.log_severity_level = a.threads, 3
-    sess = {f: ort.InferenceSession(build(a.graph, a.quant, f, out), so, providers=["CPUExecutionProvider"])
-            for f in (False, True)}
-    ctx = -(-(a.pos + 1) // 64) * 64
+    paths = {f: build(a.graph, a.quant, f, out) for f in (False, True)}
+    sess = {f: ort.InferenceSession(p, so, providers=["CPUExecutionProvider"]) for f, p in paths.items()}
+    ctx = context_slots(a.pos, 64, 1 << 30)  # the default --context-step
     rng = np.random.default_rng(0)
     feeds = {}
     for i in sess[True].get_inputs():
@@ -56,8 +57,8 @@ def main() -> None:
             feeds[i.name] = (rng.standard_normal(shape) * 0.5).astype(np.float32)
     outs = {f: s.run(None, feeds) for f, s in sess.items()}
     diff = max(float(np.abs(x - y).max()) for x, y in zip(outs[False], outs[True]))
-    nodes = {f: sum(n.op_type == "MatMulNBits" for n in onnx.load(str(out / f"decode_{'fused' if f else 'plain'}.onnx"),
-                                                                   load_external_data=False).graph.node) for f in sess}
+    nodes = {f: sum(n.op_type == "MatMulNBits" for n in onnx.load(p, load_external_data=False).graph.node)
+             for f, p in paths.items()}
     times = {f: [] for f in sess}
     for _ in range(6):
         for f, s in sess.items():

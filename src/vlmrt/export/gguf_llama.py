@@ -125,7 +125,6 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str,
     return tensors, meta
 
 
-
 # tokenizer.ggml.pre -> how text is split before BPE. llama.cpp's "smollm" (like starcoder,
 # refact, command-r) splits every digit off (\p{N}) and then applies the GPT-2 regex; the real
 # SmolLM2 tokenizer.json says the same with Digits(individual_digits) + ByteLevel(use_regex).
@@ -180,4 +179,3 @@ def tokenizer_from_gguf(meta: dict[str, Any]):
         if tok.token_to_id(t.content) != vocab[t.content]:
             raise GGUFError(f"GGUF tokenizer: added token {t.content!r} moved")
     return tok
-

@@ -116,12 +116,12 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
         raise ExportError("--target htp sets its own precisions (16-bit activations, --htp-weights); drop --quant/--dtype")
     if htp_weights not in (4, 8):
         raise ExportError("--htp-weights must be 8 or 4")
-    if context_step is None:
-        context_step = 0 if target == "htp" or buckets else -1  # -1: the default, once the max context is known
+    if context_step is None and (target == "htp" or buckets):
+        context_step = 0  # (otherwise None: the default, once the max context is known)
     elif context_step and (target == "htp" or buckets):
         raise ExportError("--context-step (a symbolic cache length) is for CPU graphs without --buckets; "
                           "pass --context-step 0 with --buckets or --target htp")
-    elif context_step < 0 or context_step == 1:
+    elif context_step is not None and (context_step < 0 or context_step == 1):
         raise ExportError("--context-step must be 0 (static) or at least 2")
     p = Progress(9 if target == "htp" else 8, progress)
     try:
@@ -134,7 +134,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            quant: str | None, force: bool, buckets: list[int] | None, context_step: int, htp: dict | None) -> Path:
+            quant: str | None, force: bool, buckets: list[int] | None, context_step: int | None, htp: dict | None) -> Path:
     import json
 
     import torch
@@ -167,7 +167,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         max_seq_len, ctx_note = family.default_max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
-    if context_step == -1:
+    if context_step is None:
         context_step = min(DEFAULT_CONTEXT_STEP, max_seq_len)
     if context_step > max_seq_len:
         raise ExportError(f"--context-step {context_step} is larger than the max context {max_seq_len}")

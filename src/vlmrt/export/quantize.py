@@ -12,7 +12,7 @@ Precisions:
   w4a8   int4 weights as w4a16, computed in int8 likewise (what llama.cpp's Q4 x Q8 dot products do)
   w4a16m / w4a8m  the Q4_K_M-style mix: w4a16 / w4a8, but every decoder layer's v_proj and down_proj as w8a8
          (8-bit weights, int8 compute: ORT's CPU kernel for 8-bit weights with float activations is its slow
-         path, 1.7x slower on a whole prefill step). +18 % decoder weight bytes; on the easy-VQA demo model
+         path, 1.55x slower on a whole prefill step). +18 % decoder weight bytes; on the easy-VQA demo model
          w4a16 loses 1.5 pt and w4a16m 0.8 pt against fp32 (README).
 
 `lm_head` is the decoder's last MatMul (in both prefill and decode); it follows its graph unless named.
@@ -99,13 +99,18 @@ def gemm_to_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(helper.make_node("Add", [mm, node.input[2]], [out], name=node.name + "_bias"))
         else:
             nodes.append(helper.make_node("MatMul", [node.input[0], name_t], [out], name=node.name or out + "_matmul"))
+    set_nodes(g, nodes)
+    return model
+
+
+def set_nodes(g: onnx.GraphProto, nodes: list) -> None:
+    """Replace g's nodes and drop the initializers no node reads any more."""
     del g.node[:]
     g.node.extend(nodes)
     used = {i for n in g.node for i in n.input}
     keep = [i for i in g.initializer if i.name in used]
     del g.initializer[:]
     g.initializer.extend(keep)
-    return model
 
 
 def producer_matmul(model: onnx.ModelProto, output: str) -> str | None:
@@ -187,12 +192,7 @@ def fuse_shared_input_matmuls(model: onnx.ModelProto, keep_apart: set[str]) -> i
     nodes = []
     for n in g.node:  # the fused pair goes where the group's first MatMul was: its input is ready there
         nodes += fused.get(n.name, []) if n.name in drop else [n]
-    del g.node[:]
-    g.node.extend(nodes)
-    used = {i for n in g.node for i in n.input}
-    keep = [i for i in g.initializer if i.name in used]
-    del g.initializer[:]
-    g.initializer.extend(keep)
+    set_nodes(g, nodes)
     return len(fused)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..manifest import DecoderSpec, KVSpec
 from . import binding
-from .kv_cache import KVCache, attention_mask
+from .kv_cache import KVCache, attention_mask, context_slots
 from .sampler import Sampler, SamplingConfig
 
 MODES = ("kv", "hybrid")
@@ -94,7 +94,7 @@ class Engine:
         full = self.prefill_session if kind == "prefill" else self.decode_session
         step, top = self.dec.context_step, self.kv_spec.max_context
         if step:
-            return min(top, max(step, -(-pos // step) * step)), full
+            return context_slots(pos, step, top), full
         for ctx, session in self.buckets[kind]:
             if pos <= ctx:
                 return ctx, session

@@ -2,7 +2,7 @@
 
 Layout (manifest `kv`): per layer a K and a V buffer [max_context, dim]; slot p holds the
 (post-RoPE) key/value of the token at absolute position p. A graph step over AR tokens at
-positions pos..pos+AR-1 reads all slots, masked so that slots < pos are visible and the
+positions pos..pos+AR-1 reads all slots (or the prefix `context_slots` gives), masked so that slots < pos are visible and the
 step's own tokens see each other causally, and returns AR new rows per buffer; `write`
 stores the first n_valid of them at slots pos..pos+n_valid-1 (padding rows are dropped).
 families/layers.py:CachedGQAttention is the graph side; tests/test_kv_contract.py checks both.
@@ -27,6 +27,13 @@ def attention_mask(pos: int, ar: int, max_context: int, dtype=np.float32, out: n
     m[:, :pos] = 0  # the cache holds positions 0..pos-1
     m[:, max_context:][np.tril_indices(ar)] = 0  # causal within the step
     return m
+
+
+def context_slots(pos: int, step: int, max_context: int) -> int:
+    """The cache prefix [:ctx] a step at first position pos reads from a graph with a symbolic cache length
+    (manifest decoder.context_step = step > 0): pos rounded up to a multiple of step, at least step, at most
+    max_context. The prefix holds positions 0..pos-1."""
+    return min(max_context, max(step, -(-pos // step) * step))
 
 
 class KVCache:
