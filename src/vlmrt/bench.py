@@ -9,6 +9,7 @@ tokens in total.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens:
                      "host_overhead_ms_per_step": vlm.engine.last.host_overhead_ms_per_step,
                      "prompt_tokens": s.prompt_tokens, "image_tiles": s.image_tiles,
                      "generated_tokens": s.generated_tokens})
+        del vlm, r  # before the next load: the peak RSS is one loaded model's, not two
+        gc.collect()
         del vlm
     keys = [k for k in rows[0] if k not in ("prompt_tokens", "generated_tokens", "image_tiles")]
     return {

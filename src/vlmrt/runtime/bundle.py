@@ -59,7 +59,11 @@ class SharedWeights:
     """Graph initializers kept in the bundle's data files, memory-mapped once and handed to every
     session as OrtValues over the mapping (SessionOptions.add_initializer): the prefill, decode and
     context-bucket sessions then share one copy of the weights — the page cache's — instead of each
-    reading its own. Keyed by file, offset, dtype and shape, the same bytes give the same OrtValue."""
+    reading its own. Keyed by file, offset, dtype and shape, the same bytes give the same OrtValue.
+
+    MatMulNBits inputs are left out: the CPU kernel computes from its own prepacked copy, and ORT, when it
+    maps such a weight itself, drops the mapping once the copy exists; a shared mapping would keep both
+    resident for the session's life (SmolLM2-135M w4a8, prefill + decode loaded: 416 -> 3xx MB)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -73,10 +77,13 @@ class SharedWeights:
         from onnx import external_data_helper
 
         model = onnx.load(str(graph_path), load_external_data=False)
+        prepacked = {name for n in model.graph.node if n.op_type == "MatMulNBits" for name in n.input[1:]}
         out = {}
         for init in model.graph.initializer:
             if not external_data_helper.uses_external_data(init) or init.data_type in PACKED_4BIT:
                 continue  # 4-bit tensors are packed two per byte (no numpy dtype): ORT reads those itself
+            if init.name in prepacked:
+                continue
             info = {e.key: e.value for e in init.external_data}
             loc, off, n = info["location"], int(info.get("offset", 0)), int(info["length"])
             dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
@@ -88,6 +95,50 @@ class SharedWeights:
                 self.values[key] = ort.OrtValue.ortvalue_from_numpy(arr)
             out[init.name] = self.values[key]
         return out, {n.op_type for n in model.graph.node}
+
+
+class EmbeddingRows:
+    """A bundle's [vocab, hidden] embedding table (.npy), read a few rows at a time with pread. A prompt touches a
+    few hundred scattered rows; through a memory map each row faults in (and counts in RSS) the 64 KB around it
+    (SmolLM2-135M int8 table, 256-token prompt: 20 of its 28 MB resident)."""
+
+    def __init__(self, path: Path):
+        arr = np.load(path, mmap_mode="r")  # reads the header: shape, dtype, where the rows start
+        if not arr.flags.c_contiguous:
+            raise mf.BundleError(f"{path.name}: the embedding table must be C-ordered")
+        self.shape, self.dtype, self._offset = arr.shape, arr.dtype, arr.offset
+        self._row = arr.shape[1] * arr.dtype.itemsize
+        del arr
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        """ids [n] -> rows [n, hidden]"""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise IndexError(f"token id out of range 0..{self.shape[0] - 1}")
+        out = np.empty((ids.size, self.shape[1]), self.dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        row = self._row
+        for i, t in enumerate(ids.tolist()):
+            if os.preadv(self._fd, [buf[i * row : (i + 1) * row]], self._offset + t * row) != row:
+                raise mf.BundleError("embedding table file is truncated")
+        return out
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
+def release_freed_heap() -> None:
+    """Give the heap that loading freed back to the OS (glibc's malloc_trim; a no-op elsewhere). Parsing the
+    tokenizer's JSON and the graphs leaves freed heap that RSS keeps counting (SmolLM2 tokenizer: 80 -> 63 MB)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _data_files(graph_path: Path) -> set[str]:
@@ -148,7 +199,7 @@ class Bundle:
     manifest: mf.Manifest
     sessions: dict  # graph name -> session
     tokenizer: object  # tokenizers.Tokenizer
-    embed_table: np.ndarray  # [vocab, hidden] memmap
+    embed_table: EmbeddingRows  # [vocab, hidden], indexed by token ids
     embed_scale: np.ndarray | None = None  # [vocab] row scales of an int8 table
     shared: SharedWeights | None = None  # must outlive the sessions: they read its memory
 
@@ -160,23 +211,27 @@ class Bundle:
         m = mf.load(path, verify=verify)
         if device == "htp" and m.target.get("name") != "htp":
             raise mf.BundleError(f"this bundle was exported for {m.target.get('name')}; export with --target htp to run on the HTP")
+        try:  # first, so that the heap its parse frees is given back before the sessions' peak
+            tok = Tokenizer.from_file(str(path / m.tokenizer_file))
+        except Exception as e:
+            raise mf.BundleError(f"cannot load tokenizer {m.tokenizer_file}: {e}") from None
+        release_freed_heap()
         shared = SharedWeights(path) if device != "htp" else None  # the QNN EP compiles its own copy
         # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
         # ORT loads it itself, prepacks its weights and drops the unpacked copy (SigLIP-256M tile, measured: 8.6 ->
         # 5.1 s with prepacking on a loaded machine; see README)
-        files = {name: _data_files(path / g.file) for name, g in m.graphs.items()}
+        graph_files = sorted({g.file for g in m.graphs.values()})  # graphs may share a file: one session each
+        files = {f: _data_files(path / f) for f in graph_files}
         users: dict[str, int] = {}
         for locs in files.values():
             for loc in locs:
                 users[loc] = users.get(loc, 0) + 1
-        sessions = {name: make_session(path / g.file, device, threads, m.target,
-                                       shared if any(users[loc] > 1 for loc in files[name]) else None)
-                    for name, g in m.graphs.items()}
-        try:
-            tok = Tokenizer.from_file(str(path / m.tokenizer_file))
-        except Exception as e:
-            raise mf.BundleError(f"cannot load tokenizer {m.tokenizer_file}: {e}") from None
-        table = np.load(path / m.decoder.embedding_file, mmap_mode="r")
+        by_file = {f: make_session(path / f, device, threads, m.target,
+                                   shared if any(users[loc] > 1 for loc in files[f]) else None)
+                   for f in graph_files}
+        sessions = {name: by_file[g.file] for name, g in m.graphs.items()}
+        release_freed_heap()
+        table = EmbeddingRows(path / m.decoder.embedding_file)
         if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):
             raise mf.BundleError(f"embedding table shape {table.shape} does not match the manifest")
         scale = np.load(path / m.decoder.embedding_scale_file) if m.decoder.embedding_scale_file else None
