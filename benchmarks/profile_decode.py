@@ -28,7 +28,7 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
 
     from vlmrt import manifest as mf
     from vlmrt.runtime.bundle import SharedWeights
-    from vlmrt.runtime.kv_cache import attention_mask
+    from vlmrt.runtime.kv_cache import attention_mask, context_slots
 
     m = mf.load(bundle, verify=False)
     g = m.graphs[graph]
@@ -44,11 +44,14 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
     so.profile_file_prefix = f"/tmp/vlmrt-prof-{os.getpid()}"
     s = ort.InferenceSession(str(bundle / g.file), so, providers=["CPUExecutionProvider"])
     ar = 1 if graph == "decode" else m.decoder.prefill_ar
-    feeds = {i.name: np.zeros(i.shape, dtype=i.dtype) for i in g.inputs}
-    feeds[m.decoder.embeds_input] = (np.random.default_rng(0).standard_normal((ar, m.decoder.hidden_size)) * 0.02).astype(
-        feeds[m.decoder.embeds_input].dtype)
-    feeds[m.decoder.positions_input] = np.arange(pos, pos + ar)
-    feeds[m.decoder.mask_input] = attention_mask(pos, ar, m.kv.max_context, feeds[m.decoder.mask_input].dtype)
+    # the cache prefix the runtime binds for a step at pos (symbolic "ctx"), else the whole cache
+    ctx = context_slots(pos, m.decoder.context_step, m.kv.max_context) if m.decoder.context_step else m.kv.max_context
+    dec = m.decoder
+    dtype = g.input(dec.embeds_input).dtype
+    feeds = {i.name: np.zeros((ctx, m.kv.dim), dtype=i.dtype) for i in g.inputs}  # the cache inputs
+    feeds[dec.embeds_input] = (np.random.default_rng(0).standard_normal((ar, dec.hidden_size)) * 0.02).astype(dtype)
+    feeds[dec.positions_input] = np.arange(pos, pos + ar)
+    feeds[dec.mask_input] = attention_mask(pos, ar, ctx, g.input(dec.mask_input).dtype)
     for _ in range(3):
         s.run(None, feeds)
     t = time.perf_counter()

@@ -52,6 +52,11 @@ def synthetic(kind: str) -> Image.Image:
 IMAGES = ["chelsea.png", "rocket.jpg", "page.png", "camera.png", "no_time_for_that_tiny.gif", "tall", "rgba"]
 
 
+def graph_path(bundle: Path, graph: str) -> Path:
+    """The file of a bundle's graph (the CPU target's prefill and decode usually share one: decoder.onnx)."""
+    return Path(bundle) / json.loads((Path(bundle) / "manifest.json").read_text())["graphs"][graph]["file"]
+
+
 def image_file(name: str, tmp_dir: Path) -> Path:
     if (ASSETS / name).exists():
         return ASSETS / name

@@ -23,6 +23,7 @@ class FakeDecoder:
         self.pe = rng.standard_normal((64, H))  # a position term, so that outputs depend on positions
         self.bias = np.zeros(V)
         self.calls = []
+        self.last_logits = False  # a one-graph export (DecoderSpec.last_logits): logits of the last row only
 
     def logits_full(self, x):
         """Reference: causal attention over the whole sequence at once."""
@@ -40,17 +41,20 @@ class FakeDecoder:
         v = np.concatenate([feeds["past_value_0"], v_new])
         s = (x @ self.wq) @ k.T + feeds["attention_mask"]
         p = np.exp(s - s.max(-1, keepdims=True))
-        out = {"logits": (p / p.sum(-1, keepdims=True)) @ v @ self.wo + self.bias, "new_key_0": k_new, "new_value_0": v_new}
+        logits = (p / p.sum(-1, keepdims=True)) @ v @ self.wo + self.bias
+        out = {"logits": logits[-1:] if self.last_logits else logits, "new_key_0": k_new, "new_value_0": v_new}
         return [out[n].astype(np.float32) for n in names]
 
 
-def make_engine(max_context=24, ar=4, seed=0):
+def make_engine(max_context=24, ar=4, seed=0, one_graph=False):
     rng = np.random.default_rng(seed)
     fake = FakeDecoder(rng)
     kv = KVSpec(layers=1, dim=D, max_context=max_context, dtype="float32", key_input="past_key_{layer}",
                 value_input="past_value_{layer}", key_output="new_key_{layer}", value_output="new_value_{layer}")
     dec = DecoderSpec(hidden_size=H, vocab_size=V, prefill_ar=ar, embeds_input="inputs_embeds", positions_input="position_ids",
-                      mask_input="attention_mask", logits_output="logits", embedding_file="embed.npy", embedding_dtype="float32")
+                      mask_input="attention_mask", logits_output="logits", embedding_file="embed.npy", embedding_dtype="float32",
+                      dynamic_ar=one_graph, last_logits=one_graph)
+    fake.last_logits = one_graph
     table = rng.standard_normal((V, H)).astype(np.float32)
     return Engine(fake, fake, kv, dec, table, eos_ids=[0]), fake
 
@@ -78,6 +82,23 @@ def test_kv_and_hybrid_match_full_sequence(n_prompt):
         if mode == "hybrid":  # prompt in ceil(n/ar) padded blocks, then AR=1 steps
             blocks = -(-n_prompt // 4)
             assert fake.calls[:blocks] == [4] * blocks and set(fake.calls[blocks:]) <= {1}
+
+
+@pytest.mark.parametrize("n_prompt", [1, 4, 9])
+def test_one_graph_feeds_exact_rows_and_reads_last_logits(n_prompt):
+    """A graph symbolic in AR (DecoderSpec.dynamic_ar, one session for prefill and decode): the last prefill block
+    is fed its real rows only, never padding, and with last_logits the engine reads the single logits row."""
+    engine, fake = make_engine(one_graph=True)
+    prompt = list(np.random.default_rng(n_prompt).integers(1, V, n_prompt))
+    want = reference_greedy(engine, fake, prompt, 10)
+    for mode in ("kv", "hybrid"):
+        fake.calls.clear()
+        assert list(engine.generate(engine.embed(prompt), mode=mode, max_new_tokens=10, ignore_eos=True)) == want, mode
+        if mode == "hybrid":
+            blocks = [4] * (n_prompt // 4) + ([n_prompt % 4] if n_prompt % 4 else [])
+            assert fake.calls[: len(blocks)] == blocks and set(fake.calls[len(blocks):]) == {1}
+    rows = engine.score(engine.embed(prompt), want[:3])
+    assert rows.shape == (3, V) and list(rows.argmax(-1)) == want[:3]
 
 
 def test_stops_at_eos_length_and_context():

@@ -84,7 +84,7 @@ def bundle_copy(default_bundle, tmp_path):
     return dst
 
 
-@pytest.mark.parametrize("victim", ["decoder.data", "decode.onnx", "tokenizer.json", "embed.npy"])
+@pytest.mark.parametrize("victim", ["decoder.data", "decoder.onnx", "tokenizer.json", "embed.npy"])
 def test_altered_bundle_file(bundle_copy, capsys, victim):
     with open(bundle_copy / victim, "r+b") as f:
         f.seek(100)
@@ -98,6 +98,14 @@ def test_altered_bundle_file(bundle_copy, capsys, victim):
 def test_missing_bundle_file(bundle_copy, capsys):
     os.remove(bundle_copy / "vision.data")
     assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), "missing", "vision.data")
+
+
+def test_last_logits_without_dynamic_ar_is_refused(bundle_copy, capsys):
+    """last_logits means the graph's last row is the step's last token, which only holds without padding."""
+    m = json.loads((bundle_copy / "manifest.json").read_text())
+    m["decoder"]["dynamic_ar"] = False
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), "last_logits needs decoder.dynamic_ar")
 
 
 def test_not_a_bundle(capsys, tmp_path):

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import exported, CASES, image_file
+from conftest import exported, CASES, graph_path, image_file
 from vlmrt import cli, evaluate
 from vlmrt.export import quantize
 from vlmrt.export.pipeline import export
@@ -70,7 +70,7 @@ def test_rms_norm_is_one_op_in_the_graphs(default_bundle):
     fused graph has nothing left to fuse."""
     from vlmrt.export import fuse
 
-    model = onnx.load(str(default_bundle.bundle / "decode.onnx"), load_external_data=False)
+    model = onnx.load(str(graph_path(default_bundle.bundle, "decode")), load_external_data=False)
     ops = [x.op_type for x in model.graph.node]
     assert ops.count("SimplifiedLayerNormalization") == 2 * 2 + 1  # 2 layers x (input, post-attention) + final
     assert not {"Pow", "Sqrt", "Reciprocal"} & set(ops)
@@ -90,7 +90,7 @@ def test_w8a16_bundle(tmp_path_factory, default_bundle):
     m = json.loads((b / "manifest.json").read_text())
     assert {k: g["precision"] for k, g in m["graphs"].items()} == {"vision": "w8a16", "prefill": "w8a16", "decode": "w8a16"}
     assert m["graphs"]["decode"]["weights"] == {"block_size": 32, "symmetric": True, "lm_head": "w8a16"}
-    bits = nbits(b / "decode.onnx")
+    bits = nbits(graph_path(b, "decode"))
     # 2 layers x (q/k/v fused, o, gate/up fused, down) + lm head: quantize.fuse_shared_input_matmuls
     assert len(bits) == 2 * 4 + 1 and {x for _, x in bits} == {8}
     assert m["decoder"]["embedding_dtype"] == "int8" and np.load(b / "embed.npy").dtype == np.int8
@@ -105,7 +105,7 @@ def test_mixed_precisions_per_graph(tmp_path_factory, default_bundle):
     m = json.loads((b / "manifest.json").read_text())
     assert {k: g["precision"] for k, g in m["graphs"].items()} == {"vision": "fp16", "prefill": "fp16", "decode": "w4a16"}
     assert m["graphs"]["prefill"]["weights"]["lm_head"] == "w8a16"
-    dec, pre = nbits(b / "decode.onnx"), nbits(b / "prefill.onnx")
+    dec, pre = nbits(graph_path(b, "decode")), nbits(graph_path(b, "prefill"))
     assert sorted(x for _, x in dec) == [4] * 8 + [8]  # body int4 (2 layers x 4 after fusing q/k/v, gate/up), lm head int8
     assert [x for _, x in pre] == [8]  # fp16 body, int8 lm head
     vis = onnx.load(str(b / "vision.onnx"), load_external_data=False)
@@ -122,12 +122,12 @@ def test_q4_k_m_style_mix(tmp_path_factory, default_bundle):
     m = json.loads((b / "manifest.json").read_text())
     assert m["graphs"]["decode"]["weights"]["8bit"] == {"precision": "w8a8", "matmuls": [".self_attn.v_proj.", ".mlp.down_proj."]}
     for g in ("prefill", "decode"):
-        model = onnx.load(str(b / f"{g}.onnx"), load_external_data=False)
+        model = onnx.load(str(graph_path(b, g)), load_external_data=False)
         wide = sorted(n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"
                       and next(a.i for a in n.attribute if a.name == "bits") == 8)
         assert [w.split(".")[-3:-1] for w in wide] == [["mlp", "down_proj"], ["self_attn", "v_proj"]] * 2
         # 2 layers x (int4: q/k fused, o, gate/up fused; int8: v, down) + int4 head
-        assert sorted(x for _, x in nbits(b / f"{g}.onnx")) == [4] * 7 + [8] * 4
+        assert sorted(x for _, x in nbits(graph_path(b, g))) == [4] * 7 + [8] * 4
     mixed, plain = run_eval(b, default_bundle.ckpt), run_eval(bundle("w4a8", tmp_path_factory), default_bundle.ckpt)
     # measured: mix top-1 0.473, KL 0.100; all-int4 top-1 0.473, KL 0.113.
     # Top-1 on this hidden-64 random model is chaotic; the KL is what the two 8-bit projections move.
@@ -177,7 +177,7 @@ def test_htp_bundle_on_cpu_ep(tmp_path_factory, default_bundle):
         assert ins["past_key_0"]["dtype"] == outs["new_value_1"]["dtype"] == "uint8"
         assert ins["inputs_embeds"]["dtype"] == "float32"
         assert all(len(t["shape"]) == 2 for t in m["graphs"][g]["inputs"] if t["name"] != "position_ids")
-    ops = {n.op_type for n in onnx.load(str(b / "decode.onnx"), load_external_data=False).graph.node}
+    ops = {n.op_type for n in onnx.load(str(graph_path(b, "decode")), load_external_data=False).graph.node}
     assert "QuantizeLinear" in ops and "MatMulNBits" not in ops
     want = VLM.load(default_bundle.bundle)("What is in the image?", image_file("chelsea.png", None), max_new_tokens=2,
                                            ignore_eos=True).token_ids
@@ -197,7 +197,7 @@ def test_htp_4bit_weights(tmp_path_factory, default_bundle):
     b = bundle("htp-w4", tmp_path_factory)
     m = json.loads((b / "manifest.json").read_text())
     assert m["graphs"]["decode"]["precision"] == "qdq-a16w4"
-    g = onnx.load(str(b / "decode.onnx"), load_external_data=False)
+    g = onnx.load(str(graph_path(b, "decode")), load_external_data=False)
     assert any(i.data_type == onnx.TensorProto.INT4 for i in g.graph.initializer)
     w8 = json.loads((bundle("htp", tmp_path_factory) / "manifest.json").read_text())
     assert m["files"]["decoder.data"]["bytes"] < 0.75 * w8["files"]["decoder.data"]["bytes"]

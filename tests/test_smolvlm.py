@@ -111,7 +111,9 @@ def test_sampling_is_seeded(default_bundle, capsys):
 
 def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
     """--dtype fp16: last-prompt-token logits within 0.05 of the fp32 bundle's (measured max 0.021 on
-    logits of magnitude ~3.5), same argmax, and the same 24 greedy ids on the cat photo."""
+    logits of magnitude ~3.5), same argmax; then teacher-forced along fp32's 24 greedy ids on the cat photo,
+    every step's logits within 0.05 (measured max 0.031) and the same argmax wherever fp32's top-2 gap exceeds
+    that. (Equal free-running ids is luck on this random model: fp32's top-2 gap is 0.0024 at step 7.)"""
     from vlmrt.export.pipeline import export
     from vlmrt.runtime.engine import splice
 
@@ -131,4 +133,16 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
             assert np.abs(logits["32"][m] - logits["16"][m]).max() < 0.05
             assert logits["32"][m].argmax() == logits["16"][m].argmax()
     want = v32(PROMPT, image_file("chelsea.png", None), max_new_tokens=24, ignore_eos=True).token_ids
-    assert v16(PROMPT, image_file("chelsea.png", None), max_new_tokens=24, ignore_eos=True).token_ids == want
+    assert len(want) == 24
+    for m in ("kv", "hybrid"):
+        rows = {}
+        for key, v in (("32", v32), ("16", v16)):
+            t = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), v.manifest.image)
+            ids = v.prompt_ids(PROMPT, t.grid)
+            e = splice(ids, v.engine.embed(ids), v.encode_image(t.pixels), v.manifest.special_tokens.image_token_id)
+            rows[key] = v.engine.score(e, want, mode=m).astype(np.float32)
+        assert np.abs(rows["32"] - rows["16"]).max() < 0.05
+        top2 = np.sort(rows["32"], axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 0.05
+        assert clear.sum() >= 12  # most steps are decided by more than the tolerance
+        assert (rows["16"].argmax(-1)[clear] == np.array(want)[clear]).all()

@@ -141,6 +141,12 @@ class DecoderSpec:
     # pos reads the prefix [:ctx], ctx = pos rounded up to a multiple of context_step (at least context_step, at
     # most max_context). 0: static graphs over the whole cache (or its buckets)
     context_step: int = 0
+    # the prefill and decode graphs take any AR from 1 to prefill_ar ("ar" in their shapes; usually one graph file
+    # for both): a step feeds exactly its tokens, never padding
+    dynamic_ar: bool = False
+    # the logits output is [1, vocab], the step's last token only (needs dynamic_ar: the last row is then a real
+    # token); the rows before it are never computed through the LM head
+    last_logits: bool = False
 
 
 @dataclass
@@ -238,6 +244,8 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"cannot read {path}: {e}") from None
     m = from_dict(d)
+    if m.decoder.last_logits and not m.decoder.dynamic_ar:
+        raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
     named = {g.file for g in m.graphs.values()} | {m.tokenizer_file, m.decoder.embedding_file}
     if m.decoder.embedding_scale_file:
         named.add(m.decoder.embedding_scale_file)

@@ -111,11 +111,15 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 
 def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
-                   precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False) -> None:
-    """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): the AR=1 step reads
-    the cache without copying it (CachedGQAttention._decode_step) and RMSNorm chains become one fused op.
+                   precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
+                   dynamic_ar: bool = False) -> None:
+    """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): steps read
+    the cache without copying it (CachedGQAttention._copy_free_step) and RMSNorm chains become one fused op.
     dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
-    (the dim is named "ctx"), so that one graph reads only the prefix of the cache that a step needs."""
+    (the dim is named "ctx"), so that one graph reads only the prefix of the cache that a step needs.
+    dynamic_ar (with dynamic_context): the step's token count is symbolic too ("ar", 1..ar), so that one graph
+    (one session, one prepacked copy of the weights) serves the prefill blocks and the 1-token decode steps;
+    such a graph returns the last row's logits only ([1, vocab], CausalDecoder.last_logits)."""
     from . import fuse, quantize
     from ..families.layers import CachedGQAttention
 
@@ -123,7 +127,8 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     decoder = copy.deepcopy(decoder)  # the one copy: CastIO casts it, the rope table is resized on it
     for mod in decoder.modules():
         if isinstance(mod, CachedGQAttention):
-            mod.copy_free_decode = cpu
+            mod.copy_free = cpu
+    decoder.last_logits = dynamic_ar
     decoder.rope_table(max_context + ar)  # positions of a step: pos..pos+ar-1 with pos < max_context
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
@@ -134,7 +139,11 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     dynamic = None
     if dynamic_context:
         ctx = torch.export.Dim("ctx", min=2, max=max_context)
-        dynamic = ((None, None, {1: ctx + ar}, *[{0: ctx}] * (2 * layers)),)  # CastIO.forward(*args): one varargs entry
+        n = torch.export.Dim("ar", min=1, max=ar) if dynamic_ar else None
+        rows = {0: n} if dynamic_ar else None
+        # CastIO.forward(*args): one varargs entry
+        total = torch.export.Dim.AUTO if dynamic_ar else ctx + ar  # ctx + ar: the exporter derives it
+        dynamic = ((rows, rows, {0: n, 1: total} if dynamic_ar else {1: total}, *[{0: ctx}] * (2 * layers)),)
     export_graph(
         module, (embeds, positions, mask, *past),
         ["inputs_embeds", "position_ids", "attention_mask", *kin], ["logits", *kout], path, dynamic,
@@ -146,6 +155,15 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
         model = onnx.load(str(path))
         if fuse.fuse_rms_norm(model):
             rewrite(path, model)
+    if dynamic_ar:  # the exporter names the mask's derived width s<N>
+        model = onnx.load(str(path), load_external_data=False)
+        mask = next(i for i in model.graph.input if i.name == "attention_mask")
+        width = mask.type.tensor_type.shape.dim[1].dim_param
+        for vi in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+            for d in vi.type.tensor_type.shape.dim:
+                if d.dim_param == width:
+                    d.dim_param = "ctx + ar"
+        onnx.save(model, str(path))
 
 
 def share_weights(folder: Path, graph_files: list[str], data_file: str, min_bytes: int = 1024) -> None:

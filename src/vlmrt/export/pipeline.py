@@ -199,26 +199,35 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
         graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, dtype, prec["vision"], tmp / "vision.onnx")
         p.done()
-        decoder_graphs = []
+        decoder_graphs = []  # (graph name, file stem)
+        # one graph for both when nothing tells prefill and decode apart: a symbolic AR as well as a symbolic cache
+        # length; one session then holds the only prepacked copy of the weights
+        one_graph = bool(context_step) and htp is None and prec["prefill"] == prec["decode"] and prefill_ar > 1
         for name, ar in (("prefill", prefill_ar), ("decode", 1)):
             h = head or prec[name]
+            if one_graph and name == "decode":
+                decoder_graphs.append(("decode", "decoder"))
+                continue
             ctxs = [c for c in buckets if c >= ar] + [max_seq_len]
             cdesc = f"any context <= {max_seq_len} in steps of {context_step}" if context_step else f"context {'/'.join(map(str, ctxs))}"
-            p.start(f"{name} graph (AR={ar}, {cdesc}, {t.layers} layers, {prec[name]}, lm head {h})")
+            what = f"prefill + decode graph (AR=1..{ar}" if one_graph else f"{name} graph (AR={ar}"
+            p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[name]}, lm head {h})")
             for ctx in ctxs:
                 gname = name if ctx == max_seq_len else f"{name}_{ctx}"
+                stem = "decoder" if one_graph else gname
                 graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
-                                      io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{gname}.onnx",
-                                      cpu=htp is None, dynamic_context=context_step > 0)
-                decoder_graphs.append(gname)
+                                      io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{stem}.onnx",
+                                      cpu=htp is None, dynamic_context=context_step > 0, dynamic_ar=one_graph)
+                decoder_graphs.append((gname, stem))
             p.done()
+        stems = sorted({stem for _, stem in decoder_graphs})
         p.start("sharing weights between graphs")
         graphs.share_weights(tmp, ["vision.onnx"], "vision.data")
-        graphs.share_weights(tmp, [f"{g}.onnx" for g in decoder_graphs], "decoder.data")
+        graphs.share_weights(tmp, [f"{g}.onnx" for g in stems], "decoder.data")
         p.done()
         p.start("embedding table + tokenizer")
         dec_precs = {prec["prefill"], prec["decode"], head or prec["decode"]}
-        files = ["vision.onnx", "vision.data", *[f"{g}.onnx" for g in decoder_graphs], "decoder.data", "embed.npy",
+        files = ["vision.onnx", "vision.data", *[f"{g}.onnx" for g in stems], "decoder.data", "embed.npy",
                  "tokenizer.json"]
         scale_file = None
         if dec_precs & set(quantize.WEIGHT_ONLY_BITS):  # host table per-row int8 (a lookup touches a few rows)
@@ -236,16 +245,17 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
 
         p.start("manifest")
         gspecs = {}
-        for gname in ["vision", *decoder_graphs]:
+        for gname, stem in [("vision", "vision"), *decoder_graphs]:
             name = gname.split("_")[0]
-            ins, outs = graphs.io_specs(tmp / f"{gname}.onnx")
+            ins, outs = graphs.io_specs(tmp / f"{stem}.onnx")
             weights = {"block_size": quantize.BLOCK_SIZE, "symmetric": True} if prec[name] in quantize.WEIGHT_ONLY_BITS else {}
             if name != "vision":
                 weights["lm_head"] = head or prec[name]
                 if prec[name] in quantize.MIX_OF:
                     weights["8bit"] = {"precision": quantize.MIX_OF[prec[name]], "matmuls": list(quantize.MIXED_8BIT)}
-            gspecs[gname] = mf.GraphSpec(file=f"{gname}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
-        bucket_map = {k: [[int(g.split("_")[1]), g] for g in decoder_graphs if g.startswith(k + "_")] for k in ("prefill", "decode")}
+            gspecs[gname] = mf.GraphSpec(file=f"{stem}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
+        bucket_map = {k: [[int(g.split("_")[1]), g] for g, _ in decoder_graphs if g.startswith(k + "_")]
+                      for k in ("prefill", "decode")}
         image = host["image"]
         m = mf.Manifest(
             model={"family": family.__name__.rsplit(".", 1)[-1], "model_type": ckpt.config.get("model_type"),
@@ -267,7 +277,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
                                    embedding_file="embed.npy", embedding_dtype=embed_dtype,
                                    embedding_scale_file=scale_file,
                                    mask_value=htp_mod.HTP_MASK_VALUE if htp else None,
-                                   buckets={k: v for k, v in bucket_map.items() if v}, context_step=context_step),
+                                   buckets={k: v for k, v in bucket_map.items() if v}, context_step=context_step,
+                                   dynamic_ar=one_graph, last_logits=one_graph),
             vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
             generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
             files=mf.list_files(tmp, files),

@@ -63,7 +63,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CachedGQAttention(nn.Module):
     """Grouped-query attention over an external cache; returns output and the new K/V rows."""
 
-    copy_free_decode = True  # AR=1 steps through _decode_step; the exporter turns it off for the HTP target
+    copy_free = True  # steps read the cache where it is (_copy_free_step); the exporter turns it off for the HTP target
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
                  qk_norm: bool = False, eps: float = 1e-6):
@@ -86,8 +86,8 @@ class CachedGQAttention(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(x).view(ar, h, d)), cos, sin)  # [ar, h, d]
         k_new = apply_rope(self.k_norm(self.k_proj(x).view(ar, kvh, d)), cos, sin)  # [ar, kvh, d]
         v_new = self.v_proj(x).view(ar, kvh, d)
-        if ar == 1 and self.copy_free_decode:
-            return self._decode_step(q, k_new, v_new, mask, past_k, past_v)
+        if self.copy_free:
+            return self._copy_free_step(q, k_new, v_new, mask, past_k, past_v)
         k = torch.cat([past_k.view(ctx, kvh, d), k_new], dim=0).permute(1, 2, 0)[:, None]  # [kvh, 1, d, ctx+ar]
         v = torch.cat([past_v.view(ctx, kvh, d), v_new], dim=0).transpose(0, 1)[:, None]  # [kvh, 1, ctx+ar, d]
         # query head j uses kv head j // rep (transformers' repeat_kv): group queries per kv head.
@@ -100,27 +100,29 @@ class CachedGQAttention(nn.Module):
         out = out.permute(2, 0, 1, 3).reshape(ar, h * d)
         return self.o_proj(out), k_new.reshape(ar, kvh * d), v_new.reshape(ar, kvh * d)
 
-    def _decode_step(self, q, k_new, v_new, mask, past_k, past_v):
-        """The AR=1 step without copying the cache: concat + permute of [ctx, kv_dim] (above) copies every
-        layer's K and V on every token, more bytes than the 4-bit weights at 512 slots. Here both cache
-        products are 2-D MatMuls on the cache as it is (q·Kᵀ becomes ORT's FusedMatMul with transB):
-        q is spread block-diagonally over the kv heads' columns, so [h, kv_dim] @ [kv_dim, ctx] gives
-        each head its group's scores (kv_heads× the FLOPs of a tiny product), and probs @ V [ctx, kv_dim]
-        is read back on the diagonal blocks. The step's own key/value are a separate small product."""
-        ctx = past_k.shape[0]
+    def _copy_free_step(self, q, k_new, v_new, mask, past_k, past_v):
+        """Attention without copying the cache, for any AR: concat + permute of [ctx, kv_dim] (above) copies
+        every layer's K and V on every step, more bytes than the 4-bit weights at 512 slots. Here both cache
+        products are 2-D MatMuls on the cache as it is (q·Kᵀ becomes ORT's FusedMatMul with transB): each
+        token's q is spread block-diagonally over the kv heads' columns, so [ar*h, kv_dim] @ [kv_dim, ctx]
+        gives each head its group's scores (kv_heads× the FLOPs of a small product), and probs @ V
+        [ctx, kv_dim] is read back on the diagonal blocks. The step's own keys/values are a separate
+        [kvh, rep, ar, ar] product. One formulation for every AR, so one graph can serve prefill and decode."""
+        ar, ctx = q.shape[0], past_k.shape[0]
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         rep = h // kvh
-        sel = torch.eye(kvh, dtype=q.dtype)  # [group, kv head]
-        qg = q.view(kvh, rep, d)  # ar = 1: head j = (group j // rep, j % rep)
-        qx = (qg[:, :, None, :] * sel[:, None, :, None]).reshape(h, kvh * d)  # block-diagonal
-        s_past = torch.matmul(qx, past_k.transpose(0, 1))  # [h, ctx]
-        s_new = (qg * k_new.view(kvh, 1, d)).sum(-1, keepdim=True)  # [kvh, rep, 1]
-        scores = torch.cat([s_past.view(kvh, rep, ctx), s_new], dim=-1) * (1.0 / math.sqrt(d)) + mask  # [kvh, rep, ctx+1]
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        o_past = torch.matmul(probs[..., :ctx].reshape(h, ctx), past_v).view(kvh, rep, kvh, d)  # [h, kv_dim] blocks
-        o_past = (o_past * sel[:, None, :, None]).sum(2)  # diagonal blocks: [kvh, rep, d]
-        out = o_past + probs[..., ctx:] * v_new.view(kvh, 1, d)
-        return self.o_proj(out.reshape(1, h * d)), k_new.reshape(1, kvh * d), v_new.reshape(1, kvh * d)
+        sel = torch.eye(kvh, dtype=q.dtype)[None, :, None, :, None]  # [1, group, 1, kv head, 1]
+        qg = q.view(ar, kvh, rep, d)  # head j = (group j // rep, j % rep)
+        qx = (qg[:, :, :, None, :] * sel).reshape(ar * h, kvh * d)  # block-diagonal per token
+        s_past = torch.matmul(qx, past_k.transpose(0, 1)).view(ar, kvh, rep, ctx)
+        s_new = torch.matmul(qg.permute(1, 2, 0, 3), k_new.permute(1, 2, 0)[:, None])  # [kvh, rep, ar, ar]
+        scores = torch.cat([s_past, s_new.permute(2, 0, 1, 3)], dim=-1) * (1.0 / math.sqrt(d)) + mask[:, None, None, :]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [ar, kvh, rep, ctx+ar]
+        o_past = torch.matmul(probs[..., :ctx].reshape(ar * h, ctx), past_v).view(ar, kvh, rep, kvh, d)
+        o_past = (o_past * sel).sum(3)  # diagonal blocks: [ar, kvh, rep, d]
+        o_new = torch.matmul(probs[..., ctx:].permute(1, 2, 0, 3), v_new.transpose(0, 1)[:, None])  # [kvh, rep, ar, d]
+        out = o_past + o_new.permute(2, 0, 1, 3)
+        return self.o_proj(out.reshape(ar, h * d)), k_new.reshape(ar, kvh * d), v_new.reshape(ar, kvh * d)
 
 
 class GatedMLP(nn.Module):
@@ -158,7 +160,10 @@ class CausalDecoder(nn.Module):
     forward(inputs_embeds [ar, hidden], position_ids [ar], attention_mask [ar, ctx+ar],
             *past (k_0, v_0, k_1, v_1, ...) each [ctx, kv_dim])
       -> (logits [ar, vocab], new_k_0, new_v_0, ...) each new row block [ar, kv_dim]
+    With last_logits the logits are [1, vocab], the last row's only (the LM head is skipped for the rest).
     """
+
+    last_logits = False
 
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
                  qkv_bias=False, qk_norm=False):
@@ -187,6 +192,8 @@ class CausalDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, attention_mask, past[2 * i], past[2 * i + 1])
             new += [k, v]
+        if self.last_logits:
+            x = x[-1:]
         return (self.lm_head(self.norm(x)), *new)
 
 

@@ -40,7 +40,7 @@ class BoundStep:
         self.embeds = np.zeros((ar, dec.hidden_size), io_dtype)
         self.positions = np.zeros(ar, _ORT_DTYPES[ins[dec.positions_input].type])
         self.mask = np.zeros((ar, ctx + ar), _ORT_DTYPES[ins[dec.mask_input].type])
-        self.logits = np.zeros((ar, dec.vocab_size), _ORT_DTYPES[outs[dec.logits_output].type])
+        self.logits = np.zeros((1 if dec.last_logits else ar, dec.vocab_size), _ORT_DTYPES[outs[dec.logits_output].type])
         self.rows = np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
         self._keep = []  # OrtValues (and through them the arrays) bound to io
 

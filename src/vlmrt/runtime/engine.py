@@ -101,9 +101,12 @@ class Engine:
         return top, full
 
     def _step(self, kind: str, embeds: np.ndarray, ar: int) -> np.ndarray:
-        """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab].
+        """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab]
+        ([1, vocab], the last token's, with DecoderSpec.last_logits).
         With I/O binding the logits are a view of a buffer that the next step of the same graph overwrites."""
         n = embeds.shape[0]
+        if self.dec.dynamic_ar:
+            ar = n  # the graph takes any AR: no padded rows
         pos = self.cache.length
         ctx, session = self._session(kind, pos)
         if binding.enabled(session):
