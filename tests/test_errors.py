@@ -59,6 +59,17 @@ def test_human_output_has_stats_report(default_bundle):
         assert k in p.stderr
 
 
+def test_bench_json_reports_every_timing(default_bundle):
+    """vlmrt bench: min/median/max over the runs (each a fresh load), exactly --gen-tokens tokens, peak RSS."""
+    p = run_cli("bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 120,
+                "--gen-tokens", 5, "--runs", 2, "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["runs"] == 2 and r["generated_tokens"] == 5 and r["image_tiles"] >= 1 and r["peak_rss_mb"] > 0
+    for k in ("load_s", "preprocess_s", "vision_s", "ttft_s", "decode_tokens_per_s", "host_overhead_ms_per_step"):
+        assert 0 <= r[k]["min"] <= r[k]["median"] <= r[k]["max"], k
+
+
 def test_missing_image(default_bundle, capsys, tmp_path):
     p = in_process(capsys, "run", default_bundle.bundle, "--image", tmp_path / "nope.png", "--prompt", "hi")
     assert_one_line_error(p, "image not found")

@@ -57,7 +57,6 @@ def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens:
                      "generated_tokens": s.generated_tokens})
         del vlm, r  # before the next load: the peak RSS is one loaded model's, not two
         gc.collect()
-        del vlm
     keys = [k for k in rows[0] if k not in ("prompt_tokens", "generated_tokens", "image_tiles")]
     return {
         "bundle": str(path), "mode": mode, "device": device, "threads": threads or default_threads(), "runs": runs,
