@@ -1,7 +1,7 @@
 """A/B of quantize.fuse_shared_input_matmuls on one decode step: the same float decode graph quantized with and
 without the fusion, outputs compared, then interleaved timings (ms per call over 40 calls, 6 rounds).
 
-    python benchmarks/fusion_ab.py BUNDLE_FP32/decode.onnx [--quant w4a8] [--threads 2] [--pos 300]
+    python benchmarks/fusion_ab.py BUNDLE_FP32/decoder.onnx [--quant w4a8] [--threads 2] [--pos 300]
 """
 import argparse
 import sys
@@ -33,7 +33,7 @@ def build(src: str, prec: str, fuse: bool, out: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("graph", help="a float (fp32) decode.onnx with a symbolic cache length")
+    ap.add_argument("graph", help="a float (fp32) decoder graph with a symbolic cache length (decoder.onnx, or decode.onnx)")
     ap.add_argument("--quant", default="w4a8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pos", type=int, default=300)
@@ -47,7 +47,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     feeds = {}
     for i in sess[True].get_inputs():
-        shape = [d if isinstance(d, int) else (ctx if d == "ctx" else ctx + 1) for d in i.shape]
+        # one decode step: "ctx" slots of cache, "ar" = 1 token, the mask's "ctx + ar" / "ctx + 1"
+        shape = [d if isinstance(d, int) else ctx if d == "ctx" else 1 if d == "ar" else ctx + 1 for d in i.shape]
         if i.name == "position_ids":
             feeds[i.name] = np.array([a.pos])
         elif i.name == "attention_mask":

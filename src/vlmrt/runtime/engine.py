@@ -61,14 +61,14 @@ class GenerationStats:
 
 class Engine:
     def __init__(self, prefill: Session | None, decode: Session, kv: KVSpec, dec: DecoderSpec,
-                 embed_table: np.ndarray, eos_ids: list[int], io_dtype: str = "float32",
+                 embed_table, eos_ids: list[int], io_dtype: str = "float32",
                  embed_scale: np.ndarray | None = None):
         self.prefill_session, self.decode_session = prefill, decode
         # (context, session) ascending, each smaller than max_context: see DecoderSpec.buckets
         self.buckets: dict[str, list[tuple[int, Session]]] = {"prefill": [], "decode": []}
         self.kv_spec, self.dec = kv, dec
-        # [vocab, hidden], usually a read-only memmap: indexed as a plain ndarray over the same mapping (np.memmap's
-        # __getitem__ costs ~5 % of a decode step's host time in py-spy)
+        # [vocab, hidden] rows by token id: an ndarray, or the bundle's EmbeddingRows (pread); a memmap is indexed as
+        # a plain ndarray over the same mapping (np.memmap's __getitem__ costs ~5 % of a decode step's host time)
         self.embed_table = embed_table.view(np.ndarray) if isinstance(embed_table, np.memmap) else embed_table
         self.embed_scale = embed_scale  # [vocab] when the table is int8 rows
         self.eos = set(eos_ids)
