@@ -27,6 +27,24 @@ def test_io_binding_equals_plain_run(default_bundle, monkeypatch, mode):
     assert stats.host_overhead_ms_per_step >= 0
 
 
+def test_bound_steps_do_not_multiply_with_prompt_lengths(default_bundle, monkeypatch):
+    """One graph with a symbolic AR: only decode steps and full prefill blocks get bound steps (one per context
+    length), and those of one AR share their buffers; a prompt's short last block runs plain. Prompts of many
+    lengths leave at most two sets of buffers, and their answers equal the plain path's."""
+    monkeypatch.setenv("VLMRT_IO_BINDING", "1")
+    vlm = vlmrt.load(default_bundle.bundle)
+    dec = vlm.manifest.decoder
+    assert dec.dynamic_ar
+    bound = {}
+    for words in range(1, 40, 3):
+        bound[words] = vlm("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids
+    assert {ar for _, _, ar in vlm.engine._bound} <= {1, dec.prefill_ar} and len(vlm.engine._buffers) <= 2
+    monkeypatch.setenv("VLMRT_IO_BINDING", "0")
+    plain = vlmrt.load(default_bundle.bundle)
+    for words, ids in bound.items():
+        assert plain("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids == ids
+
+
 def test_score_keeps_rows_with_io_binding(default_bundle, monkeypatch):
     """score() stacks logits rows; with bound steps each row must be a copy, not the reused buffer."""
     import numpy as np

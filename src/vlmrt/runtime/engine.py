@@ -78,6 +78,7 @@ class Engine:
         self.last = GenerationStats()
         self._out_names = [dec.logits_output, *self.cache.output_names()]
         self._bound: dict[tuple[int, int, int], binding.BoundStep] = {}  # id(session), ctx, ar -> I/O-bound step
+        self._buffers: dict[tuple, binding.StepBuffers] = {}  # binding.buffers_key -> buffers shared across ctx
         self.run_s = 0.0  # time inside graph calls, accumulated
 
     def embed(self, ids: list[int] | np.ndarray) -> np.ndarray:
@@ -103,17 +104,22 @@ class Engine:
     def _step(self, kind: str, embeds: np.ndarray, ar: int) -> np.ndarray:
         """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab]
         ([1, vocab], the last token's, with DecoderSpec.last_logits).
-        With I/O binding the logits are a view of a buffer that the next step of the same graph overwrites."""
+        With I/O binding the logits are a view of a buffer that the next bound step of the same AR overwrites."""
         n = embeds.shape[0]
         if self.dec.dynamic_ar:
             ar = n  # the graph takes any AR: no padded rows
         pos = self.cache.length
         ctx, session = self._session(kind, pos)
-        if binding.enabled(session):
+        # bound steps for the shapes that recur (decode, full prefill blocks); a graph with a symbolic AR also sees
+        # one short last block per prompt, of any length: those run plain rather than bind a step per length
+        if binding.enabled(session) and (not self.dec.dynamic_ar or ar in (1, self.dec.prefill_ar)):
             step = self._bound.get((id(session), ctx, ar))
             if step is None:
-                step = self._bound[(id(session), ctx, ar)] = binding.BoundStep(session, self.dec, self.cache, ctx, ar,
-                                                                          self.dec.mask_value)
+                key = binding.buffers_key(session, self.dec, ar)
+                if key not in self._buffers:
+                    self._buffers[key] = binding.StepBuffers(session, self.dec, self.cache, ar)
+                step = self._bound[(id(session), ctx, ar)] = binding.BoundStep(
+                    session, self.dec, self.cache, ctx, ar, self.dec.mask_value, self._buffers[key])
             t = time.perf_counter()
             logits = step(embeds, pos)
             self.run_s += time.perf_counter() - t
