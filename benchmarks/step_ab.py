@@ -10,13 +10,13 @@ for b, v in vlms.items():
     e = v.engine; e.cache.length = pos
     ar = 1 if graph == "decode" else v.manifest.decoder.prefill_ar
     x = np.random.randn(ar, v.manifest.decoder.hidden_size).astype(np.float32) * 0.02
-    for _ in range(3): e.cache.length = pos; e._step(graph, x, ar)
+    for _ in range(3): e.cache.length = pos; e.step(graph, x)
 for r in range(reps):
     for b, v in vlms.items():
         e = v.engine; ar = 1 if graph == "decode" else v.manifest.decoder.prefill_ar
         x = np.random.randn(ar, v.manifest.decoder.hidden_size).astype(np.float32) * 0.02
         for _ in range(5):
             e.cache.length = pos
-            t = time.perf_counter(); e._step(graph, x, ar); times[b].append(time.perf_counter() - t)
+            t = time.perf_counter(); e.step(graph, x); times[b].append(time.perf_counter() - t)
 for b, ts in times.items():
     print(f"{graph} {b:40s} min {1000*min(ts):7.2f} ms  median {1000*statistics.median(ts):7.2f} ms")

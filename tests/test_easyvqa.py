@@ -1,7 +1,7 @@
 """The shipped easy-VQA demo model: assembly, the offline default of `vlmrt run`, accuracy floors.
 
 CI-sized: the checkpoint is assembled and exported (fp32, w8a16, w4a16m) once per session; accuracy is exact
-match on the first 50 questions of the fixed stratified test subset (vlmrt.easyvqa_data.select).
+match on the first 50 questions of the fixed stratified test subset (vlmrt.demo.easyvqa_data.select).
 The floors are what was measured (README, "easy-VQA demo model"), not loosened.
 """
 
@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vlmrt import cli, default_model
-from vlmrt import easyvqa_data as ev
+from vlmrt import cli
+from vlmrt.demo import default_model
+from vlmrt.demo import easyvqa_data as ev
 
 pytest.importorskip("easy_vqa")
 
@@ -62,7 +63,7 @@ def test_image_labels_agree_with_answers():
 
 
 def test_merge_lora_adds_the_low_rank_product():
-    from vlmrt.export.easyvqa import merge_lora, split_weights
+    from vlmrt.demo.checkpoint import merge_lora, split_weights
 
     rng = np.random.default_rng(0)
     W = rng.standard_normal((6, 5)).astype(np.float32)
@@ -79,8 +80,8 @@ def test_merge_lora_adds_the_low_rank_product():
 def test_shipped_weights_fit_the_preset():
     from safetensors.numpy import load_file
 
-    from vlmrt.export.easyvqa import split_weights, weights_path
-    from vlmrt.export.smollm2 import VISION_PRESETS, vision_shapes
+    from vlmrt.demo.checkpoint import split_weights, weights_path
+    from vlmrt.demo.smolvlm_files import VISION_PRESETS, vision_shapes
 
     vision, lora = split_weights(load_file(str(weights_path())))
     shapes = vision_shapes(VISION_PRESETS["easyvqa"], 576)
@@ -105,7 +106,7 @@ def test_missing_export_extra_is_one_line(monkeypatch, tmp_path, capsys):
 def cache(tmp_path_factory):
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
-    from vlmrt.export.smollm2 import SmolLM2Error, find_gguf
+    from vlmrt.demo.smollm2 import SmolLM2Error, find_gguf
 
     try:
         find_gguf()
@@ -123,7 +124,7 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def checkpoint(cache, tmp_path_factory):
-    from vlmrt.export.easyvqa import build_checkpoint
+    from vlmrt.demo.checkpoint import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("easyvqa-ckpt") / "ckpt")
 

@@ -190,7 +190,6 @@ def test_export_missing_source_and_offline_hub(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["--context-step", "1"], "--context-step must be 0"),
-    (["--context-step", "64", "--buckets", "128"], "without --buckets"),
     (["--context-step", "64", "--target", "htp"], "--target htp"),
     (["--context-step", "4096"], "larger than the max context"),
     (["--quant", "w4a9m"], "unknown precision 'w4a9m'"),

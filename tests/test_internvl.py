@@ -189,7 +189,7 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
     """--target htp on the InternVL3.5-style fixture (Qwen3 q/k norms, RMSNorm ViT): every RMSNorm is fused,
     the bundle tracks the float reference on the CPU EP, and every graph loads and runs on the HTP simulator
     with CPU fallback disabled."""
-    from vlmrt import evaluate
+    from vlmrt.eval import accuracy, samples
     from vlmrt.runtime.pipeline import VLM
 
     case = CASES[2]
@@ -199,7 +199,7 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
     # vision: 2 layers x (norm1, norm2, q norm, k norm); decoder: 2 layers x (input, post-attention, q, k) + final
     assert {k: g["weights"]["fused_rms_norms"] for k, g in m["graphs"].items()} == {"vision": 8, "prefill": 9, "decode": 9}
     v = VLM.load(b)
-    r = evaluate.evaluate(v, evaluate.load_reference(ex.ckpt, v), evaluate.default_samples(), tokens=16)
+    r = accuracy.evaluate(v, accuracy.load_reference(ex.ckpt, v), samples.default_samples(), tokens=16)
     assert r["top1_agreement"] >= 0.82 and r["mean_kl"] < 0.012  # measured: top-1 0.862, KL 0.0062
     pytest.importorskip("onnxruntime_qnn")
     npu = VLM.load(b, device="htp")

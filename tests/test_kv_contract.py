@@ -52,7 +52,7 @@ def stepped_logits(decoder, x, ar):
         with torch.no_grad():
             logits, *rows = decoder(torch.from_numpy(block), torch.arange(pos, pos + ar),
                                     torch.from_numpy(attention_mask(pos, ar, CTX)), *past)
-        cache.write([r.numpy() for r in rows], n)
+        cache.write(np.stack([r.numpy() for r in rows]).reshape(LAYERS, 2, ar, -1), n)  # [layers, K/V, ar, dim]
         out.append(logits.numpy()[:n])
     assert cache.length == len(x)
     return np.concatenate(out)

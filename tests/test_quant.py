@@ -14,7 +14,8 @@ import onnx
 import pytest
 
 from conftest import exported, CASES, graph_path, image_file
-from vlmrt import cli, evaluate
+from vlmrt import cli
+from vlmrt.eval import accuracy, samples
 from vlmrt.export import quantize
 from vlmrt.export.pipeline import export
 from vlmrt.manifest import KVSpec
@@ -46,7 +47,7 @@ def run_eval(b, ref, mode="hybrid", **kw) -> dict:
     v = VLM.load(b)
     for k, val in kw.items():
         setattr(v.engine, k, val)
-    return evaluate.evaluate(v, evaluate.load_reference(ref, v), evaluate.default_samples(), tokens=16, mode=mode)
+    return accuracy.evaluate(v, accuracy.load_reference(ref, v), samples.default_samples(), tokens=16, mode=mode)
 
 
 def test_parse_precisions():
@@ -82,7 +83,7 @@ def test_fp32_bundle_equals_float_reference(default_bundle):
     """eval of the fp32 bundle against the checkpoint (torch modules) is exact: measured top-1 1.0, KL 0."""
     r = run_eval(default_bundle.bundle, default_bundle.ckpt)
     assert r["first_token_match"] == 1.0 and r["top1_agreement"] == 1.0 and r["mean_kl"] < 1e-9
-    assert r["samples"] == len(evaluate.default_samples()) and r["positions"] > 60
+    assert r["samples"] == len(samples.default_samples()) and r["positions"] > 60
 
 
 def test_w8a16_bundle(tmp_path_factory, default_bundle):

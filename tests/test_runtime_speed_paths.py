@@ -1,56 +1,76 @@
 """The runtime's speed paths give the same answers as the plain ones, and the CPU graphs have the shape they
 are meant to have. No timings are asserted here (benchmarks/compare.py measures them)."""
 
+import dataclasses
+
 import onnx
 import onnxruntime as ort
 import pytest
 
 import vlmrt
-from vlmrt.runtime.bundle import SharedWeights
+from vlmrt.runtime.bundle import Bundle, SharedWeights
+from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.step import BoundStep
 
 
-def _answer(bundle, monkeypatch, io_binding: str, mode: str, image=None):
-    monkeypatch.setenv("VLMRT_IO_BINDING", io_binding)
-    vlm = vlmrt.load(bundle)
+class RunOnly:
+    """An ORT session seen through run() alone, as the engine sees the reference's torch modules: it takes the
+    plain step path (runtime/step.py PlainStep) instead of binding."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def run(self, names, feeds):
+        return self.session.run(names, feeds)
+
+
+def _load(bundle, bind: bool):
+    b = Bundle.open(bundle)
+    if not bind:
+        b = dataclasses.replace(b, sessions={k: RunOnly(v) for k, v in b.sessions.items()})
+    return VLM(b)
+
+
+def _answer(bundle, bind: bool, mode: str, image=None):
+    vlm = _load(bundle, bind)
     r = vlm("Describe the picture in detail.", image, mode=mode, max_new_tokens=12, ignore_eos=True)
     return r.token_ids, vlm.engine.cache.data[:, :, : vlm.engine.cache.length].copy(), vlm.engine.last
 
 
 @pytest.mark.parametrize("mode", ["kv", "hybrid"])
-def test_io_binding_equals_plain_run(default_bundle, monkeypatch, mode):
-    """Bound steps (OrtValues over the cache, reused I/O buffers; bucket sessions included) = session.run."""
-    ids_a, cache_a, _ = _answer(default_bundle.bundle, monkeypatch, "0", mode)
-    ids_b, cache_b, stats = _answer(default_bundle.bundle, monkeypatch, "1", mode)
+def test_io_binding_equals_plain_run(default_bundle, mode):
+    """Bound steps (OrtValues over the cache, reused I/O buffers) = session.run."""
+    ids_a, cache_a, _ = _answer(default_bundle.bundle, False, mode)
+    ids_b, cache_b, stats = _answer(default_bundle.bundle, True, mode)
     assert ids_a == ids_b
     assert (cache_a == cache_b).all()
     assert 0 <= stats.decode_run_s <= stats.decode_s
     assert stats.host_overhead_ms_per_step >= 0
 
 
-def test_bound_steps_do_not_multiply_with_prompt_lengths(default_bundle, monkeypatch):
+def test_bound_steps_do_not_multiply_with_prompt_lengths(default_bundle):
     """One graph with a symbolic AR: only decode steps and full prefill blocks get bound steps (one per context
     length), and those of one AR share their buffers; a prompt's short last block runs plain. Prompts of many
     lengths leave at most two sets of buffers, and their answers equal the plain path's."""
-    monkeypatch.setenv("VLMRT_IO_BINDING", "1")
-    vlm = vlmrt.load(default_bundle.bundle)
+    vlm = _load(default_bundle.bundle, True)
     dec = vlm.manifest.decoder
     assert dec.dynamic_ar
     bound = {}
     for words in range(1, 40, 3):
         bound[words] = vlm("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids
-    assert {ar for _, _, ar in vlm.engine._bound} <= {1, dec.prefill_ar} and len(vlm.engine._buffers) <= 2
-    monkeypatch.setenv("VLMRT_IO_BINDING", "0")
-    plain = vlmrt.load(default_bundle.bundle)
+    kept = vlm.engine._steps
+    assert all(isinstance(s, BoundStep) for s in kept.values())
+    assert {ar for _, _, ar in kept} <= {1, dec.prefill_ar} and len(vlm.engine._buffers) <= 2
+    plain = _load(default_bundle.bundle, False)
     for words, ids in bound.items():
         assert plain("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids == ids
 
 
-def test_score_keeps_rows_with_io_binding(default_bundle, monkeypatch):
+def test_score_keeps_rows_with_io_binding(default_bundle):
     """score() stacks logits rows; with bound steps each row must be a copy, not the reused buffer."""
     import numpy as np
 
-    monkeypatch.setenv("VLMRT_IO_BINDING", "1")
-    vlm = vlmrt.load(default_bundle.bundle)
+    vlm = _load(default_bundle.bundle, True)
     ids = vlm.prompt_ids("Hello there", None)
     rows = vlm.engine.score(vlm.engine.embed(ids), [5, 6, 7, 8], mode="hybrid")
     assert not np.allclose(rows[0], rows[-1])
@@ -103,7 +123,7 @@ def test_symbolic_context_graphs_equal_static_ones(default_bundle, tmp_path_fact
 
     c = default_bundle.case
     m = default_bundle.manifest()
-    assert m["decoder"]["context_step"] == 64 and m["decoder"]["buckets"] == {}
+    assert m["decoder"]["context_step"] == 64
     dec_in = {t["name"]: t["shape"] for t in m["graphs"]["decode"]["inputs"]}
     assert dec_in["past_key_0"][0] == "ctx" and dec_in["attention_mask"] == ["ar", "ctx + ar"]
     assert m["graphs"]["prefill"]["file"] == m["graphs"]["decode"]["file"] == "decoder.onnx"

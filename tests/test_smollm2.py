@@ -2,7 +2,7 @@
 
 transformers reads GGUF files itself (its own torch de-quantization, its own Q/K un-permutation,
 its own tokenizer conversion), so it is an independent reference for all three steps of
-vlmrt.export.smollm2. The Q/K un-permutation is also checked on its own: against llama.cpp's
+vlmrt.demo.smollm2. The Q/K un-permutation is also checked on its own: against llama.cpp's
 forward permutation, and by its meaning -- llama.cpp's adjacent-pair RoPE on the GGUF rows gives
 the same attention scores as Hugging Face's rotate-half RoPE on the un-permuted rows.
 
@@ -19,8 +19,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from vlmrt.export import smollm2  # noqa: E402
-from vlmrt.export.gguf_llama import permute_qk, read_metadata, tokenizer_from_gguf, unpermute_qk  # noqa: E402
+from vlmrt.demo import smollm2, smolvlm_files  # noqa: E402
+from vlmrt.demo.gguf_llama import permute_qk, read_metadata, tokenizer_from_gguf, unpermute_qk  # noqa: E402
 
 try:
     GGUF = smollm2.find_gguf()
@@ -203,16 +203,16 @@ def test_added_rows_and_vision_are_deterministic(ckpt, tmp_path):
     new = emb[49152:]
     assert np.isfinite(new).all()
     np.testing.assert_allclose(new.mean(0), emb[:49152].mean(0), atol=5 * 0.01 * emb[:49152].std(0).max())
-    shapes = smollm2.vision_shapes(smollm2.VISION_PRESETS["tiny"], 576)
+    shapes = smolvlm_files.vision_shapes(smolvlm_files.VISION_PRESETS["tiny"], 576)
     assert set(st) - {k for k in st if k.startswith("model.text_model.")} == set(shapes)
-    again = smollm2.random_vision(shapes, 0)
+    again = smolvlm_files.random_vision(shapes, 0)
     for k in shapes:
         np.testing.assert_array_equal(st[k], again[k])
     # given vision weights are written as given; a wrong one is refused with one line
     given = {k: np.full(s, 0.5, np.float32) for k, s in shapes.items()}
     with pytest.raises(smollm2.SmolLM2Error, match="vision_weights"):
-        smollm2._given_vision({**given, "model.connector.modality_projection.proj.weight": np.zeros((3, 3))}, shapes)
-    assert smollm2._given_vision(given, shapes).keys() == shapes.keys()
+        smolvlm_files.given_vision({**given, "model.connector.modality_projection.proj.weight": np.zeros((3, 3))}, shapes)
+    assert smolvlm_files.given_vision(given, shapes).keys() == shapes.keys()
 
 
 # --- tokenizer ----------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def test_checkpoint_loads_as_smolvlm_in_transformers(ckpt):
     assert t.rope_parameters["rope_theta"] == 100000.0 and np.float32(t.rms_norm_eps) == np.float32(1e-5)
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     assert len(tok) == 49280
-    ids = {name: tok.convert_tokens_to_ids(name) for name in smollm2.SMOLVLM_ADDED_TOKENS}
+    ids = {name: tok.convert_tokens_to_ids(name) for name in smolvlm_files.SMOLVLM_ADDED_TOKENS}
     assert [ids[n] for n in ("<global-img>", "<row_1_col_1>", "<row_6_col_6>", "<fake_token_around_image>", "<image>", "<end_of_utterance>")] == [
         49152, 49153, 49188, 49189, 49190, 49279]
     assert (tok.image_token, tok.eos_token, tok.bos_token, tok.pad_token) == ("<image>", "<end_of_utterance>", "<|im_start|>", "<|im_end|>")
@@ -300,10 +300,10 @@ def test_smollm2_chat_template_renders_like_the_gguf_template(meta):
                              {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
                              {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
         want = render(gguf_template, plain, {})
-        assert render(smollm2.SMOLLM2_CHAT_TEMPLATE, plain, {}) == want
-        assert render(smollm2.SMOLLM2_CHAT_TEMPLATE, items, {}) == want
+        assert render(smolvlm_files.SMOLLM2_CHAT_TEMPLATE, plain, {}) == want
+        assert render(smolvlm_files.SMOLLM2_CHAT_TEMPLATE, items, {}) == want
     with_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-    assert render(smollm2.SMOLLM2_CHAT_TEMPLATE, with_image, {}).endswith(
+    assert render(smolvlm_files.SMOLLM2_CHAT_TEMPLATE, with_image, {}).endswith(
         "<|im_start|>user\n<image>What is this?<|im_end|>\n<|im_start|>assistant\n")
 
 

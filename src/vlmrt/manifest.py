@@ -100,7 +100,7 @@ class KVSpec:
     """The KV cache lives outside the graphs, one [max_context, dim] buffer per layer and K/V.
 
     A graph step with AR tokens at positions pos..pos+AR-1 reads the cache (the whole of it, or
-    the prefix [:ctx] for a bucket or a graph with a symbolic cache length, DecoderSpec) plus an
+    the prefix [:ctx] for a graph with a symbolic cache length, DecoderSpec) plus an
     additive mask [AR, ctx + AR] and returns only the AR new rows per layer; the host writes
     row i to cache slot pos+i (runtime/kv_cache.py is the one definition).
     """
@@ -133,13 +133,9 @@ class DecoderSpec:
     embedding_dtype: str  # float32 | float16 | int8 (then rows are scaled by embedding_scale_file [vocab])
     embedding_scale_file: str | None = None
     mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
-    # smaller-context copies of the decoder graphs, so that a step's cost follows the context in use:
-    # {"prefill": [[256, "prefill_256"], ...], "decode": [...]}, ascending; a step whose first position
-    # is <= ctx reads the cache prefix [:ctx]; the full graphs ("prefill", "decode") serve the rest
-    buckets: dict[str, list[list]] = field(default_factory=dict)
     # > 0: the graphs' cache inputs have a symbolic length "ctx" (mask [ar, ctx + ar]); a step at first position
     # pos reads the prefix [:ctx], ctx = pos rounded up to a multiple of context_step (at least context_step, at
-    # most max_context). 0: static graphs over the whole cache (or its buckets)
+    # most max_context). 0: static graphs over the whole cache
     context_step: int = 0
     # the prefill and decode graphs take any AR from 1 to prefill_ar ("ar" in their shapes; usually one graph file
     # for both): a step feeds exactly its tokens, never padding
@@ -204,6 +200,15 @@ def _tensors(items: list[dict]) -> list[TensorSpec]:
     return [TensorSpec(**t) for t in items]
 
 
+def _decoder_fields(dec: dict[str, Any]) -> dict[str, Any]:
+    """Bundles written before context buckets were removed carry `buckets` ({} unless exported with --buckets)."""
+    dec = dict(dec)
+    if dec.pop("buckets", None):
+        raise BundleError("this bundle was exported with context buckets (--buckets), which this vlmrt no longer runs; "
+                          "re-export it (decoder graphs now take any cache length)")
+    return dec
+
+
 def from_dict(d: dict[str, Any]) -> Manifest:
     version = d.get("schema_version")
     if version != SCHEMA_VERSION:
@@ -222,7 +227,7 @@ def from_dict(d: dict[str, Any]) -> Manifest:
             prompt=PromptSpec(**d["prompt"]),
             special_tokens=SpecialTokens(**d["special_tokens"]),
             kv=KVSpec(**d["kv"]),
-            decoder=DecoderSpec(**d["decoder"]),
+            decoder=DecoderSpec(**_decoder_fields(d["decoder"])),
             vision=VisionSpec(**d["vision"]),
             generate=d["generate"],
             target=d.get("target", {"name": "cpu"}),

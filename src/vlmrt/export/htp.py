@@ -121,23 +121,22 @@ class RowsRecorder(Recorder):
 
 def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 64):
     """Run the float bundle on samples; returns recorders for vision, prefill (hybrid) and decode (kv + generation)."""
-    from ..evaluate import prompt_embeds
+    from ..runtime.bundle import Bundle
     from ..runtime.pipeline import VLM
 
-    vlm = VLM.load(float_bundle)
-    m = vlm.manifest
+    b = Bundle.open(float_bundle)
+    m = b.manifest
     kv_in = {n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)}
     pos = m.decoder.positions_input
     rec = {
-        "vision": Recorder(vlm.bundle.sessions["vision"], set(), limit),
-        "prefill": RowsRecorder(vlm.bundle.sessions["prefill"], kv_in, limit, pos),
-        "decode": RowsRecorder(vlm.bundle.sessions["decode"], kv_in, limit, pos),
+        "vision": Recorder(b.sessions["vision"], set(), limit),
+        "prefill": RowsRecorder(b.sessions["prefill"], kv_in, limit, pos),
+        "decode": RowsRecorder(b.sessions["decode"], kv_in, limit, pos),
     }
-    vlm.bundle.sessions["vision"] = rec["vision"]
-    vlm.engine.prefill_session, vlm.engine.decode_session = rec["prefill"], rec["decode"]
+    vlm = VLM(dataclasses.replace(b, sessions=rec))  # the runtime, its graph calls recorded
     for image, prompt in samples:
         for mode in ("hybrid", "kv"):
-            _, embeds = prompt_embeds(vlm, image, prompt)
+            _, embeds = vlm.prompt_embeds(prompt, image)
             for _ in vlm.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True):
                 pass
     return rec

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import sys
@@ -13,13 +12,13 @@ import numpy as np
 
 from .. import __version__
 from .. import manifest as mf
+from ..progress import Progress
+from ..families import family_for
 from . import graphs, quantize
 from . import htp as htp_mod
 from .chat_template import prompt_templates
 from .checkpoint import Checkpoint, CheckpointError, resolve
 
-# config.json model_type -> family module (vlmrt.families.<name>)
-FAMILIES = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl"}
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 # CPU decoder graphs take any cache length; a step reads the prefix rounded up to this many slots: at most
 # max_context / 64 shapes per graph for ORT to plan and the host to bind (not tuned: 32 would read up to 32
@@ -29,42 +28,6 @@ DEFAULT_CONTEXT_STEP = 64
 
 class ExportError(ValueError):
     pass
-
-
-class Progress:
-    """One line per step on stderr: `[2/6] vision graph ... 3.1 s`."""
-
-    def __init__(self, total: int, enabled: bool = True):
-        self.total, self.n, self.enabled = total, 0, enabled
-        self.t = 0.0
-        self.open = False
-
-    def start(self, what: str) -> None:
-        self.n += 1
-        self.t = time.perf_counter()
-        self.open = True
-        if self.enabled:
-            print(f"[{self.n}/{self.total}] {what} ...", end="", file=sys.stderr, flush=True)
-
-    def done(self, note: str = "") -> None:
-        self.open = False
-        if self.enabled:
-            extra = f" {note}" if note else ""
-            print(f" {time.perf_counter() - self.t:.1f} s{extra}", file=sys.stderr, flush=True)
-
-    def failed(self) -> None:
-        """End an open step's line so that the error message starts on its own line."""
-        if self.open and self.enabled:
-            print(" failed", file=sys.stderr, flush=True)
-        self.open = False
-
-
-def family_for(config: dict):
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        known = ", ".join(sorted(FAMILIES))
-        raise ExportError(f"unknown model type {model_type!r} in config.json; vlmrt exports: {known}")
-    return importlib.import_module(f"vlmrt.families.{FAMILIES[model_type]}")
 
 
 def _eos_ids(ckpt: Checkpoint, tok_json: dict) -> list[int]:
@@ -98,35 +61,31 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
            quant: str | None = None, target: str = "cpu", htp_weights: int = 8, calibration: list | None = None,
-           soc_model: str | None = None, htp_arch: str | None = None, buckets: list[int] | None = None,
-           context_step: int | None = None, force: bool = False, progress: bool = True) -> Path:
+           soc_model: str | None = None, htp_arch: str | None = None, context_step: int | None = None, force: bool = False, progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static QDQ graphs (16-bit activations, htp_weights-bit weights) with a uint8 KV cache,
     calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set).
-    buckets: smaller decoder contexts to export as well (default none: each is one more ORT session
-    holding its own copy of the weights until sessions share initializers; HTP bundles have none yet).
     context_step: CPU decoder graphs with a symbolic cache length; a step reads the cache prefix rounded up to a
-    multiple of context_step (default DEFAULT_CONTEXT_STEP; 0 = static graphs over the whole cache, which
-    --buckets and the HTP target need)."""
+    multiple of context_step (default DEFAULT_CONTEXT_STEP; 0 = static graphs over the whole cache, as the HTP
+    target has)."""
     if target not in ("cpu", "htp"):
         raise ExportError(f"unknown target {target!r}; choose cpu or htp")
     if target == "htp" and (quant or dtype != "fp32"):
         raise ExportError("--target htp sets its own precisions (16-bit activations, --htp-weights); drop --quant/--dtype")
     if htp_weights not in (4, 8):
         raise ExportError("--htp-weights must be 8 or 4")
-    if context_step is None and (target == "htp" or buckets):
+    if context_step is None and target == "htp":
         context_step = 0  # (otherwise None: the default, once the max context is known)
-    elif context_step and (target == "htp" or buckets):
-        raise ExportError("--context-step (a symbolic cache length) is for CPU graphs without --buckets; "
-                          "pass --context-step 0 with --buckets or --target htp")
+    elif context_step and target == "htp":
+        raise ExportError("--context-step (a symbolic cache length) is for CPU graphs; the HTP target's graphs are static")
     elif context_step is not None and (context_step < 0 or context_step == 1):
         raise ExportError("--context-step must be 0 (static) or at least 2")
     p = Progress(9 if target == "htp" else 8, progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
-                       force=force, buckets=[] if target == "htp" else buckets, context_step=context_step, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
+                       force=force, context_step=context_step, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
                                              htp_arch=htp_arch) if target == "htp" else None)
     except BaseException:
         p.failed()
@@ -134,7 +93,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            quant: str | None, force: bool, buckets: list[int] | None, context_step: int | None, htp: dict | None) -> Path:
+            quant: str | None, force: bool, context_step: int | None, htp: dict | None) -> Path:
     import json
 
     import torch
@@ -154,7 +113,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     ckpt = Checkpoint.open(resolve(src))
     family = family_for(ckpt.config)
     try:
-        cfg = family.Config.from_hf(ckpt.config)
+        cfg = family.config_from_hf(ckpt.config)
     except KeyError as e:
         raise ExportError(f"config.json lacks {e}") from None
     tok_path = ckpt.path / "tokenizer.json"
@@ -171,20 +130,17 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         context_step = min(DEFAULT_CONTEXT_STEP, max_seq_len)
     if context_step > max_seq_len:
         raise ExportError(f"--context-step {context_step} is larger than the max context {max_seq_len}")
-    buckets = sorted(set(buckets or []))
-    if any(b < 1 or b >= max_seq_len for b in buckets):
-        raise ExportError(f"context buckets must be between 1 and --max-seq-len - 1 ({max_seq_len - 1})")
     template = ckpt.chat_template()
     if not template:
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
     special = _special_strings(ckpt)
     try:
-        tmpl_image, tmpl_text = prompt_templates(template, host["image_placeholder"], special, host["system_prompt"])
+        tmpl_image, tmpl_text = prompt_templates(template, host.image_placeholder, special, host.system_prompt)
     except ValueError:
-        if not host.get("image_in_text_fallback"):
+        if not host.image_in_text_fallback:
             raise
-        placeholder, in_text = host["image_in_text_fallback"]
-        tmpl_image, tmpl_text = prompt_templates(template, placeholder, special, host["system_prompt"], in_text)
+        placeholder, in_text = host.image_in_text_fallback
+        tmpl_image, tmpl_text = prompt_templates(template, placeholder, special, host.system_prompt, in_text)
     torch.manual_seed(0)
     vision, decoder, embed = family.load_weights(cfg, ckpt.tensors())
     p.done(f"({ckpt.path}; max context {max_seq_len} tokens: {ctx_note})")
@@ -208,17 +164,14 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
             if one_graph and name == "decode":
                 decoder_graphs.append(("decode", "decoder"))
                 continue
-            ctxs = [c for c in buckets if c >= ar] + [max_seq_len]
-            cdesc = f"any context <= {max_seq_len} in steps of {context_step}" if context_step else f"context {'/'.join(map(str, ctxs))}"
+            cdesc = f"any context <= {max_seq_len} in steps of {context_step}" if context_step else f"context {max_seq_len}"
             what = f"prefill + decode graph (AR=1..{ar}" if one_graph else f"{name} graph (AR={ar}"
             p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[name]}, lm head {h})")
-            for ctx in ctxs:
-                gname = name if ctx == max_seq_len else f"{name}_{ctx}"
-                stem = "decoder" if one_graph else gname
-                graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
-                                      io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{stem}.onnx",
-                                      cpu=htp is None, dynamic_context=context_step > 0, dynamic_ar=one_graph)
-                decoder_graphs.append((gname, stem))
+            stem = "decoder" if one_graph else name
+            graphs.export_decoder(decoder, ar=ar, max_context=max_seq_len, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
+                                  io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{stem}.onnx",
+                                  cpu=htp is None, dynamic_context=context_step > 0, dynamic_ar=one_graph)
+            decoder_graphs.append((name, stem))
             p.done()
         stems = sorted({stem for _, stem in decoder_graphs})
         p.start("sharing weights between graphs")
@@ -245,28 +198,24 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
 
         p.start("manifest")
         gspecs = {}
-        for gname, stem in [("vision", "vision"), *decoder_graphs]:
-            name = gname.split("_")[0]
+        for name, stem in [("vision", "vision"), *decoder_graphs]:
             ins, outs = graphs.io_specs(tmp / f"{stem}.onnx")
             weights = {"block_size": quantize.BLOCK_SIZE, "symmetric": True} if prec[name] in quantize.WEIGHT_ONLY_BITS else {}
             if name != "vision":
                 weights["lm_head"] = head or prec[name]
                 if prec[name] in quantize.MIX_OF:
                     weights["8bit"] = {"precision": quantize.MIX_OF[prec[name]], "matmuls": list(quantize.MIXED_8BIT)}
-            gspecs[gname] = mf.GraphSpec(file=f"{stem}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
-        bucket_map = {k: [[int(g.split("_")[1]), g] for g, _ in decoder_graphs if g.startswith(k + "_")]
-                      for k in ("prefill", "decode")}
-        image = host["image"]
+            gspecs[name] = mf.GraphSpec(file=f"{stem}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
         m = mf.Manifest(
             model={"family": family.__name__.rsplit(".", 1)[-1], "model_type": ckpt.config.get("model_type"),
                    "source": str(src), "exported_by": f"vlmrt {__version__}",
                    "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
             graphs=gspecs,
             tokenizer_file="tokenizer.json",
-            image=mf.ImageSpec(**image),
-            prompt=mf.PromptSpec(template_image=tmpl_image, template_text=tmpl_text, expansion=host["prompt_expansion"],
-                                 tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True, params=host["prompt_params"]),
-            special_tokens=mf.SpecialTokens(image_token_id=host["image_token_id"], eos_token_ids=_eos_ids(ckpt, tok_json),
+            image=mf.ImageSpec(**host.image),
+            prompt=mf.PromptSpec(template_image=tmpl_image, template_text=tmpl_text, expansion=host.prompt_expansion,
+                                 tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True, params=host.prompt_params),
+            special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=_eos_ids(ckpt, tok_json),
                                             pad_token_id=_pad_id(ckpt, t.vocab)),
             kv=mf.KVSpec(layers=t.layers, dim=kv_dim, max_context=max_seq_len, dtype=DTYPES[dtype],
                          key_input="past_key_{layer}", value_input="past_value_{layer}",
@@ -277,7 +226,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
                                    embedding_file="embed.npy", embedding_dtype=embed_dtype,
                                    embedding_scale_file=scale_file,
                                    mask_value=htp_mod.HTP_MASK_VALUE if htp else None,
-                                   buckets={k: v for k, v in bucket_map.items() if v}, context_step=context_step,
+                                   context_step=context_step,
                                    dynamic_ar=one_graph, last_logits=one_graph),
             vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
             generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
@@ -292,7 +241,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
 
         if htp:
             p.start(f"HTP: calibrating and quantizing (16-bit activations, {htp['weights']}-bit weights, uint8 KV)")
-            from ..evaluate import default_samples
+            from ..eval.samples import default_samples
 
             float_dir, tmp = tmp, out.parent / f".{out.name}.htp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)

@@ -75,36 +75,27 @@ def build(tc: TextConfig) -> layers.CausalDecoder:
     )
 
 
-# HF decoder-layer names (relative to the text model) -> ours; the same in Llama, Qwen2 and Qwen3
-LAYER_KEYS = {
-    "layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
-    "layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
-}
-BIAS_KEYS = {f"layers.{{i}}.self_attn.{p}_proj.bias": f"layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"}
-QK_NORM_KEYS = {f"layers.{{i}}.self_attn.{p}_norm.weight": f"layers.{{i}}.self_attn.{p}_norm.weight" for p in "qk"}
-
-
-def load(tc: TextConfig, take: Callable[[str], torch.Tensor], prefix: str, lm_head: str | None) -> tuple[layers.CausalDecoder, torch.Tensor]:
-    """Decoder from HF tensors named prefix + LAYER_KEYS...; lm_head None = tied to the embeddings.
+def load(tc: TextConfig, tensors: dict[str, torch.Tensor], take: Callable[[str], torch.Tensor], prefix: str,
+         lm_head: str | None) -> tuple[layers.CausalDecoder, torch.Tensor]:
+    """Decoder from the HF tensors under prefix (the text model's: `model.text_model.`, ...); lm_head None = tied to
+    the embeddings. Our module names are HF's (Llama, Qwen2 and Qwen3 decoder layers alike), so loading is the prefix
+    taken off (`sanitize`); take(name) fetches one tensor and records it as used.
 
     Returns (decoder, embedding table [vocab, hidden])."""
-    keys = dict(LAYER_KEYS)
-    if tc.qkv_bias:
-        keys.update(BIAS_KEYS)
-    if tc.qk_norm:
-        keys.update(QK_NORM_KEYS)
     embed = take(prefix + "embed_tokens.weight")
     sd = {"norm.weight": take(prefix + "norm.weight"), "lm_head.weight": embed if lm_head is None else take(lm_head)}
-    for i in range(tc.layers):
-        for src, dst in keys.items():
-            sd[dst.format(i=i)] = take(prefix + src.format(i=i))
+    sd.update(sanitize({n: take(n) for n in tensors if n.startswith(prefix + "layers.") and not n.endswith("inv_freq")},
+                       prefix))
     dec = build(tc)
-    dec.load_state_dict(sd, strict=True)
+    result = dec.load_state_dict(sd, strict=False)
+    if result.missing_keys:
+        raise UnsupportedCheckpoint(f"checkpoint is missing weight {prefix}{result.missing_keys[0]}")
+    if result.unexpected_keys:
+        raise UnsupportedCheckpoint(f"checkpoint has {len(result.unexpected_keys)} decoder weights the config does not "
+                                    f"describe, e.g. {prefix}{result.unexpected_keys[0]}")
     return dec.eval(), embed
+
+
+def sanitize(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """HF decoder-layer names -> ours: the same names without the text model's prefix."""
+    return {name[len(prefix):]: w for name, w in weights.items()}

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import decoder, layers, resample_name
+from . import HostSpec, decoder, layers, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
+
+MODEL_TYPES = ("internvl", "internvl_chat")  # config.json model_type (families.REGISTRY)
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -299,7 +301,7 @@ def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
 
     if not cfg.tie_word_embeddings and head not in tensors:
         raise UnsupportedCheckpoint(f"config says the lm head is not tied, but the checkpoint has no {head}")
-    dec, embed = decoder.load(cfg.text, take, tp, None if cfg.tie_word_embeddings else head)
+    dec, embed = decoder.load(cfg.text, tensors, take, tp, None if cfg.tie_word_embeddings else head)
     skipped_vision = [k for k in tensors if k.startswith(vp + "encoder.") and k not in used and cfg.feature_layer != -1]
     unused = sorted(k for k in tensors if k not in used and k != head and k not in skipped_vision)
     if unused:
@@ -315,7 +317,7 @@ def _token_id(tok_json: dict, token: str) -> int | None:
     return tok_json.get("model", {}).get("vocab", {}).get(token)
 
 
-def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> dict[str, Any]:
+def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
     """Image/prompt parameters: transformers' GotOcr2 image processor (crop_to_patches) and
     InternVLProcessor (`<img>` + `<IMG_CONTEXT>`×tokens×tiles + `</img>` in place of the template's image)."""
     pp = ckpt.json("preprocessor_config.json", {}) or {}
@@ -349,20 +351,21 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> dict[str, Any]:
         "std": pp.get("image_std", IMAGENET_STD),
         "params": {"min_tiles": pp.get("min_patches", cfg.min_tiles), "max_tiles": max_tiles, "thumbnail": cfg.thumbnail},
     }
-    return {"image": image, "prompt_expansion": "wrapped_run", "prompt_params": tokens,
-            "image_placeholder": tokens["image_token"], "system_prompt": None, "image_token_id": image_token_id,
-            # original repos' templates know only string content: OpenGVLab's model.chat() writes
-            # "<image>\n" + question and expands "<image>" (used when the template renders no image item)
-            "image_in_text_fallback": ("<image>", "<image>\n")}
+    return HostSpec(image=image, prompt_expansion="wrapped_run", prompt_params=tokens,
+                    image_placeholder=tokens["image_token"], image_token_id=image_token_id,
+                    # original repos' templates know only string content: OpenGVLab's model.chat() writes
+                    # "<image>\n" + question and expands "<image>" (used when the template renders no image item)
+                    image_in_text_fallback=("<image>", "<image>\n"))
 
 
-def default_max_context(cfg: InternVLConfig, host: dict[str, Any]) -> tuple[int, str]:
+def default_max_context(cfg: InternVLConfig, host: HostSpec) -> tuple[int, str]:
     """Room for the default max tiles (+ thumbnail) and 512 tokens of text, rounded up to 256."""
-    p = host["image"]["params"]
+    p = host.image["params"]
     tiles = p["max_tiles"] + (1 if p["thumbnail"] and p["max_tiles"] > 1 else 0)
     need = tiles * cfg.tokens_per_tile + 512
     ctx = -(-need // 256) * 256
     return ctx, f"{tiles} tiles × {cfg.tokens_per_tile} image tokens + 512 for text"
 
 
-Config = InternVLConfig
+def config_from_hf(config: dict[str, Any]) -> InternVLConfig:
+    return InternVLConfig.from_hf(config)

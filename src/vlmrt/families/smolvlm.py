@@ -13,8 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import decoder, layers, resample_name
+from . import HostSpec, decoder, layers, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
+
+MODEL_TYPES = ("smolvlm", "idefics3")  # config.json model_type (families.REGISTRY)
 
 
 @dataclass
@@ -156,7 +158,7 @@ def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> tuple[
 
     if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
         raise UnsupportedCheckpoint("config says the lm head is not tied, but the checkpoint has no lm_head.weight")
-    dec, embed = decoder.load(cfg.text, take, tp, None if cfg.tie_word_embeddings else "lm_head.weight")
+    dec, embed = decoder.load(cfg.text, tensors, take, tp, None if cfg.tie_word_embeddings else "lm_head.weight")
     unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
     if unused:
         raise UnsupportedCheckpoint(f"checkpoint has {len(unused)} weights this exporter does not map, e.g. {unused[0]}")
@@ -164,7 +166,7 @@ def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> tuple[
 
 
 # --- what the runtime needs besides graphs: host preprocessing, prompt, special tokens --------
-def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> dict[str, Any]:
+def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> HostSpec:
     """Image/prompt/special-token parameters from the checkpoint's processor files.
 
     Mirrors transformers' SmolVLMImageProcessor (preprocessor_config.json) and SmolVLMProcessor
@@ -198,12 +200,13 @@ def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> dict[str, Any]:
         "global_token": tc.get("global_image_token", "<global-img>"),
         "tile_marker": "<row_{row}_col_{col}>",
     }
-    return {"image": image, "prompt_expansion": "grid_markers", "prompt_params": tokens,
-            "image_placeholder": tokens["image_token"], "system_prompt": None, "image_token_id": cfg.image_token_id}
+    return HostSpec(image=image, prompt_expansion="grid_markers", prompt_params=tokens,
+                    image_placeholder=tokens["image_token"], image_token_id=cfg.image_token_id)
 
 
-def default_max_context(cfg: SmolVLMConfig, host: dict[str, Any]) -> tuple[int, str]:
+def default_max_context(cfg: SmolVLMConfig, host: HostSpec) -> tuple[int, str]:
     return 1024, "vlmrt's default for SmolVLM: a 4x4 grid + global tile of 64-token tiles and text"
 
 
-Config = SmolVLMConfig  # the name export/pipeline.py looks for in every family module
+def config_from_hf(config: dict[str, Any]) -> SmolVLMConfig:
+    return SmolVLMConfig.from_hf(config)

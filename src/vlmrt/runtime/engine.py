@@ -18,9 +18,9 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from ..manifest import DecoderSpec, KVSpec
-from . import binding
-from .kv_cache import KVCache, attention_mask, context_slots
+from .kv_cache import KVCache, context_slots
 from .sampler import Sampler, SamplingConfig
+from .step import PlainStep, StepBuffers, make_step
 
 MODES = ("kv", "hybrid")
 
@@ -62,10 +62,10 @@ class GenerationStats:
 class Engine:
     def __init__(self, prefill: Session | None, decode: Session, kv: KVSpec, dec: DecoderSpec,
                  embed_table, eos_ids: list[int], io_dtype: str = "float32",
-                 embed_scale: np.ndarray | None = None):
+                 embed_scale: np.ndarray | None = None, kv_requant: bool = True):
+        """kv_requant: in hybrid mode with per-graph uint8 KV encodings (HTP bundles), convert prefill's rows to
+        decode's encoding (False reuses them as they are: to measure what the conversion buys)."""
         self.prefill_session, self.decode_session = prefill, decode
-        # (context, session) ascending, each smaller than max_context: see DecoderSpec.buckets
-        self.buckets: dict[str, list[tuple[int, Session]]] = {"prefill": [], "decode": []}
         self.kv_spec, self.dec = kv, dec
         # [vocab, hidden] rows by token id: an ndarray, or the bundle's EmbeddingRows (pread); a memmap is indexed as
         # a plain ndarray over the same mapping (np.memmap's __getitem__ costs ~5 % of a decode step's host time)
@@ -74,11 +74,10 @@ class Engine:
         self.eos = set(eos_ids)
         self.dtype = np.dtype(io_dtype)
         self.cache = KVCache(kv)
-        self.kv_requant = True  # hybrid mode with per-graph uint8 KV encodings: convert prefill's rows for decode
+        self.kv_requant = kv_requant
         self.last = GenerationStats()
-        self._out_names = [dec.logits_output, *self.cache.output_names()]
-        self._bound: dict[tuple[int, int, int], binding.BoundStep] = {}  # id(session), ctx, ar -> I/O-bound step
-        self._buffers: dict[tuple, binding.StepBuffers] = {}  # binding.buffers_key -> buffers shared across ctx
+        self._steps: dict[tuple[int, int, int], object] = {}  # id(session), ctx, ar -> the step for that shape
+        self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
         self.run_s = 0.0  # time inside graph calls, accumulated
 
     def embed(self, ids: list[int] | np.ndarray) -> np.ndarray:
@@ -88,55 +87,35 @@ class Engine:
             return (rows.astype(np.float32) * self.embed_scale[ids][:, None]).astype(self.dtype)
         return np.asarray(rows, dtype=self.dtype)
 
-    def _session(self, kind: str, pos: int) -> tuple[int, Session]:
-        """The cache prefix [:ctx] a step at first position pos reads (it holds positions 0..pos-1), and the graph:
-        graphs with a symbolic cache length take pos rounded up to DecoderSpec.context_step; otherwise the
-        bucket with the smallest context that fits, else the full graph."""
-        full = self.prefill_session if kind == "prefill" else self.decode_session
+    def _ctx(self, pos: int) -> int:
+        """The cache prefix [:ctx] a step at first position pos reads (it holds positions 0..pos-1): graphs with a
+        symbolic cache length take pos rounded up to DecoderSpec.context_step, static graphs the whole cache."""
         step, top = self.dec.context_step, self.kv_spec.max_context
-        if step:
-            return context_slots(pos, step, top), full
-        for ctx, session in self.buckets[kind]:
-            if pos <= ctx:
-                return ctx, session
-        return top, full
+        return context_slots(pos, step, top) if step else top
 
-    def _step(self, kind: str, embeds: np.ndarray, ar: int) -> np.ndarray:
-        """One graph call over embeds [n <= ar, hidden] at the cache's next positions -> logits [n, vocab]
-        ([1, vocab], the last token's, with DecoderSpec.last_logits).
-        With I/O binding the logits are a view of a buffer that the next bound step of the same AR overwrites."""
+    def step(self, kind: str, embeds: np.ndarray) -> np.ndarray:
+        """One graph call ("prefill" or "decode") over embeds [n, hidden] at the cache's next positions; the new rows
+        go into the cache. Returns logits [n, vocab] ([1, vocab], the last token's, with DecoderSpec.last_logits),
+        possibly a view of a buffer that the next step of the same shape overwrites."""
         n = embeds.shape[0]
-        if self.dec.dynamic_ar:
-            ar = n  # the graph takes any AR: no padded rows
+        # a graph with a symbolic AR takes exactly the step's tokens; a static one its AR, the last block padded
+        ar = n if self.dec.dynamic_ar else (self.dec.prefill_ar if kind == "prefill" else 1)
+        session = self.prefill_session if kind == "prefill" else self.decode_session
         pos = self.cache.length
-        ctx, session = self._session(kind, pos)
-        # bound steps for the shapes that recur (decode, full prefill blocks); a graph with a symbolic AR also sees
-        # one short last block per prompt, of any length: those run plain rather than bind a step per length
-        if binding.enabled(session) and (not self.dec.dynamic_ar or ar in (1, self.dec.prefill_ar)):
-            step = self._bound.get((id(session), ctx, ar))
-            if step is None:
-                key = binding.buffers_key(session, self.dec, ar)
-                if key not in self._buffers:
-                    self._buffers[key] = binding.StepBuffers(session, self.dec, self.cache, ar)
-                step = self._bound[(id(session), ctx, ar)] = binding.BoundStep(
-                    session, self.dec, self.cache, ctx, ar, self.dec.mask_value, self._buffers[key])
-            t = time.perf_counter()
-            logits = step(embeds, pos)
-            self.run_s += time.perf_counter() - t
-            self.cache.write_block(step.rows, n)
-            return logits[:n]
-        if n < ar:  # pad the last block; padded rows are computed and dropped
-            embeds = np.concatenate([embeds, np.zeros((ar - n, embeds.shape[1]), embeds.dtype)])
-        feeds = {
-            self.dec.embeds_input: np.ascontiguousarray(embeds, dtype=self.dtype),
-            self.dec.positions_input: np.arange(pos, pos + ar, dtype=np.int64),
-            self.dec.mask_input: attention_mask(pos, ar, ctx, self.dtype, neg=self.dec.mask_value),
-            **self.cache.feeds(ctx),
-        }
+        ctx = self._ctx(pos)
+        key = (id(session), ctx, ar)
+        step = self._steps.get(key)
+        if step is None:
+            if self.dec.dynamic_ar and ar not in (1, self.dec.prefill_ar):
+                # a prompt's short last block, of any length: a step made for it and dropped, rather than one kept
+                # (with its buffers) per block length
+                step = PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype)
+            else:
+                step = self._steps[key] = make_step(session, self.dec, self.cache, ctx, ar, self.dtype, self._buffers)
         t = time.perf_counter()
-        logits, *rows = session.run(self._out_names, feeds)
+        logits = step(embeds, pos)
         self.run_s += time.perf_counter() - t
-        self.cache.write(rows, n)
+        self.cache.write(step.rows, n)
         return logits[:n]
 
     def prefill(self, prompt_embeds: np.ndarray, mode: str) -> np.ndarray:
@@ -155,13 +134,13 @@ class Engine:
         if mode == "hybrid" and self.prefill_session is not None:
             ar = self.dec.prefill_ar
             for start in range(0, n, ar):
-                logits = self._step("prefill", prompt_embeds[start : start + ar], ar)
+                logits = self.step("prefill", prompt_embeds[start : start + ar])
             enc = self.kv_spec.encodings
             if self.kv_requant and enc.get("prefill") and enc.get("decode"):
                 self.cache.requantize(enc["prefill"], enc["decode"])
         else:
             for i in range(n):
-                logits = self._step("decode", prompt_embeds[i : i + 1], 1)
+                logits = self.step("decode", prompt_embeds[i : i + 1])
         return logits[-1]
 
     def score(self, prompt_embeds: np.ndarray, tokens: list[int], mode: str = "hybrid") -> np.ndarray:
@@ -170,7 +149,7 @@ class Engine:
         for t in tokens[:-1]:
             if self.cache.length >= self.kv_spec.max_context:
                 break
-            out.append(self._step("decode", self.embed([t]), 1)[-1].copy())
+            out.append(self.step("decode", self.embed([t]))[-1].copy())
         return np.stack(out)
 
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
@@ -198,7 +177,7 @@ class Engine:
                 st.stop_reason = "context"
                 return
             t, run0 = time.perf_counter(), self.run_s
-            logits = self._step("decode", self.embed([token]), 1)[-1]
+            logits = self.step("decode", self.embed([token]))[-1]
             token = sampler(logits)
             dt = time.perf_counter() - t
             st.decode_s += dt

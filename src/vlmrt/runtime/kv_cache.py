@@ -41,7 +41,7 @@ class KVCache:
         self.spec = spec
         self.dtype = np.dtype(dtype or spec.dtype)
         # one block [layers, 2 (K, V), max_context, dim]: keys[i] / values[i] are views of it, so a step's
-        # new rows land in every buffer with one copy (write_block), and graph inputs bind to prefixes of it
+        # new rows land in every buffer with one copy (write), and graph inputs bind to prefixes of it
         self.data = np.zeros((spec.layers, 2, spec.max_context, spec.dim), self.dtype)
         self.keys = [self.data[i, 0] for i in range(spec.layers)]
         self.values = [self.data[i, 1] for i in range(spec.layers)]
@@ -83,16 +83,9 @@ class KVCache:
             raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
         return slice(pos, pos + n_valid)
 
-    def write_block(self, rows: np.ndarray, n_valid: int) -> None:
-        """rows [layers, 2, ar, dim] (a step's outputs bound to one staging block): store the first n_valid."""
+    def write(self, rows: np.ndarray, n_valid: int) -> None:
+        """rows [layers, 2 (K, V), ar, dim], a step's new rows (runtime/step.py stages them in one block): store the
+        first n_valid at slots length..length+n_valid-1 (padding rows are dropped), then advance length."""
         at = self._slots(n_valid)
         self.data[:, :, at] = rows[:, :, :n_valid]
-        self.length = at.stop
-
-    def write(self, new_rows: list[np.ndarray], n_valid: int) -> None:
-        """new_rows in output_names() order (K, V of layer 0, 1, ...), each [ar, dim]: the same update as
-        write_block for a step run without I/O binding."""
-        at = self._slots(n_valid)
-        for j, rows in enumerate(new_rows):
-            self.data[j // 2, j % 2, at] = rows[:n_valid]
         self.length = at.stop

@@ -61,7 +61,8 @@ class Result:
 
 
 class VLM:
-    def __init__(self, bundle: Bundle, load_s: float = 0.0):
+    def __init__(self, bundle: Bundle, load_s: float = 0.0, kv_requant: bool = True):
+        """kv_requant: see Engine (HTP bundles in hybrid mode)."""
         self.bundle = bundle
         m = bundle.manifest
         self.manifest = m
@@ -69,17 +70,16 @@ class VLM:
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
         self.engine = Engine(
             bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
-            bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale,
+            bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale, kv_requant,
         )
-        for kind, pairs in m.decoder.buckets.items():
-            self.engine.buckets[kind] = sorted((int(ctx), bundle.sessions[name]) for ctx, name in pairs)
         self.result = Result()
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True) -> "VLM":
+    def load(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True,
+             kv_requant: bool = True) -> "VLM":
         t = time.perf_counter()
         b = Bundle.open(path, device=device, threads=threads, verify=verify)
-        return cls(b, time.perf_counter() - t)
+        return cls(b, time.perf_counter() - t, kv_requant)
 
     # --- host steps -----------------------------------------------------------------------
     def prompt_ids(self, prompt: str, grid: tuple[int, int, int] | None) -> list[int]:
@@ -97,6 +97,18 @@ class VLM:
             for t in tiles
         ]
         return np.concatenate(out).astype(self.engine.dtype, copy=False)
+
+    def prompt_embeds(self, prompt: str, image=None, max_tiles: int | None = None) -> tuple[list[int], np.ndarray]:
+        """(prompt ids, prompt embeddings [n, hidden] with the image's rows spliced in) for one request, without the
+        timings and the context check of generate()."""
+        m = self.manifest
+        if image is None:
+            ids = self.prompt_ids(prompt, None)
+            return ids, self.engine.embed(ids)
+        im = img_ops.load_image(image) if not isinstance(image, Image.Image) else img_ops.to_rgb(image)
+        tiles = img_ops.preprocess(im, img_ops.with_max_tiles(m.image, max_tiles))
+        ids = self.prompt_ids(prompt, tiles.grid)
+        return ids, splice(ids, self.engine.embed(ids), self.encode_image(tiles.pixels), m.special_tokens.image_token_id)
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompt: str, image: str | Path | Image.Image | None = None, *, mode: str | None = None,

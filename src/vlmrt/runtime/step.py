@@ -1,0 +1,124 @@
+"""One decoder graph call: AR embeddings at the cache's next positions in, logits out, the new K/V rows staged.
+
+    step = make_step(session, dec, cache, ctx, ar, bind=True)
+    logits = step(embeds, pos)        # embeds [n <= ar, hidden] -> logits [ar or 1, vocab]
+    cache.write(step.rows, n)         # rows [layers, 2, ar, dim]: KVCache.write is the one cache update
+
+Both kinds of step read the cache prefix [:ctx] where it is and build positions and mask the same way
+(`StepBuffers.load`); they differ only in how the graph is called:
+  BoundStep  ORT I/O binding: inputs and outputs are OrtValues over host buffers that live as long as the step
+             (embeddings / positions / logits / staging rows shared by the steps of one AR, `StepBuffers`), so a
+             step allocates nothing and never copies the cache at the graph edge.
+  PlainStep  session.run(feeds): sessions without io_binding (the torch reference, recorders, fakes in tests),
+             and a symbolic-AR graph's short last prompt block (one bound step per block length would pile up).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..manifest import DecoderSpec
+from .kv_cache import KVCache, attention_mask
+
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(uint8)": np.uint8,
+               "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+
+
+def can_bind(session) -> bool:
+    """onnxruntime sessions can; the reference's torch modules and test fakes cannot."""
+    return hasattr(session, "io_binding")
+
+
+def buffers_key(session, dec: DecoderSpec, ar: int) -> tuple:
+    """Steps with the same AR and I/O types can share their StepBuffers (steps never run concurrently)."""
+    ins = {i.name: i.type for i in session.get_inputs()}
+    outs = {o.name: o.type for o in session.get_outputs()}
+    return ar, ins[dec.embeds_input], ins[dec.positions_input], outs[dec.logits_output]
+
+
+class StepBuffers:
+    """The host buffers of a step: embeddings [ar, hidden], positions [ar], logits [ar or 1, vocab] and the staging
+    block [layers, 2, ar, dim] for the new K/V rows. Those of a bound step do not depend on its cache length and are
+    shared by the bound steps of one AR (an AR=32 staging block is 1.5 MB for SmolLM2)."""
+
+    def __init__(self, dec: DecoderSpec, cache: KVCache, ar: int, embeds_dtype, positions_dtype, logits_dtype):
+        self.embeds = np.zeros((ar, dec.hidden_size), embeds_dtype)
+        self.positions = np.zeros(ar, positions_dtype)
+        self.logits = np.zeros((1 if dec.last_logits else ar, dec.vocab_size), logits_dtype)
+        self.rows = np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
+        self._range = np.arange(ar, dtype=positions_dtype)
+
+    def load(self, embeds: np.ndarray, pos: int, mask: np.ndarray, ctx: int, neg: float | None) -> None:
+        """The step's inputs in place: embeds [n <= ar, hidden] (zero rows after them), positions pos.., the mask."""
+        n, ar = embeds.shape[0], len(self.positions)
+        self.embeds[:n] = embeds
+        if n < ar:
+            self.embeds[n:] = 0  # a static graph's padded last block: computed, never written to the cache
+        np.add(self._range, pos, out=self.positions)
+        attention_mask(pos, ar, ctx, mask.dtype, out=mask, neg=neg)
+
+
+class BoundStep:
+    def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, buffers: StepBuffers):
+        import onnxruntime as ort
+
+        self.session, self.ctx, self.neg, self.buffers = session, ctx, dec.mask_value, buffers
+        self.rows = buffers.rows
+        self.io = io = session.io_binding()
+        ins = {i.name: i for i in session.get_inputs()}
+        self.mask = np.zeros((ar, ctx + ar), _ORT_DTYPES[ins[dec.mask_input].type])
+        self._keep = []  # OrtValues (and through them the arrays) bound to io
+
+        def bind(name, arr, output=False):
+            v = ort.OrtValue.ortvalue_from_numpy(arr)
+            self._keep.append(v)
+            (io.bind_ortvalue_output if output else io.bind_ortvalue_input)(name, v)
+
+        bind(dec.embeds_input, buffers.embeds)
+        bind(dec.positions_input, buffers.positions)
+        bind(dec.mask_input, self.mask)
+        s = cache.spec
+        for i in range(s.layers):
+            bind(s.key_input.format(layer=i), cache.data[i, 0, :ctx])  # contiguous prefix: no copy
+            bind(s.value_input.format(layer=i), cache.data[i, 1, :ctx])
+            bind(s.key_output.format(layer=i), self.rows[i, 0], output=True)
+            bind(s.value_output.format(layer=i), self.rows[i, 1], output=True)
+        bind(dec.logits_output, buffers.logits, output=True)
+
+    def __call__(self, embeds: np.ndarray, pos: int) -> np.ndarray:
+        """embeds [n <= ar, hidden] at positions pos.. -> logits (a view of the buffer the next step reuses)."""
+        self.buffers.load(embeds, pos, self.mask, self.ctx, self.neg)
+        self.session.run_with_iobinding(self.io)
+        return self.buffers.logits
+
+
+class PlainStep:
+    def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, io_dtype):
+        self.session, self.dec, self.cache, self.ctx, self.ar = session, dec, cache, ctx, ar
+        self.buffers = StepBuffers(dec, cache, ar, io_dtype, np.int64, io_dtype)
+        self.rows = self.buffers.rows
+        self.mask = np.zeros((ar, ctx + ar), io_dtype)
+        self._out_names = [dec.logits_output, *cache.output_names()]
+
+    def __call__(self, embeds: np.ndarray, pos: int) -> np.ndarray:
+        b, d = self.buffers, self.dec
+        b.load(embeds, pos, self.mask, self.ctx, d.mask_value)
+        feeds = {d.embeds_input: b.embeds, d.positions_input: b.positions, d.mask_input: self.mask,
+                 **self.cache.feeds(self.ctx)}
+        logits, *rows = self.session.run(self._out_names, feeds)
+        for j, r in enumerate(rows):  # output_names() order: K, V of layer 0, 1, ...
+            self.rows[j // 2, j % 2] = r
+        return logits
+
+
+def make_step(session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, io_dtype,
+              shared: dict[tuple, StepBuffers] | None = None):
+    """A BoundStep when the session can bind (its buffers taken from / added to `shared`), else a PlainStep."""
+    if not can_bind(session):
+        return PlainStep(session, dec, cache, ctx, ar, io_dtype)
+    key = buffers_key(session, dec, ar)
+    shared = {} if shared is None else shared
+    if key not in shared:
+        _, embeds, positions, logits = key
+        shared[key] = StepBuffers(dec, cache, ar, _ORT_DTYPES[embeds], _ORT_DTYPES[positions], _ORT_DTYPES[logits])
+    return BoundStep(session, dec, cache, ctx, ar, shared[key])
