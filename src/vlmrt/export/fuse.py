@@ -12,8 +12,8 @@ fused RMSNorm kernel, which the QNN EP maps to the HTP's RmsNorm). Why, per targ
   also folds the residual Add in front (SkipSimplifiedLayerNormalization). SmolLM2-135M decode: 61 chains.
 * HTP: quantized statically, every edge of the chain gets its own 16-bit encoding, and x**2 of a real
   LLM's residual stream (values in the hundreds at the attention-sink positions) needs a range of ~1e5
-  that a 16-bit grid cannot hold next to the small values of ordinary tokens: on SmolLM2-135M the QDQ
-  decoder's top-1 agreement fell to 4 %. Fused, only the op's input and output are quantized (92 %).
+  that a 16-bit grid cannot hold next to the small values of ordinary tokens: the QDQ decoder's top-1 agreement
+  collapses. Fused, only the op's input and output are quantized (figures: docs/precisions.md).
   (ONNX opset 23's ``RMSNormalization`` is rejected by the QNN EP in onnxruntime-qnn 2.7.)
 
 The contrib op has no schema in ``onnx``, so ORT's quantizer cannot run the version converter after
@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from .quantize import set_nodes
 
 QDQ_OPSET = 21  # 16-bit QuantizeLinear/DequantizeLinear; ORT's quantizer converts to it anyway
 
@@ -106,12 +108,7 @@ def fuse_rms_norm(model: onnx.ModelProto) -> int:
             nodes.append(new[id(n)])
         elif id(n) not in gone:
             nodes.append(n)
-    del g.node[:]
-    g.node.extend(nodes)
-    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    dead = [init for init in g.initializer if init.name not in used]  # the chains' 2.0 / eps constants
-    for init in dead:
-        g.initializer.remove(init)
+    set_nodes(g, nodes)  # also drops the chains' 2.0 / eps constants
     return len(new)
 
 

@@ -121,15 +121,10 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     (one session, one prepacked copy of the weights) serves the prefill blocks and the 1-token decode steps;
     such a graph returns the last row's logits only ([1, vocab], CausalDecoder.last_logits)."""
     from . import fuse, quantize
-    from ..families.layers import CachedGQAttention
 
     dt = TORCH_DTYPES[io_dtype]
-    decoder = copy.deepcopy(decoder)  # the one copy: CastIO casts it, the rope table is resized on it
-    for mod in decoder.modules():
-        if isinstance(mod, CachedGQAttention):
-            mod.copy_free = cpu
-    decoder.last_logits = dynamic_ar
-    decoder.rope_table(max_context + ar)  # positions of a step: pos..pos+ar-1 with pos < max_context
+    # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context
+    decoder = decoder.with_options(copy_free=cpu, last_logits=dynamic_ar, rope_positions=max_context + ar)
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
     positions = torch.arange(ar, dtype=torch.int64)

@@ -79,7 +79,8 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     if context_step is None and target == "htp":
         context_step = 0  # (otherwise None: the default, once the max context is known)
     elif context_step and target == "htp":
-        raise ExportError("--context-step (a symbolic cache length) is for CPU graphs; the HTP target's graphs are static")
+        raise ExportError("--context-step (a symbolic cache length) is for CPU graphs; --target htp exports static "
+                          "graphs (leave --context-step out or pass 0)")
     elif context_step is not None and (context_step < 0 or context_step == 1):
         raise ExportError("--context-step must be 0 (static) or at least 2")
     p = Progress(9 if target == "htp" else 8, progress)

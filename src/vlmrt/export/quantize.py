@@ -12,8 +12,7 @@ Precisions:
   w4a8   int4 weights as w4a16, computed in int8 likewise (what llama.cpp's Q4 x Q8 dot products do)
   w4a16m / w4a8m  the Q4_K_M-style mix: w4a16 / w4a8, but every decoder layer's v_proj and down_proj as w8a8
          (8-bit weights, int8 compute: ORT's CPU kernel for 8-bit weights with float activations is its slow
-         path, 1.55x slower on a whole prefill step). +18 % decoder weight bytes; on the easy-VQA demo model
-         w4a16 loses 1.5 pt and w4a16m 0.8 pt against fp32 (README).
+         path). Sizes, speeds and accuracy of every precision: docs/precisions.md.
 
 `lm_head` is the decoder's last MatMul (in both prefill and decode); it follows its graph unless named.
 Weight-only quantization uses onnxruntime.quantization.matmul_nbits_quantizer (the well-kept
@@ -31,19 +30,17 @@ GRAPHS = ("vision", "prefill", "decode", "lm_head")
 WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4, "w8a8": 8, "w4a8": 4, "w4a16m": 4, "w4a8m": 4}
 # MatMulNBits accuracy_level: None keeps float activations (a16 = "not 8-bit": fp32 on the CPU EP). ORT 1.32's
 # CPU kernel for 8-bit weights is only fast with int8 compute (level 4: activations quantized per block at run
-# time) — measured on SmolLM2-135M decode: ~8x faster than level None. That is offered as w8a8, and for 4-bit
-# weights as w4a8 (SmolLM2-135M decode step: MatMulNBits time -31 % vs w4a16, see README).
+# time): that is w8a8, and for 4-bit weights w4a8 (measured: docs/precisions.md).
 ACCURACY_LEVEL = {"w8a16": None, "w4a16": None, "w8a8": 4, "w4a8": 4, "w4a16m": None, "w4a8m": 4}
 BLOCK_SIZE = 32
 # A plain 4-bit --quant keeps the vision graph at 8 bits (name `vision=w4a16` to get 4): the tower is a small
-# part of the bundle and sees every image token, and int4 RTN there cost the easy-VQA demo model 9 of its
-# 11 lost points (w4a16 everywhere 0.873, vision fp32 + decoder w4a16 0.965, fp32 0.981 -- README).
+# part of the bundle and sees every image token, and int4 RTN there cost the easy-VQA demo model most of its
+# lost points (docs/precisions.md).
 VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8"}
 # The mixed 4-bit precisions: which decoder MatMuls get 8 bits (matched on the weight's name, which the exporter
 # keeps from the HF module path: `...layers.N.self_attn.v_proj.weight_kn`), and the 8-bit precision they get.
-# llama.cpp's Q4_K_M raises the same two (attn_v, ffn_down), in about half of the layers; all layers measured better.
-# Measured on easy-VQA with the 8-bit part as w8a16 instead: the same accuracy within one question (0.9769 vs
-# 0.9731 of 260), prefill step 101 vs 65 ms.
+# llama.cpp's Q4_K_M raises the same two (attn_v, ffn_down), in about half of the layers; all layers measured better,
+# and the 8-bit part as w8a8 as accurate as w8a16 and faster (docs/precisions.md).
 MIXED_8BIT = (".self_attn.v_proj.", ".mlp.down_proj.")
 MIX_OF = {"w4a16m": "w8a8", "w4a8m": "w8a8"}
 
@@ -107,7 +104,7 @@ def set_nodes(g: onnx.GraphProto, nodes: list) -> None:
     """Replace g's nodes and drop the initializers no node reads any more."""
     del g.node[:]
     g.node.extend(nodes)
-    used = {i for n in g.node for i in n.input}
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     keep = [i for i in g.initializer if i.name in used]
     del g.initializer[:]
     g.initializer.extend(keep)

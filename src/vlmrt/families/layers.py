@@ -63,12 +63,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CachedGQAttention(nn.Module):
     """Grouped-query attention over an external cache; returns output and the new K/V rows."""
 
-    copy_free = True  # steps read the cache where it is (_copy_free_step); the exporter turns it off for the HTP target
-
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
-                 qk_norm: bool = False, eps: float = 1e-6):
+                 qk_norm: bool = False, eps: float = 1e-6, copy_free: bool = True):
+        """copy_free: steps read the cache where it is (_copy_free_step); the HTP target's float graphs do not."""
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.heads, self.kv_heads, self.head_dim, self.copy_free = heads, kv_heads, head_dim, copy_free
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)  # Qwen2: q/k/v biases
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
@@ -140,10 +139,12 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm Llama/Qwen block with cache I/O."""
 
-    def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias=False, qk_norm=False):
+    def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias=False, qk_norm=False,
+                 copy_free=True):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = CachedGQAttention(hidden, heads, kv_heads, head_dim, bias=qkv_bias, qk_norm=qk_norm, eps=eps)
+        self.self_attn = CachedGQAttention(hidden, heads, kv_heads, head_dim, bias=qkv_bias, qk_norm=qk_norm, eps=eps,
+                                           copy_free=copy_free)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, intermediate, act)
 
@@ -160,21 +161,33 @@ class CausalDecoder(nn.Module):
     forward(inputs_embeds [ar, hidden], position_ids [ar], attention_mask [ar, ctx+ar],
             *past (k_0, v_0, k_1, v_1, ...) each [ctx, kv_dim])
       -> (logits [ar, vocab], new_k_0, new_v_0, ...) each new row block [ar, kv_dim]
-    With last_logits the logits are [1, vocab], the last row's only (the LM head is skipped for the rest).
+    With last_logits the logits are [1, vocab], the last row's only (the LM head is skipped for the rest);
+    copy_free: see CachedGQAttention. Both are graph options: `with_options` builds the same weights with others.
     """
 
-    last_logits = False
-
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
-                 qkv_bias=False, qk_norm=False):
+                 qkv_bias=False, qk_norm=False, copy_free=True, last_logits=False):
         super().__init__()
+        self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                          intermediate=intermediate, eps=eps, act=act, rope_theta=rope_theta, vocab=vocab,
+                          qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.last_logits = last_logits
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm) for _ in range(layers)
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free)
+            for _ in range(layers)
         )
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta), persistent=False)
         self.rope_table(4096)
+
+    def with_options(self, *, copy_free: bool, last_logits: bool, rope_positions: int) -> "CausalDecoder":
+        """A new decoder with a copy of these weights, built with other graph options and a rope table of
+        rope_positions rows."""
+        new = CausalDecoder(**self.shape, copy_free=copy_free, last_logits=last_logits)
+        new.load_state_dict(self.state_dict())
+        new.rope_table(rope_positions)
+        return new.eval()
 
     def rope_table(self, positions: int) -> None:
         """Precompute cos/sin [positions, head_dim] (in fp32, as transformers does per step): the graph
