@@ -9,7 +9,7 @@ subset (vlmrt.demo.easyvqa_data.select, 20 questions per answer at 260):
   (--target htp, calibrated on 12 easy-VQA *train* images x 4 questions) on the CPU EP in hybrid mode
   with and without KV requantization, and on the HTP simulator (--device htp, first
   --htp-sim-limit questions of the subset; the simulator is slow). Writes WORK/results.json and
-  prints the README table.
+  prints the table of docs/precisions.md.
 """
 
 from __future__ import annotations
