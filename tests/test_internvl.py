@@ -63,7 +63,7 @@ def exported(case: Case, tmp_path_factory) -> Exported:
         ckpt = make_internvl_checkpoint(
             root / "ckpt", decoder=case.decoder, tie_word_embeddings=case.tie, image_size=case.image_size,
             patch_size=case.patch, max_tiles=case.max_tiles, vision_norm=case.vision_norm,
-            vision_overrides=dict(case.vision_overrides), seed=len(_CACHE) + 3,
+            vision_overrides=dict(case.vision_overrides), seed=CASES.index(case) + 3,  # per case, not per test order
         )
         bundle = export(str(ckpt), root / "bundle", prefill_ar=case.prefill_ar, progress=False)
         _CACHE[case.name] = Exported(case, ckpt, bundle, (load_hf_model(ckpt), hf_processor(ckpt)))
@@ -183,6 +183,9 @@ def test_too_many_tiles_says_which_flag(tmp_path_factory, tmp_path, capsys):
     assert rc == 1 and len(err) == 1 and "--max-tiles" in err[0] and "--max-seq-len" in err[0], err
     got = cli_json(capsys, b, "--image", image_file("page.png", None), "--prompt", "Hi", "--max-tiles", 1, "--max-new-tokens", 2)
     assert got["stats"]["image_tiles"] == 1
+    rc = cli.main(["run", str(b), "--image", str(image_file("page.png", None)), "--prompt", "Hi", "--max-tiles", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err == ["vlmrt: error: --max-tiles must be >= 1"], err
 
 
 def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):

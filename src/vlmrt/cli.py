@@ -59,7 +59,8 @@ def _run(a) -> int:
     sampling.validate()
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
-    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads)
+    # the default model's cache was verified (every file's sha256) by ensure_bundle just now
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None)
     vlm.engine.kv_requant = not a.no_kv_requant
     gen = vlm.generate(a.prompt, a.image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
                        ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
@@ -90,7 +91,7 @@ def _eval_dataset(a) -> int:
 
     if a.dataset != "easy-vqa":
         raise ValueError(f"unknown --dataset {a.dataset!r} (known: easy-vqa)")
-    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads)
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None)
     vlm.engine.kv_requant = not a.no_kv_requant
     rows = ev.select(a.split, a.limit)
 
