@@ -81,6 +81,15 @@ def graph_path(bundle: Path, graph: str) -> Path:
     return Path(bundle) / json.loads((Path(bundle) / "manifest.json").read_text())["graphs"][graph]["file"]
 
 
+def on_npu(vlm) -> None:
+    """Every session of a --device htp VLM runs on the QNN EP with the CPU fallback off (a node the HTP cannot
+    take fails the load instead of running on the CPU)."""
+    assert vlm.bundle.sessions
+    for name, sess in vlm.bundle.sessions.items():
+        assert sess.get_providers()[0] == "QNNExecutionProvider", (name, sess.get_providers())
+        assert sess.get_session_options().get_session_config_entry("session.disable_cpu_ep_fallback") == "1", name
+
+
 def image_file(name: str, tmp_dir: Path) -> Path:
     if (ASSETS / name).exists():
         return ASSETS / name

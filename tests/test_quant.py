@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import exported, CASES, graph_path, image_file
+from conftest import exported, CASES, graph_path, image_file, on_npu
 from vlmrt import cli, evaluate
 from vlmrt.export import quantize
 from vlmrt.export.pipeline import export
@@ -122,7 +122,8 @@ def mlas_fake_quant(w: np.ndarray, bits: int) -> np.ndarray:
 
 def fake_quantized_hf_model(ex, manifest: dict):
     """transformers' model on the fixture's weights quantized in numpy as the bundle's precisions say: each graph's
-    Linear weights by mlas_fake_quant, the host embedding table per-row symmetric int8."""
+    Linear weights (and the vision patch embedding, a MatMul in the graph) by mlas_fake_quant, the host embedding
+    table per-row symmetric int8."""
     import copy
 
     import torch
@@ -134,9 +135,14 @@ def fake_quantized_hf_model(ex, manifest: dict):
     model = copy.deepcopy(ex.hf()[0])
     with torch.no_grad():
         for name, mod in model.named_modules():
+            in_vision = ".vision_model." in f".{name}" or ".connector." in f".{name}"
             if isinstance(mod, torch.nn.Linear):
-                n = head if name == "lm_head" else vision if (".vision_model." in f".{name}" or ".connector." in f".{name}") else body
+                n = head if name == "lm_head" else vision if in_vision else body
                 mod.weight.copy_(torch.from_numpy(mlas_fake_quant(mod.weight.numpy(), n)))
+            elif isinstance(mod, torch.nn.Conv2d):  # the patch embedding: a MatMul over (c, py, px) rows in the graph
+                assert in_vision
+                w = mod.weight.numpy()
+                mod.weight.copy_(torch.from_numpy(mlas_fake_quant(w.reshape(len(w), -1), vision).reshape(w.shape)))
         emb = model.get_input_embeddings().weight
         table = emb.numpy().astype(np.float64)
         amax = np.abs(table).max(1, keepdims=True)
@@ -286,11 +292,10 @@ def test_htp_4bit_weights(tmp_path_factory, default_bundle):
     assert r["top1_agreement"] >= 0.17 and r["mean_kl"] < 0.35
 
 
-def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory):
+def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory, capsys):
     """--device htp: QNN EP HTP backend (the x86-64 simulator here) with CPU fallback disabled. Graphs that
     did not fit the HTP would fail to load. Outputs match the CPU EP's QDQ simulation (measured: logits
     within 0.21 of magnitude ~3, KV rows within 3 uint8 steps, same argmax)."""
-    pytest.importorskip("onnxruntime_qnn")
     from vlmrt.runtime import image as img_ops
 
     b = bundle("htp", tmp_path_factory)
@@ -305,12 +310,16 @@ def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory):
         for i in range(2):
             diff = np.abs(cpu.engine.cache.keys[i][: len(ids)].astype(int) - npu.engine.cache.keys[i][: len(ids)].astype(int))
             assert diff.max() <= 6
-    r = npu("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True)
-    assert len(r.token_ids) == 3
+    on_npu(npu)
+    # `vlmrt run --device htp`: the same greedy ids as the CPU EP's simulation of the same QDQ bundle
+    want = cpu("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True).token_ids
+    capsys.readouterr()
+    assert cli.main(["run", str(b), "--device", "htp", "--image", str(image_file("chelsea.png", None)), "--prompt",
+                     "What is in the image?", "--max-new-tokens", "3", "--ignore-eos", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == want
 
 
 def test_htp_device_refuses_a_cpu_bundle(default_bundle, capsys):
-    pytest.importorskip("onnxruntime_qnn")
     rc = cli.main(["run", str(default_bundle.bundle), "--prompt", "hi", "--device", "htp"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and err[-1].startswith("vlmrt: error:") and "--target htp" in err[-1]
