@@ -231,7 +231,6 @@ def test_altered_cache_is_rebuilt(cache, capsys, monkeypatch, tmp_path):
     data[len(data) // 2] ^= 1
     victim.write_bytes(data)
     assert victim.stat().st_size == len(data)
-    assert default_model.verify_cache(bundle) == f"bundle file altered (sha256 mismatch): {victim}"
     capsys.readouterr()
     rc = cli.main(["run", "--image", str(SAMPLE), "--prompt", "What color is the shape?", "--json"])
     out, err = capsys.readouterr()

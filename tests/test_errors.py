@@ -62,14 +62,14 @@ def test_human_output_has_stats_report(default_bundle):
 def test_bench_json_reports_every_timing(default_bundle):
     """vlmrt bench: min/median/max over the runs (each a fresh load), exactly --gen-tokens tokens, a prompt of
     --prompt-tokens tokens (image included) as closely as whole words allow, peak RSS."""
-    p = run_cli("bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 120,
+    p = run_cli("bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 180,
                 "--gen-tokens", 5, "--runs", 2, "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["runs"] == 2 and r["generated_tokens"] == 5 and r["peak_rss_mb"] > 0
     assert r["image_tiles"] == 7  # the cat photo on this fixture: 2x3 tiles + the global one
-    # the filler's words are at most 3 tokens each: the prompt stops short of 120 by less than one word
-    assert 117 <= r["prompt_tokens"] <= 120, r["prompt_tokens"]
+    # the filler's words are at most 3 tokens each: the prompt stops short of 180 by less than one word
+    assert 177 <= r["prompt_tokens"] <= 180, r["prompt_tokens"]
     for k in ("load_s", "preprocess_s", "vision_s", "ttft_s", "decode_tokens_per_s", "host_overhead_ms_per_step"):
         assert 0 < r[k]["min"] <= r[k]["median"] <= r[k]["max"], k
     # per run ttft covers preprocess + vision + prefill, so each order statistic does too
@@ -175,6 +175,12 @@ def test_eval_bad_arguments(default_bundle, capsys, tmp_path):
     assert_one_line_error(in_process(capsys, "eval", b, "--dataset", "mnist"), "unknown --dataset 'mnist'")
     assert_one_line_error(in_process(capsys, "eval", b, "--reference", tmp_path / "nope"),
                           f"reference {tmp_path / 'nope'} is neither a bundle nor a checkpoint folder")
+
+
+def test_bench_prompt_shorter_than_the_image(default_bundle, capsys):
+    """The cat photo's 7 tiles and the chat template are 146 tokens on this fixture: 120 cannot be met."""
+    p = in_process(capsys, "bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 120)
+    assert_one_line_error(p, "--prompt-tokens 120 is less than the image + chat template alone (146 tokens)")
 
 
 @pytest.mark.parametrize("flag", ["--runs", "--gen-tokens", "--prompt-tokens"])
