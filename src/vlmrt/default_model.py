@@ -4,8 +4,9 @@
 Cache: ``$VLMRT_CACHE`` or ``~/.cache/vlmrt``; the bundle lives in ``easyvqa-<sha256[:12] of the
 trained weights>/`` so new weights get a new bundle. A folder that fails verification (no or an
 unreadable manifest, a file missing, a file's size or sha256 not the manifest's: half written by an
-older vlmrt, altered on disk) is rebuilt, with one line on stderr saying so. Export writes next to the target and renames at the
-end, so an interrupted first use leaves no half-written bundle. torch-free until it must export.
+older vlmrt, altered on disk) is rebuilt, with one line on stderr saying so; a verified folder is loaded
+without hashing it again. Export writes next to the target and renames at the end, so an interrupted
+first use leaves no half-written bundle. torch-free until it must export.
 """
 
 from __future__ import annotations
