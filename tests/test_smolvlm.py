@@ -66,8 +66,9 @@ def test_greedy_ids_equal_transformers(smolvlm, image, mode, tmp_path, capsys):
 
 
 def test_text_only_and_eos_stop_equal_transformers(smolvlm, capsys):
-    prompt_ids, _, want = hf_run(smolvlm, None, "Describe a red square on a blue page.", 24)
-    got = cli_json(capsys, smolvlm.bundle, "--prompt", "Describe a red square on a blue page.", "--max-new-tokens", 24, "--ignore-eos")
+    text = "Describe a red square on a blue page."
+    prompt_ids, _, want = hf_run(smolvlm, None, text, 24)
+    got = cli_json(capsys, smolvlm.bundle, "--prompt", text, "--max-new-tokens", 24, "--ignore-eos")
     assert got["prompt_tokens"] == len(prompt_ids) and got["token_ids"] == want
     # without --ignore-eos both stop at the first EOS, the EOS ids being transformers' own (generation_config):
     # transformers' ids end with the EOS it stopped at, vlmrt's stop before it; the rest is equal, length included
@@ -75,12 +76,14 @@ def test_text_only_and_eos_stop_equal_transformers(smolvlm, capsys):
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos)
     assert eos
-    _, _, want = hf_run(smolvlm, image_file("rocket.jpg", None), PROMPT, 40, ignore_eos=False)
-    got = cli_json(capsys, smolvlm.bundle, "--image", image_file("rocket.jpg", None), "--prompt", PROMPT, "--max-new-tokens", 40)
+    _, _, want = hf_run(smolvlm, None, text, 60, ignore_eos=False)
+    got = cli_json(capsys, smolvlm.bundle, "--prompt", text, "--max-new-tokens", 60)
     stopped = want[-1] in eos
     assert got["token_ids"] == (want[:-1] if stopped else want)
     assert not eos & set(got["token_ids"])
     assert got["stats"]["stop_reason"] == ("eos" if stopped else "length")
+    if smolvlm.case.name == "untied-split":  # measured: transformers says EOS (480) as its 46th token here
+        assert stopped and len(want) == 46
 
 
 def test_first_logits_close_to_transformers(default_bundle):
