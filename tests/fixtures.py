@@ -456,7 +456,7 @@ def hf_generate(
     expansion, the processor's ``pixel_values`` as float32 ``(1, num_tiles, 3, tile, tile)``
     (``(1, 0, 3, tile, tile)`` when ``image`` is None), and the generated ids (prompt excluded).
 
-    ``ignore_eos=True`` generates exactly ``max_new_tokens`` plain-argmax tokens: EOS is
+    ``max_new_tokens=0`` runs the processor only (no model call). ``ignore_eos=True`` generates exactly ``max_new_tokens`` plain-argmax tokens: EOS is
     neither suppressed (no ``min_new_tokens`` logit masking) nor a stop condition.
     Pass ``model`` / ``processor`` to reuse already-loaded ones.
     """
@@ -480,4 +480,6 @@ def hf_generate(
         pixel_values = np.zeros((1, 0, 3, tile, tile), dtype=np.float32)
 
     prompt_ids = inputs["input_ids"][0].tolist()
+    if max_new_tokens == 0:  # the processor's outputs alone
+        return prompt_ids, pixel_values, []
     return prompt_ids, pixel_values, greedy_new_ids(model, inputs, max_new_tokens, ignore_eos)

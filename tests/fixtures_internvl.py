@@ -807,7 +807,7 @@ def hf_generate(
     expansion, the processor's ``pixel_values`` as float32 ``(num_tiles, 3, tile, tile)``
     (``(0, 3, tile, tile)`` when ``image`` is None), and the generated ids (prompt excluded).
 
-    ``ignore_eos=True`` generates exactly ``max_new_tokens`` plain-argmax tokens: EOS is neither
+    ``max_new_tokens=0`` runs the processor only (no model call). ``ignore_eos=True`` generates exactly ``max_new_tokens`` plain-argmax tokens: EOS is neither
     suppressed nor a stop condition. Pass ``model`` / ``processor`` to reuse loaded ones.
     """
     import torch
@@ -830,4 +830,6 @@ def hf_generate(
         pixel_values = np.zeros((0, 3, tile, tile), dtype=np.float32)
 
     prompt_ids = inputs["input_ids"][0].tolist()
+    if max_new_tokens == 0:  # the processor's outputs alone
+        return prompt_ids, pixel_values, []
     return prompt_ids, pixel_values, greedy_new_ids(model, inputs, max_new_tokens, ignore_eos)

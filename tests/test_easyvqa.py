@@ -41,6 +41,29 @@ def test_normalize_answer(text, want):
     assert ev.normalize_answer(text) == want
 
 
+def test_score_hand_computed():
+    """easyvqa_data.score: exact match of the normalized answer, overall and per group (colour / shape / yes-no),
+    each question asked about its own image."""
+    rows = [("what color is the shape?", "red", 3), ("what shape is in the image?", "circle", 5),
+            ("what shape is in the image?", "triangle", 6), ("is there a red shape?", "yes", 8),
+            ("is there a blue shape?", "no", 9), ("what color is the shape?", "blue", 10)]
+    said = {3: "Red.", 5: "It is a triangle", 6: "triangle", 8: "Yes", 9: "No<end_of_utterance>", 10: "Blues"}
+    asked = []
+
+    def answer(image, question):
+        asked.append((image, question))
+        return said[next(i for i in said if ev.image_path("test", i) == image)]
+
+    r = ev.score(answer, rows, "test")
+    assert asked == [(ev.image_path("test", i), q) for q, _, i in rows]
+    assert (r["questions"], r["correct"], r["accuracy"]) == (6, 4, 4 / 6)
+    assert r["by_group"] == {"colour": 0.5, "shape": 0.5, "yes/no": 1.0}
+    assert [p["correct"] for p in r["predictions"]] == [True, False, True, True, True, False]  # "Blues" is no colour
+    only_colour = ev.score(lambda im, q: "blue", rows[:1], "test")
+    assert only_colour["accuracy"] == 0.0 and only_colour["by_group"] == {"colour": 0.0, "shape": None, "yes/no": None}
+    assert ev.score(answer, [], "test")["accuracy"] == 0.0
+
+
 def test_stratified_subset_is_fixed_and_balanced():
     rows = ev.load_split("test")
     a, b = ev.stratified_subset(rows, 260), ev.stratified_subset(rows, 260)
@@ -187,20 +210,6 @@ def test_default_run_uses_the_cache_and_never_imports_torch(cache):
     assert ev.normalize_answer(out["text"]) == "green" and out["stats"]["generated_tokens"] <= 3, out
 
 
-def test_bad_cache_is_rebuilt_check(cache, tmp_path):
-    """A cache folder whose files do not match its manifest is not used (ensure_bundle rebuilds it)."""
-    root, bundle = cache
-    copy = tmp_path / bundle.name
-    shutil.copytree(bundle, copy)
-    assert default_model._usable(copy)
-    with open(copy / "embed.npy", "ab") as f:
-        f.write(b"x")
-    assert not default_model._usable(copy)
-    (copy / "manifest.json").write_text("{")
-    assert not default_model._usable(copy)
-    assert not default_model._usable(tmp_path / "nothing")
-
-
 def test_eval_dataset_cli_reports_the_default_bundle(cache, capsys, monkeypatch):
     """`vlmrt eval --dataset easy-vqa` without BUNDLE scores the offline default and names the bundle it used."""
     root, bundle = cache
@@ -209,3 +218,37 @@ def test_eval_dataset_cli_reports_the_default_bundle(cache, capsys, monkeypatch)
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["bundle"] == str(bundle) and r["questions"] == 13
     assert r["correct"] >= 12  # measured 13/13 (one per answer); one question of margin as FLOOR
+
+
+def test_altered_cache_is_rebuilt(cache, capsys, monkeypatch, tmp_path):
+    """A default-model cache that fails verification -- here one bit of vision.data flipped, the size unchanged --
+    is rebuilt by `vlmrt run` without BUNDLE, with one line saying so; the answer is then the model's.
+    (Runs after the other users of the session's cache, which it rebuilds in place.)"""
+    root, bundle = cache
+    monkeypatch.setenv("VLMRT_CACHE", str(root))
+    assert default_model.bundle_dir() == bundle and default_model.verify_cache(bundle) is None
+    victim = bundle / "vision.data"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(data)
+    assert victim.stat().st_size == len(data)
+    capsys.readouterr()
+    rc = cli.main(["run", "--image", str(SAMPLE), "--prompt", "What color is the shape?", "--json"])
+    out, err = capsys.readouterr()
+    said = [ln for ln in err.splitlines() if ln.startswith("vlmrt")]
+    assert rc == 0 and said == [f"vlmrt: the cached default model failed verification (bundle file altered (sha256 "
+                                f"mismatch): {victim}): rebuilding {bundle}"], err
+    assert default_model.verify_cache(bundle) is None
+    assert ev.normalize_answer(json.loads(out.strip().splitlines()[-1])["text"]) == "green"
+    # what else fails verification: no manifest, an unreadable one, a file of another size
+    (tmp_path / "b").mkdir()
+    assert "not a vlmrt bundle" in default_model.verify_cache(tmp_path / "b")
+    (tmp_path / "b" / "manifest.json").write_text("{")
+    assert "cannot read" in default_model.verify_cache(tmp_path / "b")
+    (tmp_path / "b" / "manifest.json").write_text((bundle / "manifest.json").read_text())
+    for f in json.loads((bundle / "manifest.json").read_text())["files"]:
+        (tmp_path / "b" / f).symlink_to(bundle / f)
+    assert default_model.verify_cache(tmp_path / "b") is None
+    (tmp_path / "b" / "embed.npy").unlink()
+    (tmp_path / "b" / "embed.npy").write_bytes((bundle / "embed.npy").read_bytes() + b"x")
+    assert default_model.verify_cache(tmp_path / "b") == f"bundle file altered (sha256 mismatch): {tmp_path / 'b' / 'embed.npy'}"

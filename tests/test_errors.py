@@ -60,14 +60,21 @@ def test_human_output_has_stats_report(default_bundle):
 
 
 def test_bench_json_reports_every_timing(default_bundle):
-    """vlmrt bench: min/median/max over the runs (each a fresh load), exactly --gen-tokens tokens, peak RSS."""
-    p = run_cli("bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 120,
+    """vlmrt bench: min/median/max over the runs (each a fresh load), exactly --gen-tokens tokens, a prompt of
+    --prompt-tokens tokens (image included) as closely as whole words allow, peak RSS."""
+    p = run_cli("bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 180,
                 "--gen-tokens", 5, "--runs", 2, "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    assert r["runs"] == 2 and r["generated_tokens"] == 5 and r["image_tiles"] >= 1 and r["peak_rss_mb"] > 0
+    assert r["runs"] == 2 and r["generated_tokens"] == 5 and r["peak_rss_mb"] > 0
+    assert r["image_tiles"] == 7  # the cat photo on this fixture: 2x3 tiles + the global one
+    # the filler's words are at most 3 tokens each: the prompt stops short of 180 by less than one word
+    assert 177 <= r["prompt_tokens"] <= 180, r["prompt_tokens"]
     for k in ("load_s", "preprocess_s", "vision_s", "ttft_s", "decode_tokens_per_s", "host_overhead_ms_per_step"):
-        assert 0 <= r[k]["min"] <= r[k]["median"] <= r[k]["max"], k
+        assert 0 < r[k]["min"] <= r[k]["median"] <= r[k]["max"], k
+    # per run ttft covers preprocess + vision + prefill, so each order statistic does too
+    for s in ("min", "median", "max"):
+        assert r["ttft_s"][s] > r["vision_s"][s] and r["ttft_s"][s] > r["preprocess_s"][s]
 
 
 def test_missing_image(default_bundle, capsys, tmp_path):
@@ -140,6 +147,47 @@ def test_bad_sampling_args(default_bundle, capsys):
     assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens")
 
 
+def test_negative_top_k(default_bundle, capsys):
+    assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--top-k", "-1"), "top-k must be >= 0")
+
+
+def test_device_cuda_without_cuda(default_bundle, capsys):
+    import onnxruntime as ort
+
+    # the test extra's onnxruntime is the CPU build: it has no CUDA provider
+    assert "CUDAExecutionProvider" not in ort.get_available_providers()
+    p = in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--device", "cuda")
+    assert_one_line_error(p, "device 'cuda' needs onnxruntime's CUDAExecutionProvider")
+
+
+def test_max_tiles_on_a_bundle_without_a_tile_count(default_bundle, capsys):
+    """SmolVLM's tiling has no tile-count setting (InternVL's --max-tiles 0: tests/test_internvl.py)."""
+    p = in_process(capsys, "run", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt", "hi",
+                   "--max-tiles", "0")
+    assert_one_line_error(p, "--max-tiles does not apply")
+
+
+def test_eval_bad_arguments(default_bundle, capsys, tmp_path):
+    b = default_bundle.bundle
+    assert_one_line_error(in_process(capsys, "eval", b), "vlmrt eval needs BUNDLE and --reference")
+    assert_one_line_error(in_process(capsys, "eval", "--reference", b), "vlmrt eval needs BUNDLE and --reference")
+    assert_one_line_error(in_process(capsys, "eval", b, "--reference", b, "--tokens", "0"), "--tokens must be >= 1")
+    assert_one_line_error(in_process(capsys, "eval", b, "--dataset", "mnist"), "unknown --dataset 'mnist'")
+    assert_one_line_error(in_process(capsys, "eval", b, "--reference", tmp_path / "nope"),
+                          f"reference {tmp_path / 'nope'} is neither a bundle nor a checkpoint folder")
+
+
+def test_bench_prompt_shorter_than_the_image(default_bundle, capsys):
+    """The cat photo's 7 tiles and the chat template are 146 tokens on this fixture: 120 cannot be met."""
+    p = in_process(capsys, "bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 120)
+    assert_one_line_error(p, "--prompt-tokens 120 is less than the image + chat template alone (146 tokens)")
+
+
+@pytest.mark.parametrize("flag", ["--runs", "--gen-tokens", "--prompt-tokens"])
+def test_bench_counts_below_one(default_bundle, capsys, flag):
+    assert_one_line_error(in_process(capsys, "bench", default_bundle.bundle, flag, "0"), "must be >= 1")
+
+
 def test_image_token_in_user_text_is_refused(default_bundle, capsys):
     p = in_process(capsys, "run", default_bundle.bundle, "--prompt", "look: <image>")
     assert_one_line_error(p, "image tokens")
@@ -185,6 +233,16 @@ def test_export_missing_source_and_offline_hub(tmp_path):
     assert_one_line_error(run_cli("export", tmp_path / "nothing_here", tmp_path / "out"), "checkpoint not found")
     p = run_cli("export", "HuggingFaceTB/SmolVLM-256M-Instruct", tmp_path / "out", env={"HF_HUB_OFFLINE": "1"})
     assert_one_line_error(p, "cannot download HuggingFaceTB/SmolVLM-256M-Instruct")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_bad_calibration_folder(default_bundle, tmp_path, capsys):
+    p = in_process(capsys, "export", default_bundle.ckpt, tmp_path / "out", "--target", "htp", "--calibration", tmp_path / "nope")
+    assert_one_line_error(p, "calibration folder not found")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "prompts.txt").write_text("Describe it.\n")
+    p = in_process(capsys, "export", default_bundle.ckpt, tmp_path / "out", "--target", "htp", "--calibration", tmp_path / "empty")
+    assert_one_line_error(p, "no images in calibration folder")
     assert not (tmp_path / "out").exists()
 
 

