@@ -101,18 +101,19 @@ def image_file(name: str, tmp_dir: Path) -> Path:
 
 @dataclass
 class Exported:
-    case: Case
+    case: object  # the test module's Case
     ckpt: Path
     bundle: Path
     tmp: Path
+    family: object  # oracle.OracleFamily: how transformers loads this checkpoint
     _hf: tuple | None = None
 
     def hf(self):
-        """(model, processor), loaded once."""
+        """transformers' (model, processor) for the checkpoint, loaded once."""
         if self._hf is None:
-            from fixtures import hf_processor, load_hf_model
+            import oracle
 
-            self._hf = (load_hf_model(self.ckpt), hf_processor(self.ckpt))
+            self._hf = (oracle.load_model(self.family, self.ckpt), oracle.processor(self.family, self.ckpt))
         return self._hf
 
     def manifest(self) -> dict:
@@ -122,22 +123,30 @@ class Exported:
 _EXPORTED: dict[str, Exported] = {}
 
 
-def exported(case: Case, tmp_path_factory) -> Exported:
+def export_once(case, tmp_path_factory, make_checkpoint, family, **export_kw) -> Exported:
+    """case's checkpoint (make_checkpoint(folder) -> folder) built and exported once per test session."""
     if case.name not in _EXPORTED:
-        from fixtures import make_smolvlm_checkpoint
-
         from vlmrt.export.pipeline import export
 
         root = tmp_path_factory.mktemp(case.name)
-        ckpt = make_smolvlm_checkpoint(
-            root / "ckpt", tie_word_embeddings=case.tie, do_image_splitting=case.split, tile_size=case.tile,
+        ckpt = make_checkpoint(root / "ckpt")
+        bundle = export(str(ckpt), root / "bundle", progress=False, **export_kw)
+        _EXPORTED[case.name] = Exported(case, ckpt, bundle, root, family)
+    return _EXPORTED[case.name]
+
+
+def exported(case: Case, tmp_path_factory) -> Exported:
+    from fixtures import SMOLVLM, make_smolvlm_checkpoint
+
+    def make(folder):
+        return make_smolvlm_checkpoint(
+            folder, tie_word_embeddings=case.tie, do_image_splitting=case.split, tile_size=case.tile,
             patch_size=case.patch, scale_factor=case.scale, longest_edge_tiles=case.longest_edge_tiles,
             seed=CASES.index(case),  # per case, not per test order (-k / --lf runs see the same weights)
         )
-        bundle = export(str(ckpt), root / "bundle", prefill_ar=case.prefill_ar, max_seq_len=case.max_seq_len, progress=False,
-                        context_step=0 if case.static else None)
-        _EXPORTED[case.name] = Exported(case, ckpt, bundle, root)
-    return _EXPORTED[case.name]
+
+    return export_once(case, tmp_path_factory, make, SMOLVLM, prefill_ar=case.prefill_ar, max_seq_len=case.max_seq_len,
+                       context_step=0 if case.static else None)
 
 
 @pytest.fixture(params=CASES, ids=[c.name for c in CASES])

@@ -19,16 +19,13 @@ processor is built with ``video_processor=None``).
 
 from __future__ import annotations
 
-import copy
 import json
 import math
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-if TYPE_CHECKING:  # pragma: no cover
-    from PIL import Image
+import oracle
+from oracle import OracleFamily
 
 # ---------------------------------------------------------------------------
 # Tokenizer
@@ -364,122 +361,12 @@ def make_smolvlm_checkpoint(
 # ---------------------------------------------------------------------------
 
 
-def load_hf_model(ckpt: Path, *, attn_implementation: str = "eager"):
-    """The checkpoint as ``SmolVLMForConditionalGeneration``, fp32, eval mode."""
-    import torch
-    from transformers.models.smolvlm import SmolVLMForConditionalGeneration
-
-    model = SmolVLMForConditionalGeneration.from_pretrained(
-        str(ckpt), dtype=torch.float32, attn_implementation=attn_implementation
-    )
-    return model.eval()
-
-
-def _no_video_processor_class():
-    from transformers.models.smolvlm.processing_smolvlm import SmolVLMProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    class SmolVLMProcessorNoVideo(SmolVLMProcessor):
-        """SmolVLMProcessor that accepts ``video_processor=None`` (no torchvision needed).
-
-        * ``ProcessorMixin.__init__`` type-checks every sub-processor; None is let through
-          for the video processor only.
-        * ``SmolVLMProcessor.apply_chat_template`` reads ``self.video_processor.num_frames``
-          unconditionally, so it is bypassed for ProcessorMixin's (image/text-only is all we do).
-        """
-
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-        def apply_chat_template(self, conversation, chat_template=None, **kwargs):
-            return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
-
-    return SmolVLMProcessorNoVideo
-
-
-def hf_processor(ckpt: Path):
-    """A SmolVLMProcessor over ``SmolVLMImageProcessorPil`` + the checkpoint's tokenizer, no video processor."""
-    from transformers import AutoTokenizer
-    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
-
-    ckpt = Path(ckpt)
-    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
-    pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
-    image_processor = SmolVLMImageProcessorPil(**pre)
-    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
-    image_seq_len = json.loads((ckpt / "processor_config.json").read_text())["image_seq_len"]
-    chat_template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
-    cls = _no_video_processor_class()
-    return cls(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=None,
-        image_seq_len=image_seq_len,
-        chat_template=chat_template,
-    )
-
-
-def greedy_new_ids(model, inputs, max_new_tokens: int, ignore_eos: bool) -> list[int]:
-    """transformers greedy `generate` on processor inputs; the new ids. generate() fills every unset
-    option from model.generation_config, so passing eos_token_id=None does not disable EOS: with
-    ignore_eos the model's generation config is swapped for one without EOS (plain argmax, no stop)."""
-    import torch
-
-    saved = model.generation_config
-    gen_config = copy.deepcopy(saved)
-    if ignore_eos:
-        gen_config.eos_token_id = None
-    model.generation_config = gen_config
-    try:
-        with torch.no_grad():
-            out = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
-    finally:
-        model.generation_config = saved
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
-def hf_generate(
-    ckpt: Path,
-    image: "Image.Image | None",
-    prompt: str,
-    max_new_tokens: int,
-    *,
-    ignore_eos: bool = False,
-    model=None,
-    processor=None,
-) -> tuple[list[int], np.ndarray, list[int]]:
-    """Greedy generation with transformers.
-
-    Returns ``(prompt_ids, pixel_values, new_ids)``: the full templated prompt after image-token
-    expansion, the processor's ``pixel_values`` as float32 ``(1, num_tiles, 3, tile, tile)``
-    (``(1, 0, 3, tile, tile)`` when ``image`` is None), and the generated ids (prompt excluded).
-
-    ``max_new_tokens=0`` runs the processor only (no model call). ``ignore_eos=True`` generates exactly ``max_new_tokens`` plain-argmax tokens: EOS is
-    neither suppressed (no ``min_new_tokens`` logit masking) nor a stop condition.
-    Pass ``model`` / ``processor`` to reuse already-loaded ones.
-    """
-    import torch
-
-    ckpt = Path(ckpt)
-    model = load_hf_model(ckpt) if model is None else model
-    processor = hf_processor(ckpt) if processor is None else processor
-
-    content = [{"type": "text", "text": prompt}]
-    if image is not None:
-        content = [{"type": "image"}] + content
-    messages = [{"role": "user", "content": content}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if image is not None:
-        inputs = processor(text=[text], images=[[image]], return_tensors="pt")
-        pixel_values = inputs["pixel_values"].to(torch.float32).numpy()
-    else:
-        inputs = processor(text=[text], return_tensors="pt")
-        tile = model.config.vision_config.image_size
-        pixel_values = np.zeros((1, 0, 3, tile, tile), dtype=np.float32)
-
-    prompt_ids = inputs["input_ids"][0].tolist()
-    if max_new_tokens == 0:  # the processor's outputs alone
-        return prompt_ids, pixel_values, []
-    return prompt_ids, pixel_values, greedy_new_ids(model, inputs, max_new_tokens, ignore_eos)
+SMOLVLM = OracleFamily(
+    model="transformers.models.smolvlm:SmolVLMForConditionalGeneration",
+    processor="transformers.models.smolvlm.processing_smolvlm:SmolVLMProcessor",
+    image_processor="transformers.models.smolvlm.image_processing_pil_smolvlm:SmolVLMImageProcessorPil",
+    seq_len_key="image_seq_len", nested_images=True, pixel_batch_dim=True, mixin_chat_template=True,
+)
+load_hf_model = partial(oracle.load_model, SMOLVLM)  # (ckpt) -> SmolVLMForConditionalGeneration, fp32
+hf_processor = partial(oracle.processor, SMOLVLM)  # (ckpt) -> SmolVLMProcessor, no video processor
+hf_generate = partial(oracle.generate, SMOLVLM)  # (ckpt, image, prompt, n) -> (prompt ids, pixels [1, tiles, ...], ids)

@@ -31,13 +31,11 @@ import gzip
 import json
 import math
 import shutil
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-if TYPE_CHECKING:  # pragma: no cover
-    from PIL import Image
+import oracle
+from oracle import OracleFamily
 
 HERE = Path(__file__).resolve().parent
 QWEN3_TOKENIZER_DIR = HERE / "assets" / "qwen3-tokenizer"
@@ -737,99 +735,12 @@ def to_original_layout(hf_ckpt: Path, out_dir: Path) -> Path:
 # ---------------------------------------------------------------------------
 
 
-def load_hf_model(ckpt: Path, attn_implementation: str = "eager"):
-    """The checkpoint as ``InternVLForConditionalGeneration``, fp32, eval mode."""
-    import torch
-    from transformers.models.internvl import InternVLForConditionalGeneration
-
-    model = InternVLForConditionalGeneration.from_pretrained(
-        str(ckpt), dtype=torch.float32, attn_implementation=attn_implementation
-    )
-    return model.eval()
-
-
-def _no_video_processor_class():
-    from transformers.models.internvl.processing_internvl import InternVLProcessor
-
-    class InternVLProcessorNoVideo(InternVLProcessor):
-        """InternVLProcessor that accepts ``video_processor=None`` (no torchvision needed).
-
-        ``ProcessorMixin.__init__`` type-checks every sub-processor; None is let through for the
-        video processor only.
-        """
-
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    return InternVLProcessorNoVideo
-
-
-def hf_processor(ckpt: Path):
-    """An InternVLProcessor over ``GotOcr2ImageProcessorPil`` + the checkpoint's tokenizer, no video processor."""
-    from transformers import AutoTokenizer
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-
-    ckpt = Path(ckpt)
-    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
-    pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
-    image_processor = GotOcr2ImageProcessorPil(**pre)
-    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
-    image_seq_length = json.loads((ckpt / "processor_config.json").read_text())["image_seq_length"]
-    chat_template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
-    cls = _no_video_processor_class()
-    return cls(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=None,
-        image_seq_length=image_seq_length,
-        chat_template=chat_template,
-    )
-
-
-from fixtures import greedy_new_ids  # noqa: E402  (one reference generate for both families)
-
-
-def hf_generate(
-    ckpt: Path,
-    image: "Image.Image | None",
-    prompt: str,
-    max_new_tokens: int,
-    *,
-    ignore_eos: bool = False,
-    model=None,
-    processor=None,
-) -> tuple[list[int], np.ndarray, list[int]]:
-    """Greedy generation with transformers.
-
-    Returns ``(prompt_ids, pixel_values, new_ids)``: the full templated prompt after image-token
-    expansion, the processor's ``pixel_values`` as float32 ``(num_tiles, 3, tile, tile)``
-    (``(0, 3, tile, tile)`` when ``image`` is None), and the generated ids (prompt excluded).
-
-    ``max_new_tokens=0`` runs the processor only (no model call). ``ignore_eos=True`` generates exactly ``max_new_tokens`` plain-argmax tokens: EOS is neither
-    suppressed nor a stop condition. Pass ``model`` / ``processor`` to reuse loaded ones.
-    """
-    import torch
-
-    ckpt = Path(ckpt)
-    model = load_hf_model(ckpt) if model is None else model
-    processor = hf_processor(ckpt) if processor is None else processor
-
-    content = [{"type": "text", "text": prompt}]
-    if image is not None:
-        content = [{"type": "image"}] + content
-    messages = [{"role": "user", "content": content}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if image is not None:
-        inputs = processor(text=[text], images=[image], return_tensors="pt")
-        pixel_values = inputs["pixel_values"].to(torch.float32).numpy()
-    else:
-        inputs = processor(text=[text], return_tensors="pt")
-        tile = model.config.vision_config.image_size[0]
-        pixel_values = np.zeros((0, 3, tile, tile), dtype=np.float32)
-
-    prompt_ids = inputs["input_ids"][0].tolist()
-    if max_new_tokens == 0:  # the processor's outputs alone
-        return prompt_ids, pixel_values, []
-    return prompt_ids, pixel_values, greedy_new_ids(model, inputs, max_new_tokens, ignore_eos)
+INTERNVL = OracleFamily(
+    model="transformers.models.internvl:InternVLForConditionalGeneration",
+    processor="transformers.models.internvl.processing_internvl:InternVLProcessor",
+    image_processor="transformers.models.got_ocr2.image_processing_pil_got_ocr2:GotOcr2ImageProcessorPil",
+    seq_len_key="image_seq_length", nested_images=False, pixel_batch_dim=False,
+)
+load_hf_model = partial(oracle.load_model, INTERNVL)  # (ckpt) -> InternVLForConditionalGeneration, fp32
+hf_processor = partial(oracle.processor, INTERNVL)  # (ckpt) -> InternVLProcessor, no video processor
+hf_generate = partial(oracle.generate, INTERNVL)  # (ckpt, image, prompt, n) -> (prompt ids, pixels [tiles, ...], ids)

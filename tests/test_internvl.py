@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import IMAGES, image_file
+from conftest import IMAGES, Exported, export_once, image_file
 from vlmrt import cli
 from vlmrt.export.pipeline import export
 from vlmrt.runtime import image as img_ops
@@ -44,30 +44,17 @@ CASES = [
 ]
 
 
-@dataclass
-class Exported:
-    case: Case
-    ckpt: Path
-    bundle: Path
-    hf: tuple = field(default=None)
-
-
-_CACHE: dict[str, Exported] = {}
-
-
 def exported(case: Case, tmp_path_factory) -> Exported:
-    if case.name not in _CACHE:
-        from fixtures_internvl import hf_processor, load_hf_model, make_internvl_checkpoint
+    from fixtures_internvl import INTERNVL, make_internvl_checkpoint
 
-        root = tmp_path_factory.mktemp(case.name)
-        ckpt = make_internvl_checkpoint(
-            root / "ckpt", decoder=case.decoder, tie_word_embeddings=case.tie, image_size=case.image_size,
+    def make(folder):
+        return make_internvl_checkpoint(
+            folder, decoder=case.decoder, tie_word_embeddings=case.tie, image_size=case.image_size,
             patch_size=case.patch, max_tiles=case.max_tiles, vision_norm=case.vision_norm,
             vision_overrides=dict(case.vision_overrides), seed=CASES.index(case) + 3,  # per case, not per test order
         )
-        bundle = export(str(ckpt), root / "bundle", prefill_ar=case.prefill_ar, progress=False)
-        _CACHE[case.name] = Exported(case, ckpt, bundle, (load_hf_model(ckpt), hf_processor(ckpt)))
-    return _CACHE[case.name]
+
+    return export_once(case, tmp_path_factory, make, INTERNVL, prefill_ar=case.prefill_ar)
 
 
 @pytest.fixture(params=CASES, ids=[c.name for c in CASES])
@@ -85,7 +72,7 @@ def hf_run(ex: Exported, path, prompt, n, ignore_eos=True):
 
     key = (str(ex.ckpt), Path(path).name if path else None, prompt, n, ignore_eos)
     if key not in _HF_RUNS:
-        model, proc = ex.hf
+        model, proc = ex.hf()
         im = Image.open(path) if path else None
         _HF_RUNS[key] = hf_generate(ex.ckpt, im, prompt, n, ignore_eos=ignore_eos, model=model, processor=proc)
     return _HF_RUNS[key]
@@ -156,7 +143,7 @@ def test_original_layout_gives_identical_outputs(tmp_path_factory, tmp_path, cap
         ids = v_orig.prompt_ids(PROMPT, tiles.grid)
         text = v_orig.bundle.tokenizer.decode(ids, skip_special_tokens=False)
         assert "<img><IMG_CONTEXT>" in text and "</img>\n" + PROMPT in text  # model.chat(): "<image>\n" + question
-        want = hf_greedy_from_ids(ex.hf[0], ids, tiles.pixels, 24)
+        want = hf_greedy_from_ids(ex.hf()[0], ids, tiles.pixels, 24)
         assert got["token_ids"] == want
 
 

@@ -164,7 +164,7 @@ def test_weight_only_bundle_equals_transformers_on_fake_quantized_weights(kind, 
 
     b = bundle(kind, tmp_path_factory)
     m = json.loads((b / "manifest.json").read_text())
-    model, proc = fake_quantized_hf_model(default_bundle, m), default_bundle.hf()[1]
+    model = fake_quantized_hf_model(default_bundle, m)
     v = VLM.load(b)
     path = image_file("chelsea.png", None)
     tiles = img_ops.preprocess(img_ops.load_image(path), v.manifest.image)

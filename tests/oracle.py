@@ -1,0 +1,129 @@
+"""transformers as the oracle, for both families: the checkpoint's processor (PIL image processor, no video
+processor: torchvision does not work with this torch), the model in fp32, and greedy generation.
+
+A family is described once (`OracleFamily`); tests/fixtures.py and tests/fixtures_internvl.py bind it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OracleFamily:
+    model: str  # "module:Class" of the ...ForConditionalGeneration
+    processor: str  # "module:Class" of the processor
+    image_processor: str  # "module:Class" of the PIL image processor
+    seq_len_key: str  # processor_config.json's image tokens per tile (and the processor's keyword)
+    nested_images: bool  # the processor takes one list of images per text (SmolVLM) or a flat list (InternVL)
+    pixel_batch_dim: bool  # pixel_values come as [1, tiles, 3, S, S] (SmolVLM) or [tiles, 3, S, S] (InternVL)
+    # the processor's own apply_chat_template reads video_processor.num_frames (SmolVLM): use ProcessorMixin's
+    mixin_chat_template: bool = False
+
+
+def _import(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_model(fam: OracleFamily, ckpt: Path, attn_implementation: str = "eager"):
+    """The checkpoint as the family's ...ForConditionalGeneration, fp32, eval mode."""
+    import torch
+
+    return _import(fam.model).from_pretrained(str(ckpt), dtype=torch.float32,
+                                              attn_implementation=attn_implementation).eval()
+
+
+def _no_video_processor_class(fam: OracleFamily):
+    from transformers.processing_utils import ProcessorMixin
+
+    base = _import(fam.processor)
+
+    class NoVideo(base):
+        """The family's processor accepting ``video_processor=None``: ProcessorMixin.__init__ type-checks every
+        sub-processor, and None is let through for the video processor only."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+        if fam.mixin_chat_template:
+            def apply_chat_template(self, conversation, chat_template=None, **kwargs):
+                return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
+
+    NoVideo.__name__ = base.__name__ + "NoVideo"
+    return NoVideo
+
+
+def processor(fam: OracleFamily, ckpt: Path):
+    """The family's processor over its PIL image processor + the checkpoint's tokenizer, no video processor."""
+    from transformers import AutoTokenizer
+
+    ckpt = Path(ckpt)
+    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
+    pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
+    seq_len = json.loads((ckpt / "processor_config.json").read_text())[fam.seq_len_key]
+    chat_template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
+    return _no_video_processor_class(fam)(
+        image_processor=_import(fam.image_processor)(**pre), tokenizer=AutoTokenizer.from_pretrained(str(ckpt)),
+        video_processor=None, chat_template=chat_template, **{fam.seq_len_key: seq_len},
+    )
+
+
+def greedy_new_ids(model, inputs, max_new_tokens: int, ignore_eos: bool) -> list[int]:
+    """transformers greedy `generate` on processor inputs; the new ids. generate() fills every unset
+    option from model.generation_config, so passing eos_token_id=None does not disable EOS: with
+    ignore_eos the model's generation config is swapped for one without EOS (plain argmax, no stop)."""
+    import torch
+
+    saved = model.generation_config
+    gen_config = copy.deepcopy(saved)
+    if ignore_eos:
+        gen_config.eos_token_id = None
+    model.generation_config = gen_config
+    try:
+        with torch.no_grad():
+            out = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
+    finally:
+        model.generation_config = saved
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def generate(fam: OracleFamily, ckpt: Path, image, prompt: str, max_new_tokens: int, *, ignore_eos: bool = False,
+             model=None, processor=None) -> tuple[list[int], np.ndarray, list[int]]:
+    """Greedy generation with transformers for one user turn (the image, if any, before the text).
+
+    Returns ``(prompt_ids, pixel_values, new_ids)``: the full templated prompt after image-token expansion, the
+    processor's ``pixel_values`` as float32 (no tiles when ``image`` is None), and the generated ids.
+    ``max_new_tokens=0`` runs the processor only (no model call). ``ignore_eos=True`` generates exactly
+    ``max_new_tokens`` plain-argmax tokens: EOS is neither suppressed nor a stop condition.
+    Pass ``model`` / ``processor`` to reuse loaded ones."""
+    import torch
+
+    ckpt = Path(ckpt)
+    model = load_model(fam, ckpt) if model is None else model
+    processor = globals()["processor"](fam, ckpt) if processor is None else processor
+    content = [{"type": "text", "text": prompt}]
+    if image is not None:
+        content = [{"type": "image"}] + content
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    if image is not None:
+        inputs = processor(text=[text], images=[[image]] if fam.nested_images else [image], return_tensors="pt")
+        pixel_values = inputs["pixel_values"].to(torch.float32).numpy()
+    else:
+        inputs = processor(text=[text], return_tensors="pt")
+        size = model.config.vision_config.image_size
+        tile = size[0] if isinstance(size, (list, tuple)) else size
+        pixel_values = np.zeros(((1,) if fam.pixel_batch_dim else ()) + (0, 3, tile, tile), dtype=np.float32)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    if max_new_tokens == 0:  # the processor's outputs alone
+        return prompt_ids, pixel_values, []
+    return prompt_ids, pixel_values, greedy_new_ids(model, inputs, max_new_tokens, ignore_eos)
