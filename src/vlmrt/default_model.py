@@ -4,11 +4,14 @@
 Cache: ``$VLMRT_CACHE`` or ``~/.cache/vlmrt``; the bundle lives in ``easyvqa-<sha256[:12] of the
 trained weights>/`` so new weights get a new bundle. A folder that does not load as a bundle (half
 written by an older vlmrt, altered) is rebuilt. Export writes next to the target and renames at the
-end, so an interrupted first use leaves no half-written bundle. torch-free until it must export.
+end, so an interrupted first use leaves no half-written bundle. Builders take a lock file next to the bundle
+(``easyvqa-<digest>.lock``, flock): a second process doing the first use at the same time waits for the first and
+then uses its bundle. torch-free until it must export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -61,6 +64,25 @@ def missing_export_modules() -> list[str]:
     return [m for m in EXPORT_MODULES if importlib.util.find_spec(m) is None]
 
 
+@contextlib.contextmanager
+def _build_lock(out: Path, progress: bool):
+    """Exclusive flock on out's lock file for the block; waits (saying so) while another process holds it."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                print(f"vlmrt: waiting for another vlmrt process that is building {out}", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def ensure_bundle(progress: bool = True) -> Path:
     """The default bundle's folder, assembled + exported first if the cache lacks a usable one."""
     out = bundle_dir()
@@ -70,6 +92,13 @@ def ensure_bundle(progress: bool = True) -> Path:
     if missing:
         raise DefaultModelError(f"the default model is exported on first use, which needs vlmrt's export extra "
                                 f"(missing: {', '.join(missing)}): {EXPORT_HINT}")
+    with _build_lock(out, progress):
+        if _usable(out):  # built by the process we waited for
+            return out
+        return _build(out, progress)
+
+
+def _build(out: Path, progress: bool) -> Path:
     from .export.easyvqa import build_checkpoint
     from .export.pipeline import export
     from .export.gguf_llama import GGUFError  # SmolLM2Error is one
@@ -79,7 +108,9 @@ def ensure_bundle(progress: bool = True) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
-    work = Path(tempfile.mkdtemp(prefix=".easyvqa-ckpt.", dir=out.parent))
+    for stale in out.parent.glob(f".{out.name}.ckpt-*"):  # left by a killed builder (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.ckpt-", dir=out.parent))
     try:
         ckpt = build_checkpoint(work / "checkpoint", progress=progress)
         export(str(ckpt), out, max_seq_len=MAX_SEQ_LEN, progress=progress)

@@ -14,11 +14,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import types
+import typing
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-SCHEMA_VERSION = 1
+# 2: each graph lists its data files and the external initializers the host maps (GraphSpec.data_files,
+# mapped_weights, prepacked), so that the runtime never parses a graph itself (the onnx package is export-only)
+SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
 
@@ -42,6 +47,14 @@ class GraphSpec:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     weights: dict[str, Any] = field(default_factory=dict)  # e.g. {"block_size": 32, "symmetric": true, "lm_head": "w8a16"}
+    # written by the export from the graph proto (required in a manifest; defaults only while the export builds one):
+    data_files: list[str] = field(default_factory=list)  # the external-data files the graph reads
+    # external initializers the host may map once and share between sessions (runtime/bundle.py SharedWeights):
+    # [{"name", "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and the prepacked
+    # MatMulNBits inputs are not listed
+    mapped_weights: list[dict[str, Any]] = field(default_factory=list)
+    prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)
+    _required = ("data_files", "mapped_weights", "prepacked")
 
     def input(self, name: str) -> TensorSpec:
         return _by_name(self.inputs, name, self.file)
@@ -200,37 +213,131 @@ def save(manifest: Manifest, folder: Path) -> None:
     (Path(folder) / MANIFEST_NAME).write_text(manifest.to_json())
 
 
-def _tensors(items: list[dict]) -> list[TensorSpec]:
-    return [TensorSpec(**t) for t in items]
+class _Malformed(Exception):
+    pass
 
 
-def from_dict(d: dict[str, Any]) -> Manifest:
+def _kind(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_kind(a) for a in typing.get_args(tp))
+    tp = origin or tp
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false", list: "a list", dict: "an object",
+            type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _check(value, tp, where: str):
+    """value as type tp (dataclasses built from their dict), or _Malformed naming `where`."""
+    if tp is Any:
+        return value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            try:
+                return _check(value, a, where)
+            except _Malformed:
+                pass
+        raise _Malformed(f"{where} must be {_kind(tp)}, not {json.dumps(value)[:40]}")
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    base = origin or tp
+    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          type(None): lambda v: v is None}.get(base, lambda v: isinstance(v, base))
+    if not ok(value):
+        raise _Malformed(f"{where} must be {_kind(tp)}, not {json.dumps(value)[:40]}")
+    if base is list and args:
+        return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if base is dict and args:
+        return {_check(k, args[0], f"{where} key"): _check(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    return float(value) if base is float else value
+
+
+def _build(cls, d, where: str):
+    if not isinstance(d, dict):
+        raise _Malformed(f"{where} must be an object, not {json.dumps(d)[:40]}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = [n for n, f in fields.items() if (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                or n in getattr(cls, "_required", ())]
+    missing = [n for n in required if n not in d]
+    if missing:
+        raise _Malformed(f"{where} lacks the field {missing[0]!r}" if where else f"the field {missing[0]!r} is missing")
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise _Malformed(f"{where or 'the manifest'} has an unknown field {unknown[0]!r}")
+    return cls(**{k: _check(v, hints[k], f"{where}.{k}" if where else k) for k, v in d.items()})
+
+
+def from_dict(d: Any) -> Manifest:
+    if not isinstance(d, dict):
+        raise BundleError("manifest.json is malformed: it must be a JSON object")
     version = d.get("schema_version")
     if version != SCHEMA_VERSION:
         raise BundleError(f"bundle schema version {version} is not supported (this vlmrt reads {SCHEMA_VERSION}); re-export it")
     try:
-        graphs = {
-            k: GraphSpec(file=g["file"], precision=g["precision"], inputs=_tensors(g["inputs"]), outputs=_tensors(g["outputs"]),
-                         weights=g.get("weights", {}))
-            for k, g in d["graphs"].items()
-        }
-        return Manifest(
-            model=d["model"],
-            graphs=graphs,
-            tokenizer_file=d["tokenizer_file"],
-            image=ImageSpec(**d["image"]),
-            prompt=PromptSpec(**d["prompt"]),
-            special_tokens=SpecialTokens(**d["special_tokens"]),
-            kv=KVSpec(**d["kv"]),
-            decoder=DecoderSpec(**d["decoder"]),
-            vision=VisionSpec(**d["vision"]),
-            generate=d["generate"],
-            target=d.get("target", {"name": "cpu"}),
-            files=d["files"],
-            schema_version=version,
-        )
-    except (KeyError, TypeError) as e:
+        m = _build(Manifest, d, "")
+        for name, entry in m.files.items():
+            _build(FileEntry, entry, f"files.{name}")
+        for name, g in m.graphs.items():
+            for i, w in enumerate(g.mapped_weights):
+                _build(MappedWeight, w, f"graphs.{name}.mapped_weights[{i}]")
+    except _Malformed as e:
         raise BundleError(f"manifest.json is malformed: {e}") from None
+    except RecursionError:
+        raise BundleError("manifest.json is malformed: nested too deeply") from None
+    return m
+
+
+@dataclass
+class FileEntry:
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class MappedWeight:
+    name: str
+    file: str
+    offset: int
+    length: int
+    dtype: str
+    shape: list[int]
+
+
+def bundle_paths(m: Manifest) -> list[tuple[str, str]]:
+    """(manifest field, path) for every file the manifest names."""
+    out = [(f"graphs.{k}.file", g.file) for k, g in m.graphs.items()]
+    out += [(f"graphs.{k}.data_files", f) for k, g in m.graphs.items() for f in g.data_files]
+    out += [(f"graphs.{k}.mapped_weights", w["file"]) for k, g in m.graphs.items() for w in g.mapped_weights]
+    out += [("tokenizer_file", m.tokenizer_file), ("decoder.embedding_file", m.decoder.embedding_file)]
+    if m.decoder.embedding_scale_file is not None:
+        out.append(("decoder.embedding_scale_file", m.decoder.embedding_scale_file))
+    out += [("files", n) for n in m.files]
+    return out
+
+
+def check_path(folder: Path, field_name: str, name: str) -> None:
+    """Refuse a bundle path that is empty, absolute, has a `..` (or any non-plain) part, or resolves (symlinks
+    included) outside the bundle folder — before anything opens it."""
+    bad = None
+    parts = PurePosixPath(name).parts
+    if not name or "\\" in name or "\0" in name:
+        bad = "is not a plain relative path"
+    elif name.startswith("/") or os.path.isabs(name):
+        bad = "is absolute"
+    elif any(p in ("..", ".") for p in parts) or name.endswith("/"):
+        bad = "contains '..' or '.'" if any(p in ("..", ".") for p in parts) else "is not a file name"
+    else:
+        root = folder.resolve()
+        try:
+            inside = (folder / name).resolve().is_relative_to(root)
+        except (OSError, RuntimeError):  # a symlink loop
+            inside = False
+        if not inside:
+            bad = "resolves (through a symlink) outside the bundle"
+    if bad:
+        raise BundleError(f"manifest field {field_name}: path {name[:80]!r} {bad}; a bundle reads only its own files")
 
 
 def load(folder: Path, verify: bool = True) -> Manifest:
@@ -244,11 +351,14 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"cannot read {path}: {e}") from None
     m = from_dict(d)
+    for field_name, name in bundle_paths(m):
+        check_path(folder, field_name, name)
+    for name in ("vision", "prefill", "decode") + tuple(g for b in m.decoder.buckets.values() for _, g in b):
+        if name not in m.graphs:
+            raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
     if m.decoder.last_logits and not m.decoder.dynamic_ar:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
-    named = {g.file for g in m.graphs.values()} | {m.tokenizer_file, m.decoder.embedding_file}
-    if m.decoder.embedding_scale_file:
-        named.add(m.decoder.embedding_scale_file)
+    named = {n for f, n in bundle_paths(m) if f != "files"}
     missing = sorted(n for n in named if n not in m.files)
     if missing:
         raise BundleError(f"manifest does not list {', '.join(missing)}")

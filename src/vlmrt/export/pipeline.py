@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 import shutil
@@ -94,6 +95,28 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
         v = tc.get(k)
         out[k] = (v.get("content") if isinstance(v, dict) else v) or ""
     return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_work_folders(out: Path) -> list[Path]:
+    """Remove the work folders (.OUT.tmp-PID, .OUT.htp-PID) that exports to out killed before they could clean up
+    (SIGKILL, power loss): those whose process is gone. Returns what it removed."""
+    gone = []
+    for p in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+        kind, _, pid = p.name[len(out.name) + 2:].rpartition("-")
+        if kind in ("tmp", "htp") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
 
 
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
@@ -190,6 +213,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     p.done(f"({ckpt.path}; max context {max_seq_len} tokens: {ctx_note})")
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_work_folders(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -253,7 +277,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
                 weights["lm_head"] = head or prec[name]
                 if prec[name] in quantize.MIX_OF:
                     weights["8bit"] = {"precision": quantize.MIX_OF[prec[name]], "matmuls": list(quantize.MIXED_8BIT)}
-            gspecs[gname] = mf.GraphSpec(file=f"{stem}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
+            gspecs[gname] = mf.GraphSpec(file=f"{stem}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights,
+                                         **graphs.weight_table(tmp / f"{stem}.onnx"))
         bucket_map = {k: [[int(g.split("_")[1]), g] for g, _ in decoder_graphs if g.startswith(k + "_")]
                       for k in ("prefill", "decode")}
         image = host["image"]

@@ -52,9 +52,6 @@ def default_threads() -> int:
     return max(1, min(n, avail) if n else avail)
 
 
-PACKED_4BIT = (22, 21)  # onnx.TensorProto.INT4, UINT4 (the HTP target's --htp-weights 4)
-
-
 class SharedWeights:
     """Graph initializers kept in the bundle's data files, memory-mapped once and handed to every
     session as OrtValues over the mapping (SessionOptions.add_initializer): the prefill, decode and
@@ -70,31 +67,28 @@ class SharedWeights:
         self.maps: dict[str, np.memmap] = {}
         self.values: dict[tuple, object] = {}
 
-    def initializers(self, graph_path: Path) -> tuple[dict[str, object], set[str]]:
-        """(name -> OrtValue for external initializers, the graph's op types)."""
-        import onnx
+    def initializers(self, graph: mf.GraphSpec) -> dict[str, object]:
+        """name -> OrtValue for the graph's mapped weights (GraphSpec.mapped_weights, written by the export)."""
         import onnxruntime as ort
-        from onnx import external_data_helper
 
-        model = onnx.load(str(graph_path), load_external_data=False)
-        prepacked = {name for n in model.graph.node if n.op_type == "MatMulNBits" for name in n.input[1:]}
         out = {}
-        for init in model.graph.initializer:
-            if not external_data_helper.uses_external_data(init) or init.data_type in PACKED_4BIT:
-                continue  # 4-bit tensors are packed two per byte (no numpy dtype): ORT reads those itself
-            if init.name in prepacked:
-                continue
-            info = {e.key: e.value for e in init.external_data}
-            loc, off, n = info["location"], int(info.get("offset", 0)), int(info["length"])
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-            key = (loc, off, n, dtype.str, tuple(init.dims))
+        for w in graph.mapped_weights:
+            try:
+                dtype, shape = np.dtype(w["dtype"]), tuple(w["shape"])
+            except TypeError:
+                raise mf.BundleError(f"graph {graph.file}: weight {w['name']!r} has an unknown dtype {w['dtype']!r}") from None
+            key = (w["file"], w["offset"], w["length"], dtype.str, shape)
             if key not in self.values:
-                if loc not in self.maps:
-                    self.maps[loc] = np.memmap(self.folder / loc, dtype=np.uint8, mode="r")
-                arr = np.frombuffer(self.maps[loc], dtype=np.uint8, count=n, offset=off).view(dtype).reshape(tuple(init.dims))
+                if w["file"] not in self.maps:
+                    self.maps[w["file"]] = np.memmap(self.folder / w["file"], dtype=np.uint8, mode="r")
+                try:
+                    arr = np.frombuffer(self.maps[w["file"]], dtype=np.uint8, count=w["length"], offset=w["offset"])
+                    arr = arr.view(dtype).reshape(shape)
+                except ValueError as e:
+                    raise mf.BundleError(f"graph {graph.file}: weight {w['name']!r} does not fit {w['file']}: {e}") from None
                 self.values[key] = ort.OrtValue.ortvalue_from_numpy(arr)
-            out[init.name] = self.values[key]
-        return out, {n.op_type for n in model.graph.node}
+            out[w["name"]] = self.values[key]
+        return out
 
 
 class EmbeddingRows:
@@ -141,17 +135,10 @@ def release_freed_heap() -> None:
         pass
 
 
-def _data_files(graph_path: Path) -> set[str]:
-    import onnx
-    from onnx import external_data_helper
-
-    model = onnx.load(str(graph_path), load_external_data=False)
-    return {e.value for i in model.graph.initializer if external_data_helper.uses_external_data(i)
-            for e in i.external_data if e.key == "location"}
-
-
 def make_session(path: Path, device: str, threads: int | None, target: dict | None = None,
-                 shared: SharedWeights | None = None):
+                 shared: SharedWeights | None = None, graph: mf.GraphSpec | None = None):
+    """An ORT session for the graph file at path; with shared (and the graph's spec), its mapped weights come from
+    the shared mapping."""
     import onnxruntime as ort
 
     if device not in DEVICES:
@@ -175,10 +162,9 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         if providers[0] not in ort.get_available_providers():
             raise mf.BundleError(f"device {device!r} needs onnxruntime's {providers[0]}, which this onnxruntime lacks")
         if shared is not None:
-            values, ops = shared.initializers(path)
-            for name, value in values.items():
+            for name, value in shared.initializers(graph).items():
                 so.add_initializer(name, value)
-            if "MatMulNBits" not in ops:
+            if not graph.prepacked:
                 # prepacking would give each session a private packed copy of every float weight (on top of the
                 # shared mapping). SmolVLM-256M-shaped decoder, measured: prefill+decode RSS 1228 -> 645 MB, load
                 # 1.8 -> 0.3 s; decode step unchanged (40.1 vs 38.9 ms), but the AR=32 prefill step is 27 % slower
@@ -220,15 +206,14 @@ class Bundle:
         # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
         # ORT loads it itself, prepacks its weights and drops the unpacked copy (SigLIP-256M tile, measured: 8.6 ->
         # 5.1 s with prepacking on a loaded machine; see README)
-        graph_files = sorted({g.file for g in m.graphs.values()})  # graphs may share a file: one session each
-        files = {f: _data_files(path / f) for f in graph_files}
+        specs = {g.file: g for g in m.graphs.values()}  # graphs may share a file: one session each
         users: dict[str, int] = {}
-        for locs in files.values():
-            for loc in locs:
+        for g in specs.values():
+            for loc in set(g.data_files):
                 users[loc] = users.get(loc, 0) + 1
         by_file = {f: make_session(path / f, device, threads, m.target,
-                                   shared if any(users[loc] > 1 for loc in files[f]) else None)
-                   for f in graph_files}
+                                   shared if any(users[loc] > 1 for loc in g.data_files) else None, g)
+                   for f, g in sorted(specs.items())}
         sessions = {name: by_file[g.file] for name, g in m.graphs.items()}
         release_freed_heap()
         table = EmbeddingRows(path / m.decoder.embedding_file)
