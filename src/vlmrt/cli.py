@@ -255,6 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_utf8(args) -> None:
+    """A prompt that is not valid UTF-8 (Python keeps such argv bytes as lone surrogates) is refused up front
+    (paths may be any bytes: those are left alone)."""
+    prompts = getattr(args, "prompt", None)
+    for s in prompts if isinstance(prompts, list) else [prompts]:
+        if isinstance(s, str):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("--prompt is not valid UTF-8") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .export.checkpoint import CheckpointError
@@ -263,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     expected = (BundleError, CheckpointError, ImageError, ValueError, OSError, KeyError)
     try:
+        _check_utf8(args)
         return args.fn(args)
     except KeyboardInterrupt:
         print("vlmrt: interrupted", file=sys.stderr)

@@ -281,12 +281,23 @@ def from_dict(d: Any) -> Manifest:
             _build(FileEntry, entry, f"files.{name}")
         for name, g in m.graphs.items():
             for i, w in enumerate(g.mapped_weights):
-                _build(MappedWeight, w, f"graphs.{name}.mapped_weights[{i}]")
+                where = f"graphs.{name}.mapped_weights[{i}]"
+                w = _build(MappedWeight, w, where)
+                if w.dtype not in MAPPED_DTYPES:
+                    raise _Malformed(f"{where}.dtype: unknown dtype {w.dtype[:40]!r}")
+                if w.offset < 0 or w.length < 0 or any(d < 0 for d in w.shape):
+                    raise _Malformed(f"{where}: offset, length and shape must not be negative")
+                if w.file not in g.data_files:
+                    raise _Malformed(f"{where}.file {w.file[:80]!r} is not one of the graph's data_files")
     except _Malformed as e:
         raise BundleError(f"manifest.json is malformed: {e}") from None
     except RecursionError:
         raise BundleError("manifest.json is malformed: nested too deeply") from None
     return m
+
+
+MAPPED_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
+                 "uint8", "bool"}
 
 
 @dataclass
@@ -356,6 +367,7 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     for name in ("vision", "prefill", "decode") + tuple(g for b in m.decoder.buckets.values() for _, g in b):
         if name not in m.graphs:
             raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
+    check_io_names(m)
     if m.decoder.last_logits and not m.decoder.dynamic_ar:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
     named = {n for f, n in bundle_paths(m) if f != "files"}
@@ -365,6 +377,24 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     if verify:
         verify_files(folder, m)
     return m
+
+
+def check_io_names(m: Manifest) -> None:
+    """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
+    m.graphs["vision"].input(m.vision.patches_input)
+    m.graphs["vision"].output(m.vision.embeds_output)
+    for name, g in m.graphs.items():
+        if name == "vision":
+            continue
+        for t in (m.decoder.embeds_input, m.decoder.positions_input, m.decoder.mask_input):
+            g.input(t)
+        g.output(m.decoder.logits_output)
+        for i in range(m.kv.layers):
+            try:
+                names = [f.format(layer=i) for f in (m.kv.key_input, m.kv.value_input, m.kv.key_output, m.kv.value_output)]
+            except (KeyError, IndexError, ValueError):
+                raise BundleError("manifest.json is malformed: kv tensor names must use only {layer}") from None
+            g.input(names[0]), g.input(names[1]), g.output(names[2]), g.output(names[3])
 
 
 def verify_files(folder: Path, m: Manifest) -> None:

@@ -215,6 +215,12 @@ class Bundle:
                                    shared if any(users[loc] > 1 for loc in g.data_files) else None, g)
                    for f, g in sorted(specs.items())}
         sessions = {name: by_file[g.file] for name, g in m.graphs.items()}
+        for name, g in m.graphs.items():  # the graph files' I/O are what the manifest says
+            s = sessions[name]
+            for kind, have, want in (("inputs", s.get_inputs(), g.inputs), ("outputs", s.get_outputs(), g.outputs)):
+                if sorted(t.name for t in have) != sorted(t.name for t in want):
+                    raise mf.BundleError(f"graph {g.file}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
+                                         f"the manifest's graphs.{name}.{kind}")
         release_freed_heap()
         table = EmbeddingRows(path / m.decoder.embedding_file)
         if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):
