@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import importlib
 import os
@@ -151,6 +152,12 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                        force=force, buckets=[] if target == "htp" else buckets, context_step=context_step, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
                                              htp_arch=htp_arch) if target == "htp" else None)
+    except OSError as e:
+        p.failed()
+        if e.errno == errno.ENOSPC:  # _export removed its work folder: nothing is left at or next to OUT
+            raise ExportError(f"no space left on device while exporting to {out}; nothing was written there. "
+                              "Free some space (the bundle needs about twice its size while exporting) and retry") from None
+        raise
     except BaseException:
         p.failed()
         raise
