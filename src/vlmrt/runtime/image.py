@@ -61,7 +61,9 @@ def load_image(path: str | Path) -> Image.Image:
         raise ImageError(f"image {path} is {size / 2**20:.0f} MiB; vlmrt reads images up to {MAX_IMAGE_BYTES >> 20} MiB")
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit is checked below
+            # Pillow warns on oddities it reads past (a truncated TIFF tag, a bomb under its own limit: ours is checked
+            # below); the result is what matters: an image, or one error line, never a Python warning on stderr
+            warnings.simplefilter("ignore")
             with Image.open(path) as im:
                 if im.width * im.height > MAX_IMAGE_PIXELS:
                     raise ImageError(f"image {path} is {im.width}×{im.height} pixels; vlmrt reads images up to "
