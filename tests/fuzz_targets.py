@@ -22,7 +22,7 @@ from vlmrt.runtime import image as img_ops
 CORPUS = Path(__file__).resolve().parent / "corpus" / "images"
 PATHISH = ["..", "../x", "/etc/passwd", "a/../../b", "./tokenizer.json", "tokenizer.json/", "", "\x00", "a\\..\\b",
            "~", "//x", "x" * 300, "embed.npy", "decoder.data", "vision.onnx", "link_out", "loop"]
-json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64), st.floats(allow_nan=True),
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64), st.sampled_from([10**400, -10**400]), st.floats(allow_nan=True),
                       st.text(max_size=20), st.sampled_from(PATHISH))
 json_value = st.recursive(json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                           max_leaves=12)

@@ -94,6 +94,9 @@ def make_bad_bundle(src: Path, tmp: Path, case: dict) -> Path:
             f.write(bytes([x[0] ^ 1]))
     if "write_manifest" in case:
         manifest.write_text(case["write_manifest"])
+    if "write_manifest_repeat" in case:
+        text, n = case["write_manifest_repeat"]
+        manifest.write_text(text * n)
     if "write_manifest_hex" in case:
         manifest.write_bytes(bytes.fromhex(case["write_manifest_hex"]))
     edits = False

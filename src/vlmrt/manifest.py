@@ -250,7 +250,12 @@ def _check(value, tp, where: str):
         return [_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if base is dict and args:
         return {_check(k, args[0], f"{where} key"): _check(v, args[1], f"{where}.{k}") for k, v in value.items()}
-    return float(value) if base is float else value
+    if base is float:
+        try:
+            return float(value)
+        except OverflowError:
+            raise _Malformed(f"{where} is out of range") from None
+    return value
 
 
 def _build(cls, d, where: str):
@@ -361,6 +366,8 @@ def load(folder: Path, verify: bool = True) -> Manifest:
         d = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"cannot read {path}: {e}") from None
+    except RecursionError:
+        raise BundleError(f"cannot read {path}: nested too deeply") from None
     m = from_dict(d)
     for field_name, name in bundle_paths(m):
         check_path(folder, field_name, name)
