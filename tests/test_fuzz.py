@@ -13,7 +13,7 @@ def test_manifest_loader_works_or_raises_bundle_error(default_bundle):
     base = json.loads((default_bundle.bundle / "manifest.json").read_text())
     root = scratch()
     try:
-        manifest_property(base, prepare_bundle_copy(default_bundle.bundle, root / "bundle"), max_examples=300)()
+        manifest_property(base, prepare_bundle_copy(default_bundle.bundle, root / "bundle"), max_examples=150)()
     finally:
         shutil.rmtree(root)
 
