@@ -70,11 +70,14 @@ def manifest_inputs(base: dict):
 
 
 def prepare_bundle_copy(bundle: Path, dst: Path) -> Path:
-    """A copy of the bundle (hard links: nothing is written to its files) with a symlink leaving it and a loop."""
+    """A copy of the bundle with a symlink leaving it and a loop. Hard links for the files the loader only reads; a
+    real copy of manifest.json, which check_manifest rewrites (through a link it would rewrite the original's)."""
     import os
     import shutil
 
     shutil.copytree(bundle, dst, copy_function=os.link)
+    os.unlink(dst / mf.MANIFEST_NAME)
+    shutil.copyfile(bundle / mf.MANIFEST_NAME, dst / mf.MANIFEST_NAME)
     os.symlink("/etc/passwd", dst / "link_out")
     os.symlink(dst / "loop", dst / "loop")
     return dst

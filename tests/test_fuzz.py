@@ -10,12 +10,14 @@ from fuzz_targets import image_property, manifest_property, prepare_bundle_copy,
 
 
 def test_manifest_loader_works_or_raises_bundle_error(default_bundle):
-    base = json.loads((default_bundle.bundle / "manifest.json").read_text())
+    original = (default_bundle.bundle / "manifest.json").read_bytes()
+    base = json.loads(original)
     root = scratch()
     try:
         manifest_property(base, prepare_bundle_copy(default_bundle.bundle, root / "bundle"), max_examples=150)()
     finally:
         shutil.rmtree(root)
+    assert (default_bundle.bundle / "manifest.json").read_bytes() == original  # the fixture other tests use is intact
 
 
 def test_image_loader_works_or_raises_image_error():
