@@ -35,10 +35,9 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
     shared = SharedWeights(bundle)
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    values, ops = shared.initializers(bundle / g.file)
-    for k, v in values.items():
+    for k, v in shared.initializers(g).items():
         so.add_initializer(k, v)
-    if "MatMulNBits" not in ops:
+    if not g.prepacked:
         so.add_session_config_entry("session.disable_prepacking", "1")  # as the runtime does for shared float weights
     so.enable_profiling = True
     so.profile_file_prefix = f"/tmp/vlmrt-prof-{os.getpid()}"

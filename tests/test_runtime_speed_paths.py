@@ -82,9 +82,10 @@ def _optimized(bundle, graph, tmp_path):
 
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / f"{graph}.opt.onnx")
+    from vlmrt import manifest as mf
+
     shared = SharedWeights(bundle)
-    values, _ = shared.initializers(graph_path(bundle, graph))
-    for k, v in values.items():
+    for k, v in shared.initializers(mf.load(bundle, verify=False).graphs[graph]).items():
         so.add_initializer(k, v)
     ort.InferenceSession(str(graph_path(bundle, graph)), so, providers=["CPUExecutionProvider"])
     return onnx.load(so.optimized_model_filepath, load_external_data=False)

@@ -44,6 +44,9 @@ def _run(a) -> int:
     from .runtime.pipeline import VLM
     from .runtime.sampler import SamplingConfig
 
+    if a.image and len(a.image) > 1:  # a later issue: several images per prompt
+        raise ValueError(f"--image was given {len(a.image)} times; vlmrt run takes one image per prompt")
+    image = a.image[0] if a.image else None
     sampling = SamplingConfig(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     sampling.validate()
     if a.max_new_tokens < 1:
@@ -51,7 +54,7 @@ def _run(a) -> int:
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
                    kv_requant=not a.no_kv_requant)
-    gen = vlm.generate(a.prompt, a.image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
+    gen = vlm.generate(a.prompt, image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
                        ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
     if a.json:
         for _ in gen:
@@ -187,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("bundle", nargs="?", default=None,
                    help="bundle folder (default: the offline easy-VQA demo model, exported into $VLMRT_CACHE or "
                         "~/.cache/vlmrt on first use)")
-    r.add_argument("--image", help="image file (omit for a text-only prompt)")
+    r.add_argument("--image", action="append", help="image file (omit for a text-only prompt; one image per prompt)")
     r.add_argument("--prompt", required=True)
     r.add_argument("--mode", choices=["kv", "hybrid"], default=None, help="kv: prompt through the AR=1 graph; hybrid: AR=N prefill blocks (default)")
     r.add_argument("--max-new-tokens", type=int, default=256)
@@ -238,6 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_utf8(args) -> None:
+    """A prompt that is not valid UTF-8 (Python keeps such argv bytes as lone surrogates) is refused up front
+    (paths may be any bytes: those are left alone)."""
+    prompts = getattr(args, "prompt", None)
+    for s in prompts if isinstance(prompts, list) else [prompts]:
+        if isinstance(s, str):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("--prompt is not valid UTF-8") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .export.checkpoint import CheckpointError
@@ -246,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     expected = (BundleError, CheckpointError, ImageError, ValueError, OSError, KeyError)
     try:
+        _check_utf8(args)
         return args.fn(args)
     except KeyboardInterrupt:
         print("vlmrt: interrupted", file=sys.stderr)

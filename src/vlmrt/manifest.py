@@ -14,11 +14,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-SCHEMA_VERSION = 1
+from .typed_json import Malformed, build
+
+# 2: each graph lists its data files and the external initializers the host maps (GraphSpec.data_files,
+# mapped_weights, prepacked), so that the runtime never parses a graph itself (the onnx package is export-only)
+SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
 
@@ -42,6 +47,14 @@ class GraphSpec:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     weights: dict[str, Any] = field(default_factory=dict)  # e.g. {"block_size": 32, "symmetric": true, "lm_head": "w8a16"}
+    # written by the export from the graph proto (required in a manifest; defaults only while the export builds one):
+    data_files: list[str] = field(default_factory=list)  # the external-data files the graph reads
+    # external initializers the host may map once and share between sessions (runtime/bundle.py SharedWeights):
+    # [{"name", "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and the prepacked
+    # MatMulNBits inputs are not listed
+    mapped_weights: list[dict[str, Any]] = field(default_factory=list)
+    prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)
+    _required = ("data_files", "mapped_weights", "prepacked")
 
     def input(self, name: str) -> TensorSpec:
         return _by_name(self.inputs, name, self.file)
@@ -196,46 +209,86 @@ def save(manifest: Manifest, folder: Path) -> None:
     (Path(folder) / MANIFEST_NAME).write_text(manifest.to_json())
 
 
-def _tensors(items: list[dict]) -> list[TensorSpec]:
-    return [TensorSpec(**t) for t in items]
-
-
-def _decoder_fields(dec: dict[str, Any]) -> dict[str, Any]:
-    """Bundles written before context buckets were removed carry `buckets` ({} unless exported with --buckets)."""
-    dec = dict(dec)
-    if dec.pop("buckets", None):
-        raise BundleError("this bundle was exported with context buckets (--buckets), which this vlmrt no longer runs; "
-                          "re-export it (decoder graphs now take any cache length)")
-    return dec
-
-
-def from_dict(d: dict[str, Any]) -> Manifest:
+def from_dict(d: Any) -> Manifest:
+    if not isinstance(d, dict):
+        raise BundleError("manifest.json is malformed: it must be a JSON object")
     version = d.get("schema_version")
     if version != SCHEMA_VERSION:
         raise BundleError(f"bundle schema version {version} is not supported (this vlmrt reads {SCHEMA_VERSION}); re-export it")
     try:
-        graphs = {
-            k: GraphSpec(file=g["file"], precision=g["precision"], inputs=_tensors(g["inputs"]), outputs=_tensors(g["outputs"]),
-                         weights=g.get("weights", {}))
-            for k, g in d["graphs"].items()
-        }
-        return Manifest(
-            model=d["model"],
-            graphs=graphs,
-            tokenizer_file=d["tokenizer_file"],
-            image=ImageSpec(**d["image"]),
-            prompt=PromptSpec(**d["prompt"]),
-            special_tokens=SpecialTokens(**d["special_tokens"]),
-            kv=KVSpec(**d["kv"]),
-            decoder=DecoderSpec(**_decoder_fields(d["decoder"])),
-            vision=VisionSpec(**d["vision"]),
-            generate=d["generate"],
-            target=d.get("target", {"name": "cpu"}),
-            files=d["files"],
-            schema_version=version,
-        )
-    except (KeyError, TypeError) as e:
+        m = build(Manifest, d, "")
+        for name, entry in m.files.items():
+            build(FileEntry, entry, f"files.{name}")
+        for name, g in m.graphs.items():
+            for i, w in enumerate(g.mapped_weights):
+                where = f"graphs.{name}.mapped_weights[{i}]"
+                w = build(MappedWeight, w, where)
+                if w.dtype not in MAPPED_DTYPES:
+                    raise Malformed(f"{where}.dtype: unknown dtype {w.dtype[:40]!r}")
+                if w.offset < 0 or w.length < 0 or any(d < 0 for d in w.shape):
+                    raise Malformed(f"{where}: offset, length and shape must not be negative")
+                if w.file not in g.data_files:
+                    raise Malformed(f"{where}.file {w.file[:80]!r} is not one of the graph's data_files")
+    except Malformed as e:
         raise BundleError(f"manifest.json is malformed: {e}") from None
+    except RecursionError:
+        raise BundleError("manifest.json is malformed: nested too deeply") from None
+    return m
+
+
+MAPPED_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
+                 "uint8", "bool"}
+
+
+@dataclass
+class FileEntry:
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class MappedWeight:
+    name: str
+    file: str
+    offset: int
+    length: int
+    dtype: str
+    shape: list[int]
+
+
+def bundle_paths(m: Manifest) -> list[tuple[str, str]]:
+    """(manifest field, path) for every file the manifest names."""
+    out = [(f"graphs.{k}.file", g.file) for k, g in m.graphs.items()]
+    out += [(f"graphs.{k}.data_files", f) for k, g in m.graphs.items() for f in g.data_files]
+    out += [(f"graphs.{k}.mapped_weights", w["file"]) for k, g in m.graphs.items() for w in g.mapped_weights]
+    out += [("tokenizer_file", m.tokenizer_file), ("decoder.embedding_file", m.decoder.embedding_file)]
+    if m.decoder.embedding_scale_file is not None:
+        out.append(("decoder.embedding_scale_file", m.decoder.embedding_scale_file))
+    out += [("files", n) for n in m.files]
+    return out
+
+
+def check_path(folder: Path, field_name: str, name: str) -> None:
+    """Refuse a bundle path that is empty, absolute, has a `..` (or any non-plain) part, or resolves (symlinks
+    included) outside the bundle folder — before anything opens it."""
+    bad = None
+    parts = PurePosixPath(name).parts
+    if not name or "\\" in name or "\0" in name:
+        bad = "is not a plain relative path"
+    elif name.startswith("/") or os.path.isabs(name):
+        bad = "is absolute"
+    elif any(p in ("..", ".") for p in parts) or name.endswith("/"):
+        bad = "contains '..' or '.'" if any(p in ("..", ".") for p in parts) else "is not a file name"
+    else:
+        root = folder.resolve()
+        try:
+            inside = (folder / name).resolve().is_relative_to(root)
+        except (OSError, RuntimeError):  # a symlink loop
+            inside = False
+        if not inside:
+            bad = "resolves (through a symlink) outside the bundle"
+    if bad:
+        raise BundleError(f"manifest field {field_name}: path {name[:80]!r} {bad}; a bundle reads only its own files")
 
 
 def load(folder: Path, verify: bool = True) -> Manifest:
@@ -248,18 +301,42 @@ def load(folder: Path, verify: bool = True) -> Manifest:
         d = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"cannot read {path}: {e}") from None
+    except RecursionError:
+        raise BundleError(f"cannot read {path}: nested too deeply") from None
     m = from_dict(d)
+    for field_name, name in bundle_paths(m):
+        check_path(folder, field_name, name)
+    for name in ("vision", "prefill", "decode"):
+        if name not in m.graphs:
+            raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
+    check_io_names(m)
     if m.decoder.last_logits and not m.decoder.dynamic_ar:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
-    named = {g.file for g in m.graphs.values()} | {m.tokenizer_file, m.decoder.embedding_file}
-    if m.decoder.embedding_scale_file:
-        named.add(m.decoder.embedding_scale_file)
+    named = {n for f, n in bundle_paths(m) if f != "files"}
     missing = sorted(n for n in named if n not in m.files)
     if missing:
         raise BundleError(f"manifest does not list {', '.join(missing)}")
     if verify:
         verify_files(folder, m)
     return m
+
+
+def check_io_names(m: Manifest) -> None:
+    """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
+    m.graphs["vision"].input(m.vision.patches_input)
+    m.graphs["vision"].output(m.vision.embeds_output)
+    for name, g in m.graphs.items():
+        if name == "vision":
+            continue
+        for t in (m.decoder.embeds_input, m.decoder.positions_input, m.decoder.mask_input):
+            g.input(t)
+        g.output(m.decoder.logits_output)
+        for i in range(m.kv.layers):
+            try:
+                names = [f.format(layer=i) for f in (m.kv.key_input, m.kv.value_input, m.kv.key_output, m.kv.value_output)]
+            except (KeyError, IndexError, ValueError):
+                raise BundleError("manifest.json is malformed: kv tensor names must use only {layer}") from None
+            g.input(names[0]), g.input(names[1]), g.output(names[2]), g.output(names[3])
 
 
 def verify_files(folder: Path, m: Manifest) -> None:

@@ -5,17 +5,18 @@ Cache: ``$VLMRT_CACHE`` or ``~/.cache/vlmrt``; the bundle lives in ``easyvqa-<sh
 trained weights>/`` so new weights get a new bundle. A folder that fails verification (no or an
 unreadable manifest, a file missing, a file's size or sha256 not the manifest's: half written by an
 older vlmrt, altered on disk) is rebuilt, with one line on stderr saying so; a verified folder is loaded
-without hashing it again. Export writes next to the target and renames at the end, so an interrupted
-first use leaves no half-written bundle. torch-free until it must export.
+without hashing it again. Builders take a lock file next to the bundle (``easyvqa-<digest>.lock``, flock): a
+second process doing the first use at the same time waits for the first and then uses its bundle. Everything is
+written into work folders next to the target and renamed at the end (vlmrt.staging), so an interrupted first use
+leaves no half-written bundle. torch-free until it must export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 EXPORT_MODULES = ("torch", "safetensors", "onnx", "onnxscript", "gguf")
@@ -63,34 +64,57 @@ def missing_export_modules() -> list[str]:
     return [m for m in EXPORT_MODULES if importlib.util.find_spec(m) is None]
 
 
+@contextlib.contextmanager
+def _build_lock(out: Path, progress: bool):
+    """Exclusive flock on out's lock file for the block; waits (saying so) while another process holds it."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                print(f"vlmrt: waiting for another vlmrt process that is building {out}", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def ensure_bundle(progress: bool = True) -> Path:
-    """The default bundle's folder, assembled + exported first if the cache lacks a usable one."""
+    """The default bundle's folder, assembled + exported first if the cache lacks one that verifies."""
     out = bundle_dir()
-    problem = verify_cache(out) if out.exists() else None
-    if out.exists() and problem is None:
+    if out.exists() and verify_cache(out) is None:
         return out
     missing = missing_export_modules()
     if missing:
         raise DefaultModelError(f"the default model is exported on first use, which needs vlmrt's export extra "
                                 f"(missing: {', '.join(missing)}): {EXPORT_HINT}")
+    with _build_lock(out, progress):
+        problem = verify_cache(out) if out.exists() else None
+        if out.exists() and problem is None:  # built by the process we waited for
+            return out
+        if problem is not None:  # said even without progress: the user's cache was not what it should be
+            print(f"vlmrt: the cached default model failed verification ({problem}): rebuilding {out}",
+                  file=sys.stderr, flush=True)
+        elif progress:
+            print(f"vlmrt: first use of the default model (easy-VQA demo): building it into {out}", file=sys.stderr,
+                  flush=True)
+        return _build(out, progress)
+
+
+def _build(out: Path, progress: bool) -> Path:
     from ..export.pipeline import export
+    from ..staging import staged
     from .checkpoint import build_checkpoint
     from .gguf_llama import GGUFError  # SmolLM2Error is one
 
-    if problem is not None:  # said even without progress: the user's cache was not what it should be
-        print(f"vlmrt: the cached default model failed verification ({problem}): rebuilding {out}",
-              file=sys.stderr, flush=True)
-    elif progress:
-        print(f"vlmrt: first use of the default model (easy-VQA demo): building it into {out}", file=sys.stderr, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    work = Path(tempfile.mkdtemp(prefix=".easyvqa-ckpt.", dir=out.parent))
     try:
-        ckpt = build_checkpoint(work / "checkpoint", progress=progress)
-        export(str(ckpt), out, max_seq_len=MAX_SEQ_LEN, progress=progress)
+        with staged(out, "ckpt") as work:  # the checkpoint, until the bundle is exported from it
+            ckpt = build_checkpoint(work / "checkpoint", progress=progress)
+            export(str(ckpt), out, max_seq_len=MAX_SEQ_LEN, progress=progress, force=True)
     except GGUFError as e:
         raise DefaultModelError(str(e)) from e
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return out

@@ -295,6 +295,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
             progress(name)
     graphs.share_weights(out_dir, ["vision.onnx"], "vision.data")
     graphs.share_weights(out_dir, ["prefill.onnx", "decode.onnx"], "decoder.data")
+    gspecs = {k: dataclasses.replace(g, **graphs.weight_table(out_dir / g.file)) for k, g in gspecs.items()}
     for f in ("embed.npy", "tokenizer.json") + ((m.decoder.embedding_scale_file,) if m.decoder.embedding_scale_file else ()):
         shutil.copyfile(float_dir / f, out_dir / f)
     files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]

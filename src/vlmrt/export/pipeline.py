@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .. import __version__
 from .. import manifest as mf
+from .. import staging
+from ..families import HostSpec, family_for
 from ..progress import Progress
-from ..families import family_for
 from . import graphs, quantize
 from . import htp as htp_mod
 from .chat_template import prompt_templates
@@ -88,29 +92,59 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                        force=force, context_step=context_step, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
                                              htp_arch=htp_arch) if target == "htp" else None)
+    except OSError as e:
+        p.failed()
+        if e.errno == errno.ENOSPC:  # _export removed its work folder: nothing is left at or next to OUT
+            raise ExportError(f"no space left on device while exporting to {out}; nothing was written there. "
+                              "Free some space (the bundle needs about twice its size while exporting) and retry") from None
+        raise
     except BaseException:
         p.failed()
         raise
 
 
-def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            quant: str | None, force: bool, context_step: int | None, htp: dict | None) -> Path:
-    import json
+@dataclass
+class Plan:
+    """What one export writes, decided from the options and the checkpoint before any graph is traced."""
 
-    import torch
+    src: str
+    ckpt: Checkpoint
+    family: Any  # families.Family
+    cfg: Any  # the family's config
+    host: HostSpec
+    tok_json: dict
+    prec: dict[str, str]  # graph -> precision (export.quantize.parse)
+    head: str | None  # lm_head precision if named apart from its graph
+    dtype: str  # graph I/O and KV cache: fp32 | fp16
+    prefill_ar: int
+    max_seq_len: int
+    context_step: int  # > 0: symbolic cache length; 0: static graphs
+    htp: dict | None  # the HTP target's options, None for the CPU target
+    templates: tuple[str, str]  # the chat template rendered for one user turn with / without an image
 
+    @property
+    def one_graph(self) -> bool:
+        """One decoder graph for prefill and decode when nothing tells them apart: a symbolic AR as well as a
+        symbolic cache length; one session then holds the only prepacked copy of the weights."""
+        return bool(self.context_step) and self.htp is None and self.prec["prefill"] == self.prec["decode"] \
+            and self.prefill_ar > 1
+
+
+def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
+    """graph -> precision, checked (before anything is read)."""
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     prec = quantize.parse(quant, default=dtype)
-    head = prec.get("lm_head")
     for g in ("prefill", "decode"):
-        h = head or prec[g]
+        h = prec.get("lm_head") or prec[g]
         if h in graphs.TORCH_DTYPES and h != graphs.compute_dtype(prec[g], dtype):
             raise ExportError(f"lm_head={h} under {g}={prec[g]}: a float lm head must match its graph; use a weight-only one")
-    if out.exists() and not force:
-        raise ExportError(f"{out} already exists; pass --force to replace it")
+    return prec
 
-    p.start("reading checkpoint")
+
+def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int | None, dtype: str,
+          context_step: int | None, htp: dict | None) -> Plan:
+    head = prec.get("lm_head")
     ckpt = Checkpoint.open(resolve(src))
     family = family_for(ckpt.config)
     try:
@@ -122,9 +156,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         raise ExportError("the checkpoint has no tokenizer.json (a fast tokenizer is required)")
     tok_json = json.loads(tok_path.read_text())
     host = family.host_spec(ckpt, cfg, tok_json)
-    ctx_note = "from --max-seq-len"
     if max_seq_len is None:
-        max_seq_len, ctx_note = family.default_max_context(cfg, host)
+        max_seq_len, _ = family.default_max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
     if context_step is None:
@@ -136,136 +169,157 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
     special = _special_strings(ckpt)
     try:
-        tmpl_image, tmpl_text = prompt_templates(template, host.image_placeholder, special, host.system_prompt)
+        templates = prompt_templates(template, host.image_placeholder, special, host.system_prompt)
     except ValueError:
         if not host.image_in_text_fallback:
             raise
         placeholder, in_text = host.image_in_text_fallback
-        tmpl_image, tmpl_text = prompt_templates(template, placeholder, special, host.system_prompt, in_text)
+        templates = prompt_templates(template, placeholder, special, host.system_prompt, in_text)
+    return Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
+                htp, templates)
+
+
+def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress) -> list[tuple[str, str]]:
+    """vision.onnx and the decoder graph(s) with their shared data files; returns [(graph name, file stem)]."""
+    cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
+    p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
+    graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"],
+                         tmp / "vision.onnx")
+    p.done()
+    decoder_graphs = []
+    for name, ar in (("prefill", plan.prefill_ar), ("decode", 1)):
+        h = plan.head or prec[name]
+        if plan.one_graph and name == "decode":
+            decoder_graphs.append(("decode", "decoder"))
+            continue
+        ctx = plan.max_seq_len
+        cdesc = f"any context <= {ctx} in steps of {plan.context_step}" if plan.context_step else f"context {ctx}"
+        what = f"prefill + decode graph (AR=1..{ar}" if plan.one_graph else f"{name} graph (AR={ar}"
+        p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[name]}, lm head {h})")
+        stem = "decoder" if plan.one_graph else name
+        graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=t.kv_heads * t.head_dim,
+                              layers=t.layers, io_dtype=plan.dtype, precision=prec[name], head=h,
+                              path=tmp / f"{stem}.onnx", cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
+                              dynamic_ar=plan.one_graph)
+        decoder_graphs.append((name, stem))
+        p.done()
+    p.start("sharing weights between graphs")
+    graphs.share_weights(tmp, ["vision.onnx"], "vision.data")
+    graphs.share_weights(tmp, [f"{g}.onnx" for g in sorted({stem for _, stem in decoder_graphs})], "decoder.data")
+    p.done()
+    return decoder_graphs
+
+
+def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> tuple[str, str | None]:
+    """The embedding table (int8 rows + scales under weight-only decoders: a lookup touches a few rows) and the
+    tokenizer; returns (embedding dtype, scale file or None)."""
+    p.start("embedding table + tokenizer")
+    prec = plan.prec
+    dec_precs = {prec["prefill"], prec["decode"], plan.head or prec["decode"]}
+    scale_file = None
+    if dec_precs & set(quantize.WEIGHT_ONLY_BITS):
+        q, scale = quantize.int8_rows(embed)
+        np.save(tmp / "embed.npy", q)
+        scale_file = "embed_scale.npy"
+        np.save(tmp / scale_file, scale)
+        embed_dtype = "int8"
+    else:
+        embed_dtype = "float16" if dec_precs == {"fp16"} else DTYPES[plan.dtype]
+        np.save(tmp / "embed.npy", embed.astype(embed_dtype))
+    shutil.copyfile(plan.ckpt.path / "tokenizer.json", tmp / "tokenizer.json")
+    p.done()
+    return embed_dtype, scale_file
+
+
+def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
+    prec = plan.prec[name]
+    ins, outs = graphs.io_specs(path)
+    weights = {"block_size": quantize.BLOCK_SIZE, "symmetric": True} if prec in quantize.WEIGHT_ONLY_BITS else {}
+    if name != "vision":
+        weights["lm_head"] = plan.head or prec
+        if prec in quantize.MIX_OF:
+            weights["8bit"] = {"precision": quantize.MIX_OF[prec], "matmuls": list(quantize.MIXED_8BIT)}
+    return mf.GraphSpec(file=path.name, precision=prec, inputs=ins, outputs=outs, weights=weights,
+                        **graphs.weight_table(path))
+
+
+def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embed_dtype: str,
+              scale_file: str | None) -> mf.Manifest:
+    """The manifest of the files in tmp (all of them: a file it does not list is an error)."""
+    t, host = plan.cfg.text, plan.host
+    gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
+    files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
+                   | ({scale_file} if scale_file else set()))
+    leftovers = sorted(set(os.listdir(tmp)) - set(files))
+    if leftovers:
+        raise ExportError(f"export left unlisted files: {leftovers}")
+    return mf.Manifest(
+        model={"family": plan.family.__name__.rsplit(".", 1)[-1], "model_type": plan.ckpt.config.get("model_type"),
+               "source": str(plan.src), "exported_by": f"vlmrt {__version__}",
+               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        graphs=gspecs,
+        tokenizer_file="tokenizer.json",
+        image=mf.ImageSpec(**host.image),
+        prompt=mf.PromptSpec(template_image=plan.templates[0], template_text=plan.templates[1],
+                             expansion=host.prompt_expansion, tokens_per_tile=plan.cfg.tokens_per_tile,
+                             add_special_tokens=True, params=host.prompt_params),
+        special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=_eos_ids(plan.ckpt, plan.tok_json),
+                                        pad_token_id=_pad_id(plan.ckpt, t.vocab)),
+        kv=mf.KVSpec(layers=t.layers, dim=t.kv_heads * t.head_dim, max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype],
+                     key_input="past_key_{layer}", value_input="past_value_{layer}",
+                     key_output="new_key_{layer}", value_output="new_value_{layer}"),
+        decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
+                               embeds_input="inputs_embeds", positions_input="position_ids",
+                               mask_input="attention_mask", logits_output="logits",
+                               embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
+                               mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
+                               context_step=plan.context_step, dynamic_ar=plan.one_graph, last_logits=plan.one_graph),
+        vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
+        generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
+        files=mf.list_files(tmp, files),
+    )
+
+
+def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
+            quant: str | None, force: bool, context_step: int | None, htp: dict | None) -> Path:
+    import torch
+
+    prec = _precisions(quant, dtype)
+    if out.exists() and not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it")
+    p.start("reading checkpoint")
+    plan = _plan(src, prec, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, context_step=context_step,
+                 htp=htp)
     torch.manual_seed(0)
-    vision, decoder, embed = family.load_weights(cfg, ckpt.tensors())
-    p.done(f"({ckpt.path}; max context {max_seq_len} tokens: {ctx_note})")
+    vision, decoder, embed = plan.family.load_weights(plan.cfg, plan.ckpt.tensors())
+    note = "from --max-seq-len" if max_seq_len is not None else plan.family.default_max_context(plan.cfg, plan.host)[1]
+    p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note})")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        t = cfg.text
-        kv_dim = t.kv_heads * t.head_dim
-        p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
-        graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, dtype, prec["vision"], tmp / "vision.onnx")
-        p.done()
-        decoder_graphs = []  # (graph name, file stem)
-        # one graph for both when nothing tells prefill and decode apart: a symbolic AR as well as a symbolic cache
-        # length; one session then holds the only prepacked copy of the weights
-        one_graph = bool(context_step) and htp is None and prec["prefill"] == prec["decode"] and prefill_ar > 1
-        for name, ar in (("prefill", prefill_ar), ("decode", 1)):
-            h = head or prec[name]
-            if one_graph and name == "decode":
-                decoder_graphs.append(("decode", "decoder"))
-                continue
-            cdesc = f"any context <= {max_seq_len} in steps of {context_step}" if context_step else f"context {max_seq_len}"
-            what = f"prefill + decode graph (AR=1..{ar}" if one_graph else f"{name} graph (AR={ar}"
-            p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[name]}, lm head {h})")
-            stem = "decoder" if one_graph else name
-            graphs.export_decoder(decoder, ar=ar, max_context=max_seq_len, hidden=t.hidden, kv_dim=kv_dim, layers=t.layers,
-                                  io_dtype=dtype, precision=prec[name], head=h, path=tmp / f"{stem}.onnx",
-                                  cpu=htp is None, dynamic_context=context_step > 0, dynamic_ar=one_graph)
-            decoder_graphs.append((name, stem))
-            p.done()
-        stems = sorted({stem for _, stem in decoder_graphs})
-        p.start("sharing weights between graphs")
-        graphs.share_weights(tmp, ["vision.onnx"], "vision.data")
-        graphs.share_weights(tmp, [f"{g}.onnx" for g in stems], "decoder.data")
-        p.done()
-        p.start("embedding table + tokenizer")
-        dec_precs = {prec["prefill"], prec["decode"], head or prec["decode"]}
-        files = ["vision.onnx", "vision.data", *[f"{g}.onnx" for g in stems], "decoder.data", "embed.npy",
-                 "tokenizer.json"]
-        scale_file = None
-        if dec_precs & set(quantize.WEIGHT_ONLY_BITS):  # host table per-row int8 (a lookup touches a few rows)
-            q, scale = quantize.int8_rows(embed.numpy())
-            np.save(tmp / "embed.npy", q)
-            np.save(tmp / "embed_scale.npy", scale)
-            scale_file = "embed_scale.npy"
-            files.append(scale_file)
-            embed_dtype = "int8"
-        else:
-            embed_dtype = "float16" if dec_precs == {"fp16"} else DTYPES[dtype]
-            np.save(tmp / "embed.npy", embed.numpy().astype(embed_dtype))
-        shutil.copyfile(tok_path, tmp / "tokenizer.json")
-        p.done()
-
+    with staging.staged(out) as tmp:
+        decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p)
+        embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
         p.start("manifest")
-        gspecs = {}
-        for name, stem in [("vision", "vision"), *decoder_graphs]:
-            ins, outs = graphs.io_specs(tmp / f"{stem}.onnx")
-            weights = {"block_size": quantize.BLOCK_SIZE, "symmetric": True} if prec[name] in quantize.WEIGHT_ONLY_BITS else {}
-            if name != "vision":
-                weights["lm_head"] = head or prec[name]
-                if prec[name] in quantize.MIX_OF:
-                    weights["8bit"] = {"precision": quantize.MIX_OF[prec[name]], "matmuls": list(quantize.MIXED_8BIT)}
-            gspecs[name] = mf.GraphSpec(file=f"{stem}.onnx", precision=prec[name], inputs=ins, outputs=outs, weights=weights)
-        m = mf.Manifest(
-            model={"family": family.__name__.rsplit(".", 1)[-1], "model_type": ckpt.config.get("model_type"),
-                   "source": str(src), "exported_by": f"vlmrt {__version__}",
-                   "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-            graphs=gspecs,
-            tokenizer_file="tokenizer.json",
-            image=mf.ImageSpec(**host.image),
-            prompt=mf.PromptSpec(template_image=tmpl_image, template_text=tmpl_text, expansion=host.prompt_expansion,
-                                 tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True, params=host.prompt_params),
-            special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=_eos_ids(ckpt, tok_json),
-                                            pad_token_id=_pad_id(ckpt, t.vocab)),
-            kv=mf.KVSpec(layers=t.layers, dim=kv_dim, max_context=max_seq_len, dtype=DTYPES[dtype],
-                         key_input="past_key_{layer}", value_input="past_value_{layer}",
-                         key_output="new_key_{layer}", value_output="new_value_{layer}"),
-            decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=prefill_ar,
-                                   embeds_input="inputs_embeds", positions_input="position_ids",
-                                   mask_input="attention_mask", logits_output="logits",
-                                   embedding_file="embed.npy", embedding_dtype=embed_dtype,
-                                   embedding_scale_file=scale_file,
-                                   mask_value=htp_mod.HTP_MASK_VALUE if htp else None,
-                                   context_step=context_step,
-                                   dynamic_ar=one_graph, last_logits=one_graph),
-            vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
-            generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
-            files=mf.list_files(tmp, files),
-        )
-        leftovers = sorted(set(os.listdir(tmp)) - set(files))
-        if leftovers:
-            raise ExportError(f"export left unlisted files: {leftovers}")
+        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file)
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back
         p.done()
-
         if htp:
             p.start(f"HTP: calibrating and quantizing (16-bit activations, {htp['weights']}-bit weights, uint8 KV)")
             from ..eval.samples import default_samples
 
-            float_dir, tmp = tmp, out.parent / f".{out.name}.htp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                m = htp_mod.quantize_bundle(float_dir, tmp, htp["calibration"] or default_samples(), weight_bits=htp["weights"],
-                                            soc_model=htp["soc_model"], htp_arch=htp["htp_arch"])
-                mf.save(m, tmp)
-                mf.load(tmp)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            finally:
-                shutil.rmtree(float_dir, ignore_errors=True)
-            p.done()
-
-        p.start(f"writing {out}")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+            with staging.staged(out, "htp") as qdir:
+                m = htp_mod.quantize_bundle(tmp, qdir, htp["calibration"] or default_samples(),
+                                            weight_bits=htp["weights"], soc_model=htp["soc_model"],
+                                            htp_arch=htp["htp_arch"])
+                mf.save(m, qdir)
+                mf.load(qdir)
+                p.done()
+                p.start(f"writing {out}")
+                staging.publish(qdir, out)
+        else:
+            p.start(f"writing {out}")
+            staging.publish(tmp, out)
         p.done()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

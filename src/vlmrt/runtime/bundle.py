@@ -52,55 +52,49 @@ def default_threads() -> int:
     return max(1, min(n, avail) if n else avail)
 
 
-PACKED_4BIT = (22, 21)  # onnx.TensorProto.INT4, UINT4 (the HTP target's --htp-weights 4)
-
-
 class SharedWeights:
     """Graph initializers kept in the bundle's data files, memory-mapped once and handed to every
-    session as OrtValues over the mapping (SessionOptions.add_initializer): the prefill, decode and
-    context-bucket sessions then share one copy of the weights — the page cache's — instead of each
+    session as OrtValues over the mapping (SessionOptions.add_initializer): the prefill and decode sessions
+    of a two-graph bundle then share one copy of the weights — the page cache's — instead of each
     reading its own. Keyed by file, offset, dtype and shape, the same bytes give the same OrtValue.
 
     MatMulNBits inputs are left out: the CPU kernel computes from its own prepacked copy, and ORT, when it
     maps such a weight itself, drops the mapping once the copy exists; a shared mapping would keep both
-    resident for the session's life (SmolLM2-135M w4a8, two-graph bundle, prefill + decode loaded: 416 -> 368 MB)."""
+    resident for the session's life (memory figures: docs/performance.md)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.maps: dict[str, np.memmap] = {}
         self.values: dict[tuple, object] = {}
 
-    def initializers(self, graph_path: Path) -> tuple[dict[str, object], set[str]]:
-        """(name -> OrtValue for external initializers, the graph's op types)."""
-        import onnx
+    def initializers(self, graph: mf.GraphSpec) -> dict[str, object]:
+        """name -> OrtValue for the graph's mapped weights (GraphSpec.mapped_weights, written by the export)."""
         import onnxruntime as ort
-        from onnx import external_data_helper
 
-        model = onnx.load(str(graph_path), load_external_data=False)
-        prepacked = {name for n in model.graph.node if n.op_type == "MatMulNBits" for name in n.input[1:]}
         out = {}
-        for init in model.graph.initializer:
-            if not external_data_helper.uses_external_data(init) or init.data_type in PACKED_4BIT:
-                continue  # 4-bit tensors are packed two per byte (no numpy dtype): ORT reads those itself
-            if init.name in prepacked:
-                continue
-            info = {e.key: e.value for e in init.external_data}
-            loc, off, n = info["location"], int(info.get("offset", 0)), int(info["length"])
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-            key = (loc, off, n, dtype.str, tuple(init.dims))
+        for w in graph.mapped_weights:
+            try:
+                dtype, shape = np.dtype(w["dtype"]), tuple(w["shape"])
+            except TypeError:
+                raise mf.BundleError(f"graph {graph.file}: weight {w['name']!r} has an unknown dtype {w['dtype']!r}") from None
+            key = (w["file"], w["offset"], w["length"], dtype.str, shape)
             if key not in self.values:
-                if loc not in self.maps:
-                    self.maps[loc] = np.memmap(self.folder / loc, dtype=np.uint8, mode="r")
-                arr = np.frombuffer(self.maps[loc], dtype=np.uint8, count=n, offset=off).view(dtype).reshape(tuple(init.dims))
+                if w["file"] not in self.maps:
+                    self.maps[w["file"]] = np.memmap(self.folder / w["file"], dtype=np.uint8, mode="r")
+                try:
+                    arr = np.frombuffer(self.maps[w["file"]], dtype=np.uint8, count=w["length"], offset=w["offset"])
+                    arr = arr.view(dtype).reshape(shape)
+                except ValueError as e:
+                    raise mf.BundleError(f"graph {graph.file}: weight {w['name']!r} does not fit {w['file']}: {e}") from None
                 self.values[key] = ort.OrtValue.ortvalue_from_numpy(arr)
-            out[init.name] = self.values[key]
-        return out, {n.op_type for n in model.graph.node}
+            out[w["name"]] = self.values[key]
+        return out
 
 
 class EmbeddingRows:
     """A bundle's [vocab, hidden] embedding table (.npy), read a few rows at a time with pread. A prompt touches a
     few hundred scattered rows; through a memory map each row faults in (and counts in RSS) the 64 KB around it
-    (SmolLM2-135M int8 table, 256-token prompt: 20 of its 28 MB resident)."""
+    (most of an int8 table after a long prompt; docs/performance.md)."""
 
     def __init__(self, path: Path):
         arr = np.load(path, mmap_mode="r")  # reads the header: shape, dtype, where the rows start
@@ -132,7 +126,7 @@ class EmbeddingRows:
 
 def release_freed_heap() -> None:
     """Give the heap that loading freed back to the OS (glibc's malloc_trim; a no-op elsewhere). Parsing the
-    tokenizer's JSON and the graphs leaves freed heap that RSS keeps counting (SmolLM2 tokenizer: 80 -> 63 MB)."""
+    tokenizer's JSON and the graphs leaves freed heap that RSS keeps counting."""
     import ctypes
 
     try:
@@ -141,17 +135,10 @@ def release_freed_heap() -> None:
         pass
 
 
-def _data_files(graph_path: Path) -> set[str]:
-    import onnx
-    from onnx import external_data_helper
-
-    model = onnx.load(str(graph_path), load_external_data=False)
-    return {e.value for i in model.graph.initializer if external_data_helper.uses_external_data(i)
-            for e in i.external_data if e.key == "location"}
-
-
 def make_session(path: Path, device: str, threads: int | None, target: dict | None = None,
-                 shared: SharedWeights | None = None):
+                 shared: SharedWeights | None = None, graph: mf.GraphSpec | None = None):
+    """An ORT session for the graph file at path; with shared (and the graph's spec), its mapped weights come from
+    the shared mapping."""
     import onnxruntime as ort
 
     if device not in DEVICES:
@@ -175,15 +162,13 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         if providers[0] not in ort.get_available_providers():
             raise mf.BundleError(f"device {device!r} needs onnxruntime's {providers[0]}, which this onnxruntime lacks")
         if shared is not None:
-            values, ops = shared.initializers(path)
-            for name, value in values.items():
+            for name, value in shared.initializers(graph).items():
                 so.add_initializer(name, value)
-            if "MatMulNBits" not in ops:
+            if not graph.prepacked:
                 # prepacking would give each session a private packed copy of every float weight (on top of the
-                # shared mapping). SmolVLM-256M-shaped decoder, measured: prefill+decode RSS 1228 -> 645 MB, load
-                # 1.8 -> 0.3 s; decode step unchanged (40.1 vs 38.9 ms), but the AR=32 prefill step is 27 % slower
-                # (114 vs 145 ms) and a vision tile 7 % — ORT's Python API has no shared prepacked-weights
-                # container to get both. MatMulNBits keeps prepacking: its CPU kernel computes from that layout.
+                # shared mapping): far less memory and a faster load without it, at a slower prefill step (figures:
+                # docs/history.md) — ORT's Python API has no shared prepacked-weights container to get both.
+                # MatMulNBits keeps prepacking: its CPU kernel computes from that layout.
                 so.add_session_config_entry("session.disable_prepacking", "1")
     try:
         if providers is None:
@@ -218,18 +203,22 @@ class Bundle:
         release_freed_heap()
         shared = SharedWeights(path) if device != "htp" else None  # the QNN EP compiles its own copy
         # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
-        # ORT loads it itself, prepacks its weights and drops the unpacked copy (SigLIP-256M tile, measured: 8.6 ->
-        # 5.1 s with prepacking on a loaded machine; see README)
-        graph_files = sorted({g.file for g in m.graphs.values()})  # graphs may share a file: one session each
-        files = {f: _data_files(path / f) for f in graph_files}
+        # ORT loads it itself, prepacks its weights (a faster vision tile) and drops the unpacked copy
+        specs = {g.file: g for g in m.graphs.values()}  # graphs may share a file: one session each
         users: dict[str, int] = {}
-        for locs in files.values():
-            for loc in locs:
+        for g in specs.values():
+            for loc in set(g.data_files):
                 users[loc] = users.get(loc, 0) + 1
         by_file = {f: make_session(path / f, device, threads, m.target,
-                                   shared if any(users[loc] > 1 for loc in files[f]) else None)
-                   for f in graph_files}
+                                   shared if any(users[loc] > 1 for loc in g.data_files) else None, g)
+                   for f, g in sorted(specs.items())}
         sessions = {name: by_file[g.file] for name, g in m.graphs.items()}
+        for name, g in m.graphs.items():  # the graph files' I/O are what the manifest says
+            s = sessions[name]
+            for kind, have, want in (("inputs", s.get_inputs(), g.inputs), ("outputs", s.get_outputs(), g.outputs)):
+                if sorted(t.name for t in have) != sorted(t.name for t in want):
+                    raise mf.BundleError(f"graph {g.file}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
+                                         f"the manifest's graphs.{name}.{kind}")
         release_freed_heap()
         table = EmbeddingRows(path / m.decoder.embedding_file)
         if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):

@@ -68,7 +68,7 @@ class Engine:
         self.prefill_session, self.decode_session = prefill, decode
         self.kv_spec, self.dec = kv, dec
         # [vocab, hidden] rows by token id: an ndarray, or the bundle's EmbeddingRows (pread); a memmap is indexed as
-        # a plain ndarray over the same mapping (np.memmap's __getitem__ costs ~5 % of a decode step's host time)
+        # a plain ndarray over the same mapping (np.memmap's __getitem__ is slow)
         self.embed_table = embed_table.view(np.ndarray) if isinstance(embed_table, np.memmap) else embed_table
         self.embed_scale = embed_scale  # [vocab] when the table is int8 rows
         self.eos = set(eos_ids)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from struct import error as struct_error  # Pillow's parsers raise it on some truncated headers
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..manifest import ImageSpec
 
@@ -24,6 +26,11 @@ RESAMPLE = {
     "lanczos": Image.Resampling.LANCZOS,
 }
 MAX_IMAGE_SIZE = 4096  # transformers' SmolVLM/Idefics3 cap on the resized image
+# The largest image file load_image accepts (docs/limits.md): 120 million pixels (a 108 MP phone sensor's
+# 12000×9000 fits; decoded as RGB that is 360 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
+# Checked from the header before any pixel is decoded.
+MAX_IMAGE_PIXELS = 120_000_000
+MAX_IMAGE_BYTES = 100 * 1024 * 1024
 
 
 class ImageError(ValueError):
@@ -43,16 +50,33 @@ class Tiles:
 
 
 def load_image(path: str | Path) -> Image.Image:
-    """Open an image file as RGB; transparency is composited onto white (as transformers does)."""
+    """Open an image file as RGB, as transformers' `load_image` does: the EXIF orientation applied (phone photos),
+    transparency composited onto white; the first frame of an animation. Files over MAX_IMAGE_BYTES or
+    MAX_IMAGE_PIXELS are refused before their pixels are decoded."""
     path = Path(path)
     if not path.is_file():
         raise ImageError(f"image not found: {path}")
+    size = path.stat().st_size
+    if size > MAX_IMAGE_BYTES:
+        raise ImageError(f"image {path} is {size / 2**20:.0f} MiB; vlmrt reads images up to {MAX_IMAGE_BYTES >> 20} MiB")
     try:
-        with Image.open(path) as im:
-            im.load()
-            return to_rgb(im)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ImageError(f"cannot read image {path}: {e}") from None
+        with warnings.catch_warnings():
+            # Pillow warns on oddities it reads past (a truncated TIFF tag, a bomb under its own limit: ours is checked
+            # below); the result is what matters: an image, or one error line, never a Python warning on stderr
+            warnings.simplefilter("ignore")
+            with Image.open(path) as im:
+                if im.width * im.height > MAX_IMAGE_PIXELS:
+                    raise ImageError(f"image {path} is {im.width}×{im.height} pixels; vlmrt reads images up to "
+                                     f"{MAX_IMAGE_PIXELS / 1e6:.0f} million pixels")
+                im.load()
+                im = ImageOps.exif_transpose(im)
+                if im.width * im.height == 0:
+                    raise ImageError(f"image {path} has no pixels ({im.width}×{im.height})")
+                return to_rgb(im)
+    except Image.DecompressionBombError as e:  # over Pillow's own limit, refused by Image.open
+        raise ImageError(f"image {path} is too large to decode safely: {str(e).split('.')[0]}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, struct_error, MemoryError) as e:
+        raise ImageError(f"cannot read image {path}: {e or type(e).__name__}") from None
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

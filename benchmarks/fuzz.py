@@ -1,0 +1,91 @@
+"""The long run of the property-based fuzzing in tests/fuzz_targets.py: the manifest loader and the image loader, each
+for --minutes, in rounds of fresh random seeds (hypothesis), counting the cases tried and the failures (a failure: any
+exception other than vlmrt's own BundleError / ImageError, or an accepted input that breaks the rules). Prints one
+JSON object; the figure goes in docs/limits.md.
+
+    .venv/bin/python benchmarks/fuzz.py --minutes 5           # 5 min per loader (10 min in all)
+    .venv/bin/python benchmarks/fuzz.py --bundle BUNDLE ...    # fuzz around BUNDLE's manifest (default: the demo model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def cpu_model() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run(name: str, make, seconds: float, rounds_of: int) -> dict:
+    counter, failures, rounds = [0], [], 0
+    rng = random.Random()
+    end = time.time() + seconds
+    while time.time() < end:
+        seed = rng.getrandbits(32)
+        rounds += 1
+        try:
+            make(counter, seed, rounds_of)()
+        except Exception as e:  # hypothesis re-raises the (shrunk) failing case's error
+            failures.append({"seed": seed, "error": f"{type(e).__name__}: {str(e)[:300]}",
+                             "where": traceback.format_exc().strip().splitlines()[-3:]})
+    return {"loader": name, "cases": counter[0], "rounds": rounds, "failures": len(failures), "failed": failures[:10]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=5.0, help="per loader (default 5)")
+    ap.add_argument("--bundle", default=None, help="bundle whose manifest is mutated (default: the offline demo model)")
+    ap.add_argument("--examples-per-round", type=int, default=500)
+    a = ap.parse_args()
+
+    from fuzz_targets import image_property, manifest_property, prepare_bundle_copy, scratch
+
+    if a.bundle:
+        bundle = Path(a.bundle)
+    else:
+        os.environ.setdefault("VLMRT_CACHE", "/tmp/vlmrt-fuzz-cache")
+        from vlmrt.default_model import ensure_bundle
+
+        bundle = ensure_bundle(progress=True)
+    base = json.loads((bundle / "manifest.json").read_text())
+    root = scratch()
+    try:
+        folder = prepare_bundle_copy(bundle, root / "bundle")
+        results = [
+            run("manifest (vlmrt.manifest.load, verify=True)",
+                lambda c, s, n: manifest_property(base, folder, n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
+            run("image (vlmrt.runtime.image.load_image)",
+                lambda c, s, n: image_property(root, n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
+        ]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    import hypothesis
+
+    print(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_model(),
+                      "minutes_per_loader": a.minutes, "hypothesis": hypothesis.__version__, "bundle": str(bundle),
+                      "results": results}, indent=1))
+    return 1 if any(r["failures"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

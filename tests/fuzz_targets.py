@@ -1,0 +1,191 @@
+"""Property-based fuzzing (hypothesis) of the two loaders that read untrusted files: the manifest loader
+(vlmrt.manifest.load) and the image loader (vlmrt.runtime.image.load_image). For any input they either work or raise
+vlmrt's own error (BundleError / ImageError) — never another exception — and what they accept stays within the
+rules (bundle paths inside the bundle; images RGB, at most MAX_IMAGE_PIXELS). Used by tests/test_fuzz.py (a short run)
+and benchmarks/fuzz.py (the long run)."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vlmrt import manifest as mf
+from vlmrt.runtime import image as img_ops
+
+CORPUS = Path(__file__).resolve().parent / "corpus" / "images"
+PATHISH = ["..", "../x", "/etc/passwd", "a/../../b", "./tokenizer.json", "tokenizer.json/", "", "\x00", "a\\..\\b",
+           "~", "//x", "x" * 300, "embed.npy", "decoder.data", "vision.onnx", "link_out", "loop"]
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64), st.sampled_from([10**400, -10**400]), st.floats(allow_nan=True),
+                      st.text(max_size=20), st.sampled_from(PATHISH))
+json_value = st.recursive(json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                          max_leaves=12)
+
+
+def _paths(d, prefix=()):
+    """Every key path into a JSON tree."""
+    out = []
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else []
+    for k, v in items:
+        out.append(prefix + (k,))
+        out += _paths(v, prefix + (k,))
+    return out
+
+
+@st.composite
+def mutated_manifest(draw, base: dict) -> bytes:
+    m = json.loads(json.dumps(base))
+    for _ in range(draw(st.integers(1, 3))):
+        paths = _paths(m)
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        parent = m
+        for k in path[:-1]:
+            parent = parent[k]
+        action = draw(st.sampled_from(["replace", "replace", "path", "delete", "add"]))
+        if action == "delete":
+            if isinstance(parent, dict):
+                del parent[path[-1]]
+            else:
+                parent.pop(path[-1])
+        elif action == "add" and isinstance(parent, dict):
+            parent[draw(st.text(max_size=8))] = draw(json_value)
+        elif action == "path":
+            parent[path[-1]] = draw(st.sampled_from(PATHISH))
+        else:
+            parent[path[-1]] = draw(json_value)
+    return json.dumps(m).encode()
+
+
+def manifest_inputs(base: dict):
+    raw = st.one_of(st.binary(max_size=200), json_value.map(lambda v: json.dumps(v).encode()))
+    return st.one_of(mutated_manifest(base), mutated_manifest(base), raw)
+
+
+def prepare_bundle_copy(bundle: Path, dst: Path) -> Path:
+    """A copy of the bundle with a symlink leaving it and a loop. Hard links for the files the loader only reads; a
+    real copy of manifest.json, which check_manifest rewrites (through a link it would rewrite the original's)."""
+    import os
+    import shutil
+
+    shutil.copytree(bundle, dst, copy_function=os.link)
+    os.unlink(dst / mf.MANIFEST_NAME)
+    shutil.copyfile(bundle / mf.MANIFEST_NAME, dst / mf.MANIFEST_NAME)
+    os.symlink("/etc/passwd", dst / "link_out")
+    os.symlink(dst / "loop", dst / "loop")
+    return dst
+
+
+def check_manifest(folder: Path, data: bytes, counter: list | None = None) -> None:
+    """The property: mf.load either returns a manifest whose every path stays in the folder, or raises BundleError."""
+    if counter is not None:
+        counter[0] += 1
+    (folder / mf.MANIFEST_NAME).write_bytes(data)
+    try:
+        m = mf.load(folder, verify=True)
+    except mf.BundleError as e:
+        assert str(e).strip(), "an empty error message"
+        return
+    root = folder.resolve()
+    for field, name in mf.bundle_paths(m):
+        assert (folder / name).resolve().is_relative_to(root), (field, name)
+
+
+def manifest_property(base: dict, folder: Path, max_examples: int, counter: list | None = None, seed: int | None = None):
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None and counter is None,
+              suppress_health_check=list(HealthCheck))
+    @given(manifest_inputs(base))
+    def prop(data):
+        check_manifest(folder, data, counter)
+
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        prop = with_seed(seed)(prop)
+    return prop
+
+
+# ---------------------------------------------------------------- images
+
+def _png(w: int, h: int, mode_bits: tuple[int, int], body: bytes) -> bytes:
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    depth, color = mode_bits
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, depth, color, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(body)) + chunk(b"IEND", b""))
+
+
+def _seeds() -> list[bytes]:
+    from PIL import Image
+
+    seeds = [p.read_bytes() for p in sorted(CORPUS.iterdir()) if p.stat().st_size < 20000 and p.stat().st_size > 0]
+    im = Image.new("RGB", (9, 7), (10, 20, 30))
+    for fmt in ("BMP", "TIFF", "WEBP", "ICO", "PPM", "TGA"):
+        b = io.BytesIO()
+        try:
+            im.save(b, fmt)
+        except (KeyError, OSError):
+            continue
+        seeds.append(b.getvalue())
+    return seeds
+
+
+SEEDS = _seeds()
+
+
+@st.composite
+def mutated_image(draw) -> bytes:
+    data = bytearray(draw(st.sampled_from(SEEDS)))
+    for _ in range(draw(st.integers(0, 8))):
+        if not data:
+            break
+        i = draw(st.integers(0, len(data) - 1))
+        data[i] = draw(st.integers(0, 255))
+    if draw(st.booleans()):
+        data = data[: draw(st.integers(0, len(data)))]
+    return bytes(data)
+
+
+png_headers = st.builds(_png, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1),
+                        st.sampled_from([(1, 0), (8, 0), (16, 0), (8, 2), (8, 3), (8, 4), (8, 6), (16, 6), (3, 3)]),
+                        st.binary(max_size=64))
+image_inputs = st.one_of(st.binary(max_size=300), mutated_image(), mutated_image(), png_headers)
+
+
+def check_image(path: Path, data: bytes, counter: list | None = None) -> None:
+    if counter is not None:
+        counter[0] += 1
+    path.write_bytes(data)
+    try:
+        im = img_ops.load_image(path)
+    except img_ops.ImageError as e:
+        assert str(e).strip()
+        return
+    assert im.mode == "RGB" and im.width >= 1 and im.height >= 1
+    assert im.width * im.height <= img_ops.MAX_IMAGE_PIXELS
+
+
+def image_property(folder: Path, max_examples: int, counter: list | None = None, seed: int | None = None):
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None and counter is None,
+              suppress_health_check=list(HealthCheck))
+    @given(image_inputs)
+    def prop(data):
+        check_image(folder / "image", data, counter)
+
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        prop = with_seed(seed)(prop)
+    return prop
+
+
+def scratch() -> Path:
+    return Path(tempfile.mkdtemp(prefix="vlmrt-fuzz-"))
