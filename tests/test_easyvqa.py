@@ -26,7 +26,7 @@ N_CI = 50
 # measured on these 50 questions (2026-11-30, the retrained model): fp32 50/50, w8a16 50/50, w4a16m 50/50; the floors
 # leave one question for float differences across machines (greedy answers near a tie could flip)
 FLOOR = {"fp32": 0.98, "w8a16": 0.98, "w4a16m": 0.98}
-SAMPLE = Path(__file__).resolve().parents[1] / "src" / "vlmrt" / "data" / "easyvqa" / "shape.png"
+SAMPLE = Path(__file__).resolve().parents[1] / "src" / "vlmrt" / "demo" / "data" / "shape.png"
 
 
 # ---------------------------------------------------------------- pure functions (no model)

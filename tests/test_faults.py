@@ -17,7 +17,7 @@ import pytest
 from test_errors import assert_one_line_error, in_process
 from vlmrt import manifest as mf
 
-SAMPLE = Path(__file__).resolve().parent.parent / "src" / "vlmrt" / "data" / "easyvqa" / "shape.png"
+SAMPLE = Path(__file__).resolve().parent.parent / "src" / "vlmrt" / "demo" / "data" / "shape.png"
 
 
 def test_killed_export_leaves_nothing_and_next_export_cleans_up(default_bundle, tmp_path):
