@@ -135,6 +135,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     if not template:
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
     special = _special_strings(ckpt)
+    conversation = {"chat_template": template, "template_strings": special, "content_format": "parts",
+                    "image_placeholder": host.image_placeholder, "system_prompt": host.system_prompt}
     try:
         tmpl_image, tmpl_text = prompt_templates(template, host.image_placeholder, special, host.system_prompt)
     except ValueError:
@@ -142,6 +144,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
             raise
         placeholder, in_text = host.image_in_text_fallback
         tmpl_image, tmpl_text = prompt_templates(template, placeholder, special, host.system_prompt, in_text)
+        conversation.update(content_format="string", image_placeholder=placeholder, image_in_text=in_text)
     torch.manual_seed(0)
     vision, decoder, embed = family.load_weights(cfg, ckpt.tensors())
     p.done(f"({ckpt.path}; max context {max_seq_len} tokens: {ctx_note})")
@@ -215,7 +218,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
             tokenizer_file="tokenizer.json",
             image=mf.ImageSpec(**host.image),
             prompt=mf.PromptSpec(template_image=tmpl_image, template_text=tmpl_text, expansion=host.prompt_expansion,
-                                 tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True, params=host.prompt_params),
+                                 tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True, params=host.prompt_params,
+                                 **conversation),
             special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=_eos_ids(ckpt, tok_json),
                                             pad_token_id=_pad_id(ckpt, t.vocab)),
             kv=mf.KVSpec(layers=t.layers, dim=kv_dim, max_context=max_seq_len, dtype=DTYPES[dtype],
