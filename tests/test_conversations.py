@@ -23,18 +23,25 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 
+SIZES = {"square": (30, 30), "strip": (60, 300), "longstrip": (40, 360), "tallstrip": (300, 60)}  # (h, w)
+
+
 def small(kind: str, tmp) -> str:
-    """Images of other sizes: 'small' fits one tile (untiled), 'wide' a short wide strip."""
+    """Images of other sizes: 'square' is one untiled tile for InternVL; strips are a few SmolVLM tiles."""
     p = tmp / f"{kind}.png"
     if not p.exists():
-        rng = np.random.default_rng({"small": 1, "wide": 2}[kind])
-        h, w = {"small": (40, 50), "wide": (60, 150)}[kind]
-        Image.fromarray(rng.integers(0, 256, (h, w, 3)).astype(np.uint8)).save(p)
+        rng = np.random.default_rng(sorted(SIZES).index(kind))
+        Image.fromarray(rng.integers(0, 256, (*SIZES[kind], 3)).astype(np.uint8)).save(p)
     return str(p)
 
 
-def images_for(n: int, tmp) -> list[str]:
-    return [str(image_file("chelsea.png", None)), small("small", tmp), small("wide", tmp)][:n]
+def images_for(fam: str, n: int, tmp) -> list[str]:
+    """2 or 3 images of different sizes that fit the fixtures' contexts (SmolVLM upscales every image to its longest
+    edge: a square is a full grid there, so its sets are strips)."""
+    kinds = {("smolvlm", 2): ["chelsea", "strip"], ("smolvlm", 3): ["strip", "longstrip", "tallstrip"],
+             ("internvl", 2): ["chelsea", "square"], ("internvl", 3): ["strip", "square", "tall"]}[fam, n]
+    return [str(image_file(k + ".png", None)) if k == "chelsea" else str(image_file(k, tmp)) if k == "tall"
+            else small(k, tmp) for k in kinds]
 
 
 def oai(images: list[str], text: str) -> dict:
@@ -81,10 +88,10 @@ def family_case(request, tmp_path_factory):
     if fam == "smolvlm":
         ex = exported(case, tmp_path_factory)
         model, proc = ex.hf()
-        return ex.bundle, model, proc, True
+        return ex.bundle, model, proc, True, fam
     ex = ivl.exported(case, tmp_path_factory)
     model, proc = ex.hf
-    return ex.bundle, model, proc, False
+    return ex.bundle, model, proc, False, fam
 
 
 @pytest.fixture(params=FAMILIES, ids=[f"{f}-{c.name}" for f, c in FAMILIES])
@@ -101,8 +108,8 @@ def chat_ids(vlm, messages, mode, n, **kw):
 # --- 1. several images per prompt ------------------------------------------------------------------------------
 @pytest.mark.parametrize("n_images", [2, 3])
 def test_multi_image_prompt_and_greedy_ids_equal_transformers(family, n_images, tmp_path, capsys):
-    bundle, model, proc, nested = family
-    paths = images_for(n_images, tmp_path)
+    bundle, model, proc, nested, fam = family
+    paths = images_for(fam, n_images, tmp_path)
     prompt = "What changed between these pictures?"
     inputs = hf_inputs(proc, [oai(paths, prompt)], nested)
     want_prompt = inputs["input_ids"][0].tolist()
@@ -124,8 +131,8 @@ def test_multi_image_prompt_and_greedy_ids_equal_transformers(family, n_images, 
 
 
 # --- 3. conversations: prompt ids of 2-3 turns equal apply_chat_template + processor ---------------------------
-def conversations(tmp) -> list[list[dict]]:
-    a, b, c = images_for(3, tmp)
+def conversations(fam, tmp) -> list[list[dict]]:
+    a, b, c = images_for(fam, 3, tmp)
     sys_msg = {"role": "system", "content": [{"type": "text", "text": "You answer briefly."}]}
     return [
         [oai([a], "What is this?"), {"role": "assistant", "content": "A cat on a rug."}, oai([], "What colour is it?")],
@@ -137,9 +144,9 @@ def conversations(tmp) -> list[list[dict]]:
 
 
 def test_conversation_prompt_ids_equal_transformers(family, tmp_path):
-    bundle, model, proc, nested = family
+    bundle, model, proc, nested, fam = family
     vlm = VLM.load(bundle)
-    for i, conv in enumerate(conversations(tmp_path)):
+    for i, conv in enumerate(conversations(fam, tmp_path)):
         inputs = hf_inputs(proc, conv, nested)
         want_prompt = inputs["input_ids"][0].tolist()
         r = chat_ids(vlm, conv, "hybrid", 8)
@@ -150,7 +157,7 @@ def test_conversation_prompt_ids_equal_transformers(family, tmp_path):
 
 # --- 4. the prefix cache: same answers as a fresh run, fewer tokens prefilled, vision skipped ------------------
 def follow_ups(tmp):
-    a, b, _ = images_for(3, tmp)
+    a, b = images_for("smolvlm", 2, tmp)
     t1 = [oai([a], "Describe the picture.")]
     return t1, lambda ans1: t1 + [{"role": "assistant", "content": ans1}, oai([], "What colour is it?")], b
 
@@ -219,7 +226,7 @@ def test_image_cache_is_bounded(default_bundle, tmp_path):
     size = one.image_cache.bytes
     assert size > 0 and r.stats.images == 1
     vlm = VLM.load(default_bundle.bundle, image_cache_bytes=int(size * 1.5))
-    a, b, c = images_for(3, tmp_path)
+    a, b, c = images_for("smolvlm", 3, tmp_path)
     for p in (a, b, c, a):
         chat_ids(vlm, [oai([p], "Hi")], "hybrid", 1)
         assert vlm.image_cache.bytes <= vlm.image_cache.max_bytes
@@ -295,7 +302,7 @@ def test_too_many_images_for_the_context_is_one_line(capsys, tmp_path_factory, t
 
 # --- run --messages, stop strings, chat REPL ---------------------------------------------------------------------
 def test_run_messages_file_equals_api(default_bundle, capsys, tmp_path):
-    conv = conversations(tmp_path)[1]
+    conv = conversations("smolvlm", tmp_path)[1]
     f = tmp_path / "conv.json"
     f.write_text(json.dumps(conv))
     capsys.readouterr()
@@ -347,7 +354,7 @@ def test_chat_repl(default_bundle, tmp_path):
     a = str(image_file("chelsea.png", None))
     vlm = VLM.load(default_bundle.bundle)
     out, err = io.StringIO(), io.StringIO()
-    script = f"What is this?\n/image {small('small', tmp_path)}\nAnd this one?\n/stats\n/image /no/such.png\nHm?\n/reset\nHi\n"
+    script = f"What is this?\n/image {small('strip', tmp_path)}\nAnd this one?\n/stats\n/image /no/such.png\nHm?\n/reset\nHi\n"
     assert repl(vlm, dict(max_new_tokens=4), images=[a], stdin=io.StringIO(script), stdout=out, stderr=err) == 0
     log = err.getvalue()
     turns = [ln for ln in log.splitlines() if ln.startswith("[") and "prompt tokens" in ln]
