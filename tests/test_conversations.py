@@ -360,7 +360,8 @@ def test_chat_repl(default_bundle, tmp_path):
     vlm = VLM.load(default_bundle.bundle)
     out, err = io.StringIO(), io.StringIO()
     script = f"What is this?\n/image {small('strip', tmp_path)}\nAnd this one?\n/stats\n/image /no/such.png\nHm?\n/reset\nHi\n"
-    assert repl(vlm, dict(max_new_tokens=4), images=[a], stdin=io.StringIO(script), stdout=out, stderr=err) == 0
+    assert repl(vlm, dict(max_new_tokens=4), images=[a], report=cli._stats_report, stdin=io.StringIO(script),
+                stdout=out, stderr=err) == 0
     log = err.getvalue()
     turns = [ln for ln in log.splitlines() if ln.startswith("[") and "prompt tokens" in ln]
     assert len(turns) == 3, log
