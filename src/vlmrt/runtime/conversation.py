@@ -146,8 +146,9 @@ class ChatTemplate:
             raise ConversationError(f"cannot render the chat template: {type(e).__name__}: {e}") from None
         pieces = text.split(p.image_placeholder) if p.image_placeholder else [text]
         if len(pieces) - 1 != len(grids):
-            raise ConversationError(f"the chat template wrote {len(pieces) - 1} image placeholders for {len(grids)} "
-                                    f"images (does a message's text contain {p.image_placeholder!r}?)")
+            raise ConversationError(f"the rendered conversation has {len(pieces) - 1} image tokens "
+                                    f"({p.image_placeholder}) for {len(grids)} images: message text must not contain "
+                                    f"{p.image_placeholder!r}")
         out = pieces[0]
         for grid, piece in zip(grids, pieces[1:]):
             out += EXPANSION[p.expansion](*grid, p) + piece
