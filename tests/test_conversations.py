@@ -214,6 +214,20 @@ def test_resumed_prefill_is_bitwise_a_fresh_one(default_bundle, mode, tmp_path):
             e.prefill(embeds[bad:], mode, start=bad)
 
 
+def test_another_image_of_the_same_size_is_not_reused(default_bundle, tmp_path):
+    """Image rows are keyed by the image's content: the same prompt ids with another picture keep only the rows before
+    the first image token, and the vision graph runs again."""
+    vlm = VLM.load(default_bundle.bundle)
+    a = small("strip", tmp_path)
+    b = tmp_path / "strip-other.png"
+    Image.fromarray(np.random.default_rng(99).integers(0, 256, (*SIZES["strip"], 3)).astype(np.uint8)).save(b)
+    chat_ids(vlm, [oai([a], "Describe it.")], "kv", 4)
+    r = chat_ids(vlm, [oai([str(b)], "Describe it.")], "kv", 4)
+    first_image = r.prompt_ids.index(vlm.manifest.special_tokens.image_token_id)
+    assert r.stats.reused_prompt_tokens == first_image and not r.stats.vision_skipped
+    assert r.token_ids == chat_ids(VLM(vlm.bundle), [oai([str(b)], "Describe it.")], "kv", 4).token_ids
+
+
 def test_generate_between_chats_invalidates_the_prefix(default_bundle, tmp_path):
     vlm = VLM.load(default_bundle.bundle)
     t1, t2_of, _ = follow_ups(tmp_path)
