@@ -160,6 +160,28 @@ def test_conversation_prompt_ids_equal_transformers(family, tmp_path):
     assert checked >= 2
 
 
+def test_string_content_template_multi_image_turns(tmp_path_factory, tmp_path):
+    """OpenGVLab's original layout: its template takes string content only; each image is written into the text as
+    "<image>\n" (model.chat()) and expanded. Greedy ids equal transformers' on the -hf checkpoint for those ids."""
+    from fixtures_internvl import to_original_layout
+
+    from vlmrt.export.pipeline import export
+
+    case = ivl.CASES[0]
+    ex = ivl.exported(case, tmp_path_factory)
+    b = export(str(to_original_layout(ex.ckpt, tmp_path / "orig")), tmp_path / "b", prefill_ar=case.prefill_ar,
+               progress=False)
+    vlm = VLM.load(b)
+    assert vlm.manifest.prompt.content_format == "string"
+    a, c = images_for("internvl", 2, tmp_path)
+    conv = [oai([a], "Describe it."), {"role": "assistant", "content": "A cat."}, oai([c, a], "Compare.")]
+    r = chat_ids(vlm, conv, "hybrid", 12)
+    text = vlm.bundle.tokenizer.decode(r.prompt_ids, skip_special_tokens=False)
+    assert text.count("<img>") == 3 and "</img>\nDescribe it.<|im_end|>" in text and "</img>\nCompare." in text
+    pixels = np.concatenate([img_ops.preprocess(img_ops.load_image(p), vlm.manifest.image).pixels for p in (a, c, a)])
+    assert r.token_ids == ivl.hf_greedy_from_ids(ex.hf[0], r.prompt_ids, pixels, 12)
+
+
 # --- 4. the prefix cache: same answers as a fresh run, fewer tokens prefilled, vision skipped ------------------
 def follow_ups(tmp):
     a, b = images_for("smolvlm", 2, tmp)

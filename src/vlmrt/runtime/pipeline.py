@@ -194,7 +194,7 @@ class VLM:
         tiles = [g[2] for g in grids]
         fix = "re-export with a larger --max-seq-len"
         if grids and "max_tiles" in m.image.params and max(tiles) > 1:
-            fix = f"use fewer tiles (--max-tiles) or " + fix
+            fix = "use fewer tiles (--max-tiles) or " + fix
         if len(grids) > 1:
             fix = "use fewer images, " + fix
         what = {0: "prompt", 1: "image + prompt"}.get(len(grids), f"{len(grids)} images + prompt")
