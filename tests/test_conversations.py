@@ -261,6 +261,20 @@ def test_generate_between_chats_invalidates_the_prefix(default_bundle, tmp_path)
     assert got == "".join(VLM(vlm.bundle).chat(conv, max_new_tokens=8))
 
 
+def test_a_call_that_prefills_nothing_keeps_the_prefix_truthful(default_bundle, tmp_path):
+    """A call refused before its prefill leaves the cache's rows as they were; the next turn still answers as a
+    fresh run does (max_new_tokens=0 used to record the new prompt's keys over the old rows)."""
+    vlm = VLM.load(default_bundle.bundle)
+    t1, t2_of, b = follow_ups(tmp_path)
+    ans = "".join(vlm.chat(t1, max_new_tokens=6, mode="kv"))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        list(vlm.chat([oai([b], "Describe the picture.")], max_new_tokens=0, mode="kv"))
+    conv = t2_of(ans)
+    got = "".join(vlm.chat(conv, max_new_tokens=8, mode="kv"))
+    assert vlm.result.stats.reused_prompt_tokens > 0
+    assert got == "".join(VLM(vlm.bundle).chat(conv, max_new_tokens=8, mode="kv"))
+
+
 def test_image_cache_is_bounded(default_bundle, tmp_path):
     one = VLM.load(default_bundle.bundle)
     r = chat_ids(one, [oai([str(image_file("chelsea.png", None))], "Hi")], "hybrid", 1)

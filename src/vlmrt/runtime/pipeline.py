@@ -207,6 +207,8 @@ class VLM:
         mode = mode or m.generate.get("default_mode", "hybrid")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
         sampler, cut = Sampler(sampling), StopStrings(stop)
         res = self.result = Result()
         st = res.stats
@@ -255,6 +257,7 @@ class VLM:
             self.prefix.clear()  # the cache's rows change from here on; record() says what they hold at the end
         gen = self.engine.generate(embeds, mode=mode, max_new_tokens=max_new_tokens, sampler=sampler,
                                    ignore_eos=ignore_eos, start=start)
+        done = False
         try:
             for token in gen:
                 if not res.token_ids:
@@ -268,9 +271,10 @@ class VLM:
                         yield out
                     if cut.stopped:
                         break
+            done = True
         finally:
             gen.close()
-            if cached:
+            if cached and (done or res.token_ids):  # else the prefill failed: what the rows hold is unknown
                 self.prefix.record(keys + res.token_ids)
         # DecodeStream holds back an incomplete UTF-8 sequence; flush what the full decode has beyond it
         full = self.bundle.tokenizer.decode(res.token_ids, skip_special_tokens=True)
