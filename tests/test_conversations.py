@@ -419,3 +419,12 @@ def test_chat_repl(default_bundle, tmp_path):
     assert " 0 reused" in turns[0] and " 0 reused" not in turns[1]  # the second turn kept the first's rows
     assert "vlmrt: error: image not found: /no/such.png" in log and "time to 1st token" in log
     assert len([ln for ln in out.getvalue().splitlines()]) == 3  # one answer line per answered turn
+
+
+def test_vlmrt_chat_command(default_bundle, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n/stats\n/quit\nnever read\n"))
+    capsys.readouterr()
+    assert cli.main(["chat", str(default_bundle.bundle), "--image", str(image_file("chelsea.png", None)),
+                     "--max-new-tokens", "3", "--stop", "\x00"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.strip("\n").splitlines()) == 1 and "prompt tokens" in err and "caches:" in err
