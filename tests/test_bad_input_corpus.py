@@ -176,9 +176,3 @@ def test_prompt_corpus(name, default_bundle):
         assert json.loads(p.stdout)["prompt_tokens"] > 0
     else:
         assert_one_line_error(p, *case["expect"])
-
-
-def test_two_images_are_refused(default_bundle, capsys):
-    img = CORPUS / "images" / "one_pixel.png"
-    p = in_process(capsys, "run", default_bundle.bundle, "--image", img, "--image", img, "--prompt", "hi")
-    assert_one_line_error(p, "--image was given 2 times", "one image per prompt")

@@ -27,11 +27,12 @@ def _export(a) -> int:
 def _stats_report(r) -> str:
     s = r.stats
     lines = [
-        f"prompt tokens      {s.prompt_tokens} ({s.image_tiles} image tiles)",
+        f"prompt tokens      {s.prompt_tokens} ({s.images} images, {s.image_tiles} image tiles; "
+        f"{s.reused_prompt_tokens} reused)",
         f"generated tokens   {s.generated_tokens} (stop: {s.stop_reason})",
         f"model load         {s.load_s:.3f} s",
         f"image preprocess   {s.preprocess_s:.3f} s",
-        f"vision encode      {s.vision_s:.3f} s",
+        f"vision encode      {s.vision_s:.3f} s" + (" (skipped: cached)" if s.vision_skipped else ""),
         f"time to 1st token  {s.ttft_s:.3f} s",
         f"prefill            {s.prefill_tokens_per_s:.1f} tokens/s",
         f"decode             {s.decode_tokens_per_s:.1f} tokens/s ({s.decode_ms_per_token:.1f} ms/token)",
@@ -40,22 +41,37 @@ def _stats_report(r) -> str:
     return "\n".join(lines)
 
 
-def _run(a) -> int:
-    from .runtime.pipeline import VLM
+def _options(a) -> dict:
+    """The generation options of `run` and `chat`, checked."""
     from .runtime.sampler import SamplingConfig
 
-    if a.image and len(a.image) > 1:  # a later issue: several images per prompt
-        raise ValueError(f"--image was given {len(a.image)} times; vlmrt run takes one image per prompt")
-    image = a.image[0] if a.image else None
-    sampling = SamplingConfig(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    sampling.validate()
+    SamplingConfig(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed).validate()
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
+    return dict(mode=a.mode, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
+
+
+def _run(a) -> int:
+    from .runtime.conversation import user_turn
+    from .runtime.pipeline import VLM
+
+    if (a.messages is None) == (a.prompt is None):
+        raise ValueError("give --prompt (with --image ...) or --messages CONV.json")
+    if a.messages is not None:
+        if a.image:
+            raise ValueError("--messages carries its images (image_url parts); --image does not apply")
+        from .runtime.conversation import load_messages
+
+        messages = load_messages(a.messages)
+    else:
+        messages = user_turn(a.prompt, a.image or [])
+    opts = _options(a)
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
                    kv_requant=not a.no_kv_requant)
-    gen = vlm.generate(a.prompt, image, mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling,
-                       ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
+    # a one-shot run: nothing to reuse, the same as generate()
+    gen = vlm.chat(messages, **opts)
     if a.json:
         for _ in gen:
             pass
@@ -66,6 +82,16 @@ def _run(a) -> int:
         print()
         print(_stats_report(vlm.result), file=sys.stderr)
     return 0
+
+
+def _chat(a) -> int:
+    from .chat_repl import repl
+    from .runtime.pipeline import VLM
+
+    opts = _options(a)
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
+                   kv_requant=not a.no_kv_requant)
+    return repl(vlm, opts, images=a.image or [], system=a.system, report=_stats_report)
 
 
 def _bundle_or_default(bundle: str | None) -> str:
@@ -154,6 +180,31 @@ def _bench(a) -> int:
     return 0
 
 
+def _generation_args(r) -> None:
+    r.add_argument("bundle", nargs="?", default=None,
+                   help="bundle folder (default: the offline easy-VQA demo model, exported into $VLMRT_CACHE or "
+                        "~/.cache/vlmrt on first use)")
+    r.add_argument("--image", action="append",
+                   help="image: a file, an http(s):// URL or a data:image/...;base64, URI (repeatable: several "
+                        "images, in order, before the text)")
+    r.add_argument("--mode", choices=["kv", "hybrid"], default=None, help="kv: prompt through the AR=1 graph; hybrid: AR=N prefill blocks (default)")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable): the answer is cut before it and generation ends there")
+    r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    r.add_argument("--max-tiles", type=int, default=None,
+                   help="cap each image's tile count (bundles whose tiling has one, e.g. InternVL)")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"],
+                   help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
+    r.add_argument("--no-kv-requant", action="store_true",
+                   help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
+    r.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vlmrt", description="Export and run small vision-language models as static ONNX graphs.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -186,28 +237,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)
 
-    r = sub.add_parser("run", help="ask a question about an image")
-    r.add_argument("bundle", nargs="?", default=None,
-                   help="bundle folder (default: the offline easy-VQA demo model, exported into $VLMRT_CACHE or "
-                        "~/.cache/vlmrt on first use)")
-    r.add_argument("--image", action="append", help="image file (omit for a text-only prompt; one image per prompt)")
-    r.add_argument("--prompt", required=True)
-    r.add_argument("--mode", choices=["kv", "hybrid"], default=None, help="kv: prompt through the AR=1 graph; hybrid: AR=N prefill blocks (default)")
-    r.add_argument("--max-new-tokens", type=int, default=256)
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-k", type=int, default=0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
-    r.add_argument("--max-tiles", type=int, default=None,
-                   help="cap the image's tile count (bundles whose tiling has one, e.g. InternVL)")
-    r.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"],
-                   help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
-    r.add_argument("--no-kv-requant", action="store_true",
-                   help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
-    r.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+    r = sub.add_parser("run", help="ask a question about images, or answer a conversation's next turn")
+    _generation_args(r)
+    r.add_argument("--prompt", default=None, help="the question (one user turn: the --image images, then this text)")
+    r.add_argument("--messages", default=None, metavar="CONV.json",
+                   help="a conversation: a JSON list of OpenAI-style messages (system / user / assistant; content a "
+                        "string or text / image_url parts); answers the next assistant turn")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
     r.set_defaults(fn=_run)
+
+    c = sub.add_parser("chat", help="an interactive conversation (/image PATH|URL, /reset, /stats, /quit)")
+    _generation_args(c)
+    c.add_argument("--system", default=None, help="a system message put first")
+    c.set_defaults(fn=_chat)
 
     v = sub.add_parser("eval", help="accuracy of a bundle against the float reference on the same weights")
     v.add_argument("bundle", nargs="?", default=None, help="bundle folder (with --dataset, default: the offline demo model)")

@@ -106,6 +106,17 @@ class PromptSpec:
     tokens_per_tile: int
     add_special_tokens: bool
     params: dict[str, Any] = field(default_factory=dict)
+    # conversations (runtime/conversation.py renders them with jinja2, as transformers' apply_chat_template does):
+    # the checkpoint's Jinja chat template, the special-token strings it may read (bos_token, eos_token, ...),
+    # how it takes message content ("parts": [{"type": "image"}, {"type": "text", ...}]; "string": text only, an
+    # image written into the text as `image_in_text`), and what a rendered image item is (`image_placeholder`,
+    # replaced by the expansion op's text, image by image). None: a bundle exported before conversations.
+    chat_template: str | None = None
+    template_strings: dict[str, str] = field(default_factory=dict)
+    content_format: str = "parts"
+    image_placeholder: str = ""
+    image_in_text: str | None = None
+    system_prompt: str | None = None  # a system turn put first when a conversation has none
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Render a model's Jinja chat template once, at export, into the manifest's prompt templates.
 
-The runtime has no Jinja: it fills `{image}` and `{prompt}` in the rendered strings. We render
+Single-turn prompts fill `{image}` and `{prompt}` in the rendered strings; conversations render the template
+itself, which the manifest carries too (runtime/conversation.py). We render
 the template like transformers does (sandboxed, trim_blocks, lstrip_blocks, loopcontrols) for a
 single user turn with a generation prompt, with sentinels where the image and text go.
 """
@@ -9,24 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..runtime.conversation import template_env
+
 TEXT_SENTINEL = "\x00VLMRT_PROMPT\x00"
-
-
-def _env():
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ValueError(f"chat template error: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.globals["raise_exception"] = raise_exception
-    return env
 
 
 def render(template: str, messages: list[dict[str, Any]], special: dict[str, str]) -> str:
     try:
-        return _env().from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+        return template_env().from_string(template).render(messages=messages, add_generation_prompt=True, **special)
     except ValueError:
         raise
     except Exception as e:  # jinja2 syntax/undefined errors, or a template that expects other content types

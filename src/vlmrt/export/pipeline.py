@@ -121,6 +121,7 @@ class Plan:
     context_step: int  # > 0: symbolic cache length; 0: static graphs
     htp: dict | None  # the HTP target's options, None for the CPU target
     templates: tuple[str, str]  # the chat template rendered for one user turn with / without an image
+    conversation: dict[str, Any]  # PromptSpec's conversation fields: the template itself and how it takes images
 
     @property
     def one_graph(self) -> bool:
@@ -168,6 +169,9 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     if not template:
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
     special = _special_strings(ckpt)
+    # conversations: the checkpoint's template itself, rendered at run time (runtime/conversation.py)
+    conversation = {"chat_template": template, "template_strings": special, "content_format": "parts",
+                    "image_placeholder": host.image_placeholder, "system_prompt": host.system_prompt}
     try:
         templates = prompt_templates(template, host.image_placeholder, special, host.system_prompt)
     except ValueError:
@@ -175,8 +179,9 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
             raise
         placeholder, in_text = host.image_in_text_fallback
         templates = prompt_templates(template, placeholder, special, host.system_prompt, in_text)
+        conversation.update(content_format="string", image_placeholder=placeholder, image_in_text=in_text)
     return Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
-                htp, templates)
+                htp, templates, conversation)
 
 
 def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress) -> list[tuple[str, str]]:
@@ -262,7 +267,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
         image=mf.ImageSpec(**host.image),
         prompt=mf.PromptSpec(template_image=plan.templates[0], template_text=plan.templates[1],
                              expansion=host.prompt_expansion, tokens_per_tile=plan.cfg.tokens_per_tile,
-                             add_special_tokens=True, params=host.prompt_params),
+                             add_special_tokens=True, params=host.prompt_params, **plan.conversation),
         special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=_eos_ids(plan.ckpt, plan.tok_json),
                                         pad_token_id=_pad_id(plan.ckpt, t.vocab)),
         kv=mf.KVSpec(layers=t.layers, dim=t.kv_heads * t.head_dim, max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype],

@@ -79,6 +79,9 @@ class Engine:
         self._steps: dict[tuple[int, int, int], object] = {}  # id(session), ctx, ar -> the step for that shape
         self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
         self.run_s = 0.0  # time inside graph calls, accumulated
+        # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
+        # that mode computes (see reusable)
+        self._exact: tuple[str, int, int] = ("", 0, -1)
 
     def embed(self, ids: list[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
@@ -118,29 +121,55 @@ class Engine:
         self.cache.write(step.rows, n)
         return logits[:n]
 
-    def prefill(self, prompt_embeds: np.ndarray, mode: str) -> np.ndarray:
-        """Run the prompt through the decoder from an empty cache; returns the last token's logits."""
+    def _blocks(self, mode: str) -> int:
+        """Tokens per prompt step in mode: prefill_ar for hybrid (with a prefill graph), else 1."""
+        return self.dec.prefill_ar if mode == "hybrid" and self.prefill_session is not None else 1
+
+    def reusable(self, mode: str, common: int) -> int:
+        """Where a prefill in mode may start keeping the cache's rows before it (prefill(..., start=)), given that
+        the new prompt's first `common` tokens are those whose rows the cache holds: the largest start <= common
+        from which the rows of a resumed prefill are bit for bit those of a fresh one. Rows count when a fresh
+        prefill computes them the same way: in kv mode every row (each is one AR=1 step at its position, generated
+        tokens' too); in hybrid mode the full AR blocks of the last prompt (a block starting at a multiple of AR),
+        never a short last block, generated tokens or rows re-encoded for decode (kv_requant)."""
+        m, rows, epoch = self._exact
+        if m != mode or epoch != self.cache.epoch:
+            return 0
+        n = min(common, rows, self.cache.length)
+        return n - n % self._blocks(mode)
+
+    def prefill(self, prompt_embeds: np.ndarray, mode: str, start: int = 0) -> np.ndarray:
+        """Run the prompt through the decoder; returns the last token's logits. start > 0: prompt_embeds are the
+        rows from position start on and the cache's rows 0..start-1 are kept (start from reusable())."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         n = prompt_embeds.shape[0]
         if n == 0:
             raise ValueError("empty prompt")
-        if n >= self.kv_spec.max_context:
+        if start + n >= self.kv_spec.max_context:
             raise ContextOverflow(
-                f"prompt is {n} tokens but the bundle's max context is {self.kv_spec.max_context} "
+                f"prompt is {start + n} tokens but the bundle's max context is {self.kv_spec.max_context} "
                 f"(room is needed for at least one new token); re-export with a larger --max-seq-len"
             )
-        self.cache.reset()
-        if mode == "hybrid" and self.prefill_session is not None:
-            ar = self.dec.prefill_ar
-            for start in range(0, n, ar):
-                logits = self.step("prefill", prompt_embeds[start : start + ar])
+        ar = self._blocks(mode)
+        if start:
+            if start % ar or start > self.reusable(mode, start):
+                raise ValueError(f"cannot resume a {mode} prefill at {start}: not a reusable prefix of the cache")
+            self.cache.rewind(start)
+        else:
+            self.cache.reset()
+        exact = start + n - n % ar
+        if ar > 1:
+            for b in range(0, n, ar):
+                logits = self.step("prefill", prompt_embeds[b : b + ar])
             enc = self.kv_spec.encodings
             if self.kv_requant and enc.get("prefill") and enc.get("decode"):
                 self.cache.requantize(enc["prefill"], enc["decode"])
+                exact = 0  # the rows are in decode's encoding now, a prefill reads prefill's
         else:
             for i in range(n):
                 logits = self.step("decode", prompt_embeds[i : i + 1])
+        self._exact = (mode, exact, self.cache.epoch)
         return logits[-1]
 
     def score(self, prompt_embeds: np.ndarray, tokens: list[int], mode: str = "hybrid") -> np.ndarray:
@@ -153,15 +182,17 @@ class Engine:
         return np.stack(out)
 
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
-                 sampler: Sampler | None = None, ignore_eos: bool = False) -> Iterator[int]:
-        """Yield generated token ids (EOS is not yielded). Stats land in self.last when done."""
+                 sampler: Sampler | None = None, ignore_eos: bool = False, start: int = 0) -> Iterator[int]:
+        """Yield generated token ids (EOS is not yielded). Stats land in self.last when done. start > 0: a prefix
+        reuse, prompt_embeds are the rows from position start on (see prefill)."""
         sampler = sampler or Sampler(SamplingConfig())
         st = self.last = GenerationStats(prompt_tokens=int(prompt_embeds.shape[0]))
         if max_new_tokens <= 0:
             st.stop_reason = "length"
             return
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_embeds, mode)
+        logits = self.prefill(prompt_embeds, mode, start)
+        one_by_one = self._blocks(mode) == 1  # a fresh kv prefill computes generated tokens' rows as decode does
         token = sampler(logits)
         st.prefill_s = time.perf_counter() - t0
         while True:
@@ -178,6 +209,8 @@ class Engine:
                 return
             t, run0 = time.perf_counter(), self.run_s
             logits = self.step("decode", self.embed([token]))[-1]
+            if one_by_one and self._exact[1] == self.cache.length - 1:
+                self._exact = (mode, self.cache.length, self.cache.epoch)
             token = sampler(logits)
             dt = time.perf_counter() - t
             st.decode_s += dt

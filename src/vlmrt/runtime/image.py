@@ -8,6 +8,7 @@ grid (rows, cols) that prompt expansion needs; (0, 0) means one global tile, no 
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import warnings
 from dataclasses import dataclass
@@ -50,33 +51,38 @@ class Tiles:
 
 
 def load_image(path: str | Path) -> Image.Image:
-    """Open an image file as RGB, as transformers' `load_image` does: the EXIF orientation applied (phone photos),
-    transparency composited onto white; the first frame of an animation. Files over MAX_IMAGE_BYTES or
-    MAX_IMAGE_PIXELS are refused before their pixels are decoded."""
+    """Open an image file as RGB (see decode_image); a file over MAX_IMAGE_BYTES is refused before it is read."""
     path = Path(path)
     if not path.is_file():
         raise ImageError(f"image not found: {path}")
     size = path.stat().st_size
     if size > MAX_IMAGE_BYTES:
         raise ImageError(f"image {path} is {size / 2**20:.0f} MiB; vlmrt reads images up to {MAX_IMAGE_BYTES >> 20} MiB")
+    return decode_image(path, str(path))
+
+
+def decode_image(source: Path | bytes, label: str) -> Image.Image:
+    """An image file or its bytes as RGB, as transformers' `load_image` does: the EXIF orientation applied (phone
+    photos), transparency composited onto white; the first frame of an animation. An image over MAX_IMAGE_PIXELS is
+    refused before its pixels are decoded; anything Pillow cannot decode is one ImageError naming label."""
     try:
         with warnings.catch_warnings():
             # Pillow warns on oddities it reads past (a truncated TIFF tag, a bomb under its own limit: ours is checked
             # below); the result is what matters: an image, or one error line, never a Python warning on stderr
             warnings.simplefilter("ignore")
-            with Image.open(path) as im:
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
                 if im.width * im.height > MAX_IMAGE_PIXELS:
-                    raise ImageError(f"image {path} is {im.width}×{im.height} pixels; vlmrt reads images up to "
+                    raise ImageError(f"image {label} is {im.width}×{im.height} pixels; vlmrt reads images up to "
                                      f"{MAX_IMAGE_PIXELS / 1e6:.0f} million pixels")
                 im.load()
                 im = ImageOps.exif_transpose(im)
                 if im.width * im.height == 0:
-                    raise ImageError(f"image {path} has no pixels ({im.width}×{im.height})")
+                    raise ImageError(f"image {label} has no pixels ({im.width}×{im.height})")
                 return to_rgb(im)
     except Image.DecompressionBombError as e:  # over Pillow's own limit, refused by Image.open
-        raise ImageError(f"image {path} is too large to decode safely: {str(e).split('.')[0]}") from None
+        raise ImageError(f"image {label} is too large to decode safely: {str(e).split('.')[0]}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, struct_error, MemoryError) as e:
-        raise ImageError(f"cannot read image {path}: {e or type(e).__name__}") from None
+        raise ImageError(f"cannot read image {label}: {e or type(e).__name__}") from None
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

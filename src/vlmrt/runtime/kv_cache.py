@@ -46,9 +46,18 @@ class KVCache:
         self.keys = [self.data[i, 0] for i in range(spec.layers)]
         self.values = [self.data[i, 1] for i in range(spec.layers)]
         self.length = 0  # number of valid slots (= next position)
+        self.epoch = 0  # counts resets: rows kept across calls (a prefix reuse) belong to one epoch
 
     def reset(self) -> None:
         self.length = 0  # stale rows beyond length are masked, no need to clear
+        self.epoch += 1
+
+    def rewind(self, n: int) -> None:
+        """Keep rows 0..n-1 and write the next step's rows from slot n on: a prefix reuse. Slots >= n are then
+        stale, masked like those beyond length always are, and overwritten by the next writes."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot keep {n} rows of a cache holding {self.length}")
+        self.length = n
 
     def feeds(self, ctx: int | None = None) -> dict[str, np.ndarray]:
         """The cache as graph inputs; ctx < max_context gives the prefix [:ctx] (a contiguous view, no copy)."""

@@ -1,0 +1,78 @@
+"""`vlmrt chat`: an interactive conversation over VLM.chat, one line per user turn.
+
+    /image PATH|URL   attach an image to the next turn (repeatable)
+    /reset            start a new conversation (the caches stay: a repeated image is not encoded again)
+    /stats            the last turn's statistics in full
+    /quit             leave (so does end of input)
+Answers stream to stdout; a one-line summary of each turn (reused tokens, vision skipped, TTFT) goes to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .manifest import BundleError
+from .runtime.image import ImageError
+
+HELP = "commands: /image PATH|URL (attach to the next turn), /reset, /stats, /quit"
+
+
+def summary(s) -> str:
+    vision = "skipped (cached)" if s.vision_skipped else f"{s.vision_s:.2f} s" if s.images else "-"
+    return (f"[{s.prompt_tokens} prompt tokens, {s.reused_prompt_tokens} reused; vision {vision}; "
+            f"first token {s.ttft_s:.2f} s; {s.generated_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s; "
+            f"stop: {s.stop_reason}]")
+
+
+def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, report=None, stdin=None,
+         stdout=None, stderr=None) -> int:
+    """Run the loop until /quit or end of input; report(result) -> text for /stats."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    interactive = hasattr(stdin, "isatty") and stdin.isatty()
+
+    def fresh():
+        return [{"role": "system", "content": system}] if system else []
+
+    messages, pending = fresh(), list(images)
+    print(HELP, file=stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line:
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            if cmd == "/quit":
+                return 0
+            if cmd == "/reset":
+                messages, pending = fresh(), []
+                print("[new conversation]", file=stderr)
+            elif cmd == "/image" and arg.strip():
+                pending.append(arg.strip())
+                print(f"[image {len(pending)} attached to the next turn]", file=stderr)
+            elif cmd == "/stats":
+                print(report(vlm.result) if report else vlm.result.stats, file=stderr)
+                print(f"caches: {vlm.cache_bytes()}", file=stderr)
+            else:
+                print(HELP, file=stderr)
+            continue
+        content = [{"type": "image_url", "image_url": {"url": p}} for p in pending] + [{"type": "text", "text": line}]
+        turn = messages + [{"role": "user", "content": content}]
+        try:
+            pieces = []
+            for piece in vlm.chat(turn, **options):
+                pieces.append(piece)
+                print(piece, end="", file=stdout, flush=True)
+            print(file=stdout, flush=True)
+        except (ImageError, BundleError, ValueError, OSError) as e:
+            # the turn is dropped (its images too): the conversation goes on as before it
+            print(f"vlmrt: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=stderr)
+            pending = []
+            continue
+        messages = turn + [{"role": "assistant", "content": vlm.result.text}]
+        pending = []
+        print(summary(vlm.result.stats), file=stderr)

@@ -1,0 +1,100 @@
+"""The caches of a conversation: which prompt rows the KV cache holds, and image embeddings by content.
+
+PrefixCache  remembers what the engine's KV cache rows stand for: one key per row, the token id, or for an image
+             token (image digest, tiling, row) — the image token id alone does not say which picture it is. A new
+             prompt's keys are compared with them; the engine (Engine.reusable) says how much of the common prefix
+             can be kept so that the answer is the one a fresh run gives. The rows themselves stay where they are
+             (KVCache.rewind): the prefix cache adds no memory beyond its keys.
+ImageCache   vision-graph embeddings by (content digest, tiling), least recently used dropped first, bounded in bytes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kv_cache import KVCache
+
+
+def row_keys(ids: list[int], image_token_id: int, images: list[tuple]) -> list:
+    """One key per prompt position: ids, with the image-token positions keyed (image key, row) in order;
+    images: (key, rows) per image in prompt order."""
+    keys: list = list(ids)
+    slots = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(slots) != sum(n for _, n in images):
+        raise ValueError(f"prompt has {len(slots)} image tokens but the images give {sum(n for _, n in images)} embeddings")
+    at = 0
+    for key, n in images:
+        for r in range(n):
+            keys[slots[at]] = (key, r)
+            at += 1
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.keys: list = []
+        self.epoch = -1
+
+    def common(self, keys: list) -> int:
+        """How many leading keys equal those of the rows the cache still holds (0 once anything reset it)."""
+        if self.epoch != self.cache.epoch:
+            return 0
+        held = self.keys[: self.cache.length]
+        n = 0
+        for a, b in zip(held, keys):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def record(self, keys: list) -> None:
+        """After a call: keys of the rows 0..cache.length-1 (the prompt's, then the fed generated tokens')."""
+        self.keys = list(keys[: self.cache.length])
+        self.epoch = self.cache.epoch
+
+    def clear(self) -> None:
+        self.keys, self.epoch = [], -1
+
+
+@dataclass
+class CachedImage:
+    grid: tuple[int, int, int]  # (rows, cols, tiles), what prompt expansion needs
+    embeds: np.ndarray  # [tiles * tokens_per_tile, hidden]
+
+
+class ImageCache:
+    """Embeddings by key, at most max_bytes of arrays in all (an image larger than that is not kept)."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError("image cache size must be >= 0")
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[tuple, CachedImage] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: tuple) -> CachedImage | None:
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key: tuple, item: CachedImage) -> None:
+        if key in self._items:
+            self.bytes -= self._items.pop(key).embeds.nbytes
+        if item.embeds.nbytes > self.max_bytes:
+            return
+        while self._items and self.bytes + item.embeds.nbytes > self.max_bytes:
+            self.bytes -= self._items.popitem(last=False)[1].embeds.nbytes
+        self._items[key] = item
+        self.bytes += item.embeds.nbytes
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.bytes = 0
