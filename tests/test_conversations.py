@@ -75,7 +75,7 @@ def hf_inputs(proc, messages, nested: bool):
 
 
 def hf_greedy(model, inputs, n: int) -> list[int]:
-    from fixtures import greedy_new_ids
+    from oracle import greedy_new_ids
 
     return greedy_new_ids(model, inputs, n, ignore_eos=True)
 
@@ -90,7 +90,7 @@ def family_case(request, tmp_path_factory):
         model, proc = ex.hf()
         return ex.bundle, model, proc, True, fam
     ex = ivl.exported(case, tmp_path_factory)
-    model, proc = ex.hf
+    model, proc = ex.hf()
     return ex.bundle, model, proc, False, fam
 
 
@@ -179,7 +179,7 @@ def test_string_content_template_multi_image_turns(tmp_path_factory, tmp_path):
     text = vlm.bundle.tokenizer.decode(r.prompt_ids, skip_special_tokens=False)
     assert text.count("<img>") == 3 and "</img>\nDescribe it.<|im_end|>" in text and "</img>\nCompare." in text
     pixels = np.concatenate([img_ops.preprocess(img_ops.load_image(p), vlm.manifest.image).pixels for p in (a, c, a)])
-    assert r.token_ids == ivl.hf_greedy_from_ids(ex.hf[0], r.prompt_ids, pixels, 12)
+    assert r.token_ids == ivl.hf_greedy_from_ids(ex.hf()[0], r.prompt_ids, pixels, 12)
 
 
 # --- 4. the prefix cache: same answers as a fresh run, fewer tokens prefilled, vision skipped ------------------
