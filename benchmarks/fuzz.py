@@ -64,7 +64,7 @@ def main() -> int:
         bundle = Path(a.bundle)
     else:
         os.environ.setdefault("VLMRT_CACHE", "/tmp/vlmrt-fuzz-cache")
-        from vlmrt.default_model import ensure_bundle
+        from vlmrt.demo.default_model import ensure_bundle
 
         bundle = ensure_bundle(progress=True)
     base = json.loads((bundle / "manifest.json").read_text())

@@ -245,8 +245,13 @@ def test_altered_cache_is_rebuilt(cache, capsys, monkeypatch, tmp_path):
     (tmp_path / "b" / "manifest.json").write_text("{")
     assert "cannot read" in default_model.verify_cache(tmp_path / "b")
     (tmp_path / "b" / "manifest.json").write_text((bundle / "manifest.json").read_text())
-    for f in json.loads((bundle / "manifest.json").read_text())["files"]:
+    files = json.loads((bundle / "manifest.json").read_text())["files"]
+    for f in files:  # symlinks to another folder's files: refused (a bundle reads only its own files)
         (tmp_path / "b" / f).symlink_to(bundle / f)
+    assert "outside the bundle" in default_model.verify_cache(tmp_path / "b")
+    for f in files:  # hard links are the bundle's own files
+        (tmp_path / "b" / f).unlink()
+        os.link(bundle / f, tmp_path / "b" / f)
     assert default_model.verify_cache(tmp_path / "b") is None
     (tmp_path / "b" / "embed.npy").unlink()
     (tmp_path / "b" / "embed.npy").write_bytes((bundle / "embed.npy").read_bytes() + b"x")

@@ -62,7 +62,7 @@ def test_two_first_uses_of_the_default_model_both_answer(tmp_path):
     """Both processes start on an empty cache at once: one builds, the other waits for it (the lock), both answer.
     One build of the demo model: about 7 min on the shared 2-core machine (measured with other suites running)."""
     pytest.importorskip("torch")
-    from vlmrt import default_model
+    from vlmrt.demo import default_model
 
     if default_model.missing_export_modules():
         pytest.skip("needs the export extra")
