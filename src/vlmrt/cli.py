@@ -280,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"])
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
+
+    from .serve.command import add_parser as add_serve  # argparse only: the server's modules load when it runs
+
+    add_serve(sub)
     return ap
 
 

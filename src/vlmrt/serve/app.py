@@ -1,0 +1,216 @@
+"""The Starlette app: POST /v1/chat/completions, GET /v1/models, GET /health, GET / (the chat page).
+
+    app = create_app(load, model_id="easyvqa")   # load() -> Scheduler, run in a thread at startup
+    uvicorn.run(app)                              # /health is 503 until load() returns, then 200
+
+A request is read (at most max_body bytes: else 413), checked (400s), its images decoded in a worker thread, then
+queued (503 when full). The answer waits for the first event of its generation, so that an error found there (the
+prompt does not fit the context) is still a plain JSON 400 for a streamed request too. A watcher reads the
+connection while the request waits or generates: a client that goes away cancels its job, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from ..runtime.sources import FetchLimits
+from .errors import APIError, internal, unavailable
+from .media import load_images, with_images
+from .request import parse_request
+from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
+from .scheduler import Job, QueueFull, Scheduler
+
+log = logging.getLogger("vlmrt.serve")
+MAX_BODY = 32 * 1024 * 1024
+DRAIN = 64 * 1024 * 1024  # a body over the limit is read (and dropped) this far, so that the client sees the 413
+
+
+@dataclass
+class Config:
+    model_id: str
+    media_dir: Path | None = None
+    max_images: int = 8
+    max_body: int = MAX_BODY
+    fetch: FetchLimits = FetchLimits()
+
+
+class State:
+    def __init__(self):
+        self.scheduler: Scheduler | None = None
+        self.error: str | None = None
+
+
+def _error(e: APIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    size = request.headers.get("content-length", "")
+    chunks, n = [], 0
+    over = size.isdigit() and int(size) > limit
+    async for c in request.stream():
+        n += len(c)
+        over = over or n > limit
+        if over and n > DRAIN:
+            break
+        if not over:
+            chunks.append(c)
+    if over:
+        raise APIError(413, f"the request body is over the server's limit of {limit} bytes", "invalid_request_error",
+                       "request_too_large")
+    return b"".join(chunks)
+
+
+async def _watch(receive, sched: Scheduler, job: Job) -> None:
+    """Cancel the job when the client disconnects."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    sched.cancel(job)
+
+
+class EventStream(Response):
+    """Server-sent events from an async iterator of bytes; on_close runs however the stream ends."""
+
+    def __init__(self, events, on_close: Callable[[], None]):
+        self.events, self.on_close = events, on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for data in self.events:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away mid-write
+            pass
+        finally:
+            self.on_close()
+
+
+def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Callable[[str], None] | None = None):
+    state = State()
+
+    def loader():
+        try:
+            t = time.perf_counter()
+            state.scheduler = load()
+            log.info("model %s ready in %.1f s", config.model_id, time.perf_counter() - t)
+        except Exception as e:
+            state.error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            log.error("loading failed: %s", state.error)
+            if on_load_error:
+                on_load_error(state.error)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=loader, name="vlmrt-load", daemon=True).start()
+        yield
+        if state.scheduler is not None:
+            state.scheduler.close()
+
+    def ready() -> Scheduler:
+        if state.scheduler is None:
+            raise unavailable(f"the model failed to load: {state.error}" if state.error else "the model is loading",
+                              "load_failed" if state.error else "loading")
+        return state.scheduler
+
+    async def health(request: Request):
+        if state.scheduler is None:
+            return JSONResponse({"status": "error" if state.error else "loading", "error": state.error}, status_code=503)
+        return JSONResponse({"status": "ok", "model": config.model_id, **state.scheduler.status()})
+
+    async def models(request: Request):
+        meta = {"max_context": state.scheduler.max_context, "slots": len(state.scheduler.slots)} if state.scheduler else {}
+        return JSONResponse({"object": "list", "data": [{"id": config.model_id, "object": "model", "created": 0,
+                                                         "owned_by": "vlmrt", "meta": meta}]})
+
+    async def page(request: Request):
+        return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"))
+
+    async def chat(request: Request):
+        sched = ready()
+        req = parse_request(await read_body(request, config.max_body), config.max_images)
+        images = await asyncio.to_thread(load_images, req.urls, config.media_dir, config.fetch)
+        req.options.setdefault("max_new_tokens", sched.max_context)
+        job = Job(with_images(req.messages, images), req.key, req.options, asyncio.get_running_loop())
+        try:
+            sched.submit(job)
+        except QueueFull:
+            raise unavailable(f"all {len(sched.slots)} slots are busy and the queue ({sched.max_queue}) is full; "
+                              "retry later", "queue_full") from None
+        watcher = asyncio.ensure_future(_watch(request.receive, sched, job))
+
+        def close():
+            watcher.cancel()
+            sched.cancel(job)  # no-op for a finished job
+
+        try:
+            first = await job.events.get()
+            if first[0] == "error":
+                raise first[1]
+            if req.stream:
+                stream = EventStream(_events(job, first, new_id(), config.model_id, req.include_usage), close)
+                first = None  # the stream owns the job now
+                return stream
+            text, ev = [], first
+            while ev[0] == "piece":
+                text.append(ev[1])
+                ev = await job.events.get()
+            if ev[0] == "error":
+                raise ev[1]
+            if ev[0] == "cancelled":
+                return _error(APIError(499, "the client closed the request", "invalid_request_error", "cancelled"))
+            return JSONResponse(completion(new_id(), config.model_id, ev[1]))
+        finally:
+            if first is not None:
+                close()
+
+    async def api_error(request: Request, e: APIError):
+        return _error(e)
+
+    async def http_error(request: Request, e: HTTPException):
+        kind = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
+        t, c = kind.get(e.status_code, ("invalid_request_error", "http_error"))
+        msg = f"{request.method} {request.url.path}: {e.detail}"
+        return _error(APIError(e.status_code, msg, t, c), headers=e.headers)
+
+    async def server_error(request: Request, e: Exception):
+        log.error("unhandled error on %s %s: %r (traceback below)", request.method, request.url.path, e)
+        return _error(internal())
+
+    routes = [Route("/", page), Route("/health", health), Route("/v1/models", models),
+              Route("/v1/chat/completions", chat, methods=["POST"])]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+
+
+async def _events(job: Job, first, cid: str, model: str, include_usage: bool):
+    extra = {"usage": None} if include_usage else {}
+    yield chunk(cid, model, {"role": "assistant", "content": ""}, **extra)
+    kind, value = first
+    while kind == "piece":
+        yield chunk(cid, model, {"content": value}, **extra)
+        kind, value = await job.events.get()
+    if kind == "done":
+        yield chunk(cid, model, {}, FINISH.get(value.stop_reason, "stop"), vlmrt=timings(value), **extra)
+        if include_usage:
+            yield chunk(cid, model, None, usage=usage(value))
+        yield DONE
+    elif kind == "error":  # after the first piece: the stream has begun, so the error is an event
+        yield b"data: " + json.dumps(value.body()).encode() + b"\n\n"

@@ -1,0 +1,48 @@
+"""image_url parts -> decoded RGB images, before a request is queued (so that a slow URL never holds the model).
+
+A url is a data:image/...;base64, URI, an http(s) URL (fetched within runtime.sources' limits) or, only when the
+server was started with a media folder, a path inside that folder. Every failure is a 400 naming the image.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..runtime.image import ImageError
+from ..runtime.sources import FetchLimits, read_image
+from .errors import bad_request
+
+
+def _local(url: str, media_dir: Path | None) -> str:
+    if re.match(r"(?i)[a-z][a-z0-9+.-]*:", url) and not re.match(r"[A-Za-z]:[\\/]", url):
+        raise bad_request(f"image url {url[:60]!r}: only data:image URIs, http(s) URLs and media-folder paths",
+                          "invalid_image")
+    if media_dir is None:
+        raise bad_request("image paths are refused: this server was started without --media-dir "
+                          "(send a data URI or an http(s) URL)", "invalid_image")
+    root = media_dir.resolve()
+    p = (root / url).resolve()
+    if not p.is_relative_to(root):
+        raise bad_request(f"image path {url!r} is outside the media folder", "invalid_image")
+    return str(p)
+
+
+def load_images(urls: list[str], media_dir: Path | None, limits: FetchLimits):
+    """The decoded images, in order (blocking: fetches URLs; run it in a worker thread)."""
+    out = []
+    for i, url in enumerate(urls):
+        src = url if url.startswith("data:") or re.match(r"(?i)https?://", url) else _local(url, media_dir)
+        try:
+            out.append(read_image(src, limits).image)
+        except ImageError as e:
+            raise bad_request(f"image {i + 1}: {e}", "invalid_image") from None
+    return out
+
+
+def with_images(messages: list[dict], images: list) -> list[dict]:
+    """messages with each image_url part replaced, in order, by {"type": "image", "image": <decoded image>}."""
+    it = iter(images)
+    return [{"role": m["role"], "content": [{"type": "image", "image": next(it)} if p.get("type") == "image_url" else p
+                                            for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
+            for m in messages]

@@ -1,0 +1,127 @@
+"""An OpenAI chat-completions request body -> a checked ChatRequest (every problem one 400 APIError).
+
+Fields read: messages (system / developer / user / assistant; content a string or text / image_url parts), stream,
+stream_options.include_usage, max_completion_tokens / max_tokens, temperature, top_p, seed, stop, n (1 only), and the
+extensions llama.cpp and vLLM also take: top_k, ignore_eos. Others (model, user, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from ..runtime.conversation import ConversationError, parse_messages
+from .errors import bad_request
+
+MAX_STOP = 16
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]  # roles mapped, content as parts; image_url parts still hold their url
+    urls: list[str]  # the image_url urls, in order
+    key: list  # per message (role, parts) with images as the sha256 of their url: the slot affinity key
+    stream: bool = False
+    include_usage: bool = False
+    options: dict = field(default_factory=dict)  # VLM.chat keyword arguments
+
+
+def _json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}", "invalid_json") from None
+
+
+def _number(body: dict, name: str, kind, lo=None, hi=None, lo_open=False):
+    v = body.get(name)
+    if v is None:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer())
+    if not ok:
+        raise bad_request(f"{name} must be {'a number' if kind is float else 'an integer'}", "invalid_parameter")
+    v = kind(v)
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        span = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+        raise bad_request(f"{name} must be in {span}, not {v}", "invalid_parameter")
+    return v
+
+
+def _stop(v) -> list[str] | None:
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise bad_request(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", "invalid_parameter")
+    return stops
+
+
+def _messages(raw) -> tuple[list[dict], list[str], list]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty list of {role, content} objects")
+    out, urls, key = [], [], []
+    for i, m in enumerate(raw):
+        where = f"message {i + 1}"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where}: must be an object with role and content")
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        content = m.get("content")
+        parts, kparts = content, []
+        if isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind == "text":
+                    kparts.append(("text", p.get("text")))
+                elif kind == "image_url":
+                    u = p.get("image_url")
+                    url = u.get("url") if isinstance(u, dict) else None
+                    if not isinstance(url, str) or not url:
+                        raise bad_request(f"{where}, part {j + 1}: image_url needs {{\"url\": ...}}", "invalid_content_part")
+                    urls.append(url)
+                    kparts.append(("image", hashlib.sha256(url.encode()).hexdigest()))
+                else:
+                    raise bad_request(f"{where}, part {j + 1}: unknown content part type {kind!r} (text or image_url)",
+                                      "invalid_content_part")
+                parts.append(p)
+        else:
+            kparts.append(("text", content))
+        out.append({"role": role, "content": parts})
+        key.append((role, tuple(kparts)))
+    try:
+        parse_messages(out)  # roles, text types, images only in user turns, the last turn the user's
+    except ConversationError as e:
+        raise bad_request(str(e)) from None
+    return out, urls, key
+
+
+def parse_request(raw: bytes, max_images: int) -> ChatRequest:
+    body = _json(raw)
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    messages, urls, key = _messages(body.get("messages"))
+    if len(urls) > max_images:
+        raise bad_request(f"{len(urls)} images; this server takes at most {max_images} per request", "too_many_images")
+    n = _number(body, "n", int)
+    if n not in (None, 1):
+        raise bad_request("only n = 1 is supported", "invalid_parameter")
+    stream = body.get("stream", False)
+    so = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(so, dict):
+        raise bad_request("stream must be a boolean and stream_options an object", "invalid_parameter")
+    tokens = _number(body, "max_completion_tokens", int, 1)
+    tokens = tokens if tokens is not None else _number(body, "max_tokens", int, 1)
+    opts = {
+        "max_new_tokens": tokens,
+        "temperature": _number(body, "temperature", float, 0, 2),
+        "top_p": _number(body, "top_p", float, 0, 1, lo_open=True),
+        "top_k": _number(body, "top_k", int, 0),
+        "seed": _number(body, "seed", int),
+        "stop": _stop(body.get("stop")),
+        "ignore_eos": body.get("ignore_eos"),
+    }
+    if opts["ignore_eos"] is not None and not isinstance(opts["ignore_eos"], bool):
+        raise bad_request("ignore_eos must be a boolean", "invalid_parameter")
+    return ChatRequest(messages, urls, key, stream, bool(so.get("include_usage")),
+                       {k: v for k, v in opts.items() if v is not None})

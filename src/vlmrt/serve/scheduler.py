@@ -1,0 +1,189 @@
+"""N slots over one bundle, run by one thread: each slot is a VLM of its own (its own KV cache, prefix cache and image
+cache) over the bundle's shared ORT sessions, so requests never see each other's state.
+
+    sched = Scheduler(bundle, slots=4, max_queue=16)
+    job = Job(messages, key, options, asyncio.get_running_loop())
+    sched.submit(job)            # QueueFull when max_queue jobs already wait for a slot
+    kind, value = await job.events.get()   # ("piece", text) ... then ("done", Finished) | ("error", APIError)
+    sched.cancel(job)            # | ("cancelled", None): a client that went away; its slot is free again
+
+The thread interleaves the busy slots one VLM.chat step (one yielded piece) each, round robin; the prefill of a new
+request is one such step. A waiting request goes to the free slot whose last conversation shares the most leading
+messages with it (so a follow-up question finds its KV rows), else to the least recently used one. Correctness does not
+depend on that choice: the slot's prefix cache keeps only rows whose keys match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass
+
+from ..runtime.conversation import ConversationError
+from ..runtime.engine import ContextOverflow
+from ..runtime.image import ImageError
+from ..runtime.pipeline import VLM
+from .errors import bad_request, context_exceeded, internal
+
+log = logging.getLogger("vlmrt.serve")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Finished:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    stop_reason: str  # RunStats.stop_reason: eos | length | context | stop
+    stats: dict  # RunStats as a dict
+    queue_s: float
+    slot: int
+
+
+class Job:
+    def __init__(self, messages: list[dict], key: list, options: dict, loop: asyncio.AbstractEventLoop):
+        self.messages, self.key, self.options, self.loop = messages, key, options, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+        self.submitted = time.perf_counter()
+        self.queue_s = 0.0
+        self.slot = -1
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def emit(self, kind: str, value=None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+
+
+class Slot:
+    def __init__(self, index: int, vlm: VLM):
+        self.index, self.vlm = index, vlm
+        self.job: Job | None = None
+        self.gen = None
+        self.history: list = []  # the key of its last conversation, answer included
+        self.used = 0.0
+
+
+def _common(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Scheduler:
+    def __init__(self, bundle, slots: int, max_queue: int, load_s: float = 0.0, **vlm_options):
+        """vlm_options: VLM keyword arguments (kv_requant, image_cache_bytes per slot, fetch)."""
+        if slots < 1 or max_queue < 0:
+            raise ValueError("--slots must be >= 1 and --queue >= 0")
+        self.max_context = bundle.manifest.kv.max_context
+        self.slots = [Slot(i, VLM(bundle, load_s, **vlm_options)) for i in range(slots)]
+        self.max_queue = max_queue
+        self.waiting: deque[Job] = deque()
+        self.counts: Counter = Counter()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="vlmrt-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- the event loop's side ----------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stop or len(self.waiting) >= self.max_queue + sum(s.job is None for s in self.slots):
+                self.counts["refused"] += 1
+                raise QueueFull()
+            self.waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        job._cancel.set()
+        with self._cv:
+            self._cv.notify()
+
+    def status(self) -> dict:
+        with self._cv:
+            busy = sum(s.job is not None for s in self.slots)
+            return {"slots": len(self.slots), "busy": busy, "queued": len(self.waiting), **self.counts}
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            for job in [s.job for s in self.slots if s.job] + list(self.waiting):
+                job._cancel.set()
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # --- the scheduler thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._assign()
+                active = [s for s in self.slots if s.job is not None]
+                if not active:
+                    if self._stop:
+                        return
+                    self._cv.wait()
+                    continue
+            for s in active:
+                self._advance(s)
+
+    def _assign(self) -> None:
+        for job in [j for j in self.waiting if j.cancelled]:
+            self.waiting.remove(job)
+            self.counts["cancelled"] += 1
+            job.emit("cancelled")
+        while self.waiting:
+            free = [s for s in self.slots if s.job is None]
+            if not free:
+                return
+            job = self.waiting.popleft()
+            s = max(free, key=lambda s: (_common(s.history, job.key), -s.used))
+            job.queue_s, job.slot = time.perf_counter() - job.submitted, s.index
+            s.job, s.history = job, []
+            s.gen = s.vlm.chat(job.messages, **job.options)  # a generator: nothing runs until the first step
+
+    def _free(self, s: Slot, history: list, outcome: str) -> None:
+        with self._cv:
+            s.job, s.gen, s.history, s.used = None, None, history, time.perf_counter()
+            self.counts[outcome] += 1
+
+    def _advance(self, s: Slot) -> None:
+        job = s.job
+        if job.cancelled:
+            s.gen.close()  # runs VLM.chat's cleanup: the prefix cache records what the rows hold
+            self._free(s, [], "cancelled")
+            job.emit("cancelled")
+            return
+        try:
+            piece = next(s.gen)
+        except StopIteration:
+            r = s.vlm.result
+            st = r.stats
+            job.emit("done", Finished(r.text, st.prompt_tokens, st.generated_tokens, st.stop_reason, asdict(st),
+                                      job.queue_s, s.index))
+            self._free(s, job.key + [("assistant", (("text", r.text),))], "completed")
+        except ContextOverflow as e:
+            job.emit("error", context_exceeded(s.vlm.result.stats.prompt_tokens, self.max_context, str(e)))
+            self._free(s, [], "refused")
+        except (ConversationError, ImageError, ValueError) as e:
+            job.emit("error", bad_request(str(e)))
+            self._free(s, [], "refused")
+        except Exception:
+            log.exception("generation failed (slot %d)", s.index)
+            job.emit("error", internal())
+            self._free(s, [], "failed")
+        else:
+            job.emit("piece", piece)
