@@ -157,3 +157,27 @@ def smolvlm(request, tmp_path_factory) -> Exported:
 @pytest.fixture
 def default_bundle(tmp_path_factory) -> Exported:
     return exported(CASES[0], tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    """The offline demo model, assembled and exported (the first-use path) once per session into its own cache
+    folder: (cache root, bundle folder)."""
+    from vlmrt.demo import default_model
+
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from vlmrt.demo.smollm2 import SmolLM2Error, find_gguf
+
+    try:
+        find_gguf()
+    except SmolLM2Error as e:
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("vlmrt-cache")
+    old = os.environ.get("VLMRT_CACHE")
+    os.environ["VLMRT_CACHE"] = str(root)
+    try:
+        bundle = default_model.ensure_bundle(progress=False)  # assembles + exports fp32: the first-use path
+    finally:
+        os.environ.pop("VLMRT_CACHE") if old is None else os.environ.__setitem__("VLMRT_CACHE", old)
+    return root, bundle

@@ -160,13 +160,14 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             watcher.cancel()
             sched.cancel(job)  # no-op for a finished job
 
+        owned = True  # until a stream takes the job over
         try:
             first = await job.events.get()
             if first[0] == "error":
                 raise first[1]
             if req.stream:
                 stream = EventStream(_events(job, first, new_id(), config.model_id, req.include_usage), close)
-                first = None  # the stream owns the job now
+                owned = False
                 return stream
             text, ev = [], first
             while ev[0] == "piece":
@@ -178,7 +179,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 return _error(APIError(499, "the client closed the request", "invalid_request_error", "cancelled"))
             return JSONResponse(completion(new_id(), config.model_id, ev[1]))
         finally:
-            if first is not None:
+            if owned:
                 close()
 
     async def api_error(request: Request, e: APIError):
@@ -196,8 +197,10 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
 
     routes = [Route("/", page), Route("/health", health), Route("/v1/models", models),
               Route("/v1/chat/completions", chat, methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app.state.vlmrt = state  # .scheduler once loaded (tests, benchmarks)
+    return app
 
 
 async def _events(job: Job, first, cid: str, model: str, include_usage: bool):

@@ -121,6 +121,7 @@ class Running:
     """A server in a thread of this process: .url, .stop()."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.app = app
         self.sock = bind(host, port)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"

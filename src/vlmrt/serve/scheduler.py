@@ -152,8 +152,7 @@ class Scheduler:
             job = self.waiting.popleft()
             s = max(free, key=lambda s: (_common(s.history, job.key), -s.used))
             job.queue_s, job.slot = time.perf_counter() - job.submitted, s.index
-            s.job, s.history = job, []
-            s.gen = s.vlm.chat(job.messages, **job.options)  # a generator: nothing runs until the first step
+            s.job, s.gen, s.history = job, None, []
 
     def _free(self, s: Slot, history: list, outcome: str) -> None:
         with self._cv:
@@ -163,11 +162,14 @@ class Scheduler:
     def _advance(self, s: Slot) -> None:
         job = s.job
         if job.cancelled:
-            s.gen.close()  # runs VLM.chat's cleanup: the prefix cache records what the rows hold
+            if s.gen is not None:
+                s.gen.close()  # runs VLM.chat's cleanup: the prefix cache records what the rows hold
             self._free(s, [], "cancelled")
             job.emit("cancelled")
             return
         try:
+            if s.gen is None:
+                s.gen = s.vlm.chat(job.messages, **job.options)
             piece = next(s.gen)
         except StopIteration:
             r = s.vlm.result
