@@ -415,7 +415,8 @@ def test_cli_errors_are_one_line(tiny, capsys, tmp_path):
 
 def test_cli_serves_the_demo_model(demo_cache):
     root, bundle = demo_cache
-    p = subprocess.Popen([sys.executable, "-m", "vlmrt.cli", "serve", "--port", "0", "--slots", "2"],
+    p = subprocess.Popen([sys.executable, "-m", "vlmrt.cli", "serve", "--port", "0", "--slots", "2", "--mode", "kv",
+                          "--log-level", "warning"],
                          stderr=subprocess.PIPE, text=True, env={**os.environ, "VLMRT_CACHE": str(root)})
     try:
         line = p.stderr.readline()
@@ -434,12 +435,14 @@ def test_cli_serves_the_demo_model(demo_cache):
             time.sleep(0.1)
         messages = [ask("What color is the shape?", uri(str(ASSETS.parent.parent / "src/vlmrt/demo/data/shape.png")))]
         out = c.chat.completions.create(model="easyvqa", messages=messages)
-        assert out.choices[0].message.content == "green" and out.choices[0].finish_reason == "stop"
-        messages += [{"role": "assistant", "content": "green"}, ask("What shape is it?")]
-        follow = c.chat.completions.create(model="easyvqa", messages=messages)
         vlm = VLM.load(bundle)
-        assert follow.choices[0].message.content == direct(vlm, messages)
-        assert follow.model_extra["vlmrt"]["reused_prompt_tokens"] > 0
+        answer = out.choices[0].message.content
+        assert answer == direct(vlm, messages, mode="kv") and answer.strip() == "green" and out.choices[0].finish_reason == "stop"
+        messages += [{"role": "assistant", "content": answer}, ask("What shape is it?")]
+        follow = c.chat.completions.create(model="easyvqa", messages=messages)
+        assert follow.choices[0].message.content == direct(vlm, messages, mode="kv")
+        t = follow.model_extra["vlmrt"]  # kv mode: every row of the first turn is kept (hybrid: full 32-token blocks)
+        assert t["reused_prompt_tokens"] >= out.usage.prompt_tokens and t["images_cached"] == 1
     finally:
         p.terminate()
         p.wait(30)

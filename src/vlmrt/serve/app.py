@@ -47,6 +47,7 @@ class Config:
     max_images: int = 8
     max_body: int = MAX_BODY
     fetch: FetchLimits = FetchLimits()
+    mode: str | None = None  # VLM.chat's mode (None: the bundle's default)
 
 
 class State:
@@ -148,6 +149,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
         req = parse_request(await read_body(request, config.max_body), config.max_images)
         images = await asyncio.to_thread(load_images, req.urls, config.media_dir, config.fetch)
         req.options.setdefault("max_new_tokens", sched.max_context)
+        req.options["mode"] = config.mode
         job = Job(with_images(req.messages, images), req.key, req.options, asyncio.get_running_loop())
         try:
             sched.submit(job)

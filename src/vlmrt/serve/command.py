@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-images", type=int, default=8, help="images per request (default 8)")
     s.add_argument("--max-body-mb", type=float, default=32, help="request body limit in MiB (default 32; over: 413)")
     s.add_argument("--image-cache-mb", type=float, default=64, help="image embedding cache, all slots (default 64)")
+    s.add_argument("--mode", choices=["kv", "hybrid"], default=None,
+                   help="prompt feeding (default: the bundle's, hybrid). A follow-up reuses the KV rows of full "
+                        "prefill blocks only in hybrid mode, every row in kv mode")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"])
     s.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -80,7 +83,7 @@ def build(a, bundle: str, on_load_error=None):
                          image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots))
 
     config = Config(model_id=Path(bundle).name, media_dir=media, max_images=a.max_images,
-                    max_body=int(a.max_body_mb * 2**20), fetch=FetchLimits())
+                    max_body=int(a.max_body_mb * 2**20), fetch=FetchLimits(), mode=a.mode)
     return create_app(load, config, on_load_error)
 
 
