@@ -121,17 +121,22 @@ def level(port: int, clients: int, duration: float, qs) -> dict:
             "accuracy": round(sum(r["correct"] for r in ok) / max(1, len(ok)), 3)}
 
 
-def followups(port: int, n: int, qs) -> dict:
-    """n conversations one after another: a question about a new image, then a follow-up about the same image."""
+SYSTEM = ("You are a careful assistant for questions about simple pictures of one shape. Each picture shows one shape, "
+          "a circle, a rectangle or a triangle, in one color. Answer with one word.")
+
+
+def followups(port: int, n: int, qs, system: bool = False) -> dict:
+    """n conversations one after another: a question about a new image, then a follow-up about the same image
+    (system: both after a system message, so that the first prompt spans full prefill blocks)."""
     pairs = []
     for i in range(n):
         q, _, image = qs[(7 * i) % len(qs)]
-        first = [user(q, image)]
+        first = ([{"role": "system", "content": SYSTEM}] if system else []) + [user(q, image)]
         r1 = stream(port, first)
         r2 = stream(port, first + [{"role": "assistant", "content": r1["text"]}, user("What color is the shape?")])
         pairs.append((r1, r2))
     f, s = [p[0]["ttft_s"] for p in pairs], [p[1]["ttft_s"] for p in pairs]
-    return {"conversations": n, "first_ttft_p50_s": round(statistics.median(f), 4),
+    return {"conversations": n, "system_message": system, "first_ttft_p50_s": round(statistics.median(f), 4),
             "followup_ttft_p50_s": round(statistics.median(s), 4),
             "ratio_p50": round(statistics.median(b / a for a, b in zip(f, s)), 3),
             "first_prompt_tokens": pairs[0][0]["vlmrt"]["prompt_tokens"],
@@ -242,6 +247,7 @@ def main(argv=None) -> int:
             out["levels"] = [level(port, int(n), a.duration, qs) for n in a.levels.split(",")]
         if "followups" in only:
             out["followups"] = followups(port, a.followups, qs)
+            out["followups_system"] = followups(port, a.followups, qs, system=True)
         if "soak" in only:
             out["soak"] = soak(port, p.pid, a.soak_clients, a.soak, qs)
         out["loadavg_after"] = open("/proc/loadavg").read().split()[:3]

@@ -340,6 +340,14 @@ def read_events(s, n: int) -> bytes:
     return buf
 
 
+def wait_cancelled(r, before: dict, n: int = 1) -> None:
+    for _ in range(200):  # bounded: 20 s
+        if status(r).get("cancelled", 0) - before.get("cancelled", 0) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no cancellation: {status(r)}")
+
+
 def wait_idle(r) -> dict:
     for _ in range(200):  # bounded: 20 s
         st = status(r)
@@ -349,21 +357,40 @@ def wait_idle(r) -> dict:
     raise AssertionError(f"the server stays busy: {st}")
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_cancels_and_frees_the_slot(server, stream):
+LONG = {"messages": [TEXT], "stream": True, "ignore_eos": True, "max_tokens": 1000}  # ~300 tokens: to the context
+
+
+def busy_slots(r, n: int):
+    """n long streams holding n slots, each seen generating."""
+    socks = [stream_request(r, LONG) for _ in range(n)]
+    for s in socks:
+        read_events(s.__enter__(), 2)
+    return socks
+
+
+@pytest.mark.parametrize("where", ["streaming", "waiting for its answer", "queued"])
+def test_disconnect_cancels_and_frees_the_slot(server, where):
     before = wait_idle(server)
-    body = {"messages": [TEXT], "stream": stream, "ignore_eos": True, "max_tokens": 1000}
+    holders = busy_slots(server, 4) if where == "queued" else []
+    body = {**LONG, "stream": where != "waiting for its answer"}
     with stream_request(server, body) as s:
-        if stream:
+        if where == "streaming":
             assert b'"role": "assistant"' in read_events(s, 3)  # the role chunk and two content chunks
         else:
-            for _ in range(100):
-                if status(server)["busy"]:
+            want = (lambda st: st["queued"]) if where == "queued" else (lambda st: st["busy"])
+            for _ in range(200):
+                if want(status(server)):
                     break
                 time.sleep(0.01)
+            assert want(status(server))
+    wait_cancelled(server, before)  # this request's cancellation: the holders are still generating
+    for h in holders:
+        h.__exit__()
     after = wait_idle(server)
-    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
-    assert after.get("completed", 0) == before.get("completed", 0)
+    cancelled, completed = (after.get(k, 0) - before.get(k, 0) for k in ("cancelled", "completed"))
+    assert cancelled >= 1 and cancelled + completed == 1 + len(holders)  # a holder may have reached the context
+    if not holders:
+        assert completed == 0
     code, out, _ = post(server, {"messages": [TEXT], "max_tokens": 3})  # and the server answers on
     assert code == 200 and out["usage"]["completion_tokens"] <= 3
 
@@ -396,6 +423,40 @@ def test_chat_page_in_headless_chromium(server, vlm, tmp_path):
             ctx.close()
     assert answer == want
     assert "prompt tokens" in stats and "first token" in stats and "decode" in stats
+
+
+def test_chat_page_stop_button_cancels(server, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    before = wait_idle(server)
+    holders = []
+    try:
+        with sync_api.sync_playwright() as p:
+            ctx = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
+                                                       headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = ctx.new_page()
+                page.goto(server.url + "/")
+                page.fill("#prompt", "Hello?")
+                holders = busy_slots(server, 4)  # the page's question waits for a slot: stopped while unfinished
+                page.click("#send")
+                page.wait_for_function("() => !document.getElementById('stop').disabled")
+                for _ in range(200):
+                    if status(server)["queued"]:
+                        break
+                    time.sleep(0.01)
+                assert status(server)["queued"] == 1
+                page.click("#stop")
+                page.wait_for_function("() => document.querySelector('.msg.assistant').textContent.includes('[stopped]')")
+                assert not page.is_disabled("#send")
+                wait_cancelled(server, before)  # the page's request, dropped from the queue
+            finally:
+                ctx.close()
+    finally:
+        for h in holders:
+            h.__exit__()
+    after = wait_idle(server)
+    cancelled, completed = (after.get(k, 0) - before.get(k, 0) for k in ("cancelled", "completed"))
+    assert cancelled >= 1 and cancelled + completed == 5
 
 
 def test_cli_errors_are_one_line(tiny, capsys, tmp_path):

@@ -24,7 +24,7 @@ from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
@@ -64,13 +64,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     size = request.headers.get("content-length", "")
     chunks, n = [], 0
     over = size.isdigit() and int(size) > limit
-    async for c in request.stream():
-        n += len(c)
-        over = over or n > limit
-        if over and n > DRAIN:
-            break
-        if not over:
-            chunks.append(c)
+    try:
+        async for c in request.stream():
+            n += len(c)
+            over = over or n > limit
+            if over and n > DRAIN:
+                break
+            if not over:
+                chunks.append(c)
+    except ClientDisconnect:  # gone before its body arrived: nobody reads the answer
+        raise APIError(400, "the client disconnected while sending the body", code="client_disconnected") from None
     if over:
         raise APIError(413, f"the request body is over the server's limit of {limit} bytes", "invalid_request_error",
                        "request_too_large")
