@@ -174,9 +174,8 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 stream = EventStream(_events(job, first, new_id(), config.model_id, req.include_usage), close)
                 owned = False
                 return stream
-            text, ev = [], first
-            while ev[0] == "piece":
-                text.append(ev[1])
+            ev = first
+            while ev[0] == "piece":  # the answer's text comes whole with "done"
                 ev = await job.events.get()
             if ev[0] == "error":
                 raise ev[1]
