@@ -157,3 +157,26 @@ def smolvlm(request, tmp_path_factory) -> Exported:
 @pytest.fixture
 def default_bundle(tmp_path_factory) -> Exported:
     return exported(CASES[0], tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """(cache root, bundle) of the easy-VQA demo model, built by its first-use path (ensure_bundle) once per session
+    into a fresh $VLMRT_CACHE."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from vlmrt.demo import default_model
+    from vlmrt.demo.smollm2 import SmolLM2Error, find_gguf
+
+    try:
+        find_gguf()
+    except SmolLM2Error as e:
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("vlmrt-cache")
+    old = os.environ.get("VLMRT_CACHE")
+    os.environ["VLMRT_CACHE"] = str(root)
+    try:
+        bundle = default_model.ensure_bundle(progress=False)  # assembles + exports fp32: the first-use path
+    finally:
+        os.environ.pop("VLMRT_CACHE") if old is None else os.environ.__setitem__("VLMRT_CACHE", old)
+    return root, bundle

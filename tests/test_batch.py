@@ -126,9 +126,11 @@ def test_output_repair_resume_and_dedupe(tmp_path, capsys):
 
 def test_meter_line():
     m = Meter(400, enabled=False)
-    m.t0 -= 10.0
+    m.advance(50)  # the clock starts at the first items done (after the job's startup)
+    assert m.line() == "[###.....................] 50/400 records  0.0 records/s  ETA ?"
+    m.first = (m.first[0] - 100.0, m.first[1])
     m.advance(100)
-    assert m.line().startswith("[######..................] 100/400 records  10.0 records/s  ETA 0:30")
+    assert m.line().startswith("[#########...............] 150/400 records  1.0 records/s  ETA 4:10"), m.line()
 
 
 def _one_line_error(capsys, argv, *want):
@@ -157,3 +159,174 @@ def test_bad_jobs_are_one_line(tmp_path, capsys, monkeypatch):
     out.write_text("not ours\n")
     _one_line_error(capsys, base, "line 1 is not a vlmrt batch line")
     assert out.read_text() == "not ours\n"
+
+
+# ---------------------------------------------------------------- the demo model: in process and on Ray
+
+N_QUESTIONS = 40
+OPTS = ["--max-new-tokens", "8"]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def actor_pids() -> list[int]:
+    """This process's Ray Data actors running the batch worker (process title ray::MapWorker(MapBatches(Answerer)))."""
+    pids = []
+    for p in _descendants(os.getpid()):
+        try:
+            if b"MapBatches(Answerer)" in Path(f"/proc/{p}/cmdline").read_bytes():
+                pids.append(p)
+        except OSError:
+            pass
+    return sorted(pids)
+
+
+@pytest.fixture(scope="module")
+def job(demo_model, tmp_path_factory):
+    """A JSONL of every record shape over easy-VQA test images (a loopback server serves the URL one), and each
+    record's reference: a fresh VLM's generate (cache-less), or chat after reset for the conversation."""
+    pytest.importorskip("easy_vqa")
+    from http_images import serve_images
+    from vlmrt.demo import easyvqa_data as ev
+    from vlmrt.runtime.pipeline import VLM
+
+    bundle = demo_model[1]
+    tmp = tmp_path_factory.mktemp("batch")
+    rows = ev.select("test", N_QUESTIONS)
+    img = [str(ev.image_path("test", i)) for _, _, i in rows[:3]]
+    (tmp / "imgs").mkdir()
+    (tmp / "imgs" / "rel.png").write_bytes(Path(img[2]).read_bytes())
+    uri = "data:image/png;base64," + base64.b64encode(Path(img[1]).read_bytes()).decode()
+    conv = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "imgs/rel.png"}},
+                                         {"type": "text", "text": "what shape is in the image?"}]},
+            {"role": "assistant", "content": "circle"},
+            {"role": "user", "content": "what color is the shape?"}]
+    with serve_images({"/q.png": Path(img[0]).read_bytes()}, lifetime_s=900) as base:
+        lines = [{"id": f"q{k}", "image": str(ev.image_path("test", i)), "prompt": q} for k, (q, _, i) in enumerate(rows)]
+        lines += [{"id": "url", "image": base + "/q.png", "prompt": "what color is the shape?"},
+                  {"id": "datauri", "image": uri, "prompt": "what shape is in the image?"},
+                  {"id": "relative", "image": "imgs/rel.png", "prompt": "is there a blue shape?"},
+                  {"id": 2, "image": [img[0], img[1]], "prompt": "what color is the shape?"},
+                  {"id": "conversation", "messages": conv},
+                  {"id": "missing", "image": "imgs/none.png", "prompt": "what?"},
+                  b'{"id": "torn", "image": ']
+        src = _jsonl(tmp / "questions.jsonl", lines)
+        vlm = VLM.load(bundle)
+        ref = {}
+        for r in lines[:-2]:
+            if "messages" in r:
+                vlm.reset()
+                msgs = json.loads(json.dumps(r["messages"]).replace('"imgs/rel.png"', json.dumps(str(tmp / "imgs/rel.png"))))
+                for _ in vlm.chat(msgs, max_new_tokens=8):
+                    pass
+            else:
+                ims = r["image"] if isinstance(r["image"], list) else [r["image"]]
+                vlm(r["prompt"], images=[str(tmp / s) if s.startswith("imgs/") else s for s in ims], max_new_tokens=8)
+            ref[records.id_key(r["id"])] = (vlm.result.text, vlm.result.token_ids)
+        errors = {'"missing"': f"image not found: {tmp / 'imgs' / 'none.png'}",
+                  f'"line-{len(lines)}"': f"line {len(lines)}: not JSON (Expecting value)"}
+        yield dict(bundle=str(bundle), src=src, tmp=tmp, ref=ref, errors=errors, url=base + "/q.png", conv=conv)
+
+
+def _out(path: Path) -> dict:
+    lines = [json.loads(ln) for ln in path.read_text().splitlines()]
+    by = {records.id_key(d["id"]): d for d in lines}
+    assert len(by) == len(lines), "an id written twice"
+    return by
+
+
+def _check(job, out: Path) -> dict:
+    """OUT holds every record once: the reference's answer for each askable one, the expected error for the rest."""
+    by = _out(out)
+    assert set(by) == set(job["ref"]) | set(job["errors"])
+    for key, (text, ids) in job["ref"].items():
+        assert (by[key]["text"], by[key]["token_ids"]) == (text, ids), key
+        assert by[key]["stats"]["generated_tokens"] == len(ids)
+    assert {k: by[k]["error"] for k in job["errors"]} == job["errors"]
+    return by
+
+
+def _batch(capsys, argv) -> tuple[dict, str]:
+    assert cli.main(["batch", *argv, *OPTS, "--json"]) == 0
+    o, e = capsys.readouterr()
+    return json.loads(o.strip().splitlines()[-1]), e
+
+
+def test_answers_equal_vlmrt_run(job, capsys):
+    """The reference used by the batch tests is `vlmrt run --json` itself (a URL record and the conversation)."""
+    conv = job["tmp"] / "conv.json"
+    conv.write_text(json.dumps(job["conv"]).replace('"imgs/rel.png"', json.dumps(str(job["tmp"] / "imgs/rel.png"))))
+    for argv, key in ((["--image", job["url"], "--prompt", "what color is the shape?"], '"url"'),
+                      (["--messages", str(conv)], '"conversation"')):
+        assert cli.main(["run", job["bundle"], *argv, *OPTS, "--json"]) == 0
+        r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (r["text"], r["token_ids"]) == job["ref"][key]
+    assert {t for t, _ in job["ref"].values()} >= {" green", " circle"}  # real answers, not a constant
+
+
+def test_in_process_batch_resumes(job, capsys, tmp_path):
+    """--workers 1 without Ray: every record once, as `vlmrt run` answers it; a rerun skips them all; a torn last
+    line (a killed run) is dropped and that record done again; --retry-errors does the error lines again."""
+    out = tmp_path / "answers.jsonl"
+    total = len(job["ref"]) + len(job["errors"])
+    s, err = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out)])
+    assert (s["answered"], s["errors"], s["skipped"], s["engine"]) == (len(job["ref"]), 2, 0, "in-process")
+    assert f"] {total}/{total} records" in err and "vlmrt batch: " in err.splitlines()[-1]
+    _check(job, out)
+    before = out.read_bytes()
+    s, _ = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out)])
+    assert (s["answered"], s["errors"], s["skipped"]) == (0, 0, total) and out.read_bytes() == before
+    lines = before.split(b"\n")[:-1]
+    last = json.loads(lines[-1])
+    out.write_bytes(b"".join(ln + b"\n" for ln in lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    s, err = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out)])
+    assert "ended in a partial line" in err and s["answered"] + s["errors"] == 1 and s["skipped"] == total - 1
+    assert _check(job, out)[records.id_key(last["id"])] == last
+    s, _ = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out), "--retry-errors"])
+    assert (s["answered"], s["errors"], s["skipped"]) == (0, 2, total - 2)
+    _check(job, out)
+
+
+def test_two_ray_workers_one_killed(job, capsys, tmp_path):
+    """--workers 2 on a local Ray started by the job: 2 actors, each loading the bundle once; one actor's process is
+    killed after some records. Every record is in OUT exactly once with `vlmrt run`'s answer."""
+    pytest.importorskip("ray")
+    out = tmp_path / "answers.jsonl"
+    killed: list[int] = []
+
+    def kill_one():
+        t = time.monotonic()
+        while time.monotonic() - t < 300 and not killed:
+            if out.exists() and out.read_bytes().count(b"\n") >= 12:
+                pids = actor_pids()
+                if len(pids) == 2:
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed.append(pids[0])
+            time.sleep(0.05)
+
+    th = threading.Thread(target=kill_one, daemon=True)
+    th.start()
+    s, err = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out), "--workers", "2",
+                             "--threads", "1", "--quiet"])
+    th.join(timeout=1)
+    assert killed, "no actor was killed: the run ended first"
+    assert (s["answered"], s["errors"], s["engine"], s["threads"]) == (len(job["ref"]), 2, "ray", 1)
+    by = _check(job, out)
+    loads = {d["stats"]["load_s"] for d in by.values() if "stats" in d}
+    assert 2 <= len(loads) <= 3, loads  # two actors + the killed one's replacement: a load per actor, not per batch
+    assert not actor_pids()  # the job's Ray is shut down

@@ -125,23 +125,8 @@ def test_missing_export_extra_is_one_line(monkeypatch, tmp_path, capsys):
 # ---------------------------------------------------------------- the real model (export once)
 
 @pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("gguf")
-    from vlmrt.demo.smollm2 import SmolLM2Error, find_gguf
-
-    try:
-        find_gguf()
-    except SmolLM2Error as e:
-        pytest.skip(str(e))
-    root = tmp_path_factory.mktemp("vlmrt-cache")
-    old = os.environ.get("VLMRT_CACHE")
-    os.environ["VLMRT_CACHE"] = str(root)
-    try:
-        bundle = default_model.ensure_bundle(progress=False)  # assembles + exports fp32: the first-use path
-    finally:
-        os.environ.pop("VLMRT_CACHE") if old is None else os.environ.__setitem__("VLMRT_CACHE", old)
-    return root, bundle
+def cache(demo_model):
+    return demo_model  # conftest.py: the first-use export, shared with test_batch.py
 
 
 @pytest.fixture(scope="session")

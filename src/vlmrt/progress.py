@@ -43,21 +43,24 @@ def _clock(s: float) -> str:
 
 class Meter:
     """A bar for jobs of many items on stderr: `[#####.......] 120/400 records  10.3 records/s  ETA 0:27`.
-    On a terminal the line is redrawn in place (at most 10 times a second); otherwise a line is printed every
-    `every_s` seconds and at the end, so that logs stay short."""
+    The rate (and so the ETA) counts from the first item done, so a job's startup (loading models, starting
+    workers) does not drag it down. On a terminal the line is redrawn in place (at most 10 times a second);
+    otherwise a line is printed every `every_s` seconds and at the end, so that logs stay short."""
 
     WIDTH = 24
 
     def __init__(self, total: int, what: str = "records", enabled: bool = True, every_s: float = 10.0):
         self.total, self.what, self.enabled, self.every_s = total, what, enabled, every_s
         self.done = 0
-        self.t0 = time.perf_counter()
+        self.first: tuple[float, int] | None = None  # (time, items done) after the first advance
         self.shown = -1.0
         self.tty = enabled and sys.stderr.isatty()
 
     def rate(self) -> float:
-        dt = time.perf_counter() - self.t0
-        return self.done / dt if dt > 0 else 0.0
+        if self.first is None:
+            return 0.0
+        dt = time.perf_counter() - self.first[0]
+        return (self.done - self.first[1]) / dt if dt > 0 else 0.0
 
     def line(self) -> str:
         frac = self.done / self.total if self.total else 1.0
@@ -68,6 +71,8 @@ class Meter:
 
     def advance(self, n: int = 1) -> None:
         self.done += n
+        if self.first is None:
+            self.first = (time.perf_counter(), self.done)
         if not self.enabled:
             return
         now = time.perf_counter()

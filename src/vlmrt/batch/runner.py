@@ -73,6 +73,10 @@ class Summary:
 
 
 def ray_or_none():
+    """Ray and Ray Data, or None when not installed. Ray's own log lines below errors are off unless the
+    environment asks for them (RAY_DATA_LOG_LEVEL, RAY_BACKEND_LOG_LEVEL): the job shows its own bar."""
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     try:
         import ray
         import ray.data  # noqa: F401
