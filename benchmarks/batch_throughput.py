@@ -55,7 +55,9 @@ def _kind(pid: int, root: int) -> str:
     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     if "MapBatches(Answerer)" in cmd:
         return "actor"
-    for name in ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor.py"):
+    if "default_worker.py" in cmd or cmd.startswith("ray::"):
+        return "ray worker (idle)"
+    for name in ("raylet", "gcs_server", "dashboard_agent", "dashboard", "log_monitor", "runtime_env", "monitor.py"):
         if name in cmd:
             return name
     return "ray (other)" if "ray" in cmd else "other"
@@ -73,7 +75,8 @@ class RssSampler(threading.Thread):
             for p in _tree(self.root):
                 try:
                     rss = int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-                    self.kinds.setdefault(p, _kind(p, self.root))
+                    if self.kinds.get(p) != "actor":  # a Ray worker takes its actor's title once it is one
+                        self.kinds[p] = _kind(p, self.root)
                 except (OSError, IndexError, ValueError):
                     continue
                 self.peak[p] = max(self.peak.get(p, 0), rss)

@@ -32,6 +32,10 @@ RAY_HINT = "pip install 'vlmrt[batch]' (ray[data])"
 OBJECT_STORE_BYTES = 128 * 1024 * 1024  # a local Ray's object store: requests and result lines are small
 
 
+class BatchError(ValueError):
+    """The job as a whole failed (one line for the CLI)."""
+
+
 @dataclass(frozen=True)
 class Job:
     bundle: str
@@ -61,9 +65,9 @@ class Summary:
     threads: int | None = None
     engine: str = "in-process"  # or "ray"
     seconds: float = 0.0  # the whole job, startup included
-    first_result_s: float = 0.0  # until the first answer was written (Ray and actors started, bundle loaded)
+    first_result_s: float = 0.0  # until a worker's first result was written (Ray, actors started, bundle loaded)
     records_per_s: float = 0.0  # records done / seconds
-    steady_records_per_s: float = 0.0  # records done after the first / the time between the first and the last
+    steady_records_per_s: float = 0.0  # worker results after the first / the time between the first and the last
 
     def line(self) -> str:
         return (f"vlmrt batch: {self.answered} answered, {self.errors} errors, {self.skipped} skipped (already in "
@@ -75,7 +79,7 @@ class Summary:
 def ray_or_none():
     """Ray and Ray Data, or None when not installed. Ray's own log lines below errors are off unless the
     environment asks for them (RAY_DATA_LOG_LEVEL, RAY_BACKEND_LOG_LEVEL): the job shows its own bar."""
-    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "CRITICAL")  # Ray Data's errors come back as exceptions
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     try:
         import ray
@@ -122,12 +126,13 @@ def run_batch(job: Job) -> Summary:
         done -= errors
     todo = [r for r in records if r.key not in done]
     asks = [r for r in todo if r.error is None]
-    load_manifest(job.bundle, verify=False)  # a bad bundle is one error before anything is written or started
-    local = Answerer(threads=worker_threads(job), **_answerer_kwargs(job)) if asks and not use_ray else None
+    # a bad bundle is one error before anything is written or started; workers on this machine read these files
+    load_manifest(job.bundle, verify=job.verify)
+    local = Answerer(threads=worker_threads(job), **_answerer_kwargs(job, False)) if asks and not use_ray else None
     s = Summary(records=len(records), skipped=len(records) - len(todo), workers=job.workers,
                 engine="ray" if use_ray else "in-process")
     writer = out_file.Writer(out, done)
-    meter = Meter(len(todo), enabled=job.progress)
+    meter = Meter(len(asks), enabled=job.progress)  # the records asked; those that cannot be are written at once
     first: list[float] = []
 
     def put(key: str, line: str, is_error: bool) -> None:
@@ -140,7 +145,7 @@ def run_batch(job: Job) -> Summary:
     try:
         for r in todo:
             if r.error is not None:
-                put(r.key, _error_line(r), True)
+                s.errors += writer.write(r.key, _error_line(r))
         if local is not None:
             s.threads = worker_threads(job)
             _answer_here(job, local, asks, put)
@@ -154,11 +159,10 @@ def run_batch(job: Job) -> Summary:
     s.duplicates = writer.duplicates
     t1 = time.perf_counter()
     s.seconds = t1 - t0
-    n = s.answered + s.errors
-    s.records_per_s = n / s.seconds if s.seconds > 0 else 0.0
+    s.records_per_s = (s.answered + s.errors) / s.seconds if s.seconds > 0 else 0.0
     if first:
         s.first_result_s = first[0] - t0
-        s.steady_records_per_s = (n - 1) / (t1 - first[0]) if n > 1 and t1 > first[0] else 0.0
+        s.steady_records_per_s = (meter.done - 1) / (t1 - first[0]) if meter.done > 1 and t1 > first[0] else 0.0
     return s
 
 
@@ -166,8 +170,8 @@ def _error_line(r: Record) -> str:
     return json.dumps({"id": r.id, "error": r.error}, ensure_ascii=False)
 
 
-def _answerer_kwargs(job: Job) -> dict:
-    return dict(bundle=job.bundle, device=job.device, verify=job.verify, kv_requant=job.kv_requant, options=job.options)
+def _answerer_kwargs(job: Job, verify: bool) -> dict:
+    return dict(bundle=job.bundle, device=job.device, verify=verify, kv_requant=job.kv_requant, options=job.options)
 
 
 def _answer_here(job: Job, w: Answerer, asks: list[Record], put) -> None:
@@ -179,40 +183,62 @@ def _answer_here(job: Job, w: Answerer, asks: list[Record], put) -> None:
 
 def _answer_on_ray(job: Job, ray, asks: list[Record], put) -> int:
     """Answer on Ray Data actors; returns the threads per worker."""
-    started = _start_ray(job, ray)
+    how = _start_ray(job, ray)
     try:
         threads = worker_threads(job, ray)
-        _stream(job, ray, asks, put, threads)
+        try:  # a cluster's nodes verify their own copies of the bundle
+            _stream(job, ray, asks, put, threads, verify=job.verify and how != "local")
+        except ray.exceptions.RayError as e:
+            if os.environ.get("VLMRT_DEBUG"):
+                raise
+            raise BatchError(f"the Ray job failed: {ray_error_text(e)}") from None
         return threads
     finally:
-        if started:
+        if how != "existing":
             ray.shutdown()
 
 
-def _start_ray(job: Job, ray) -> bool:
-    """Connect to the cluster, use this process's Ray, or start a local one; True when started here."""
+def ray_error_text(e: BaseException) -> str:
+    """The message of the error under a Ray exception (e.g. a worker's BundleError when its actor could not start)."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop(0)
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if not type(x).__module__.startswith("ray") and isinstance(x, (ValueError, OSError, KeyError)):
+            return str(x).strip().splitlines()[0] if str(x).strip() else type(x).__name__
+        todo += [c for c in (x.__cause__, x.__context__, getattr(x, "cause", None)) if isinstance(c, BaseException)]
+    for line in str(e).splitlines():  # a worker's exception as Ray prints it: "vlmrt.manifest.BundleError: ..."
+        if line.startswith("vlmrt.") and ": " in line:
+            return line.split(": ", 1)[1]
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _start_ray(job: Job, ray) -> str:
+    """Use this process's Ray ("existing"), connect to the cluster ("cluster") or start a local one ("local")."""
     import logging
 
     if ray.is_initialized():
-        return False
-    quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+        return "existing"
+    quiet = dict(log_to_driver=False, logging_level=logging.ERROR)
     if job.ray_address:
-        ray.init(address=job.ray_address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
-        return True
+        ray.init(address=job.ray_address, **quiet)
+        return "cluster"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     threads = worker_threads(job, ray)
     ray.init(address="local", num_cpus=job.workers * threads, object_store_memory=OBJECT_STORE_BYTES,
-             _node_ip_address="127.0.0.1", **quiet)
-    return True
+             _node_ip_address="127.0.0.1", include_dashboard=False, **quiet)
+    return "local"
 
 
-def _stream(job: Job, ray, asks: list[Record], put, threads: int) -> None:
+def _stream(job: Job, ray, asks: list[Record], put, threads: int, verify: bool) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # ours is the Meter
     ctx.print_on_execution_start = False
     blocks = max(1, min(-(-len(asks) // job.batch_size), 10_000))  # small blocks: results stream back as they are done
     ds = ray.data.from_items([{"request": r.request()} for r in asks], override_num_blocks=blocks)
-    ds = ds.map_batches(Answerer, fn_constructor_kwargs={**_answerer_kwargs(job), "threads": threads},
+    ds = ds.map_batches(Answerer, fn_constructor_kwargs={**_answerer_kwargs(job, verify), "threads": threads},
                         batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers), num_cpus=threads, batch_format="numpy")
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
         for key, line, err in zip(batch["key"], batch["line"], batch["error"]):
