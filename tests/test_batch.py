@@ -330,4 +330,7 @@ def test_two_ray_workers_one_killed(job, capsys, tmp_path):
     by = _check(job, out)
     loads = {d["stats"]["load_s"] for d in by.values() if "stats" in d}
     assert 2 <= len(loads) <= 3, loads  # two actors + the killed one's replacement: a load per actor, not per batch
+    t = time.monotonic()
+    while actor_pids() and time.monotonic() - t < 30:
+        time.sleep(0.2)
     assert not actor_pids()  # the job's Ray is shut down

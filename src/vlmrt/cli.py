@@ -180,7 +180,7 @@ def _bench(a) -> int:
     return 0
 
 
-def _generation_args(r) -> None:
+def _generation_args(r, threads_help: str = "intra-op threads (default: physical cores)") -> None:
     r.add_argument("bundle", nargs="?", default=None,
                    help="bundle folder (default: the offline easy-VQA demo model, exported into $VLMRT_CACHE or "
                         "~/.cache/vlmrt on first use)")
@@ -199,7 +199,7 @@ def _generation_args(r) -> None:
                    help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
     r.add_argument("--no-kv-requant", action="store_true",
                    help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
-    r.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+    r.add_argument("--threads", type=int, default=None, help=threads_help)
 
 
 def _image_arg(r) -> None:
@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_chat)
 
     t = sub.add_parser("batch", help="answer every record of a data set into a JSONL file (one process or Ray Data actors)")
-    _generation_args(t)
+    _generation_args(t, "intra-op threads per worker (default: 1 worker in process, the physical cores; more, "
+                        "the CPUs divided by the workers, on a cluster the smallest node's)")
     t.add_argument("--input", required=True, metavar="SRC",
                    help="a folder of images (with --prompt) or a JSONL file of records: id, image (a path, URL or data "
                         "URI, or a list of them) and prompt, or id and messages")

@@ -239,7 +239,9 @@ def _stream(job: Job, ray, asks: list[Record], put, threads: int, verify: bool) 
     blocks = max(1, min(-(-len(asks) // job.batch_size), 10_000))  # small blocks: results stream back as they are done
     ds = ray.data.from_items([{"request": r.request()} for r in asks], override_num_blocks=blocks)
     ds = ds.map_batches(Answerer, fn_constructor_kwargs={**_answerer_kwargs(job, verify), "threads": threads},
-                        batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers), num_cpus=threads, batch_format="numpy")
+                        batch_size=job.batch_size, compute=ray.data.ActorPoolStrategy(size=job.workers),
+                        num_cpus=threads, num_gpus=1 if job.device == "cuda" else None,  # else Ray hides the GPUs
+                        batch_format="numpy")
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
         for key, line, err in zip(batch["key"], batch["line"], batch["error"]):
             put(str(key), str(line), bool(err))
