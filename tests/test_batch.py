@@ -127,7 +127,7 @@ def test_output_repair_resume_and_dedupe(tmp_path, capsys):
 def test_meter_line():
     m = Meter(400, enabled=False)
     m.advance(50)  # the clock starts at the first items done (after the job's startup)
-    assert m.line() == "[###.....................] 50/400 records  0.0 records/s  ETA ?"
+    assert m.line() == "[###.....................] 50/400 records  ? records/s  ETA ?"
     m.first = (m.first[0] - 100.0, m.first[1])
     m.advance(100)
     assert m.line().startswith("[#########...............] 150/400 records  1.0 records/s  ETA 4:10"), m.line()

@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--workers", type=int, default=1,
                    help="workers, each loading the bundle once (default 1: in this process; more: Ray Data actors)")
     t.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local Ray for the job)")
-    t.add_argument("--batch-size", type=int, default=4, help="records per worker call (default 4)")
+    t.add_argument("--batch-size", type=int, default=4, help="records per call of a Ray worker (default 4)")
     t.add_argument("--retry-errors", action="store_true", help="do again the records whose line in OUT is an error")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")

@@ -56,18 +56,24 @@ class Meter:
         self.shown = -1.0
         self.tty = enabled and sys.stderr.isatty()
 
+    MIN_RATE_S = 2.0  # no rate before this long after the first items (they come in batches)
+
     def rate(self) -> float:
         if self.first is None:
             return 0.0
         dt = time.perf_counter() - self.first[0]
-        return (self.done - self.first[1]) / dt if dt > 0 else 0.0
+        return (self.done - self.first[1]) / dt if dt >= self.MIN_RATE_S else 0.0
 
     def line(self) -> str:
         frac = self.done / self.total if self.total else 1.0
         bar = "#" * int(frac * self.WIDTH) + "." * (self.WIDTH - int(frac * self.WIDTH))
         r = self.rate()
-        eta = _clock((self.total - self.done) / r) if r > 0 else "?"
-        return f"[{bar}] {self.done}/{self.total} {self.what}  {r:.1f} {self.what}/s  ETA {eta}"
+        if self.done >= self.total:
+            eta = "0:00"
+        else:
+            eta = _clock((self.total - self.done) / r) if r > 0 else "?"
+        rate = f"{r:.1f}" if r > 0 else "?"
+        return f"[{bar}] {self.done}/{self.total} {self.what}  {rate} {self.what}/s  ETA {eta}"
 
     def advance(self, n: int = 1) -> None:
         self.done += n

@@ -49,7 +49,7 @@ class Job:
     verify: bool = True
     kv_requant: bool = True
     options: dict = field(default_factory=dict)  # VLM.chat's generation options
-    batch_size: int = 4  # records per map_batches call
+    batch_size: int = 4  # records per map_batches call (Ray)
     retry_errors: bool = False
     progress: bool = True
 
@@ -72,8 +72,8 @@ class Summary:
     def line(self) -> str:
         return (f"vlmrt batch: {self.answered} answered, {self.errors} errors, {self.skipped} skipped (already in "
                 f"OUT) of {self.records} records; {self.seconds:.1f} s, {self.records_per_s:.2f} records/s "
-                f"({self.workers} worker{'s' if self.workers > 1 else ''} x {self.threads or 'default'} threads, "
-                f"{self.engine})")
+                f"({self.workers} worker{'s' if self.workers > 1 else ''} x {self.threads or 'default'} "
+                f"thread{'' if self.threads == 1 else 's'}, {self.engine})")
 
 
 def ray_or_none():
@@ -148,7 +148,7 @@ def run_batch(job: Job) -> Summary:
                 s.errors += writer.write(r.key, _error_line(r))
         if local is not None:
             s.threads = worker_threads(job)
-            _answer_here(job, local, asks, put)
+            _answer_here(local, asks, put)
         elif asks:
             s.threads = _answer_on_ray(job, ray, asks, put)
         else:
@@ -174,11 +174,10 @@ def _answerer_kwargs(job: Job, verify: bool) -> dict:
     return dict(bundle=job.bundle, device=job.device, verify=verify, kv_requant=job.kv_requant, options=job.options)
 
 
-def _answer_here(job: Job, w: Answerer, asks: list[Record], put) -> None:
-    for i in range(0, len(asks), job.batch_size):
-        res = w({"request": [r.request() for r in asks[i : i + job.batch_size]]})
-        for key, line, err in zip(res["key"], res["line"], res["error"]):
-            put(key, line, err)
+def _answer_here(w: Answerer, asks: list[Record], put) -> None:
+    for r in asks:  # one at a time: each line is written as soon as it is answered
+        res = w({"request": [r.request()]})
+        put(res["key"][0], res["line"][0], res["error"][0])
 
 
 def _answer_on_ray(job: Job, ray, asks: list[Record], put) -> int:
