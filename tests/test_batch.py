@@ -279,9 +279,10 @@ def test_answers_equal_vlmrt_run(job, capsys):
     assert {t for t, _ in job["ref"].values()} >= {" green", " circle"}  # real answers, not a constant
 
 
-def test_in_process_batch_resumes(job, capsys, tmp_path):
+def test_in_process_batch_resumes(job, capsys, tmp_path, monkeypatch):
     """--workers 1 without Ray: every record once, as `vlmrt run` answers it; a rerun skips them all; a torn last
     line (a killed run) is dropped and that record done again; --retry-errors does the error lines again."""
+    monkeypatch.setattr(runner, "ray_or_none", lambda: pytest.fail("the in-process path looked for Ray"))
     out = tmp_path / "answers.jsonl"
     total = len(job["ref"]) + len(job["errors"])
     s, err = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out)])
