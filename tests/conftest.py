@@ -160,13 +160,12 @@ def default_bundle(tmp_path_factory) -> Exported:
 
 
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory):
-    """The offline demo model, assembled and exported (the first-use path) once per session into its own cache
-    folder: (cache root, bundle folder)."""
-    from vlmrt.demo import default_model
-
+def demo_model(tmp_path_factory):
+    """(cache root, bundle) of the easy-VQA demo model, built by its first-use path (ensure_bundle) once per session
+    into a fresh $VLMRT_CACHE."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
+    from vlmrt.demo import default_model
     from vlmrt.demo.smollm2 import SmolLM2Error, find_gguf
 
     try:

@@ -125,8 +125,8 @@ def test_missing_export_extra_is_one_line(monkeypatch, tmp_path, capsys):
 # ---------------------------------------------------------------- the real model (export once)
 
 @pytest.fixture(scope="session")
-def cache(demo_cache):
-    return demo_cache  # conftest.py: shared with the server tests
+def cache(demo_model):
+    return demo_model  # conftest.py: the first-use export, shared with test_batch.py and test_serve_page.py
 
 
 @pytest.fixture(scope="session")

@@ -101,8 +101,8 @@ def test_cli_errors_are_one_line(tiny, capsys, tmp_path):
     assert capsys.readouterr().err.startswith("vlmrt: error: --slots")
 
 
-def test_cli_serves_the_demo_model(demo_cache):
-    root, bundle = demo_cache
+def test_cli_serves_the_demo_model(demo_model):
+    root, bundle = demo_model
     p = subprocess.Popen([sys.executable, "-m", "vlmrt.cli", "serve", "--port", "0", "--slots", "2", "--mode", "kv",
                           "--log-level", "warning"],
                          stderr=subprocess.PIPE, text=True, env={**os.environ, "VLMRT_CACHE": str(root)})

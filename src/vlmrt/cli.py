@@ -1,4 +1,4 @@
-"""vlmrt command line: a thin layer over vlmrt.export and vlmrt.runtime."""
+"""vlmrt command line: a thin layer over vlmrt.export, vlmrt.runtime and vlmrt.batch."""
 
 from __future__ import annotations
 
@@ -180,13 +180,10 @@ def _bench(a) -> int:
     return 0
 
 
-def _generation_args(r) -> None:
+def _generation_args(r, threads_help: str = "intra-op threads (default: physical cores)") -> None:
     r.add_argument("bundle", nargs="?", default=None,
                    help="bundle folder (default: the offline easy-VQA demo model, exported into $VLMRT_CACHE or "
                         "~/.cache/vlmrt on first use)")
-    r.add_argument("--image", action="append",
-                   help="image: a file, an http(s):// URL or a data:image/...;base64, URI (repeatable: several "
-                        "images, in order, before the text)")
     r.add_argument("--mode", choices=["kv", "hybrid"], default=None, help="kv: prompt through the AR=1 graph; hybrid: AR=N prefill blocks (default)")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -202,7 +199,32 @@ def _generation_args(r) -> None:
                    help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
     r.add_argument("--no-kv-requant", action="store_true",
                    help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
-    r.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+    r.add_argument("--threads", type=int, default=None, help=threads_help)
+
+
+def _image_arg(r) -> None:
+    r.add_argument("--image", action="append",
+                   help="image: a file, an http(s):// URL or a data:image/...;base64, URI (repeatable: several "
+                        "images, in order, before the text)")
+
+
+def _batch(a) -> int:
+    from .batch.runner import Job, report, run_batch
+
+    opts = _options(a)
+    if a.workers < 1:  # before the default model is built
+        raise ValueError("--workers must be >= 1")
+    job = Job(bundle=_bundle_or_default(a.bundle), input=a.input, output=a.output, prompt=a.prompt, workers=a.workers,
+              threads=a.threads, ray_address=a.ray_address, device=a.device, verify=a.bundle is not None,
+              kv_requant=not a.no_kv_requant, options=opts, batch_size=a.batch_size, retry_errors=a.retry_errors,
+              progress=not a.quiet)
+    s = run_batch(job)
+    report(s)
+    if a.json:
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(s)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="ask a question about images, or answer a conversation's next turn")
     _generation_args(r)
+    _image_arg(r)
     r.add_argument("--prompt", default=None, help="the question (one user turn: the --image images, then this text)")
     r.add_argument("--messages", default=None, metavar="CONV.json",
                    help="a conversation: a JSON list of OpenAI-style messages (system / user / assistant; content a "
@@ -248,8 +271,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="an interactive conversation (/image PATH|URL, /reset, /stats, /quit)")
     _generation_args(c)
+    _image_arg(c)
     c.add_argument("--system", default=None, help="a system message put first")
     c.set_defaults(fn=_chat)
+
+    t = sub.add_parser("batch", help="answer every record of a data set into a JSONL file (one process or Ray Data actors)")
+    _generation_args(t, "intra-op threads per worker (default: 1 worker in process, the physical cores; more, "
+                        "the CPUs divided by the workers, on a cluster the smallest node's)")
+    t.add_argument("--input", required=True, metavar="SRC",
+                   help="a folder of images (with --prompt) or a JSONL file of records: id, image (a path, URL or data "
+                        "URI, or a list of them) and prompt, or id and messages")
+    t.add_argument("--output", required=True, metavar="OUT.jsonl",
+                   help="results, one line per record (appended; a rerun skips the ids already in it)")
+    t.add_argument("--prompt", default=None, help="the question for a folder's images and for records without one")
+    t.add_argument("--workers", type=int, default=1,
+                   help="workers, each loading the bundle once (default 1: in this process; more: Ray Data actors)")
+    t.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local Ray for the job)")
+    t.add_argument("--batch-size", type=int, default=4, help="records per call of a Ray worker (default 4)")
+    t.add_argument("--retry-errors", action="store_true", help="do again the records whose line in OUT is an error")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    t.set_defaults(fn=_batch)
 
     v = sub.add_parser("eval", help="accuracy of a bundle against the float reference on the same weights")
     v.add_argument("bundle", nargs="?", default=None, help="bundle folder (with --dataset, default: the offline demo model)")
