@@ -192,7 +192,8 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
 
     case = CASES[2]
     ex = exported(case, tmp_path_factory)
-    b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl-htp") / "b", prefill_ar=case.prefill_ar, target="htp", progress=False)
+    b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl-htp") / "b", prefill_ar=case.prefill_ar, target="htp",
+               keep_qdq=True, progress=False)
     m = json.loads((b / "manifest.json").read_text())
     # vision: 2 layers x (norm1, norm2, q norm, k norm); decoder: 2 layers x (input, post-attention, q, k) + final
     assert {k: g["weights"]["fused_rms_norms"] for k, g in m["graphs"].items()} == {"vision": 8, "prefill": 9, "decode": 9}

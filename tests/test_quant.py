@@ -33,7 +33,8 @@ def bundle(kind: str, tmp_path_factory):
         ex = exported(CASES[0], tmp_path_factory)
         c = ex.case
         out = tmp_path_factory.mktemp("q") / kind.replace(",", "_").replace("=", "-")
-        kw = {"target": "htp", "htp_weights": 4 if kind == "htp-w4" else 8} if kind.startswith("htp") else {"quant": kind}
+        kw = ({"target": "htp", "htp_weights": 4 if kind == "htp-w4" else 8, "keep_qdq": True} if kind.startswith("htp")
+              else {"quant": kind})
         _BUNDLES[kind] = export(str(ex.ckpt), out, prefill_ar=c.prefill_ar, max_seq_len=c.max_seq_len, progress=False, **kw)
     return _BUNDLES[kind]
 

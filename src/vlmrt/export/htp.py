@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from . import fuse, graphs
+from . import fuse, graphs, qnn_context
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
@@ -247,9 +247,10 @@ def kv_overrides(enc: dict, m: mf.Manifest) -> dict:
     return out
 
 
-def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int = 8, tokens: int = 8,
-                    soc_model: str | None = None, htp_arch: str | None = None, progress=None) -> mf.Manifest:
-    """float bundle -> HTP bundle in out_dir (graphs, data, manifest)."""
+def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, weight_bits: int = 8, tokens: int = 8,
+                    keep_qdq: bool = False, shared_context: bool = False, progress=None) -> mf.Manifest:
+    """float bundle -> HTP bundle in out_dir (QNN context binaries compiled for target (qnn_context.resolve_target),
+    with keep_qdq also the QDQ graphs and their data; manifest)."""
     m = mf.load(float_dir)
     rec = calibrate(float_dir, samples, tokens)
     for name, r in rec.items():
@@ -301,7 +302,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
     files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]
     if m.decoder.embedding_scale_file:
         files.append(m.decoder.embedding_scale_file)
-    target = {"name": "htp", "soc_model": soc_model, "htp_arch": htp_arch}
+    gspecs, files, qnn = qnn_context.compile_bundle(out_dir, gspecs, files, target, keep_qdq, shared_context)
+    target = {"name": "htp", **target, **qnn}
     return dataclasses.replace(
         m, graphs=gspecs, kv=dataclasses.replace(m.kv, dtype="uint8", encodings=encodings), target=target,
         files=mf.list_files(out_dir, files),
