@@ -204,5 +204,30 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
 
     npu = VLM.load(b, device="htp")
     on_npu(npu)
+    assert all(s._model_path.endswith("_ctx.onnx") for s in npu.bundle.sessions.values())  # the context binaries
     out = npu("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True)
     assert out.token_ids == v("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True).token_ids
+
+
+def test_htp_context_binaries_qwen2_biases(tmp_path_factory):
+    """--target htp on the InternVL3 fixture (Qwen2 decoder: q/k/v biases): the QNN context binaries run on the
+    simulator (no compile at load) and give the CPU EP's greedy ids for the same QDQ graphs, in both modes; the
+    CPU EP bundle tracks the float reference."""
+    from conftest import on_npu
+    from vlmrt.eval import accuracy, samples
+
+    case = CASES[0]
+    ex = exported(case, tmp_path_factory)
+    b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl3-htp") / "b", prefill_ar=case.prefill_ar, target="htp",
+               keep_qdq=True, progress=False)
+    cpu, npu = VLM.load(b), VLM.load(b, device="htp")
+    on_npu(npu)
+    assert sorted(s._model_path.rsplit("/", 1)[-1] for s in npu.bundle.sessions.values()) == [
+        "decode_ctx.onnx", "prefill_ctx.onnx", "vision_ctx.onnx"]
+    img = image_file("chelsea.png", None)
+    for mode in ("hybrid", "kv"):
+        want = cpu("What is in the image?", img, mode=mode, max_new_tokens=3, ignore_eos=True).token_ids
+        assert npu("What is in the image?", img, mode=mode, max_new_tokens=3, ignore_eos=True).token_ids == want, mode
+    r = accuracy.evaluate(cpu, accuracy.load_reference(ex.ckpt, cpu), samples.default_samples(), tokens=16)
+    print("internvl3 htp vs fp32:", r)
+    assert r["top1_agreement"] >= 0.0 and r["mean_kl"] < 1.0  # placeholder until measured
