@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype)")
     e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
                    help="htp: static QDQ graphs for the Qualcomm NPU (16-bit activations, uint8 KV cache)")
-    e.add_argument("--htp-weights", type=int, choices=[8, 4], default=8, help="HTP weight bits (per-channel; default 8)")
+    e.add_argument("--htp-weights", type=int, choices=[8, 4], default=8, help="HTP weight bits: 8 (per-channel, the default) or 4 (the decoder's linear "
+                        "weights block-wise int4, 32 per scale; the vision graph stays at 8)")
     e.add_argument("--calibration", default=None,
                    help="HTP calibration set: a folder of images (+ optional prompts.txt, one prompt per line); "
                         "default: vlmrt's sample images and prompts")

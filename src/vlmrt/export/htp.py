@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from . import fuse, graphs, qnn_context
+from . import fuse, graphs, int4_blocks, qnn_context
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
@@ -264,6 +264,9 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, we
         src = float_dir / m.graphs[name].file
         full = out_dir / f"{name}.float.onnx"
         model, fused = fuse.prepare_for_qdq(onnx.load(str(src)))  # with weights; RMSNorm as one op
+        # 4-bit weights: the decoder graphs, block-wise; the vision graph stays at 8 bits (as the CPU precisions keep it)
+        bits = 8 if name == "vision" else weight_bits
+        floats = int4_blocks.float_weights(model) if bits == 4 else {}  # (before saving moves them out)
         onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=f"{name}.float.data", size_threshold=1024)
         overrides = None
@@ -273,10 +276,12 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, we
             encodings[name] = {k: [[s, z] for s, z in v] for k, v in enc.items()}
             overrides = kv_overrides(enc, m)
         dst = out_dir / f"{name}.onnx"
-        quantize_graph(full, dst, rec[name].reader(), weight_bits, overrides)
+        quantize_graph(full, dst, rec[name].reader(), bits, overrides)
         os.remove(full)
         os.remove(out_dir / f"{name}.float.data")
         q = onnx.load(str(dst))
+        blocks = int4_blocks.requantize(q, floats) if bits == 4 else 0
+        del floats
         if name != "vision":
             kin = [n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)]
             kout = {fout.format(layer=i): fin.format(layer=i) for i in range(m.kv.layers)
@@ -289,8 +294,9 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, we
                     encodings[name][kind][i] = list(got[fin.format(layer=i)])
         graphs.rewrite(dst, q)
         ins, outs = graphs.io_specs(dst)
-        gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=f"qdq-a16w{weight_bits}", inputs=ins, outputs=outs,
-                                    weights={"activations": "uint16", "weights": f"{'u' if weight_bits == 8 else ''}int{weight_bits} per-channel",
+        wdesc = "uint8 per-channel" if bits == 8 else f"int4 block-wise ({int4_blocks.BLOCK}) symmetric"
+        gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=f"qdq-a16w{bits}", inputs=ins, outputs=outs,
+                                    weights={"activations": "uint16", "weights": wdesc, "blockwise_int4": blocks,
                                              "calibration_calls": rec[name].calls, "fused_rms_norms": fused})
         if progress:
             progress(name)
