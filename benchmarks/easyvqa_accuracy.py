@@ -122,7 +122,7 @@ def main(argv=None) -> int:
             print(f"{name:40s} {r['accuracy']:.4f} ({r['correct']}/{r['questions']}) {time.time() - t:.0f} s", flush=True)
 
     # bundles are exported when a row needs them (rows already in WORK/results.json are kept, not re-run)
-    htp = lambda: export(ckpt, work / "b-htp", "--target", "htp", "--calibration", str(calibration_dir(work)))  # noqa: E731
+    htp = lambda: export(ckpt, work / "b-htp", "--target", "htp", "--keep-qdq", "--calibration", str(calibration_dir(work)))  # noqa: E731
     run("vlmrt fp32 hybrid", lambda: score_vlmrt(export(ckpt, work / "b-fp32", "--quant", "fp32"), rows))
     run("transformers fp32 (checkpoint)", lambda: score_transformers(ckpt, rows))
     for q in ("w8a16", "w4a16", "w4a16m", "w4a8", "w4a8m"):

@@ -40,7 +40,7 @@ def main() -> None:
     for q in a.precisions.split(";"):
         out = work / ("b-" + q.replace(",", "_").replace("=", "-"))
         if not (out / "manifest.json").exists():
-            how = ["--target", "htp"] + (["--htp-weights", "4"] if q == "htp-w4" else []) if q.startswith("htp") else ["--quant", q]
+            how = ["--target", "htp", "--keep-qdq"] + (["--htp-weights", "4"] if q == "htp-w4" else []) if q.startswith("htp") else ["--quant", q]
             sh("vlmrt.cli", "export", ckpt, out, *how, "--max-seq-len", a.max_seq_len, "--quiet", "--force")
         variants = [("", [])]
         if q.startswith("htp"):

@@ -185,14 +185,15 @@ def test_too_many_tiles_says_which_flag(tmp_path_factory, tmp_path, capsys):
 
 def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
     """--target htp on the InternVL3.5-style fixture (Qwen3 q/k norms, RMSNorm ViT): every RMSNorm is fused,
-    the bundle tracks the float reference on the CPU EP, and every graph loads and runs on the HTP simulator
-    with CPU fallback disabled."""
+    the bundle tracks the float reference on the CPU EP, and every graph's context binary loads and runs on the
+    HTP simulator with CPU fallback disabled, equal to the graph compiled at load."""
     from vlmrt.eval import accuracy, samples
     from vlmrt.runtime.pipeline import VLM
 
     case = CASES[2]
     ex = exported(case, tmp_path_factory)
-    b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl-htp") / "b", prefill_ar=case.prefill_ar, target="htp", progress=False)
+    b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl-htp") / "b", prefill_ar=case.prefill_ar, target="htp",
+               keep_qdq=True, progress=False)
     m = json.loads((b / "manifest.json").read_text())
     # vision: 2 layers x (norm1, norm2, q norm, k norm); decoder: 2 layers x (input, post-attention, q, k) + final
     assert {k: g["weights"]["fused_rms_norms"] for k, g in m["graphs"].items()} == {"vision": 8, "prefill": 9, "decode": 9}
@@ -203,5 +204,44 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
 
     npu = VLM.load(b, device="htp")
     on_npu(npu)
+    assert all(s._model_path.endswith("_ctx.onnx") for s in npu.bundle.sessions.values())  # the context binaries
     out = npu("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True)
-    assert out.token_ids == v("What is in the image?", image_file("chelsea.png", None), max_new_tokens=3, ignore_eos=True).token_ids
+    assert len(out.token_ids) == 3
+    # Not the CPU EP's ids on this fixture: with any explicit htp_arch (73, 75, 79) the simulator gave [74, 220, 300],
+    # with htp_arch unset (how the bundle ran before context binaries) the CPU EP's [50, 67, 304] (2026-12-01,
+    # docs/npu-deploy.md). What is checked: each context equals the graph compiled at load for the same arch.
+    from test_qnn_context import feeds
+    from vlmrt import manifest as mf
+    from vlmrt.runtime.bundle import make_session
+
+    mm, rng = mf.load(b), np.random.default_rng(0)
+    for name, g in mm.graphs.items():
+        x = feeds(g, rng)
+        ctx, jit = make_session(b / g.context.file, "htp", None, mm.target), make_session(b / g.file, "htp", None, mm.target)
+        for a, c in zip(ctx.run(None, x), jit.run(None, x)):
+            np.testing.assert_array_equal(a, c, err_msg=name)
+
+
+def test_htp_context_binaries_qwen2_biases(tmp_path_factory):
+    """--target htp on the InternVL3 fixture (Qwen2 decoder: q/k/v biases): the QNN context binaries run on the
+    simulator (no compile at load) and give the CPU EP's greedy ids for the same QDQ graphs; the CPU EP bundle
+    tracks the float reference."""
+    from conftest import on_npu
+    from vlmrt.eval import accuracy, samples
+
+    case = CASES[0]
+    ex = exported(case, tmp_path_factory)
+    b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl3-htp") / "b", prefill_ar=case.prefill_ar, target="htp",
+               keep_qdq=True, progress=False)
+    cpu, npu = VLM.load(b), VLM.load(b, device="htp")
+    on_npu(npu)
+    assert sorted(s._model_path.rsplit("/", 1)[-1] for s in npu.bundle.sessions.values()) == [
+        "decode_ctx.onnx", "prefill_ctx.onnx", "vision_ctx.onnx"]
+    img = image_file("chelsea.png", None)
+    # hybrid (the default mode). In kv mode (the prompt one token at a time through the decode graph) the first
+    # greedy token of this random model already differs between the simulator and the CPU EP (386 vs 388,
+    # 2026-12-01): the two QDQ implementations round differently, and this fixture's logits are near ties
+    want = cpu("What is in the image?", img, max_new_tokens=3, ignore_eos=True).token_ids
+    assert npu("What is in the image?", img, max_new_tokens=3, ignore_eos=True).token_ids == want
+    r = accuracy.evaluate(cpu, accuracy.load_reference(ex.ckpt, cpu), samples.default_samples(), tokens=16)
+    assert r["top1_agreement"] >= 0.8 and r["mean_kl"] < 0.011  # measured: first-token 1.0, top-1 0.848, KL 0.0054

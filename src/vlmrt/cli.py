@@ -18,7 +18,8 @@ def _export(a) -> int:
         calibration = calibration_set(a.calibration)
     out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
                  target=a.target, htp_weights=a.htp_weights, calibration=calibration, soc_model=a.soc_model,
-                 htp_arch=a.htp_arch, context_step=a.context_step, force=a.force,
+                 htp_arch=a.htp_arch, keep_qdq=a.keep_qdq, shared_context=a.htp_shared_context,
+                 context_step=a.context_step, force=a.force,
                  progress=not a.quiet)
     print(out)
     return 0
@@ -68,8 +69,10 @@ def _run(a) -> int:
         messages = user_turn(a.prompt, a.image or [])
     opts = _options(a)
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
+    if a.htp_arch is not None and a.device != "htp":
+        raise ValueError("--htp-arch is for --device htp")
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch)
     # a one-shot run: nothing to reuse, the same as generate()
     gen = vlm.chat(messages, **opts)
     if a.json:
@@ -90,7 +93,7 @@ def _chat(a) -> int:
 
     opts = _options(a)
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch)
     return repl(vlm, opts, images=a.image or [], system=a.system, report=_stats_report)
 
 
@@ -197,6 +200,8 @@ def _generation_args(r, threads_help: str = "intra-op threads (default: physical
                    help="cap each image's tile count (bundles whose tiling has one, e.g. InternVL)")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"],
                    help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
+    r.add_argument("--htp-arch", default=None,
+                   help="--device htp: this device's Hexagon arch (e.g. 75, 79); a bundle compiled for another is refused")
     r.add_argument("--no-kv-requant", action="store_true",
                    help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
     r.add_argument("--threads", type=int, default=None, help=threads_help)
@@ -245,12 +250,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype)")
     e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
                    help="htp: static QDQ graphs for the Qualcomm NPU (16-bit activations, uint8 KV cache)")
-    e.add_argument("--htp-weights", type=int, choices=[8, 4], default=8, help="HTP weight bits (per-channel; default 8)")
+    e.add_argument("--htp-weights", type=int, choices=[8, 4], default=8, help="HTP weight bits: 8 (per-channel, the default) or 4 (the decoder's linear "
+                        "weights block-wise int4, 32 per scale; the vision graph stays at 8)")
     e.add_argument("--calibration", default=None,
                    help="HTP calibration set: a folder of images (+ optional prompts.txt, one prompt per line); "
                         "default: vlmrt's sample images and prompts")
-    e.add_argument("--soc-model", default=None, help="HTP: Snapdragon SoC model id recorded for the QNN EP")
-    e.add_argument("--htp-arch", default=None, help="HTP: DSP architecture (e.g. 73, 75) recorded for the QNN EP")
+    e.add_argument("--soc-model", default=None,
+                   help="HTP: the Snapdragon the context binaries are compiled for: SM8850, SM8750, SM8650, SM8550, SC8380XP "
+                        "or a QNN soc model id (default SM8750 = Snapdragon 8 Elite, htp_arch 79)")
+    e.add_argument("--htp-arch", default=None, help="HTP: Hexagon arch (e.g. 73, 75, 79) when --soc-model is not given or not known")
+    e.add_argument("--keep-qdq", action="store_true",
+                   help="HTP: also keep the QDQ ONNX graphs (the CPU EP runs only those; the QNN EP would compile them at load)")
+    e.add_argument("--htp-shared-context", action="store_true",
+                   help="HTP: prefill and decode in one context binary (one copy of the decoder weights on the device); "
+                        "unverified: the x86-64 simulator cannot load it (docs/npu-deploy.md)")
     e.add_argument("--context-step", type=int, default=None,
                    help="CPU decoder graphs take any cache length and each step reads the cache prefix it needs, "
                         "rounded up to this many slots (default 64; 0 = static graphs over the whole cache, as "

@@ -39,10 +39,18 @@ class TensorSpec:
 
 
 @dataclass
+class QnnContext:
+    """A graph precompiled by the QNN EP for one Hexagon arch: an EPContext model and the context binary it names."""
+
+    file: str  # "<graph>_ctx.onnx"
+    binary: str  # "<graph>_ctx_qnn.bin" (with target.shared_context, prefill and decode name the same one)
+
+
+@dataclass
 class GraphSpec:
     """One static ONNX graph."""
 
-    file: str
+    file: str | None  # the ONNX graph (QDQ for the HTP target); None in an HTP bundle exported without --keep-qdq
     precision: str  # weights: one of export.quantize.PRECISIONS ("fp32", "w4a16", "w4a8m", ...)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
@@ -54,13 +62,18 @@ class GraphSpec:
     # MatMulNBits inputs are not listed
     mapped_weights: list[dict[str, Any]] = field(default_factory=list)
     prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)
+    context: QnnContext | None = None  # the HTP target: what `--device htp` loads (no graph compile at load)
     _required = ("data_files", "mapped_weights", "prepacked")
 
     def input(self, name: str) -> TensorSpec:
-        return _by_name(self.inputs, name, self.file)
+        return _by_name(self.inputs, name, self.where)
 
     def output(self, name: str) -> TensorSpec:
-        return _by_name(self.outputs, name, self.file)
+        return _by_name(self.outputs, name, self.where)
+
+    @property
+    def where(self) -> str:
+        return self.file or (self.context.file if self.context else "?")
 
 
 def _by_name(specs: list[TensorSpec], name: str, where: str) -> TensorSpec:
@@ -194,7 +207,8 @@ class Manifest:
     decoder: DecoderSpec
     vision: VisionSpec
     generate: dict[str, Any]  # {"default_mode": "hybrid", "modes": [...], "max_new_tokens": N}
-    # where the graphs are meant to run: {"name": "cpu"} or {"name": "htp", "soc_model": ..., "htp_arch": ...}
+    # where the graphs are meant to run: {"name": "cpu"} or {"name": "htp", "soc_model": id, "soc_name", "htp_arch",
+    # "qnn_sdk" (the SDK that compiled the context binaries), "shared_context": bool}
     target: dict[str, Any] = field(default_factory=lambda: {"name": "cpu"})
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> {sha256, bytes}
     schema_version: int = SCHEMA_VERSION
@@ -269,7 +283,9 @@ class MappedWeight:
 
 def bundle_paths(m: Manifest) -> list[tuple[str, str]]:
     """(manifest field, path) for every file the manifest names."""
-    out = [(f"graphs.{k}.file", g.file) for k, g in m.graphs.items()]
+    out = [(f"graphs.{k}.file", g.file) for k, g in m.graphs.items() if g.file is not None]
+    out += [(f"graphs.{k}.context.{f}", getattr(g.context, f)) for k, g in m.graphs.items() if g.context
+            for f in ("file", "binary")]
     out += [(f"graphs.{k}.data_files", f) for k, g in m.graphs.items() for f in g.data_files]
     out += [(f"graphs.{k}.mapped_weights", w["file"]) for k, g in m.graphs.items() for w in g.mapped_weights]
     out += [("tokenizer_file", m.tokenizer_file), ("decoder.embedding_file", m.decoder.embedding_file)]
@@ -320,6 +336,8 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     for name in ("vision", "prefill", "decode"):
         if name not in m.graphs:
             raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
+        if m.graphs[name].file is None and m.graphs[name].context is None:
+            raise BundleError(f"manifest.json is malformed: graphs.{name} has neither a file nor a context")
     check_io_names(m)
     if m.decoder.last_logits and not m.decoder.dynamic_ar:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")

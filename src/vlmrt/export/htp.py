@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from . import fuse, graphs
+from . import fuse, graphs, int4_blocks, qnn_context
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
@@ -247,9 +247,10 @@ def kv_overrides(enc: dict, m: mf.Manifest) -> dict:
     return out
 
 
-def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int = 8, tokens: int = 8,
-                    soc_model: str | None = None, htp_arch: str | None = None, progress=None) -> mf.Manifest:
-    """float bundle -> HTP bundle in out_dir (graphs, data, manifest)."""
+def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, weight_bits: int = 8, tokens: int = 8,
+                    keep_qdq: bool = False, shared_context: bool = False, progress=None) -> mf.Manifest:
+    """float bundle -> HTP bundle in out_dir (QNN context binaries compiled for target (qnn_context.resolve_target),
+    with keep_qdq also the QDQ graphs and their data; manifest)."""
     m = mf.load(float_dir)
     rec = calibrate(float_dir, samples, tokens)
     for name, r in rec.items():
@@ -263,6 +264,9 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
         src = float_dir / m.graphs[name].file
         full = out_dir / f"{name}.float.onnx"
         model, fused = fuse.prepare_for_qdq(onnx.load(str(src)))  # with weights; RMSNorm as one op
+        # 4-bit weights: the decoder graphs, block-wise; the vision graph stays at 8 bits (as the CPU precisions keep it)
+        bits = 8 if name == "vision" else weight_bits
+        floats = int4_blocks.float_weights(model) if bits == 4 else {}  # (before saving moves them out)
         onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=f"{name}.float.data", size_threshold=1024)
         overrides = None
@@ -272,10 +276,12 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
             encodings[name] = {k: [[s, z] for s, z in v] for k, v in enc.items()}
             overrides = kv_overrides(enc, m)
         dst = out_dir / f"{name}.onnx"
-        quantize_graph(full, dst, rec[name].reader(), weight_bits, overrides)
+        quantize_graph(full, dst, rec[name].reader(), bits, overrides)
         os.remove(full)
         os.remove(out_dir / f"{name}.float.data")
         q = onnx.load(str(dst))
+        blocks = int4_blocks.requantize(q, floats) if bits == 4 else 0
+        del floats
         if name != "vision":
             kin = [n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)]
             kout = {fout.format(layer=i): fin.format(layer=i) for i in range(m.kv.layers)
@@ -288,8 +294,9 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
                     encodings[name][kind][i] = list(got[fin.format(layer=i)])
         graphs.rewrite(dst, q)
         ins, outs = graphs.io_specs(dst)
-        gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=f"qdq-a16w{weight_bits}", inputs=ins, outputs=outs,
-                                    weights={"activations": "uint16", "weights": f"{'u' if weight_bits == 8 else ''}int{weight_bits} per-channel",
+        wdesc = "uint8 per-channel" if bits == 8 else f"int4 block-wise ({int4_blocks.BLOCK}) symmetric"
+        gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=f"qdq-a16w{bits}", inputs=ins, outputs=outs,
+                                    weights={"activations": "uint16", "weights": wdesc, "blockwise_int4": blocks,
                                              "calibration_calls": rec[name].calls, "fused_rms_norms": fused})
         if progress:
             progress(name)
@@ -301,7 +308,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, weight_bits: int
     files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]
     if m.decoder.embedding_scale_file:
         files.append(m.decoder.embedding_scale_file)
-    target = {"name": "htp", "soc_model": soc_model, "htp_arch": htp_arch}
+    gspecs, files, qnn = qnn_context.compile_bundle(out_dir, gspecs, files, target, keep_qdq, shared_context)
+    target = {"name": "htp", **target, **qnn}
     return dataclasses.replace(
         m, graphs=gspecs, kv=dataclasses.replace(m.kv, dtype="uint8", encodings=encodings), target=target,
         files=mf.list_files(out_dir, files),

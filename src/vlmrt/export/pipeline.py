@@ -18,7 +18,7 @@ from .. import manifest as mf
 from .. import staging
 from ..families import HostSpec, family_for
 from ..progress import Progress
-from . import graphs, quantize
+from . import graphs, qnn_context, quantize
 from . import htp as htp_mod
 from .chat_template import prompt_templates
 from .checkpoint import Checkpoint, CheckpointError, resolve
@@ -65,12 +65,16 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
            quant: str | None = None, target: str = "cpu", htp_weights: int = 8, calibration: list | None = None,
-           soc_model: str | None = None, htp_arch: str | None = None, context_step: int | None = None, force: bool = False, progress: bool = True) -> Path:
+           soc_model: str | None = None, htp_arch: str | None = None, keep_qdq: bool = False, shared_context: bool = False,
+           context_step: int | None = None, force: bool = False, progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static QDQ graphs (16-bit activations, htp_weights-bit weights) with a uint8 KV cache,
-    calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set).
+    calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set), then compiled by the QNN EP
+    into context binaries for soc_model / htp_arch (qnn_context.resolve_target; default a current flagship);
+    keep_qdq also keeps the QDQ graphs (what the CPU EP runs); shared_context compiles prefill and decode into one
+    context (one copy of the decoder weights; the x86-64 simulator cannot load it).
     context_step: CPU decoder graphs with a symbolic cache length; a step reads the cache prefix rounded up to a
     multiple of context_step (default DEFAULT_CONTEXT_STEP; 0 = static graphs over the whole cache, as the HTP
     target has)."""
@@ -87,11 +91,23 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
                           "graphs (leave --context-step out or pass 0)")
     elif context_step is not None and (context_step < 0 or context_step == 1):
         raise ExportError("--context-step must be 0 (static) or at least 2")
+    qnn_target = None
+    if target == "htp":
+        try:
+            qnn_target = qnn_context.resolve_target(soc_model, htp_arch)
+        except qnn_context.TargetError as e:
+            raise ExportError(str(e)) from None
+    elif keep_qdq or shared_context or soc_model is not None or htp_arch is not None:
+        raise ExportError("--soc-model, --htp-arch, --keep-qdq and --htp-shared-context are for --target htp")
     p = Progress(9 if target == "htp" else 8, progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
-                       force=force, context_step=context_step, htp=dict(weights=htp_weights, calibration=calibration, soc_model=soc_model,
-                                             htp_arch=htp_arch) if target == "htp" else None)
+                       force=force, context_step=context_step,
+                       htp=dict(weights=htp_weights, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
+                                shared_context=shared_context) if target == "htp" else None)
+    except qnn_context.TargetError as e:
+        p.failed()
+        raise ExportError(str(e)) from None
     except OSError as e:
         p.failed()
         if e.errno == errno.ENOSPC:  # _export removed its work folder: nothing is left at or next to OUT
@@ -309,13 +325,15 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         mf.load(tmp)  # what we wrote must read back
         p.done()
         if htp:
-            p.start(f"HTP: calibrating and quantizing (16-bit activations, {htp['weights']}-bit weights, uint8 KV)")
+            t = htp["target"]
+            p.start(f"HTP: calibrating and quantizing (16-bit activations, {htp['weights']}-bit weights, uint8 KV), "
+                    f"compiling QNN context binaries for {t['soc_name'] or t['soc_model']} (htp_arch {t['htp_arch']})")
             from ..eval.samples import default_samples
 
             with staging.staged(out, "htp") as qdir:
-                m = htp_mod.quantize_bundle(tmp, qdir, htp["calibration"] or default_samples(),
-                                            weight_bits=htp["weights"], soc_model=htp["soc_model"],
-                                            htp_arch=htp["htp_arch"])
+                m = htp_mod.quantize_bundle(tmp, qdir, htp["calibration"] or default_samples(), target=htp["target"],
+                                            weight_bits=htp["weights"], keep_qdq=htp["keep_qdq"],
+                                            shared_context=htp["shared_context"])
                 mf.save(m, qdir)
                 mf.load(qdir)
                 p.done()

@@ -15,7 +15,7 @@ DEVICES = ("cpu", "cuda", "htp")
 _QNN_REGISTERED = False
 
 
-def _qnn_devices():
+def qnn_devices():
     """Register the QNN plugin EP (PyPI onnxruntime-qnn) once; return its ORT devices."""
     global _QNN_REGISTERED
     import onnxruntime as ort
@@ -136,9 +136,9 @@ def release_freed_heap() -> None:
 
 
 def make_session(path: Path, device: str, threads: int | None, target: dict | None = None,
-                 shared: SharedWeights | None = None, graph: mf.GraphSpec | None = None):
+                 shared: SharedWeights | None = None, graph: mf.GraphSpec | None = None, config: dict | None = None):
     """An ORT session for the graph file at path; with shared (and the graph's spec), its mapped weights come from
-    the shared mapping."""
+    the shared mapping; config: more session config entries (the QNN EP's context sharing)."""
     import onnxruntime as ort
 
     if device not in DEVICES:
@@ -150,12 +150,14 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
     providers = None
     if device == "htp":
         # everything on the NPU: a node the HTP cannot take is an error, not a silent CPU fallback
-        devs, backend = _qnn_devices()
+        devs, backend = qnn_devices()
         opts = {"backend_path": backend}
         for k in ("soc_model", "htp_arch"):
             if target and target.get(k):
                 opts[k] = str(target[k])
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        for k, v in (config or {}).items():
+            so.add_session_config_entry(k, v)
         so.add_provider_for_devices(devs, opts)
     else:
         providers = PROVIDERS[device]
@@ -178,6 +180,40 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         raise mf.BundleError(f"cannot load graph {path.name}: {str(e).splitlines()[0]}") from None
 
 
+_LOAD_ORDER = ("vision", "prefill", "decode")  # shared QNN contexts: decode, the last to load, stops the sharing
+
+
+def _graph_files(m: mf.Manifest, device: str, htp_arch) -> tuple[dict[str, str], dict[str, dict]]:
+    """graph name -> the file its session loads (the QNN context on the HTP, the ONNX graph elsewhere), and
+    file -> extra session config entries."""
+    have_ctx = all(g.context for g in m.graphs.values())
+    if device != "htp":
+        if any(g.file is None for g in m.graphs.values()):
+            raise mf.BundleError("this HTP bundle holds only QNN context binaries, which only the QNN EP runs: use "
+                                 "--device htp, or re-export with --keep-qdq to run it on the CPU EP")
+        return {n: g.file for n, g in m.graphs.items()}, {}
+    built = m.target.get("htp_arch")
+    if have_ctx and htp_arch is not None and str(htp_arch).lower().lstrip("v") != str(built):
+        raise mf.BundleError(f"this bundle's context binaries were compiled for htp_arch {built} "
+                             f"({m.target.get('soc_name') or 'soc model ' + str(m.target.get('soc_model'))}), not "
+                             f"{htp_arch}: re-export with --soc-model/--htp-arch for this device")
+    if not have_ctx:  # a QDQ-only HTP bundle: the QNN EP compiles each graph at load
+        return {n: g.file for n, g in m.graphs.items()}, {}
+    files = {n: g.context.file for n, g in m.graphs.items()}
+    config: dict[str, dict] = {}
+    if m.target.get("shared_context"):
+        import platform
+
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            raise mf.BundleError("this bundle's prefill and decode share one QNN context, which the x86-64 HTP "
+                                 "simulator cannot load (it crashes in contextCreateFromBinary); run it on a Snapdragon "
+                                 "device, or re-export without --htp-shared-context")
+        for n in ("prefill", "decode"):
+            config[files[n]] = {"ep.share_ep_contexts": "1"}
+        config[files["decode"]]["ep.stop_share_ep_contexts"] = "1"
+    return files, config
+
+
 @dataclass
 class Bundle:
     path: Path
@@ -189,13 +225,17 @@ class Bundle:
     shared: SharedWeights | None = None  # must outlive the sessions: they read its memory
 
     @classmethod
-    def open(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True) -> "Bundle":
+    def open(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True,
+             htp_arch: str | int | None = None) -> "Bundle":
+        """htp_arch: the device's Hexagon arch, if known (`vlmrt run --htp-arch`): a bundle whose context binaries
+        were compiled for another one is refused."""
         from tokenizers import Tokenizer
 
         path = Path(path)
         m = mf.load(path, verify=verify)
         if device == "htp" and m.target.get("name") != "htp":
             raise mf.BundleError(f"this bundle was exported for {m.target.get('name')}; export with --target htp to run on the HTP")
+        graphs, config = _graph_files(m, device, htp_arch)
         try:  # first, so that the heap its parse frees is given back before the sessions' peak
             tok = Tokenizer.from_file(str(path / m.tokenizer_file))
         except Exception as e:
@@ -204,20 +244,24 @@ class Bundle:
         shared = SharedWeights(path) if device != "htp" else None  # the QNN EP compiles its own copy
         # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
         # ORT loads it itself, prepacks its weights (a faster vision tile) and drops the unpacked copy
-        specs = {g.file: g for g in m.graphs.values()}  # graphs may share a file: one session each
+        specs = {graphs[name]: g for name, g in m.graphs.items()}  # graphs may share a file: one session each
         users: dict[str, int] = {}
         for g in specs.values():
             for loc in set(g.data_files):
                 users[loc] = users.get(loc, 0) + 1
-        by_file = {f: make_session(path / f, device, threads, m.target,
-                                   shared if any(users[loc] > 1 for loc in g.data_files) else None, g)
-                   for f, g in sorted(specs.items())}
-        sessions = {name: by_file[g.file] for name, g in m.graphs.items()}
+        by_file = {}
+        for name in sorted(m.graphs, key=lambda n: _LOAD_ORDER.index(n) if n in _LOAD_ORDER else len(_LOAD_ORDER)):
+            f = graphs[name]
+            g = specs[f]
+            if f not in by_file:
+                by_file[f] = make_session(path / f, device, threads, m.target,
+                                          shared if any(users[loc] > 1 for loc in g.data_files) else None, g, config.get(f))
+        sessions = {name: by_file[graphs[name]] for name, g in m.graphs.items()}
         for name, g in m.graphs.items():  # the graph files' I/O are what the manifest says
             s = sessions[name]
             for kind, have, want in (("inputs", s.get_inputs(), g.inputs), ("outputs", s.get_outputs(), g.outputs)):
                 if sorted(t.name for t in have) != sorted(t.name for t in want):
-                    raise mf.BundleError(f"graph {g.file}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
+                    raise mf.BundleError(f"graph {graphs[name]}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
                                          f"the manifest's graphs.{name}.{kind}")
         release_freed_heap()
         table = EmbeddingRows(path / m.decoder.embedding_file)

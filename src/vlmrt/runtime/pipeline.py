@@ -101,10 +101,10 @@ class VLM:
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True,
-             kv_requant: bool = True, **options) -> "VLM":
-        """options: image_cache_bytes, fetch (see __init__)."""
+             kv_requant: bool = True, htp_arch: str | int | None = None, **options) -> "VLM":
+        """options: image_cache_bytes, fetch (see __init__); htp_arch: see Bundle.open."""
         t = time.perf_counter()
-        b = Bundle.open(path, device=device, threads=threads, verify=verify)
+        b = Bundle.open(path, device=device, threads=threads, verify=verify, htp_arch=htp_arch)
         return cls(b, time.perf_counter() - t, kv_requant, **options)
 
     # --- host steps -----------------------------------------------------------------------
