@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,11 +180,59 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         raise mf.BundleError(f"cannot load graph {path.name}: {str(e).splitlines()[0]}") from None
 
 
+class Sessions(Mapping):
+    """graph name -> ORT session, each created on first use (a text-only request never loads the vision graph);
+    graphs that share a file share one session. load_s: seconds spent creating sessions so far, per graph name."""
+
+    def __init__(self, path: Path, m: mf.Manifest, device: str, threads: int | None, shared: SharedWeights | None):
+        self.path, self.m, self.device, self.threads, self.shared = path, m, device, threads, shared
+        # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
+        # ORT loads it itself, prepacks its weights (a faster vision tile) and drops the unpacked copy
+        specs = {g.file: g for g in m.graphs.values()}
+        self.users: dict[str, int] = {}
+        for g in specs.values():
+            for loc in set(g.data_files):
+                self.users[loc] = self.users.get(loc, 0) + 1
+        self.by_file: dict[str, object] = {}
+        self.load_s: dict[str, float] = {}
+
+    def __getitem__(self, name: str):
+        g = self.m.graphs[name]
+        s = self.by_file.get(g.file)
+        if s is None:
+            t = time.perf_counter()
+            shared = self.shared if any(self.users[loc] > 1 for loc in g.data_files) else None
+            s = make_session(self.path / g.file, self.device, self.threads, self.m.target, shared, g)
+            for other, spec in self.m.graphs.items():  # the graph file's I/O are what the manifest says
+                if spec.file == g.file:
+                    check_io(s, other, spec)
+            self.by_file[g.file] = s
+            release_freed_heap()
+            self.load_s[name] = time.perf_counter() - t
+        return s
+
+    def __iter__(self):
+        return iter(self.m.graphs)
+
+    def __len__(self) -> int:
+        return len(self.m.graphs)
+
+    def loaded(self, name: str) -> bool:
+        return self.m.graphs[name].file in self.by_file
+
+
+def check_io(s, name: str, g: mf.GraphSpec) -> None:
+    for kind, have, want in (("inputs", s.get_inputs(), g.inputs), ("outputs", s.get_outputs(), g.outputs)):
+        if sorted(t.name for t in have) != sorted(t.name for t in want):
+            raise mf.BundleError(f"graph {g.file}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
+                                 f"the manifest's graphs.{name}.{kind}")
+
+
 @dataclass
 class Bundle:
     path: Path
     manifest: mf.Manifest
-    sessions: dict  # graph name -> session
+    sessions: Sessions  # graph name -> session, created on first use
     tokenizer: object  # tokenizers.Tokenizer
     embed_table: EmbeddingRows  # [vocab, hidden], indexed by token ids
     embed_scale: np.ndarray | None = None  # [vocab] row scales of an int8 table
@@ -202,23 +252,9 @@ class Bundle:
             raise mf.BundleError(f"cannot load tokenizer {m.tokenizer_file}: {e}") from None
         release_freed_heap()
         shared = SharedWeights(path) if device != "htp" else None  # the QNN EP compiles its own copy
-        # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
-        # ORT loads it itself, prepacks its weights (a faster vision tile) and drops the unpacked copy
-        specs = {g.file: g for g in m.graphs.values()}  # graphs may share a file: one session each
-        users: dict[str, int] = {}
-        for g in specs.values():
-            for loc in set(g.data_files):
-                users[loc] = users.get(loc, 0) + 1
-        by_file = {f: make_session(path / f, device, threads, m.target,
-                                   shared if any(users[loc] > 1 for loc in g.data_files) else None, g)
-                   for f, g in sorted(specs.items())}
-        sessions = {name: by_file[g.file] for name, g in m.graphs.items()}
-        for name, g in m.graphs.items():  # the graph files' I/O are what the manifest says
-            s = sessions[name]
-            for kind, have, want in (("inputs", s.get_inputs(), g.inputs), ("outputs", s.get_outputs(), g.outputs)):
-                if sorted(t.name for t in have) != sorted(t.name for t in want):
-                    raise mf.BundleError(f"graph {g.file}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
-                                         f"the manifest's graphs.{name}.{kind}")
+        sessions = Sessions(path, m, device, threads, shared)
+        for name in ("prefill", "decode"):  # every request needs the decoder; the vision graph only an image's
+            sessions[name]  # noqa: B018 (loads it)
         release_freed_heap()
         table = EmbeddingRows(path / m.decoder.embedding_file)
         if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):
