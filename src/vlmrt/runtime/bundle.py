@@ -106,6 +106,8 @@ class EmbeddingRows:
         self._row = arr.shape[1] * arr.dtype.itemsize
         del arr
         self._fd = os.open(path, os.O_RDONLY)
+        self._one_row = np.empty(self.shape[1], self.dtype)  # row()'s buffer
+        self._one = memoryview(self._one_row.view(np.uint8))
 
     def __getitem__(self, ids) -> np.ndarray:
         """ids [n] -> rows [n, hidden]"""
@@ -119,6 +121,12 @@ class EmbeddingRows:
             if os.preadv(self._fd, [buf[i * row : (i + 1) * row]], self._offset + t * row) != row:
                 raise mf.BundleError("embedding table file is truncated")
         return out
+
+    def row(self, token: int) -> np.ndarray:
+        """Token's row [hidden] (0 <= token < vocab, unchecked here), in a buffer the next call overwrites."""
+        if os.preadv(self._fd, [self._one], self._offset + token * self._row) != self._row:
+            raise mf.BundleError("embedding table file is truncated")
+        return self._one_row
 
     def __del__(self):
         fd = getattr(self, "_fd", None)
