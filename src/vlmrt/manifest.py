@@ -318,8 +318,11 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     except RecursionError:
         raise BundleError(f"cannot read {path}: nested too deeply") from None
     m = from_dict(d)
-    for field_name, name in bundle_paths(m):
-        check_path(folder, field_name, name)
+    checked = set()
+    for field_name, name in bundle_paths(m):  # each path once (every mapped weight names its data file)
+        if name not in checked:
+            check_path(folder, field_name, name)
+            checked.add(name)
     for name in ("vision", "prefill", "decode"):
         if name not in m.graphs:
             raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
