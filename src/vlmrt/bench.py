@@ -1,6 +1,6 @@
 """`vlmrt bench`: repeatable timings of one bundle, min / median / max over runs.
 
-Each run times model load (fresh sessions), image preprocessing, vision encode, prefill (time to
+Each run times model load (fresh sessions: VLM.load, plus the vision session that the first image loads), image preprocessing, vision encode, prefill (time to
 first token from the start of the request) and decode (exactly --gen-tokens tokens, EOS ignored,
 so that runs compare), the host (Python) time per decode step outside the graph call, and the
 process's peak RSS. The prompt is the sample image (if any) plus a text padded to --prompt-tokens
@@ -53,7 +53,7 @@ def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens:
             prompt = make_prompt(vlm, image, prompt_tokens)
         r = vlm(prompt, image, mode=mode, max_new_tokens=gen_tokens, ignore_eos=True)
         s = r.stats
-        rows.append({"load_s": load, "preprocess_s": s.preprocess_s, "vision_s": s.vision_s, "ttft_s": s.ttft_s,
+        rows.append({"load_s": load + s.vision_load_s, "preprocess_s": s.preprocess_s, "vision_s": s.vision_s, "ttft_s": s.ttft_s,
                      "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_ms_per_token": s.decode_ms_per_token,
                      "decode_tokens_per_s": s.decode_tokens_per_s,
                      "host_overhead_ms_per_step": vlm.engine.last.host_overhead_ms_per_step,

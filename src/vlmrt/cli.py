@@ -31,7 +31,8 @@ def _stats_report(r) -> str:
         f"prompt tokens      {s.prompt_tokens} ({s.images} images, {s.image_tiles} image tiles; "
         f"{s.reused_prompt_tokens} reused)",
         f"generated tokens   {s.generated_tokens} (stop: {s.stop_reason})",
-        f"model load         {s.load_s:.3f} s",
+        f"model load         {s.load_s:.3f} s" + (f" (+ vision graph {s.vision_load_s:.3f} s, on first use)"
+                                                 if s.vision_load_s else ""),
         f"image preprocess   {s.preprocess_s:.3f} s",
         f"vision encode      {s.vision_s:.3f} s" + (" (skipped: cached)" if s.vision_skipped else ""),
         f"time to 1st token  {s.ttft_s:.3f} s",

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .typed_json import Malformed, build
+from .verify_record import Record
 
 # 2: each graph lists its data files and the external initializers the host maps (GraphSpec.data_files,
 # mapped_weights, prepacked), so that the runtime never parses a graph itself (the onnx package is export-only)
@@ -319,20 +320,25 @@ def check_path(folder: Path, field_name: str, name: str) -> None:
 
 
 def load(folder: Path, verify: bool = True) -> Manifest:
-    """Read and validate a bundle's manifest; with verify, check every file's size and sha256."""
+    """Read and validate a bundle's manifest; with verify, check every file's size and sha256 (a file verified before
+    and not changed since is not hashed again: vlmrt/verify_record.py)."""
     folder = Path(folder)
     path = folder / MANIFEST_NAME
     if not path.is_file():
         raise BundleError(f"{folder} is not a vlmrt bundle (no {MANIFEST_NAME})")
     try:
-        d = json.loads(path.read_text())
+        raw = path.read_bytes()
+        d = json.loads(raw.decode())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"cannot read {path}: {e}") from None
     except RecursionError:
         raise BundleError(f"cannot read {path}: nested too deeply") from None
     m = from_dict(d)
-    for field_name, name in bundle_paths(m):
-        check_path(folder, field_name, name)
+    checked = set()
+    for field_name, name in bundle_paths(m):  # each path once (every mapped weight names its data file)
+        if name not in checked:
+            check_path(folder, field_name, name)
+            checked.add(name)
     for name in ("vision", "prefill", "decode"):
         if name not in m.graphs:
             raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
@@ -346,7 +352,7 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     if missing:
         raise BundleError(f"manifest does not list {', '.join(missing)}")
     if verify:
-        verify_files(folder, m)
+        verify_files(folder, m, raw)
     return m
 
 
@@ -368,10 +374,20 @@ def check_io_names(m: Manifest) -> None:
             g.input(names[0]), g.input(names[1]), g.output(names[2]), g.output(names[3])
 
 
-def verify_files(folder: Path, m: Manifest) -> None:
+def verify_files(folder: Path, m: Manifest, manifest_bytes: bytes) -> None:
+    """Every listed file exists with its size and sha256; the verifications are remembered (Record) for this
+    manifest, so that an unchanged file is hashed once."""
+    record = Record(folder, manifest_bytes)
     for name, entry in m.files.items():
         p = folder / name
         if not p.is_file():
             raise BundleError(f"bundle file missing: {p}")
-        if p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
+        before = p.stat()
+        if before.st_size != entry["bytes"]:
             raise BundleError(f"bundle file altered (sha256 mismatch): {p}")
+        if record.holds(name, before, entry["sha256"]):
+            continue
+        if sha256_file(p) != entry["sha256"]:
+            raise BundleError(f"bundle file altered (sha256 mismatch): {p}")
+        record.add(name, before, p.stat(), entry["sha256"])
+    record.save()

@@ -5,6 +5,7 @@ not "two"`, `decoder has an unknown field 'flash'` (stdlib only)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -56,13 +57,21 @@ def _check(value, tp, where: str):
     return value
 
 
-def build(cls, d, where: str):
-    if not isinstance(d, dict):
-        raise Malformed(f"{where} must be an object, not {json.dumps(d)[:40]}")
+@functools.cache
+def _shape(cls) -> tuple[dict, dict, list]:
+    """(type hints, fields, required field names) of a dataclass, worked out once per class: get_type_hints evaluates
+    the string annotations (compile + eval), which a manifest with many graphs would otherwise repeat per entry."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     required = [n for n, f in fields.items() if (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
                 or n in getattr(cls, "_required", ())]
+    return hints, fields, required
+
+
+def build(cls, d, where: str):
+    if not isinstance(d, dict):
+        raise Malformed(f"{where} must be an object, not {json.dumps(d)[:40]}")
+    hints, fields, required = _shape(cls)
     missing = [n for n in required if n not in d]
     if missing:
         raise Malformed(f"{where} lacks the field {missing[0]!r}" if where else f"the field {missing[0]!r} is missing")

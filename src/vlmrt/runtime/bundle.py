@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +106,8 @@ class EmbeddingRows:
         self._row = arr.shape[1] * arr.dtype.itemsize
         del arr
         self._fd = os.open(path, os.O_RDONLY)
+        self._one_row = np.empty(self.shape[1], self.dtype)  # row()'s buffer
+        self._one = memoryview(self._one_row.view(np.uint8))
 
     def __getitem__(self, ids) -> np.ndarray:
         """ids [n] -> rows [n, hidden]"""
@@ -117,6 +121,12 @@ class EmbeddingRows:
             if os.preadv(self._fd, [buf[i * row : (i + 1) * row]], self._offset + t * row) != row:
                 raise mf.BundleError("embedding table file is truncated")
         return out
+
+    def row(self, token: int) -> np.ndarray:
+        """Token's row [hidden] (0 <= token < vocab, unchecked here), in a buffer the next call overwrites."""
+        if os.preadv(self._fd, [self._one], self._offset + token * self._row) != self._row:
+            raise mf.BundleError("embedding table file is truncated")
+        return self._one_row
 
     def __del__(self):
         fd = getattr(self, "_fd", None)
@@ -180,9 +190,6 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         raise mf.BundleError(f"cannot load graph {path.name}: {str(e).splitlines()[0]}") from None
 
 
-_LOAD_ORDER = ("vision", "prefill", "decode")  # shared QNN contexts: decode, the last to load, stops the sharing
-
-
 def _graph_files(m: mf.Manifest, device: str, htp_arch) -> tuple[dict[str, str], dict[str, dict]]:
     """graph name -> the file its session loads (the QNN context on the HTP, the ONNX graph elsewhere), and
     file -> extra session config entries."""
@@ -214,11 +221,63 @@ def _graph_files(m: mf.Manifest, device: str, htp_arch) -> tuple[dict[str, str],
     return files, config
 
 
+class Sessions(Mapping):
+    """graph name -> ORT session, each created on first use (a text-only request never loads the vision graph);
+    graphs that share a file share one session. load_s: seconds spent creating sessions so far, per graph name."""
+
+    def __init__(self, path: Path, m: mf.Manifest, device: str, threads: int | None, shared: SharedWeights | None,
+                 files: dict[str, str], config: dict[str, dict]):
+        """files: graph name -> the file its session loads; config: file -> more session config entries
+        (_graph_files)."""
+        self.path, self.m, self.device, self.threads, self.shared = path, m, device, threads, shared
+        self.files, self.config = files, config
+        # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
+        # ORT loads it itself, prepacks its weights (a faster vision tile) and drops the unpacked copy
+        specs = {files[name]: g for name, g in m.graphs.items()}
+        self.users: dict[str, int] = {}
+        for g in specs.values():
+            for loc in set(g.data_files):
+                self.users[loc] = self.users.get(loc, 0) + 1
+        self.by_file: dict[str, object] = {}
+        self.load_s: dict[str, float] = {}
+
+    def __getitem__(self, name: str):
+        g, f = self.m.graphs[name], self.files[name]
+        s = self.by_file.get(f)
+        if s is None:
+            t = time.perf_counter()
+            shared = self.shared if any(self.users[loc] > 1 for loc in g.data_files) else None
+            s = make_session(self.path / f, self.device, self.threads, self.m.target, shared, g, self.config.get(f))
+            for other, spec in self.m.graphs.items():  # the graph file's I/O are what the manifest says
+                if self.files[other] == f:
+                    check_io(s, other, spec, f)
+            self.by_file[f] = s
+            release_freed_heap()
+            self.load_s[name] = time.perf_counter() - t
+        return s
+
+    def __iter__(self):
+        return iter(self.m.graphs)
+
+    def __len__(self) -> int:
+        return len(self.m.graphs)
+
+    def loaded(self, name: str) -> bool:
+        return self.files[name] in self.by_file
+
+
+def check_io(s, name: str, g: mf.GraphSpec, file: str) -> None:
+    for kind, have, want in (("inputs", s.get_inputs(), g.inputs), ("outputs", s.get_outputs(), g.outputs)):
+        if sorted(t.name for t in have) != sorted(t.name for t in want):
+            raise mf.BundleError(f"graph {file}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
+                                 f"the manifest's graphs.{name}.{kind}")
+
+
 @dataclass
 class Bundle:
     path: Path
     manifest: mf.Manifest
-    sessions: dict  # graph name -> session
+    sessions: Sessions  # graph name -> session, created on first use
     tokenizer: object  # tokenizers.Tokenizer
     embed_table: EmbeddingRows  # [vocab, hidden], indexed by token ids
     embed_scale: np.ndarray | None = None  # [vocab] row scales of an int8 table
@@ -242,27 +301,10 @@ class Bundle:
             raise mf.BundleError(f"cannot load tokenizer {m.tokenizer_file}: {e}") from None
         release_freed_heap()
         shared = SharedWeights(path) if device != "htp" else None  # the QNN EP compiles its own copy
-        # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
-        # ORT loads it itself, prepacks its weights (a faster vision tile) and drops the unpacked copy
-        specs = {graphs[name]: g for name, g in m.graphs.items()}  # graphs may share a file: one session each
-        users: dict[str, int] = {}
-        for g in specs.values():
-            for loc in set(g.data_files):
-                users[loc] = users.get(loc, 0) + 1
-        by_file = {}
-        for name in sorted(m.graphs, key=lambda n: _LOAD_ORDER.index(n) if n in _LOAD_ORDER else len(_LOAD_ORDER)):
-            f = graphs[name]
-            g = specs[f]
-            if f not in by_file:
-                by_file[f] = make_session(path / f, device, threads, m.target,
-                                          shared if any(users[loc] > 1 for loc in g.data_files) else None, g, config.get(f))
-        sessions = {name: by_file[graphs[name]] for name, g in m.graphs.items()}
-        for name, g in m.graphs.items():  # the graph files' I/O are what the manifest says
-            s = sessions[name]
-            for kind, have, want in (("inputs", s.get_inputs(), g.inputs), ("outputs", s.get_outputs(), g.outputs)):
-                if sorted(t.name for t in have) != sorted(t.name for t in want):
-                    raise mf.BundleError(f"graph {graphs[name]}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
-                                         f"the manifest's graphs.{name}.{kind}")
+        sessions = Sessions(path, m, device, threads, shared, graphs, config)
+        for name in ("prefill", "decode"):  # every request needs the decoder; the vision graph only an image's
+            # (decode loads last: with shared QNN contexts it stops the sharing)
+            sessions[name]  # noqa: B018 (loads it)
         release_freed_heap()
         table = EmbeddingRows(path / m.decoder.embedding_file)
         if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):

@@ -71,6 +71,9 @@ class Engine:
         # a plain ndarray over the same mapping (np.memmap's __getitem__ is slow)
         self.embed_table = embed_table.view(np.ndarray) if isinstance(embed_table, np.memmap) else embed_table
         self.embed_scale = embed_scale  # [vocab] when the table is int8 rows
+        # one row [hidden] by token id: EmbeddingRows.row (a reused buffer), or a view of the ndarray's row
+        self._row = getattr(self.embed_table, "row", self.embed_table.__getitem__)
+        self._vocab = self.embed_table.shape[0]
         self.eos = set(eos_ids)
         self.dtype = np.dtype(io_dtype)
         self.cache = KVCache(kv)
@@ -78,7 +81,7 @@ class Engine:
         self.last = GenerationStats()
         self._steps: dict[tuple[int, int, int], object] = {}  # id(session), ctx, ar -> the step for that shape
         self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
-        self.run_s = 0.0  # time inside graph calls, accumulated
+        self.run_s = 0.0  # time inside graph calls (session.run), accumulated
         # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
         # that mode computes (see reusable)
         self._exact: tuple[str, int, int] = ("", 0, -1)
@@ -90,22 +93,30 @@ class Engine:
             return (rows.astype(np.float32) * self.embed_scale[ids][:, None]).astype(self.dtype)
         return np.asarray(rows, dtype=self.dtype)
 
+    def embed_into(self, token: int, out: np.ndarray) -> None:
+        """out [hidden] = token's embedding (as embed([token])[0], without its allocations: the decode loop's)."""
+        if not 0 <= token < self._vocab:
+            raise IndexError(f"token id {token} out of range 0..{self._vocab - 1}")
+        row = self._row(token)
+        if self.embed_scale is None:
+            out[...] = row
+        elif out.dtype == np.float32:
+            np.multiply(row, self.embed_scale[token], out=out, dtype=np.float32)
+        else:
+            out[...] = row.astype(np.float32) * self.embed_scale[token]
+
     def _ctx(self, pos: int) -> int:
         """The cache prefix [:ctx] a step at first position pos reads (it holds positions 0..pos-1): graphs with a
         symbolic cache length take pos rounded up to DecoderSpec.context_step, static graphs the whole cache."""
         step, top = self.dec.context_step, self.kv_spec.max_context
         return context_slots(pos, step, top) if step else top
 
-    def step(self, kind: str, embeds: np.ndarray) -> np.ndarray:
-        """One graph call ("prefill" or "decode") over embeds [n, hidden] at the cache's next positions; the new rows
-        go into the cache. Returns logits [n, vocab] ([1, vocab], the last token's, with DecoderSpec.last_logits),
-        possibly a view of a buffer that the next step of the same shape overwrites."""
-        n = embeds.shape[0]
+    def _step_for(self, kind: str, n: int):
+        """The step object for n tokens of graph kind ("prefill" or "decode") at the cache's next position."""
         # a graph with a symbolic AR takes exactly the step's tokens; a static one its AR, the last block padded
         ar = n if self.dec.dynamic_ar else (self.dec.prefill_ar if kind == "prefill" else 1)
         session = self.prefill_session if kind == "prefill" else self.decode_session
-        pos = self.cache.length
-        ctx = self._ctx(pos)
+        ctx = self._ctx(self.cache.length)
         key = (id(session), ctx, ar)
         step = self._steps.get(key)
         if step is None:
@@ -115,11 +126,27 @@ class Engine:
                 step = PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype)
             else:
                 step = self._steps[key] = make_step(session, self.dec, self.cache, ctx, ar, self.dtype, self._buffers)
-        t = time.perf_counter()
-        logits = step(embeds, pos)
-        self.run_s += time.perf_counter() - t
+        return step
+
+    def _run(self, step, embeds: np.ndarray) -> np.ndarray:
+        n = embeds.shape[0]
+        logits = step(embeds, self.cache.length)
+        self.run_s += step.run_s
         self.cache.write(step.rows, n)
-        return logits[:n]
+        return logits if n == len(logits) else logits[:n]
+
+    def step(self, kind: str, embeds: np.ndarray) -> np.ndarray:
+        """One graph call ("prefill" or "decode") over embeds [n, hidden] at the cache's next positions; the new rows
+        go into the cache. Returns logits [n, vocab] ([1, vocab], the last token's, with DecoderSpec.last_logits),
+        possibly a view of a buffer that the next step of the same shape overwrites."""
+        return self._run(self._step_for(kind, embeds.shape[0]), embeds)
+
+    def step_token(self, token: int) -> np.ndarray:
+        """step("decode", embed([token]))[-1], the token's row written straight into the step's input buffer."""
+        step = self._step_for("decode", 1)
+        b = step.buffers
+        self.embed_into(token, b.first_row)
+        return self._run(step, b.first)[-1]  # a decode step's AR is 1
 
     def _blocks(self, mode: str) -> int:
         """Tokens per prompt step in mode: prefill_ar for hybrid (with a prefill graph), else 1."""
@@ -178,7 +205,7 @@ class Engine:
         for t in tokens[:-1]:
             if self.cache.length >= self.kv_spec.max_context:
                 break
-            out.append(self.step("decode", self.embed([t]))[-1].copy())
+            out.append(self.step_token(t).copy())
         return np.stack(out)
 
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
@@ -208,7 +235,7 @@ class Engine:
                 st.stop_reason = "context"
                 return
             t, run0 = time.perf_counter(), self.run_s
-            logits = self.step("decode", self.embed([token]))[-1]
+            logits = self.step_token(token)
             if one_by_one and self._exact[1] == self.cache.length - 1:
                 self._exact = (mode, self.cache.length, self.cache.epoch)
             token = sampler(logits)

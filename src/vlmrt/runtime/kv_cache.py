@@ -45,6 +45,7 @@ class KVCache:
         self.data = np.zeros((spec.layers, 2, spec.max_context, spec.dim), self.dtype)
         self.keys = [self.data[i, 0] for i in range(spec.layers)]
         self.values = [self.data[i, 1] for i in range(spec.layers)]
+        self._by_slot = self.data.transpose(2, 0, 1, 3)  # [max_context, layers, 2, dim]: write's view
         self.length = 0  # number of valid slots (= next position)
         self.epoch = 0  # counts resets: rows kept across calls (a prefix reuse) belong to one epoch
 
@@ -95,6 +96,11 @@ class KVCache:
     def write(self, rows: np.ndarray, n_valid: int) -> None:
         """rows [layers, 2 (K, V), ar, dim], a step's new rows (runtime/step.py stages them in one block): store the
         first n_valid at slots length..length+n_valid-1 (padding rows are dropped), then advance length."""
+        pos = self.length
+        if n_valid == 1 and pos < self.spec.max_context:  # a decode step: one assignment (no slices)
+            self._by_slot[pos] = rows.transpose(2, 0, 1, 3)[0]
+            self.length = pos + 1
+            return
         at = self._slots(n_valid)
         self.data[:, :, at] = rows[:, :, :n_valid]
         self.length = at.stop

@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from . import image as img_ops
-from .bundle import Bundle
+from .bundle import Bundle, Sessions
 from .engine import MODES, ContextOverflow, Engine, splice
 from .conversation import ChatTemplate, Conversation, parse_messages, user_turn
 from .prefix_cache import CachedImage, ImageCache, PrefixCache, row_keys
@@ -51,7 +51,8 @@ class RunStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     image_tiles: int = 0
-    load_s: float = 0.0
+    load_s: float = 0.0  # VLM.load: manifest, tokenizer, decoder session (the vision session is loaded on first use)
+    vision_load_s: float = 0.0  # this call's loading of the vision session (its first image), in ttft_s, not vision_s
     preprocess_s: float = 0.0  # image decode+tiling+normalize, prompt build + tokenize
     vision_s: float = 0.0
     ttft_s: float = 0.0  # from the call to the first token: preprocess + vision + prefill
@@ -88,6 +89,7 @@ class VLM:
         m = bundle.manifest
         self.manifest = m
         self.load_s = load_s
+        self.lazy_load_s = 0.0  # seconds spent loading sessions on first use (the vision graph's), accumulated
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
         self.engine = Engine(
             bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
@@ -121,7 +123,11 @@ class VLM:
     def encode_image(self, tiles: np.ndarray) -> np.ndarray:
         """[tiles, c, S, S] -> [tiles*tokens_per_tile, hidden] through the vision graph, tile by tile."""
         m = self.manifest
-        sess = self.bundle.sessions["vision"]
+        sessions, t = self.bundle.sessions, time.perf_counter()
+        first = isinstance(sessions, Sessions) and not sessions.loaded("vision")
+        sess = sessions["vision"]  # loaded on first use
+        if first:
+            self.lazy_load_s += time.perf_counter() - t
         dtype = m.graphs["vision"].input(m.vision.patches_input).dtype
         out = [
             sess.run([m.vision.embeds_output], {m.vision.patches_input: img_ops.unfold_patches(t, m.image.patch_size).astype(dtype)})[0]
@@ -233,7 +239,7 @@ class VLM:
         # image rows: from the cache, from the vision graph, or none for an image wholly inside the kept prefix
         embeds = self.engine.embed(ids[start:])
         slots = np.flatnonzero(np.asarray(ids) == m.special_tokens.image_token_id)
-        at, encoded = 0, 0
+        at, encoded, lazy0 = 0, 0, self.lazy_load_s
         for key, grid, rows, tiles in images:
             s = slots[at : at + grid[2] * per_tile]
             at += len(s)
@@ -246,7 +252,8 @@ class VLM:
                     self.image_cache.put(key, CachedImage(grid, rows))
             keep = s >= start
             embeds[s[keep] - start] = rows[keep]
-        st.vision_s = time.perf_counter() - t1
+        st.vision_load_s = self.lazy_load_s - lazy0
+        st.vision_s = time.perf_counter() - t1 - st.vision_load_s
         st.vision_skipped = bool(images) and encoded == 0
 
         from tokenizers.decoders import DecodeStream

@@ -15,6 +15,8 @@ Both kinds of step read the cache prefix [:ctx] where it is and build positions 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..manifest import DecoderSpec
@@ -47,26 +49,50 @@ class StepBuffers:
         self.logits = np.zeros((1 if dec.last_logits else ar, dec.vocab_size), logits_dtype)
         self.rows = np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
         self._range = np.arange(ar, dtype=positions_dtype)
+        # views made once for the decode loop (each numpy call after a graph call runs on cold caches)
+        self.first, self.first_row = self.embeds[:1], self.embeds[0]
 
-    def load(self, embeds: np.ndarray, pos: int, mask: np.ndarray, ctx: int, neg: float | None) -> None:
-        """The step's inputs in place: embeds [n <= ar, hidden] (zero rows after them), positions pos.., the mask."""
+    def load(self, embeds: np.ndarray, pos: int) -> None:
+        """The step's inputs in place: embeds [n <= ar, hidden] (zero rows after them), positions pos..; embeds
+        may be `first`, the buffer's first row, already written (then ar is 1: a decode step)."""
+        if embeds is self.first:  # Engine.step_token wrote the row in place
+            self.positions[0] = pos
+            return
         n, ar = embeds.shape[0], len(self.positions)
         self.embeds[:n] = embeds
         if n < ar:
             self.embeds[n:] = 0  # a static graph's padded last block: computed, never written to the cache
         np.add(self._range, pos, out=self.positions)
-        attention_mask(pos, ar, ctx, mask.dtype, out=mask, neg=neg)
+
+
+class StepMask:
+    """A step's additive mask [ar, ctx + ar] (kv_cache.attention_mask), kept across calls: a step at a later
+    position than the last only unmasks the slots in between (one slot per decode step), else it is rebuilt."""
+
+    def __init__(self, ar: int, ctx: int, dtype, neg: float | None):
+        self.array = np.zeros((ar, ctx + ar), dtype)
+        self.ar, self.ctx, self.neg = ar, ctx, neg
+        self.pos = -1  # the position the array is for; -1: none yet
+
+    def at(self, pos: int) -> np.ndarray:
+        if 0 <= self.pos <= pos:
+            self.array[:, self.pos : pos] = 0  # the cache now also holds positions self.pos..pos-1
+        else:
+            attention_mask(pos, self.ar, self.ctx, self.array.dtype, out=self.array, neg=self.neg)
+        self.pos = pos
+        return self.array
 
 
 class BoundStep:
     def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, buffers: StepBuffers):
         import onnxruntime as ort
 
-        self.session, self.ctx, self.neg, self.buffers = session, ctx, dec.mask_value, buffers
+        self.session, self.ctx, self.buffers = session, ctx, buffers
         self.rows = buffers.rows
+        self.run_s = 0.0  # the last call's time inside session.run
         self.io = io = session.io_binding()
         ins = {i.name: i for i in session.get_inputs()}
-        self.mask = np.zeros((ar, ctx + ar), _ORT_DTYPES[ins[dec.mask_input].type])
+        self.mask = StepMask(ar, ctx, _ORT_DTYPES[ins[dec.mask_input].type], dec.mask_value)
         self._keep = []  # OrtValues (and through them the arrays) bound to io
 
         def bind(name, arr, output=False):
@@ -76,7 +102,7 @@ class BoundStep:
 
         bind(dec.embeds_input, buffers.embeds)
         bind(dec.positions_input, buffers.positions)
-        bind(dec.mask_input, self.mask)
+        bind(dec.mask_input, self.mask.array)
         s = cache.spec
         for i in range(s.layers):
             bind(s.key_input.format(layer=i), cache.data[i, 0, :ctx])  # contiguous prefix: no copy
@@ -87,8 +113,11 @@ class BoundStep:
 
     def __call__(self, embeds: np.ndarray, pos: int) -> np.ndarray:
         """embeds [n <= ar, hidden] at positions pos.. -> logits (a view of the buffer the next step reuses)."""
-        self.buffers.load(embeds, pos, self.mask, self.ctx, self.neg)
+        self.buffers.load(embeds, pos)
+        self.mask.at(pos)
+        t = time.perf_counter()
         self.session.run_with_iobinding(self.io)
+        self.run_s = time.perf_counter() - t
         return self.buffers.logits
 
 
@@ -97,15 +126,18 @@ class PlainStep:
         self.session, self.dec, self.cache, self.ctx, self.ar = session, dec, cache, ctx, ar
         self.buffers = StepBuffers(dec, cache, ar, io_dtype, np.int64, io_dtype)
         self.rows = self.buffers.rows
-        self.mask = np.zeros((ar, ctx + ar), io_dtype)
+        self.run_s = 0.0
+        self.mask = StepMask(ar, ctx, io_dtype, dec.mask_value)
         self._out_names = [dec.logits_output, *cache.output_names()]
 
     def __call__(self, embeds: np.ndarray, pos: int) -> np.ndarray:
         b, d = self.buffers, self.dec
-        b.load(embeds, pos, self.mask, self.ctx, d.mask_value)
-        feeds = {d.embeds_input: b.embeds, d.positions_input: b.positions, d.mask_input: self.mask,
+        b.load(embeds, pos)
+        feeds = {d.embeds_input: b.embeds, d.positions_input: b.positions, d.mask_input: self.mask.at(pos),
                  **self.cache.feeds(self.ctx)}
+        t = time.perf_counter()
         logits, *rows = self.session.run(self._out_names, feeds)
+        self.run_s = time.perf_counter() - t
         for j, r in enumerate(rows):  # output_names() order: K, V of layer 0, 1, ...
             self.rows[j // 2, j % 2] = r
         return logits

@@ -1,0 +1,72 @@
+"""The decode loop's host fast paths equal the general ones: the kept mask (StepMask), the token row written in
+place (Engine.embed_into / step_token), the one-row KV write. Greedy ids through them: test_engine_fake.py,
+test_runtime_speed_paths.py, test_kv_contract.py."""
+
+import numpy as np
+import pytest
+
+from vlmrt import manifest as mf
+from vlmrt.manifest import KVSpec
+from vlmrt.runtime.bundle import EmbeddingRows
+from vlmrt.runtime.engine import Engine
+from vlmrt.runtime.kv_cache import KVCache, attention_mask
+from vlmrt.runtime.step import StepMask
+
+from test_engine_fake import make_engine
+
+
+@pytest.mark.parametrize("ar,ctx,neg", [(1, 64, None), (4, 24, None), (3, 16, -30.0)])
+def test_kept_mask_equals_a_fresh_one(ar, ctx, neg):
+    rng = np.random.default_rng(0)
+    m = StepMask(ar, ctx, np.float32, neg)
+    pos = 0
+    for _ in range(200):  # mostly forward by one (decode), sometimes a jump or a rewind (a new request)
+        pos = int(rng.integers(0, ctx + 1)) if rng.random() < 0.2 else min(ctx, pos + 1)
+        want = attention_mask(pos, ar, ctx, np.float32, neg=neg)
+        np.testing.assert_array_equal(m.at(pos), want)
+
+
+def test_token_row_in_place_equals_embed(default_bundle, tmp_path):
+    """int8 rows x scale read by EmbeddingRows (pread), the bundle's table, a float ndarray; float32 and float16."""
+    m = mf.load(default_bundle.bundle, verify=False)
+    rng = np.random.default_rng(1)
+    vocab, hidden = m.decoder.vocab_size, m.decoder.hidden_size
+    np.save(tmp_path / "q.npy", rng.integers(-127, 128, (vocab, hidden)).astype(np.int8))
+    scale = rng.uniform(0.001, 0.1, vocab).astype(np.float32)
+    tables = [(EmbeddingRows(tmp_path / "q.npy"), scale), (EmbeddingRows(default_bundle.bundle / m.decoder.embedding_file), None),
+              (rng.standard_normal((vocab, hidden)).astype(np.float32), None)]
+    for tab, sc in tables:
+        for dtype in ("float32", "float16"):
+            e = Engine(None, None, m.kv, m.decoder, tab, [0], dtype, sc)
+            for t in (0, 1, 17, vocab - 1):
+                out = np.empty(hidden, dtype)
+                e.embed_into(t, out)
+                np.testing.assert_array_equal(out, e.embed([t])[0])
+            with pytest.raises(IndexError):
+                e.embed_into(vocab, out)
+
+
+def test_step_token_equals_step_of_embed():
+    a, _ = make_engine(one_graph=True, context_step=8)
+    b, _ = make_engine(one_graph=True, context_step=8)
+    ids = [3, 5, 7, 11, 2]
+    a.prefill(a.embed(ids), "hybrid")
+    b.prefill(b.embed(ids), "hybrid")
+    for t in (4, 9, 9, 1, 22, 0, 13):
+        np.testing.assert_array_equal(a.step_token(t), b.step("decode", b.embed([t]))[-1])
+    np.testing.assert_array_equal(a.cache.data, b.cache.data)
+
+
+def test_one_row_write_equals_block_write():
+    spec = KVSpec(layers=3, dim=4, max_context=6, dtype="float32", key_input="k{layer}", value_input="v{layer}",
+                  key_output="nk{layer}", value_output="nv{layer}")
+    a, b = KVCache(spec), KVCache(spec)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        rows = rng.standard_normal((3, 2, 2, 4)).astype(np.float32)
+        a.write(rows, 1)
+        b.data[:, :, b.length : b.length + 1] = rows[:, :, :1]
+        b.length += 1
+    np.testing.assert_array_equal(a.data, b.data)
+    with pytest.raises(OverflowError):
+        a.write(rows, 1)
