@@ -79,7 +79,7 @@ def offsets_fake_quant(w: np.ndarray) -> np.ndarray:
 
 def test_w4a16o_bundle_equals_transformers_on_fake_quantized_weights(tmp_path_factory, default_bundle):
     """transformers on the fixture's weights through the offsets rule (vision at 8 bits, embedding table int8 rows,
-    as the bundle) gives the w4a16o bundle's logits to float32 rounding along its 12 greedy ids."""
+    as the bundle) gives the w4a16o bundle's logits (lm head w4a16o too) to float32 rounding along its 12 greedy ids."""
     import copy
 
     import torch
@@ -88,7 +88,7 @@ def test_w4a16o_bundle_equals_transformers_on_fake_quantized_weights(tmp_path_fa
     from vlmrt.runtime.engine import splice
     from vlmrt.runtime.pipeline import VLM
 
-    b = bundle("w4a16o", tmp_path_factory)
+    b = bundle("vision=w8a16,prefill=w4a16o,decode=w4a16o,lm_head=w4a16o", tmp_path_factory)  # all float compute
     m = json.loads((b / "manifest.json").read_text())
     assert {k: g["precision"] for k, g in m["graphs"].items()} == {"vision": "w8a16", "prefill": "w4a16o", "decode": "w4a16o"}
     assert m["graphs"]["decode"]["weights"] == {"block_size": 32, "symmetric": False, "lm_head": "w4a16o"}
@@ -122,22 +122,28 @@ def test_w4a16o_bundle_equals_transformers_on_fake_quantized_weights(tmp_path_fa
 
 
 def test_w4a8o_graph_and_accuracy(tmp_path_factory, default_bundle):
-    """w4a8o: every decoder projection one symmetric int4 MatMulNBits (int8 compute) with nb block-sum columns,
-    a Split and one Gemm for the offsets; the lm head too unless named. Closer to the reference than symmetric w4a8."""
+    """w4a8o: every decoder projection one symmetric int4 MatMulNBits (int8 compute: its exactness against
+    x̂·(d·q + m) is test_offsets_rule_and_graph_are_exact's) with nb block-sum columns, a Split and one Gemm for the
+    offsets; the lm head at 8 bits (a plain spec). The fixture's random Gaussian weights are nowhere near a 4-bit grid:
+    here the rule is plain asymmetric round-to-nearest, no better than symmetric w4a8 (measured KL, lm head at 4 bits
+    too: 0.1126 vs 0.1132) — the gain is on weights that sit on a Q4_1 grid (docs/precisions.md)."""
     b = bundle("w4a8o", tmp_path_factory)
     model = onnx.load(str(graph_path(b, "decode")), load_external_data=False)
     mm = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    # 2 layers x (q/k/v fused, o, gate/up fused, down) + lm head, all 4-bit at accuracy level 4
-    assert len(mm) == 2 * 4 + 1
-    assert {(a.name, a.i) for n in mm for a in n.attribute if a.name in ("bits", "accuracy_level")} == {("bits", 4), ("accuracy_level", 4)}
+    bits = lambda n: next(a.i for a in n.attribute if a.name == "bits")  # noqa: E731
+    # 2 layers x (q/k/v fused, o, gate/up fused, down) at 4 bits + the lm head at 8 (a plain spec), int8 compute
+    assert sorted(bits(n) for n in mm) == [4] * 8 + [8]
+    assert {a.i for n in mm for a in n.attribute if a.name == "accuracy_level"} == {4}
     assert all(len(n.input) == 3 for n in mm)  # no zero points: the symmetric kernel
-    assert sum(n.op_type == "Gemm" for n in model.graph.node) == len(mm)
-    offsets, plain = run_eval(b, default_bundle.ckpt), run_eval(bundle("w4a8", tmp_path_factory), default_bundle.ckpt)
-    # measured: offsets top-1 MEASURE, KL MEASURE; w4a8 top-1 0.473, KL 0.113
-    assert offsets["mean_kl"] < 0.8 * plain["mean_kl"]
+    assert sum(n.op_type == "Gemm" for n in model.graph.node) == 8  # one offsets Gemm per 4-bit MatMulNBits
+    m = json.loads((b / "manifest.json").read_text())
+    assert m["graphs"]["decode"]["weights"] == {"block_size": 32, "symmetric": False, "lm_head": "w8a8"}
+    r = run_eval(b, default_bundle.ckpt)  # measured: first-token 0.714, top-1 0.438, KL 0.110 (w4a8: 0.473, KL 0.113)
+    assert r["first_token_match"] >= 0.6 and r["top1_agreement"] >= 0.4 and r["mean_kl"] < 0.125
 
 
 def test_parse_offsets_precisions():
-    assert quantize.parse("w4a8o") == {"vision": "w8a8", "prefill": "w4a8o", "decode": "w4a8o"}
-    assert quantize.parse("w4a16o") == {"vision": "w8a16", "prefill": "w4a16o", "decode": "w4a16o"}
+    # a plain spec: vision and lm head at 8 bits
+    assert quantize.parse("w4a8o") == {"vision": "w8a8", "prefill": "w4a8o", "decode": "w4a8o", "lm_head": "w8a8"}
+    assert quantize.parse("w4a16o") == {"vision": "w8a16", "prefill": "w4a16o", "decode": "w4a16o", "lm_head": "w8a8"}
     assert quantize.parse("decode=w4a8o,lm_head=w8a8")["lm_head"] == "w8a8"

@@ -45,6 +45,10 @@ BLOCK_SIZE = 32
 # lost points (docs/precisions.md).
 VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8", "w4a16o": "w8a16",
                    "w4a8o": "w8a8"}
+# ... and the lm head of a plain block-offset spec at 8 bits (int8 compute, as the body): it is the decoder's largest
+# MatMul and reads every logit; llama.cpp's Q4 GGUFs keep it at 6-8 bits too (SmolLM2's tied embedding is not Q4_1),
+# and at 4 bits it cost the real decoder 0.13 of top-1 (docs/precisions.md). Name `lm_head=w4a8o` to get 4.
+HEAD_OF_PLAIN = {"w4a16o": "w8a8", "w4a8o": "w8a8"}
 # The mixed 4-bit precisions: which decoder MatMuls get 8 bits (matched on the weight's name, which the exporter
 # keeps from the HF module path: `...layers.N.self_attn.v_proj.weight_kn`), and the 8-bit precision they get.
 # llama.cpp's Q4_K_M raises the same two (attn_v, ffn_down), in about half of the layers; all layers measured better,
@@ -67,6 +71,8 @@ def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
             raise QuantError(f"unknown precision {spec!r}; choose one of {', '.join(PRECISIONS)}")
         out = {g: spec for g in GRAPHS if g != "lm_head"}
         out["vision"] = VISION_OF_PLAIN.get(spec, spec)
+        if spec in HEAD_OF_PLAIN:
+            out["lm_head"] = HEAD_OF_PLAIN[spec]
     else:
         for part in spec.split(","):
             name, _, prec = part.partition("=")

@@ -61,21 +61,21 @@ def offsets_matmul(name: str, x: str, y: str, w_kn: np.ndarray, accuracy_level: 
     c = np.ascontiguousarray((m + 8 * d).T)  # [nb, N]
     inits = [numpy_helper.from_array(blob, f"{name}_Q4"), numpy_helper.from_array(scales, f"{name}_scales"),
              numpy_helper.from_array(c, f"{name}_offsets"),
-             numpy_helper.from_array(np.array([n, nb], np.int64), f"{name}_split_sizes")]
+             numpy_helper.from_array(np.array([n, nb], np.int64), f"{name}_offsets_sizes")]
     attrs = dict(K=k, N=n + nb, bits=4, block_size=BLOCK)
     if accuracy_level is not None:
         attrs["accuracy_level"] = accuracy_level
     nodes = [
         helper.make_node("MatMulNBits", [x, f"{name}_Q4", f"{name}_scales"], [f"{name}_all"], name=f"{name}_Q4",
                          domain="com.microsoft", **attrs),  # [M, N + nb]
-        helper.make_node("Split", [f"{name}_all", f"{name}_split_sizes"], [f"{name}_sym", f"{name}_sums"],
-                         name=f"{name}_split", axis=-1),  # [M, N], [M, nb]
+        helper.make_node("Split", [f"{name}_all", f"{name}_offsets_sizes"], [f"{name}_sym", f"{name}_sums"],
+                         name=f"{name}_offsets_split", axis=-1),  # [M, N], [M, nb]
     ]
     if two_d:  # one op: sums @ C + sym
-        nodes.append(helper.make_node("Gemm", [f"{name}_sums", f"{name}_offsets", f"{name}_sym"], [y], name=f"{name}_offset"))
+        nodes.append(helper.make_node("Gemm", [f"{name}_sums", f"{name}_offsets", f"{name}_sym"], [y], name=f"{name}_offsets_gemm"))
     else:
-        nodes += [helper.make_node("MatMul", [f"{name}_sums", f"{name}_offsets"], [f"{name}_corr"], name=f"{name}_offset"),
-                  helper.make_node("Add", [f"{name}_sym", f"{name}_corr"], [y], name=f"{name}_offset_add")]
+        nodes += [helper.make_node("MatMul", [f"{name}_sums", f"{name}_offsets"], [f"{name}_corr"], name=f"{name}_offsets_matmul"),
+                  helper.make_node("Add", [f"{name}_sym", f"{name}_corr"], [y], name=f"{name}_offsets_add")]
     return nodes, inits
 
 
