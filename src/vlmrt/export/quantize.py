@@ -47,7 +47,7 @@ VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m":
                    "w4a8o": "w8a8"}
 # ... and the lm head of a plain block-offset spec at 8 bits (int8 compute, as the body): it is the decoder's largest
 # MatMul and reads every logit; llama.cpp's Q4 GGUFs keep it at 6-8 bits too (SmolLM2's tied embedding is not Q4_1),
-# and at 4 bits it cost the real decoder 0.13 of top-1 (docs/precisions.md). Name `lm_head=w4a8o` to get 4.
+# and at 4 bits it cost the real decoder 0.14 of top-1 (docs/precisions.md). Name `lm_head=w4a8o` to get 4.
 HEAD_OF_PLAIN = {"w4a16o": "w8a8", "w4a8o": "w8a8"}
 # The mixed 4-bit precisions: which decoder MatMuls get 8 bits (matched on the weight's name, which the exporter
 # keeps from the HF module path: `...layers.N.self_attn.v_proj.weight_kn`), and the 8-bit precision they get.
