@@ -9,7 +9,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from conftest import graph_path, image_file
 from test_quant import bundle, mlas_fake_quant, run_eval
@@ -147,3 +147,12 @@ def test_parse_offsets_precisions():
     assert quantize.parse("w4a8o") == {"vision": "w8a8", "prefill": "w4a8o", "decode": "w4a8o", "lm_head": "w8a8"}
     assert quantize.parse("w4a16o") == {"vision": "w8a16", "prefill": "w4a16o", "decode": "w4a16o", "lm_head": "w8a8"}
     assert quantize.parse("decode=w4a8o,lm_head=w8a8")["lm_head"] == "w8a8"
+
+
+def test_offsets_refuse_fp16_weights():
+    w = numpy_helper.from_array(np.ones((64, 8), np.float16), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)], [w])
+    with pytest.raises(ValueError, match="float32 graphs only"):
+        quantize_offsets.offset_nodes(helper.make_model(g), None, exclude=set())

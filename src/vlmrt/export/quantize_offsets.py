@@ -91,6 +91,8 @@ def offset_nodes(model: onnx.ModelProto, accuracy_level: int | None, exclude: se
         if w is None or node.name in exclude or len(w.dims) != 2:
             nodes.append(node)
             continue
+        if w.data_type != onnx.TensorProto.FLOAT:  # scales, offsets and the Gemm are float32
+            raise ValueError("--quant w4a16o / w4a8o take float32 graphs only (not --dtype fp16)")
         new, new_inits = offsets_matmul(node.name or node.output[0], node.input[0], node.output[0],
                                         numpy_helper.to_array(w), accuracy_level,
                                         two_d=ranks.get(node.input[0], 2) == 2)  # the exporter's Linear inputs are 2-D
