@@ -255,7 +255,8 @@ def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> 
 def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
     prec = plan.prec[name]
     ins, outs = graphs.io_specs(path)
-    weights = {"block_size": quantize.BLOCK_SIZE, "symmetric": True} if prec in quantize.WEIGHT_ONLY_BITS else {}
+    weights = ({"block_size": quantize.BLOCK_SIZE, "symmetric": prec not in quantize.OFFSETS}
+               if prec in quantize.WEIGHT_ONLY_BITS else {})
     if name != "vision":
         weights["lm_head"] = plan.head or prec
         if prec in quantize.MIX_OF:

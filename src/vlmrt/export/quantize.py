@@ -10,6 +10,8 @@ Precisions:
   w4a16  int4 weights, block-wise symmetric (block 32)  float (fp32 on the CPU EP, fp16 on CUDA with --dtype fp16)
   w8a8   int8 weights as w8a16, computed in int8 with activations quantized per block at run time (CPU-fast)
   w4a8   int4 weights as w4a16, computed in int8 likewise (what llama.cpp's Q4 x Q8 dot products do)
+  w4a16o / w4a8o  int4 weights with a float offset per block (GGUF Q4_1's rule: w = d·q + m, min/max per block),
+         on the same symmetric kernels plus the offsets' term (export/quantize_offsets.py); float / int8 compute
   w4a16m / w4a8m  the Q4_K_M-style mix: w4a16 / w4a8, but every decoder layer's v_proj and down_proj as w8a8
          (8-bit weights, int8 compute: ORT's CPU kernel for 8-bit weights with float activations is its slow
          path). Sizes, speeds and accuracy of every precision: docs/precisions.md.
@@ -25,18 +27,28 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m")
+from . import quantize_offsets
+
+PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o")
 GRAPHS = ("vision", "prefill", "decode", "lm_head")
-WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4, "w8a8": 8, "w4a8": 4, "w4a16m": 4, "w4a8m": 4}
+WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4, "w8a8": 8, "w4a8": 4, "w4a16m": 4, "w4a8m": 4, "w4a16o": 4, "w4a8o": 4}
 # MatMulNBits accuracy_level: None keeps float activations (a16 = "not 8-bit": fp32 on the CPU EP). ORT 1.32's
 # CPU kernel for 8-bit weights is only fast with int8 compute (level 4: activations quantized per block at run
 # time): that is w8a8, and for 4-bit weights w4a8 (measured: docs/precisions.md).
-ACCURACY_LEVEL = {"w8a16": None, "w4a16": None, "w8a8": 4, "w4a8": 4, "w4a16m": None, "w4a8m": 4}
+ACCURACY_LEVEL = {"w8a16": None, "w4a16": None, "w8a8": 4, "w4a8": 4, "w4a16m": None, "w4a8m": 4, "w4a16o": None,
+                  "w4a8o": 4}
+# The block-offset precisions (asymmetric, float offset: export/quantize_offsets.py); the others are symmetric.
+OFFSETS = ("w4a16o", "w4a8o")
 BLOCK_SIZE = 32
 # A plain 4-bit --quant keeps the vision graph at 8 bits (name `vision=w4a16` to get 4): the tower is a small
 # part of the bundle and sees every image token, and int4 RTN there cost the easy-VQA demo model most of its
 # lost points (docs/precisions.md).
-VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8"}
+VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8", "w4a16o": "w8a16",
+                   "w4a8o": "w8a8"}
+# ... and the lm head of a plain block-offset spec at 8 bits (int8 compute, as the body): it is the decoder's largest
+# MatMul and reads every logit; llama.cpp's Q4 GGUFs keep it at 6-8 bits too (SmolLM2's tied embedding is not Q4_1),
+# and at 4 bits it cost the real decoder 0.14 of top-1 (docs/precisions.md). Name `lm_head=w4a8o` to get 4.
+HEAD_OF_PLAIN = {"w4a16o": "w8a8", "w4a8o": "w8a8"}
 # The mixed 4-bit precisions: which decoder MatMuls get 8 bits (matched on the weight's name, which the exporter
 # keeps from the HF module path: `...layers.N.self_attn.v_proj.weight_kn`), and the 8-bit precision they get.
 # llama.cpp's Q4_K_M raises the same two (attn_v, ffn_down), in about half of the layers; all layers measured better,
@@ -59,6 +71,8 @@ def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
             raise QuantError(f"unknown precision {spec!r}; choose one of {', '.join(PRECISIONS)}")
         out = {g: spec for g in GRAPHS if g != "lm_head"}
         out["vision"] = VISION_OF_PLAIN.get(spec, spec)
+        if spec in HEAD_OF_PLAIN:
+            out["lm_head"] = HEAD_OF_PLAIN[spec]
     else:
         for part in spec.split(","):
             name, _, prec = part.partition("=")
@@ -141,7 +155,10 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str) 
     lm = producer_matmul(model, logits)
     if lm is None:
         raise QuantError("cannot find the lm head MatMul in the decoder graph")
-    if head in WEIGHT_ONLY_BITS:
+    if head in OFFSETS:
+        others = {n.name for n in model.graph.node if n.op_type == "MatMul"} - {lm}
+        set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[head], exclude=others))
+    elif head in WEIGHT_ONLY_BITS:
         model = weight_only(model, WEIGHT_ONLY_BITS[head], include=[lm], accuracy_level=ACCURACY_LEVEL[head])
     wide = mixed_8bit_matmuls(model) if body in MIX_OF else []
     if body in MIX_OF and not wide:
@@ -150,7 +167,9 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str) 
         fuse_shared_input_matmuls(model, keep_apart={lm, *wide})
     if wide:
         model = weight_only(model, 8, include=wide, accuracy_level=ACCURACY_LEVEL[MIX_OF[body]])
-    if body in WEIGHT_ONLY_BITS:  # the 4-bit pass takes the MatMuls still float (MatMulNBits nodes are not MatMuls)
+    if body in OFFSETS:  # the lm head is no MatMul any more when quantized; exclude it when it stays float
+        set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[body], exclude={lm}))
+    elif body in WEIGHT_ONLY_BITS:  # the 4-bit pass takes the MatMuls still float (MatMulNBits nodes are not MatMuls)
         model = weight_only(model, WEIGHT_ONLY_BITS[body], exclude=[lm], accuracy_level=ACCURACY_LEVEL[body])
     return model
 
@@ -202,6 +221,10 @@ def mixed_8bit_matmuls(model: onnx.ModelProto) -> list[str]:
 
 def quantize_vision(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     if precision not in WEIGHT_ONLY_BITS:
+        return model
+    if precision in OFFSETS:
+        model = gemm_to_matmul(model)
+        set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[precision], exclude=set()))
         return model
     return weight_only(gemm_to_matmul(model), WEIGHT_ONLY_BITS[precision], accuracy_level=ACCURACY_LEVEL[precision])
 
