@@ -1,0 +1,58 @@
+"""Prompt-lookup drafting for lookahead decoding: guess the next tokens by copying what followed the last n-gram
+where it occurred before in the prompt or the answer.
+
+    drafter = PromptLookup(k=4, ids=prompt_ids)
+    drafts = drafter.propose(limit)   # up to min(k, limit) token ids, or [] (no match, or backing off)
+    ...                               # Engine.verify: one decoder call over [token, *drafts]
+    drafter.feedback(accepted)        # how many drafts the model agreed with
+    drafter.append(token)             # every token emitted, in order
+
+The engine verifies drafts against the greedy choice of the model at each row, so drafting only decides speed,
+never the output. Misses back off: after a call that accepted nothing, drafting pauses for 1, 2, 4, ... up to
+MAX_PAUSE steps (reset by a call that accepts a draft), so that an answer with no copies costs few extra rows.
+"""
+
+from __future__ import annotations
+
+NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
+MAX_PAUSE = 32
+
+
+class PromptLookup:
+    def __init__(self, k: int, ids: list[int]):
+        self.k = k
+        self.ids: list[int] = []
+        self.index: dict[int, dict[tuple, int]] = {n: {} for n in NGRAMS}  # n -> n-gram -> where its follower is
+        self.pause = 0  # steps to wait after the next miss
+        self.wait = 0  # steps left without drafting
+        for t in ids:
+            self.append(t)
+
+    def append(self, token: int) -> None:
+        """token is the next id of the sequence: the n-grams just before it now have it as their latest follower."""
+        i = len(self.ids)
+        self.ids.append(int(token))
+        for n, where in self.index.items():
+            if i >= n:
+                where[tuple(self.ids[i - n : i])] = i
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to min(k, limit) ids that followed the latest earlier occurrence of the sequence's last n ids."""
+        if self.wait:
+            self.wait -= 1
+            return []
+        k = min(self.k, limit)
+        if k <= 0:
+            return []
+        for n, where in self.index.items():
+            at = where.get(tuple(self.ids[-n:]))
+            if at is not None:
+                return self.ids[at : at + k]
+        return []
+
+    def feedback(self, accepted: int) -> None:
+        if accepted:
+            self.pause = 0
+        else:
+            self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
+            self.wait = self.pause
