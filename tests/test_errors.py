@@ -137,6 +137,10 @@ def test_lookahead_that_the_bundle_cannot_verify_is_refused(bundle_copy, capsys)
     for n, needle in ((ar, f"--lookahead is at most {ar - 1}"), (-1, "--lookahead must be >= 0")):
         assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi", "--lookahead", n), needle)
     m = json.loads((bundle_copy / "manifest.json").read_text())
+    m["graphs"]["decode"]["weights"]["lm_head"] = "w8a8"  # int8 activations: a verify step is not a decode step
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi", "--lookahead", "2"),
+                          "needs a decoder with float activations", "w8a8")
     m["decoder"]["logit_rows_input"] = None
     (bundle_copy / "manifest.json").write_text(json.dumps(m))
     assert_one_line_error(in_process(capsys, "bench", bundle_copy, "--lookahead", "2", "--runs", "1"),

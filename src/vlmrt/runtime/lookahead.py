@@ -14,6 +14,8 @@ MAX_PAUSE steps (reset by a call that accepts a draft), so that an answer with n
 
 from __future__ import annotations
 
+from ..manifest import GraphSpec
+
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 MAX_PAUSE = 32
 
@@ -56,3 +58,16 @@ class PromptLookup:
         else:
             self.pause = min(MAX_PAUSE, 2 * self.pause or 1)
             self.wait = self.pause
+
+
+def check_exact(decode: GraphSpec, k: int) -> None:
+    """ValueError if lookahead (k > 0) could change the answer of the decode graph: with int8 activations (the *a8*
+    precisions, of its linear layers or its lm head) a multi-row call quantizes and accumulates differently from a
+    one-row call (on SmolLM2 w4a8: logits 0.6 apart, answers that part after 12-52 tokens), so a verify step's
+    greedy choice is not the plain decode's. Float activations (fp32, fp16, w*a16) agree to ~5e-5."""
+    precisions = {decode.precision, str(decode.weights.get("lm_head", ""))}
+    inexact = sorted(p for p in precisions if "a8" in p)
+    if k and inexact:
+        raise ValueError(f"--lookahead needs a decoder with float activations: this bundle's {'/'.join(inexact)} "
+                         "computes a multi-token verify step differently from a one-token step, so lookahead would "
+                         "change the answer; export with --quant w4a16 (or w8a16, fp16, fp32) to use it")

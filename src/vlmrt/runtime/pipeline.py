@@ -31,7 +31,8 @@ from PIL import Image
 
 from . import image as img_ops
 from .bundle import Bundle, Sessions
-from .engine import MODES, ContextOverflow, Engine, splice
+from .engine import MODES, ContextOverflow, Engine, check_lookahead, splice
+from .lookahead import check_exact
 from .conversation import ChatTemplate, Conversation, parse_messages, user_turn
 from .prefix_cache import CachedImage, ImageCache, PrefixCache, row_keys
 from .prompt import build_prompt
@@ -95,6 +96,8 @@ class VLM:
         self.load_s = load_s
         self.lazy_load_s = 0.0  # seconds spent loading sessions on first use (the vision graph's), accumulated
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
+        check_lookahead(m.decoder, lookahead)
+        check_exact(m.graphs["decode"], lookahead)
         self.engine = Engine(
             bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
             bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale, kv_requant, lookahead,

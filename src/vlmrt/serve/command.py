@@ -74,9 +74,12 @@ def build(a, bundle: str, on_load_error=None):
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
     from ..runtime.engine import check_lookahead
+    from ..runtime.lookahead import check_exact
 
     # a missing or unreadable bundle, or a lookahead it cannot verify, fails now, not after the port opens
-    check_lookahead(load_manifest(bundle, verify=False).decoder, a.lookahead)
+    m = load_manifest(bundle, verify=False)
+    check_lookahead(m.decoder, a.lookahead)
+    check_exact(m.graphs["decode"], a.lookahead)
     verify = a.bundle is not None  # the default model's cache was verified by ensure_bundle
 
     def load():
