@@ -23,17 +23,21 @@ def test_prompt_lookup_copies_what_followed_the_latest_ngram():
 def test_prompt_lookup_backs_off_after_misses():
     d = PromptLookup(2, [1, 2, 1, 2, 1, 2])
     waits = []
-    for _ in range(7):
-        assert d.propose(5) == [1, 2]
-        d.feedback(0)
+    for i in range(7):
+        assert d.propose(5) == ([1, 2] if i == 0 else [1])  # a miss shortens the next draft to 1
+        d.feedback(0, 2 if i == 0 else 1)
         n = 0
         while d.propose(5) == []:
             n += 1
         waits.append(n)
         d.wait = 0
     assert waits == [1, 2, 4, 8, 16, 32, MAX_PAUSE] and MAX_PAUSE == 32
-    d.feedback(1)  # a call that accepted a draft ends the back-off
+    d.feedback(1, 1)  # a call that accepted its drafts ends the back-off and doubles the length
     assert d.pause == 0 and d.propose(5) == [1, 2]
+    d = PromptLookup(4, [1, 2, 3, 4, 5, 6, 1, 2])
+    assert d.propose(9) == [3, 4, 5, 6]
+    d.feedback(2, 4)  # two of four accepted: the next draft is one longer than that
+    assert d.propose(9) == [3, 4, 5]
 
 
 def prompts():

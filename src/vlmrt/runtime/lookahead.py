@@ -4,12 +4,13 @@ where it occurred before in the prompt or the answer.
     drafter = PromptLookup(k=4, ids=prompt_ids)
     drafts = drafter.propose(limit)   # up to min(k, limit) token ids, or [] (no match, or backing off)
     ...                               # Engine.verify: one decoder call over [token, *drafts]
-    drafter.feedback(accepted)        # how many drafts the model agreed with
+    drafter.feedback(accepted, len(drafts))  # how many drafts the model agreed with
     drafter.append(token)             # every token emitted, in order
 
 The engine verifies drafts against the greedy choice of the model at each row, so drafting only decides speed,
 never the output. Misses back off: after a call that accepted nothing, drafting pauses for 1, 2, 4, ... up to
-MAX_PAUSE steps (reset by a call that accepts a draft), so that an answer with no copies costs few extra rows.
+MAX_PAUSE steps (reset by a call that accepts a draft), and the draft length adapts (one more than the drafts last
+accepted, doubled up to k while all are accepted), so that an answer with few copies costs few extra rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class PromptLookup:
         self.k = k
         self.ids: list[int] = []
         self.index: dict[int, dict[tuple, int]] = {n: {} for n in NGRAMS}  # n -> n-gram -> where its follower is
+        self.length = k  # the next draft's length (adapts: feedback)
         self.pause = 0  # steps to wait after the next miss
         self.wait = 0  # steps left without drafting
         for t in ids:
@@ -43,7 +45,7 @@ class PromptLookup:
         if self.wait:
             self.wait -= 1
             return []
-        k = min(self.k, limit)
+        k = min(self.length, limit)
         if k <= 0:
             return []
         for n, where in self.index.items():
@@ -52,7 +54,8 @@ class PromptLookup:
                 return self.ids[at : at + k]
         return []
 
-    def feedback(self, accepted: int) -> None:
+    def feedback(self, accepted: int, drafted: int) -> None:
+        self.length = min(self.k, 2 * self.length) if accepted == drafted else accepted + 1
         if accepted:
             self.pause = 0
         else:
