@@ -286,7 +286,7 @@ class Engine:
                 drafts = next((drafts[:i] for i, d in enumerate(drafts) if d in self.eos), drafts)
             if drafts:
                 tokens = self.verify(token, drafts, sampler)
-                drafter.feedback(len(tokens) - 1, len(drafts))
+                drafter.feedback(len(tokens) - 1)
                 st.drafted_tokens += len(drafts)
                 st.accepted_tokens += len(tokens) - 1
             else:
