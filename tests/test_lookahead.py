@@ -32,8 +32,9 @@ def test_prompt_lookup_backs_off_after_misses():
         waits.append(n)
         d.wait = 0
     assert waits == [4, 8, 16, 32, 64, 64, 64]
-    d.feedback(MIN_GAIN)  # a call that accepted MIN_GAIN drafts ends the back-off
-    assert d.pause == 0 and d.propose(5) == [1, 2]
+    for pause in (32, 16, 8, 4, 2, 1, 0):  # calls that accept MIN_GAIN drafts halve the back-off
+        d.feedback(MIN_GAIN)
+        assert d.pause == pause and d.propose(5) == [1, 2]
 
 
 def prompts():

@@ -11,7 +11,7 @@ The engine verifies drafts against the greedy choice of the model at each row, s
 never the output. A verify call costs more than a one-token step (SmolLM2 w4a16 on 2 cores: 31-34 ms for 1 + 1..4
 tokens vs 13 ms; MatMulNBits takes a slower path for more than one row), so it pays from MIN_GAIN accepted drafts
 on. Misses back off: after a call that accepted fewer, drafting pauses for FIRST_PAUSE, then twice as many steps
-each time, up to MAX_PAUSE (reset by a call that accepts MIN_GAIN), so that an answer that copies little pays for
+each time, up to MAX_PAUSE (a call that accepts MIN_GAIN halves it), so that an answer that copies little pays for
 a few calls only.
 """
 
@@ -58,7 +58,7 @@ class PromptLookup:
 
     def feedback(self, accepted: int) -> None:
         if accepted >= MIN_GAIN:
-            self.pause = 0
+            self.pause //= 2  # a hit halves the back-off: consecutive hits end it, a lone hit among misses does not
         else:
             self.pause = min(MAX_PAUSE, 2 * self.pause or FIRST_PAUSE)
             self.wait = self.pause
