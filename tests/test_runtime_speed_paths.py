@@ -60,7 +60,7 @@ def test_bound_steps_do_not_multiply_with_prompt_lengths(default_bundle):
         bound[words] = vlm("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids
     kept = vlm.engine._steps
     assert all(isinstance(s, BoundStep) for s in kept.values())
-    assert {ar for _, _, ar in kept} <= {1, dec.prefill_ar} and len(vlm.engine._buffers) <= 2
+    assert {ar for _, _, ar, _ in kept} <= {1, dec.prefill_ar} and len(vlm.engine._buffers) <= 2
     plain = _load(default_bundle.bundle, False)
     for words, ids in bound.items():
         assert plain("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids == ids
