@@ -51,6 +51,8 @@ def main() -> None:
         shape = [d if isinstance(d, int) else ctx if d == "ctx" else 1 if d == "ar" else ctx + 1 for d in i.shape]
         if i.name == "position_ids":
             feeds[i.name] = np.array([a.pos])
+        elif i.name == "logit_rows":
+            feeds[i.name] = np.array([0])
         elif i.name == "attention_mask":
             feeds[i.name] = np.zeros(shape, np.float32)
             feeds[i.name][0, a.pos:ctx] = np.finfo(np.float32).min

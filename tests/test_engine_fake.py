@@ -23,7 +23,7 @@ class FakeDecoder:
         self.pe = rng.standard_normal((64, H))  # a position term, so that outputs depend on positions
         self.bias = np.zeros(V)
         self.calls = []
-        self.last_logits = False  # a one-graph export (DecoderSpec.last_logits): logits of the last row only
+        self.last_logits = False  # an old one-graph export (DecoderSpec.last_logits): logits of the last row only
 
     def logits_full(self, x):
         """Reference: causal attention over the whole sequence at once."""
@@ -42,22 +42,27 @@ class FakeDecoder:
         s = (x @ self.wq) @ k.T + feeds["attention_mask"]
         p = np.exp(s - s.max(-1, keepdims=True))
         logits = (p / p.sum(-1, keepdims=True)) @ v @ self.wo + self.bias
+        if "logit_rows" in feeds:  # a one-graph export (DecoderSpec.logit_rows_input): those rows' logits
+            logits = logits[feeds["logit_rows"]]
         out = {"logits": logits[-1:] if self.last_logits else logits, "new_key_0": k_new, "new_value_0": v_new}
         return [out[n].astype(np.float32) for n in names]
 
 
-def make_engine(max_context=24, ar=4, seed=0, one_graph=False, context_step=0, wrap=lambda fake: fake):
+def make_engine(max_context=24, ar=4, seed=0, one_graph=False, context_step=0, wrap=lambda fake: fake,
+                old_one_graph=False, lookahead=0):
+    """one_graph: a graph symbolic in AR with a logit_rows input; old_one_graph: with last_logits instead."""
     rng = np.random.default_rng(seed)
     fake = FakeDecoder(rng)
     kv = KVSpec(layers=1, dim=D, max_context=max_context, dtype="float32", key_input="past_key_{layer}",
                 value_input="past_value_{layer}", key_output="new_key_{layer}", value_output="new_value_{layer}")
     dec = DecoderSpec(hidden_size=H, vocab_size=V, prefill_ar=ar, embeds_input="inputs_embeds", positions_input="position_ids",
                       mask_input="attention_mask", logits_output="logits", embedding_file="embed.npy", embedding_dtype="float32",
-                      dynamic_ar=one_graph, last_logits=one_graph, context_step=context_step)
-    fake.last_logits = one_graph
+                      dynamic_ar=one_graph or old_one_graph, last_logits=old_one_graph, context_step=context_step,
+                      logit_rows_input="logit_rows" if one_graph else None)
+    fake.last_logits = old_one_graph
     table = rng.standard_normal((V, H)).astype(np.float32)
     session = wrap(fake)
-    return Engine(session, session, kv, dec, table, eos_ids=[0]), fake
+    return Engine(session, session, kv, dec, table, eos_ids=[0], lookahead=lookahead), fake
 
 
 def reference_greedy(engine, fake, prompt_ids, n):
@@ -86,10 +91,12 @@ def test_kv_and_hybrid_match_full_sequence(n_prompt):
 
 
 @pytest.mark.parametrize("n_prompt", [1, 4, 9])
-def test_one_graph_feeds_exact_rows_and_reads_last_logits(n_prompt):
+@pytest.mark.parametrize("old", [False, True])
+def test_one_graph_feeds_exact_rows_and_reads_last_logits(n_prompt, old):
     """A graph symbolic in AR (DecoderSpec.dynamic_ar, one session for prefill and decode): the last prefill block
-    is fed its real rows only, never padding, and with last_logits the engine reads the single logits row."""
-    engine, fake = make_engine(one_graph=True)
+    is fed its real rows only, never padding, and the engine reads the single logits row it asks for with
+    logit_rows (or that an old bundle's last_logits graph returns)."""
+    engine, fake = make_engine(one_graph=not old, old_one_graph=old)
     prompt = list(np.random.default_rng(n_prompt).integers(1, V, n_prompt))
     want = reference_greedy(engine, fake, prompt, 10)
     for mode in ("kv", "hybrid"):

@@ -118,12 +118,33 @@ def test_missing_bundle_file(bundle_copy, capsys):
     assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), "missing", "vision.data")
 
 
-def test_last_logits_without_dynamic_ar_is_refused(bundle_copy, capsys):
-    """last_logits means the graph's last row is the step's last token, which only holds without padding."""
+@pytest.mark.parametrize("field", ["last_logits", "logit_rows_input"])
+def test_last_rows_logits_without_dynamic_ar_is_refused(bundle_copy, capsys, field):
+    """last_logits / logit_rows_input mean the graph's last row is the step's last token, which only holds without
+    padding (last_logits: bundles exported before logit_rows_input)."""
     m = json.loads((bundle_copy / "manifest.json").read_text())
     m["decoder"]["dynamic_ar"] = False
+    if field == "last_logits":
+        m["decoder"].update(last_logits=True, logit_rows_input=None)
     (bundle_copy / "manifest.json").write_text(json.dumps(m))
-    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), "last_logits needs decoder.dynamic_ar")
+    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), f"{field} needs")
+
+
+def test_lookahead_that_the_bundle_cannot_verify_is_refused(bundle_copy, capsys):
+    """A draft length over the graph's AR, a negative one, and any lookahead on a bundle without
+    decoder.logit_rows_input (exported before it: its graph returns one row of logits) are one-line errors."""
+    ar = json.loads((bundle_copy / "manifest.json").read_text())["decoder"]["prefill_ar"]
+    for n, needle in ((ar, f"--lookahead is at most {ar - 1}"), (-1, "--lookahead must be >= 0")):
+        assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi", "--lookahead", n), needle)
+    m = json.loads((bundle_copy / "manifest.json").read_text())
+    m["graphs"]["decode"]["weights"]["lm_head"] = "w8a8"  # int8 activations: a verify step is not a decode step
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi", "--lookahead", "2"),
+                          "needs a decoder with float activations", "w8a8")
+    m["decoder"]["logit_rows_input"] = None
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    assert_one_line_error(in_process(capsys, "bench", bundle_copy, "--lookahead", "2", "--runs", "1"),
+                          "cannot verify lookahead drafts")
 
 
 def test_not_a_bundle(capsys, tmp_path):

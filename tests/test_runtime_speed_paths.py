@@ -60,7 +60,7 @@ def test_bound_steps_do_not_multiply_with_prompt_lengths(default_bundle):
         bound[words] = vlm("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids
     kept = vlm.engine._steps
     assert all(isinstance(s, BoundStep) for s in kept.values())
-    assert {ar for _, _, ar in kept} <= {1, dec.prefill_ar} and len(vlm.engine._buffers) <= 2
+    assert {ar for _, _, ar, _ in kept} <= {1, dec.prefill_ar} and len(vlm.engine._buffers) <= 2
     plain = _load(default_bundle.bundle, False)
     for words, ids in bound.items():
         assert plain("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids == ids
@@ -113,7 +113,7 @@ def test_decode_graph_reads_the_cache_in_place(default_bundle, tmp_path):
 def test_symbolic_context_graphs_equal_static_ones(default_bundle, tmp_path_factory, monkeypatch):
     """The default CPU export is one decoder graph for prefill and decode, symbolic in the cache length
     (DecoderSpec.context_step: steps read the prefix of the cache they need) and in AR (dynamic_ar: a step feeds
-    exactly its tokens; last_logits: only the last one's logits), loaded as one session. Same checkpoint
+    exactly its tokens; logit_rows: only the rows' logits it asks for, the last one's), loaded as one session. Same checkpoint
     exported static (--context-step 0: two graphs, padded prefill blocks): identical tokens; cache rows and logits
     equal to float rounding (the AR=1 step's own-key product is a MatMul over a symbolic AR instead of the static
     graph's folded form; measured on this fixture: cache max abs diff 6.4e-6 on values up to 7.2, logits 2.7e-6)."""
@@ -128,8 +128,9 @@ def test_symbolic_context_graphs_equal_static_ones(default_bundle, tmp_path_fact
     dec_in = {t["name"]: t["shape"] for t in m["graphs"]["decode"]["inputs"]}
     assert dec_in["past_key_0"][0] == "ctx" and dec_in["attention_mask"] == ["ar", "ctx + ar"]
     assert m["graphs"]["prefill"]["file"] == m["graphs"]["decode"]["file"] == "decoder.onnx"
-    assert m["decoder"]["dynamic_ar"] and m["decoder"]["last_logits"]
-    assert {t["name"]: t["shape"] for t in m["graphs"]["decode"]["outputs"]}["logits"] == [1, m["decoder"]["vocab_size"]]
+    assert m["decoder"]["dynamic_ar"] and m["decoder"]["logit_rows_input"] == "logit_rows" and not m["decoder"]["last_logits"]
+    assert {t["name"]: t["shape"] for t in m["graphs"]["decode"]["outputs"]}["logits"] == ["rows", m["decoder"]["vocab_size"]]
+    assert dec_in["logit_rows"] == ["rows"]
     static = export(str(default_bundle.ckpt), tmp_path_factory.mktemp("static") / "b", prefill_ar=c.prefill_ar,
                     max_seq_len=c.max_seq_len, context_step=0, progress=False)
     ms = vlmrt.load(static).manifest

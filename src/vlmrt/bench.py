@@ -42,28 +42,29 @@ def summarize(xs: list[float]) -> dict:
 
 
 def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens: int = 64, runs: int = 3,
-          threads: int | None = None, mode: str = "hybrid", device: str = "cpu") -> dict:
+          threads: int | None = None, mode: str = "hybrid", device: str = "cpu", lookahead: int = 0) -> dict:
     rows = []
     prompt = None
     for _ in range(runs):
         t = time.perf_counter()
-        vlm = VLM.load(path, device=device, threads=threads, verify=False)
+        vlm = VLM.load(path, device=device, threads=threads, verify=False, lookahead=lookahead)
         load = time.perf_counter() - t
         if prompt is None:
             prompt = make_prompt(vlm, image, prompt_tokens)
         r = vlm(prompt, image, mode=mode, max_new_tokens=gen_tokens, ignore_eos=True)
-        s = r.stats
+        s, g = r.stats, vlm.engine.last
         rows.append({"load_s": load + s.vision_load_s, "preprocess_s": s.preprocess_s, "vision_s": s.vision_s, "ttft_s": s.ttft_s,
                      "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_ms_per_token": s.decode_ms_per_token,
                      "decode_tokens_per_s": s.decode_tokens_per_s,
                      "host_overhead_ms_per_step": vlm.engine.last.host_overhead_ms_per_step,
+                     "accepted_per_draft": g.accepted_tokens / g.drafted_tokens if g.drafted_tokens else 0.0,
                      "prompt_tokens": s.prompt_tokens, "image_tiles": s.image_tiles,
                      "generated_tokens": s.generated_tokens})
-        del vlm, r  # before the next load: the peak RSS is one loaded model's, not two
+        del vlm, r, g  # before the next load: the peak RSS is one loaded model's, not two
         gc.collect()
     keys = [k for k in rows[0] if k not in ("prompt_tokens", "generated_tokens", "image_tiles")]
     return {
-        "bundle": str(path), "mode": mode, "device": device, "threads": threads or default_threads(), "runs": runs,
+        "bundle": str(path), "mode": mode, "lookahead": lookahead, "device": device, "threads": threads or default_threads(), "runs": runs,
         "image": str(image) if image else None, "prompt_tokens": rows[0]["prompt_tokens"],
         "generated_tokens": rows[0]["generated_tokens"], "image_tiles": rows[0]["image_tiles"],
         **{k: summarize([r[k] for r in rows]) for k in keys},

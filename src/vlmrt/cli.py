@@ -40,6 +40,8 @@ def _stats_report(r) -> str:
         f"decode             {s.decode_tokens_per_s:.1f} tokens/s ({s.decode_ms_per_token:.1f} ms/token)",
         f"peak RSS           {s.peak_rss_mb:.0f} MB",
     ]
+    if s.drafted_tokens:
+        lines.insert(-1, f"lookahead          {s.accepted_tokens} of {s.drafted_tokens} drafted tokens accepted")
     return "\n".join(lines)
 
 
@@ -73,7 +75,7 @@ def _run(a) -> int:
     if a.htp_arch is not None and a.device != "htp":
         raise ValueError("--htp-arch is for --device htp")
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
     # a one-shot run: nothing to reuse, the same as generate()
     gen = vlm.chat(messages, **opts)
     if a.json:
@@ -94,7 +96,7 @@ def _chat(a) -> int:
 
     opts = _options(a)
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
     return repl(vlm, opts, images=a.image or [], system=a.system, report=_stats_report)
 
 
@@ -169,19 +171,24 @@ def _bench(a) -> int:
     if a.runs < 1 or a.gen_tokens < 1 or a.prompt_tokens < 1:
         raise ValueError("--runs, --gen-tokens and --prompt-tokens must be >= 1")
     r = bench(a.bundle, image=a.image, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, runs=a.runs,
-              threads=a.threads, mode=a.mode, device=a.device)
+              threads=a.threads, mode=a.mode, device=a.device, lookahead=a.lookahead)
     if a.json:
         print(json.dumps(r))
         return 0
     print(f"{r['bundle']}: {r['prompt_tokens']} prompt tokens, {r['generated_tokens']} generated, {r['runs']} runs, "
-          f"mode {r['mode']}, device {r['device']}, threads {r['threads'] or 'default'}   (min / median / max)")
+          f"mode {r['mode']}, device {r['device']}, threads {r['threads'] or 'default'}, lookahead {r['lookahead']}"
+          "   (min / median / max)")
     for k, unit in (("load_s", "s"), ("preprocess_s", "s"), ("vision_s", "s"), ("ttft_s", "s"),
                     ("prefill_tokens_per_s", "tok/s"), ("decode_ms_per_token", "ms"), ("decode_tokens_per_s", "tok/s"),
-                    ("host_overhead_ms_per_step", "ms")):
+                    ("host_overhead_ms_per_step", "ms"), ("accepted_per_draft", "")):
         v = r[k]
         print(f"  {k:22s} {v['min']:9.3f} {v['median']:9.3f} {v['max']:9.3f} {unit}")
     print(f"  peak RSS               {r['peak_rss_mb']:.0f} MB")
     return 0
+
+
+LOOKAHEAD_HELP = ("lookahead decoding of greedy answers: draft up to N tokens per step by prompt lookup and verify "
+                  "them in one decoder call (same output; faster when the answer copies the prompt); 0 = off (default)")
 
 
 def _generation_args(r, threads_help: str = "intra-op threads (default: physical cores)") -> None:
@@ -206,6 +213,7 @@ def _generation_args(r, threads_help: str = "intra-op threads (default: physical
     r.add_argument("--no-kv-requant", action="store_true",
                    help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
     r.add_argument("--threads", type=int, default=None, help=threads_help)
+    r.add_argument("--lookahead", type=int, default=0, metavar="N", help=LOOKAHEAD_HELP)
 
 
 def _image_arg(r) -> None:
@@ -222,7 +230,7 @@ def _batch(a) -> int:
         raise ValueError("--workers must be >= 1")
     job = Job(bundle=_bundle_or_default(a.bundle), input=a.input, output=a.output, prompt=a.prompt, workers=a.workers,
               threads=a.threads, ray_address=a.ray_address, device=a.device, verify=a.bundle is not None,
-              kv_requant=not a.no_kv_requant, options=opts, batch_size=a.batch_size, retry_errors=a.retry_errors,
+              kv_requant=not a.no_kv_requant, lookahead=a.lookahead, options=opts, batch_size=a.batch_size, retry_errors=a.retry_errors,
               progress=not a.quiet)
     s = run_batch(job)
     report(s)
@@ -335,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     b.add_argument("--mode", choices=["kv", "hybrid"], default="hybrid")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"])
+    b.add_argument("--lookahead", type=int, default=0, metavar="N", help=LOOKAHEAD_HELP)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
 

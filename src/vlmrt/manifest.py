@@ -179,8 +179,11 @@ class DecoderSpec:
     # for both): a step feeds exactly its tokens, never padding
     dynamic_ar: bool = False
     # the logits output is [1, vocab], the step's last token only (needs dynamic_ar: the last row is then a real
-    # token); the rows before it are never computed through the LM head
+    # token); the rows before it never go through the LM head. Bundles exported before logit_rows_input
     last_logits: bool = False
+    # graph input [r] int64 (needs dynamic_ar): the rows whose logits the step returns ([r, vocab]), the last one or
+    # all of a lookahead verify step. None: logits are [ar or 1, vocab] (static graphs, last_logits): no lookahead
+    logit_rows_input: str | None = None
 
 
 @dataclass
@@ -347,6 +350,8 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     check_io_names(m)
     if m.decoder.last_logits and not m.decoder.dynamic_ar:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
+    if m.decoder.logit_rows_input and (m.decoder.last_logits or not m.decoder.dynamic_ar):
+        raise BundleError("manifest.json is malformed: decoder.logit_rows_input needs dynamic_ar, not last_logits")
     named = {n for f, n in bundle_paths(m) if f != "files"}
     missing = sorted(n for n in named if n not in m.files)
     if missing:
@@ -365,6 +370,8 @@ def check_io_names(m: Manifest) -> None:
             continue
         for t in (m.decoder.embeds_input, m.decoder.positions_input, m.decoder.mask_input):
             g.input(t)
+        if m.decoder.logit_rows_input:
+            g.input(m.decoder.logit_rows_input)
         g.output(m.decoder.logits_output)
         for i in range(m.kv.layers):
             try:

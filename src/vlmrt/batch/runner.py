@@ -48,6 +48,7 @@ class Job:
     device: str = "cpu"
     verify: bool = True
     kv_requant: bool = True
+    lookahead: int = 0  # VLM's draft length of lookahead decoding
     options: dict = field(default_factory=dict)  # VLM.chat's generation options
     batch_size: int = 4  # records per map_batches call (Ray)
     retry_errors: bool = False
@@ -171,7 +172,8 @@ def _error_line(r: Record) -> str:
 
 
 def _answerer_kwargs(job: Job, verify: bool) -> dict:
-    return dict(bundle=job.bundle, device=job.device, verify=verify, kv_requant=job.kv_requant, options=job.options)
+    return dict(bundle=job.bundle, device=job.device, verify=verify, kv_requant=job.kv_requant, lookahead=job.lookahead,
+                options=job.options)
 
 
 def _answer_here(w: Answerer, asks: list[Record], put) -> None:

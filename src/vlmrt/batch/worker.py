@@ -39,8 +39,9 @@ class Answerer:
     """One worker: the bundle loaded once (VLM.load), generation options fixed at construction."""
 
     def __init__(self, bundle: str, device: str = "cpu", threads: int | None = None, verify: bool = True,
-                 kv_requant: bool = True, options: dict | None = None):
-        self.vlm = VLM.load(bundle, device=device, threads=threads, verify=verify, kv_requant=kv_requant)
+                 kv_requant: bool = True, options: dict | None = None, lookahead: int = 0):
+        self.vlm = VLM.load(bundle, device=device, threads=threads, verify=verify, kv_requant=kv_requant,
+                            lookahead=lookahead)
         self.options = dict(options or {})
         self.pid = os.getpid()
 

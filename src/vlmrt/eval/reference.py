@@ -43,6 +43,8 @@ class TorchDecoder:
             out = self.module(t[d.embeds_input].float(), t[d.positions_input], t[d.mask_input].float(),
                               *[t[n].float() for n in self.past])
         by_name = dict(zip(self.outs, (o.numpy() for o in out)))
+        if d.logit_rows_input:  # the rows the exported graph would return (this module computes all)
+            by_name[d.logits_output] = by_name[d.logits_output][feeds[d.logit_rows_input]]
         return [by_name[n] for n in names]
 
 

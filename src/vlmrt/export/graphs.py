@@ -119,18 +119,20 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     (the dim is named "ctx"), so that one graph reads only the prefix of the cache that a step needs.
     dynamic_ar (with dynamic_context): the step's token count is symbolic too ("ar", 1..ar), so that one graph
     (one session, one prepacked copy of the weights) serves the prefill blocks and the 1-token decode steps;
-    such a graph returns the last row's logits only ([1, vocab], CausalDecoder.last_logits)."""
+    such a graph also takes logit_rows [r] (CausalDecoder.logit_rows): the logits are [r, vocab], those rows' only
+    (the last row for a prefill block or a decode step, all of a lookahead verify step's)."""
     from . import fuse, quantize
 
     dt = TORCH_DTYPES[io_dtype]
     # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context
-    decoder = decoder.with_options(copy_free=cpu, last_logits=dynamic_ar, rope_positions=max_context + ar)
+    decoder = decoder.with_options(copy_free=cpu, logit_rows=dynamic_ar, rope_positions=max_context + ar)
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
     positions = torch.arange(ar, dtype=torch.int64)
     mask = torch.zeros(ar, max_context + ar, dtype=dt)
     past = [torch.zeros(max_context, kv_dim, dtype=dt) for _ in range(2 * layers)]
     kin, kout = kv_names(layers)
+    extra, extra_names = ([torch.arange(ar, dtype=torch.int64)], ["logit_rows"]) if dynamic_ar else ([], [])
     dynamic = None
     if dynamic_context:
         ctx = torch.export.Dim("ctx", min=2, max=max_context)
@@ -138,10 +140,11 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
         rows = {0: n} if dynamic_ar else None
         # CastIO.forward(*args): one varargs entry
         total = torch.export.Dim.AUTO if dynamic_ar else ctx + ar  # ctx + ar: the exporter derives it
-        dynamic = ((rows, rows, {0: n, 1: total} if dynamic_ar else {1: total}, *[{0: ctx}] * (2 * layers)),)
+        logit_rows = [{0: torch.export.Dim("rows", min=1, max=ar)}] if dynamic_ar else []
+        dynamic = ((rows, rows, {0: n, 1: total} if dynamic_ar else {1: total}, *[{0: ctx}] * (2 * layers), *logit_rows),)
     export_graph(
-        module, (embeds, positions, mask, *past),
-        ["inputs_embeds", "position_ids", "attention_mask", *kin], ["logits", *kout], path, dynamic,
+        module, (embeds, positions, mask, *past, *extra),
+        ["inputs_embeds", "position_ids", "attention_mask", *kin, *extra_names], ["logits", *kout], path, dynamic,
     )
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():

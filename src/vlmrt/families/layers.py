@@ -161,17 +161,19 @@ class CausalDecoder(nn.Module):
     forward(inputs_embeds [ar, hidden], position_ids [ar], attention_mask [ar, ctx+ar],
             *past (k_0, v_0, k_1, v_1, ...) each [ctx, kv_dim])
       -> (logits [ar, vocab], new_k_0, new_v_0, ...) each new row block [ar, kv_dim]
-    With last_logits the logits are [1, vocab], the last row's only (the LM head is skipped for the rest);
-    copy_free: see CachedGQAttention. Both are graph options: `with_options` builds the same weights with others.
+    With logit_rows the graph takes one more input after the cache, logit_rows [r] (int64 row indices), and the
+    logits are [r, vocab], those rows' only (the LM head is skipped for the rest): a prefill block asks for its last
+    row, a lookahead verify step for all (runtime/lookahead.py). copy_free: see CachedGQAttention. Both are graph
+    options: `with_options` builds the same weights with others.
     """
 
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
-                 qkv_bias=False, qk_norm=False, copy_free=True, last_logits=False):
+                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False):
         super().__init__()
         self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           intermediate=intermediate, eps=eps, act=act, rope_theta=rope_theta, vocab=vocab,
                           qkv_bias=qkv_bias, qk_norm=qk_norm)
-        self.last_logits = last_logits
+        self.logit_rows = logit_rows
         self.layers = nn.ModuleList(
             DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free)
             for _ in range(layers)
@@ -181,10 +183,10 @@ class CausalDecoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta), persistent=False)
         self.rope_table(4096)
 
-    def with_options(self, *, copy_free: bool, last_logits: bool, rope_positions: int) -> "CausalDecoder":
+    def with_options(self, *, copy_free: bool, logit_rows: bool, rope_positions: int) -> "CausalDecoder":
         """A new decoder with a copy of these weights, built with other graph options and a rope table of
         rope_positions rows."""
-        new = CausalDecoder(**self.shape, copy_free=copy_free, last_logits=last_logits)
+        new = CausalDecoder(**self.shape, copy_free=copy_free, logit_rows=logit_rows)
         new.load_state_dict(self.state_dict())
         new.rope_table(rope_positions)
         return new.eval()
@@ -198,6 +200,8 @@ class CausalDecoder(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, inputs_embeds, position_ids, attention_mask, *past):
+        if self.logit_rows:
+            *past, rows = past  # rows [r] int64
         cos = self.rope_cos[position_ids].to(inputs_embeds.dtype)  # [ar, head_dim]
         sin = self.rope_sin[position_ids].to(inputs_embeds.dtype)
         x = inputs_embeds
@@ -205,8 +209,8 @@ class CausalDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, attention_mask, past[2 * i], past[2 * i + 1])
             new += [k, v]
-        if self.last_logits:
-            x = x[-1:]
+        if self.logit_rows:
+            x = x.index_select(0, rows)  # [r, hidden]
         return (self.lm_head(self.norm(x)), *new)
 
 

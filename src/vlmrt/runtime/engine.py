@@ -19,8 +19,9 @@ import numpy as np
 
 from ..manifest import DecoderSpec, KVSpec
 from .kv_cache import KVCache, context_slots
+from .lookahead import PromptLookup
 from .sampler import Sampler, SamplingConfig
-from .step import PlainStep, StepBuffers, make_step
+from .step import PlainStep, StepBuffers, logits_rows, make_step
 
 MODES = ("kv", "hybrid")
 
@@ -42,6 +43,8 @@ class GenerationStats:
     stop_reason: str = ""  # "eos" | "length" | "context"
     step_times: list[float] = field(default_factory=list)
     decode_run_s: float = 0.0  # the part of decode_s spent inside the graph call (session.run)
+    drafted_tokens: int = 0  # lookahead: drafts verified, and those the model agreed with (emitted without a call)
+    accepted_tokens: int = 0
 
     @property
     def host_overhead_ms_per_step(self) -> float:
@@ -59,12 +62,28 @@ class GenerationStats:
         return steps / self.decode_s if self.decode_s and steps > 0 else 0.0
 
 
+def check_lookahead(dec: DecoderSpec, k: int) -> None:
+    """A draft length k the decoder can verify (ValueError if not): the graph returns every row's logits when asked
+    (DecoderSpec.logit_rows_input; bundles exported before it cannot) and takes 1 + k tokens."""
+    if k < 0:
+        raise ValueError("--lookahead must be >= 0")
+    if k and not dec.logit_rows_input:
+        raise ValueError("this bundle's decoder graph returns one row of logits per call, so it cannot verify "
+                         "lookahead drafts; re-export the bundle with this version of vlmrt")
+    if k >= dec.prefill_ar:
+        raise ValueError(f"--lookahead is at most {dec.prefill_ar - 1} for this bundle (its graph's AR is {dec.prefill_ar})")
+
+
 class Engine:
     def __init__(self, prefill: Session | None, decode: Session, kv: KVSpec, dec: DecoderSpec,
                  embed_table, eos_ids: list[int], io_dtype: str = "float32",
-                 embed_scale: np.ndarray | None = None, kv_requant: bool = True):
+                 embed_scale: np.ndarray | None = None, kv_requant: bool = True, lookahead: int = 0):
         """kv_requant: in hybrid mode with per-graph uint8 KV encodings (HTP bundles), convert prefill's rows to
-        decode's encoding (False reuses them as they are: to measure what the conversion buys)."""
+        decode's encoding (False reuses them as they are: to measure what the conversion buys).
+        lookahead: k > 0 drafts up to k tokens per greedy decode step by prompt lookup (runtime/lookahead.py) and
+        verifies them in one decoder call (verify); needs DecoderSpec.logit_rows_input. 0: off."""
+        check_lookahead(dec, lookahead)
+        self.lookahead = lookahead
         self.prefill_session, self.decode_session = prefill, decode
         self.kv_spec, self.dec = kv, dec
         # [vocab, hidden] rows by token id: an ndarray, or the bundle's EmbeddingRows (pread); a memmap is indexed as
@@ -111,21 +130,24 @@ class Engine:
         step, top = self.dec.context_step, self.kv_spec.max_context
         return context_slots(pos, step, top) if step else top
 
-    def _step_for(self, kind: str, n: int):
-        """The step object for n tokens of graph kind ("prefill" or "decode") at the cache's next position."""
+    def _step_for(self, kind: str, n: int, all_rows: bool = False):
+        """The step object for n tokens of graph kind ("prefill" or "decode") at the cache's next position;
+        all_rows: it returns every row's logits (a lookahead verify step)."""
         # a graph with a symbolic AR takes exactly the step's tokens; a static one its AR, the last block padded
         ar = n if self.dec.dynamic_ar else (self.dec.prefill_ar if kind == "prefill" else 1)
         session = self.prefill_session if kind == "prefill" else self.decode_session
         ctx = self._ctx(self.cache.length)
-        key = (id(session), ctx, ar)
+        rows_out = logits_rows(self.dec, ar, all_rows)
+        key = (id(session), ctx, ar, rows_out)
         step = self._steps.get(key)
         if step is None:
-            if self.dec.dynamic_ar and ar not in (1, self.dec.prefill_ar):
+            if self.dec.dynamic_ar and ar not in (1, self.dec.prefill_ar) and not all_rows:
                 # a prompt's short last block, of any length: a step made for it and dropped, rather than one kept
                 # (with its buffers) per block length
-                step = PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype)
+                step = PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype, rows_out)
             else:
-                step = self._steps[key] = make_step(session, self.dec, self.cache, ctx, ar, self.dtype, self._buffers)
+                step = self._steps[key] = make_step(session, self.dec, self.cache, ctx, ar, self.dtype, self._buffers,
+                                                    rows_out)
         return step
 
     def _run(self, step, embeds: np.ndarray) -> np.ndarray:
@@ -147,6 +169,21 @@ class Engine:
         b = step.buffers
         self.embed_into(token, b.first_row)
         return self._run(step, b.first)[-1]  # a decode step's AR is 1
+
+    def verify(self, token: int, drafts: list[int], sampler: Sampler) -> list[int]:
+        """One decoder call over [token, *drafts] at the cache's next positions, every row's logits: the longest
+        prefix of drafts that the sampler (greedy) picks row by row, then its own pick after them. Only the rows of
+        token and the accepted drafts go into the cache (those a plain decode of the same tokens writes)."""
+        step = self._step_for("decode", 1 + len(drafts), all_rows=True)
+        logits = step(self.embed([token, *drafts]), self.cache.length)  # [1 + k, vocab]
+        self.run_s += step.run_s
+        out = []
+        for i, row in enumerate(logits):
+            out.append(sampler(row))
+            if i == len(drafts) or out[-1] != drafts[i]:
+                break
+        self.cache.write(step.rows, len(out))
+        return out
 
     def _blocks(self, mode: str) -> int:
         """Tokens per prompt step in mode: prefill_ar for hybrid (with a prefill graph), else 1."""
@@ -209,9 +246,11 @@ class Engine:
         return np.stack(out)
 
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
-                 sampler: Sampler | None = None, ignore_eos: bool = False, start: int = 0) -> Iterator[int]:
+                 sampler: Sampler | None = None, ignore_eos: bool = False, start: int = 0,
+                 prompt_ids: list[int] | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS is not yielded). Stats land in self.last when done. start > 0: a prefix
-        reuse, prompt_embeds are the rows from position start on (see prefill)."""
+        reuse, prompt_embeds are the rows from position start on (see prefill). prompt_ids: the whole prompt's ids
+        (from position 0), where lookahead looks up drafts; lookahead runs with them and a greedy sampler only."""
         sampler = sampler or Sampler(SamplingConfig())
         st = self.last = GenerationStats(prompt_tokens=int(prompt_embeds.shape[0]))
         if max_new_tokens <= 0:
@@ -220,25 +259,41 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.prefill(prompt_embeds, mode, start)
         one_by_one = self._blocks(mode) == 1  # a fresh kv prefill computes generated tokens' rows as decode does
-        token = sampler(logits)
+        tokens = [sampler(logits)]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
         st.prefill_s = time.perf_counter() - t0
+        greedy = sampler.cfg.temperature == 0
+        drafter = PromptLookup(self.lookahead, prompt_ids) if self.lookahead and greedy and prompt_ids else None
         while True:
-            if token in self.eos and not ignore_eos:
-                st.stop_reason = "eos"
-                return
-            st.generated_tokens += 1
-            yield token
-            if st.generated_tokens >= max_new_tokens:
-                st.stop_reason = "length"
-                return
+            for token in tokens:
+                if token in self.eos and not ignore_eos:
+                    st.stop_reason = "eos"
+                    return
+                st.generated_tokens += 1
+                yield token
+                if st.generated_tokens >= max_new_tokens:
+                    st.stop_reason = "length"
+                    return
+                if drafter:
+                    drafter.append(token)
             if self.cache.length >= self.kv_spec.max_context:
                 st.stop_reason = "context"
                 return
             t, run0 = time.perf_counter(), self.run_s
-            logits = self.step_token(token)
-            if one_by_one and self._exact[1] == self.cache.length - 1:
-                self._exact = (mode, self.cache.length, self.cache.epoch)
-            token = sampler(logits)
+            # drafts: no more than the answer and the cache have room for, none past an EOS
+            room = min(max_new_tokens - st.generated_tokens, self.kv_spec.max_context - self.cache.length) - 1
+            drafts = drafter.propose(room) if drafter else []
+            if not ignore_eos:
+                drafts = next((drafts[:i] for i, d in enumerate(drafts) if d in self.eos), drafts)
+            if drafts:
+                tokens = self.verify(token, drafts, sampler)
+                drafter.feedback(len(tokens) - 1)
+                st.drafted_tokens += len(drafts)
+                st.accepted_tokens += len(tokens) - 1
+            else:
+                logits = self.step_token(token)
+                if one_by_one and self._exact[1] == self.cache.length - 1:
+                    self._exact = (mode, self.cache.length, self.cache.epoch)
+                tokens = [sampler(logits)]
             dt = time.perf_counter() - t
             st.decode_s += dt
             st.decode_run_s += self.run_s - run0

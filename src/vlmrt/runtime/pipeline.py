@@ -31,7 +31,8 @@ from PIL import Image
 
 from . import image as img_ops
 from .bundle import Bundle, Sessions
-from .engine import MODES, ContextOverflow, Engine, splice
+from .engine import MODES, ContextOverflow, Engine, check_lookahead, splice
+from .lookahead import check_exact
 from .conversation import ChatTemplate, Conversation, parse_messages, user_turn
 from .prefix_cache import CachedImage, ImageCache, PrefixCache, row_keys
 from .prompt import build_prompt
@@ -67,6 +68,8 @@ class RunStats:
     images_cached: int = 0  # images whose embeddings came from the image cache (chat)
     vision_skipped: bool = False  # images were given and none went through the vision graph
     reused_prompt_tokens: int = 0  # leading prompt tokens whose KV rows were kept from the previous turn (chat)
+    drafted_tokens: int = 0  # lookahead: drafts verified, and those accepted (see GenerationStats)
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -82,18 +85,22 @@ class Result:
 
 class VLM:
     def __init__(self, bundle: Bundle, load_s: float = 0.0, kv_requant: bool = True,
-                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, fetch: FetchLimits = FetchLimits()):
+                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, fetch: FetchLimits = FetchLimits(),
+                 lookahead: int = 0):
         """kv_requant: see Engine (HTP bundles in hybrid mode). image_cache_bytes: bound of chat()'s image embedding
-        cache. fetch: limits on images fetched from http(s) URLs."""
+        cache. fetch: limits on images fetched from http(s) URLs. lookahead: draft length of lookahead decoding
+        (greedy answers; 0 = off; see Engine)."""
         self.bundle = bundle
         m = bundle.manifest
         self.manifest = m
         self.load_s = load_s
         self.lazy_load_s = 0.0  # seconds spent loading sessions on first use (the vision graph's), accumulated
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
+        check_lookahead(m.decoder, lookahead)
+        check_exact(m.graphs["decode"], lookahead)
         self.engine = Engine(
             bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
-            bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale, kv_requant,
+            bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale, kv_requant, lookahead,
         )
         self.result = Result()
         self.template = ChatTemplate(m.prompt)
@@ -104,7 +111,7 @@ class VLM:
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True,
              kv_requant: bool = True, htp_arch: str | int | None = None, **options) -> "VLM":
-        """options: image_cache_bytes, fetch (see __init__); htp_arch: see Bundle.open."""
+        """options: image_cache_bytes, fetch, lookahead (see __init__); htp_arch: see Bundle.open."""
         t = time.perf_counter()
         b = Bundle.open(path, device=device, threads=threads, verify=verify, htp_arch=htp_arch)
         return cls(b, time.perf_counter() - t, kv_requant, **options)
@@ -263,7 +270,7 @@ class VLM:
         if cached:
             self.prefix.clear()  # the cache's rows change from here on; record() says what they hold at the end
         gen = self.engine.generate(embeds, mode=mode, max_new_tokens=max_new_tokens, sampler=sampler,
-                                   ignore_eos=ignore_eos, start=start)
+                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids)
         done = False
         try:
             for token in gen:
@@ -298,6 +305,7 @@ class VLM:
         st.prefill_s = g.prefill_s
         st.prefill_tokens_per_s = g.prefill_tokens_per_s
         st.decode_tokens_per_s = g.decode_tokens_per_s
+        st.drafted_tokens, st.accepted_tokens = g.drafted_tokens, g.accepted_tokens
         st.decode_ms_per_token = 1000 * g.decode_s / max(1, len(res.token_ids) - 1)
         st.stop_reason = "stop" if cut.stopped else g.stop_reason
         st.total_s = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """One decoder graph call: AR embeddings at the cache's next positions in, logits out, the new K/V rows staged.
 
-    step = make_step(session, dec, cache, ctx, ar, bind=True)
-    logits = step(embeds, pos)        # embeds [n <= ar, hidden] -> logits [ar or 1, vocab]
+    step = make_step(session, dec, cache, ctx, ar, io_dtype, shared, rows_out)
+    logits = step(embeds, pos)        # embeds [n <= ar, hidden] -> logits [rows_out, vocab], the last rows'
     cache.write(step.rows, n)         # rows [layers, 2, ar, dim]: KVCache.write is the one cache update
 
 Both kinds of step read the cache prefix [:ctx] where it is and build positions and mask the same way
@@ -31,22 +31,35 @@ def can_bind(session) -> bool:
     return hasattr(session, "io_binding")
 
 
-def buffers_key(session, dec: DecoderSpec, ar: int) -> tuple:
-    """Steps with the same AR and I/O types can share their StepBuffers (steps never run concurrently)."""
+def buffers_key(session, dec: DecoderSpec, ar: int, rows_out: int) -> tuple:
+    """Steps with the same AR, logits rows and I/O types can share their StepBuffers (steps never run concurrently)."""
     ins = {i.name: i.type for i in session.get_inputs()}
     outs = {o.name: o.type for o in session.get_outputs()}
-    return ar, ins[dec.embeds_input], ins[dec.positions_input], outs[dec.logits_output]
+    return ar, rows_out, ins[dec.embeds_input], ins[dec.positions_input], outs[dec.logits_output]
+
+
+def logits_rows(dec: DecoderSpec, ar: int, all_rows: bool = False) -> int:
+    """How many (last) rows' logits a step of AR tokens returns: all_rows (a lookahead verify step) needs
+    DecoderSpec.logit_rows_input; else 1 with logit_rows_input or last_logits, ar for a static graph."""
+    if all_rows:
+        if not dec.logit_rows_input:
+            raise ValueError("this decoder graph cannot return the logits of every row")
+        return ar
+    return 1 if dec.logit_rows_input or dec.last_logits else ar
 
 
 class StepBuffers:
-    """The host buffers of a step: embeddings [ar, hidden], positions [ar], logits [ar or 1, vocab] and the staging
-    block [layers, 2, ar, dim] for the new K/V rows. Those of a bound step do not depend on its cache length and are
+    """The host buffers of a step: embeddings [ar, hidden], positions [ar], logits [rows_out, vocab] (the last rows',
+    asked for by logit_rows [rows_out] where the graph takes it) and the staging block [layers, 2, ar, dim] for the
+    new K/V rows. Those of a bound step do not depend on its cache length and are
     shared by the bound steps of one AR (an AR=32 staging block is 1.5 MB for SmolLM2)."""
 
-    def __init__(self, dec: DecoderSpec, cache: KVCache, ar: int, embeds_dtype, positions_dtype, logits_dtype):
+    def __init__(self, dec: DecoderSpec, cache: KVCache, ar: int, embeds_dtype, positions_dtype, logits_dtype,
+                 rows_out: int):
         self.embeds = np.zeros((ar, dec.hidden_size), embeds_dtype)
         self.positions = np.zeros(ar, positions_dtype)
-        self.logits = np.zeros((1 if dec.last_logits else ar, dec.vocab_size), logits_dtype)
+        self.logits = np.zeros((rows_out, dec.vocab_size), logits_dtype)
+        self.logit_rows = np.arange(ar - rows_out, ar, dtype=np.int64)
         self.rows = np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
         self._range = np.arange(ar, dtype=positions_dtype)
         # views made once for the decode loop (each numpy call after a graph call runs on cold caches)
@@ -103,6 +116,8 @@ class BoundStep:
         bind(dec.embeds_input, buffers.embeds)
         bind(dec.positions_input, buffers.positions)
         bind(dec.mask_input, self.mask.array)
+        if dec.logit_rows_input:
+            bind(dec.logit_rows_input, buffers.logit_rows)
         s = cache.spec
         for i in range(s.layers):
             bind(s.key_input.format(layer=i), cache.data[i, 0, :ctx])  # contiguous prefix: no copy
@@ -122,9 +137,9 @@ class BoundStep:
 
 
 class PlainStep:
-    def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, io_dtype):
+    def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, io_dtype, rows_out: int):
         self.session, self.dec, self.cache, self.ctx, self.ar = session, dec, cache, ctx, ar
-        self.buffers = StepBuffers(dec, cache, ar, io_dtype, np.int64, io_dtype)
+        self.buffers = StepBuffers(dec, cache, ar, io_dtype, np.int64, io_dtype, rows_out)
         self.rows = self.buffers.rows
         self.run_s = 0.0
         self.mask = StepMask(ar, ctx, io_dtype, dec.mask_value)
@@ -135,6 +150,8 @@ class PlainStep:
         b.load(embeds, pos)
         feeds = {d.embeds_input: b.embeds, d.positions_input: b.positions, d.mask_input: self.mask.at(pos),
                  **self.cache.feeds(self.ctx)}
+        if d.logit_rows_input:
+            feeds[d.logit_rows_input] = b.logit_rows
         t = time.perf_counter()
         logits, *rows = self.session.run(self._out_names, feeds)
         self.run_s = time.perf_counter() - t
@@ -144,13 +161,16 @@ class PlainStep:
 
 
 def make_step(session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, io_dtype,
-              shared: dict[tuple, StepBuffers] | None = None):
-    """A BoundStep when the session can bind (its buffers taken from / added to `shared`), else a PlainStep."""
+              shared: dict[tuple, StepBuffers] | None = None, rows_out: int | None = None):
+    """A BoundStep when the session can bind (its buffers taken from / added to `shared`), else a PlainStep.
+    rows_out: logits rows (logits_rows()), by default the decoder's for a plain step."""
+    rows_out = logits_rows(dec, ar) if rows_out is None else rows_out
     if not can_bind(session):
-        return PlainStep(session, dec, cache, ctx, ar, io_dtype)
-    key = buffers_key(session, dec, ar)
+        return PlainStep(session, dec, cache, ctx, ar, io_dtype, rows_out)
+    key = buffers_key(session, dec, ar, rows_out)
     shared = {} if shared is None else shared
     if key not in shared:
-        _, embeds, positions, logits = key
-        shared[key] = StepBuffers(dec, cache, ar, _ORT_DTYPES[embeds], _ORT_DTYPES[positions], _ORT_DTYPES[logits])
+        _, _, embeds, positions, logits = key
+        shared[key] = StepBuffers(dec, cache, ar, _ORT_DTYPES[embeds], _ORT_DTYPES[positions], _ORT_DTYPES[logits],
+                                  rows_out)
     return BoundStep(session, dec, cache, ctx, ar, shared[key])

@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
                         "prefill blocks only in hybrid mode, every row in kv mode")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"])
     s.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+    s.add_argument("--lookahead", type=int, default=0, metavar="N",
+                   help="lookahead decoding of greedy answers, up to N drafted tokens per step (default 0: off)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(fn=run)
 
@@ -71,7 +73,13 @@ def build(a, bundle: str, on_load_error=None):
     media = Path(a.media_dir) if a.media_dir else None
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
-    load_manifest(bundle, verify=False)  # a missing or unreadable bundle fails now, not after the port opens
+    from ..runtime.engine import check_lookahead
+    from ..runtime.lookahead import check_exact
+
+    # a missing or unreadable bundle, or a lookahead it cannot verify, fails now, not after the port opens
+    m = load_manifest(bundle, verify=False)
+    check_lookahead(m.decoder, a.lookahead)
+    check_exact(m.graphs["decode"], a.lookahead)
     verify = a.bundle is not None  # the default model's cache was verified by ensure_bundle
 
     def load():
@@ -80,7 +88,7 @@ def build(a, bundle: str, on_load_error=None):
         t = time.perf_counter()
         b = Bundle.open(bundle, device=a.device, threads=a.threads, verify=verify)
         return Scheduler(b, a.slots, a.queue, time.perf_counter() - t,
-                         image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots))
+                         image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots), lookahead=a.lookahead)
 
     config = Config(model_id=Path(bundle).name, media_dir=media, max_images=a.max_images,
                     max_body=int(a.max_body_mb * 2**20), fetch=FetchLimits(), mode=a.mode)
