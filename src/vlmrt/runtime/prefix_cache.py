@@ -33,6 +33,16 @@ def row_keys(ids: list[int], image_token_id: int, images: list[tuple]) -> list:
     return keys
 
 
+
+def common_prefix(a: list, b: list) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
 class PrefixCache:
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -43,13 +53,7 @@ class PrefixCache:
         """How many leading keys equal those of the rows the cache still holds (0 once anything reset it)."""
         if self.epoch != self.cache.epoch:
             return 0
-        held = self.keys[: self.cache.length]
-        n = 0
-        for a, b in zip(held, keys):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.keys[: self.cache.length], keys)
 
     def record(self, keys: list) -> None:
         """After a call: keys of the rows 0..cache.length-1 (the prompt's, then the fed generated tokens')."""

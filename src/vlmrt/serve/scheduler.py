@@ -26,6 +26,7 @@ from ..runtime.conversation import ConversationError
 from ..runtime.engine import ContextOverflow
 from ..runtime.image import ImageError
 from ..runtime.pipeline import VLM
+from ..runtime.prefix_cache import common_prefix
 from .errors import bad_request, context_exceeded, internal
 
 log = logging.getLogger("vlmrt.serve")
@@ -73,15 +74,6 @@ class Slot:
         self.gen = None
         self.history: list = []  # the key of its last conversation, answer included
         self.used = 0.0
-
-
-def _common(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Scheduler:
@@ -153,7 +145,7 @@ class Scheduler:
             if not free:
                 return
             job = self.waiting.popleft()
-            s = max(free, key=lambda s: (_common(s.history, job.key), -s.used))
+            s = max(free, key=lambda s: (common_prefix(s.history, job.key), -s.used))
             job.queue_s, job.slot = time.perf_counter() - job.submitted, s.index
             s.job, s.gen, s.history = job, None, []
 
