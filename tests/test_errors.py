@@ -59,6 +59,20 @@ def test_human_output_has_stats_report(default_bundle):
         assert k in p.stderr
 
 
+def test_one_token_answer_reports_no_decode_rate():
+    """A one-token answer came from prefill alone: the report says so instead of "0.0 tokens/s"."""
+    from vlmrt import chat_repl, cli
+    from vlmrt.runtime.pipeline import Result, RunStats
+
+    one = Result(stats=RunStats(prompt_tokens=9, generated_tokens=1, stop_reason="eos"))
+    assert "none (the one token came from prefill)" in cli._stats_report(one)
+    assert "tok/s" not in chat_repl.summary(one.stats)
+    two = Result(stats=RunStats(prompt_tokens=9, generated_tokens=2, decode_tokens_per_s=50.0,
+                                decode_ms_per_token=20.0, stop_reason="eos"))
+    assert "50.0 tokens/s (20.0 ms/token)" in cli._stats_report(two)
+    assert "2 tokens, 50.0 tok/s" in chat_repl.summary(two.stats)
+
+
 def test_bench_json_reports_every_timing(default_bundle):
     """vlmrt bench: min/median/max over the runs (each a fresh load), exactly --gen-tokens tokens, a prompt of
     --prompt-tokens tokens (image included) as closely as whole words allow, peak RSS."""

@@ -20,7 +20,8 @@ HELP = "commands: /image PATH|URL (attach to the next turn), /reset, /stats, /qu
 def summary(s) -> str:
     vision = "skipped (cached)" if s.vision_skipped else f"{s.vision_s:.2f} s" if s.images else "-"
     return (f"[{s.prompt_tokens} prompt tokens, {s.reused_prompt_tokens} reused; vision {vision}; "
-            f"first token {s.ttft_s:.2f} s; {s.generated_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s; "
+            f"first token {s.ttft_s:.2f} s; {s.generated_tokens} tokens"
+            f"{f', {s.decode_tokens_per_s:.1f} tok/s' if s.generated_tokens > 1 else ''}; "
             f"stop: {s.stop_reason}]")
 
 

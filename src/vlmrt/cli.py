@@ -37,7 +37,8 @@ def _stats_report(r) -> str:
         f"vision encode      {s.vision_s:.3f} s" + (" (skipped: cached)" if s.vision_skipped else ""),
         f"time to 1st token  {s.ttft_s:.3f} s",
         f"prefill            {s.prefill_tokens_per_s:.1f} tokens/s",
-        f"decode             {s.decode_tokens_per_s:.1f} tokens/s ({s.decode_ms_per_token:.1f} ms/token)",
+        (f"decode             {s.decode_tokens_per_s:.1f} tokens/s ({s.decode_ms_per_token:.1f} ms/token)"
+         if s.generated_tokens > 1 else "decode             none (the one token came from prefill)"),
         f"peak RSS           {s.peak_rss_mb:.0f} MB",
     ]
     if s.drafted_tokens:
