@@ -302,6 +302,16 @@ def test_in_process_batch_resumes(job, capsys, tmp_path, monkeypatch):
     s, _ = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out), "--retry-errors"])
     assert (s["answered"], s["errors"], s["skipped"]) == (0, 2, total - 2)
     _check(job, out)
+    # a resume with options that change answers is refused, OUT and its options record left as they were
+    before, side = out.read_bytes(), out.with_name(out.name + ".options.json")
+    recorded = side.read_bytes()
+    assert json.loads(recorded)["max_new_tokens"] == 8
+    assert cli.main(["batch", job["bundle"], "--input", str(job["src"]), "--output", str(out),
+                     "--max-new-tokens", "9"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"vlmrt: error: --output {out} holds answers made with other options (max_new_tokens 8 then, 9 "
+                   "now): rerun with the same options, or give another --output"), err
+    assert out.read_bytes() == before and side.read_bytes() == recorded
 
 
 def test_two_ray_workers_one_killed(job, capsys, tmp_path):

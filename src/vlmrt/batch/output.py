@@ -3,7 +3,8 @@
     {"id": "a1", "text": "green", "token_ids": [...], "prompt_tokens": 27, "stats": {...}}   # as `vlmrt run --json`
     {"id": "a2", "error": "image not found: /data/b.png"}
 
-Resuming: the ids already in OUT (answered or not) are skipped by a rerun. A run that was killed can leave a last
+Resuming: the ids already in OUT (answered or not) are skipped by a rerun with the same options (`<OUT>.options.json`
+records them; a rerun with others is refused). A run that was killed can leave a last
 line cut short; `open_output` drops it (the record is then done again). Each line is written with one write() and
 flushed; the file is fsynced every few seconds and at the end. A record that comes back twice (a retried task after
 a worker died) is written once.
@@ -61,6 +62,38 @@ def _last_newline(f, size: int, chunk: int = 1 << 16) -> int:
             return start + at + 1
         end = start
     return 0
+
+
+def options_path(path: Path) -> Path:
+    """Where the options that OUT's answers were made with are kept: `<OUT>.options.json` next to it."""
+    return path.with_name(path.name + ".options.json")
+
+
+def check_options(path: Path, options: dict, has_lines: bool) -> None:
+    """Record the answer-changing options of this job next to OUT, or, when OUT already has lines, refuse a job
+    whose options differ from those they were made with (a resume must not mix answers to two questions). An OUT
+    with lines but no record (written before options were recorded) is taken as it is, and the record written."""
+    side = options_path(path)
+    options = json.loads(json.dumps(options))  # as it reads back (tuples are lists)
+    if has_lines and side.is_file():
+        try:
+            then = json.loads(side.read_text())
+        except (OSError, ValueError) as e:
+            raise OutputError(f"cannot read {side}: {e}; remove it if OUT's options are known to be this job's") from None
+        changed = sorted(k for k in set(then) | set(options) if then.get(k) != options.get(k))
+        if changed:
+            said = ", ".join(f"{k} {json.dumps(then.get(k))} then, {json.dumps(options.get(k))} now" for k in changed)
+            raise OutputError(f"--output {path} holds answers made with other options ({said}): rerun with the same "
+                              "options, or give another --output")
+        return
+    tmp = side.with_name(f".{side.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(options, sort_keys=True) + "\n")
+        os.replace(tmp, side)
+    except OSError as e:
+        raise OutputError(f"cannot write {side}: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def done_keys(path: Path) -> tuple[set[str], set[str]]:

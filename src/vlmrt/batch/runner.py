@@ -15,6 +15,7 @@ local one started here for the job: bound to 127.0.0.1, no dashboard, usage stat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -122,13 +123,14 @@ def run_batch(job: Job) -> Summary:
         raise out_file.OutputError(f"--output {out} is a folder; give a .jsonl file")
     out_file.repair(out, say=job.progress)
     done, errors = out_file.done_keys(out)
+    # a bad bundle is one error before anything is written or started; workers on this machine read these files
+    load_manifest(job.bundle, verify=job.verify)
+    out_file.check_options(out, answer_options(job), has_lines=bool(done))
     if job.retry_errors and errors:
         out_file.drop_errors(out)
         done -= errors
     todo = [r for r in records if r.key not in done]
     asks = [r for r in todo if r.error is None]
-    # a bad bundle is one error before anything is written or started; workers on this machine read these files
-    load_manifest(job.bundle, verify=job.verify)
     local = Answerer(threads=worker_threads(job), **_answerer_kwargs(job, False)) if asks and not use_ray else None
     s = Summary(records=len(records), skipped=len(records) - len(todo), workers=job.workers,
                 engine="ray" if use_ray else "in-process")
@@ -165,6 +167,15 @@ def run_batch(job: Job) -> Summary:
         s.first_result_s = first[0] - t0
         s.steady_records_per_s = (meter.done - 1) / (t1 - first[0]) if meter.done > 1 and t1 > first[0] else 0.0
     return s
+
+
+def answer_options(job: Job) -> dict:
+    """What the answers in OUT depend on: the bundle (its manifest's sha256, which pins every file's), the default
+    prompt, the generation options, the device and the KV requantization. Workers, threads and lookahead (greedy
+    output identical) do not change an answer."""
+    manifest = Path(job.bundle) / "manifest.json"
+    return dict(bundle=hashlib.sha256(manifest.read_bytes()).hexdigest(), prompt=job.prompt, device=job.device,
+                kv_requant=job.kv_requant, **job.options)
 
 
 def _error_line(r: Record) -> str:
