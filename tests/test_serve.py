@@ -15,6 +15,7 @@ import pytest
 
 from conftest import ASSETS
 from serve_client import (  # noqa: F401  (fixtures: tiny, server, vlm, client)
+    openai,
     LONG, TEXT, Running, ask, busy_slots, client, direct, get, picture, post, read_events, request, server, start,
     status, stream_request, tiny, uri, vlm, wait_cancelled, wait_idle)
 
@@ -94,6 +95,39 @@ BAD = [
     ("stop", {"messages": [TEXT], "stop": [1]}, 400, "invalid_request_error", "invalid_parameter"),
     ("file URL", {"messages": [ask("?", "file:///etc/passwd")]}, 400, "invalid_request_error", "invalid_image"),
 ]
+
+
+def test_lookahead_server_answers_as_plain_decoding(tiny, vlm):
+    """`vlmrt serve --lookahead 4`: greedy answers (plain and streamed, with an image, and a follow-up) equal plain
+    decoding's in process, and drafts were verified (the timings say how many; on this random fixture few are, and
+    none is accepted: test_lookahead*.py cover acceptance)."""
+    r = start(tiny.bundle, "--slots", "2", "--lookahead", "4")
+    try:
+        c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        words = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta"
+        drafted = 0
+        for messages in ([ask(f"Repeat: {words}")], [ask(f"List: {words}", uri(picture(4)))]):
+            want = direct(vlm, messages, max_new_tokens=80, ignore_eos=True)
+            out = c.chat.completions.create(model="tiny", messages=messages, max_tokens=80,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].message.content == want
+            t = out.model_extra["vlmrt"]
+            assert 0 <= t["accepted_tokens"] <= t["drafted_tokens"]
+            drafted += t["drafted_tokens"]
+            streamed = c.chat.completions.create(model="tiny", messages=messages, max_tokens=80, stream=True,
+                                                 extra_body={"ignore_eos": True})
+            assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == want
+            messages = messages + [{"role": "assistant", "content": want}, ask(f"Again: {words}")]
+            out = c.chat.completions.create(model="tiny", messages=messages, max_tokens=80,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].message.content == direct(vlm, messages, max_new_tokens=80, ignore_eos=True)
+        assert drafted > 0
+        # sampling does not draft
+        out = c.chat.completions.create(model="tiny", messages=[ask(f"Repeat: {words}")], max_tokens=8,
+                                        temperature=0.8, seed=3)
+        assert out.model_extra["vlmrt"]["drafted_tokens"] == 0
+    finally:
+        r.stop()
 
 
 @pytest.mark.parametrize("name,body,code,etype,ecode", BAD, ids=[b[0] for b in BAD])

@@ -29,7 +29,8 @@ def timings(f: Finished) -> dict:
             "prefill_tokens_per_s": round(s["prefill_tokens_per_s"], 1),
             "decode_tokens_per_s": round(s["decode_tokens_per_s"], 1), "total_s": round(s["total_s"], 4),
             "prompt_tokens": f.prompt_tokens, "reused_prompt_tokens": s["reused_prompt_tokens"],
-            "images": s["images"], "images_cached": s["images_cached"], "stop_reason": f.stop_reason}
+            "images": s["images"], "images_cached": s["images_cached"], "stop_reason": f.stop_reason,
+            "drafted_tokens": s["drafted_tokens"], "accepted_tokens": s["accepted_tokens"]}
 
 
 def completion(cid: str, model: str, f: Finished) -> dict:
