@@ -13,10 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import http.client
 import re
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,22 +96,25 @@ def decode_data_uri(uri: str) -> bytes:
         raise ImageError(f"data URI: bad base64 ({e})") from None
 
 
-class _Redirects(urllib.request.HTTPRedirectHandler):
-    def __init__(self, url: str, limit: int):
-        self.url, self.limit, self.count = url, limit, 0
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        self.count += 1
-        if self.count > self.limit:
-            raise ImageError(f"cannot fetch image {self.url}: more than {self.limit} redirects")
-        if not re.match(r"(?i)https?://", newurl):
-            raise ImageError(f"cannot fetch image {self.url}: redirected to a non-http(s) URL")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
 def fetch_url(url: str, limits: FetchLimits = FetchLimits()) -> bytes:
     """The body of an http(s) GET, at most limits.max_bytes, following at most limits.max_redirects redirects."""
-    opener = urllib.request.build_opener(_Redirects(url, limits.max_redirects))
+    import http.client  # here, not at the top: a run without URLs does not pay for loading them (cold start)
+    import urllib.error
+    import urllib.request
+
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        def __init__(self, limit: int):
+            self.limit, self.count = limit, 0
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            self.count += 1
+            if self.count > self.limit:
+                raise ImageError(f"cannot fetch image {url}: more than {self.limit} redirects")
+            if not re.match(r"(?i)https?://", newurl):
+                raise ImageError(f"cannot fetch image {url}: redirected to a non-http(s) URL")
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    opener = urllib.request.build_opener(Redirects(limits.max_redirects))
     req = urllib.request.Request(url, headers={"User-Agent": "vlmrt", "Accept": "image/*"})
     cap = limits.max_bytes
     try:
