@@ -70,7 +70,10 @@ def main() -> None:
             sys.path.insert(0, HERE)
             import compare_gguf
 
-            cmds["llama.cpp"] = llama_cmd(a.gguf or str(compare_gguf.find_gguf()), a.bundle, a.tokens, a.threads)
+            gguf = a.gguf or str(compare_gguf.find_gguf())
+            if compare_gguf.needs_no_repack(gguf):
+                print("llama.cpp runs with --no-repack: its default build dies on this CPU (SIGILL, AMX)")
+            cmds["llama.cpp"] = llama_cmd(gguf, a.bundle, a.tokens, a.threads)
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     for cmd, env in cmds.values():
         timed(cmd, env)  # warm-up

@@ -208,6 +208,9 @@ def main() -> None:
     bw = runner("bandwidth.py", a.threads)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
     notes: list[str] = []
+    if compare_gguf.have_llama_cpp() and compare_gguf.needs_no_repack(compare_gguf.find_gguf()):
+        notes.append("llama.cpp ran with --no-repack (no extra buffer types): its default build dies on this CPU "
+                     "(SIGILL: the VM reports AMX but faults on it)")
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "threads": a.threads, "runs": a.runs,
            "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "bandwidth": {k: v for k, v in bw.items() if k[0] != "_"},
            "load": os.getloadavg(), "text": [], "image": [], "notes": notes}

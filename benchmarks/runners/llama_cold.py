@@ -7,6 +7,7 @@ and prints the answer. The caller times the process and reads its peak RSS.
 import sys
 
 import numpy as np
+import llama_no_repack  # noqa: F401 (VLMRT_LLAMA_NO_REPACK)
 from llama_cpp import Llama
 
 gguf, threads, n_ctx, n_gen, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]

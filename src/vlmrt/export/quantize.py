@@ -1,6 +1,6 @@
 """Weight precisions per graph, and weight-only quantization (MatMulNBits) for the CPU/CUDA EPs.
 
-    --quant w4a16                                     every graph (4-bit precisions: the vision graph at 8 bits)
+    --quant w4a16                                     every graph (4-bit precisions: the vision graph at w8a8)
     --quant vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16   per graph (QHexRT's InternVL3.5 balance)
 
 Precisions:
@@ -8,7 +8,9 @@ Precisions:
   fp16   float16 weights and compute; the graph's I/O stays in the bundle's I/O dtype (casts at the edges)
   w8a16  int8 weights, block-wise symmetric (block 32), dequantized inside MatMulNBits; activations stay
   w4a16  int4 weights, block-wise symmetric (block 32)  float (fp32 on the CPU EP, fp16 on CUDA with --dtype fp16)
-  w8a8   int8 weights as w8a16, computed in int8 with activations quantized per block at run time (CPU-fast)
+  w8a8   int8 weights as w8a16, computed in int8 with activations quantized per block at run time (CPU-fast);
+         the vision graph's: int8 GEMMs (ORT dynamic quantization: per-channel weights, one activation scale per
+         tensor; int8_matmuls), which its 1,000-row tiles run 2x faster than fp32
   w4a8   int4 weights as w4a16, computed in int8 likewise (what llama.cpp's Q4 x Q8 dot products do)
   w4a16o / w4a8o  int4 weights with a float offset per block (GGUF Q4_1's rule: w = d·q + m, min/max per block),
          on the same symmetric kernels plus the offsets' term (export/quantize_offsets.py); float / int8 compute
@@ -42,8 +44,10 @@ OFFSETS = ("w4a16o", "w4a8o")
 BLOCK_SIZE = 32
 # A plain 4-bit --quant keeps the vision graph at 8 bits (name `vision=w4a16` to get 4): the tower is a small
 # part of the bundle and sees every image token, and int4 RTN there cost the easy-VQA demo model most of its
-# lost points (docs/precisions.md).
-VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8", "w4a16o": "w8a16",
+# lost points (docs/precisions.md). In int8 (w8a8: int8_matmuls) for the float-activation precisions too: a tile's
+# 1,000-row MatMuls run 2x faster than fp32 that way, while w8a16's MatMulNBits runs them slower than fp32, and
+# the demo model answers all 260 easy-VQA questions the same (docs/performance.md#vision-encode).
+VISION_OF_PLAIN = {"w4a16": "w8a8", "w4a8": "w8a8", "w4a16m": "w8a8", "w4a8m": "w8a8", "w4a16o": "w8a8",
                    "w4a8o": "w8a8"}
 # ... and the lm head of a plain block-offset spec at 8 bits (int8 compute, as the body): it is the decoder's largest
 # MatMul and reads every logit; llama.cpp's Q4 GGUFs keep it at 6-8 bits too (SmolLM2's tied embedding is not Q4_1),

@@ -16,10 +16,12 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PIL import Image
+from .image import MAX_IMAGE_BYTES, ImageError, decode_image, is_pil_image, to_rgb
 
-from .image import MAX_IMAGE_BYTES, ImageError, decode_image, to_rgb
+if TYPE_CHECKING:
+    from PIL import Image
 
 URL_TIMEOUT_S = 10.0
 URL_MAX_BYTES = 32 * 1024 * 1024
@@ -51,7 +53,7 @@ class SourceImage:
 
 
 def describe(source) -> str:
-    if isinstance(source, Image.Image):
+    if is_pil_image(source):
         return "PIL image"
     s = str(source)
     return "data URI" if s.startswith("data:") else s
@@ -59,7 +61,7 @@ def describe(source) -> str:
 
 def read_image(source, limits: FetchLimits = FetchLimits()) -> SourceImage:
     """An image from a path, an http(s) URL, a data URI or a PIL image (see the module docstring)."""
-    if isinstance(source, Image.Image):
+    if is_pil_image(source):
         im = to_rgb(source)
         h = hashlib.sha256(f"{im.mode}{im.size}".encode())
         h.update(im.tobytes())
