@@ -138,6 +138,8 @@ def text_rows(a, work: Path, ckpt: Path, notes: list) -> list[dict]:
         r = vlmrt_bench(Path(path), a, "hybrid")
         rows.append({"name": name, "group": "vlmrt-before", **r,
                      "bytes_per_token": m["files"]["decoder.data"]["bytes"] + kv_bytes(m, decode_ctx(m, mean_ctx))})
+    if a.no_transformers:
+        return rows
     try:
         r = spread([runner("hf_text.py", ckpt, a.threads, a.prompt_tokens, a.gen_tokens, env=threads_env)
                     for _ in range(a.runs)])
@@ -197,6 +199,7 @@ def main() -> None:
                     help="another bundle measured in hybrid mode as a text row (e.g. exported by an earlier commit)")
     ap.add_argument("--no-image", action="store_true", help="skip the image (mtmd) comparison")
     ap.add_argument("--no-text", action="store_true", help="skip the text comparison")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers text row")
     a = ap.parse_args()
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)
