@@ -4,7 +4,8 @@ prompt in the GGUF's chat template, the same 64 greedy tokens, EOS ignored: runn
 llama-cpp-python is installed. Rounds are interleaved after one warm-up run each (page cache, the verification
 record). Each source tree is byte-compiled first (`compileall`), as an installed package is: with
 PYTHONDONTWRITEBYTECODE set, Python would otherwise compile vlmrt's modules in every run.
-Medians (min / max) of wall time and of the child's peak RSS, and each row's ratio to llama.cpp's.
+Medians (min / max) of wall time, of CPU time (user + system: what a loaded machine moves least) and of the
+child's peak RSS, and each row's ratio to llama.cpp's.
 
     python benchmarks/cold_start.py BUNDLE [--src before=/path/to/old/src --src after=src] [--runs 5]
                                     [--gguf GGUF | --no-llama] [--threads 2]
@@ -23,15 +24,15 @@ PROMPT = "Write a short poem about the sea."
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def timed(cmd: list, env: dict) -> tuple[float, float]:
-    """(wall s, peak RSS MB) of one process."""
+def timed(cmd: list, env: dict) -> tuple[float, float, float]:
+    """(wall s, peak RSS MB, CPU s: user + system) of one process."""
     t = time.perf_counter()
     pid = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid
     _, status, ru = os.wait4(pid, 0)
     wall = time.perf_counter() - t
     if status:
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({status})")
-    return wall, ru.ru_maxrss / 1024
+    return wall, ru.ru_maxrss / 1024, ru.ru_utime + ru.ru_stime
 
 
 def vlmrt_cmd(src: str, bundle: str, tokens: int, threads: int | None) -> tuple[list, dict]:
@@ -84,11 +85,13 @@ def main() -> None:
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     ref = statistics.median(x[0] for x in got["llama.cpp"]) if "llama.cpp" in got else None
     ref_rss = statistics.median(x[1] for x in got["llama.cpp"]) if "llama.cpp" in got else None
+    ref_cpu = statistics.median(x[2] for x in got["llama.cpp"]) if "llama.cpp" in got else None
     for n, xs in got.items():
-        w, r = [x[0] for x in xs], [x[1] for x in xs]
-        vs = (f"   vs llama.cpp: wall {statistics.median(w) / ref:.2f}x, RSS {statistics.median(r) / ref_rss:.2f}x"
-              if ref else "")
+        w, r, c = [x[0] for x in xs], [x[1] for x in xs], [x[2] for x in xs]
+        vs = (f"   vs llama.cpp: wall {statistics.median(w) / ref:.2f}x, CPU {statistics.median(c) / ref_cpu:.2f}x, "
+              f"RSS {statistics.median(r) / ref_rss:.2f}x" if ref else "")
         print(f"{n:10s} wall {statistics.median(w):.3f} s ({min(w):.3f} / {max(w):.3f})   "
+              f"CPU {statistics.median(c):.3f} s ({min(c):.3f} / {max(c):.3f})   "
               f"peak RSS {statistics.median(r):.0f} MB ({min(r):.0f} / {max(r):.0f}){vs}")
 
 

@@ -145,7 +145,7 @@ def test_w4a8o_graph_and_accuracy(tmp_path_factory, default_bundle):
 def test_parse_offsets_precisions():
     # a plain spec: vision and lm head at 8 bits
     assert quantize.parse("w4a8o") == {"vision": "w8a8", "prefill": "w4a8o", "decode": "w4a8o", "lm_head": "w8a8"}
-    assert quantize.parse("w4a16o") == {"vision": "w8a8", "prefill": "w4a16o", "decode": "w4a16o", "lm_head": "w8a8"}
+    assert quantize.parse("w4a16o") == {"vision": "w8a16", "prefill": "w4a16o", "decode": "w4a16o", "lm_head": "w8a8"}
     assert quantize.parse("decode=w4a8o,lm_head=w8a8")["lm_head"] == "w8a8"
 
 

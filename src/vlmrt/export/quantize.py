@@ -1,6 +1,6 @@
 """Weight precisions per graph, and weight-only quantization (MatMulNBits) for the CPU/CUDA EPs.
 
-    --quant w4a16                                     every graph (4-bit precisions: the vision graph at w8a8)
+    --quant w4a16                                     every graph (4-bit precisions: the vision graph at 8 bits)
     --quant vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16   per graph (QHexRT's InternVL3.5 balance)
 
 Precisions:
@@ -44,10 +44,11 @@ OFFSETS = ("w4a16o", "w4a8o")
 BLOCK_SIZE = 32
 # A plain 4-bit --quant keeps the vision graph at 8 bits (name `vision=w4a16` to get 4): the tower is a small
 # part of the bundle and sees every image token, and int4 RTN there cost the easy-VQA demo model most of its
-# lost points (docs/precisions.md). In int8 (w8a8: int8_matmuls) for the float-activation precisions too: a tile's
-# 1,000-row MatMuls run 2x faster than fp32 that way, while w8a16's MatMulNBits runs them slower than fp32, and
-# the demo model answers all 260 easy-VQA questions the same (docs/performance.md#vision-encode).
-VISION_OF_PLAIN = {"w4a16": "w8a8", "w4a8": "w8a8", "w4a16m": "w8a8", "w4a8m": "w8a8", "w4a16o": "w8a8",
+# lost points (docs/precisions.md). The int8-compute precisions give it w8a8, which for the vision graph is the
+# int8 GEMM (int8_matmuls: 2x faster than fp32 on a tile). The float-activation ones keep w8a16: with w4a16m's
+# decoder the int8 tower scored 252/260 on easy-VQA vs 253 (docs/performance.md#vision-encode); name `vision=w8a8`
+# for the fast tower.
+VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8", "w4a16o": "w8a16",
                    "w4a8o": "w8a8"}
 # ... and the lm head of a plain block-offset spec at 8 bits (int8 compute, as the body): it is the decoder's largest
 # MatMul and reads every logit; llama.cpp's Q4 GGUFs keep it at 6-8 bits too (SmolLM2's tied embedding is not Q4_1),
