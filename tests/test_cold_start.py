@@ -119,7 +119,7 @@ def test_vision_session_loaded_on_first_image(copy):
 
 def test_text_only_run_loads_only_what_it_needs(copy):
     """A text-only `vlmrt run` imports neither Pillow, the http client nor the export side (imports are most of a
-    short answer's process time after the session: docs/performance.md#cold-start-against-llamacpp); an image
+    short answer's process time after the session: docs/performance.md#cold-start-against-llamacpp-2026-12-01); an image
     request still gets them, and a PIL image is still taken."""
     import json
     import subprocess
