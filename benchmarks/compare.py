@@ -138,6 +138,8 @@ def text_rows(a, work: Path, ckpt: Path, notes: list) -> list[dict]:
         r = vlmrt_bench(Path(path), a, "hybrid")
         rows.append({"name": name, "group": "vlmrt-before", **r,
                      "bytes_per_token": m["files"]["decoder.data"]["bytes"] + kv_bytes(m, decode_ctx(m, mean_ctx))})
+    if a.no_transformers:
+        return rows
     try:
         r = spread([runner("hf_text.py", ckpt, a.threads, a.prompt_tokens, a.gen_tokens, env=threads_env)
                     for _ in range(a.runs)])
@@ -197,6 +199,7 @@ def main() -> None:
                     help="another bundle measured in hybrid mode as a text row (e.g. exported by an earlier commit)")
     ap.add_argument("--no-image", action="store_true", help="skip the image (mtmd) comparison")
     ap.add_argument("--no-text", action="store_true", help="skip the text comparison")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers text row")
     a = ap.parse_args()
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -208,6 +211,9 @@ def main() -> None:
     bw = runner("bandwidth.py", a.threads)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
     notes: list[str] = []
+    if compare_gguf.have_llama_cpp() and compare_gguf.needs_no_repack(compare_gguf.find_gguf()):
+        notes.append("llama.cpp ran with --no-repack (no extra buffer types): its default build dies on this CPU "
+                     "(SIGILL: the VM reports AMX but faults on it)")
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "threads": a.threads, "runs": a.runs,
            "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "bandwidth": {k: v for k, v in bw.items() if k[0] != "_"},
            "load": os.getloadavg(), "text": [], "image": [], "notes": notes}

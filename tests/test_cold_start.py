@@ -115,3 +115,26 @@ def test_vision_session_loaded_on_first_image(copy):
     eager = VLM.load(b, threads=1)
     eager.bundle.sessions["vision"]
     assert eager("hi", Image.fromarray(img), max_new_tokens=3, ignore_eos=True).token_ids == r.token_ids
+
+
+def test_text_only_run_loads_only_what_it_needs(copy):
+    """A text-only `vlmrt run` imports neither Pillow, the http client nor the export side (imports are most of a
+    short answer's process time after the session: docs/performance.md#cold-start-against-llamacpp-2026-12-01); an image
+    request still gets them, and a PIL image is still taken."""
+    import json
+    import subprocess
+    import sys
+
+    b, _ = copy
+    code = ("import sys; from vlmrt import cli; rc = cli.main(sys.argv[1:]); "
+            "print(sorted(m for m in ('PIL', 'http.client', 'urllib.request', 'vlmrt.export', 'torch', 'onnx') "
+            "if m in sys.modules)); sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code, "run", str(b), "--prompt", "hi", "--max-new-tokens", "2", "--json"],
+                       capture_output=True, text=True, timeout=300, env=os.environ)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]"
+    assert json.loads(p.stdout.strip().splitlines()[-2])["stats"]["generated_tokens"] == 2
+    from PIL import Image
+
+    img = Image.fromarray((np.arange(32 * 32 * 3) % 251).astype(np.uint8).reshape(32, 32, 3))
+    assert VLM.load(b, threads=1)("hi", img, max_new_tokens=1, ignore_eos=True).stats.image_tiles >= 1

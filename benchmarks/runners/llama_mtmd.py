@@ -11,6 +11,7 @@ import resource
 import sys
 import time
 
+import llama_no_repack  # noqa: F401 (VLMRT_LLAMA_NO_REPACK)
 from llama_cpp import Llama
 from llama_cpp.llama_chat_format import MTMDChatHandler
 

@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import llama_no_repack  # noqa: F401 (VLMRT_LLAMA_NO_REPACK)
 from llama_cpp import Llama
 
 gguf, threads, n_prompt, n_gen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

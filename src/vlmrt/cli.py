@@ -368,11 +368,11 @@ def _check_utf8(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .export.checkpoint import CheckpointError
     from .manifest import BundleError
-    from .runtime.image import ImageError
 
-    expected = (BundleError, CheckpointError, ImageError, ValueError, OSError, KeyError)
+    # (CheckpointError and ImageError are ValueErrors: importing them here would load the export and PIL for a
+    # text-only run)
+    expected = (BundleError, ValueError, OSError, KeyError)
     try:
         _check_utf8(args)
         return args.fn(args)

@@ -257,6 +257,8 @@ def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
     ins, outs = graphs.io_specs(path)
     weights = ({"block_size": quantize.BLOCK_SIZE, "symmetric": prec not in quantize.OFFSETS}
                if prec in quantize.WEIGHT_ONLY_BITS else {})
+    if name == "vision" and prec == "w8a8" and plan.dtype == "fp32":  # quantize.int8_matmuls
+        weights = {"per_channel": True, "symmetric": True, "activations": "uint8, one scale per tensor at run time"}
     if name != "vision":
         weights["lm_head"] = plan.head or prec
         if prec in quantize.MIX_OF:

@@ -8,7 +8,9 @@ Precisions:
   fp16   float16 weights and compute; the graph's I/O stays in the bundle's I/O dtype (casts at the edges)
   w8a16  int8 weights, block-wise symmetric (block 32), dequantized inside MatMulNBits; activations stay
   w4a16  int4 weights, block-wise symmetric (block 32)  float (fp32 on the CPU EP, fp16 on CUDA with --dtype fp16)
-  w8a8   int8 weights as w8a16, computed in int8 with activations quantized per block at run time (CPU-fast)
+  w8a8   int8 weights as w8a16, computed in int8 with activations quantized per block at run time (CPU-fast);
+         the vision graph's: int8 GEMMs (ORT dynamic quantization: per-channel weights, one activation scale per
+         tensor; int8_matmuls), which its 1,000-row tiles run 2x faster than fp32
   w4a8   int4 weights as w4a16, computed in int8 likewise (what llama.cpp's Q4 x Q8 dot products do)
   w4a16o / w4a8o  int4 weights with a float offset per block (GGUF Q4_1's rule: w = d·q + m, min/max per block),
          on the same symmetric kernels plus the offsets' term (export/quantize_offsets.py); float / int8 compute
@@ -42,7 +44,10 @@ OFFSETS = ("w4a16o", "w4a8o")
 BLOCK_SIZE = 32
 # A plain 4-bit --quant keeps the vision graph at 8 bits (name `vision=w4a16` to get 4): the tower is a small
 # part of the bundle and sees every image token, and int4 RTN there cost the easy-VQA demo model most of its
-# lost points (docs/precisions.md).
+# lost points (docs/precisions.md). The int8-compute precisions give it w8a8, which for the vision graph is the
+# int8 GEMM (int8_matmuls: 2x faster than fp32 on a tile). The float-activation ones keep w8a16: with w4a16m's
+# decoder the int8 tower scored 252/260 on easy-VQA vs 253 (docs/performance.md#vision-encode); name `vision=w8a8`
+# for the fast tower.
 VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8", "w4a16o": "w8a16",
                    "w4a8o": "w8a8"}
 # ... and the lm head of a plain block-offset spec at 8 bits (int8 compute, as the body): it is the decoder's largest
@@ -226,7 +231,33 @@ def quantize_vision(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
         model = gemm_to_matmul(model)
         set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[precision], exclude=set()))
         return model
+    if precision == "w8a8" and all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for i in model.graph.input):
+        return int8_matmuls(gemm_to_matmul(model))
     return weight_only(gemm_to_matmul(model), WEIGHT_ONLY_BITS[precision], accuracy_level=ACCURACY_LEVEL[precision])
+
+
+def int8_matmuls(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The vision graph's w8a8: every constant-weight MatMul in int8 through ORT's dynamic quantization
+    (onnxruntime.quantization.quantize_dynamic): int8 weights per output channel, the activations quantized to
+    uint8 at run time (one scale per tensor), computed by MLAS's int8 GEMM (DynamicQuantizeMatMul). A tile's
+    MatMuls have 1,000+ rows: there MatMulNBits (one call per block of activations) is slower than fp32 and the
+    int8 GEMM ~2.7x faster (docs/performance.md#vision-encode)."""
+    import logging
+    import tempfile
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer logs a warning and a line per tensor
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            out = f"{d}/int8.onnx"
+            quantize_dynamic(model, out, op_types_to_quantize=["MatMul"], per_channel=True,
+                             weight_type=QuantType.QInt8, use_external_data_format=True)
+            return onnx.load(out)
+    finally:
+        root.setLevel(level)
 
 
 def int8_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -10,22 +10,21 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from struct import error as struct_error  # Pillow's parsers raise it on some truncated headers
+from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..manifest import ImageSpec
 
-RESAMPLE = {
-    "nearest": Image.Resampling.NEAREST,
-    "bilinear": Image.Resampling.BILINEAR,
-    "bicubic": Image.Resampling.BICUBIC,
-    "lanczos": Image.Resampling.LANCZOS,
-}
+if TYPE_CHECKING:
+    from PIL import Image
+# Pillow is imported where an image is read, not with this module: a text-only run does not load it (cold start)
+RESAMPLE = {"nearest": "NEAREST", "bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}  # PIL names
 MAX_IMAGE_SIZE = 4096  # transformers' SmolVLM/Idefics3 cap on the resized image
 # The largest image file load_image accepts (docs/limits.md): 120 million pixels (a 108 MP phone sensor's
 # 12000×9000 fits; decoded as RGB that is 360 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
@@ -50,6 +49,18 @@ class Tiles:
         return self.rows, self.cols, len(self.pixels)
 
 
+def is_pil_image(x) -> bool:
+    """Whether x is a PIL image (without importing Pillow: if it is not loaded, x is none)."""
+    pil = sys.modules.get("PIL.Image")
+    return pil is not None and isinstance(x, pil.Image)
+
+
+def _resample(name: str):
+    from PIL import Image
+
+    return Image.Resampling[RESAMPLE[name]]
+
+
 def load_image(path: str | Path) -> Image.Image:
     """Open an image file as RGB (see decode_image); a file over MAX_IMAGE_BYTES is refused before it is read."""
     path = Path(path)
@@ -65,6 +76,8 @@ def decode_image(source: Path | bytes, label: str) -> Image.Image:
     """An image file or its bytes as RGB, as transformers' `load_image` does: the EXIF orientation applied (phone
     photos), transparency composited onto white; the first frame of an animation. An image over MAX_IMAGE_PIXELS is
     refused before its pixels are decoded; anything Pillow cannot decode is one ImageError naming label."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
     try:
         with warnings.catch_warnings():
             # Pillow warns on oddities it reads past (a truncated TIFF tag, a bomb under its own limit: ours is checked
@@ -86,6 +99,8 @@ def decode_image(source: Path | bytes, label: str) -> Image.Image:
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
+    from PIL import Image
+
     if "A" in im.getbands() or im.info.get("transparency") is not None:
         im = im.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", im.size, (255, 255, 255, 255)), im).convert("RGB")
@@ -126,7 +141,7 @@ def tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
 
 def longest_edge_grid(im: Image.Image, spec: ImageSpec) -> tuple[list[Image.Image], int, int]:
     """SmolVLM / Idefics3 tiling: a rows×cols grid of full tiles + one global tile, row-major."""
-    tile, resample = spec.tile_size, RESAMPLE[spec.resample]
+    tile, resample = spec.tile_size, _resample(spec.resample)
     h, w = longest_edge_size(im.height, im.width, spec.params["longest_edge"])
     im = im.resize((w, h), resample=resample)
     if not spec.params.get("split", True):
@@ -164,7 +179,7 @@ def best_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int
 def closest_aspect_grid(im: Image.Image, spec: ImageSpec) -> tuple[list[Image.Image], int, int]:
     """InternVL / GotOcr2 tiling: resize to the closest-aspect grid of tiles, cut row-major, then a
     thumbnail of the whole image when there is more than one tile."""
-    tile, resample, p = spec.tile_size, RESAMPLE[spec.resample], spec.params
+    tile, resample, p = spec.tile_size, _resample(spec.resample), spec.params
     if p["max_tiles"] <= 1:
         return [im.resize((tile, tile), resample=resample)], 1, 1
     cols, rows = best_grid(im.height, im.width, tile, p["min_tiles"], p["max_tiles"])

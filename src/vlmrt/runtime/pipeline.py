@@ -24,10 +24,9 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-from PIL import Image
 
 from . import image as img_ops
 from .bundle import Bundle, Sessions
@@ -39,6 +38,9 @@ from .prompt import build_prompt
 from .sampler import Sampler, SamplingConfig
 from .sources import FetchLimits, read_image
 from .stop_strings import StopStrings
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 DEFAULT_IMAGE_CACHE_BYTES = 64 * 1024 * 1024
 
@@ -149,7 +151,7 @@ class VLM:
         if image is None:
             ids = self.prompt_ids(prompt, None)
             return ids, self.engine.embed(ids)
-        im = img_ops.load_image(image) if not isinstance(image, Image.Image) else img_ops.to_rgb(image)
+        im = img_ops.load_image(image) if not img_ops.is_pil_image(image) else img_ops.to_rgb(image)
         tiles = img_ops.preprocess(im, img_ops.with_max_tiles(m.image, max_tiles))
         ids = self.prompt_ids(prompt, tiles.grid)
         return ids, splice(ids, self.engine.embed(ids), self.encode_image(tiles.pixels), m.special_tokens.image_token_id)

@@ -13,16 +13,15 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import http.client
 import re
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PIL import Image
+from .image import MAX_IMAGE_BYTES, ImageError, decode_image, is_pil_image, to_rgb
 
-from .image import MAX_IMAGE_BYTES, ImageError, decode_image, to_rgb
+if TYPE_CHECKING:
+    from PIL import Image
 
 URL_TIMEOUT_S = 10.0
 URL_MAX_BYTES = 32 * 1024 * 1024
@@ -54,7 +53,7 @@ class SourceImage:
 
 
 def describe(source) -> str:
-    if isinstance(source, Image.Image):
+    if is_pil_image(source):
         return "PIL image"
     s = str(source)
     return "data URI" if s.startswith("data:") else s
@@ -62,7 +61,7 @@ def describe(source) -> str:
 
 def read_image(source, limits: FetchLimits = FetchLimits()) -> SourceImage:
     """An image from a path, an http(s) URL, a data URI or a PIL image (see the module docstring)."""
-    if isinstance(source, Image.Image):
+    if is_pil_image(source):
         im = to_rgb(source)
         h = hashlib.sha256(f"{im.mode}{im.size}".encode())
         h.update(im.tobytes())
@@ -99,22 +98,25 @@ def decode_data_uri(uri: str) -> bytes:
         raise ImageError(f"data URI: bad base64 ({e})") from None
 
 
-class _Redirects(urllib.request.HTTPRedirectHandler):
-    def __init__(self, url: str, limit: int):
-        self.url, self.limit, self.count = url, limit, 0
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        self.count += 1
-        if self.count > self.limit:
-            raise ImageError(f"cannot fetch image {self.url}: more than {self.limit} redirects")
-        if not re.match(r"(?i)https?://", newurl):
-            raise ImageError(f"cannot fetch image {self.url}: redirected to a non-http(s) URL")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
 def fetch_url(url: str, limits: FetchLimits = FetchLimits()) -> bytes:
     """The body of an http(s) GET, at most limits.max_bytes, following at most limits.max_redirects redirects."""
-    opener = urllib.request.build_opener(_Redirects(url, limits.max_redirects))
+    import http.client  # here, not at the top: a run without URLs does not pay for loading them (cold start)
+    import urllib.error
+    import urllib.request
+
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        def __init__(self, limit: int):
+            self.limit, self.count = limit, 0
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            self.count += 1
+            if self.count > self.limit:
+                raise ImageError(f"cannot fetch image {url}: more than {self.limit} redirects")
+            if not re.match(r"(?i)https?://", newurl):
+                raise ImageError(f"cannot fetch image {url}: redirected to a non-http(s) URL")
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    opener = urllib.request.build_opener(Redirects(limits.max_redirects))
     req = urllib.request.Request(url, headers={"User-Agent": "vlmrt", "Accept": "image/*"})
     cap = limits.max_bytes
     try:
