@@ -64,6 +64,9 @@ class GraphSpec:
     mapped_weights: list[dict[str, Any]] = field(default_factory=list)
     prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)
     context: QnnContext | None = None  # the HTP target: what `--device htp` loads (no graph compile at load)
+    # the HTP target: QNN EP provider options this graph was compiled with and is loaded with (an fp16 graph:
+    # {"enable_htp_fp16_precision": "1"}; export/htp_precisions.py)
+    qnn_options: dict[str, str] = field(default_factory=dict)
     _required = ("data_files", "mapped_weights", "prepacked")
 
     def input(self, name: str) -> TensorSpec:
