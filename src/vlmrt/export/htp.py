@@ -272,7 +272,8 @@ def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifes
                head: str | None) -> tuple[dict, int]:
     """A QDQ graph (a16, weights per prec; head: the decoder's lm head precision); returns (KV encodings, the number
     of block-wise int4 weights)."""
-    lm = htp_precisions.head_node(model, m.decoder.logits_output) if head else None
+    four = ("w4a16", "w4a16o")
+    lm = htp_precisions.head_node(model, m.decoder.logits_output) if head and (prec in four or head in four) else None
     body = {node for node, _ in int4_blocks.weight_axes(model).values()} - {lm}
     sym4 = (body if prec == "w4a16" else set()) | ({lm} if head == "w4a16" else set())
     off4 = (body if prec == "w4a16o" else set()) | ({lm} if head == "w4a16o" else set())
