@@ -1,9 +1,12 @@
 """Export + run timing for random checkpoints with real model shapes, on this machine.
 
-    python benchmarks/model_shapes.py smolvlm-256m|internvl3-1b [--work DIR] [--image P]
+    python benchmarks/model_shapes.py smolvlm-256m|internvl3-1b|internvl3_5-1b [--work DIR] [--image P]
+        [--depth TEXT,VISION] [--export-args "--target htp --quant ..."] [--no-run]
 
 Builds the checkpoint with transformers (a test dependency; tests/fixtures*.py), then times
-`vlmrt export` and `vlmrt run` (hybrid and kv) as a user runs them, each in a fresh process.
+`vlmrt export` and `vlmrt run` (hybrid and kv) as a user runs them, each in a fresh process, and prints the
+bundle's file table. --depth keeps the real widths at fewer layers (sizes and times per layer, to extrapolate
+what a full-depth export does not fit).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def smolvlm_256m(out: Path) -> None:
+def smolvlm_256m(out: Path, depth: tuple[int, int] = (30, 12)) -> None:
     # HuggingFaceTB/SmolVLM-256M-Instruct config.json sizes
     from fixtures import make_smolvlm_checkpoint
 
@@ -27,21 +30,34 @@ def smolvlm_256m(out: Path) -> None:
                 head_dim=64, vocab_size=49280, rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
     vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=512, patch_size=16)
     make_smolvlm_checkpoint(out, tie_word_embeddings=False, tile_size=512, patch_size=16, scale_factor=4, longest_edge_tiles=4,
-                            text_layers=30, vision_layers=12, text_overrides=text, vision_overrides=vision)
+                            text_layers=depth[0], vision_layers=depth[1], text_overrides={**text, "num_hidden_layers": depth[0]},
+                            vision_overrides={**vision, "num_hidden_layers": depth[1]})
 
 
-def internvl3_1b(out: Path) -> None:
+def internvl3_1b(out: Path, depth: tuple[int, int] = (24, 24)) -> None:
     # OpenGVLab/InternVL3-1B-hf: InternViT-300M-448px + Qwen2.5-0.5B
     from fixtures_internvl import make_internvl_checkpoint
 
-    text = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+    text = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=depth[0], num_attention_heads=14, num_key_value_heads=2,
                 head_dim=64, vocab_size=151674, rope_theta=1000000.0, max_position_embeddings=32768)
-    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=depth[1], num_attention_heads=16)
     make_internvl_checkpoint(out, decoder="qwen2", tie_word_embeddings=True, image_size=448, patch_size=14, max_tiles=12,
-                             text_layers=24, vision_layers=24, text_overrides=text, vision_overrides=vision)
+                             text_layers=depth[0], vision_layers=depth[1], text_overrides=text, vision_overrides=vision)
 
 
-MODELS = {"smolvlm-256m": smolvlm_256m, "internvl3-1b": internvl3_1b}
+def internvl3_5_1b(out: Path, depth: tuple[int, int] = (28, 24)) -> None:
+    # OpenGVLab/InternVL3_5-1B-HF: InternViT-300M-448px-V2.5 + Qwen3-0.6B (q/k norms, head_dim 128, tied embeddings)
+    # (max_tiles 1: the graphs are per tile; one tile keeps a calibration prompt inside a small HTP context)
+    from fixtures_internvl import make_internvl_checkpoint
+
+    text = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=depth[0], num_attention_heads=16,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960)
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=depth[1], num_attention_heads=16)
+    make_internvl_checkpoint(out, decoder="qwen3", tie_word_embeddings=True, image_size=448, patch_size=14, max_tiles=1,
+                             text_layers=depth[0], vision_layers=depth[1], text_overrides=text, vision_overrides=vision)
+
+
+MODELS = {"smolvlm-256m": smolvlm_256m, "internvl3-1b": internvl3_1b, "internvl3_5-1b": internvl3_5_1b}
 
 
 def main() -> None:
@@ -50,16 +66,24 @@ def main() -> None:
     ap.add_argument("--work", default=None)
     ap.add_argument("--image", default=str(ROOT / "tests/assets/chelsea.png"))
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--depth", default=None, help="TEXT,VISION layers (default: the model's)")
+    ap.add_argument("--export-args", default="", help="more `vlmrt export` arguments, e.g. \"--target htp --quant ...\"")
+    ap.add_argument("--no-run", action="store_true", help="export only")
     a = ap.parse_args()
     work = Path(a.work or f"/tmp/vlmrt-shape-{a.model}")
     ckpt, bundle = work / "ckpt", work / "bundle"
     if not (ckpt / "config.json").exists():
-        MODELS[a.model](ckpt)
+        MODELS[a.model](ckpt, *([tuple(int(x) for x in a.depth.split(","))] if a.depth else []))
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "vlmrt.cli", "export", str(ckpt), str(bundle), "--force"], check=True)
+    subprocess.run([sys.executable, "-m", "vlmrt.cli", "export", str(ckpt), str(bundle), "--force", *a.export_args.split()],
+                   check=True)
     export_s = time.perf_counter() - t
     size = sum(p.stat().st_size for p in bundle.iterdir()) / 1e6
     print(f"{a.model} export: {export_s:.1f} s, bundle {size:.0f} MB")
+    for p in sorted(bundle.iterdir()):
+        print(f"| `{p.name}` | {p.stat().st_size:,} |")
+    if a.no_run:
+        return
     for mode in ("hybrid", "kv"):
         t = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "vlmrt.cli", "run", str(bundle), "--image", a.image, "--prompt",

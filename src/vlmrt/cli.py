@@ -17,7 +17,7 @@ def _export(a) -> int:
 
         calibration = calibration_set(a.calibration)
     out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
-                 target=a.target, htp_weights=a.htp_weights, calibration=calibration, soc_model=a.soc_model,
+                 target=a.target, calibration=calibration, soc_model=a.soc_model,
                  htp_arch=a.htp_arch, keep_qdq=a.keep_qdq, shared_context=a.htp_shared_context,
                  context_step=a.context_step, force=a.force,
                  progress=not a.quiet)
@@ -258,11 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8|w4a16m|w4a8m|w4a16o|w4a8o for all graphs (4-bit ones keep the "
                         "vision graph at 8 bits; the m ones also keep each layer's v_proj and down_proj at 8 bits, as Q4_K_M; the o "
                         "ones are 4-bit with a float offset per block, GGUF Q4_1's rule, and keep the lm head at 8 bits), or per graph, e.g. "
-                        "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype)")
+                        "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype). --target htp: fp16 (the HTP's "
+                        "float path), w8a16, w4a16 (int4 block-wise) or w4a16o (int4 block-wise with Q4_1 block offsets), default "
+                        "w8a16; 4-bit ones keep the vision graph and the lm head at 8 bits")
     e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
-                   help="htp: static QDQ graphs for the Qualcomm NPU (16-bit activations, uint8 KV cache)")
-    e.add_argument("--htp-weights", type=int, choices=[8, 4], default=8, help="HTP weight bits: 8 (per-channel, the default) or 4 (the decoder's linear "
-                        "weights block-wise int4, 32 per scale; the vision graph stays at 8)")
+                   help="htp: static graphs for the Qualcomm NPU (QDQ with 16-bit activations or fp16, per --quant; uint8 KV "
+                        "cache), compiled into QNN context binaries")
     e.add_argument("--calibration", default=None,
                    help="HTP calibration set: a folder of images (+ optional prompts.txt, one prompt per line); "
                         "default: vlmrt's sample images and prompts")

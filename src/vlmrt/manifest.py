@@ -58,12 +58,12 @@ class GraphSpec:
     weights: dict[str, Any] = field(default_factory=dict)  # e.g. {"block_size": 32, "symmetric": true, "lm_head": "w8a16"}
     # written by the export from the graph proto (required in a manifest; defaults only while the export builds one):
     data_files: list[str] = field(default_factory=list)  # the external-data files the graph reads
-    # external initializers the host may map once and share between sessions (runtime/bundle.py SharedWeights):
-    # [{"name", "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and the prepacked
-    # MatMulNBits inputs are not listed
+    # external initializers the host may map once and share between sessions (runtime/bundle.py SharedWeights): [{"name",
+    # "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and prepacked MatMulNBits inputs not listed
     mapped_weights: list[dict[str, Any]] = field(default_factory=list)
     prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)
     context: QnnContext | None = None  # the HTP target: what `--device htp` loads (no graph compile at load)
+    qnn_options: dict[str, str] = field(default_factory=dict)  # HTP: QNN EP options it is compiled + loaded with
     _required = ("data_files", "mapped_weights", "prepacked")
 
     def input(self, name: str) -> TensorSpec:

@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from . import fuse, graphs, int4_blocks, qnn_context
+from . import fuse, graphs, htp_precisions, int4_blocks, qnn_context
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
@@ -220,14 +220,14 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
     return found
 
 
-def quantize_graph(src: Path, dst: Path, reader, weight_bits: int, overrides: dict | None = None) -> None:
+def quantize_graph(src: Path, dst: Path, reader, overrides: dict | None = None) -> None:
+    """16-bit activations, uint8 per-channel weights (4-bit ones are re-made afterwards: int4_blocks.requantize)."""
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
-    wtype = {8: QuantType.QUInt8, 4: QuantType.QInt4}[weight_bits]
     with graphs._quiet():
-        cfg = get_qnn_qdq_config(str(src), reader, activation_type=QuantType.QUInt16, weight_type=wtype, per_channel=True,
-                                 init_overrides=overrides)
+        cfg = get_qnn_qdq_config(str(src), reader, activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8,
+                                 per_channel=True, init_overrides=overrides)
         # (no CalibMaxIntermediateOutputs: ORT 1.32's MinMax calibrator drops, not folds, the data it clears;
         # the augmented model only outputs per-tensor ReduceMin/ReduceMax, so memory stays small anyway)
         cfg.use_external_data_format = True
@@ -247,10 +247,60 @@ def kv_overrides(enc: dict, m: mf.Manifest) -> dict:
     return out
 
 
-def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, weight_bits: int = 8, tokens: int = 8,
-                    keep_qdq: bool = False, shared_context: bool = False, progress=None) -> mf.Manifest:
+def _kv_names(m: mf.Manifest, enc: dict):
+    """(cache inputs, new-rows output -> its input, cache input -> (scale, zero point))."""
+    kin = [n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)]
+    kout = {fout.format(layer=i): fin.format(layer=i) for i in range(m.kv.layers)
+            for fin, fout in ((m.kv.key_input, m.kv.key_output), (m.kv.value_input, m.kv.value_output))}
+    want = {fin.format(layer=i): tuple(enc[kind][i]) for i in range(m.kv.layers)
+            for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
+    return kin, kout, want
+
+
+def _float_graph(model: onnx.ModelProto, dst: Path, m: mf.Manifest, enc: dict | None) -> dict:
+    """An fp16 graph: the float graph (RMSNorm fused) with uint8 KV edges; returns the encodings it has."""
+    got = {}
+    if enc is not None:
+        _, kout, want = _kv_names(m, enc)
+        htp_precisions.float_kv_edges(model, want, kout)
+        got = want
+    graphs.rewrite(dst, model)
+    return got
+
+
+def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifest, enc: dict | None, prec: str,
+               head: str | None) -> tuple[dict, int]:
+    """A QDQ graph (a16, weights per prec; head: the decoder's lm head precision); returns (KV encodings, the number
+    of block-wise int4 weights)."""
+    four = ("w4a16", "w4a16o")
+    lm = htp_precisions.head_node(model, m.decoder.logits_output) if head and (prec in four or head in four) else None
+    body = {node for node, _ in int4_blocks.weight_axes(model).values()} - {lm}
+    sym4 = (body if prec == "w4a16" else set()) | ({lm} if head == "w4a16" else set())
+    off4 = (body if prec == "w4a16o" else set()) | ({lm} if head == "w4a16o" else set())
+    floats = int4_blocks.float_weights(model, exclude={n.name for n in model.graph.node} - sym4) if sym4 else {}
+    grids = int4_blocks.offsets_decompose(model, exclude={n.name for n in model.graph.node} - off4) if off4 else {}
+    onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=full.stem + ".data", size_threshold=1024)
+    overrides = kv_overrides(enc, m) if enc is not None else None
+    quantize_graph(full, dst, rec.reader(), overrides)
+    os.remove(full)
+    os.remove(full.with_name(full.stem + ".data"))
+    q = onnx.load(str(dst))
+    blocks = int4_blocks.requantize(q, floats, grids) if floats or grids else 0
+    got = {}
+    if enc is not None:
+        kin, kout, want = _kv_names(m, enc)
+        got = _cut_kv_edges(q, kin, kout, want)
+    graphs.rewrite(dst, q)
+    return got, blocks
+
+
+def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, precisions: dict[str, str] | None = None,
+                    tokens: int = 8, keep_qdq: bool = False, shared_context: bool = False, progress=None) -> mf.Manifest:
     """float bundle -> HTP bundle in out_dir (QNN context binaries compiled for target (qnn_context.resolve_target),
-    with keep_qdq also the QDQ graphs and their data; manifest)."""
+    with keep_qdq also the QDQ / float graphs and their data; manifest). precisions: htp_precisions.parse's
+    {vision, prefill, decode, lm_head} (default: w8a16 everywhere)."""
+    prec = precisions or htp_precisions.parse(None)
     m = mf.load(float_dir)
     rec = calibrate(float_dir, samples, tokens)
     for name, r in rec.items():
@@ -261,43 +311,29 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, we
     out_dir.mkdir(parents=True, exist_ok=True)
     gspecs = {}
     for name in ("vision", "prefill", "decode"):
-        src = float_dir / m.graphs[name].file
-        full = out_dir / f"{name}.float.onnx"
-        model, fused = fuse.prepare_for_qdq(onnx.load(str(src)))  # with weights; RMSNorm as one op
-        # 4-bit weights: the decoder graphs, block-wise; the vision graph stays at 8 bits (as the CPU precisions keep it)
-        bits = 8 if name == "vision" else weight_bits
-        floats = int4_blocks.float_weights(model) if bits == 4 else {}  # (before saving moves them out)
-        onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=f"{name}.float.data", size_threshold=1024)
-        overrides = None
+        model, fused = fuse.prepare_for_qdq(onnx.load(str(float_dir / m.graphs[name].file)))  # with weights; RMSNorm fused
+        enc = None
         if name != "vision":
             ranges = kv_ranges(rec[name].rows, m.kv.layers)
             enc = {kind: [uint8_encoding(lo, hi) for lo, hi in ranges[kind]] for kind in ("key", "value")}
-            encodings[name] = {k: [[s, z] for s, z in v] for k, v in enc.items()}
-            overrides = kv_overrides(enc, m)
+        p = prec[name]
+        head = prec["lm_head"] if name != "vision" and p != "fp16" else None
         dst = out_dir / f"{name}.onnx"
-        quantize_graph(full, dst, rec[name].reader(), bits, overrides)
-        os.remove(full)
-        os.remove(out_dir / f"{name}.float.data")
-        q = onnx.load(str(dst))
-        blocks = int4_blocks.requantize(q, floats) if bits == 4 else 0
-        del floats
-        if name != "vision":
-            kin = [n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)]
-            kout = {fout.format(layer=i): fin.format(layer=i) for i in range(m.kv.layers)
-                    for fin, fout in ((m.kv.key_input, m.kv.key_output), (m.kv.value_input, m.kv.value_output))}
-            want = {fin.format(layer=i): tuple(enc[kind][i]) for i in range(m.kv.layers)
-                    for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
-            got = _cut_kv_edges(q, kin, kout, want)
-            for i in range(m.kv.layers):  # record the graph's own encodings
-                for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input)):
-                    encodings[name][kind][i] = list(got[fin.format(layer=i)])
-        graphs.rewrite(dst, q)
+        if p == "fp16":
+            got, blocks = _float_graph(model, dst, m, enc), 0
+        else:
+            got, blocks = _qdq_graph(model, out_dir / f"{name}.float.onnx", dst, rec[name], m, enc, p, head)
+        del model
+        if enc is not None:  # the graph's own encodings
+            encodings[name] = {kind: [list(got[fin.format(layer=i)]) for i in range(m.kv.layers)]
+                               for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
         ins, outs = graphs.io_specs(dst)
-        wdesc = "uint8 per-channel" if bits == 8 else f"int4 block-wise ({int4_blocks.BLOCK}) symmetric"
-        gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=f"qdq-a16w{bits}", inputs=ins, outputs=outs,
-                                    weights={"activations": "uint16", "weights": wdesc, "blockwise_int4": blocks,
-                                             "calibration_calls": rec[name].calls, "fused_rms_norms": fused})
+        weights = {"activations": "float16" if p == "fp16" else "uint16", "weights": htp_precisions.WEIGHTS[p],
+                   "blockwise_int4": blocks, "calibration_calls": rec[name].calls, "fused_rms_norms": fused}
+        if name != "vision":
+            weights["lm_head"] = head or "fp16"
+        gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=htp_precisions.LABEL[p], inputs=ins, outputs=outs,
+                                    weights=weights, qnn_options=dict(htp_precisions.QNN_OPTIONS.get(p, {})))
         if progress:
             progress(name)
     graphs.share_weights(out_dir, ["vision.onnx"], "vision.data")

@@ -18,7 +18,7 @@ from .. import manifest as mf
 from .. import staging
 from ..families import HostSpec, family_for
 from ..progress import Progress
-from . import graphs, qnn_context, quantize
+from . import graphs, htp_precisions, qnn_context, quantize
 from . import htp as htp_mod
 from .chat_template import prompt_templates
 from .checkpoint import Checkpoint, CheckpointError, resolve
@@ -64,13 +64,14 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 
 
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
-           quant: str | None = None, target: str = "cpu", htp_weights: int = 8, calibration: list | None = None,
+           quant: str | None = None, target: str = "cpu", calibration: list | None = None,
            soc_model: str | None = None, htp_arch: str | None = None, keep_qdq: bool = False, shared_context: bool = False,
            context_step: int | None = None, force: bool = False, progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
-    target "htp": static QDQ graphs (16-bit activations, htp_weights-bit weights) with a uint8 KV cache,
+    target "htp": static graphs with a uint8 KV cache, each QDQ (16-bit activations, 8- or 4-bit weights) or float
+    (fp16 on the HTP) as quant says (export/htp_precisions.py; default w8a16),
     calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set), then compiled by the QNN EP
     into context binaries for soc_model / htp_arch (qnn_context.resolve_target; default a current flagship);
     keep_qdq also keeps the QDQ graphs (what the CPU EP runs); shared_context compiles prefill and decode into one
@@ -80,10 +81,8 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     target has)."""
     if target not in ("cpu", "htp"):
         raise ExportError(f"unknown target {target!r}; choose cpu or htp")
-    if target == "htp" and (quant or dtype != "fp32"):
-        raise ExportError("--target htp sets its own precisions (16-bit activations, --htp-weights); drop --quant/--dtype")
-    if htp_weights not in (4, 8):
-        raise ExportError("--htp-weights must be 8 or 4")
+    if target == "htp" and dtype != "fp32":
+        raise ExportError("--target htp sets its own I/O types (float32 at the graph edges, a uint8 KV cache); drop --dtype")
     if context_step is None and target == "htp":
         context_step = 0  # (otherwise None: the default, once the max context is known)
     elif context_step and target == "htp":
@@ -91,19 +90,23 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
                           "graphs (leave --context-step out or pass 0)")
     elif context_step is not None and (context_step < 0 or context_step == 1):
         raise ExportError("--context-step must be 0 (static) or at least 2")
-    qnn_target = None
+    qnn_target = htp_prec = None
     if target == "htp":
         try:
             qnn_target = qnn_context.resolve_target(soc_model, htp_arch)
-        except qnn_context.TargetError as e:
+            htp_prec = htp_precisions.parse(quant)
+        except (qnn_context.TargetError, quantize.QuantError) as e:
             raise ExportError(str(e)) from None
+        if "fp16" in htp_prec.values() and not qnn_target["soc_model"]:
+            raise ExportError("fp16 graphs need --soc-model (the QNN EP takes its fp16 precision flag only with a soc model)")
+        quant = None  # the float bundle the HTP graphs are made from
     elif keep_qdq or shared_context or soc_model is not None or htp_arch is not None:
         raise ExportError("--soc-model, --htp-arch, --keep-qdq and --htp-shared-context are for --target htp")
     p = Progress(9 if target == "htp" else 8, progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                        force=force, context_step=context_step,
-                       htp=dict(weights=htp_weights, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
+                       htp=dict(precisions=htp_prec, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
                                 shared_context=shared_context) if target == "htp" else None)
     except qnn_context.TargetError as e:
         p.failed()
@@ -330,13 +333,14 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         p.done()
         if htp:
             t = htp["target"]
-            p.start(f"HTP: calibrating and quantizing (16-bit activations, {htp['weights']}-bit weights, uint8 KV), "
+            prec = ",".join(f"{g}={v}" for g, v in htp["precisions"].items())
+            p.start(f"HTP: calibrating and quantizing ({prec}; uint8 KV), "
                     f"compiling QNN context binaries for {t['soc_name'] or t['soc_model']} (htp_arch {t['htp_arch']})")
             from ..eval.samples import default_samples
 
             with staging.staged(out, "htp") as qdir:
                 m = htp_mod.quantize_bundle(tmp, qdir, htp["calibration"] or default_samples(), target=htp["target"],
-                                            weight_bits=htp["weights"], keep_qdq=htp["keep_qdq"],
+                                            precisions=htp["precisions"], keep_qdq=htp["keep_qdq"],
                                             shared_context=htp["shared_context"])
                 mf.save(m, qdir)
                 mf.load(qdir)

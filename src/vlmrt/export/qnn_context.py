@@ -60,9 +60,10 @@ def resolve_target(soc_model: str | int | None, htp_arch: str | int | None) -> d
     return {"soc_model": soc_id, "soc_name": name, "htp_arch": arch}
 
 
-def compile_graphs(folder: Path, graphs: list[str], target: dict, shared: bool = False) -> dict[str, dict]:
-    """folder/<g>.onnx (QDQ, with its data files) -> folder/<g>_ctx.onnx + its .bin for each g in graphs.
-    Returns g -> {"file", "binary", "sdk", "seconds"}; with shared, prefill and decode (in that order, last)
+def compile_graphs(folder: Path, graphs: list[str], target: dict, shared: bool = False,
+                   options: dict[str, dict] | None = None) -> dict[str, dict]:
+    """folder/<g>.onnx (QDQ or float, with its data files) -> folder/<g>_ctx.onnx + its .bin for each g in graphs,
+    options[g]: more QNN provider options for g (GraphSpec.qnn_options). Returns g -> {"file", "binary", "sdk", "seconds"}; with shared, prefill and decode (in that order, last)
     go into one context."""
     import onnx
     import onnxruntime as ort
@@ -86,7 +87,7 @@ def compile_graphs(folder: Path, graphs: list[str], target: dict, shared: bool =
             so.add_session_config_entry("ep.share_ep_contexts", "1")
             if g == share[-1]:
                 so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
-        so.add_provider_for_devices(devs, opts)
+        so.add_provider_for_devices(devs, {**opts, **(options or {}).get(g, {})})
         t = time.perf_counter()
         try:
             keep.append(ort.InferenceSession(str(folder / f"{g}.onnx"), sess_options=so))
@@ -121,7 +122,7 @@ def compile_bundle(folder: Path, gspecs: dict, files: list[str], target: dict, k
 
     from .. import manifest as mf
 
-    ctx = compile_graphs(folder, list(gspecs), target, shared)
+    ctx = compile_graphs(folder, list(gspecs), target, shared, {g: s.qnn_options for g, s in gspecs.items()})
     gspecs = {g: dataclasses.replace(s, context=mf.QnnContext(file=ctx[g]["file"], binary=ctx[g]["binary"]))
               for g, s in gspecs.items()}
     files = list(files) + sorted({f for c in ctx.values() for f in (c["file"], c["binary"])})

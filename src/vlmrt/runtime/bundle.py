@@ -165,6 +165,7 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         for k in ("soc_model", "htp_arch"):
             if target and target.get(k):
                 opts[k] = str(target[k])
+        opts.update(graph.qnn_options if graph is not None else {})  # e.g. an fp16 graph's precision flag
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
         for k, v in (config or {}).items():
             so.add_session_config_entry(k, v)

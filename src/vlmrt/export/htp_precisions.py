@@ -1,0 +1,90 @@
+"""Per-graph precisions of the HTP target (`vlmrt export --target htp --quant ...`), as QHexRT balances them.
+
+    --quant w8a16                                         (the default) every graph a16w8 QDQ
+    --quant w4a16 / w4a16o                                the decoder graphs 4-bit block-wise, vision at 8 bits
+    --quant vision=fp16,prefill=fp16,decode=w4a16o,lm_head=w8a16   per graph (QHexRT's InternVL3.5-1B balance)
+
+Precisions on the HTP:
+  fp16    the HTP's float path: the float graph as exported, compiled by the QNN EP with provider option
+          `enable_htp_fp16_precision=1` (and soc_model set: the EP refuses the option without it); only the
+          KV cache I/O is quantized (uint8, a DequantizeLinear at each cache input and a QuantizeLinear at each
+          new-rows output), so that the runtime's cache stays one uint8 buffer whatever graph writes it
+  w8a16   16-bit activations, uint8 per-channel weights (QDQ, onnxruntime.quantization's QNN config)
+  w4a16   16-bit activations, int4 block-wise symmetric weights (export/int4_blocks.py), block 32
+  w4a16o  as w4a16 with GGUF Q4_1's per-block offset carried exactly (int4_blocks.offsets_decompose)
+`lm_head` (the decoder's last MatMul / Gemm) follows nothing 4-bit unless named: w8a16 under a 4-bit decoder
+(its largest weight and every logit, as QHexRT keeps its lm head at W8A16); name `lm_head=w4a16` to get 4.
+A fp16 decoder graph keeps a float lm head. The CPU EP runs an fp16 graph in float32 (the flag is the QNN EP's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from . import quantize
+
+PRECISIONS = ("fp16", "w8a16", "w4a16", "w4a16o")
+HEADS = ("w8a16", "w4a16", "w4a16o")
+DEFAULT = "w8a16"
+# provider options a graph of that precision is compiled (and loaded) with; recorded per graph in the manifest
+QNN_OPTIONS = {"fp16": {"enable_htp_fp16_precision": "1"}}
+LABEL = {"fp16": "fp16", "w8a16": "qdq-a16w8", "w4a16": "qdq-a16w4", "w4a16o": "qdq-a16w4o"}
+WEIGHTS = {"fp16": "float (fp16 on the HTP)", "w8a16": "uint8 per-channel",
+           "w4a16": "int4 block-wise (32) symmetric", "w4a16o": "int4 block-wise (32) with Q4_1 block offsets"}
+
+
+def parse(spec: str | None) -> dict[str, str]:
+    """--quant for --target htp -> {vision, prefill, decode, lm_head} (lm_head: the decoder graphs' head)."""
+    prec = quantize.parse(spec, default=DEFAULT)
+    for g, p in prec.items():
+        if g == "lm_head" and p not in HEADS:
+            raise quantize.QuantError(f"--target htp: lm_head={p} is not an HTP head precision; choose one of "
+                                      f"{', '.join(HEADS)}")
+        if p not in PRECISIONS:
+            raise quantize.QuantError(f"--target htp: {g}={p} is not an HTP precision; choose one of {', '.join(PRECISIONS)}")
+    if "lm_head" not in prec:
+        prec["lm_head"] = "w8a16"
+    return prec
+
+
+def head_node(model: onnx.ModelProto, output: str) -> str:
+    """Name of the MatMul / Gemm that produces graph output `output` (through casts, reshapes and a bias Add)."""
+    by_out = {o: n for n in model.graph.node for o in n.output}
+    node = by_out.get(output)
+    while node is not None and node.op_type in ("Cast", "Identity", "Add", "Reshape", "Squeeze", "Unsqueeze"):
+        node = by_out.get(node.input[0])
+    if node is None or node.op_type not in ("MatMul", "Gemm") or not node.name:
+        raise quantize.QuantError(f"cannot find the lm head MatMul / Gemm that produces {output!r}")
+    return node.name
+
+
+def float_kv_edges(model: onnx.ModelProto, encodings: dict[str, tuple[float, int]], outputs: dict[str, str]) -> None:
+    """A float graph's KV cache I/O as uint8: input x -> DequantizeLinear(its encoding) -> ...; ... -> QuantizeLinear
+    (the encoding of the input outputs names) -> output y. encodings: cache input -> (scale, zero point)."""
+    g = model.graph
+    for name, (scale, zp) in encodings.items():
+        g.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), f"{name}_kv_scale"),
+                              numpy_helper.from_array(np.array(zp, np.uint8), f"{name}_kv_zero_point")])
+        deq = name + "_kv_dequantized"
+        for n in g.node:
+            for j, i in enumerate(n.input):
+                if i == name:
+                    n.input[j] = deq
+        g.node.insert(0, helper.make_node("DequantizeLinear", [name, f"{name}_kv_scale", f"{name}_kv_zero_point"], [deq],
+                                          name=name + "_kv_DequantizeLinear"))
+        next(v for v in g.input if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    for name, like in outputs.items():
+        src = name + "_kv_float"
+        for n in g.node:
+            for j, o in enumerate(n.output):
+                if o == name:
+                    n.output[j] = src
+            for j, i in enumerate(n.input):
+                if i == name:
+                    n.input[j] = src
+        g.node.append(helper.make_node("QuantizeLinear", [src, f"{like}_kv_scale", f"{like}_kv_zero_point"], [name],
+                                       name=name + "_kv_QuantizeLinear"))
+        next(v for v in g.output if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    del g.value_info[:]
