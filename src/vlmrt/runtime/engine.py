@@ -126,9 +126,10 @@ class Engine:
 
     def _ctx(self, pos: int) -> int:
         """The cache prefix [:ctx] a step at first position pos reads (it holds positions 0..pos-1): graphs with a
-        symbolic cache length take pos rounded up to DecoderSpec.context_step, static graphs the whole cache."""
+        symbolic cache length take pos rounded up to DecoderSpec.context_step, static graphs (and in_place caches,
+        bound whole) the whole cache."""
         step, top = self.dec.context_step, self.kv_spec.max_context
-        return context_slots(pos, step, top) if step else top
+        return context_slots(pos, step, top) if step and not self.cache.in_place else top
 
     def _step_for(self, kind: str, n: int, all_rows: bool = False):
         """The step object for n tokens of graph kind ("prefill" or "decode") at the cache's next position;
@@ -143,8 +144,10 @@ class Engine:
         if step is None:
             if self.dec.dynamic_ar and ar not in (1, self.dec.prefill_ar) and not all_rows:
                 # a prompt's short last block, of any length: a step made for it and dropped, rather than one kept
-                # (with its buffers) per block length
-                step = PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype, rows_out)
+                # (with its buffers) per block length; bound for an in_place cache (a plain call would return
+                # copies of the whole buffers)
+                step = (make_step(session, self.dec, self.cache, ctx, ar, self.dtype, None, rows_out)
+                        if self.cache.in_place else PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype, rows_out))
             else:
                 step = self._steps[key] = make_step(session, self.dec, self.cache, ctx, ar, self.dtype, self._buffers,
                                                     rows_out)
