@@ -16,8 +16,7 @@ onnx = pytest.importorskip("onnx")
 from conftest import image_file  # noqa: E402
 from vlmrt.runtime.pipeline import VLM  # noqa: E402
 
-PROMPTS = [("Describe the picture.", "chelsea.png"), ("Repeat: one two three, one two three, one two", None),
-           ("hi", None)]
+PROMPTS = [("Describe the picture.", "chelsea.png"), ("Repeat: one two three, one two three, one two", None)]
 
 
 def _portable(ex, tmp_path_factory, **kw):
@@ -40,7 +39,9 @@ def _nodes(bundle) -> dict[str, int]:
 def check_same_answers(gqa_bundle, portable_bundle, layers, tokens=16):
     m = json.loads((gqa_bundle / "manifest.json").read_text())
     assert m["kv"]["layout"] == "in_place" and m["decoder"]["seqlens_input"] == "seqlens_k"
-    assert json.loads((portable_bundle / "manifest.json").read_text())["kv"]["layout"] == "rows"
+    mp = json.loads((portable_bundle / "manifest.json").read_text())
+    assert mp["kv"]["layout"] == "rows" and mp["decoder"]["context_step"] > 0  # symbolic cache length
+    assert m["decoder"]["context_step"] == 0  # (the in_place graph reads whole buffers)
     fused, plain = _nodes(gqa_bundle), _nodes(portable_bundle)
     assert fused["GroupQueryAttention"] == layers and "GroupQueryAttention" not in plain
     assert sum(plain.values()) >= 2 * sum(fused.values()), (fused, plain)  # tiny graphs; the real decoder: 3.3x
@@ -57,10 +58,7 @@ def check_same_answers(gqa_bundle, portable_bundle, layers, tokens=16):
     x = np.random.default_rng(0).standard_normal((37, a.manifest.decoder.hidden_size)).astype(np.float32) * 0.5
     la, lb = e_a.score(x, list(range(5, 12))), e_b.score(x, list(range(5, 12)))
     np.testing.assert_allclose(la, lb, rtol=0, atol=2e-4 * max(1.0, float(np.abs(lb).max())))
-    look = VLM.load(gqa_bundle, lookahead=4)
-    for prompt, image in PROMPTS[1:]:
-        assert look(prompt, mode="hybrid", max_new_tokens=tokens, ignore_eos=True).token_ids == \
-            a(prompt, mode="hybrid", max_new_tokens=tokens, ignore_eos=True).token_ids
+    # lookahead on the gqa bundles: test_lookahead_bundles.py (the session's default exports)
 
 
 def test_smolvlm_gqa_equals_portable(default_bundle, tmp_path_factory, tmp_path):

@@ -97,11 +97,12 @@ def in_place_stepped_logits(decoder, x, blocks, garbage=False):
         pos = cache.length
         past = [torch.from_numpy(b) for i in range(LAYERS) for b in (cache.keys[i], cache.values[i])]
         with torch.no_grad():
-            logits, *present = module(torch.from_numpy(x[start : start + n]), torch.tensor([pos + n - 1], dtype=torch.int32),
+            logits, *present, top = module(torch.from_numpy(x[start : start + n]), torch.tensor([pos + n - 1], dtype=torch.int32),
                                       torch.tensor(pos + n, dtype=torch.int32), *past, torch.arange(n))
         for j, p in enumerate(present):
             cache.data[j // 2, j % 2][..., pos : pos + n, :] = p.numpy()[..., pos : pos + n, :]
         cache.write(None, n)
+        assert (top.numpy() == logits.numpy().argmax(-1)).all()  # next_token: the greedy choice of each row
         out.append(logits.numpy())
         start += n
     assert cache.length == len(x) and cache.stored().shape == (LAYERS, 2, len(x), KV_HEADS * HEAD_DIM)

@@ -176,7 +176,7 @@ class DecoderSpec:
     mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
     # > 0: the graphs' cache inputs have a symbolic length "ctx" (mask [ar, ctx + ar]); a step at first position
     # pos reads the prefix [:ctx], ctx = pos rounded up to a multiple of context_step (at least context_step, at
-    # most max_context). 0: static graphs over the whole cache
+    # most max_context). 0: static graphs over the whole cache (and kv.layout in_place: the graph reads it whole)
     context_step: int = 0
     # the prefill and decode graphs take any AR from 1 to prefill_ar ("ar" in their shapes; usually one graph file
     # for both): a step feeds exactly its tokens, never padding
@@ -191,6 +191,7 @@ class DecoderSpec:
     # mask_input are then ""; the graph takes neither)
     seqlens_input: str | None = None
     total_length_input: str | None = None
+    argmax_output: str | None = None  # output [r] int64: each logits row's argmax (greedy decoding reads it)
 
 
 @dataclass

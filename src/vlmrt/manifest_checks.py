@@ -36,6 +36,8 @@ def check_io_names(m: Manifest) -> None:
         if m.decoder.logit_rows_input:
             g.input(m.decoder.logit_rows_input)
         g.output(m.decoder.logits_output)
+        if m.decoder.argmax_output:
+            g.output(m.decoder.argmax_output)
         for i in range(m.kv.layers):
             try:
                 names = [f.format(layer=i) for f in (m.kv.key_input, m.kv.value_input, m.kv.key_output, m.kv.value_output)]

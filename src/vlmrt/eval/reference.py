@@ -37,6 +37,7 @@ class TorchDecoder:
         kv = m.kv
         self.past = [n.format(layer=i) for i in range(kv.layers) for n in (kv.key_input, kv.value_input)]
         self.outs = [m.decoder.logits_output] + [n.format(layer=i) for i in range(kv.layers) for n in (kv.key_output, kv.value_output)]
+        self.outs += [m.decoder.argmax_output] if m.decoder.argmax_output else []
 
     def run(self, names, feeds):
         d = self.m.decoder

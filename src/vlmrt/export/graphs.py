@@ -84,7 +84,7 @@ class CastIO(torch.nn.Module):
         args = [a.to(self.compute) if a.is_floating_point() else a for a in args]
         out = self.inner(*args)
         if isinstance(out, tuple):
-            return tuple(o.to(self.io) for o in out)
+            return tuple(o.to(self.io) if o.is_floating_point() else o for o in out)
         return out.to(self.io)
 
 
@@ -126,7 +126,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     (the last row for a prefill block or a decode step, all of a lookahead verify step's).
     in_place = (kv_heads, head_dim) (with dynamic_ar): attention as ORT's GroupQueryAttention over cache buffers
     [1, kv_heads, max_context, head_dim] that the graph updates in place (CausalDecoder in_place): inputs
-    inputs_embeds, seqlens_k, total_sequence_length, past_*, logit_rows; outputs logits, present_*."""
+    inputs_embeds, seqlens_k, total_sequence_length, past_*, logit_rows; outputs logits, present_*, next_token."""
     from . import fuse, quantize
 
     if in_place:
@@ -189,7 +189,8 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
     n = torch.export.Dim("ar", min=1, max=ar)
     dynamic = (({0: n}, None, None, *[None] * (2 * layers), {0: torch.export.Dim("rows", min=1, max=ar)}),)
     export_graph(module, (embeds, seqlens, total, *past, torch.arange(ar, dtype=torch.int64)),
-                 ["inputs_embeds", "seqlens_k", "total_sequence_length", *kin, "logit_rows"], ["logits", *kout], path,
+                 ["inputs_embeds", "seqlens_k", "total_sequence_length", *kin, "logit_rows"],
+                 ["logits", *kout, "next_token"], path,
                  dynamic, gqa_onnx.TABLE)
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():

@@ -190,8 +190,9 @@ class CausalDecoder(nn.Module):
     options: `with_options` builds the same weights with others.
     in_place (the CPU one-graph decoder; needs logit_rows): forward(inputs_embeds, seqlens_k [1] int32,
     total_sequence_length [] int32, *past each [1, kv_heads, max_context, head_dim], logit_rows)
-      -> (logits, present_k_0, present_v_0, ...) each the shape of its past, the step's rows written in
-    (families/gqa.py); the step's tokens are at positions total - ar .. total - 1.
+      -> (logits, present_k_0, present_v_0, ..., next_token) each present the shape of its past, the step's rows
+    written in (families/gqa.py); next_token [r] int64 = each logits row's argmax (the greedy choice, made in the
+    graph while the logits are in cache); the step's tokens are at positions total - ar .. total - 1.
     """
 
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
@@ -247,7 +248,8 @@ class CausalDecoder(nn.Module):
         x = x[0] if self.in_place else x
         if self.logit_rows:
             x = x.index_select(0, rows)  # [r, hidden]
-        return (self.lm_head(self.norm(x)), *new)
+        logits = self.lm_head(self.norm(x))
+        return (logits, *new, logits.argmax(-1)) if self.in_place else (logits, *new)
 
 
 class ViTLayer(nn.Module):

@@ -101,6 +101,7 @@ class Engine:
         self._steps: dict[tuple[int, int, int], object] = {}  # id(session), ctx, ar -> the step for that shape
         self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
         self.run_s = 0.0  # time inside graph calls (session.run), accumulated
+        self._argmax = None  # the last step's argmax per logits row (DecoderSpec.argmax_output), for greedy picks
         # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
         # that mode computes (see reusable)
         self._exact: tuple[str, int, int] = ("", 0, -1)
@@ -126,10 +127,10 @@ class Engine:
 
     def _ctx(self, pos: int) -> int:
         """The cache prefix [:ctx] a step at first position pos reads (it holds positions 0..pos-1): graphs with a
-        symbolic cache length take pos rounded up to DecoderSpec.context_step, static graphs (and in_place caches,
-        bound whole) the whole cache."""
+        symbolic cache length take pos rounded up to DecoderSpec.context_step, static graphs (and in_place caches:
+        context_step 0) the whole cache."""
         step, top = self.dec.context_step, self.kv_spec.max_context
-        return context_slots(pos, step, top) if step and not self.cache.in_place else top
+        return context_slots(pos, step, top) if step else top
 
     def _step_for(self, kind: str, n: int, all_rows: bool = False):
         """The step object for n tokens of graph kind ("prefill" or "decode") at the cache's next position;
@@ -158,7 +159,16 @@ class Engine:
         logits = step(embeds, self.cache.length)
         self.run_s += step.run_s
         self.cache.write(step.rows, n)
+        self._argmax = step.buffers.argmax
         return logits if n == len(logits) else logits[:n]
+
+    def _pick(self, sampler: Sampler, logits: np.ndarray, row: int = -1) -> int:
+        """sampler(logits), logits being row `row` of the last step's; a greedy pick reads the graph's argmax of it
+        where the graph returns one (DecoderSpec.argmax_output: the same index, first of equal maxima, as
+        np.argmax; no pass over cold logits on the host)."""
+        if self.dec.argmax_output and sampler.cfg.temperature == 0:
+            return int(self._argmax[row])
+        return sampler(logits)
 
     def step(self, kind: str, embeds: np.ndarray) -> np.ndarray:
         """One graph call ("prefill" or "decode") over embeds [n, hidden] at the cache's next positions; the new rows
@@ -180,9 +190,10 @@ class Engine:
         step = self._step_for("decode", 1 + len(drafts), all_rows=True)
         logits = step(self.embed([token, *drafts]), self.cache.length)  # [1 + k, vocab]
         self.run_s += step.run_s
+        self._argmax = step.buffers.argmax
         out = []
         for i, row in enumerate(logits):
-            out.append(sampler(row))
+            out.append(self._pick(sampler, row, i))
             if i == len(drafts) or out[-1] != drafts[i]:
                 break
         self.cache.write(step.rows, len(out))
@@ -262,7 +273,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.prefill(prompt_embeds, mode, start)
         one_by_one = self._blocks(mode) == 1  # a fresh kv prefill computes generated tokens' rows as decode does
-        tokens = [sampler(logits)]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
+        tokens = [self._pick(sampler, logits)]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
         st.prefill_s = time.perf_counter() - t0
         greedy = sampler.cfg.temperature == 0
         drafter = PromptLookup(self.lookahead, prompt_ids) if self.lookahead and greedy and prompt_ids else None
@@ -296,7 +307,7 @@ class Engine:
                 logits = self.step_token(token)
                 if one_by_one and self._exact[1] == self.cache.length - 1:
                     self._exact = (mode, self.cache.length, self.cache.epoch)
-                tokens = [sampler(logits)]
+                tokens = [self._pick(sampler, logits)]
             dt = time.perf_counter() - t
             st.decode_s += dt
             st.decode_run_s += self.run_s - run0

@@ -67,6 +67,7 @@ class StepBuffers:
         self.in_place = cache.in_place
         self.rows = None if cache.in_place else np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
         self.seqlens, self.total = np.zeros(1, np.int32), np.zeros((), np.int32)  # in_place: the step's end
+        self.argmax = np.zeros(rows_out, np.int64)  # each logits row's argmax, where the graph returns it
         self._range = np.arange(ar, dtype=positions_dtype)
         # views made once for the decode loop (each numpy call after a graph call runs on cold caches)
         self.first, self.first_row = self.embeds[:1], self.embeds[0]
@@ -128,6 +129,8 @@ class BoundStep:
         if dec.logit_rows_input:
             bind(dec.logit_rows_input, buffers.logit_rows)
         bind(dec.logits_output, buffers.logits, output=True)
+        if dec.argmax_output:
+            bind(dec.argmax_output, buffers.argmax, output=True)
         s = cache.spec
         if cache.in_place:
             bind(dec.seqlens_input, buffers.seqlens)
@@ -163,7 +166,7 @@ class PlainStep:
         self.rows = self.buffers.rows
         self.run_s = 0.0
         self.mask = StepMask(ar, ctx, io_dtype, dec.mask_value)
-        self._out_names = [dec.logits_output, *cache.output_names()]
+        self._out_names = [dec.logits_output, *cache.output_names(), *([dec.argmax_output] if dec.argmax_output else [])]
 
     def __call__(self, embeds: np.ndarray, pos: int) -> np.ndarray:
         b, d, c = self.buffers, self.dec, self.cache
@@ -178,6 +181,8 @@ class PlainStep:
         t = time.perf_counter()
         logits, *rows = self.session.run(self._out_names, feeds)
         self.run_s = time.perf_counter() - t
+        if d.argmax_output:
+            b.argmax[:] = rows.pop()
         for j, r in enumerate(rows):  # output_names() order: K, V of layer 0, 1, ...
             if c.in_place:  # the whole updated buffer: take the step's slots
                 c.data[j // 2, j % 2][..., pos : pos + self.ar, :] = r[..., pos : pos + self.ar, :]
