@@ -102,6 +102,7 @@ class Engine:
         self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
         self.run_s = 0.0  # time inside graph calls (session.run), accumulated
         self._argmax = None  # the last step's argmax per logits row (DecoderSpec.argmax_output), for greedy picks
+        self._token_step = None  # in_place caches: step_token's step (one for every position)
         # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
         # that mode computes (see reusable)
         self._exact: tuple[str, int, int] = ("", 0, -1)
@@ -178,7 +179,9 @@ class Engine:
 
     def step_token(self, token: int) -> np.ndarray:
         """step("decode", embed([token]))[-1], the token's row written straight into the step's input buffer."""
-        step = self._step_for("decode", 1)
+        step = self._token_step or self._step_for("decode", 1)
+        if self.cache.in_place:  # its binding does not depend on the position: kept for the decode loop
+            self._token_step = step
         b = step.buffers
         self.embed_into(token, b.first_row)
         return self._run(step, b.first)[-1]  # a decode step's AR is 1
@@ -296,7 +299,7 @@ class Engine:
             # drafts: no more than the answer and the cache have room for, none past an EOS
             room = min(max_new_tokens - st.generated_tokens, self.kv_spec.max_context - self.cache.length) - 1
             drafts = drafter.propose(room) if drafter else []
-            if not ignore_eos:
+            if drafts and not ignore_eos:
                 drafts = next((drafts[:i] for i, d in enumerate(drafts) if d in self.eos), drafts)
             if drafts:
                 tokens = self.verify(token, drafts, sampler)
