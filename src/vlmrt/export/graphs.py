@@ -7,6 +7,7 @@ prefill and decode graphs (the same decoder at two AR sizes) both point into.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import hashlib
@@ -192,12 +193,37 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
                  ["inputs_embeds", "seqlens_k", "total_sequence_length", *kin, "logit_rows"],
                  ["logits", *kout, "next_token"], path,
                  dynamic, gqa_onnx.TABLE)
+    model = onnx.load(str(path))
+    if _name_weights(model):
+        rewrite(path, model)
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
             rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits"))
     model = onnx.load(str(path))
     if fuse.fuse_rms_norm(model):
         rewrite(path, model)
+
+
+def _name_weights(model: onnx.ModelProto) -> int:
+    """The in_place graph's 3-D MatMuls get their weights as folded transposes named val_N: give each the module path
+    the exporter records (`<module>.weight_kn`, as gemm_to_matmul names them), which --quant's per-module choices
+    (quantize.MIXED_8BIT) match on. Returns how many were renamed."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    uses: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    renamed = 0
+    for n in g.node:
+        scopes = next((p.value for p in n.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+        w = n.input[1] if n.op_type == "MatMul" and len(n.input) > 1 else None
+        if not scopes or w not in inits or uses[w] != 1 or not w.startswith("val_"):
+            continue
+        module = ast.literal_eval(scopes)[-2]  # ['', 'inner', ..., 'inner.layers.0.self_attn.v_proj', op]
+        inits[w].name = n.input[1] = f"{module}.weight_kn"
+        renamed += 1
+    return renamed
 
 
 def weight_table(path: Path) -> dict:
