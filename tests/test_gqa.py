@@ -86,3 +86,21 @@ def test_gqa_needs_the_one_graph_decoder(default_bundle, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("vlmrt: error: --attention gqa needs the one-graph CPU decoder"), err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"layout": "paged"}, "bundle KV layout 'paged' is not known to this vlmrt; upgrade vlmrt"),
+    ({"heads": 3}, "kv.layout in_place needs kv.heads * kv.head_dim = kv.dim"),
+])
+def test_unknown_or_inconsistent_kv_layout_is_refused(default_bundle, tmp_path, change, needle):
+    import shutil
+
+    from vlmrt import manifest as mf
+
+    b = tmp_path / "b"
+    shutil.copytree(default_bundle.bundle, b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["kv"].update(change)
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(mf.BundleError, match=needle.replace("*", r"\*")):
+        mf.load(b, verify=False)

@@ -8,21 +8,23 @@ from .bundle_error import BundleError
 
 def check_decoder(m) -> None:
     """m: a manifest.Manifest whose sections were read."""
+    if m.kv.layout not in KV_LAYOUTS:
+        raise BundleError(f"bundle KV layout {m.kv.layout[:40]!r} is not known to this vlmrt; upgrade vlmrt")
     check_io_names(m)
     if m.decoder.last_logits and not m.decoder.dynamic_ar:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
     if m.decoder.logit_rows_input and (m.decoder.last_logits or not m.decoder.dynamic_ar):
         raise BundleError("manifest.json is malformed: decoder.logit_rows_input needs dynamic_ar, not last_logits")
-    if m.kv.layout not in KV_LAYOUTS:
-        raise BundleError(f"bundle KV layout {m.kv.layout[:40]!r} is not known to this vlmrt; upgrade vlmrt")
-    if m.kv.layout == "in_place" and (m.kv.heads * m.kv.head_dim != m.kv.dim or m.kv.heads <= 0):
-        raise BundleError("manifest.json is malformed: kv.layout in_place needs kv.heads * kv.head_dim = kv.dim")
+    if m.kv.layout == "in_place" and (m.kv.heads * m.kv.head_dim != m.kv.dim or m.kv.heads <= 0
+                                      or not m.decoder.dynamic_ar):  # (a padded block would land in the cache)
+        raise BundleError("manifest.json is malformed: kv.layout in_place needs kv.heads * kv.head_dim = kv.dim "
+                          "and decoder.dynamic_ar")
 
 
 KV_LAYOUTS = ("rows", "in_place")  # KVSpec.layout
 
 
-def check_io_names(m: Manifest) -> None:
+def check_io_names(m) -> None:
     """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
     m.graphs["vision"].input(m.vision.patches_input)
     m.graphs["vision"].output(m.vision.embeds_output)
