@@ -34,7 +34,8 @@ def t(f):
 samp = Sampler(SamplingConfig())
 parts = {
     "embed lookup (int8 row x scale, in place)": lambda: e.embed_into(1234, step.buffers.embeds[0]),
-    "inputs in place (positions, mask)": lambda: (step.buffers.load(step.buffers.embeds[:1], 300), step.mask.at(300)),
+    "inputs in place (positions, mask)": lambda: (step.buffers.load(step.buffers.embeds[:1], 300),
+                                                  step.mask and step.mask.at(300)),  # (in_place caches: no mask)
     "KV write (one copy of 60 rows)": lambda: (cache.write(step.rows, 1), setattr(cache, "length", 300)),
     "greedy sampler (argmax 49280)": lambda: samp(step.buffers.logits[0]),
 }

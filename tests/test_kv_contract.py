@@ -80,3 +80,39 @@ def test_stale_rows_beyond_length_are_ignored(decoder):
     with torch.no_grad():
         got = decoder(torch.from_numpy(x), torch.arange(6), torch.from_numpy(attention_mask(0, 6, CTX)), *past)[0].numpy()
     np.testing.assert_allclose(got, full_sequence_logits(decoder, x), rtol=0, atol=2e-5)
+
+
+def in_place_stepped_logits(decoder, x, blocks, garbage=False):
+    """The in_place contract (kv.layout in_place, families/gqa.py eager): the module writes each block's rows into
+    the KVCache's buffers itself (PlainStep's copy of its slots stands for ORT's shared buffer); write only advances."""
+    spec = KVSpec(layers=LAYERS, dim=KV_HEADS * HEAD_DIM, max_context=CTX, dtype="float32", key_input="k{layer}",
+                  value_input="v{layer}", key_output="pk{layer}", value_output="pv{layer}", layout="in_place",
+                  heads=KV_HEADS, head_dim=HEAD_DIM)
+    cache = KVCache(spec)
+    if garbage:
+        cache.data[:] = 1e3  # stale rows of an earlier request: beyond the length, never read
+    module = decoder.with_options(copy_free=True, logit_rows=True, rope_positions=CTX, in_place=True)
+    out, start = [], 0
+    for n in blocks:
+        pos = cache.length
+        past = [torch.from_numpy(b) for i in range(LAYERS) for b in (cache.keys[i], cache.values[i])]
+        with torch.no_grad():
+            logits, *present, top = module(torch.from_numpy(x[start : start + n]), torch.tensor([pos + n - 1], dtype=torch.int32),
+                                      torch.tensor(pos + n, dtype=torch.int32), *past, torch.arange(n))
+        for j, p in enumerate(present):
+            cache.data[j // 2, j % 2][..., pos : pos + n, :] = p.numpy()[..., pos : pos + n, :]
+        cache.write(None, n)
+        assert (top.numpy() == logits.numpy().argmax(-1)).all()  # next_token: the greedy choice of each row
+        out.append(logits.numpy())
+        start += n
+    assert cache.length == len(x) and cache.stored().shape == (LAYERS, 2, len(x), KV_HEADS * HEAD_DIM)
+    return np.concatenate(out), cache
+
+
+@pytest.mark.parametrize("blocks", [[1] * 11, [4, 4, 3], [8, 1, 2], [11]])
+def test_in_place_stepped_equals_full_sequence(decoder, blocks):
+    x = np.random.default_rng(len(blocks)).standard_normal((11, HIDDEN)).astype(np.float32)
+    got, cache = in_place_stepped_logits(decoder, x, blocks, garbage=True)
+    np.testing.assert_allclose(got, full_sequence_logits(decoder, x), rtol=0, atol=2e-5)
+    _, rows = in_place_stepped_logits(decoder, x, [11])
+    np.testing.assert_allclose(cache.stored(), rows.stored(), rtol=0, atol=2e-5)  # the cache holds the same rows

@@ -19,7 +19,7 @@ def _export(a) -> int:
     out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
                  target=a.target, calibration=calibration, soc_model=a.soc_model,
                  htp_arch=a.htp_arch, keep_qdq=a.keep_qdq, shared_context=a.htp_shared_context,
-                 context_step=a.context_step, force=a.force,
+                 context_step=a.context_step, attention=a.attention, force=a.force,
                  progress=not a.quiet)
     print(out)
     return 0
@@ -280,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU decoder graphs take any cache length and each step reads the cache prefix it needs, "
                         "rounded up to this many slots (default 64; 0 = static graphs over the whole cache, as "
                         "--target htp uses)")
+    e.add_argument("--attention", choices=["gqa", "portable"], default=None,
+                   help="gqa: the CPU decoder's attention as ORT's GroupQueryAttention, which updates the KV cache in "
+                        "place (the default for the one-graph CPU decoder when head_dim is a multiple of 16); portable: "
+                        "the graph's own attention ops and host-written KV rows (what static and HTP graphs use)")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .bundle_error import BundleError
+from .manifest_checks import check_decoder
 from .typed_json import Malformed, build
 from .verify_record import Record
 
@@ -26,10 +28,6 @@ from .verify_record import Record
 # mapped_weights, prepacked), so that the runtime never parses a graph itself (the onnx package is export-only)
 SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
-
-
-class BundleError(Exception):
-    """A bundle that cannot be used: missing, altered, or of an unknown schema."""
 
 
 @dataclass
@@ -141,6 +139,8 @@ class KVSpec:
     the prefix [:ctx] for a graph with a symbolic cache length, DecoderSpec) plus an
     additive mask [AR, ctx + AR] and returns only the AR new rows per layer; the host writes
     row i to cache slot pos+i (runtime/kv_cache.py is the one definition).
+    layout "in_place" (CPU one-graph decoders): buffers [1, heads, max_context, head_dim] that the graph updates
+    itself (present_* bound to past_*), given DecoderSpec.seqlens_input / total_length_input, no positions or mask.
     """
 
     layers: int
@@ -154,6 +154,9 @@ class KVSpec:
     # uint8 caches (HTP bundles): per graph, per layer (scale, zero_point) of K and V rows,
     # {"prefill": {"key": [[s, zp], ...], "value": [...]}, "decode": {...}}; q = round(x / s) + zp
     encodings: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    layout: str = "rows"  # KV_LAYOUTS; in_place: kv heads and head_dim of a buffer below (heads * head_dim = dim)
+    heads: int = 0
+    head_dim: int = 0
 
 
 @dataclass
@@ -173,7 +176,7 @@ class DecoderSpec:
     mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
     # > 0: the graphs' cache inputs have a symbolic length "ctx" (mask [ar, ctx + ar]); a step at first position
     # pos reads the prefix [:ctx], ctx = pos rounded up to a multiple of context_step (at least context_step, at
-    # most max_context). 0: static graphs over the whole cache
+    # most max_context). 0: static graphs over the whole cache (and kv.layout in_place: the graph reads it whole)
     context_step: int = 0
     # the prefill and decode graphs take any AR from 1 to prefill_ar ("ar" in their shapes; usually one graph file
     # for both): a step feeds exactly its tokens, never padding
@@ -184,6 +187,11 @@ class DecoderSpec:
     # graph input [r] int64 (needs dynamic_ar): the rows whose logits the step returns ([r, vocab]), the last one or
     # all of a lookahead verify step. None: logits are [ar or 1, vocab] (static graphs, last_logits): no lookahead
     logit_rows_input: str | None = None
+    # kv.layout in_place: inputs [1] int32 = the step's last position, [] int32 = that + 1 (positions_input and
+    # mask_input are then ""; the graph takes neither)
+    seqlens_input: str | None = None
+    total_length_input: str | None = None
+    argmax_output: str | None = None  # output [r] int64: each logits row's argmax (greedy decoding reads it)
 
 
 @dataclass
@@ -347,11 +355,7 @@ def load(folder: Path, verify: bool = True) -> Manifest:
             raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
         if m.graphs[name].file is None and m.graphs[name].context is None:
             raise BundleError(f"manifest.json is malformed: graphs.{name} has neither a file nor a context")
-    check_io_names(m)
-    if m.decoder.last_logits and not m.decoder.dynamic_ar:
-        raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
-    if m.decoder.logit_rows_input and (m.decoder.last_logits or not m.decoder.dynamic_ar):
-        raise BundleError("manifest.json is malformed: decoder.logit_rows_input needs dynamic_ar, not last_logits")
+    check_decoder(m)
     named = {n for f, n in bundle_paths(m) if f != "files"}
     missing = sorted(n for n in named if n not in m.files)
     if missing:
@@ -359,26 +363,6 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     if verify:
         verify_files(folder, m, raw)
     return m
-
-
-def check_io_names(m: Manifest) -> None:
-    """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
-    m.graphs["vision"].input(m.vision.patches_input)
-    m.graphs["vision"].output(m.vision.embeds_output)
-    for name, g in m.graphs.items():
-        if name == "vision":
-            continue
-        for t in (m.decoder.embeds_input, m.decoder.positions_input, m.decoder.mask_input):
-            g.input(t)
-        if m.decoder.logit_rows_input:
-            g.input(m.decoder.logit_rows_input)
-        g.output(m.decoder.logits_output)
-        for i in range(m.kv.layers):
-            try:
-                names = [f.format(layer=i) for f in (m.kv.key_input, m.kv.value_input, m.kv.key_output, m.kv.value_output)]
-            except (KeyError, IndexError, ValueError):
-                raise BundleError("manifest.json is malformed: kv tensor names must use only {layer}") from None
-            g.input(names[0]), g.input(names[1]), g.output(names[2]), g.output(names[3])
 
 
 def verify_files(folder: Path, m: Manifest, manifest_bytes: bytes) -> None:

@@ -31,19 +31,24 @@ class TorchDecoder:
     """run(names, feeds) over layers.CausalDecoder, feeds keyed by the manifest's tensor names."""
 
     def __init__(self, module, m: Manifest):
+        if m.kv.layout == "in_place":  # the same weights with the GroupQueryAttention contract (families/gqa.py)
+            module = module.with_options(copy_free=True, logit_rows=True, rope_positions=m.kv.max_context, in_place=True)
         self.module, self.m = module, m
         kv = m.kv
         self.past = [n.format(layer=i) for i in range(kv.layers) for n in (kv.key_input, kv.value_input)]
         self.outs = [m.decoder.logits_output] + [n.format(layer=i) for i in range(kv.layers) for n in (kv.key_output, kv.value_output)]
+        self.outs += [m.decoder.argmax_output] if m.decoder.argmax_output else []
 
     def run(self, names, feeds):
         d = self.m.decoder
         t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
+        in_place = self.m.kv.layout == "in_place"
+        step = (t[d.seqlens_input], t[d.total_length_input]) if in_place else (t[d.positions_input], t[d.mask_input].float())
+        rows = [t[d.logit_rows_input]] if in_place else []  # (the in_place module returns those rows itself)
         with torch.no_grad():
-            out = self.module(t[d.embeds_input].float(), t[d.positions_input], t[d.mask_input].float(),
-                              *[t[n].float() for n in self.past])
+            out = self.module(t[d.embeds_input].float(), *step, *[t[n].float() for n in self.past], *rows)
         by_name = dict(zip(self.outs, (o.numpy() for o in out)))
-        if d.logit_rows_input:  # the rows the exported graph would return (this module computes all)
+        if d.logit_rows_input and not in_place:  # the rows the exported graph would return (this module computes all)
             by_name[d.logits_output] = by_name[d.logits_output][feeds[d.logit_rows_input]]
         return [by_name[n] for n in names]
 

@@ -7,6 +7,7 @@ prefill and decode graphs (the same decoder at two AR sizes) both point into.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import hashlib
@@ -25,11 +26,13 @@ from ..manifest import TensorSpec
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def kv_names(layers: int) -> tuple[list[str], list[str]]:
+def kv_names(layers: int, in_place: bool = False) -> tuple[list[str], list[str]]:
+    """The cache inputs and outputs: new rows (new_key_i) or, in_place, the whole updated buffers (present_key_i)."""
     ins, outs = [], []
+    out = "present" if in_place else "new"
     for i in range(layers):
         ins += [f"past_key_{i}", f"past_value_{i}"]
-        outs += [f"new_key_{i}", f"new_value_{i}"]
+        outs += [f"{out}_key_{i}", f"{out}_value_{i}"]
     return ins, outs
 
 
@@ -47,12 +50,13 @@ def _quiet():
 
 
 def export_graph(module: torch.nn.Module, args: tuple, input_names: list[str], output_names: list[str], path: Path,
-                 dynamic_shapes: tuple | None = None) -> None:
-    """Export module at the shapes of args (static unless dynamic_shapes names a dim) to path (+ path.data)."""
+                 dynamic_shapes: tuple | None = None, translations: dict | None = None) -> None:
+    """Export module at the shapes of args (static unless dynamic_shapes names a dim) to path (+ path.data);
+    translations: torch op -> onnxscript function for ops of our own (export/gqa_onnx.py)."""
     with _quiet(), torch.no_grad():
         program = torch.onnx.export(
             module, args, dynamo=True, input_names=input_names, output_names=output_names, optimize=True,
-            dynamic_shapes=dynamic_shapes,
+            dynamic_shapes=dynamic_shapes, custom_translation_table=translations,
         )
         program.save(str(path), external_data=True)
     onnx.checker.check_model(str(path))
@@ -81,7 +85,7 @@ class CastIO(torch.nn.Module):
         args = [a.to(self.compute) if a.is_floating_point() else a for a in args]
         out = self.inner(*args)
         if isinstance(out, tuple):
-            return tuple(o.to(self.io) for o in out)
+            return tuple(o.to(self.io) if o.is_floating_point() else o for o in out)
         return out.to(self.io)
 
 
@@ -112,7 +116,7 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
                    precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
-                   dynamic_ar: bool = False) -> None:
+                   dynamic_ar: bool = False, in_place: tuple[int, int] | None = None) -> None:
     """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): steps read
     the cache without copying it (CachedGQAttention._copy_free_step) and RMSNorm chains become one fused op.
     dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
@@ -120,9 +124,15 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     dynamic_ar (with dynamic_context): the step's token count is symbolic too ("ar", 1..ar), so that one graph
     (one session, one prepacked copy of the weights) serves the prefill blocks and the 1-token decode steps;
     such a graph also takes logit_rows [r] (CausalDecoder.logit_rows): the logits are [r, vocab], those rows' only
-    (the last row for a prefill block or a decode step, all of a lookahead verify step's)."""
+    (the last row for a prefill block or a decode step, all of a lookahead verify step's).
+    in_place = (kv_heads, head_dim) (with dynamic_ar): attention as ORT's GroupQueryAttention over cache buffers
+    [1, kv_heads, max_context, head_dim] that the graph updates in place (CausalDecoder in_place): inputs
+    inputs_embeds, seqlens_k, total_sequence_length, past_*, logit_rows; outputs logits, present_*, next_token."""
     from . import fuse, quantize
 
+    if in_place:
+        return _export_in_place(decoder, ar=ar, max_context=max_context, hidden=hidden, heads=in_place, layers=layers,
+                                io_dtype=io_dtype, precision=precision, head=head, path=path)
     dt = TORCH_DTYPES[io_dtype]
     # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context
     decoder = decoder.with_options(copy_free=cpu, logit_rows=dynamic_ar, rope_positions=max_context + ar)
@@ -162,6 +172,58 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
                 if d.dim_param == width:
                     d.dim_param = "ctx + ar"
         onnx.save(model, str(path))
+
+
+def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: tuple[int, int], layers: int,
+                     io_dtype: str, precision: str, head: str, path: Path) -> None:
+    """export_decoder's in_place graph: symbolic AR 1..ar, cache buffers of max_context slots."""
+    from . import fuse, gqa_onnx, quantize
+
+    dt = TORCH_DTYPES[io_dtype]
+    kv_heads, head_dim = heads
+    decoder = decoder.with_options(copy_free=True, logit_rows=True, rope_positions=max_context, in_place=True)
+    module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
+    embeds = torch.zeros(ar, hidden, dtype=dt)
+    seqlens, total = torch.tensor([ar - 1], dtype=torch.int32), torch.tensor(ar, dtype=torch.int32)
+    past = [torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt) for _ in range(2 * layers)]
+    kin, kout = kv_names(layers, in_place=True)
+    n = torch.export.Dim("ar", min=1, max=ar)
+    dynamic = (({0: n}, None, None, *[None] * (2 * layers), {0: torch.export.Dim("rows", min=1, max=ar)}),)
+    export_graph(module, (embeds, seqlens, total, *past, torch.arange(ar, dtype=torch.int64)),
+                 ["inputs_embeds", "seqlens_k", "total_sequence_length", *kin, "logit_rows"],
+                 ["logits", *kout, "next_token"], path,
+                 dynamic, gqa_onnx.TABLE)
+    model = onnx.load(str(path))
+    if _name_weights(model):
+        rewrite(path, model)
+    if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
+        with _quiet():
+            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits"))
+    model = onnx.load(str(path))
+    if fuse.fuse_rms_norm(model):
+        rewrite(path, model)
+
+
+def _name_weights(model: onnx.ModelProto) -> int:
+    """The in_place graph's 3-D MatMuls get their weights as folded transposes named val_N: give each the module path
+    the exporter records (`<module>.weight_kn`, as gemm_to_matmul names them), which --quant's per-module choices
+    (quantize.MIXED_8BIT) match on. Returns how many were renamed."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    uses: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    renamed = 0
+    for n in g.node:
+        scopes = next((p.value for p in n.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+        w = n.input[1] if n.op_type == "MatMul" and len(n.input) > 1 else None
+        if not scopes or w not in inits or uses[w] != 1 or not w.startswith("val_"):
+            continue
+        module = ast.literal_eval(scopes)[-2]  # ['', 'inner', ..., 'inner.layers.0.self_attn.v_proj', op]
+        inits[w].name = n.input[1] = f"{module}.weight_kn"
+        renamed += 1
+    return renamed
 
 
 def weight_table(path: Path) -> dict:

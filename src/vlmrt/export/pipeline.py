@@ -66,7 +66,8 @@ def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
            quant: str | None = None, target: str = "cpu", calibration: list | None = None,
            soc_model: str | None = None, htp_arch: str | None = None, keep_qdq: bool = False, shared_context: bool = False,
-           context_step: int | None = None, force: bool = False, progress: bool = True) -> Path:
+           context_step: int | None = None, attention: str | None = None, force: bool = False,
+           progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
@@ -78,7 +79,12 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     context (one copy of the decoder weights; the x86-64 simulator cannot load it).
     context_step: CPU decoder graphs with a symbolic cache length; a step reads the cache prefix rounded up to a
     multiple of context_step (default DEFAULT_CONTEXT_STEP; 0 = static graphs over the whole cache, as the HTP
-    target has)."""
+    target has).
+    attention: "gqa", the one-graph CPU decoder's attention as ORT's GroupQueryAttention over a cache it updates in
+    place (the default where the graph is one and head_dim a multiple of 16, what the CPU kernel takes), or
+    "portable" (the graphs' own attention ops, the host writing the new K/V rows: what static graphs always have)."""
+    if attention not in (None, "gqa", "portable"):
+        raise ExportError(f"unknown attention {attention!r}; choose gqa or portable")
     if target not in ("cpu", "htp"):
         raise ExportError(f"unknown target {target!r}; choose cpu or htp")
     if target == "htp" and dtype != "fp32":
@@ -105,7 +111,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     p = Progress(9 if target == "htp" else 8, progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
-                       force=force, context_step=context_step,
+                       force=force, context_step=context_step, attention=attention,
                        htp=dict(precisions=htp_prec, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
                                 shared_context=shared_context) if target == "htp" else None)
     except qnn_context.TargetError as e:
@@ -139,6 +145,7 @@ class Plan:
     max_seq_len: int
     context_step: int  # > 0: symbolic cache length; 0: static graphs
     htp: dict | None  # the HTP target's options, None for the CPU target
+    in_place: bool  # the one decoder graph's attention is GroupQueryAttention over an in_place cache (export attention)
     templates: tuple[str, str]  # the chat template rendered for one user turn with / without an image
     conversation: dict[str, Any]  # PromptSpec's conversation fields: the template itself and how it takes images
 
@@ -163,7 +170,7 @@ def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
 
 
 def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-          context_step: int | None, htp: dict | None) -> Plan:
+          context_step: int | None, attention: str | None, htp: dict | None) -> Plan:
     head = prec.get("lm_head")
     ckpt = Checkpoint.open(resolve(src))
     family = family_for(ckpt.config)
@@ -199,8 +206,15 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
         placeholder, in_text = host.image_in_text_fallback
         templates = prompt_templates(template, placeholder, special, host.system_prompt, in_text)
         conversation.update(content_format="string", image_placeholder=placeholder, image_in_text=in_text)
-    return Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
-                htp, templates, conversation)
+    plan = Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
+                htp, False, templates, conversation)
+    gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0
+    if attention == "gqa" and not gqa_fits:
+        raise ExportError("--attention gqa needs the one-graph CPU decoder (symbolic cache length, one precision for "
+                          "prefill and decode, --prefill-ar > 1) and a head_dim that is a multiple of 16 "
+                          f"(this one: {cfg.text.head_dim})")
+    plan.in_place = gqa_fits and attention != "portable"
+    return plan
 
 
 def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress) -> list[tuple[str, str]]:
@@ -224,7 +238,8 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress) -> list[t
         graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=t.kv_heads * t.head_dim,
                               layers=t.layers, io_dtype=plan.dtype, precision=prec[name], head=h,
                               path=tmp / f"{stem}.onnx", cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
-                              dynamic_ar=plan.one_graph)
+                              dynamic_ar=plan.one_graph,
+                              in_place=(t.kv_heads, t.head_dim) if plan.in_place else None)
         decoder_graphs.append((name, stem))
         p.done()
     p.start("sharing weights between graphs")
@@ -274,6 +289,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
               scale_file: str | None) -> mf.Manifest:
     """The manifest of the files in tmp (all of them: a file it does not list is an error)."""
     t, host = plan.cfg.text, plan.host
+    new = "present" if plan.in_place else "new"  # graphs.kv_names
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
                    | ({scale_file} if scale_file else set()))
@@ -294,13 +310,17 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                         pad_token_id=_pad_id(plan.ckpt, t.vocab)),
         kv=mf.KVSpec(layers=t.layers, dim=t.kv_heads * t.head_dim, max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype],
                      key_input="past_key_{layer}", value_input="past_value_{layer}",
-                     key_output="new_key_{layer}", value_output="new_value_{layer}"),
+                     key_output=f"{new}_key_{{layer}}", value_output=f"{new}_value_{{layer}}",
+                     **(dict(layout="in_place", heads=t.kv_heads, head_dim=t.head_dim) if plan.in_place else {})),
         decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
-                               embeds_input="inputs_embeds", positions_input="position_ids",
-                               mask_input="attention_mask", logits_output="logits",
+                               embeds_input="inputs_embeds", positions_input="" if plan.in_place else "position_ids",
+                               mask_input="" if plan.in_place else "attention_mask", logits_output="logits",
+                               seqlens_input="seqlens_k" if plan.in_place else None,
+                               total_length_input="total_sequence_length" if plan.in_place else None,
+                               argmax_output="next_token" if plan.in_place else None,
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
                                mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
-                               context_step=plan.context_step, dynamic_ar=plan.one_graph,
+                               context_step=0 if plan.in_place else plan.context_step, dynamic_ar=plan.one_graph,
                                logit_rows_input="logit_rows" if plan.one_graph else None),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
         generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
@@ -309,7 +329,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            quant: str | None, force: bool, context_step: int | None, htp: dict | None) -> Path:
+            quant: str | None, force: bool, context_step: int | None, attention: str | None, htp: dict | None) -> Path:
     import torch
 
     prec = _precisions(quant, dtype)
@@ -317,7 +337,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         raise ExportError(f"{out} already exists; pass --force to replace it")
     p.start("reading checkpoint")
     plan = _plan(src, prec, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, context_step=context_step,
-                 htp=htp)
+                 attention=attention, htp=htp)
     torch.manual_seed(0)
     vision, decoder, embed = plan.family.load_weights(plan.cfg, plan.ckpt.tensors())
     note = "from --max-seq-len" if max_seq_len is not None else plan.family.default_max_context(plan.cfg, plan.host)[1]

@@ -4,6 +4,9 @@ Decoder attention follows ExecuTorch's static attention: the KV cache is an inpu
 [max_context, kv_dim] per layer (rows addressed by absolute position), the graph attends
 over concat(cache, new rows) under a host-built additive mask and returns only the new
 rows. runtime/kv_cache.py writes them back; tests/test_kv_contract.py holds the two together.
+The CPU target's one-graph decoder takes the other contract (in_place): attention is one ORT GroupQueryAttention
+(families/gqa.py) that applies RoPE and writes the new rows into the cache buffers [1, kv_heads, max_context, d]
+itself, given the step's total length instead of positions + mask.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import gqa  # noqa: F401  (registers torch.ops.vlmrt.group_query_attention)
 
 
 class RMSNorm(nn.Module):
@@ -64,10 +69,13 @@ class CachedGQAttention(nn.Module):
     """Grouped-query attention over an external cache; returns output and the new K/V rows."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
-                 qk_norm: bool = False, eps: float = 1e-6, copy_free: bool = True):
-        """copy_free: steps read the cache where it is (_copy_free_step); the HTP target's float graphs do not."""
+                 qk_norm: bool = False, eps: float = 1e-6, copy_free: bool = True, in_place: bool = False):
+        """copy_free: steps read the cache where it is (_copy_free_step); the HTP target's float graphs do not.
+        in_place: forward(x, seqlens_k, total, cos_half, sin_half, past_k, past_v) -> (out, present_k, present_v)
+        as one GroupQueryAttention over cache buffers [1, kv_heads, max_context, d] (module doc)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.copy_free = heads, kv_heads, head_dim, copy_free
+        self.in_place = in_place
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)  # Qwen2: q/k/v biases
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
@@ -76,7 +84,22 @@ class CachedGQAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
 
-    def forward(self, x, cos, sin, mask, past_k, past_v):
+    def forward(self, x, *cache):
+        return self._in_place_step(x, *cache) if self.in_place else self._rows_step(x, *cache)
+
+    def _in_place_step(self, x, seqlens_k, total, cos, sin, past_k, past_v):
+        # x [1, ar, hidden] (the op's layout: no reshapes around it); cos/sin [positions, head_dim/2];
+        # past_k/v [1, kv_heads, max_context, head_dim]
+        ar, h, kvh, d = x.shape[1], self.heads, self.kv_heads, self.head_dim
+        q, k = self.q_proj(x), self.k_proj(x)  # [1, ar, h*d], [1, ar, kvh*d]
+        if not isinstance(self.q_norm, nn.Identity):  # Qwen3's q/k norms per head come before RoPE, which the op applies
+            q = self.q_norm(q.view(1, ar, h, d)).reshape(1, ar, h * d)
+            k = self.k_norm(k.view(1, ar, kvh, d)).reshape(1, ar, kvh * d)
+        out, pk, pv = torch.ops.vlmrt.group_query_attention(q, k, self.v_proj(x), past_k, past_v, seqlens_k, total,
+                                                            cos, sin, h, kvh)
+        return self.o_proj(out), pk, pv
+
+    def _rows_step(self, x, cos, sin, mask, past_k, past_v):
         # x [ar, hidden]; mask [ar, ctx+ar]; past_k/v [ctx, kv_heads*head_dim]
         ar = x.shape[0]
         ctx = past_k.shape[0]
@@ -140,16 +163,16 @@ class DecoderLayer(nn.Module):
     """Pre-norm Llama/Qwen block with cache I/O."""
 
     def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias=False, qk_norm=False,
-                 copy_free=True):
+                 copy_free=True, in_place=False):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = CachedGQAttention(hidden, heads, kv_heads, head_dim, bias=qkv_bias, qk_norm=qk_norm, eps=eps,
-                                           copy_free=copy_free)
+                                           copy_free=copy_free, in_place=in_place)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, intermediate, act)
 
-    def forward(self, x, cos, sin, mask, past_k, past_v):
-        a, k_new, v_new = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+    def forward(self, x, *cache):
+        a, k_new, v_new = self.self_attn(self.input_layernorm(x), *cache)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_new, v_new
@@ -165,17 +188,22 @@ class CausalDecoder(nn.Module):
     logits are [r, vocab], those rows' only (the LM head is skipped for the rest): a prefill block asks for its last
     row, a lookahead verify step for all (runtime/lookahead.py). copy_free: see CachedGQAttention. Both are graph
     options: `with_options` builds the same weights with others.
+    in_place (the CPU one-graph decoder; needs logit_rows): forward(inputs_embeds, seqlens_k [1] int32,
+    total_sequence_length [] int32, *past each [1, kv_heads, max_context, head_dim], logit_rows)
+      -> (logits, present_k_0, present_v_0, ..., next_token) each present the shape of its past, the step's rows
+    written in (families/gqa.py); next_token [r] int64 = each logits row's argmax (the greedy choice, made in the
+    graph while the logits are in cache); the step's tokens are at positions total - ar .. total - 1.
     """
 
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
-                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False):
+                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False):
         super().__init__()
         self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           intermediate=intermediate, eps=eps, act=act, rope_theta=rope_theta, vocab=vocab,
                           qkv_bias=qkv_bias, qk_norm=qk_norm)
-        self.logit_rows = logit_rows
+        self.logit_rows, self.in_place = logit_rows, in_place
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free)
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free, in_place)
             for _ in range(layers)
         )
         self.norm = RMSNorm(hidden, eps)
@@ -183,10 +211,11 @@ class CausalDecoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta), persistent=False)
         self.rope_table(4096)
 
-    def with_options(self, *, copy_free: bool, logit_rows: bool, rope_positions: int) -> "CausalDecoder":
+    def with_options(self, *, copy_free: bool, logit_rows: bool, rope_positions: int,
+                     in_place: bool = False) -> "CausalDecoder":
         """A new decoder with a copy of these weights, built with other graph options and a rope table of
         rope_positions rows."""
-        new = CausalDecoder(**self.shape, copy_free=copy_free, logit_rows=logit_rows)
+        new = CausalDecoder(**self.shape, copy_free=copy_free, logit_rows=logit_rows, in_place=in_place)
         new.load_state_dict(self.state_dict())
         new.rope_table(rope_positions)
         return new.eval()
@@ -199,19 +228,28 @@ class CausalDecoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, inputs_embeds, position_ids, attention_mask, *past):
+    def forward(self, inputs_embeds, step_a, step_b, *past):
+        """step_a, step_b: position_ids, attention_mask; in_place: seqlens_k, total_sequence_length."""
         if self.logit_rows:
             *past, rows = past  # rows [r] int64
-        cos = self.rope_cos[position_ids].to(inputs_embeds.dtype)  # [ar, head_dim]
-        sin = self.rope_sin[position_ids].to(inputs_embeds.dtype)
-        x = inputs_embeds
+        if self.in_place:  # the op's cos/sin caches [positions, head_dim/2] (the table's halves are equal)
+            half = self.rope_cos.shape[1] // 2
+            shared = (step_a, step_b, self.rope_cos[:, :half].to(inputs_embeds.dtype),
+                      self.rope_sin[:, :half].to(inputs_embeds.dtype))
+        else:
+            cos = self.rope_cos[step_a].to(inputs_embeds.dtype)  # [ar, head_dim]
+            sin = self.rope_sin[step_a].to(inputs_embeds.dtype)
+            shared = (cos, sin, step_b)
+        x = inputs_embeds[None] if self.in_place else inputs_embeds  # in_place: [1, ar, hidden] throughout
         new = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, attention_mask, past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, *shared, past[2 * i], past[2 * i + 1])
             new += [k, v]
+        x = x[0] if self.in_place else x
         if self.logit_rows:
             x = x.index_select(0, rows)  # [r, hidden]
-        return (self.lm_head(self.norm(x)), *new)
+        logits = self.lm_head(self.norm(x))
+        return (logits, *new, logits.argmax(-1)) if self.in_place else (logits, *new)
 
 
 class ViTLayer(nn.Module):

@@ -101,6 +101,8 @@ class Engine:
         self._steps: dict[tuple[int, int, int], object] = {}  # id(session), ctx, ar -> the step for that shape
         self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
         self.run_s = 0.0  # time inside graph calls (session.run), accumulated
+        self._argmax = None  # the last step's argmax per logits row (DecoderSpec.argmax_output), for greedy picks
+        self._token_step = None  # in_place caches: step_token's step (one for every position)
         # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
         # that mode computes (see reusable)
         self._exact: tuple[str, int, int] = ("", 0, -1)
@@ -126,7 +128,8 @@ class Engine:
 
     def _ctx(self, pos: int) -> int:
         """The cache prefix [:ctx] a step at first position pos reads (it holds positions 0..pos-1): graphs with a
-        symbolic cache length take pos rounded up to DecoderSpec.context_step, static graphs the whole cache."""
+        symbolic cache length take pos rounded up to DecoderSpec.context_step, static graphs (and in_place caches:
+        context_step 0) the whole cache."""
         step, top = self.dec.context_step, self.kv_spec.max_context
         return context_slots(pos, step, top) if step else top
 
@@ -143,8 +146,10 @@ class Engine:
         if step is None:
             if self.dec.dynamic_ar and ar not in (1, self.dec.prefill_ar) and not all_rows:
                 # a prompt's short last block, of any length: a step made for it and dropped, rather than one kept
-                # (with its buffers) per block length
-                step = PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype, rows_out)
+                # (with its buffers) per block length; bound for an in_place cache (a plain call would return
+                # copies of the whole buffers)
+                step = (make_step(session, self.dec, self.cache, ctx, ar, self.dtype, None, rows_out)
+                        if self.cache.in_place else PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype, rows_out))
             else:
                 step = self._steps[key] = make_step(session, self.dec, self.cache, ctx, ar, self.dtype, self._buffers,
                                                     rows_out)
@@ -155,7 +160,16 @@ class Engine:
         logits = step(embeds, self.cache.length)
         self.run_s += step.run_s
         self.cache.write(step.rows, n)
+        self._argmax = step.buffers.argmax
         return logits if n == len(logits) else logits[:n]
+
+    def _pick(self, sampler: Sampler, logits: np.ndarray, row: int = -1) -> int:
+        """sampler(logits), logits being row `row` of the last step's; a greedy pick reads the graph's argmax of it
+        where the graph returns one (DecoderSpec.argmax_output: the same index, first of equal maxima, as
+        np.argmax; no pass over cold logits on the host)."""
+        if self.dec.argmax_output and sampler.cfg.temperature == 0:
+            return int(self._argmax[row])
+        return sampler(logits)
 
     def step(self, kind: str, embeds: np.ndarray) -> np.ndarray:
         """One graph call ("prefill" or "decode") over embeds [n, hidden] at the cache's next positions; the new rows
@@ -165,7 +179,9 @@ class Engine:
 
     def step_token(self, token: int) -> np.ndarray:
         """step("decode", embed([token]))[-1], the token's row written straight into the step's input buffer."""
-        step = self._step_for("decode", 1)
+        step = self._token_step or self._step_for("decode", 1)
+        if self.cache.in_place:  # its binding does not depend on the position: kept for the decode loop
+            self._token_step = step
         b = step.buffers
         self.embed_into(token, b.first_row)
         return self._run(step, b.first)[-1]  # a decode step's AR is 1
@@ -177,9 +193,10 @@ class Engine:
         step = self._step_for("decode", 1 + len(drafts), all_rows=True)
         logits = step(self.embed([token, *drafts]), self.cache.length)  # [1 + k, vocab]
         self.run_s += step.run_s
+        self._argmax = step.buffers.argmax
         out = []
         for i, row in enumerate(logits):
-            out.append(sampler(row))
+            out.append(self._pick(sampler, row, i))
             if i == len(drafts) or out[-1] != drafts[i]:
                 break
         self.cache.write(step.rows, len(out))
@@ -259,7 +276,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.prefill(prompt_embeds, mode, start)
         one_by_one = self._blocks(mode) == 1  # a fresh kv prefill computes generated tokens' rows as decode does
-        tokens = [sampler(logits)]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
+        tokens = [self._pick(sampler, logits)]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
         st.prefill_s = time.perf_counter() - t0
         greedy = sampler.cfg.temperature == 0
         drafter = PromptLookup(self.lookahead, prompt_ids) if self.lookahead and greedy and prompt_ids else None
@@ -282,7 +299,7 @@ class Engine:
             # drafts: no more than the answer and the cache have room for, none past an EOS
             room = min(max_new_tokens - st.generated_tokens, self.kv_spec.max_context - self.cache.length) - 1
             drafts = drafter.propose(room) if drafter else []
-            if not ignore_eos:
+            if drafts and not ignore_eos:
                 drafts = next((drafts[:i] for i, d in enumerate(drafts) if d in self.eos), drafts)
             if drafts:
                 tokens = self.verify(token, drafts, sampler)
@@ -293,7 +310,7 @@ class Engine:
                 logits = self.step_token(token)
                 if one_by_one and self._exact[1] == self.cache.length - 1:
                     self._exact = (mode, self.cache.length, self.cache.epoch)
-                tokens = [sampler(logits)]
+                tokens = [self._pick(sampler, logits)]
             dt = time.perf_counter() - t
             st.decode_s += dt
             st.decode_run_s += self.run_s - run0

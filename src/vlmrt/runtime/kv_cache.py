@@ -6,6 +6,10 @@ positions pos..pos+AR-1 reads all slots (or the prefix `context_slots` gives), m
 step's own tokens see each other causally, and returns AR new rows per buffer; `write`
 stores the first n_valid of them at slots pos..pos+n_valid-1 (padding rows are dropped).
 families/layers.py:CachedGQAttention is the graph side; tests/test_kv_contract.py checks both.
+
+Layout "in_place" (manifest kv.layout; the CPU target's GroupQueryAttention decoder): per layer a K and a V buffer
+[1, heads, max_context, head_dim] that the graph reads whole and writes the step's rows into itself (the same
+buffers are bound as its past_* inputs and present_* outputs), so `write` only advances the length.
 """
 
 from __future__ import annotations
@@ -40,12 +44,16 @@ class KVCache:
     def __init__(self, spec: KVSpec, dtype=None):
         self.spec = spec
         self.dtype = np.dtype(dtype or spec.dtype)
+        self.in_place = spec.layout == "in_place"
         # one block [layers, 2 (K, V), max_context, dim]: keys[i] / values[i] are views of it, so a step's
-        # new rows land in every buffer with one copy (write), and graph inputs bind to prefixes of it
-        self.data = np.zeros((spec.layers, 2, spec.max_context, spec.dim), self.dtype)
+        # new rows land in every buffer with one copy (write), and graph inputs bind to prefixes of it;
+        # in_place: [layers, 2, 1, heads, max_context, head_dim], the graph's buffers
+        shape = (1, spec.heads, spec.max_context, spec.head_dim) if self.in_place else (spec.max_context, spec.dim)
+        self.data = np.zeros((spec.layers, 2, *shape), self.dtype)
         self.keys = [self.data[i, 0] for i in range(spec.layers)]
         self.values = [self.data[i, 1] for i in range(spec.layers)]
-        self._by_slot = self.data.transpose(2, 0, 1, 3)  # [max_context, layers, 2, dim]: write's view
+        if not self.in_place:
+            self._by_slot = self.data.transpose(2, 0, 1, 3)  # [max_context, layers, 2, dim]: write's view
         self.length = 0  # number of valid slots (= next position)
         self.epoch = 0  # counts resets: rows kept across calls (a prefix reuse) belong to one epoch
 
@@ -61,13 +69,22 @@ class KVCache:
         self.length = n
 
     def feeds(self, ctx: int | None = None) -> dict[str, np.ndarray]:
-        """The cache as graph inputs; ctx < max_context gives the prefix [:ctx] (a contiguous view, no copy)."""
+        """The cache as graph inputs; ctx < max_context gives the prefix [:ctx] (a contiguous view, no copy).
+        in_place: the whole buffers."""
         s = self.spec
         f = {}
         for i in range(s.layers):
-            f[s.key_input.format(layer=i)] = self.keys[i][:ctx]
-            f[s.value_input.format(layer=i)] = self.values[i][:ctx]
+            f[s.key_input.format(layer=i)] = self.keys[i] if self.in_place else self.keys[i][:ctx]
+            f[s.value_input.format(layer=i)] = self.values[i] if self.in_place else self.values[i][:ctx]
         return f
+
+    def stored(self, n: int | None = None) -> np.ndarray:
+        """Rows 0..n-1 (default: the length) as [layers, 2, n, dim], whatever the layout (in_place: a copy)."""
+        n = self.length if n is None else n
+        if not self.in_place:
+            return self.data[:, :, :n]
+        s = self.spec
+        return self.data[:, :, 0, :, :n].transpose(0, 1, 3, 2, 4).reshape(s.layers, 2, n, s.dim)
 
     def output_names(self) -> list[str]:
         s = self.spec
@@ -93,10 +110,15 @@ class KVCache:
             raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
         return slice(pos, pos + n_valid)
 
-    def write(self, rows: np.ndarray, n_valid: int) -> None:
+    def write(self, rows: np.ndarray | None, n_valid: int) -> None:
         """rows [layers, 2 (K, V), ar, dim], a step's new rows (runtime/step.py stages them in one block): store the
-        first n_valid at slots length..length+n_valid-1 (padding rows are dropped), then advance length."""
+        first n_valid at slots length..length+n_valid-1 (padding rows are dropped), then advance length.
+        in_place (rows None): the graph stored them; only the length advances (rows it wrote beyond, a lookahead
+        step's rejected drafts, are stale slots like any beyond the length)."""
         pos = self.length
+        if rows is None:
+            self.length = self._slots(n_valid).stop
+            return
         if n_valid == 1 and pos < self.spec.max_context:  # a decode step: one assignment (no slices)
             self._by_slot[pos] = rows.transpose(2, 0, 1, 3)[0]
             self.length = pos + 1

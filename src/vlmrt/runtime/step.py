@@ -11,6 +11,9 @@ Both kinds of step read the cache prefix [:ctx] where it is and build positions 
              step allocates nothing and never copies the cache at the graph edge.
   PlainStep  session.run(feeds): sessions without io_binding (the torch reference, recorders, fakes in tests),
              and a symbolic-AR graph's short last prompt block (one bound step per block length would pile up).
+With the in_place cache layout (kv_cache.py) a step feeds the step's end (seqlens_k, total_sequence_length) instead
+of positions and a mask, the graph writes the new rows into the cache itself (a bound step binds each buffer as
+input and output) and `rows` is None.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def buffers_key(session, dec: DecoderSpec, ar: int, rows_out: int) -> tuple:
     """Steps with the same AR, logits rows and I/O types can share their StepBuffers (steps never run concurrently)."""
     ins = {i.name: i.type for i in session.get_inputs()}
     outs = {o.name: o.type for o in session.get_outputs()}
-    return ar, rows_out, ins[dec.embeds_input], ins[dec.positions_input], outs[dec.logits_output]
+    positions = ins[dec.positions_input] if dec.positions_input else "tensor(int64)"
+    return ar, rows_out, ins[dec.embeds_input], positions, outs[dec.logits_output]
 
 
 def logits_rows(dec: DecoderSpec, ar: int, all_rows: bool = False) -> int:
@@ -60,7 +64,10 @@ class StepBuffers:
         self.positions = np.zeros(ar, positions_dtype)
         self.logits = np.zeros((rows_out, dec.vocab_size), logits_dtype)
         self.logit_rows = np.arange(ar - rows_out, ar, dtype=np.int64)
-        self.rows = np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
+        self.in_place = cache.in_place
+        self.rows = None if cache.in_place else np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
+        self.seqlens, self.total = np.zeros(1, np.int32), np.zeros((), np.int32)  # in_place: the step's end
+        self.argmax = np.zeros(rows_out, np.int64)  # each logits row's argmax, where the graph returns it
         self._range = np.arange(ar, dtype=positions_dtype)
         # views made once for the decode loop (each numpy call after a graph call runs on cold caches)
         self.first, self.first_row = self.embeds[:1], self.embeds[0]
@@ -68,10 +75,14 @@ class StepBuffers:
     def load(self, embeds: np.ndarray, pos: int) -> None:
         """The step's inputs in place: embeds [n <= ar, hidden] (zero rows after them), positions pos..; embeds
         may be `first`, the buffer's first row, already written (then ar is 1: a decode step)."""
+        ar = len(self.positions)
+        if self.in_place:
+            self.seqlens[0] = pos + ar - 1
+            self.total[...] = pos + ar
         if embeds is self.first:  # Engine.step_token wrote the row in place
             self.positions[0] = pos
             return
-        n, ar = embeds.shape[0], len(self.positions)
+        n = embeds.shape[0]
         self.embeds[:n] = embeds
         if n < ar:
             self.embeds[n:] = 0  # a static graph's padded last block: computed, never written to the cache
@@ -105,31 +116,43 @@ class BoundStep:
         self.run_s = 0.0  # the last call's time inside session.run
         self.io = io = session.io_binding()
         ins = {i.name: i for i in session.get_inputs()}
-        self.mask = StepMask(ar, ctx, _ORT_DTYPES[ins[dec.mask_input].type], dec.mask_value)
+        self.mask = None if cache.in_place else StepMask(ar, ctx, _ORT_DTYPES[ins[dec.mask_input].type], dec.mask_value)
         self._keep = []  # OrtValues (and through them the arrays) bound to io
 
         def bind(name, arr, output=False):
             v = ort.OrtValue.ortvalue_from_numpy(arr)
             self._keep.append(v)
             (io.bind_ortvalue_output if output else io.bind_ortvalue_input)(name, v)
+            return v
 
         bind(dec.embeds_input, buffers.embeds)
-        bind(dec.positions_input, buffers.positions)
-        bind(dec.mask_input, self.mask.array)
         if dec.logit_rows_input:
             bind(dec.logit_rows_input, buffers.logit_rows)
+        bind(dec.logits_output, buffers.logits, output=True)
+        if dec.argmax_output:
+            bind(dec.argmax_output, buffers.argmax, output=True)
         s = cache.spec
+        if cache.in_place:
+            bind(dec.seqlens_input, buffers.seqlens)
+            bind(dec.total_length_input, buffers.total)
+            for i in range(s.layers):  # one OrtValue per buffer, as input and output: the graph updates it in place
+                for kv, (name_in, name_out) in enumerate(((s.key_input, s.key_output), (s.value_input, s.value_output))):
+                    v = bind(name_in.format(layer=i), cache.data[i, kv])
+                    io.bind_ortvalue_output(name_out.format(layer=i), v)
+            return
+        bind(dec.positions_input, buffers.positions)
+        bind(dec.mask_input, self.mask.array)
         for i in range(s.layers):
             bind(s.key_input.format(layer=i), cache.data[i, 0, :ctx])  # contiguous prefix: no copy
             bind(s.value_input.format(layer=i), cache.data[i, 1, :ctx])
             bind(s.key_output.format(layer=i), self.rows[i, 0], output=True)
             bind(s.value_output.format(layer=i), self.rows[i, 1], output=True)
-        bind(dec.logits_output, buffers.logits, output=True)
 
     def __call__(self, embeds: np.ndarray, pos: int) -> np.ndarray:
         """embeds [n <= ar, hidden] at positions pos.. -> logits (a view of the buffer the next step reuses)."""
         self.buffers.load(embeds, pos)
-        self.mask.at(pos)
+        if self.mask is not None:
+            self.mask.at(pos)
         t = time.perf_counter()
         self.session.run_with_iobinding(self.io)
         self.run_s = time.perf_counter() - t
@@ -143,20 +166,28 @@ class PlainStep:
         self.rows = self.buffers.rows
         self.run_s = 0.0
         self.mask = StepMask(ar, ctx, io_dtype, dec.mask_value)
-        self._out_names = [dec.logits_output, *cache.output_names()]
+        self._out_names = [dec.logits_output, *cache.output_names(), *([dec.argmax_output] if dec.argmax_output else [])]
 
     def __call__(self, embeds: np.ndarray, pos: int) -> np.ndarray:
-        b, d = self.buffers, self.dec
+        b, d, c = self.buffers, self.dec, self.cache
         b.load(embeds, pos)
-        feeds = {d.embeds_input: b.embeds, d.positions_input: b.positions, d.mask_input: self.mask.at(pos),
-                 **self.cache.feeds(self.ctx)}
+        if c.in_place:
+            feeds = {d.embeds_input: b.embeds, d.seqlens_input: b.seqlens, d.total_length_input: b.total}
+        else:
+            feeds = {d.embeds_input: b.embeds, d.positions_input: b.positions, d.mask_input: self.mask.at(pos)}
+        feeds.update(c.feeds(self.ctx))
         if d.logit_rows_input:
             feeds[d.logit_rows_input] = b.logit_rows
         t = time.perf_counter()
         logits, *rows = self.session.run(self._out_names, feeds)
         self.run_s = time.perf_counter() - t
+        if d.argmax_output:
+            b.argmax[:] = rows.pop()
         for j, r in enumerate(rows):  # output_names() order: K, V of layer 0, 1, ...
-            self.rows[j // 2, j % 2] = r
+            if c.in_place:  # the whole updated buffer: take the step's slots
+                c.data[j // 2, j % 2][..., pos : pos + self.ar, :] = r[..., pos : pos + self.ar, :]
+            else:
+                self.rows[j // 2, j % 2] = r
         return logits
 
 

@@ -1,0 +1,32 @@
+"""Two exports of one checkpoint (e.g. --attention portable vs gqa) give the same answers? Greedy ids of 5 text
+prompts in both modes (32 tokens, EOS ignored), then teacher-forced logits over the first answer's tokens:
+max |logit A - logit B| per prompt and mode, next to A's own kv-vs-hybrid difference (the float noise floor of one
+bundle). Usage: python benchmarks/attention_ab.py BUNDLE_A BUNDLE_B"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import vlmrt  # noqa: E402
+
+PROMPTS = ["Describe the picture in detail.", "What is written here?", "hi", "Write a haiku about the sea.",
+           "List five fruits, one per line."]
+va, vb = vlmrt.load(sys.argv[1]), vlmrt.load(sys.argv[2])
+same = 0
+for p in PROMPTS:
+    for mode in ("kv", "hybrid"):
+        ra = va(p, mode=mode, max_new_tokens=32, ignore_eos=True).token_ids
+        rb = vb(p, mode=mode, max_new_tokens=32, ignore_eos=True).token_ids
+        part = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), None)
+        same += part is None
+        print(f"{mode:6s} {p[:32]:32s} {'identical' if part is None else f'part at token {part}'}", flush=True)
+print(f"greedy ids: {same}/{2 * len(PROMPTS)} identical")
+for p in PROMPTS[:3]:
+    ids = va.prompt_ids(p, None)
+    answer = va(p, mode="kv", max_new_tokens=24, ignore_eos=True).token_ids
+    la = {m: va.engine.score(va.engine.embed(ids), answer, mode=m) for m in ("kv", "hybrid")}
+    for m in ("kv", "hybrid"):
+        lb = vb.engine.score(vb.engine.embed(ids), answer, mode=m)
+        print(f"logits {m:6s} {p[:24]:24s} max|A-B| {np.abs(la[m] - lb).max():.3g}   "
+              f"A kv vs A hybrid {np.abs(la['kv'] - la['hybrid']).max():.3g}")

@@ -1,0 +1,54 @@
+"""ORT's com.microsoft GroupQueryAttention as a torch op, so that the CPU decoder exports attention as one node.
+
+    out, present_k, present_v = torch.ops.vlmrt.group_query_attention(
+        q [1, s, heads*d], k [1, s, kv_heads*d], v [1, s, kv_heads*d],      (before RoPE)
+        past_k [1, kv_heads, max_context, d], past_v [...],                 (the cache, post-RoPE keys)
+        seqlens_k [1] int32 (= total - 1), total [] int32 (= past + s),
+        cos [positions, d/2], sin [positions, d/2], heads, kv_heads)
+
+The s new tokens sit at positions total - s .. total - 1: RoPE (rotate-half, transformers' form) is applied to q
+and k at those positions, their K/V rows are written into present at those slots, and each new token attends to
+slots 0..its position (causal inside the block). `present` has the shape of `past`: the runtime binds both to one
+buffer, so the graph updates the cache in place (ORT's past/present share-buffer mode). export/gqa_onnx.py maps
+the op onto the ORT node; the eager version below is its reference (tests/test_gqa.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [heads, s, d]; cos/sin [s, d/2]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@torch.library.custom_op("vlmrt::group_query_attention", mutates_args=())
+def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
+                          past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s, d = q.shape[1], past_k.shape[-1]
+    n = int(total)
+    pos = torch.arange(n - s, n)
+    c, si = cos[pos].to(q.dtype), sin[pos].to(q.dtype)  # [s, d/2]
+    qh = _rope(q[0].view(s, heads, d).transpose(0, 1), c, si)  # [heads, s, d]
+    kh = _rope(k[0].view(s, kv_heads, d).transpose(0, 1), c, si)  # [kv_heads, s, d]
+    present_k, present_v = past_k.clone(), past_v.clone()
+    present_k[0, :, n - s : n] = kh
+    present_v[0, :, n - s : n] = v[0].view(s, kv_heads, d).transpose(0, 1)
+    keys = present_k[0, :, :n].repeat_interleave(heads // kv_heads, 0)  # [heads, n, d]
+    values = present_v[0, :, :n].repeat_interleave(heads // kv_heads, 0)
+    scores = qh @ keys.transpose(1, 2) / math.sqrt(d)  # [heads, s, n]
+    hidden = torch.arange(n)[None, :] > pos[:, None]  # [s, n]: slots after a token's position
+    probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), -1).to(q.dtype)
+    out = (probs @ values).transpose(0, 1).reshape(1, s, heads * d)
+    return out, present_k, present_v
+
+
+@group_query_attention.register_fake
+def _(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, heads, kv_heads):
+    return torch.empty_like(q), torch.empty_like(past_k), torch.empty_like(past_v)

@@ -1,0 +1,48 @@
+"""The manifest's cross-field checks of the decoder: its tensor names are its graphs', its options fit together
+(manifest.load runs them; stdlib only)."""
+
+from __future__ import annotations
+
+from .bundle_error import BundleError
+
+
+def check_decoder(m) -> None:
+    """m: a manifest.Manifest whose sections were read."""
+    if m.kv.layout not in KV_LAYOUTS:
+        raise BundleError(f"bundle KV layout {m.kv.layout[:40]!r} is not known to this vlmrt; upgrade vlmrt")
+    check_io_names(m)
+    if m.decoder.last_logits and not m.decoder.dynamic_ar:
+        raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
+    if m.decoder.logit_rows_input and (m.decoder.last_logits or not m.decoder.dynamic_ar):
+        raise BundleError("manifest.json is malformed: decoder.logit_rows_input needs dynamic_ar, not last_logits")
+    if m.kv.layout == "in_place" and (m.kv.heads * m.kv.head_dim != m.kv.dim or m.kv.heads <= 0
+                                      or not m.decoder.dynamic_ar):  # (a padded block would land in the cache)
+        raise BundleError("manifest.json is malformed: kv.layout in_place needs kv.heads * kv.head_dim = kv.dim "
+                          "and decoder.dynamic_ar")
+
+
+KV_LAYOUTS = ("rows", "in_place")  # KVSpec.layout
+
+
+def check_io_names(m) -> None:
+    """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
+    m.graphs["vision"].input(m.vision.patches_input)
+    m.graphs["vision"].output(m.vision.embeds_output)
+    for name, g in m.graphs.items():
+        if name == "vision":
+            continue
+        d = m.decoder
+        step = (d.seqlens_input, d.total_length_input) if m.kv.layout == "in_place" else (d.positions_input, d.mask_input)
+        for t in (d.embeds_input, *step):
+            g.input(t or "")
+        if m.decoder.logit_rows_input:
+            g.input(m.decoder.logit_rows_input)
+        g.output(m.decoder.logits_output)
+        if m.decoder.argmax_output:
+            g.output(m.decoder.argmax_output)
+        for i in range(m.kv.layers):
+            try:
+                names = [f.format(layer=i) for f in (m.kv.key_input, m.kv.value_input, m.kv.key_output, m.kv.value_output)]
+            except (KeyError, IndexError, ValueError):
+                raise BundleError("manifest.json is malformed: kv tensor names must use only {layer}") from None
+            g.input(names[0]), g.input(names[1]), g.output(names[2]), g.output(names[3])

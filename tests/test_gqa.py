@@ -1,0 +1,106 @@
+"""The CPU decoder's attention as ORT's GroupQueryAttention over an in_place KV cache (the default of the one-graph
+CPU export, `--attention gqa`) against the portable graph of the same checkpoint (`--attention portable`, the
+graphs' own attention ops and host-written rows): both families (SmolVLM's Llama decoder; InternVL3.5's Qwen3, whose
+q/k norms come before the op's RoPE), the same greedy ids in both modes, text and image prompts, logits within float
+rounding, a lookahead run identical to plain, and the graph several times smaller per layer. The transformers
+oracles of test_smolvlm.py / test_internvl.py run on the gqa bundles (the session's default exports)."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+
+from conftest import image_file  # noqa: E402
+from vlmrt.runtime.pipeline import VLM  # noqa: E402
+
+PROMPTS = [("Describe the picture.", "chelsea.png"), ("Repeat: one two three, one two three, one two", None)]
+
+
+def _portable(ex, tmp_path_factory, **kw):
+    from vlmrt.export.pipeline import export
+
+    m = ex.manifest()
+    out = tmp_path_factory.mktemp("portable") / "bundle"
+    return export(str(ex.ckpt), out, progress=False, attention="portable", prefill_ar=m["decoder"]["prefill_ar"],
+                  max_seq_len=m["kv"]["max_context"], **kw)
+
+
+def _nodes(bundle) -> dict[str, int]:
+    g = onnx.load(str(bundle / "decoder.onnx"), load_external_data=False).graph
+    out = {}
+    for n in g.node:
+        out[n.op_type] = out.get(n.op_type, 0) + 1
+    return out
+
+
+def check_same_answers(gqa_bundle, portable_bundle, layers, tokens=16):
+    m = json.loads((gqa_bundle / "manifest.json").read_text())
+    assert m["kv"]["layout"] == "in_place" and m["decoder"]["seqlens_input"] == "seqlens_k"
+    mp = json.loads((portable_bundle / "manifest.json").read_text())
+    assert mp["kv"]["layout"] == "rows" and mp["decoder"]["context_step"] > 0  # symbolic cache length
+    assert m["decoder"]["context_step"] == 0  # (the in_place graph reads whole buffers)
+    fused, plain = _nodes(gqa_bundle), _nodes(portable_bundle)
+    assert fused["GroupQueryAttention"] == layers and "GroupQueryAttention" not in plain
+    assert sum(plain.values()) >= 2 * sum(fused.values()), (fused, plain)  # tiny graphs; the real decoder: 3.3x
+    a, b = VLM.load(gqa_bundle), VLM.load(portable_bundle)
+    for prompt, image in PROMPTS:
+        img = image_file(image, None) if image else None
+        for mode in ("kv", "hybrid"):
+            ra = a(prompt, img, mode=mode, max_new_tokens=tokens, ignore_eos=True)
+            rb = b(prompt, img, mode=mode, max_new_tokens=tokens, ignore_eos=True)
+            assert ra.token_ids == rb.token_ids, (prompt, mode)
+            np.testing.assert_allclose(a.engine.cache.stored(), b.engine.cache.stored(), rtol=0, atol=1e-4)
+    # teacher-forced logits of a hybrid prefill + decode steps
+    e_a, e_b = a.engine, b.engine
+    x = np.random.default_rng(0).standard_normal((37, a.manifest.decoder.hidden_size)).astype(np.float32) * 0.5
+    la, lb = e_a.score(x, list(range(5, 12))), e_b.score(x, list(range(5, 12)))
+    np.testing.assert_allclose(la, lb, rtol=0, atol=2e-4 * max(1.0, float(np.abs(lb).max())))
+    # lookahead on the gqa bundles: test_lookahead_bundles.py (the session's default exports)
+
+
+def test_smolvlm_gqa_equals_portable(default_bundle, tmp_path_factory, tmp_path):
+    from test_runtime_speed_paths import cache_readers
+
+    layers = default_bundle.manifest()["kv"]["layers"]
+    portable = _portable(default_bundle, tmp_path_factory)
+    # Shape: the symbolic cache length is read off the input's metadata, not its data; no copy of the cache
+    assert cache_readers(portable, tmp_path) <= {"MatMul", "FusedMatMul", "Shape"}
+    check_same_answers(default_bundle.bundle, portable, layers)
+
+
+def test_internvl_qwen3_gqa_equals_portable(tmp_path_factory):
+    import test_internvl
+
+    ex = test_internvl.exported(test_internvl.CASES[1], tmp_path_factory)  # Qwen3: q/k norms before RoPE
+    check_same_answers(ex.bundle, _portable(ex, tmp_path_factory), ex.manifest()["kv"]["layers"])
+
+
+def test_gqa_needs_the_one_graph_decoder(default_bundle, tmp_path, capsys):
+    from vlmrt.cli import main
+
+    rc = main(["export", str(default_bundle.ckpt), str(tmp_path / "out"), "--attention", "gqa", "--context-step", "0",
+               "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("vlmrt: error: --attention gqa needs the one-graph CPU decoder"), err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"layout": "paged"}, "bundle KV layout 'paged' is not known to this vlmrt; upgrade vlmrt"),
+    ({"heads": 3}, "kv.layout in_place needs kv.heads * kv.head_dim = kv.dim"),
+])
+def test_unknown_or_inconsistent_kv_layout_is_refused(default_bundle, tmp_path, change, needle):
+    import shutil
+
+    from vlmrt import manifest as mf
+
+    b = tmp_path / "b"
+    shutil.copytree(default_bundle.bundle, b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["kv"].update(change)
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(mf.BundleError, match=needle.replace("*", r"\*")):
+        mf.load(b, verify=False)
