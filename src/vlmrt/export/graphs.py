@@ -112,8 +112,8 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
                    precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
-                   dynamic_ar: bool = False) -> None:
-    """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): steps read
+                   dynamic_ar: bool = False, hessian=None) -> None:
+    """hessian: the GPTQ precisions' calibration (quantize.quantize_decoder). cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): steps read
     the cache without copying it (CachedGQAttention._copy_free_step) and RMSNorm chains become one fused op.
     dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
     (the dim is named "ctx"), so that one graph reads only the prefix of the cache that a step needs.
@@ -148,7 +148,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     )
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
-            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits"))
+            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits", hessian))
     if cpu:
         model = onnx.load(str(path))
         if fuse.fuse_rms_norm(model):
