@@ -5,7 +5,7 @@
 Assembles the checkpoint (vlmrt.demo.checkpoint), then scores on the same fixed stratified test
 subset (vlmrt.demo.easyvqa_data.select, 20 questions per answer at 260):
   transformers fp32 on the checkpoint (greedy `generate`, the oracle; its token ids are compared with
-  vlmrt fp32's, which must be identical), vlmrt fp32 / w8a16 / w4a16 / w4a16m / w4a8 / w4a8m / w4a8o / w4a16o (hybrid), the HTP bundle
+  vlmrt fp32's, which must be identical), vlmrt fp32 / w8a16 / w4a16 / w4a16m / w4a8 / w4a8m / w4a8o / w4a16o / w4a8g (hybrid), the HTP bundle
   (--target htp, calibrated on 12 easy-VQA *train* images x 4 questions) on the CPU EP in hybrid mode
   with and without KV requantization, and on the HTP simulator (--device htp, first
   --htp-sim-limit questions of the subset; the simulator is slow). Writes WORK/results.json and
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     htp = lambda: export(ckpt, work / "b-htp", "--target", "htp", "--keep-qdq", "--calibration", str(calibration_dir(work)))  # noqa: E731
     run("vlmrt fp32 hybrid", lambda: score_vlmrt(export(ckpt, work / "b-fp32", "--quant", "fp32"), rows))
     run("transformers fp32 (checkpoint)", lambda: score_transformers(ckpt, rows))
-    for q in ("w8a16", "w4a16", "w4a16m", "w4a8", "w4a8m", "w4a8o", "w4a16o"):
+    for q in ("w8a16", "w4a16", "w4a16m", "w4a8", "w4a8m", "w4a8o", "w4a16o", "w4a8g"):
         run(f"vlmrt {q} hybrid", lambda q=q: score_vlmrt(export(ckpt, work / f"b-{q}", "--quant", q), rows))
     run("vlmrt htp CPU EP hybrid", lambda: score_vlmrt(htp(), rows))
     run("vlmrt htp CPU EP hybrid --no-kv-requant", lambda: score_vlmrt(htp(), rows, kv_requant=False))

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULT = "fp32;fp16;w8a16;w4a16;w4a8;w4a8o;w4a16o;prefill=w8a16,decode=w4a16,lm_head=w8a16;htp;htp:w4a16;htp:w4a16o"
+DEFAULT = "fp32;fp16;w8a16;w4a16;w4a8;w4a8o;w4a16o;w4a8g;prefill=w8a16,decode=w4a16,lm_head=w8a16;htp;htp:w4a16;htp:w4a16o"
 HELD_OUT = [
     "Give me three tips for learning a new language.",
     "Summarize the plot of Romeo and Juliet in two sentences.",

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "room for the default max tiles for InternVL)")
     e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="graph I/O and KV cache type (default fp32)")
     e.add_argument("--quant", default=None,
-                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8|w4a16m|w4a8m|w4a16o|w4a8o for all graphs (4-bit ones keep the "
+                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8|w4a16m|w4a8m|w4a16o|w4a8o|w4a16g|w4a8g for all graphs (4-bit ones keep the "
                         "vision graph at 8 bits; the m ones also keep each layer's v_proj and down_proj at 8 bits, as Q4_K_M; the o "
                         "ones are 4-bit with a float offset per block, GGUF Q4_1's rule, and keep the lm head at 8 bits), or per graph, e.g. "
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype). --target htp: fp16 (the HTP's "

@@ -13,6 +13,27 @@ TEXT_PROMPTS = [
     "List three uses of a paperclip.",
 ]
 
+# GPTQ's calibration prompts (--quant w4a8g / w4a16g, export/calibrate_gptq.py): apart from TEXT_PROMPTS and from
+# benchmarks/quant_accuracy.py's HELD_OUT, so that neither evaluation set is one the weights were fitted on.
+CALIBRATION_PROMPTS = [
+    "What is photosynthesis?",
+    "Write a haiku about autumn leaves.",
+    "Explain how a bicycle works.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Describe a busy city street at night.",
+    "What are the benefits of regular exercise?",
+    "Tell me a short story about a dragon who loves books.",
+    "How does the internet work, in simple terms?",
+    "List five countries in South America.",
+    "What is the difference between weather and climate?",
+    "Write a friendly email inviting a colleague to lunch.",
+    "Explain the rules of chess briefly.",
+    "What causes earthquakes?",
+    "Suggest three names for a coffee shop.",
+    "How do vaccines protect us from disease?",
+]
+
 
 def sample_images() -> list[Path]:
     d = resources.files("vlmrt") / "data"

@@ -116,8 +116,8 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
                    precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
-                   dynamic_ar: bool = False, in_place: tuple[int, int] | None = None) -> None:
-    """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): steps read
+                   dynamic_ar: bool = False, in_place: tuple[int, int] | None = None, hessian=None) -> None:
+X
     the cache without copying it (CachedGQAttention._copy_free_step) and RMSNorm chains become one fused op.
     dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
     (the dim is named "ctx"), so that one graph reads only the prefix of the cache that a step needs.
@@ -132,7 +132,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
 
     if in_place:
         return _export_in_place(decoder, ar=ar, max_context=max_context, hidden=hidden, heads=in_place, layers=layers,
-                                io_dtype=io_dtype, precision=precision, head=head, path=path)
+                                io_dtype=io_dtype, precision=precision, head=head, path=path, hessian=hessian)
     dt = TORCH_DTYPES[io_dtype]
     # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context
     decoder = decoder.with_options(copy_free=cpu, logit_rows=dynamic_ar, rope_positions=max_context + ar)
@@ -158,7 +158,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     )
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
-            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits"))
+            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits", hessian))
     if cpu:
         model = onnx.load(str(path))
         if fuse.fuse_rms_norm(model):
@@ -175,7 +175,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
 
 
 def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: tuple[int, int], layers: int,
-                     io_dtype: str, precision: str, head: str, path: Path) -> None:
+                     io_dtype: str, precision: str, head: str, path: Path, hessian=None) -> None:
     """export_decoder's in_place graph: symbolic AR 1..ar, cache buffers of max_context slots."""
     from . import fuse, gqa_onnx, quantize
 
@@ -198,7 +198,7 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
         rewrite(path, model)
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
-            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits"))
+            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits", hessian))
     model = onnx.load(str(path))
     if fuse.fuse_rms_norm(model):
         rewrite(path, model)

@@ -108,7 +108,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
         quant = None  # the float bundle the HTP graphs are made from
     elif keep_qdq or shared_context or soc_model is not None or htp_arch is not None:
         raise ExportError("--soc-model, --htp-arch, --keep-qdq and --htp-shared-context are for --target htp")
-    p = Progress(9 if target == "htp" else 8, progress)
+    p = Progress((9 if target == "htp" else 8) + _uses_gptq(quant), progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                        force=force, context_step=context_step, attention=attention,
@@ -217,8 +217,35 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     return plan
 
 
-def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress) -> list[tuple[str, str]]:
-    """vision.onnx and the decoder graph(s) with their shared data files; returns [(graph name, file stem)]."""
+def _uses_gptq(quant: str | None) -> bool:
+    """Whether --quant names a GPTQ precision (one more export step: the calibration)."""
+    try:
+        return bool(set(quantize.parse(quant).values()) & set(quantize.GPTQ))
+    except quantize.QuantError:
+        return False  # _precisions reports it
+
+
+def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
+    """Hessians.for_weight of the float decoder on the calibration prompts, when a graph's precision is GPTQ's."""
+    if not {plan.prec["prefill"], plan.prec["decode"], plan.head} & set(quantize.GPTQ):
+        return None
+    from tokenizers import Tokenizer
+
+    from ..eval.samples import CALIBRATION_PROMPTS
+    from . import calibrate_gptq
+
+    p.start(f"GPTQ calibration ({len(CALIBRATION_PROMPTS)} prompts + {calibrate_gptq.TOKENS} generated tokens each)")
+    tok = Tokenizer.from_str(json.dumps(plan.tok_json))
+    ids = [tok.encode(plan.templates[1].replace("{prompt}", q), add_special_tokens=True).ids  # as runtime/prompt.py
+           for q in CALIBRATION_PROMPTS]
+    h = calibrate_gptq.hessians(decoder, embed, ids, calibrate_gptq.TOKENS)
+    p.done()
+    return h.for_weight
+
+
+def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=None) -> list[tuple[str, str]]:
+    """vision.onnx and the decoder graph(s) with their shared data files; returns [(graph name, file stem)].
+    hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
     p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
     graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"],
@@ -239,7 +266,7 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress) -> list[t
                               layers=t.layers, io_dtype=plan.dtype, precision=prec[name], head=h,
                               path=tmp / f"{stem}.onnx", cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
                               dynamic_ar=plan.one_graph,
-                              in_place=(t.kv_heads, t.head_dim) if plan.in_place else None)
+                              in_place=(t.kv_heads, t.head_dim) if plan.in_place else None, hessian=hessian)
         decoder_graphs.append((name, stem))
         p.done()
     p.start("sharing weights between graphs")
@@ -273,7 +300,7 @@ def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> 
 def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
     prec = plan.prec[name]
     ins, outs = graphs.io_specs(path)
-    weights = ({"block_size": quantize.BLOCK_SIZE, "symmetric": prec not in quantize.OFFSETS}
+    weights = ({"block_size": quantize.BLOCK_SIZE, "symmetric": prec not in (*quantize.OFFSETS, *quantize.GPTQ)}
                if prec in quantize.WEIGHT_ONLY_BITS else {})
     if name == "vision" and prec == "w8a8" and plan.dtype == "fp32":  # quantize.int8_matmuls
         weights = {"per_channel": True, "symmetric": True, "activations": "uint8, one scale per tensor at run time"}
@@ -344,7 +371,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note})")
 
     with staging.staged(out) as tmp:
-        decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p)
+        hessian = _gptq_hessians(plan, decoder, embed.numpy(), p)
+        decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian)
         embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
         p.start("manifest")
         m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file)

@@ -14,6 +14,9 @@ Precisions:
   w4a8   int4 weights as w4a16, computed in int8 likewise (what llama.cpp's Q4 x Q8 dot products do)
   w4a16o / w4a8o  int4 weights with a float offset per block (GGUF Q4_1's rule: w = d·q + m, min/max per block),
          on the same symmetric kernels plus the offsets' term (export/quantize_offsets.py); float / int8 compute
+  w4a16g / w4a8g  int4 weights with uint8 zero points (MatMulNBits' asymmetric form, as fast as the symmetric
+         kernel), chosen by GPTQ on calibration Hessians of the decoder (export/quantize_gptq.py,
+         export/calibrate_gptq.py); float / int8 compute
   w4a16m / w4a8m  the Q4_K_M-style mix: w4a16 / w4a8, but every decoder layer's v_proj and down_proj as w8a8
          (8-bit weights, int8 compute: ORT's CPU kernel for 8-bit weights with float activations is its slow
          path). Sizes, speeds and accuracy of every precision: docs/precisions.md.
@@ -29,18 +32,21 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import quantize_offsets
+from . import quantize_gptq, quantize_offsets
 
-PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o")
+PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o", "w4a16g", "w4a8g")
 GRAPHS = ("vision", "prefill", "decode", "lm_head")
-WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4, "w8a8": 8, "w4a8": 4, "w4a16m": 4, "w4a8m": 4, "w4a16o": 4, "w4a8o": 4}
+WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4, "w8a8": 8, "w4a8": 4, "w4a16m": 4, "w4a8m": 4, "w4a16o": 4, "w4a8o": 4,
+                    "w4a16g": 4, "w4a8g": 4}
 # MatMulNBits accuracy_level: None keeps float activations (a16 = "not 8-bit": fp32 on the CPU EP). ORT 1.32's
 # CPU kernel for 8-bit weights is only fast with int8 compute (level 4: activations quantized per block at run
 # time): that is w8a8, and for 4-bit weights w4a8 (measured: docs/precisions.md).
 ACCURACY_LEVEL = {"w8a16": None, "w4a16": None, "w8a8": 4, "w4a8": 4, "w4a16m": None, "w4a8m": 4, "w4a16o": None,
-                  "w4a8o": 4}
-# The block-offset precisions (asymmetric, float offset: export/quantize_offsets.py); the others are symmetric.
+                  "w4a8o": 4, "w4a16g": None, "w4a8g": 4}
+# The block-offset precisions (asymmetric, float offset: export/quantize_offsets.py); the others but GPTQ are symmetric.
 OFFSETS = ("w4a16o", "w4a8o")
+# GPTQ with integer zero points (export/quantize_gptq.py): the decoder only (its calibration runs the decoder).
+GPTQ = ("w4a16g", "w4a8g")
 BLOCK_SIZE = 32
 # A plain 4-bit --quant keeps the vision graph at 8 bits (name `vision=w4a16` to get 4): the tower is a small
 # part of the bundle and sees every image token, and int4 RTN there cost the easy-VQA demo model most of its
@@ -49,7 +55,7 @@ BLOCK_SIZE = 32
 # decoder the int8 tower scored 252/260 on easy-VQA vs 253 (docs/performance.md#vision-encode); name `vision=w8a8`
 # for the fast tower.
 VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8", "w4a16o": "w8a16",
-                   "w4a8o": "w8a8"}
+                   "w4a8o": "w8a8", "w4a16g": "w8a16", "w4a8g": "w8a8"}
 # ... and the lm head of a plain block-offset spec at 8 bits (int8 compute, as the body): it is the decoder's largest
 # MatMul and reads every logit; llama.cpp's Q4 GGUFs keep it at 6-8 bits too (SmolLM2's tied embedding is not Q4_1),
 # and at 4 bits it cost the real decoder 0.14 of top-1 (docs/precisions.md). Name `lm_head=w4a8o` to get 4.
@@ -87,6 +93,9 @@ def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
             if prec not in PRECISIONS:
                 raise QuantError(f"unknown precision {prec!r} for {name}; choose one of {', '.join(PRECISIONS)}")
             out[name] = prec
+        if out.get("vision") in GPTQ:
+            raise QuantError("vision=w4a16g / w4a8g: GPTQ is calibrated on the decoder only; give the vision graph "
+                             "another precision (w8a8, w4a8, ...)")
         for g in ("vision", "prefill", "decode"):
             out.setdefault(g, default)
     return out
@@ -152,17 +161,22 @@ def weight_only(model: onnx.ModelProto, bits: int, *, include: list[str] | None 
     return q.model.model
 
 
-def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str) -> onnx.ModelProto:
-    """Weight-only quantization of a decoder graph exported in float: body and lm head precisions."""
+def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, hessian=None) -> onnx.ModelProto:
+    """Weight-only quantization of a decoder graph exported in float: body and lm head precisions. hessian(weight
+    name) -> H [K, K] of that MatMul's input (calibrate_gptq.Hessians.for_weight): needed by the GPTQ precisions."""
+    if (body in GPTQ or head in GPTQ) and hessian is None:
+        raise QuantError(f"--quant {body if body in GPTQ else head}: GPTQ needs the decoder's calibration Hessians")
     if body not in WEIGHT_ONLY_BITS and head not in WEIGHT_ONLY_BITS:
         return model
     model = gemm_to_matmul(model)
     lm = producer_matmul(model, logits)
     if lm is None:
         raise QuantError("cannot find the lm head MatMul in the decoder graph")
+    others = {n.name for n in model.graph.node if n.op_type == "MatMul"} - {lm}
     if head in OFFSETS:
-        others = {n.name for n in model.graph.node if n.op_type == "MatMul"} - {lm}
         set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[head], exclude=others))
+    elif head in GPTQ:
+        set_nodes(model.graph, quantize_gptq.gptq_nodes(model, hessian, ACCURACY_LEVEL[head], exclude=others))
     elif head in WEIGHT_ONLY_BITS:
         model = weight_only(model, WEIGHT_ONLY_BITS[head], include=[lm], accuracy_level=ACCURACY_LEVEL[head])
     wide = mixed_8bit_matmuls(model) if body in MIX_OF else []
@@ -174,6 +188,8 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str) 
         model = weight_only(model, 8, include=wide, accuracy_level=ACCURACY_LEVEL[MIX_OF[body]])
     if body in OFFSETS:  # the lm head is no MatMul any more when quantized; exclude it when it stays float
         set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[body], exclude={lm}))
+    elif body in GPTQ:
+        set_nodes(model.graph, quantize_gptq.gptq_nodes(model, hessian, ACCURACY_LEVEL[body], exclude={lm}))
     elif body in WEIGHT_ONLY_BITS:  # the 4-bit pass takes the MatMuls still float (MatMulNBits nodes are not MatMuls)
         model = weight_only(model, WEIGHT_ONLY_BITS[body], exclude=[lm], accuracy_level=ACCURACY_LEVEL[body])
     return model
