@@ -117,7 +117,7 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
                    precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
                    dynamic_ar: bool = False, in_place: tuple[int, int] | None = None, hessian=None) -> None:
-X
+    """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): steps read
     the cache without copying it (CachedGQAttention._copy_free_step) and RMSNorm chains become one fused op.
     dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
     (the dim is named "ctx"), so that one graph reads only the prefix of the cache that a step needs.
@@ -127,7 +127,8 @@ X
     (the last row for a prefill block or a decode step, all of a lookahead verify step's).
     in_place = (kv_heads, head_dim) (with dynamic_ar): attention as ORT's GroupQueryAttention over cache buffers
     [1, kv_heads, max_context, head_dim] that the graph updates in place (CausalDecoder in_place): inputs
-    inputs_embeds, seqlens_k, total_sequence_length, past_*, logit_rows; outputs logits, present_*, next_token."""
+    inputs_embeds, seqlens_k, total_sequence_length, past_*, logit_rows; outputs logits, present_*, next_token.
+    hessian: the GPTQ precisions' calibration (quantize.quantize_decoder)."""
     from . import fuse, quantize
 
     if in_place:
