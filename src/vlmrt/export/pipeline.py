@@ -229,18 +229,9 @@ def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
     """Hessians.for_weight of the float decoder on the calibration prompts, when a graph's precision is GPTQ's."""
     if not {plan.prec["prefill"], plan.prec["decode"], plan.head} & set(quantize.GPTQ):
         return None
-    from tokenizers import Tokenizer
-
-    from ..eval.samples import CALIBRATION_PROMPTS
     from . import calibrate_gptq
 
-    p.start(f"GPTQ calibration ({len(CALIBRATION_PROMPTS)} prompts + {calibrate_gptq.TOKENS} generated tokens each)")
-    tok = Tokenizer.from_str(json.dumps(plan.tok_json))
-    ids = [tok.encode(plan.templates[1].replace("{prompt}", q), add_special_tokens=True).ids  # as runtime/prompt.py
-           for q in CALIBRATION_PROMPTS]
-    h = calibrate_gptq.hessians(decoder, embed, ids, calibrate_gptq.TOKENS)
-    p.done()
-    return h.for_weight
+    return calibrate_gptq.prompt_hessians(decoder, embed, plan.tok_json, plan.templates[1], p).for_weight
 
 
 def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=None) -> list[tuple[str, str]]:
