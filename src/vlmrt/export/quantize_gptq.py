@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .weight_matmuls import rewrite_weight_matmuls
+
 BLOCK = 32
 DAMP = 0.01
 
@@ -103,18 +105,10 @@ def gptq_nodes(model: onnx.ModelProto, hessian, accuracy_level: int | None, excl
     """model's nodes with every constant-weight MatMul not in exclude as zp_matmul; hessian(weight name) -> H [K, K]
     of that MatMul's input, or None (round to nearest). The new initializers are appended to the graph; the caller
     sets the nodes and drops the weights no node reads (quantize.set_nodes)."""
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    nodes = []
-    for node in g.node:
-        w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
-        if w is None or node.name in exclude or len(w.dims) != 2:
-            nodes.append(node)
-            continue
-        if w.data_type != onnx.TensorProto.FLOAT:
-            raise ValueError("--quant w4a16g / w4a8g take float32 graphs only (not --dtype fp16)")
-        new, new_inits = zp_matmul(node.name or node.output[0], node.input[0], node.output[0], numpy_helper.to_array(w),
-                                   hessian(w.name), accuracy_level)
-        nodes.append(new)
-        g.initializer.extend(new_inits)
-    return nodes
+
+    def rule(node, name, w):
+        new, new_inits = zp_matmul(node.name or node.output[0], node.input[0], node.output[0], w, hessian(name),
+                                   accuracy_level)
+        return [new], new_inits
+
+    return rewrite_weight_matmuls(model, exclude, "w4a16g / w4a8g", rule)

@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .weight_matmuls import rewrite_weight_matmuls
+
 BLOCK = 32
 
 
@@ -83,19 +85,10 @@ def offset_nodes(model: onnx.ModelProto, accuracy_level: int | None, exclude: se
     """model's nodes with every constant-weight MatMul not in exclude as offsets_matmul (whose initializers are
     appended to the graph; the caller sets the nodes and drops the weights no node reads: quantize.set_nodes)."""
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
     ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in [*g.input, *g.value_info, *g.output]}
-    nodes = []
-    for node in g.node:
-        w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
-        if w is None or node.name in exclude or len(w.dims) != 2:
-            nodes.append(node)
-            continue
-        if w.data_type != onnx.TensorProto.FLOAT:  # scales, offsets and the Gemm are float32
-            raise ValueError("--quant w4a16o / w4a8o take float32 graphs only (not --dtype fp16)")
-        new, new_inits = offsets_matmul(node.name or node.output[0], node.input[0], node.output[0],
-                                        numpy_helper.to_array(w), accuracy_level,
-                                        two_d=ranks.get(node.input[0], 2) == 2)  # the exporter's Linear inputs are 2-D
-        nodes += new
-        g.initializer.extend(new_inits)
-    return nodes
+
+    def rule(node, _name, w):
+        return offsets_matmul(node.name or node.output[0], node.input[0], node.output[0], w, accuracy_level,
+                              two_d=ranks.get(node.input[0], 2) == 2)  # the exporter's Linear inputs are 2-D
+
+    return rewrite_weight_matmuls(model, exclude, "w4a16o / w4a8o", rule)
