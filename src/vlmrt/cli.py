@@ -86,7 +86,7 @@ def _run(a) -> int:
     else:
         for piece in gen:
             print(piece, end="", flush=True)
-        print()
+        print(flush=True)  # the answer's line ends before the report (stderr) when both go to one pipe
         print(_stats_report(vlm.result), file=sys.stderr)
     return 0
 
