@@ -1,6 +1,8 @@
 """A/B of quantize.fuse_shared_input_matmuls on one decode step: the same float decode graph quantized with and
 without the fusion, outputs compared, then interleaved timings (ms per call over 40 calls, 6 rounds).
 
+It takes the portable (rows-contract) decoder: a bundle exported with `--attention portable`.
+
     python benchmarks/fusion_ab.py BUNDLE_FP32/decoder.onnx [--quant w4a8] [--threads 2] [--pos 300]
 """
 import argparse

@@ -28,7 +28,7 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
 
     from vlmrt import manifest as mf
     from vlmrt.runtime.bundle import SharedWeights
-    from vlmrt.runtime.kv_cache import attention_mask, context_slots
+    from vlmrt.runtime.kv_cache import KVCache, attention_mask, context_slots
 
     m = mf.load(bundle, verify=False)
     g = m.graphs[graph]
@@ -42,22 +42,41 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
     so.enable_profiling = True
     so.profile_file_prefix = f"/tmp/vlmrt-prof-{os.getpid()}"
     s = ort.InferenceSession(str(bundle / g.file), so, providers=["CPUExecutionProvider"])
-    ar = 1 if graph == "decode" else m.decoder.prefill_ar
-    # the cache prefix the runtime binds for a step at pos (symbolic "ctx"), else the whole cache
-    ctx = context_slots(pos, m.decoder.context_step, m.kv.max_context) if m.decoder.context_step else m.kv.max_context
     dec = m.decoder
+    ar = 1 if graph == "decode" else dec.prefill_ar
+    cache = KVCache(m.kv)
+    # the cache the runtime binds for a step at pos: rows layout, the prefix (symbolic "ctx") or the whole cache;
+    # in_place, the whole buffers with the step's end in seqlens_k / total_sequence_length
+    ctx = context_slots(pos, dec.context_step, m.kv.max_context) if dec.context_step else m.kv.max_context
+    feeds = cache.feeds(None if cache.in_place else ctx)
     dtype = g.input(dec.embeds_input).dtype
-    feeds = {i.name: np.zeros((ctx, m.kv.dim), dtype=i.dtype) for i in g.inputs}  # the cache inputs
     feeds[dec.embeds_input] = (np.random.default_rng(0).standard_normal((ar, dec.hidden_size)) * 0.02).astype(dtype)
-    feeds[dec.positions_input] = np.arange(pos, pos + ar)
-    feeds[dec.mask_input] = attention_mask(pos, ar, ctx, g.input(dec.mask_input).dtype)
+    if cache.in_place:
+        feeds[dec.seqlens_input] = np.array([pos + ar - 1], np.int32)
+        feeds[dec.total_length_input] = np.array(pos + ar, np.int32)
+    else:
+        feeds[dec.positions_input] = np.arange(pos, pos + ar)
+        feeds[dec.mask_input] = attention_mask(pos, ar, ctx, g.input(dec.mask_input).dtype)
     if dec.logit_rows_input:
         feeds[dec.logit_rows_input] = np.array([ar - 1])  # the last row's logits, as the runtime asks
+    # bound as the runtime binds them: in_place, each present KV output is its past buffer (the graph writes the
+    # step's rows there; a plain run() would copy the whole buffer into a new present every call)
+    io, keep = s.io_binding(), []
+    for name, arr in feeds.items():
+        keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
+        io.bind_ortvalue_input(name, keep[-1])
+    present = dict(zip(cache.output_names(), cache.feeds().values())) if cache.in_place else {}
+    for o in s.get_outputs():
+        if o.name in present:
+            keep.append(ort.OrtValue.ortvalue_from_numpy(present[o.name]))
+            io.bind_ortvalue_output(o.name, keep[-1])
+        else:
+            io.bind_output(o.name)
     for _ in range(3):
-        s.run(None, feeds)
+        s.run_with_iobinding(io)
     t = time.perf_counter()
     for _ in range(steps):
-        s.run(None, feeds)
+        s.run_with_iobinding(io)
     wall = (time.perf_counter() - t) / steps
     events = json.load(open(s.end_profiling()))
     tot, cnt = collections.Counter(), collections.Counter()
