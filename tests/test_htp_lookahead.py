@@ -40,7 +40,8 @@ def oracle(answer: list[int], vocab: int) -> list[int]:
 
 def lookahead_runs(b, device: str, prompts, modes, tokens: int = 24):
     """(plain ids, lookahead ids, lookahead stats, plain cache rows, lookahead cache rows, rows beyond the length
-    written) per prompt and mode, with the oracle drafter and with prompt lookup itself."""
+    written, gap) per prompt and mode, with the oracle drafter and with prompt lookup itself; gap: how far below
+    plain decoding's best logit (teacher-forced on the lookahead ids) the emitted tokens' logits fall, at most."""
     plain, fast = VLM.load(b, device=device), VLM.load(b, device=device, lookahead=4)
     vocab = plain.manifest.decoder.vocab_size
     for prompt, image in prompts:
@@ -51,9 +52,14 @@ def lookahead_runs(b, device: str, prompts, modes, tokens: int = 24):
                 fast.engine.cache.data[:] = 0  # so that a row written beyond the cache length shows
                 got = list(fast.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True,
                                                 prompt_ids=drafts_from))
-                pc, fc = plain.engine.cache, fast.engine.cache
-                yield (a, got, fast.engine.last, pc.stored().astype(int), fc.stored().astype(int),
-                       bool(fc.data[:, :, fc.length:].any()))
+                st, rows, beyond = fast.engine.last, fast.engine.cache.stored().astype(int), bool(
+                    fast.engine.cache.data[:, :, fast.engine.cache.length:].any())
+                gap = 0.0
+                if got != a:
+                    scores = plain.engine.score(embeds, got, mode=mode)
+                    gap = max(float(sc.max() - sc[t]) for sc, t in zip(scores, got))
+                    list(plain.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True))
+                yield a, got, st, plain.engine.cache.stored().astype(int), rows, beyond, gap
 
 
 def test_verify_graph_in_the_manifest_with_decodes_quantization(tmp_path_factory):
@@ -77,16 +83,17 @@ def test_verify_graph_in_the_manifest_with_decodes_quantization(tmp_path_factory
 
 
 def test_lookahead_equals_plain_on_the_cpu_ep(tmp_path_factory):
-    """The QDQ graphs on the CPU EP: greedy lookahead ids equal plain decoding's, kv and hybrid mode; drafts are
-    accepted (oracle) and rejected; the cache holds the rows of the emitted tokens only, within 2 uint8 steps of a
-    plain run's (a verify row sees its block's earlier K/V at 16 bits where plain decoding reads them back from the
-    uint8 cache; measured max 2 steps)."""
+    """The QDQ graphs on the CPU EP: greedy lookahead ids equal plain decoding's on this fixture, kv and hybrid mode;
+    drafts are accepted (oracle) and rejected; the cache holds the rows of the emitted tokens only, within 2 uint8
+    steps of a plain run's: a verify row sees its block's earlier K/V at 16 bits where plain decoding reads them back
+    from the uint8 cache (measured max 2 steps), which is also why identity is not guaranteed at near-ties (the
+    InternVL fixture parts at one: test_internvl.py)."""
     drafted = accepted = 0
-    for a, got, st, pc, fc, beyond in lookahead_runs(bundle("htp", tmp_path_factory), "cpu", PROMPTS, ("kv", "hybrid")):
+    for a, got, st, pc, fc, beyond, _ in lookahead_runs(bundle("htp", tmp_path_factory), "cpu", PROMPTS, ("kv", "hybrid")):
         assert got == a
         assert pc.shape == fc.shape and np.abs(pc - fc).max() <= 2 and not beyond, "a rejected draft's row is in the cache"
         drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_tokens
-    assert accepted >= 40 and drafted > accepted  # measured: accepted 84 of 104 drafted
+    assert accepted >= 40 and drafted > accepted  # measured: 80 of 84 drafted tokens accepted
 
 
 def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
