@@ -83,15 +83,13 @@ def test_verify_graph_in_the_manifest_with_decodes_quantization(tmp_path_factory
 
 
 def test_lookahead_equals_plain_on_the_cpu_ep(tmp_path_factory):
-    """The QDQ graphs on the CPU EP: greedy lookahead ids equal plain decoding's on this fixture, kv and hybrid mode;
-    drafts are accepted (oracle) and rejected; the cache holds the rows of the emitted tokens only, within 2 uint8
-    steps of a plain run's: a verify row sees its block's earlier K/V at 16 bits where plain decoding reads them back
-    from the uint8 cache (measured max 2 steps), which is also why identity is not guaranteed at near-ties (the
-    InternVL fixture parts at one: test_internvl.py)."""
+    """The QDQ graphs on the CPU EP: greedy lookahead ids equal plain decoding's, kv and hybrid mode; drafts are
+    accepted (oracle) and rejected; the cache holds the rows of the emitted tokens only, within 1 uint8 step of a
+    plain run's (rows of a 5-row call; measured max 1; 2 before the graphs attended to their own rows as stored)."""
     drafted = accepted = 0
     for a, got, st, pc, fc, beyond, _ in lookahead_runs(bundle("htp", tmp_path_factory), "cpu", PROMPTS, ("kv", "hybrid")):
         assert got == a
-        assert pc.shape == fc.shape and np.abs(pc - fc).max() <= 2 and not beyond, "a rejected draft's row is in the cache"
+        assert pc.shape == fc.shape and np.abs(pc - fc).max() <= 1 and not beyond, "a rejected draft's row is in the cache"
         drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_tokens
     assert accepted >= 40 and drafted > accepted  # measured: 80 of 84 drafted tokens accepted
 
@@ -99,9 +97,9 @@ def test_lookahead_equals_plain_on_the_cpu_ep(tmp_path_factory):
 def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
     """--device htp: the verify context binary runs on the NPU (CPU fallback off). A verify call over 5 tokens: row 0
     is a decode step (logits bit for bit, measured), rows 1-4 within 0.15 of 4 sequential decode steps (measured max
-    0.08, logits ~3.4: see test_lookahead_equals_plain_on_the_cpu_ep for why they are not bit for bit), and a lookahead
-    run emits at each step a token within that gap of plain decoding's best (measured: the same ids until a step
-    where plain decoding's top two logits are 0.013 or less apart, a near-tie of this random fixture)."""
+    0.11, logits ~3.3: the HTP computes a 5-row call slightly differently from a 1-row call, its new K/V one uint8
+    step apart), and a lookahead run emits at each step a token within that gap of plain decoding's best (measured:
+    3 of 4 runs plain decoding's ids, one parting at a top-2 margin of 0.013, a near-tie of this random fixture)."""
     b = bundle("htp", tmp_path_factory)
     npu = VLM.load(b, device="htp", lookahead=4)
     on_npu(npu)

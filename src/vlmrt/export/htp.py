@@ -269,9 +269,10 @@ def _float_graph(model: onnx.ModelProto, dst: Path, m: mf.Manifest, enc: dict | 
 
 
 def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifest, enc: dict | None, prec: str,
-               head: str | None, like: onnx.ModelProto | None = None) -> tuple[dict, int]:
+               head: str | None, like: onnx.ModelProto | None = None, as_stored: bool = False) -> tuple[dict, int]:
     """A QDQ graph (a16, weights per prec; head: the decoder's lm head precision); returns (KV encodings, the number
-    of block-wise int4 weights). like: the QDQ graph whose quantization it takes (the verify graph: decode's)."""
+    of block-wise int4 weights). like: the QDQ graph whose quantization it takes (the verify graph: decode's);
+    as_stored: the step's own K/V rows attended as the cache stores them (htp_verify.attend_as_stored)."""
     four = ("w4a16", "w4a16o")
     lm = htp_precisions.head_node(model, m.decoder.logits_output) if head and (prec in four or head in four) else None
     body = {node for node, _ in int4_blocks.weight_axes(model).values()} - {lm}
@@ -291,6 +292,8 @@ def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifes
     if enc is not None:
         kin, kout, want = _kv_names(m, enc)
         got = _cut_kv_edges(q, kin, kout, want)
+        if as_stored:
+            htp_verify.attend_as_stored(q, list(kout))
     if like is not None:
         htp_verify.copy_encodings(like, q)
     graphs.rewrite(dst, q)
@@ -328,7 +331,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         if p == "fp16":
             got, blocks = _float_graph(model, dst, m, enc), 0
         else:
-            got, blocks = _qdq_graph(model, out_dir / f"{name}.float.onnx", dst, rec[name], m, enc, p, head, like)
+            got, blocks = _qdq_graph(model, out_dir / f"{name}.float.onnx", dst, rec[name], m, enc, p, head, like,
+                                     as_stored=name in ("decode", "verify") and bool(m.decoder.verify_ar))
         del model, like
         if enc is not None:  # the graph's own encodings
             encodings[name] = {kind: [list(got[fin.format(layer=i)]) for i in range(m.kv.layers)]

@@ -9,7 +9,10 @@ precision, weights and KV encoding (the cache it reads and writes is decode's), 
 decode graph's (scale, zero point) (`copy_encodings`) -- static 16-bit encodings are per tensor, so a row's
 arithmetic then does not depend on the other rows. It is quantized like any graph first (calibration feeds made from
 decode's recordings, `TiledFeeds`), which places its Q/DQ nodes as decode's are placed; then decode's values replace
-the calibrated ones node by node.
+the calibrated ones node by node. In both graphs the attention reads the step's own new K/V rows as the cache stores
+them (`attend_as_stored`: through the uint8 cache encoding), not at 16 bits: a verify row's view of its block's
+earlier tokens is then what a decode step reads back from the cache for them (without it, rows 1.. of a verify call
+were up to 0.08 of ~3.4 apart in logits from sequential decode steps, and answers parted at near-ties).
 """
 
 from __future__ import annotations
@@ -69,3 +72,66 @@ class TiledFeeds:
             g[d.mask_input] = (attention_mask(pos, ar, self.ctx, np.float32, neg=d.mask_value), None)
             rec.first.append(g)
         return rec.reader()
+
+
+def attend_as_stored(model: onnx.ModelProto, outputs: list[str]) -> int:
+    """Make a QDQ decoder graph attend to its step's own K/V rows as the cache stores them: each new-rows output
+    (uint8, the cache encoding) is dequantized, reshaped back and re-encoded as the graph reads the cache (the
+    16-bit encoding of the past side of the Concat it feeds), and the Concat takes that instead of the 16-bit rows.
+    A verify row then sees its block's earlier tokens exactly as a decode step reads them from the cache, and the
+    decode graph (given the same change) its own token as later steps will. Returns the Concats changed."""
+    from onnx import helper, numpy_helper, shape_inference
+
+    g = model.graph
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in shape_inference.infer_shapes(model).graph.value_info}
+    prod = {o: n for n in g.node for o in n.output}
+    changed = 0
+    for out in outputs:
+        q = prod[out]  # QuantizeLinear(cache encoding) -> out
+        t = q.input[0]
+        while prod[t].op_type in ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten"):
+            t = prod[t].input[0]
+        q16 = prod[prod[prod[t].input[0]].input[0]].input[0]  # DQ <- Q (convert) <- DQ <- the rows' 16-bit Q
+        hits = [(n, j) for n in g.node if n.op_type == "Concat" for j, i in enumerate(n.input)
+                if i in prod and prod[i].op_type == "DequantizeLinear" and prod[i].input[0] == q16]
+        if len(hits) != 1:
+            raise ValueError(f"{out}: expected one Concat of the new rows with the cache, found {len(hits)}")
+        concat, j = hits[0]
+        past = prod[concat.input[1 - j]]  # the cache side: DequantizeLinear(its 16-bit encoding)
+        shape = shapes.get(concat.input[j])
+        if past.op_type != "DequantizeLinear" or not shape or 0 in shape:
+            raise ValueError(f"{out}: the cache side of {concat.name} is not a DequantizeLinear of known shape")
+        r = [f"{out}_as_stored_{k}" for k in range(4)]
+        g.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), f"{out}_as_stored_shape"))
+        new = [helper.make_node("DequantizeLinear", [out, q.input[1], q.input[2]], [r[0]], name=r[0]),
+               helper.make_node("Reshape", [r[0], f"{out}_as_stored_shape"], [r[1]], name=r[1]),
+               helper.make_node("QuantizeLinear", [r[1], past.input[1], past.input[2]], [r[2]], name=r[2]),
+               helper.make_node("DequantizeLinear", [r[2], past.input[1], past.input[2]], [r[3]], name=r[3])]
+        concat.input[j] = r[3]
+        g.node.extend(new)
+        changed += 1
+    _toposort(g)
+    return changed
+
+
+def _toposort(g) -> None:
+    """Reorder g's nodes so that every node comes after the producers of its inputs (stable otherwise)."""
+    ready = {i.name for i in g.input} | {i.name for i in g.initializer} | {""}
+    pending, done = list(g.node), []
+    while pending:
+        rest = []
+        for n in pending:
+            if all(i in ready for i in n.input):
+                done.append(n)
+                ready.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):
+            raise ValueError("the graph has a cycle")
+        pending = rest
+    nodes = [onnx.NodeProto() for _ in done]
+    for a, b in zip(nodes, done):
+        a.CopyFrom(b)
+    del g.node[:]
+    g.node.extend(nodes)
