@@ -49,8 +49,9 @@ class FakeDecoder:
 
 
 def make_engine(max_context=24, ar=4, seed=0, one_graph=False, context_step=0, wrap=lambda fake: fake,
-                old_one_graph=False, lookahead=0):
-    """one_graph: a graph symbolic in AR with a logit_rows input; old_one_graph: with last_logits instead."""
+                old_one_graph=False, lookahead=0, verify_ar=0):
+    """one_graph: a graph symbolic in AR with a logit_rows input; old_one_graph: with last_logits instead;
+    verify_ar: static graphs with a lookahead verify graph of that AR (the same fake serves it)."""
     rng = np.random.default_rng(seed)
     fake = FakeDecoder(rng)
     kv = KVSpec(layers=1, dim=D, max_context=max_context, dtype="float32", key_input="past_key_{layer}",
@@ -58,11 +59,12 @@ def make_engine(max_context=24, ar=4, seed=0, one_graph=False, context_step=0, w
     dec = DecoderSpec(hidden_size=H, vocab_size=V, prefill_ar=ar, embeds_input="inputs_embeds", positions_input="position_ids",
                       mask_input="attention_mask", logits_output="logits", embedding_file="embed.npy", embedding_dtype="float32",
                       dynamic_ar=one_graph or old_one_graph, last_logits=old_one_graph, context_step=context_step,
-                      logit_rows_input="logit_rows" if one_graph else None)
+                      logit_rows_input="logit_rows" if one_graph else None, verify_ar=verify_ar)
     fake.last_logits = old_one_graph
     table = rng.standard_normal((V, H)).astype(np.float32)
     session = wrap(fake)
-    return Engine(session, session, kv, dec, table, eos_ids=[0], lookahead=lookahead), fake
+    return Engine(session, session, kv, dec, table, eos_ids=[0], lookahead=lookahead,
+                  verify=session if verify_ar else None), fake
 
 
 def reference_greedy(engine, fake, prompt_ids, n):

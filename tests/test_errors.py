@@ -144,6 +144,15 @@ def test_last_rows_logits_without_dynamic_ar_is_refused(bundle_copy, capsys, fie
     assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), f"{field} needs")
 
 
+def test_verify_ar_without_a_verify_graph_is_refused(bundle_copy, capsys):
+    """decoder.verify_ar and graphs.verify (the HTP target's lookahead verify graph) come together, on static graphs."""
+    m = json.loads((bundle_copy / "manifest.json").read_text())
+    m["decoder"]["verify_ar"] = 5
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"),
+                          "graphs.verify and decoder.verify_ar (>= 2, static graphs) go together")
+
+
 def test_lookahead_that_the_bundle_cannot_verify_is_refused(bundle_copy, capsys):
     """A draft length over the graph's AR, a negative one, and any lookahead on a bundle without
     decoder.logit_rows_input (exported before it: its graph returns one row of logits) are one-line errors."""

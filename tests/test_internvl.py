@@ -232,11 +232,26 @@ def test_htp_context_binaries_qwen2_biases(tmp_path_factory):
     case = CASES[0]
     ex = exported(case, tmp_path_factory)
     b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl3-htp") / "b", prefill_ar=case.prefill_ar, target="htp",
-               keep_qdq=True, progress=False)
-    cpu, npu = VLM.load(b), VLM.load(b, device="htp")
+               keep_qdq=True, lookahead_ar=5, progress=False)
+    cpu, npu = VLM.load(b), VLM.load(b, device="htp", lookahead=4)
     on_npu(npu)
     assert sorted(s._model_path.rsplit("/", 1)[-1] for s in npu.bundle.sessions.values()) == [
-        "decode_ctx.onnx", "prefill_ctx.onnx", "vision_ctx.onnx"]
+        "decode_ctx.onnx", "prefill_ctx.onnx", "verify_ctx.onnx", "vision_ctx.onnx"]
+    # lookahead over the verify graph (its int32 q/k/v biases from decode's: htp_verify.copy_encodings;
+    # test_htp_lookahead.py): on the CPU EP plain decoding's ids, drafts accepted, rejected drafts' rows never in the
+    # cache (measured: before the graphs attended to their own rows as stored, one answer parted at its 11th token);
+    # on the simulator each emitted token within 0.15 of plain decoding's best logit (a 5-row call is not bit for bit
+    # a 1-row call on the HTP)
+    from test_htp_lookahead import PROMPTS, lookahead_runs
+
+    accepted = 0
+    for a, got, st, pc, fc, beyond, gap in lookahead_runs(b, "cpu", PROMPTS[:2], ("hybrid",)):
+        assert got == a and np.abs(pc - fc).max() <= 1 and not beyond
+        accepted += st.accepted_tokens
+    assert accepted > 0
+    for a, got, st, pc, fc, beyond, gap in lookahead_runs(b, "htp", PROMPTS[:1], ("hybrid",), tokens=16):
+        assert not beyond and gap < 0.15
+        accepted += st.accepted_tokens
     img = image_file("chelsea.png", None)
     # hybrid (the default mode). In kv mode (the prompt one token at a time through the decode graph) the first
     # greedy token of this random model already differs between the simulator and the CPU EP (386 vs 388,

@@ -46,21 +46,30 @@ def prompts():
     return out
 
 
-@pytest.mark.parametrize("one_graph", [True, False], ids=["one-graph", "static"])
-def test_lookahead_greedy_ids_and_cache_equal_plain(one_graph):
+def test_lookahead_the_decoder_cannot_verify_is_refused():
+    """An old one-graph export (last_logits), static graphs without a verify graph, and a draft block over the
+    graph's AR are refused at construction."""
+    with pytest.raises(ValueError, match="cannot verify lookahead drafts .no logit_rows input"):
+        make_engine(one_graph=False, old_one_graph=True, lookahead=2)
+    with pytest.raises(ValueError, match="cannot verify lookahead drafts .no verify graph.*--lookahead-ar"):
+        make_engine(lookahead=2)
+    with pytest.raises(ValueError, match="at most 3"):
+        make_engine(one_graph=True, lookahead=4)
+    with pytest.raises(ValueError, match=r"at most 2 for this bundle \(its verify graph's AR is 3\)"):
+        make_engine(verify_ar=3, lookahead=3)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["one-graph", "static-verify"])
+def test_lookahead_greedy_ids_and_cache_equal_plain(static):
     """Many prompts, k = 1..3, both modes: the same ids as plain decoding and as the full-sequence reference, the
     cache rows equal to a plain run's (to float rounding: a verify step computes them in a batch), and no row beyond
-    the cache's length written (rejected drafts' rows are dropped)."""
-    if not one_graph:  # static graphs have no logit_rows input: lookahead is refused at construction
-        with pytest.raises(ValueError, match="cannot verify lookahead drafts"):
-            make_engine(one_graph=False, old_one_graph=True, lookahead=2)
-        with pytest.raises(ValueError, match="at most 3"):
-            make_engine(one_graph=True, lookahead=4)
-        return
+    the cache's length written (rejected drafts' rows are dropped). static: static graphs (the HTP target's) with a
+    verify graph of AR 4, every verify call a padded block of 4 rows."""
+    kw = dict(verify_ar=4, ar=5) if static else dict(one_graph=True)  # (prefill blocks of 5: told apart)
     drafted = accepted = 0
     for k in (1, 2, 3):
-        plain, _ = make_engine(max_context=40, one_graph=True)
-        fast, fake = make_engine(max_context=40, one_graph=True, lookahead=k)
+        plain, _ = make_engine(max_context=40, **kw)
+        fast, fake = make_engine(max_context=40, lookahead=k, **kw)
         for prompt in prompts():
             want = reference_greedy(plain, fake, prompt, 16)
             for mode in ("kv", "hybrid"):
@@ -77,7 +86,9 @@ def test_lookahead_greedy_ids_and_cache_equal_plain(one_graph):
                 st = fast.last
                 drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_tokens
                 steps = len(st.step_times)
-                assert steps == 15 - st.accepted_tokens and max(fake.calls) <= max(4, 1 + k)
+                assert steps == 15 - st.accepted_tokens and max(fake.calls) <= max(kw.get("ar", 4), 1 + k)
+                if static and st.drafted_tokens:  # padded verify blocks of the verify graph's AR
+                    assert 4 in fake.calls[-steps:] and set(fake.calls[-steps:]) <= {1, 4}
     assert accepted > 0 and drafted > accepted  # drafts were taken, and some were rejected
 
 

@@ -76,7 +76,7 @@ def test_context_binary_equals_compile_at_load(tmp_path_factory):
     vlm = VLM.load(b, device="htp")  # the runtime loads the contexts, not the QDQ graphs
     on_npu(vlm)
     assert {s._model_path.rsplit("/", 1)[-1] for s in vlm.bundle.sessions.values()} == {
-        "vision_ctx.onnx", "prefill_ctx.onnx", "decode_ctx.onnx"}
+        "vision_ctx.onnx", "prefill_ctx.onnx", "decode_ctx.onnx", "verify_ctx.onnx"}  # (values() loads every graph)
 
 
 def test_context_only_bundle(tmp_path_factory, capsys):
@@ -85,7 +85,7 @@ def test_context_only_bundle(tmp_path_factory, capsys):
     ex = exported(CASES[0], tmp_path_factory)
     out = tmp_path_factory.mktemp("ctx-only") / "b"
     assert cli.main(["export", str(ex.ckpt), str(out), "--target", "htp", "--prefill-ar", str(ex.case.prefill_ar),
-                     "--max-seq-len", str(ex.case.max_seq_len), "--quiet"]) == 0
+                     "--max-seq-len", str(ex.case.max_seq_len), "--lookahead-ar", "5", "--quiet"]) == 0  # as bundle("htp")
     m, full = mf.load(out), mf.load(bundle("htp", tmp_path_factory))
     assert all(g.file is None and g.data_files == [] for g in m.graphs.values())
     assert not [f for f in m.files if f.endswith(".data") or (f.endswith(".onnx") and "_ctx" not in f)]

@@ -35,6 +35,8 @@ def bundle(kind: str, tmp_path_factory):
         out = tmp_path_factory.mktemp("q") / kind.replace(",", "_").replace("=", "-")
         kw = ({"target": "htp", "quant": "w4a16" if kind == "htp-w4" else None, "keep_qdq": True} if kind.startswith("htp")
               else {"quant": kind})
+        if kind == "htp":  # with a lookahead verify graph of AR 5 (test_htp_lookahead.py)
+            kw["lookahead_ar"] = 5
         _BUNDLES[kind] = export(str(ex.ckpt), out, prefill_ar=c.prefill_ar, max_seq_len=c.max_seq_len, progress=False, **kw)
     return _BUNDLES[kind]
 

@@ -19,7 +19,7 @@ def _export(a) -> int:
     out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
                  target=a.target, calibration=calibration, soc_model=a.soc_model,
                  htp_arch=a.htp_arch, keep_qdq=a.keep_qdq, shared_context=a.htp_shared_context,
-                 context_step=a.context_step, attention=a.attention, force=a.force,
+                 context_step=a.context_step, attention=a.attention, lookahead_ar=a.lookahead_ar, force=a.force,
                  progress=not a.quiet)
     print(out)
     return 0
@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--htp-shared-context", action="store_true",
                    help="HTP: prefill and decode in one context binary (one copy of the decoder weights on the device); "
                         "unverified: the x86-64 simulator cannot load it (docs/npu-deploy.md)")
+    e.add_argument("--lookahead-ar", type=int, default=0, metavar="K",
+                   help="HTP: also a lookahead verify graph of K tokens (the decode graph at AR = K, every row's logits), "
+                        "which `run --lookahead` (up to K-1 drafts) uses; default 0: none")
     e.add_argument("--context-step", type=int, default=None,
                    help="CPU decoder graphs take any cache length and each step reads the cache prefix it needs, "
                         "rounded up to this many slots (default 64; 0 = static graphs over the whole cache, as "

@@ -192,6 +192,9 @@ class DecoderSpec:
     seqlens_input: str | None = None
     total_length_input: str | None = None
     argmax_output: str | None = None  # output [r] int64: each logits row's argmax (greedy decoding reads it)
+    # static graphs (the HTP target): AR of graphs.verify, the lookahead verify graph (the decode graph at AR = K:
+    # same weights, activation and KV encodings; every row's logits). 0: no verify graph
+    verify_ar: int = 0
 
 
 @dataclass
@@ -210,7 +213,7 @@ class SpecialTokens:
 @dataclass
 class Manifest:
     model: dict[str, Any]  # informational: family, source, name — the runtime never branches on it
-    graphs: dict[str, GraphSpec]  # "vision", "prefill", "decode"
+    graphs: dict[str, GraphSpec]  # "vision", "prefill", "decode"; "verify" with decoder.verify_ar
     tokenizer_file: str
     image: ImageSpec
     prompt: PromptSpec
@@ -353,6 +356,7 @@ def load(folder: Path, verify: bool = True) -> Manifest:
     for name in ("vision", "prefill", "decode"):
         if name not in m.graphs:
             raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
+    for name in m.graphs:
         if m.graphs[name].file is None and m.graphs[name].context is None:
             raise BundleError(f"manifest.json is malformed: graphs.{name} has neither a file nor a context")
     check_decoder(m)

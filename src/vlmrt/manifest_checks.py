@@ -15,6 +15,10 @@ def check_decoder(m) -> None:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
     if m.decoder.logit_rows_input and (m.decoder.last_logits or not m.decoder.dynamic_ar):
         raise BundleError("manifest.json is malformed: decoder.logit_rows_input needs dynamic_ar, not last_logits")
+    d = m.decoder
+    if ("verify" in m.graphs) != (d.verify_ar > 0) or (d.verify_ar and (d.verify_ar < 2 or d.dynamic_ar)):
+        raise BundleError("manifest.json is malformed: graphs.verify and decoder.verify_ar (>= 2, static graphs) go "
+                          "together")
     if m.kv.layout == "in_place" and (m.kv.heads * m.kv.head_dim != m.kv.dim or m.kv.heads <= 0
                                       or not m.decoder.dynamic_ar):  # (a padded block would land in the cache)
         raise BundleError("manifest.json is malformed: kv.layout in_place needs kv.heads * kv.head_dim = kv.dim "

@@ -78,6 +78,34 @@ class Checkpoint:
             t = next((x["template"] for x in t if x.get("name") == "default"), None)
         return t
 
+    def eos_ids(self, tok_json: dict) -> list[int]:
+        """The EOS token id(s): generation_config.json, config.json (or its text_config), else tokenizer_config.json's
+        eos_token looked up in tokenizer.json's added tokens."""
+        gen = self.json("generation_config.json", {})
+        eos = gen.get("eos_token_id", self.config.get("eos_token_id", self.config.get("text_config", {}).get("eos_token_id")))
+        if eos is None:
+            name = self.json("tokenizer_config.json", {}).get("eos_token")
+            name = name.get("content") if isinstance(name, dict) else name
+            eos = next((t["id"] for t in tok_json.get("added_tokens", []) if t["content"] == name), None)
+        if eos is None:
+            raise CheckpointError("cannot find the EOS token id (generation_config.json, config.json or tokenizer_config.json)")
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    def pad_id(self, vocab: int) -> int:
+        for src in (self.json("generation_config.json", {}), self.config, self.config.get("text_config", {})):
+            if isinstance(src.get("pad_token_id"), int):
+                return src["pad_token_id"]
+        return vocab - 1
+
+    def special_strings(self) -> dict[str, str]:
+        """bos/eos/pad/unk token strings of tokenizer_config.json ("" where absent)."""
+        tc = self.json("tokenizer_config.json", {})
+        out = {}
+        for k in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            v = tc.get(k)
+            out[k] = (v.get("content") if isinstance(v, dict) else v) or ""
+        return out
+
 
 def read_json(p: Path) -> Any:
     try:

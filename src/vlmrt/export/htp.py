@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from . import fuse, graphs, htp_precisions, int4_blocks, qnn_context
+from . import fuse, graphs, htp_precisions, htp_verify, int4_blocks, qnn_context
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
@@ -269,9 +269,10 @@ def _float_graph(model: onnx.ModelProto, dst: Path, m: mf.Manifest, enc: dict | 
 
 
 def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifest, enc: dict | None, prec: str,
-               head: str | None) -> tuple[dict, int]:
+               head: str | None, like: onnx.ModelProto | None = None, as_stored: bool = False) -> tuple[dict, int]:
     """A QDQ graph (a16, weights per prec; head: the decoder's lm head precision); returns (KV encodings, the number
-    of block-wise int4 weights)."""
+    of block-wise int4 weights). like: the QDQ graph whose quantization it takes (the verify graph: decode's);
+    as_stored: the step's own K/V rows attended as the cache stores them (htp_verify.attend_as_stored)."""
     four = ("w4a16", "w4a16o")
     lm = htp_precisions.head_node(model, m.decoder.logits_output) if head and (prec in four or head in four) else None
     body = {node for node, _ in int4_blocks.weight_axes(model).values()} - {lm}
@@ -291,6 +292,10 @@ def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifes
     if enc is not None:
         kin, kout, want = _kv_names(m, enc)
         got = _cut_kv_edges(q, kin, kout, want)
+        if as_stored:
+            htp_verify.attend_as_stored(q, list(kout))
+    if like is not None:
+        htp_verify.copy_encodings(like, q)
     graphs.rewrite(dst, q)
     return got, blocks
 
@@ -310,26 +315,32 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     encodings = {}
     out_dir.mkdir(parents=True, exist_ok=True)
     gspecs = {}
-    for name in ("vision", "prefill", "decode"):
+    decoders = ["prefill", "decode", *(["verify"] if m.decoder.verify_ar else [])]
+    for name in ("vision", *decoders):
         model, fused = fuse.prepare_for_qdq(onnx.load(str(float_dir / m.graphs[name].file)))  # with weights; RMSNorm fused
-        enc = None
-        if name != "vision":
-            ranges = kv_ranges(rec[name].rows, m.kv.layers)
+        enc = like = None
+        if name != "vision":  # (the verify graph reads and writes decode's cache: decode's encoding)
+            ranges = kv_ranges(rec["prefill" if name == "prefill" else "decode"].rows, m.kv.layers)
             enc = {kind: [uint8_encoding(lo, hi) for lo, hi in ranges[kind]] for kind in ("key", "value")}
-        p = prec[name]
+        if name == "verify":  # the decode graph at AR = verify_ar: decode's encodings everywhere (htp_verify.py)
+            like = onnx.load(str(out_dir / "decode.onnx")) if prec["decode"] != "fp16" else None
+            rec["verify"] = htp_verify.TiledFeeds(rec["decode"], m.decoder, m.decoder.verify_ar, m.kv.max_context)
+        p = prec["decode" if name == "verify" else name]
         head = prec["lm_head"] if name != "vision" and p != "fp16" else None
         dst = out_dir / f"{name}.onnx"
         if p == "fp16":
             got, blocks = _float_graph(model, dst, m, enc), 0
         else:
-            got, blocks = _qdq_graph(model, out_dir / f"{name}.float.onnx", dst, rec[name], m, enc, p, head)
-        del model
+            got, blocks = _qdq_graph(model, out_dir / f"{name}.float.onnx", dst, rec[name], m, enc, p, head, like,
+                                     as_stored=name in ("decode", "verify") and bool(m.decoder.verify_ar))
+        del model, like
         if enc is not None:  # the graph's own encodings
             encodings[name] = {kind: [list(got[fin.format(layer=i)]) for i in range(m.kv.layers)]
                                for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
         ins, outs = graphs.io_specs(dst)
         weights = {"activations": "float16" if p == "fp16" else "uint16", "weights": htp_precisions.WEIGHTS[p],
-                   "blockwise_int4": blocks, "calibration_calls": rec[name].calls, "fused_rms_norms": fused}
+                   "blockwise_int4": blocks, "fused_rms_norms": fused,
+                   "calibration_calls": rec["decode" if name == "verify" else name].calls}
         if name != "vision":
             weights["lm_head"] = head or "fp16"
         gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=htp_precisions.LABEL[p], inputs=ins, outputs=outs,
@@ -337,11 +348,11 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         if progress:
             progress(name)
     graphs.share_weights(out_dir, ["vision.onnx"], "vision.data")
-    graphs.share_weights(out_dir, ["prefill.onnx", "decode.onnx"], "decoder.data")
+    graphs.share_weights(out_dir, [f"{g}.onnx" for g in decoders], "decoder.data")
     gspecs = {k: dataclasses.replace(g, **graphs.weight_table(out_dir / g.file)) for k, g in gspecs.items()}
     for f in ("embed.npy", "tokenizer.json") + ((m.decoder.embedding_scale_file,) if m.decoder.embedding_scale_file else ()):
         shutil.copyfile(float_dir / f, out_dir / f)
-    files = ["vision.onnx", "vision.data", "prefill.onnx", "decode.onnx", "decoder.data", "embed.npy", "tokenizer.json"]
+    files = ["vision.onnx", "vision.data", *(f"{g}.onnx" for g in decoders), "decoder.data", "embed.npy", "tokenizer.json"]
     if m.decoder.embedding_scale_file:
         files.append(m.decoder.embedding_scale_file)
     gspecs, files, qnn = qnn_context.compile_bundle(out_dir, gspecs, files, target, keep_qdq, shared_context)

@@ -34,39 +34,10 @@ class ExportError(ValueError):
     pass
 
 
-def _eos_ids(ckpt: Checkpoint, tok_json: dict) -> list[int]:
-    gen = ckpt.json("generation_config.json", {})
-    eos = gen.get("eos_token_id", ckpt.config.get("eos_token_id", ckpt.config.get("text_config", {}).get("eos_token_id")))
-    if eos is None:
-        tc = ckpt.json("tokenizer_config.json", {})
-        name = tc.get("eos_token")
-        name = name.get("content") if isinstance(name, dict) else name
-        eos = next((t["id"] for t in tok_json.get("added_tokens", []) if t["content"] == name), None)
-    if eos is None:
-        raise ExportError("cannot find the EOS token id (generation_config.json, config.json or tokenizer_config.json)")
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
-def _pad_id(ckpt: Checkpoint, vocab: int) -> int:
-    for src in (ckpt.json("generation_config.json", {}), ckpt.config, ckpt.config.get("text_config", {})):
-        if isinstance(src.get("pad_token_id"), int):
-            return src["pad_token_id"]
-    return vocab - 1
-
-
-def _special_strings(ckpt: Checkpoint) -> dict[str, str]:
-    tc = ckpt.json("tokenizer_config.json", {})
-    out = {}
-    for k in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        v = tc.get(k)
-        out[k] = (v.get("content") if isinstance(v, dict) else v) or ""
-    return out
-
-
 def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
            quant: str | None = None, target: str = "cpu", calibration: list | None = None,
            soc_model: str | None = None, htp_arch: str | None = None, keep_qdq: bool = False, shared_context: bool = False,
-           context_step: int | None = None, attention: str | None = None, force: bool = False,
+           context_step: int | None = None, attention: str | None = None, lookahead_ar: int = 0, force: bool = False,
            progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
@@ -82,7 +53,9 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     target has).
     attention: "gqa", the one-graph CPU decoder's attention as ORT's GroupQueryAttention over a cache it updates in
     place (the default where the graph is one and head_dim a multiple of 16, what the CPU kernel takes), or
-    "portable" (the graphs' own attention ops, the host writing the new K/V rows: what static graphs always have)."""
+    "portable" (the graphs' own attention ops, the host writing the new K/V rows: what static graphs always have).
+    lookahead_ar: --target htp: also a static lookahead verify graph of that AR (`--lookahead K-1` at run time):
+    the decode graph at AR = lookahead_ar, with decode's weights, activation and KV encodings (htp_verify.py)."""
     if attention not in (None, "gqa", "portable"):
         raise ExportError(f"unknown attention {attention!r}; choose gqa or portable")
     if target not in ("cpu", "htp"):
@@ -106,14 +79,17 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
         if "fp16" in htp_prec.values() and not qnn_target["soc_model"]:
             raise ExportError("fp16 graphs need --soc-model (the QNN EP takes its fp16 precision flag only with a soc model)")
         quant = None  # the float bundle the HTP graphs are made from
-    elif keep_qdq or shared_context or soc_model is not None or htp_arch is not None:
-        raise ExportError("--soc-model, --htp-arch, --keep-qdq and --htp-shared-context are for --target htp")
-    p = Progress((9 if target == "htp" else 8) + _uses_gptq(quant), progress)
+        if lookahead_ar < 0 or lookahead_ar == 1:
+            raise ExportError("--lookahead-ar is the verify graph's AR: the current token and its drafts, at least 2")
+    elif keep_qdq or shared_context or soc_model is not None or htp_arch is not None or lookahead_ar:
+        raise ExportError("--soc-model, --htp-arch, --keep-qdq, --htp-shared-context and --lookahead-ar are for "
+                          "--target htp (the CPU decoder verifies lookahead drafts itself)")
+    p = Progress((9 if target == "htp" else 8) + _uses_gptq(quant) + bool(lookahead_ar), progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                        force=force, context_step=context_step, attention=attention,
                        htp=dict(precisions=htp_prec, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
-                                shared_context=shared_context) if target == "htp" else None)
+                                shared_context=shared_context, lookahead_ar=lookahead_ar) if target == "htp" else None)
     except qnn_context.TargetError as e:
         p.failed()
         raise ExportError(str(e)) from None
@@ -194,7 +170,7 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     template = ckpt.chat_template()
     if not template:
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
-    special = _special_strings(ckpt)
+    special = ckpt.special_strings()
     # conversations: the checkpoint's template itself, rendered at run time (runtime/conversation.py)
     conversation = {"chat_template": template, "template_strings": special, "content_format": "parts",
                     "image_placeholder": host.image_placeholder, "system_prompt": host.system_prompt}
@@ -243,18 +219,19 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
                          tmp / "vision.onnx")
     p.done()
     decoder_graphs = []
-    for name, ar in (("prefill", plan.prefill_ar), ("decode", 1)):
-        h = plan.head or prec[name]
+    verify = plan.htp["lookahead_ar"] if plan.htp else 0
+    for name, ar in (("prefill", plan.prefill_ar), ("decode", 1), *([("verify", verify)] if verify else [])):
+        h = plan.head or prec[_like(name)]
         if plan.one_graph and name == "decode":
             decoder_graphs.append(("decode", "decoder"))
             continue
         ctx = plan.max_seq_len
         cdesc = f"any context <= {ctx} in steps of {plan.context_step}" if plan.context_step else f"context {ctx}"
         what = f"prefill + decode graph (AR=1..{ar}" if plan.one_graph else f"{name} graph (AR={ar}"
-        p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[name]}, lm head {h})")
+        p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[_like(name)]}, lm head {h})")
         stem = "decoder" if plan.one_graph else name
         graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=t.kv_heads * t.head_dim,
-                              layers=t.layers, io_dtype=plan.dtype, precision=prec[name], head=h,
+                              layers=t.layers, io_dtype=plan.dtype, precision=prec[_like(name)], head=h,
                               path=tmp / f"{stem}.onnx", cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
                               dynamic_ar=plan.one_graph,
                               in_place=(t.kv_heads, t.head_dim) if plan.in_place else None, hessian=hessian)
@@ -265,6 +242,11 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
     graphs.share_weights(tmp, [f"{g}.onnx" for g in sorted({stem for _, stem in decoder_graphs})], "decoder.data")
     p.done()
     return decoder_graphs
+
+
+def _like(graph: str) -> str:
+    """The graph whose precision a decoder graph has: the verify graph is the decode graph at another AR."""
+    return "decode" if graph == "verify" else graph
 
 
 def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> tuple[str, str | None]:
@@ -289,7 +271,7 @@ def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> 
 
 
 def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
-    prec = plan.prec[name]
+    prec = plan.prec[_like(name)]
     ins, outs = graphs.io_specs(path)
     weights = ({"block_size": quantize.BLOCK_SIZE, "symmetric": prec not in (*quantize.OFFSETS, *quantize.GPTQ)}
                if prec in quantize.WEIGHT_ONLY_BITS else {})
@@ -324,8 +306,8 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
         prompt=mf.PromptSpec(template_image=plan.templates[0], template_text=plan.templates[1],
                              expansion=host.prompt_expansion, tokens_per_tile=plan.cfg.tokens_per_tile,
                              add_special_tokens=True, params=host.prompt_params, **plan.conversation),
-        special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=_eos_ids(plan.ckpt, plan.tok_json),
-                                        pad_token_id=_pad_id(plan.ckpt, t.vocab)),
+        special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=plan.ckpt.eos_ids(plan.tok_json),
+                                        pad_token_id=plan.ckpt.pad_id(t.vocab)),
         kv=mf.KVSpec(layers=t.layers, dim=t.kv_heads * t.head_dim, max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype],
                      key_input="past_key_{layer}", value_input="past_value_{layer}",
                      key_output=f"{new}_key_{{layer}}", value_output=f"{new}_value_{{layer}}",
@@ -339,7 +321,8 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
                                mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
                                context_step=0 if plan.in_place else plan.context_step, dynamic_ar=plan.one_graph,
-                               logit_rows_input="logit_rows" if plan.one_graph else None),
+                               logit_rows_input="logit_rows" if plan.one_graph else None,
+                               verify_ar=plan.htp["lookahead_ar"] if plan.htp else 0),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
         generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
         files=mf.list_files(tmp, files),

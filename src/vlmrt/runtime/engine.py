@@ -63,28 +63,36 @@ class GenerationStats:
 
 
 def check_lookahead(dec: DecoderSpec, k: int) -> None:
-    """A draft length k the decoder can verify (ValueError if not): the graph returns every row's logits when asked
-    (DecoderSpec.logit_rows_input; bundles exported before it cannot) and takes 1 + k tokens."""
+    """A draft length k the decoder can verify (ValueError if not): a symbolic-AR graph returns every row's logits
+    when asked (DecoderSpec.logit_rows_input; bundles exported before it cannot) and takes 1 + k tokens; static
+    graphs (the HTP target) verify with their verify graph (DecoderSpec.verify_ar), which takes 1 + k tokens."""
     if k < 0:
         raise ValueError("--lookahead must be >= 0")
-    if k and not dec.logit_rows_input:
-        raise ValueError("this bundle's decoder graph returns one row of logits per call, so it cannot verify "
-                         "lookahead drafts; re-export the bundle with this version of vlmrt")
-    if k >= dec.prefill_ar:
-        raise ValueError(f"--lookahead is at most {dec.prefill_ar - 1} for this bundle (its graph's AR is {dec.prefill_ar})")
+    if k and not (dec.logit_rows_input or dec.verify_ar):
+        how = ("export --target htp --lookahead-ar K (a static verify graph of K tokens)" if not dec.dynamic_ar
+               else "this version of vlmrt")
+        raise ValueError(f"this bundle's decoder graphs cannot verify lookahead drafts (no "
+                         f"{'verify graph' if not dec.dynamic_ar else 'logit_rows input'}); re-export it with {how}")
+    ar, what = (dec.verify_ar, "verify graph") if dec.verify_ar else (dec.prefill_ar, "graph")
+    if k >= ar:
+        raise ValueError(f"--lookahead is at most {ar - 1} for this bundle (its {what}'s AR is {ar})")
 
 
 class Engine:
     def __init__(self, prefill: Session | None, decode: Session, kv: KVSpec, dec: DecoderSpec,
                  embed_table, eos_ids: list[int], io_dtype: str = "float32",
-                 embed_scale: np.ndarray | None = None, kv_requant: bool = True, lookahead: int = 0):
+                 embed_scale: np.ndarray | None = None, kv_requant: bool = True, lookahead: int = 0,
+                 verify: Session | None = None):
         """kv_requant: in hybrid mode with per-graph uint8 KV encodings (HTP bundles), convert prefill's rows to
         decode's encoding (False reuses them as they are: to measure what the conversion buys).
         lookahead: k > 0 drafts up to k tokens per greedy decode step by prompt lookup (runtime/lookahead.py) and
-        verifies them in one decoder call (verify); needs DecoderSpec.logit_rows_input. 0: off."""
+        verifies them in one decoder call (verify); needs DecoderSpec.logit_rows_input, or static graphs' verify
+        session (DecoderSpec.verify_ar tokens: the drafts, padded). 0: off."""
         check_lookahead(dec, lookahead)
+        if lookahead and dec.verify_ar and verify is None:
+            raise ValueError("lookahead on static graphs needs the bundle's verify graph session")
         self.lookahead = lookahead
-        self.prefill_session, self.decode_session = prefill, decode
+        self.prefill_session, self.decode_session, self.verify_session = prefill, decode, verify
         self.kv_spec, self.dec = kv, dec
         # [vocab, hidden] rows by token id: an ndarray, or the bundle's EmbeddingRows (pread); a memmap is indexed as
         # a plain ndarray over the same mapping (np.memmap's __getitem__ is slow)
@@ -134,11 +142,11 @@ class Engine:
         return context_slots(pos, step, top) if step else top
 
     def _step_for(self, kind: str, n: int, all_rows: bool = False):
-        """The step object for n tokens of graph kind ("prefill" or "decode") at the cache's next position;
-        all_rows: it returns every row's logits (a lookahead verify step)."""
+        """The step object for n tokens of graph kind ("prefill", "decode" or, static graphs, "verify") at the cache's
+        next position; all_rows: it returns every row's logits (a lookahead verify step)."""
         # a graph with a symbolic AR takes exactly the step's tokens; a static one its AR, the last block padded
-        ar = n if self.dec.dynamic_ar else (self.dec.prefill_ar if kind == "prefill" else 1)
-        session = self.prefill_session if kind == "prefill" else self.decode_session
+        ar = n if self.dec.dynamic_ar else {"prefill": self.dec.prefill_ar, "verify": self.dec.verify_ar}.get(kind, 1)
+        session = {"prefill": self.prefill_session, "verify": self.verify_session}.get(kind, self.decode_session)
         ctx = self._ctx(self.cache.length)
         rows_out = logits_rows(self.dec, ar, all_rows)
         key = (id(session), ctx, ar, rows_out)
@@ -189,8 +197,9 @@ class Engine:
     def verify(self, token: int, drafts: list[int], sampler: Sampler) -> list[int]:
         """One decoder call over [token, *drafts] at the cache's next positions, every row's logits: the longest
         prefix of drafts that the sampler (greedy) picks row by row, then its own pick after them. Only the rows of
-        token and the accepted drafts go into the cache (those a plain decode of the same tokens writes)."""
-        step = self._step_for("decode", 1 + len(drafts), all_rows=True)
+        token and the accepted drafts go into the cache (those a plain decode of the same tokens writes): the rows of
+        rejected drafts (and a static verify graph's padding rows) are dropped, as a padded prefill block's are."""
+        step = self._step_for("decode" if self.dec.dynamic_ar else "verify", 1 + len(drafts), all_rows=True)
         logits = step(self.embed([token, *drafts]), self.cache.length)  # [1 + k, vocab]
         self.run_s += step.run_s
         self._argmax = step.buffers.argmax

@@ -100,9 +100,12 @@ class VLM:
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
         check_lookahead(m.decoder, lookahead)
         check_exact(m.graphs["decode"], lookahead)
+        # a static bundle's verify graph (the HTP target), loaded only for lookahead
+        verify = bundle.sessions["verify"] if lookahead and m.decoder.verify_ar else None
         self.engine = Engine(
             bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
             bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale, kv_requant, lookahead,
+            verify,
         )
         self.result = Result()
         self.template = ChatTemplate(m.prompt)

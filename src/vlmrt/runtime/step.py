@@ -44,9 +44,10 @@ def buffers_key(session, dec: DecoderSpec, ar: int, rows_out: int) -> tuple:
 
 def logits_rows(dec: DecoderSpec, ar: int, all_rows: bool = False) -> int:
     """How many (last) rows' logits a step of AR tokens returns: all_rows (a lookahead verify step) needs
-    DecoderSpec.logit_rows_input; else 1 with logit_rows_input or last_logits, ar for a static graph."""
+    DecoderSpec.logit_rows_input or a static graph (every row's); else 1 with logit_rows_input or last_logits, ar for
+    a static graph."""
     if all_rows:
-        if not dec.logit_rows_input:
+        if dec.last_logits:
             raise ValueError("this decoder graph cannot return the logits of every row")
         return ar
     return 1 if dec.logit_rows_input or dec.last_logits else ar

@@ -1,0 +1,142 @@
+"""Lookahead decoding on the HTP target (`vlmrt export --target htp --lookahead-ar K`): the static verify graph
+(the decode graph at AR = K with decode's quantization, export/htp_verify.py) on the session's HTP bundle of the
+tiny SmolVLM fixture (test_quant.bundle("htp"), AR 5): the manifest entry, its encodings equal to decode's, greedy
+lookahead ids equal to plain decoding on the CPU EP (the QDQ graphs), rejected drafts' rows never in the cache, the
+context binary on the HTP simulator (a verify row against decode steps there), and a bad K refused in one line.
+The InternVL (Qwen2) fixture's HTP bundle is checked in test_internvl.py (test_htp_context_binaries_qwen2_biases).
+
+The random fixture copies nothing by itself (its answers repeat no n-gram: prompt lookup drafts a few tokens and none
+is accepted), so acceptance is exercised by drafting from an oracle: the plain answer with two tokens changed, given
+to the drafter as the ids it looks up (drafting only decides what is verified, never the answer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import image_file, on_npu
+from test_errors import assert_one_line_error, in_process
+from test_quant import bundle
+from vlmrt import manifest as mf
+from vlmrt.runtime.kv_cache import attention_mask
+from vlmrt.runtime.pipeline import VLM
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime_qnn")
+
+PROMPTS = [("Repeat this list exactly: apple, banana, cherry, apple, banana.", None),
+           ("Copy: red green blue, red green blue, red green blue", None),
+           ("What is in the image?", "chelsea.png")]
+
+
+def oracle(answer: list[int], vocab: int) -> list[int]:
+    """The plain answer with its 7th and 14th tokens changed: drafts from it are accepted up to a changed token."""
+    out = list(answer)
+    for i in (6, 13):
+        out[i] = (out[i] + 1) % vocab
+    return out
+
+
+def lookahead_runs(b, device: str, prompts, modes, tokens: int = 24):
+    """(plain ids, lookahead ids, lookahead stats, plain cache rows, lookahead cache rows, rows beyond the length
+    written, gap) per prompt and mode, with the oracle drafter and with prompt lookup itself; gap: how far below
+    plain decoding's best logit (teacher-forced on the lookahead ids) the emitted tokens' logits fall, at most."""
+    plain, fast = VLM.load(b, device=device), VLM.load(b, device=device, lookahead=4)
+    vocab = plain.manifest.decoder.vocab_size
+    for prompt, image in prompts:
+        ids, embeds = plain.prompt_embeds(prompt, image_file(image, None) if image else None)
+        for mode in modes:
+            a = list(plain.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True))
+            for drafts_from in (oracle(a, vocab) + list(ids), list(ids)):
+                fast.engine.cache.data[:] = 0  # so that a row written beyond the cache length shows
+                got = list(fast.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True,
+                                                prompt_ids=drafts_from))
+                st, rows, beyond = fast.engine.last, fast.engine.cache.stored().astype(int), bool(
+                    fast.engine.cache.data[:, :, fast.engine.cache.length:].any())
+                gap = 0.0
+                if got != a:
+                    scores = plain.engine.score(embeds, got, mode=mode)
+                    gap = max(float(sc.max() - sc[t]) for sc, t in zip(scores, got))
+                    list(plain.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True))
+                yield a, got, st, plain.engine.cache.stored().astype(int), rows, beyond, gap
+
+
+def test_verify_graph_in_the_manifest_with_decodes_quantization(tmp_path_factory):
+    b = bundle("htp", tmp_path_factory)
+    m = mf.load(b)
+    v, d = m.graphs["verify"], m.graphs["decode"]
+    assert m.decoder.verify_ar == 5 and v.precision == d.precision and v.context.file == "verify_ctx.onnx"
+    assert v.input("inputs_embeds").shape == [5, m.decoder.hidden_size]
+    assert v.input("attention_mask").shape == [5, m.kv.max_context + 5] and v.input("past_key_0").dtype == "uint8"
+    assert v.output("logits").shape == [5, m.decoder.vocab_size] and v.output("new_key_1").shape == [5, m.kv.dim]
+    assert m.kv.encodings["verify"] == m.kv.encodings["decode"]  # it reads and writes decode's cache
+    assert v.data_files == d.data_files == ["decoder.data"]  # the weights stored once for the three graphs
+    # every Q/DQ node of the verify graph has decode's scale, zero point and constant (htp_verify.copy_encodings)
+    gv, gd = (onnx.load(str(b / g.file)) for g in (v, d))
+    iv, id_ = ({i.name: onnx.numpy_helper.to_array(i) for i in g.graph.initializer} for g in (gv, gd))
+    qdq = [(x, y) for x, y in zip(gv.graph.node, gd.graph.node) if x.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert len(qdq) > 100 and [n.op_type for n in gv.graph.node] == [n.op_type for n in gd.graph.node]
+    for x, y in qdq:
+        for a, c in zip(x.input[1:], y.input[1:]):
+            np.testing.assert_array_equal(iv[a], id_[c])
+
+
+def test_lookahead_equals_plain_on_the_cpu_ep(tmp_path_factory):
+    """The QDQ graphs on the CPU EP: greedy lookahead ids equal plain decoding's, kv and hybrid mode; drafts are
+    accepted (oracle) and rejected; the cache holds the rows of the emitted tokens only, within 1 uint8 step of a
+    plain run's (rows of a 5-row call; measured max 1; 2 before the graphs attended to their own rows as stored)."""
+    drafted = accepted = 0
+    for a, got, st, pc, fc, beyond, _ in lookahead_runs(bundle("htp", tmp_path_factory), "cpu", PROMPTS, ("kv", "hybrid")):
+        assert got == a
+        assert pc.shape == fc.shape and np.abs(pc - fc).max() <= 1 and not beyond, "a rejected draft's row is in the cache"
+        drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_tokens
+    assert accepted >= 40 and drafted > accepted  # measured: 80 of 84 drafted tokens accepted
+
+
+def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
+    """--device htp: the verify context binary runs on the NPU (CPU fallback off). A verify call over 5 tokens: row 0
+    is a decode step (logits bit for bit, measured), rows 1-4 within 0.15 of 4 sequential decode steps (measured max
+    0.11, logits ~3.3: the HTP computes a 5-row call slightly differently from a 1-row call, its new K/V one uint8
+    step apart), and a lookahead run emits at each step a token within that gap of plain decoding's best (measured:
+    3 of 4 runs plain decoding's ids, one parting at a top-2 margin of 0.013, a near-tie of this random fixture)."""
+    b = bundle("htp", tmp_path_factory)
+    npu = VLM.load(b, device="htp", lookahead=4)
+    on_npu(npu)
+    assert npu.bundle.sessions.loaded("verify") and npu.bundle.sessions["verify"]._model_path.endswith("verify_ctx.onnx")
+    m, e = npu.manifest, npu.engine
+    ids, embeds = npu.prompt_embeds(PROMPTS[0][0], None)
+    e.prefill(embeds, "hybrid")
+    pos, ctx, toks = e.cache.length, m.kv.max_context, e.embed([5, 6, 7, 8, 9])
+
+    def call(graph, rows, at):
+        s = npu.bundle.sessions[graph]
+        f = {**e.cache.feeds(ctx), "inputs_embeds": rows, "position_ids": at + np.arange(len(rows)),
+             "attention_mask": attention_mask(at, len(rows), ctx, np.float32, neg=m.decoder.mask_value)}
+        return dict(zip([o.name for o in s.get_outputs()], s.run(None, f)))
+
+    verify = call("verify", toks, pos)
+    for i in range(5):  # sequential decode steps, their rows written as the engine writes them
+        one = call("decode", toks[i : i + 1], pos + i)
+        gap = np.abs(one["logits"][0] - verify["logits"][i]).max()
+        assert gap == 0 if i == 0 else gap < 0.15, (i, gap)
+        e.cache.write(np.stack([np.stack([one[f"new_key_{j}"], one[f"new_value_{j}"]]) for j in range(m.kv.layers)]), 1)
+    plain = VLM.load(b, device="htp")
+    got = list(e.generate(embeds, mode="hybrid", max_new_tokens=16, ignore_eos=True,
+                          prompt_ids=oracle(list(plain.engine.generate(embeds, mode="hybrid", max_new_tokens=16,
+                                                                       ignore_eos=True)), m.decoder.vocab_size) + ids))
+    assert e.last.accepted_tokens > 0
+    scores = plain.engine.score(embeds, got, mode="hybrid")  # plain decoding's logits after each prefix of got
+    assert all(s.max() - s[t] < 0.15 for s, t in zip(scores, got))
+
+
+def test_lookahead_over_the_verify_graph_refused_in_one_line(tmp_path_factory, capsys, tmp_path):
+    b = bundle("htp", tmp_path_factory)
+    assert_one_line_error(in_process(capsys, "run", b, "--prompt", "hi", "--lookahead", "5"),
+                          "--lookahead is at most 4 for this bundle (its verify graph's AR is 5)")
+    assert_one_line_error(in_process(capsys, "run", bundle("htp-w4", tmp_path_factory), "--prompt", "hi", "--lookahead", "2"),
+                          "cannot verify lookahead drafts (no verify graph)", "--lookahead-ar K")
+    ckpt = tmp_path / "none"  # the options are checked before the checkpoint is read
+    for args, needle in ((["--lookahead-ar", "4"], "are for --target htp"),
+                         (["--target", "htp", "--lookahead-ar", "1"], "at least 2")):
+        assert_one_line_error(in_process(capsys, "export", ckpt, tmp_path / "out", *args), needle)
