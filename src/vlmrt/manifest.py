@@ -192,6 +192,11 @@ class DecoderSpec:
     seqlens_input: str | None = None
     total_length_input: str | None = None
     argmax_output: str | None = None  # output [r] int64: each logits row's argmax (greedy decoding reads it)
+    # int8 tables (embedding_scale_file) on the one-graph CPU decoder: inputs [ar, hidden] int8 and [ar] float32; the
+    # graph adds token_rows * token_scales (in float32, cast to the I/O dtype) to inputs_embeds, so a decode step
+    # reads its row straight into the bound input and the host does no multiply (scale 0: the row is not used)
+    token_rows_input: str | None = None
+    token_scales_input: str | None = None
 
 
 @dataclass

@@ -156,6 +156,17 @@ class Plan:
         return bool(self.context_step) and self.htp is None and self.prec["prefill"] == self.prec["decode"] \
             and self.prefill_ar > 1
 
+    @property
+    def int8_table(self) -> bool:
+        """The host's embedding table is int8 rows + scales (weight-only decoders: a lookup touches a few rows)."""
+        dec_precs = {self.prec["prefill"], self.prec["decode"], self.head or self.prec["decode"]}
+        return bool(dec_precs & set(quantize.WEIGHT_ONLY_BITS))
+
+    @property
+    def token_rows(self) -> bool:
+        """The one in_place decoder graph scales a decode step's int8 row itself (DecoderSpec.token_rows_input)."""
+        return self.in_place and self.int8_table
+
 
 def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
     """graph -> precision, checked (before anything is read)."""
@@ -257,7 +268,8 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
                               layers=t.layers, io_dtype=plan.dtype, precision=prec[name], head=h,
                               path=tmp / f"{stem}.onnx", cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
                               dynamic_ar=plan.one_graph,
-                              in_place=(t.kv_heads, t.head_dim) if plan.in_place else None, hessian=hessian)
+                              in_place=(t.kv_heads, t.head_dim) if plan.in_place else None, hessian=hessian,
+                              token_rows=plan.token_rows)
         decoder_graphs.append((name, stem))
         p.done()
     p.start("sharing weights between graphs")
@@ -274,7 +286,7 @@ def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> 
     prec = plan.prec
     dec_precs = {prec["prefill"], prec["decode"], plan.head or prec["decode"]}
     scale_file = None
-    if dec_precs & set(quantize.WEIGHT_ONLY_BITS):
+    if plan.int8_table:
         q, scale = quantize.int8_rows(embed)
         np.save(tmp / "embed.npy", q)
         scale_file = "embed_scale.npy"
@@ -336,6 +348,8 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                seqlens_input="seqlens_k" if plan.in_place else None,
                                total_length_input="total_sequence_length" if plan.in_place else None,
                                argmax_output="next_token" if plan.in_place else None,
+                               token_rows_input="token_rows" if plan.token_rows else None,
+                               token_scales_input="token_scales" if plan.token_rows else None,
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
                                mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
                                context_step=0 if plan.in_place else plan.context_step, dynamic_ar=plan.one_graph,

@@ -124,9 +124,14 @@ class EmbeddingRows:
 
     def row(self, token: int) -> np.ndarray:
         """Token's row [hidden] (0 <= token < vocab, unchecked here), in a buffer the next call overwrites."""
-        if os.preadv(self._fd, [self._one], self._offset + token * self._row) != self._row:
-            raise mf.BundleError("embedding table file is truncated")
+        self.read_into(token, self._one)
         return self._one_row
+
+    def read_into(self, token: int, buf) -> None:
+        """Token's row (0 <= token < vocab, unchecked here) into buf, a writable buffer of one row's bytes (the
+        decode step's bound input, StepBuffers.token_row)."""
+        if os.preadv(self._fd, [buf], self._offset + token * self._row) != self._row:
+            raise mf.BundleError("embedding table file is truncated")
 
     def __del__(self):
         fd = getattr(self, "_fd", None)
