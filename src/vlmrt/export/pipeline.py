@@ -157,15 +157,8 @@ class Plan:
             and self.prefill_ar > 1
 
     @property
-    def int8_table(self) -> bool:
-        """The host's embedding table is int8 rows + scales (weight-only decoders: a lookup touches a few rows)."""
-        dec_precs = {self.prec["prefill"], self.prec["decode"], self.head or self.prec["decode"]}
-        return bool(dec_precs & set(quantize.WEIGHT_ONLY_BITS))
-
-    @property
-    def token_rows(self) -> bool:
-        """The one in_place decoder graph scales a decode step's int8 row itself (DecoderSpec.token_rows_input)."""
-        return self.in_place and self.int8_table
+    def token_rows(self) -> bool:  # the in_place decoder scales an int8 embedding row itself (token_rows_input)
+        return self.in_place and bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS))
 
 
 def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
@@ -250,8 +243,7 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
     hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
     p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
-    graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"],
-                         tmp / "vision.onnx")
+    graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"], tmp / "vision.onnx")
     p.done()
     decoder_graphs = []
     for name, ar in (("prefill", plan.prefill_ar), ("decode", 1)):
@@ -267,9 +259,8 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
         graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=t.kv_heads * t.head_dim,
                               layers=t.layers, io_dtype=plan.dtype, precision=prec[name], head=h,
                               path=tmp / f"{stem}.onnx", cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
-                              dynamic_ar=plan.one_graph,
-                              in_place=(t.kv_heads, t.head_dim) if plan.in_place else None, hessian=hessian,
-                              token_rows=plan.token_rows)
+                              dynamic_ar=plan.one_graph, in_place=(t.kv_heads, t.head_dim) if plan.in_place else None,
+                              hessian=hessian, token_rows=plan.token_rows)
         decoder_graphs.append((name, stem))
         p.done()
     p.start("sharing weights between graphs")
@@ -286,7 +277,7 @@ def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> 
     prec = plan.prec
     dec_precs = {prec["prefill"], prec["decode"], plan.head or prec["decode"]}
     scale_file = None
-    if plan.int8_table:
+    if dec_precs & set(quantize.WEIGHT_ONLY_BITS):
         q, scale = quantize.int8_rows(embed)
         np.save(tmp / "embed.npy", q)
         scale_file = "embed_scale.npy"
@@ -348,8 +339,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                seqlens_input="seqlens_k" if plan.in_place else None,
                                total_length_input="total_sequence_length" if plan.in_place else None,
                                argmax_output="next_token" if plan.in_place else None,
-                               token_rows_input="token_rows" if plan.token_rows else None,
-                               token_scales_input="token_scales" if plan.token_rows else None,
+                               **({"token_rows_input": "token_rows", "token_scales_input": "token_scales"} if plan.token_rows else {}),
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
                                mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
                                context_step=0 if plan.in_place else plan.context_step, dynamic_ar=plan.one_graph,
