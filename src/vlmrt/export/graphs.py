@@ -272,21 +272,24 @@ def weight_table(path: Path) -> dict:
     """What the runtime needs to know of a graph's weights without parsing it (GraphSpec.data_files, mapped_weights,
     prepacked): its external-data files, the external initializers it may map and share between sessions — not the
     4-bit ones (packed two per byte, no numpy dtype: ORT reads those itself), not the MatMulNBits inputs (their CPU
-    kernel computes from its own prepacked copy) — and whether it has MatMulNBits nodes."""
+    kernel computes from its own prepacked copy) — and whether it has MatMulNBits nodes; load_only_weights: the
+    MatMulNBits scales and zero points (GraphSpec.load_only_weights)."""
     model = onnx.load(str(path), load_external_data=False)
-    prepacked = {name for n in model.graph.node if n.op_type == "MatMulNBits" for name in n.input[1:]}
-    files, mapped = set(), []
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    prepacked = {name for n in nbits for name in n.input[1:]}
+    load_only = {name for n in nbits for name in n.input[2:4]}  # scales, zero points
+    files, mapped, kept = set(), [], []
     for init in model.graph.initializer:
         if not external_data_helper.uses_external_data(init):
             continue
         info = {e.key: e.value for e in init.external_data}
         files.add(info["location"])
-        if init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) or init.name in prepacked:
+        if init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) or (init.name in prepacked) > (init.name in load_only):
             continue
-        mapped.append({"name": init.name, "file": info["location"], "offset": int(info.get("offset", 0)),
-                       "length": int(info["length"]), "dtype": onnx.helper.tensor_dtype_to_np_dtype(init.data_type).name,
-                       "shape": [int(d) for d in init.dims]})
-    return {"data_files": sorted(files), "mapped_weights": mapped, "prepacked": bool(prepacked)}
+        (kept if init.name in load_only else mapped).append(
+            {"name": init.name, "file": info["location"], "offset": int(info.get("offset", 0)), "length": int(info["length"]),
+             "dtype": onnx.helper.tensor_dtype_to_np_dtype(init.data_type).name, "shape": [int(d) for d in init.dims]})
+    return {"data_files": sorted(files), "mapped_weights": mapped, "prepacked": bool(prepacked), "load_only_weights": kept}
 
 
 def share_weights(folder: Path, graph_files: list[str], data_file: str, min_bytes: int = 1024) -> None:
