@@ -1,6 +1,7 @@
 """Where the runtime's memory goes, held to what docs/performance.md#memory measured: the KV cache's pages become
-resident only where rows are written (no huge pages), and the LM head's weight is prepacked first (ORT prepacks in
-node order; packed last, its original was mapped on top of every packed copy at the load's peak)."""
+resident only where rows are written (no huge pages), the LM head's weight is prepacked first (ORT prepacks in
+node order; packed last, its original was mapped on top of every packed copy at the load's peak), and the
+MatMulNBits scales that ORT keeps after packing are unmapped once the session is built."""
 
 import mmap
 import sys
@@ -57,3 +58,40 @@ def test_lm_head_is_prepacked_first(tmp_path_factory):
     assert g.node[0].op_type == "MatMulNBits"
     assert sizes[g.node[0].input[1]] == max(sizes[n.input[1]] for n in nbits)
     assert g.node[0].output[0] == "logits"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/pagemap")
+def test_load_only_weights_unmapped_after_load(tmp_path_factory, tmp_path):
+    """The MatMulNBits scales (GraphSpec.load_only_weights) are mapped by the runtime, one weight per mapping, and
+    none of their pages is resident once the session is built, nor after generating (ORT's kernel computes from its
+    packed copy). Answers and logits equal those of the same bundle with ORT mapping them itself."""
+    import json
+    import shutil
+
+    from vlmrt.runtime.pipeline import VLM
+
+    b = bundle("w4a8", tmp_path_factory)
+    vlm = VLM.load(b, verify=False)
+    g = vlm.manifest.graphs["decode"]
+    graph = onnx.load(str(b / g.file), load_external_data=False).graph
+    external = {i.name for i in graph.initializer if onnx.external_data_helper.uses_external_data(i)}
+    scales = {n.input[2] for n in graph.node if n.op_type == "MatMulNBits"} & external
+    assert g.load_only_weights and {w["name"] for w in g.load_only_weights} == scales
+    own = list(vlm.bundle.shared.own.values())
+    assert len(own) == len(scales)
+    pages = lambda: sum(_resident_pages(np.frombuffer(m, np.uint8)) for m in own)  # noqa: E731
+    assert pages() == 0
+    r = vlm("Describe the picture in detail.", None, max_new_tokens=12, ignore_eos=True)
+    assert pages() == 0
+    plain = tmp_path / "plain"
+    shutil.copytree(b, plain)
+    m = json.loads((plain / "manifest.json").read_text())
+    for spec in m["graphs"].values():
+        spec["load_only_weights"] = []
+    (plain / "manifest.json").write_text(json.dumps(m))
+    other = VLM.load(plain, verify=False)
+    assert not other.bundle.shared.own
+    assert other("Describe the picture in detail.", None, max_new_tokens=12, ignore_eos=True).token_ids == r.token_ids
+    ids = vlm.prompt_ids("hello", None)
+    np.testing.assert_array_equal(vlm.engine.prefill(vlm.engine.embed(ids), "hybrid"),
+                                  other.engine.prefill(other.engine.embed(ids), "hybrid"))
