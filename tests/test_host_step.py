@@ -1,6 +1,6 @@
 """The decode loop's host fast paths equal the general ones: the kept mask (StepMask), the token row written in
-place (Engine.embed_into / step_token), the one-row KV write. Greedy ids through them: test_engine_fake.py,
-test_runtime_speed_paths.py, test_kv_contract.py."""
+place (Engine.embed_into / step_token), the int8 row read into the graph's token_rows input (the graph scales it),
+the one-row KV write. Greedy ids through them: test_engine_fake.py, test_runtime_speed_paths.py, test_kv_contract.py."""
 
 import numpy as np
 import pytest
@@ -13,6 +13,8 @@ from vlmrt.runtime.kv_cache import KVCache, attention_mask
 from vlmrt.runtime.step import StepMask
 
 from test_engine_fake import make_engine
+from test_quant import bundle
+from test_runtime_speed_paths import RunOnly
 
 
 @pytest.mark.parametrize("ar,ctx,neg", [(1, 64, None), (4, 24, None), (3, 16, -30.0)])
@@ -44,6 +46,55 @@ def test_token_row_in_place_equals_embed(default_bundle, tmp_path):
                 np.testing.assert_array_equal(out, e.embed([t])[0])
             with pytest.raises(IndexError):
                 e.embed_into(vocab, out)
+
+
+def test_int8_row_read_into_equals_row(tmp_path):
+    """EmbeddingRows.read_into (a decode step's pread into the bound int8 input) and the ndarray table's reader."""
+    from vlmrt.runtime.engine import _ndarray_reader
+
+    q = np.random.default_rng(2).integers(-127, 128, (50, 24)).astype(np.int8)
+    np.save(tmp_path / "q.npy", q)
+    for read in (EmbeddingRows(tmp_path / "q.npy").read_into, _ndarray_reader(q)):
+        for t in (0, 7, 49):
+            out = np.full(24, 99, np.int8)
+            read(t, memoryview(out))
+            np.testing.assert_array_equal(out, q[t])
+
+
+@pytest.mark.parametrize("bind", [True, False])
+def test_token_rows_step_equals_embeds_step(tmp_path_factory, bind):
+    """An int8-table decoder takes a decode step's row unscaled (decoder.token_rows_input): the graph's float32
+    row x scale gives bit for bit the logits, argmax and cache rows of the host's own multiply fed as inputs_embeds,
+    step after step and across switches between the two (a kv-mode prompt, lookahead drafts and image rows come as
+    inputs_embeds), bound and plain; greedy answers through it equal the host-multiply path's."""
+    from vlmrt.runtime.pipeline import VLM
+
+    b = bundle("w4a8", tmp_path_factory)
+    vlm = VLM.load(b, verify=False)
+    d = vlm.manifest.decoder
+    assert d.token_rows_input == "token_rows" and d.token_scales_input == "token_scales"
+    if not bind:
+        vlm.engine.decode_session = vlm.engine.prefill_session = RunOnly(vlm.bundle.sessions["decode"])
+    e = vlm.engine
+    assert e._read_row is not None  # the token path is what step_token takes
+    e.prefill(e.embed([3, 5, 7, 11, 2, 9]), "kv")
+    for t in (4, 9, 9, 1, 22, 0, 13, vlm.manifest.decoder.vocab_size - 1):
+        n = e.cache.length
+        a, am = e.step_token(t).copy(), e._argmax.copy()
+        ka = e.cache.stored(n + 1).copy()
+        e.cache.rewind(n)
+        bl = e.step("decode", e.embed([t]))[-1].copy()
+        np.testing.assert_array_equal(a, bl)
+        np.testing.assert_array_equal(am, e._argmax)
+        np.testing.assert_array_equal(ka, e.cache.stored(n + 1))
+    with pytest.raises(IndexError):
+        e.step_token(d.vocab_size)
+    plain = VLM.load(b, verify=False)
+    plain.engine._read_row = None  # the host multiply into inputs_embeds (the graph adds a zero-scaled row)
+    for prompt in ("Describe the picture in detail.", "word " * 40):
+        for mode in ("kv", "hybrid"):
+            ids = vlm(prompt, None, mode=mode, max_new_tokens=16, ignore_eos=True).token_ids
+            assert ids == plain(prompt, None, mode=mode, max_new_tokens=16, ignore_eos=True).token_ids
 
 
 def test_step_token_equals_step_of_embed():

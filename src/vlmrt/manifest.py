@@ -60,6 +60,10 @@ class GraphSpec:
     # "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and prepacked MatMulNBits inputs not listed
     mapped_weights: list[dict[str, Any]] = field(default_factory=list)
     prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)
+    # MatMulNBits scales / zero points (mapped_weights' form): ORT's x86 int8-compute kernel copies them into its packed
+    # weights but keeps the originals, which it never reads again; the runtime maps them itself and drops their pages
+    # once the session is built (runtime/bundle.py SharedWeights.drop_pages). [] in bundles exported before it
+    load_only_weights: list[dict[str, Any]] = field(default_factory=list)
     context: QnnContext | None = None  # the HTP target: what `--device htp` loads (no graph compile at load)
     qnn_options: dict[str, str] = field(default_factory=dict)  # HTP: QNN EP options it is compiled + loaded with
     _required = ("data_files", "mapped_weights", "prepacked")
@@ -195,6 +199,11 @@ class DecoderSpec:
     # static graphs (the HTP target): AR of graphs.verify, the lookahead verify graph (the decode graph at AR = K:
     # same weights, activation and KV encodings; every row's logits). 0: no verify graph
     verify_ar: int = 0
+    # int8 tables (embedding_scale_file) on the one-graph CPU decoder: inputs [ar, hidden] int8 and [ar] float32; the
+    # graph adds token_rows * token_scales (in float32, cast to the I/O dtype) to inputs_embeds, so a decode step
+    # reads its row straight into the bound input and the host does no multiply (scale 0: the row is not used)
+    token_rows_input: str | None = None
+    token_scales_input: str | None = None
 
 
 @dataclass
@@ -260,8 +269,8 @@ def from_dict(d: Any) -> Manifest:
         for name, entry in m.files.items():
             build(FileEntry, entry, f"files.{name}")
         for name, g in m.graphs.items():
-            for i, w in enumerate(g.mapped_weights):
-                where = f"graphs.{name}.mapped_weights[{i}]"
+            for where, w in [(f"graphs.{name}.{f}[{i}]", w) for f in ("mapped_weights", "load_only_weights")
+                             for i, w in enumerate(getattr(g, f))]:
                 w = build(MappedWeight, w, where)
                 if w.dtype not in MAPPED_DTYPES:
                     raise Malformed(f"{where}.dtype: unknown dtype {w.dtype[:40]!r}")
@@ -303,6 +312,7 @@ def bundle_paths(m: Manifest) -> list[tuple[str, str]]:
             for f in ("file", "binary")]
     out += [(f"graphs.{k}.data_files", f) for k, g in m.graphs.items() for f in g.data_files]
     out += [(f"graphs.{k}.mapped_weights", w["file"]) for k, g in m.graphs.items() for w in g.mapped_weights]
+    out += [(f"graphs.{k}.load_only_weights", w["file"]) for k, g in m.graphs.items() for w in g.load_only_weights]
     out += [("tokenizer_file", m.tokenizer_file), ("decoder.embedding_file", m.decoder.embedding_file)]
     if m.decoder.embedding_scale_file is not None:
         out.append(("decoder.embedding_scale_file", m.decoder.embedding_scale_file))

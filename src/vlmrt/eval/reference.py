@@ -45,8 +45,11 @@ class TorchDecoder:
         in_place = self.m.kv.layout == "in_place"
         step = (t[d.seqlens_input], t[d.total_length_input]) if in_place else (t[d.positions_input], t[d.mask_input].float())
         rows = [t[d.logit_rows_input]] if in_place else []  # (the in_place module returns those rows itself)
+        embeds = t[d.embeds_input].float()
+        if d.token_rows_input:  # the graph's own addition of the int8 rows (export/graphs.py TokenRows)
+            embeds = embeds + t[d.token_rows_input].float() * t[d.token_scales_input][:, None]
         with torch.no_grad():
-            out = self.module(t[d.embeds_input].float(), *step, *[t[n].float() for n in self.past], *rows)
+            out = self.module(embeds, *step, *[t[n].float() for n in self.past], *rows)
         by_name = dict(zip(self.outs, (o.numpy() for o in out)))
         if d.logit_rows_input and not in_place:  # the rows the exported graph would return (this module computes all)
             by_name[d.logits_output] = by_name[d.logits_output][feeds[d.logit_rows_input]]

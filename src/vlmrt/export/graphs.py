@@ -13,6 +13,7 @@ import copy
 import hashlib
 import io
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
@@ -89,6 +90,37 @@ class CastIO(torch.nn.Module):
         return out.to(self.io)
 
 
+class TokenRows(torch.nn.Module):
+    """inner(inputs_embeds + token_rows * token_scales, *rest): an int8 embedding row and its scale as graph inputs
+    [ar, hidden] int8, [ar] float32 (the last two), multiplied in float32 and cast to the I/O dtype as the host's
+    Engine.embed does, so a decode step's row goes straight from the table into the bound input (scale 0 for the
+    rows that come in inputs_embeds: prompt blocks, image rows, lookahead drafts)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):  # (one *args, as CastIO: the export's dynamic shapes are one tuple)
+        embeds, *rest, rows, scales = args
+        return self.inner(embeds + (rows.float() * scales[:, None]).to(embeds.dtype), *rest)
+
+
+def largest_matmul_first(model: onnx.ModelProto) -> None:
+    """Move the MatMulNBits node with the largest weight (the LM head) to the front of the node list. ORT prepacks
+    the weights in node order and drops each original after packing it, so the process's peak is the packed copies
+    plus the original being packed: packed last, the 14 MB head of SmolLM2 was on top of all the others (peak RSS
+    +17 MB; docs/performance.md#memory). ORT runs nodes in their topological order whatever the list's order, so
+    the graph computes the same; the list is then not topologically sorted, which ORT does not need."""
+    g = model.graph
+    sizes = {i.name: math.prod(i.dims) for i in g.initializer}
+    nbits = [(sizes.get(n.input[1], 0), k) for k, n in enumerate(g.node) if n.op_type == "MatMulNBits"]
+    if not nbits:
+        return
+    _, k = max(nbits)
+    node = g.node.pop(k)
+    g.node.insert(0, node)
+
+
 def compute_dtype(precision: str, io_dtype: str) -> str:
     """fp32/fp16 graphs compute in that type; weight-only graphs in the I/O type."""
     return precision if precision in TORCH_DTYPES else io_dtype
@@ -116,7 +148,8 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
                    precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
-                   dynamic_ar: bool = False, in_place: tuple[int, int] | None = None, hessian=None) -> None:
+                   dynamic_ar: bool = False, in_place: tuple[int, int] | None = None, hessian=None,
+                   token_rows: bool = False) -> None:
     """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): steps read
     the cache without copying it (CachedGQAttention._copy_free_step) and RMSNorm chains become one fused op.
     dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
@@ -128,12 +161,14 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
     in_place = (kv_heads, head_dim) (with dynamic_ar): attention as ORT's GroupQueryAttention over cache buffers
     [1, kv_heads, max_context, head_dim] that the graph updates in place (CausalDecoder in_place): inputs
     inputs_embeds, seqlens_k, total_sequence_length, past_*, logit_rows; outputs logits, present_*, next_token.
-    hessian: the GPTQ precisions' calibration (quantize.quantize_decoder)."""
+    hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
+    token_rows (with in_place): two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
     from . import fuse, quantize
 
     if in_place:
         return _export_in_place(decoder, ar=ar, max_context=max_context, hidden=hidden, heads=in_place, layers=layers,
-                                io_dtype=io_dtype, precision=precision, head=head, path=path, hessian=hessian)
+                                io_dtype=io_dtype, precision=precision, head=head, path=path, hessian=hessian,
+                                token_rows=token_rows)
     dt = TORCH_DTYPES[io_dtype]
     # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context
     decoder = decoder.with_options(copy_free=cpu, logit_rows=dynamic_ar, rope_positions=max_context + ar)
@@ -176,7 +211,7 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
 
 
 def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: tuple[int, int], layers: int,
-                     io_dtype: str, precision: str, head: str, path: Path, hessian=None) -> None:
+                     io_dtype: str, precision: str, head: str, path: Path, hessian=None, token_rows: bool = False) -> None:
     """export_decoder's in_place graph: symbolic AR 1..ar, cache buffers of max_context slots."""
     from . import fuse, gqa_onnx, quantize
 
@@ -189,9 +224,14 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
     past = [torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt) for _ in range(2 * layers)]
     kin, kout = kv_names(layers, in_place=True)
     n = torch.export.Dim("ar", min=1, max=ar)
-    dynamic = (({0: n}, None, None, *[None] * (2 * layers), {0: torch.export.Dim("rows", min=1, max=ar)}),)
-    export_graph(module, (embeds, seqlens, total, *past, torch.arange(ar, dtype=torch.int64)),
-                 ["inputs_embeds", "seqlens_k", "total_sequence_length", *kin, "logit_rows"],
+    extra, extra_names, extra_dims = [], [], []
+    if token_rows:  # [ar, hidden] int8, [ar] float32
+        module = TokenRows(module)
+        extra, extra_names = [torch.zeros(ar, hidden, dtype=torch.int8), torch.zeros(ar)], ["token_rows", "token_scales"]
+        extra_dims = [{0: n}, {0: n}]
+    dynamic = (({0: n}, None, None, *[None] * (2 * layers), {0: torch.export.Dim("rows", min=1, max=ar)}, *extra_dims),)
+    export_graph(module, (embeds, seqlens, total, *past, torch.arange(ar, dtype=torch.int64), *extra),
+                 ["inputs_embeds", "seqlens_k", "total_sequence_length", *kin, "logit_rows", *extra_names],
                  ["logits", *kout, "next_token"], path,
                  dynamic, gqa_onnx.TABLE)
     model = onnx.load(str(path))
@@ -201,8 +241,9 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
         with _quiet():
             rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits", hessian))
     model = onnx.load(str(path))
-    if fuse.fuse_rms_norm(model):
-        rewrite(path, model)
+    fuse.fuse_rms_norm(model)
+    largest_matmul_first(model)
+    rewrite(path, model)
 
 
 def _name_weights(model: onnx.ModelProto) -> int:
@@ -231,21 +272,24 @@ def weight_table(path: Path) -> dict:
     """What the runtime needs to know of a graph's weights without parsing it (GraphSpec.data_files, mapped_weights,
     prepacked): its external-data files, the external initializers it may map and share between sessions — not the
     4-bit ones (packed two per byte, no numpy dtype: ORT reads those itself), not the MatMulNBits inputs (their CPU
-    kernel computes from its own prepacked copy) — and whether it has MatMulNBits nodes."""
+    kernel computes from its own prepacked copy) — and whether it has MatMulNBits nodes; load_only_weights: the
+    MatMulNBits scales and zero points (GraphSpec.load_only_weights)."""
     model = onnx.load(str(path), load_external_data=False)
-    prepacked = {name for n in model.graph.node if n.op_type == "MatMulNBits" for name in n.input[1:]}
-    files, mapped = set(), []
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    prepacked = {name for n in nbits for name in n.input[1:]}
+    load_only = {name for n in nbits for name in n.input[2:4]}  # scales, zero points
+    files, mapped, kept = set(), [], []
     for init in model.graph.initializer:
         if not external_data_helper.uses_external_data(init):
             continue
         info = {e.key: e.value for e in init.external_data}
         files.add(info["location"])
-        if init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) or init.name in prepacked:
+        if init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) or (init.name in prepacked) > (init.name in load_only):
             continue
-        mapped.append({"name": init.name, "file": info["location"], "offset": int(info.get("offset", 0)),
-                       "length": int(info["length"]), "dtype": onnx.helper.tensor_dtype_to_np_dtype(init.data_type).name,
-                       "shape": [int(d) for d in init.dims]})
-    return {"data_files": sorted(files), "mapped_weights": mapped, "prepacked": bool(prepacked)}
+        (kept if init.name in load_only else mapped).append(
+            {"name": init.name, "file": info["location"], "offset": int(info.get("offset", 0)), "length": int(info["length"]),
+             "dtype": onnx.helper.tensor_dtype_to_np_dtype(init.data_type).name, "shape": [int(d) for d in init.dims]})
+    return {"data_files": sorted(files), "mapped_weights": mapped, "prepacked": bool(prepacked), "load_only_weights": kept}
 
 
 def share_weights(folder: Path, graph_files: list[str], data_file: str, min_bytes: int = 1024) -> None:

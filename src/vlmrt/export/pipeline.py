@@ -132,6 +132,10 @@ class Plan:
         return bool(self.context_step) and self.htp is None and self.prec["prefill"] == self.prec["decode"] \
             and self.prefill_ar > 1
 
+    @property
+    def token_rows(self) -> bool:  # the in_place decoder scales an int8 embedding row itself (token_rows_input)
+        return self.in_place and bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS))
+
 
 def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
     """graph -> precision, checked (before anything is read)."""
@@ -215,8 +219,7 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
     hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
     p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
-    graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"],
-                         tmp / "vision.onnx")
+    graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"], tmp / "vision.onnx")
     p.done()
     decoder_graphs = []
     verify = plan.htp["lookahead_ar"] if plan.htp else 0
@@ -233,8 +236,8 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
         graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=t.kv_heads * t.head_dim,
                               layers=t.layers, io_dtype=plan.dtype, precision=prec[_like(name)], head=h,
                               path=tmp / f"{stem}.onnx", cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
-                              dynamic_ar=plan.one_graph,
-                              in_place=(t.kv_heads, t.head_dim) if plan.in_place else None, hessian=hessian)
+                              dynamic_ar=plan.one_graph, in_place=(t.kv_heads, t.head_dim) if plan.in_place else None,
+                              hessian=hessian, token_rows=plan.token_rows)
         decoder_graphs.append((name, stem))
         p.done()
     p.start("sharing weights between graphs")
@@ -318,6 +321,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                seqlens_input="seqlens_k" if plan.in_place else None,
                                total_length_input="total_sequence_length" if plan.in_place else None,
                                argmax_output="next_token" if plan.in_place else None,
+                               **({"token_rows_input": "token_rows", "token_scales_input": "token_scales"} if plan.token_rows else {}),
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
                                mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
                                context_step=0 if plan.in_place else plan.context_step, dynamic_ar=plan.one_graph,

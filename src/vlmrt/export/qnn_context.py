@@ -131,7 +131,8 @@ def compile_bundle(folder: Path, gspecs: dict, files: list[str], target: dict, k
         for f in sorted(qdq):
             os.remove(folder / f)
         files = [f for f in files if f not in qdq]
-        gspecs = {g: dataclasses.replace(s, file=None, data_files=[], mapped_weights=[]) for g, s in gspecs.items()}
+        gspecs = {g: dataclasses.replace(s, file=None, data_files=[], mapped_weights=[], load_only_weights=[])
+                  for g, s in gspecs.items()}
     sdk = sorted({c["sdk"] for c in ctx.values()})
     return gspecs, files, {"qnn_sdk": ",".join(sdk), "shared_context": shared,
                            "compile_s": {g: round(c["seconds"], 3) for g, c in ctx.items()}}

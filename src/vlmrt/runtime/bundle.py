@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections.abc import Mapping
@@ -62,35 +63,65 @@ class SharedWeights:
 
     MatMulNBits inputs are left out: the CPU kernel computes from its own prepacked copy, and ORT, when it
     maps such a weight itself, drops the mapping once the copy exists; a shared mapping would keep both
-    resident for the session's life (memory figures: docs/performance.md)."""
+    resident for the session's life (memory figures: docs/performance.md). The scales and zero points among them
+    (GraphSpec.load_only_weights) are mapped one weight per mapping (own=True), whose pages drop_pages unmaps once
+    the session is built."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.maps: dict[str, np.memmap] = {}
+        self.maps: dict[str, mmap.mmap] = {}
         self.values: dict[tuple, object] = {}
+        self.own: dict[tuple, mmap.mmap] = {}  # (file, offset, length) -> the mapping of that weight alone
 
-    def initializers(self, graph: mf.GraphSpec) -> dict[str, object]:
-        """name -> OrtValue for the graph's mapped weights (GraphSpec.mapped_weights, written by the export)."""
+    def initializers(self, graph: mf.GraphSpec, weights: list[dict] | None = None, own: bool = False) -> dict[str, object]:
+        """name -> OrtValue for the graph's mapped weights (GraphSpec.mapped_weights, written by the export), or for
+        those of the list weights; own: each in a mapping of its own pages (a page fault maps up to 64 KB around it,
+        within one mapping: a whole-file one would gather the neighbouring weights' pages too)."""
         import onnxruntime as ort
 
         out = {}
-        for w in graph.mapped_weights:
+        for w in graph.mapped_weights if weights is None else weights:
             try:
                 dtype, shape = np.dtype(w["dtype"]), tuple(w["shape"])
             except TypeError:
                 raise mf.BundleError(f"graph {graph.file}: weight {w['name']!r} has an unknown dtype {w['dtype']!r}") from None
             key = (w["file"], w["offset"], w["length"], dtype.str, shape)
             if key not in self.values:
-                if w["file"] not in self.maps:
-                    self.maps[w["file"]] = np.memmap(self.folder / w["file"], dtype=np.uint8, mode="r")
                 try:
-                    arr = np.frombuffer(self.maps[w["file"]], dtype=np.uint8, count=w["length"], offset=w["offset"])
-                    arr = arr.view(dtype).reshape(shape)
+                    buf, at = self._mapping(w, own)
+                    arr = np.frombuffer(buf, dtype=np.uint8, count=w["length"], offset=at).view(dtype).reshape(shape)
                 except ValueError as e:
                     raise mf.BundleError(f"graph {graph.file}: weight {w['name']!r} does not fit {w['file']}: {e}") from None
                 self.values[key] = ort.OrtValue.ortvalue_from_numpy(arr)
             out[w["name"]] = self.values[key]
         return out
+
+    def _mapping(self, w: dict, own: bool) -> tuple[mmap.mmap, int]:
+        """(mapping, the weight's offset in it)."""
+        if not own:
+            if w["file"] not in self.maps:
+                with open(self.folder / w["file"], "rb") as f:
+                    self.maps[w["file"]] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return self.maps[w["file"]], w["offset"]
+        start = w["offset"] // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        key = (w["file"], w["offset"], w["length"])
+        if key not in self.own:
+            with open(self.folder / w["file"], "rb") as f:
+                self.own[key] = mmap.mmap(f.fileno(), w["offset"] + w["length"] - start, offset=start,
+                                          access=mmap.ACCESS_READ)
+        return self.own[key], w["offset"] - start
+
+    def drop_pages(self, weights: list[dict]) -> None:
+        """Unmap the resident pages of these weights' own mappings (MADV_DONTNEED: the file stays in the page cache;
+        a later read faults them back in, so this is safe whoever reads them). For GraphSpec.load_only_weights once
+        their session is built: ORT's x86 int8-compute MatMulNBits copies the scales into its packed weights and
+        keeps the originals, which it never reads again (16 MB for SmolLM2-135M w4a8; docs/performance.md#memory)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for w in weights:
+            m = self.own.get((w["file"], w["offset"], w["length"]))
+            if m is not None:
+                m.madvise(mmap.MADV_DONTNEED)
 
 
 class EmbeddingRows:
@@ -124,9 +155,14 @@ class EmbeddingRows:
 
     def row(self, token: int) -> np.ndarray:
         """Token's row [hidden] (0 <= token < vocab, unchecked here), in a buffer the next call overwrites."""
-        if os.preadv(self._fd, [self._one], self._offset + token * self._row) != self._row:
-            raise mf.BundleError("embedding table file is truncated")
+        self.read_into(token, self._one)
         return self._one_row
+
+    def read_into(self, token: int, buf) -> None:
+        """Token's row (0 <= token < vocab, unchecked here) into buf, a writable buffer of one row's bytes (the
+        decode step's bound input, StepBuffers.token_row)."""
+        if os.preadv(self._fd, [buf], self._offset + token * self._row) != self._row:
+            raise mf.BundleError("embedding table file is truncated")
 
     def __del__(self):
         fd = getattr(self, "_fd", None)
@@ -146,9 +182,11 @@ def release_freed_heap() -> None:
 
 
 def make_session(path: Path, device: str, threads: int | None, target: dict | None = None,
-                 shared: SharedWeights | None = None, graph: mf.GraphSpec | None = None, config: dict | None = None):
+                 shared: SharedWeights | None = None, graph: mf.GraphSpec | None = None, config: dict | None = None,
+                 load_only: SharedWeights | None = None):
     """An ORT session for the graph file at path; with shared (and the graph's spec), its mapped weights come from
-    the shared mapping; config: more session config entries (the QNN EP's context sharing)."""
+    the shared mapping; config: more session config entries (the QNN EP's context sharing); with load_only, the
+    graph's load_only_weights come from that mapping, whose pages are dropped once the session is built."""
     import onnxruntime as ort
 
     if device not in DEVICES:
@@ -183,12 +221,18 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
                 # docs/history.md) — ORT's Python API has no shared prepacked-weights container to get both.
                 # MatMulNBits keeps prepacking: its CPU kernel computes from that layout.
                 so.add_session_config_entry("session.disable_prepacking", "1")
+        if load_only is not None:
+            for name, value in load_only.initializers(graph, graph.load_only_weights, own=True).items():
+                so.add_initializer(name, value)
     try:
         if providers is None:
             return ort.InferenceSession(str(path), sess_options=so)
-        return ort.InferenceSession(str(path), sess_options=so, providers=providers)
+        session = ort.InferenceSession(str(path), sess_options=so, providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise mf.BundleError(f"cannot load graph {path.name}: {str(e).splitlines()[0]}") from None
+    if load_only is not None:
+        load_only.drop_pages(graph.load_only_weights)
+    return session
 
 
 def _graph_files(m: mf.Manifest, device: str, htp_arch) -> tuple[dict[str, str], dict[str, dict]]:
@@ -248,7 +292,8 @@ class Sessions(Mapping):
         if s is None:
             t = time.perf_counter()
             shared = self.shared if any(self.users[loc] > 1 for loc in g.data_files) else None
-            s = make_session(self.path / f, self.device, self.threads, self.m.target, shared, g, self.config.get(f))
+            s = make_session(self.path / f, self.device, self.threads, self.m.target, shared, g, self.config.get(f),
+                             self.shared if g.load_only_weights else None)
             for other, spec in self.m.graphs.items():  # the graph file's I/O are what the manifest says
                 if self.files[other] == f:
                     check_io(s, other, spec, f)

@@ -101,6 +101,11 @@ class Engine:
         # one row [hidden] by token id: EmbeddingRows.row (a reused buffer), or a view of the ndarray's row
         self._row = getattr(self.embed_table, "row", self.embed_table.__getitem__)
         self._vocab = self.embed_table.shape[0]
+        # int8 tables under a graph that scales the row itself (DecoderSpec.token_rows_input): a decode step reads
+        # the token's row into the graph's input (EmbeddingRows.read_into), no multiply on the host
+        self._read_row = None
+        if dec.token_rows_input and embed_scale is not None and self.embed_table.dtype == np.int8:
+            self._read_row = getattr(self.embed_table, "read_into", None) or _ndarray_reader(self.embed_table)
         self.eos = set(eos_ids)
         self.dtype = np.dtype(io_dtype)
         self.cache = KVCache(kv)
@@ -191,7 +196,12 @@ class Engine:
         if self.cache.in_place:  # its binding does not depend on the position: kept for the decode loop
             self._token_step = step
         b = step.buffers
-        self.embed_into(token, b.first_row)
+        if self._read_row is None:
+            self.embed_into(token, b.first_row)
+        elif 0 <= token < self._vocab:
+            self._read_row(token, b.token_row(self.embed_scale[token]))
+        else:
+            raise IndexError(f"token id {token} out of range 0..{self._vocab - 1}")
         return self._run(step, b.first)[-1]  # a decode step's AR is 1
 
     def verify(self, token: int, drafts: list[int], sampler: Sampler) -> list[int]:
@@ -324,6 +334,13 @@ class Engine:
             st.decode_s += dt
             st.decode_run_s += self.run_s - run0
             st.step_times.append(dt)
+
+
+def _ndarray_reader(table: np.ndarray):
+    """EmbeddingRows.read_into for an int8 table held as an ndarray."""
+    def read_into(token: int, buf) -> None:
+        np.frombuffer(buf, np.int8)[...] = table[token]
+    return read_into
 
 
 def splice(ids: list[int], embed: np.ndarray, image_embeds: np.ndarray | None, image_token_id: int) -> np.ndarray:

@@ -14,6 +14,8 @@ buffers are bound as its past_* inputs and present_* outputs), so `write` only a
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from ..manifest import KVSpec
@@ -33,6 +35,21 @@ def attention_mask(pos: int, ar: int, max_context: int, dtype=np.float32, out: n
     return m
 
 
+def zeroed(shape: tuple, dtype) -> np.ndarray:
+    """np.zeros(shape, dtype) in its own anonymous mapping, with huge pages refused (MADV_NOHUGEPAGE): numpy
+    advises huge pages for arrays of 4 MB or more, so the first row written into a cache buffer would make the whole
+    2 MB around it resident (a 16-token prompt: 42 of a 45 MB cache; docs/performance.md#memory). Here only the pages
+    the rows are written to count. np.zeros where mmap has no private anonymous mappings."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    flags = getattr(mmap, "MAP_PRIVATE", None)
+    if flags is None or n == 0:
+        return np.zeros(shape, dtype)
+    m = mmap.mmap(-1, n, flags=flags | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(m, dtype).reshape(shape)  # the array keeps the mapping alive
+
+
 def context_slots(pos: int, step: int, max_context: int) -> int:
     """The cache prefix [:ctx] a step at first position pos reads from a graph with a symbolic cache length
     (manifest decoder.context_step = step > 0): pos rounded up to a multiple of step, at least step, at most
@@ -49,7 +66,7 @@ class KVCache:
         # new rows land in every buffer with one copy (write), and graph inputs bind to prefixes of it;
         # in_place: [layers, 2, 1, heads, max_context, head_dim], the graph's buffers
         shape = (1, spec.heads, spec.max_context, spec.head_dim) if self.in_place else (spec.max_context, spec.dim)
-        self.data = np.zeros((spec.layers, 2, *shape), self.dtype)
+        self.data = zeroed((spec.layers, 2, *shape), self.dtype)
         self.keys = [self.data[i, 0] for i in range(spec.layers)]
         self.values = [self.data[i, 1] for i in range(spec.layers)]
         if not self.in_place:

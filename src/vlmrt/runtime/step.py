@@ -13,7 +13,8 @@ Both kinds of step read the cache prefix [:ctx] where it is and build positions 
              and a symbolic-AR graph's short last prompt block (one bound step per block length would pile up).
 With the in_place cache layout (kv_cache.py) a step feeds the step's end (seqlens_k, total_sequence_length) instead
 of positions and a mask, the graph writes the new rows into the cache itself (a bound step binds each buffer as
-input and output) and `rows` is None.
+input and output) and `rows` is None. With DecoderSpec.token_rows_input the graph also takes an int8 row and its
+scale per token (`StepBuffers.token_row`): a decode step's row is read from the table straight into the input.
 """
 
 from __future__ import annotations
@@ -72,6 +73,22 @@ class StepBuffers:
         self._range = np.arange(ar, dtype=positions_dtype)
         # views made once for the decode loop (each numpy call after a graph call runs on cold caches)
         self.first, self.first_row = self.embeds[:1], self.embeds[0]
+        # DecoderSpec.token_rows_input: int8 rows [ar, hidden] and their scales [ar] the graph adds to embeds; the
+        # scales are 0 but the first one while a decode step's row is there (then embeds[0] is 0: token_mode)
+        self.token_rows = self.token_scales = self.token_buf = None
+        self.token_mode = False
+        if dec.token_rows_input:
+            self.token_rows, self.token_scales = np.zeros((ar, dec.hidden_size), np.int8), np.zeros(ar, np.float32)
+            self.token_buf = memoryview(self.token_rows[0])  # where a decode step's row is read to (pread)
+
+    def token_row(self, scale: float) -> memoryview:
+        """A decode step's input as an int8 row: the buffer to read the token's row into (token_rows[0]), its scale
+        set; embeds[0] is 0 then (then load(first, pos))."""
+        if not self.token_mode:
+            self.first_row[...] = 0
+            self.token_mode = True
+        self.token_scales[0] = scale
+        return self.token_buf
 
     def load(self, embeds: np.ndarray, pos: int) -> None:
         """The step's inputs in place: embeds [n <= ar, hidden] (zero rows after them), positions pos..; embeds
@@ -80,9 +97,12 @@ class StepBuffers:
         if self.in_place:
             self.seqlens[0] = pos + ar - 1
             self.total[...] = pos + ar
-        if embeds is self.first:  # Engine.step_token wrote the row in place
+        if embeds is self.first:  # Engine.step_token wrote the row in place (or the token's int8 row: token_mode)
             self.positions[0] = pos
             return
+        if self.token_mode:
+            self.token_scales[0] = 0
+            self.token_mode = False
         n = embeds.shape[0]
         self.embeds[:n] = embeds
         if n < ar:
@@ -127,6 +147,9 @@ class BoundStep:
             return v
 
         bind(dec.embeds_input, buffers.embeds)
+        if dec.token_rows_input:
+            bind(dec.token_rows_input, buffers.token_rows)
+            bind(dec.token_scales_input, buffers.token_scales)
         if dec.logit_rows_input:
             bind(dec.logit_rows_input, buffers.logit_rows)
         bind(dec.logits_output, buffers.logits, output=True)
@@ -179,6 +202,8 @@ class PlainStep:
         feeds.update(c.feeds(self.ctx))
         if d.logit_rows_input:
             feeds[d.logit_rows_input] = b.logit_rows
+        if d.token_rows_input:
+            feeds[d.token_rows_input], feeds[d.token_scales_input] = b.token_rows, b.token_scales
         t = time.perf_counter()
         logits, *rows = self.session.run(self._out_names, feeds)
         self.run_s = time.perf_counter() - t

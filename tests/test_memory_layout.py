@@ -1,0 +1,97 @@
+"""Where the runtime's memory goes, held to what docs/performance.md#memory measured: the KV cache's pages become
+resident only where rows are written (no huge pages), the LM head's weight is prepacked first (ORT prepacks in
+node order; packed last, its original was mapped on top of every packed copy at the load's peak), and the
+MatMulNBits scales that ORT keeps after packing are unmapped once the session is built."""
+
+import mmap
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from vlmrt.manifest import KVSpec
+from vlmrt.runtime.kv_cache import KVCache, zeroed
+
+from test_quant import bundle
+
+
+def _resident_pages(arr: np.ndarray) -> int:
+    """Pages of arr resident in this process (/proc/self/pagemap's present bit)."""
+    first, last = arr.ctypes.data // mmap.PAGESIZE, (arr.ctypes.data + arr.nbytes - 1) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), np.uint64)
+    return int((entries >> np.uint64(63)).sum())
+
+
+def test_zeroed_is_zeros():
+    a = zeroed((3, 2, 5), np.float16)
+    assert a.dtype == np.float16 and a.shape == (3, 2, 5) and a.flags.writeable and a.flags.c_contiguous
+    assert not a.any()
+    a[1, 1, 4] = 2
+    assert a.sum() == 2
+    assert zeroed((0, 4), np.float32).shape == (0, 4)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/pagemap")
+def test_kv_cache_pages_only_where_written():
+    """A 32 MB cache with one row written per buffer holds a page per buffer, not the 2 MB huge page around each
+    row (numpy advises huge pages for its arrays of 4 MB or more: a 16-token prompt then made 42 of a 45 MB cache
+    resident)."""
+    spec = KVSpec(layers=4, dim=64, max_context=1 << 14, dtype="float32", key_input="k{layer}", value_input="v{layer}",
+                  key_output="nk{layer}", value_output="nv{layer}")
+    cache = KVCache(spec)
+    assert cache.data.nbytes == 32 << 20
+    assert _resident_pages(cache.data) <= 1
+    cache.data[:, :, 0] = 1  # slot 0 of every buffer ([layers, 2, max_context, dim])
+    assert _resident_pages(cache.data) <= 2 * 2 * spec.layers  # one page per buffer (two at a boundary)
+
+
+def test_lm_head_is_prepacked_first(tmp_path_factory):
+    """The CPU decoder's node list starts with its largest MatMulNBits (the LM head), which still computes last
+    (test_quant / test_host_step run the graph: ORT orders execution topologically)."""
+    b = bundle("w4a8", tmp_path_factory)
+    g = onnx.load(str(b / "decoder.onnx"), load_external_data=False).graph
+    sizes = {i.name: int(np.prod(i.dims)) for i in g.initializer}
+    nbits = [n for n in g.node if n.op_type == "MatMulNBits"]
+    assert g.node[0].op_type == "MatMulNBits"
+    assert sizes[g.node[0].input[1]] == max(sizes[n.input[1]] for n in nbits)
+    assert g.node[0].output[0] == "logits"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/pagemap")
+def test_load_only_weights_unmapped_after_load(tmp_path_factory, tmp_path):
+    """The MatMulNBits scales (GraphSpec.load_only_weights) are mapped by the runtime, one weight per mapping, and
+    none of their pages is resident once the session is built, nor after generating (ORT's kernel computes from its
+    packed copy). Answers and logits equal those of the same bundle with ORT mapping them itself."""
+    import json
+    import shutil
+
+    from vlmrt.runtime.pipeline import VLM
+
+    b = bundle("w4a8", tmp_path_factory)
+    vlm = VLM.load(b, verify=False)
+    g = vlm.manifest.graphs["decode"]
+    graph = onnx.load(str(b / g.file), load_external_data=False).graph
+    external = {i.name for i in graph.initializer if onnx.external_data_helper.uses_external_data(i)}
+    scales = {n.input[2] for n in graph.node if n.op_type == "MatMulNBits"} & external
+    assert g.load_only_weights and {w["name"] for w in g.load_only_weights} == scales
+    own = list(vlm.bundle.shared.own.values())
+    assert len(own) == len(scales)
+    pages = lambda: sum(_resident_pages(np.frombuffer(m, np.uint8)) for m in own)  # noqa: E731
+    assert pages() == 0
+    r = vlm("Describe the picture in detail.", None, max_new_tokens=12, ignore_eos=True)
+    assert pages() == 0
+    plain = tmp_path / "plain"
+    shutil.copytree(b, plain)
+    m = json.loads((plain / "manifest.json").read_text())
+    for spec in m["graphs"].values():
+        spec["load_only_weights"] = []
+    (plain / "manifest.json").write_text(json.dumps(m))
+    other = VLM.load(plain, verify=False)
+    assert not other.bundle.shared.own
+    assert other("Describe the picture in detail.", None, max_new_tokens=12, ignore_eos=True).token_ids == r.token_ids
+    ids = vlm.prompt_ids("hello", None)
+    np.testing.assert_array_equal(vlm.engine.prefill(vlm.engine.embed(ids), "hybrid"),
+                                  other.engine.prefill(other.engine.embed(ids), "hybrid"))
