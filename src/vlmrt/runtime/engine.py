@@ -239,11 +239,13 @@ class Engine:
             self.cache.rewind(start)
         else:
             self.cache.reset()
+        enc = self.kv_spec.encodings
+        if enc.get("prefill" if ar > 1 else "decode"):  # a uint8 cache: the slots the graph reads unwritten are
+            self.cache.clear_unused(enc["prefill" if ar > 1 else "decode"])  # its zero (KVCache.clear_unused)
         exact = start + n - n % ar
         if ar > 1:
             for b in range(0, n, ar):
                 logits = self.step("prefill", prompt_embeds[b : b + ar])
-            enc = self.kv_spec.encodings
             if self.kv_requant and enc.get("prefill") and enc.get("decode"):
                 self.cache.requantize(enc["prefill"], enc["decode"])
                 exact = 0  # the rows are in decode's encoding now, a prefill reads prefill's
