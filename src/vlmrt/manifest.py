@@ -192,6 +192,9 @@ class DecoderSpec:
     seqlens_input: str | None = None
     total_length_input: str | None = None
     argmax_output: str | None = None  # output [r] int64: each logits row's argmax (greedy decoding reads it)
+    # the lm head is graphs.head (HTP, static graphs): the decoder graphs output this [ar, hidden] final-norm state
+    # instead of logits, and the head maps a step's last valid row [1, hidden] (this input) to logits_output [1, vocab]
+    hidden_output: str | None = None
 
 
 @dataclass
@@ -210,7 +213,7 @@ class SpecialTokens:
 @dataclass
 class Manifest:
     model: dict[str, Any]  # informational: family, source, name — the runtime never branches on it
-    graphs: dict[str, GraphSpec]  # "vision", "prefill", "decode"
+    graphs: dict[str, GraphSpec]  # "vision", "prefill", "decode" (and "head": decoder.hidden_output)
     tokenizer_file: str
     image: ImageSpec
     prompt: PromptSpec
@@ -273,8 +276,7 @@ def from_dict(d: Any) -> Manifest:
     return m
 
 
-MAPPED_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
-                 "uint8", "bool"}
+MAPPED_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool"}
 
 
 @dataclass
@@ -350,7 +352,7 @@ def load(folder: Path, verify: bool = True) -> Manifest:
         if name not in checked:
             check_path(folder, field_name, name)
             checked.add(name)
-    for name in ("vision", "prefill", "decode"):
+    for name in ("vision", "prefill", "decode", *(("head",) if "head" in m.graphs else ())):
         if name not in m.graphs:
             raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
         if m.graphs[name].file is None and m.graphs[name].context is None:

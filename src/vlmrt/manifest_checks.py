@@ -15,6 +15,11 @@ def check_decoder(m) -> None:
         raise BundleError("manifest.json is malformed: decoder.last_logits needs decoder.dynamic_ar")
     if m.decoder.logit_rows_input and (m.decoder.last_logits or not m.decoder.dynamic_ar):
         raise BundleError("manifest.json is malformed: decoder.logit_rows_input needs dynamic_ar, not last_logits")
+    if m.decoder.hidden_output and ("head" not in m.graphs or m.decoder.dynamic_ar or m.decoder.argmax_output):
+        raise BundleError("manifest.json is malformed: decoder.hidden_output needs a head graph and static decoder "
+                          "graphs without argmax_output")
+    if "head" in m.graphs and not m.decoder.hidden_output:
+        raise BundleError("manifest.json is malformed: a head graph needs decoder.hidden_output")
     if m.kv.layout == "in_place" and (m.kv.heads * m.kv.head_dim != m.kv.dim or m.kv.heads <= 0
                                       or not m.decoder.dynamic_ar):  # (a padded block would land in the cache)
         raise BundleError("manifest.json is malformed: kv.layout in_place needs kv.heads * kv.head_dim = kv.dim "
@@ -28,8 +33,11 @@ def check_io_names(m) -> None:
     """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
     m.graphs["vision"].input(m.vision.patches_input)
     m.graphs["vision"].output(m.vision.embeds_output)
+    if "head" in m.graphs:
+        m.graphs["head"].input(m.decoder.hidden_output or "")
+        m.graphs["head"].output(m.decoder.logits_output)
     for name, g in m.graphs.items():
-        if name == "vision":
+        if name in ("vision", "head"):
             continue
         d = m.decoder
         step = (d.seqlens_input, d.total_length_input) if m.kv.layout == "in_place" else (d.positions_input, d.mask_input)
@@ -37,7 +45,7 @@ def check_io_names(m) -> None:
             g.input(t or "")
         if m.decoder.logit_rows_input:
             g.input(m.decoder.logit_rows_input)
-        g.output(m.decoder.logits_output)
+        g.output(m.decoder.hidden_output or m.decoder.logits_output)
         if m.decoder.argmax_output:
             g.output(m.decoder.argmax_output)
         for i in range(m.kv.layers):
