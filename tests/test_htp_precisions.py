@@ -4,6 +4,7 @@ QNN options per graph), the simulator's greedy ids vs the CPU EP's, accuracy vs 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -138,8 +139,6 @@ def test_hidden_cache_slots_read_as_zero(tmp_path_factory):
     graph attends to the slot. Every slot a step does not see must hold the reading graph's zero point: fresh,
     after a longer prompt (stale rows), in hybrid (prefill's encoding, then decode's after the requantization) and
     kv mode."""
-    import dataclasses
-
     b = qhexrt_bundle(tmp_path_factory)
     bundle_ = VLM.load(b).bundle
     m = bundle_.manifest
@@ -182,6 +181,13 @@ def test_lm_head_as_its_own_graph(tmp_path_factory):
     for mode in ("hybrid", "kv"):
         want[mode] = ref("Describe a red square.", None, mode=mode, max_new_tokens=6, ignore_eos=True).token_ids
         assert cpu("Describe a red square.", None, mode=mode, max_new_tokens=6, ignore_eos=True).token_ids == want[mode]
+    class Plain:  # no io_binding: the runtime's plain steps (PlainStep) run decoder and head
+        def __init__(self, s):
+            self.run, self.get_inputs, self.get_outputs = s.run, s.get_inputs, s.get_outputs
+
+    bb = cpu.bundle
+    plain = VLM(dataclasses.replace(bb, sessions={g: Plain(bb.sessions[g]) for g in ("prefill", "decode", "head")}))
+    assert plain("Describe a red square.", None, max_new_tokens=6, ignore_eos=True).token_ids == want["hybrid"]
     r, r0 = run_eval(b, ex.ckpt), run_eval(inside, ex.ckpt)
     # measured (hybrid, 16 tokens): top-1 0.875 both, KL 0.00395 both (to 1e-8)
     assert r["top1_agreement"] == r0["top1_agreement"] and abs(r["mean_kl"] - r0["mean_kl"]) < 0.1 * r0["mean_kl"]
