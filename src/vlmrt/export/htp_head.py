@@ -45,7 +45,7 @@ def split(model: onnx.ModelProto, logits: str, hidden_size: int, vocab: int) -> 
     chain, src = head_nodes(model, logits)
     g = model.graph
     used = {i for n in chain for i in n.input}
-    head_inits = [i for i in g.initializer if i.name in used]
+    head_inits = [onnx.TensorProto.FromString(i.SerializeToString()) for i in g.initializer if i.name in used]
     keep = [n for n in g.node if not any(n is c for c in chain)]
     still = {i for n in keep for i in n.input}
     del g.node[:]
@@ -71,7 +71,7 @@ def split(model: onnx.ModelProto, logits: str, hidden_size: int, vocab: int) -> 
         n.input[:] = [HIDDEN if i == src else i for i in n.input]
     head = helper.make_graph(chain, "head", [helper.make_tensor_value_info(HIDDEN, onnx.TensorProto.FLOAT, [1, hidden_size])],
                              [helper.make_tensor_value_info(logits, onnx.TensorProto.FLOAT, [1, vocab])],
-                             [onnx.TensorProto.FromString(i.SerializeToString()) for i in head_inits])
+                             head_inits)
     return helper.make_model(head, opset_imports=list(model.opset_import), ir_version=model.ir_version)
 
 
