@@ -138,5 +138,7 @@ def test_lookahead_over_the_verify_graph_refused_in_one_line(tmp_path_factory, c
                           "cannot verify lookahead drafts (no verify graph)", "--lookahead-ar K")
     ckpt = tmp_path / "none"  # the options are checked before the checkpoint is read
     for args, needle in ((["--lookahead-ar", "4"], "are for --target htp"),
-                         (["--target", "htp", "--lookahead-ar", "1"], "at least 2")):
+                         (["--target", "htp", "--lookahead-ar", "1"], "at least 2"),
+                         (["--target", "htp", "--lookahead-ar", "5", "--quant", "prefill=w8a16,decode=w8a16,head=w8a16"],
+                          "--lookahead-ar and --quant head=... exclude each other")):
         assert_one_line_error(in_process(capsys, "export", ckpt, tmp_path / "out", *args), needle)

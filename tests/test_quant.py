@@ -377,7 +377,7 @@ def test_requantize_rounds_and_clamps():
             raw = (encode(x, s_a, z_a).astype(np.float64) - z_a) * s_a / s_b + z_b
             want = np.clip(np.rint(raw), 0, 255).astype(np.uint8)
             np.testing.assert_array_equal(buf[:10], want)
-            assert (buf[10:] == 0).all()  # slots beyond the prompt untouched
+            assert (buf[10:] == z_b).all()  # slots beyond the prompt: B's zero (KVCache.clear_unused)
             frac = raw - np.floor(raw)
             rounded += int(((frac > 0.5) & (raw < 255)).sum())  # where floor (truncation) would differ
             clamped_lo, clamped_hi = clamped_lo + int((raw < -0.5).sum()), clamped_hi + int((raw > 255.5).sum())

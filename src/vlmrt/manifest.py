@@ -204,6 +204,9 @@ class DecoderSpec:
     # reads its row straight into the bound input and the host does no multiply (scale 0: the row is not used)
     token_rows_input: str | None = None
     token_scales_input: str | None = None
+    # the lm head is graphs.head (HTP, static graphs): the decoder graphs output this [ar, hidden] final-norm state
+    # instead of logits, and the head maps a step's last valid row [1, hidden] (this input) to logits_output [1, vocab]
+    hidden_output: str | None = None
 
 
 @dataclass
@@ -223,6 +226,7 @@ class SpecialTokens:
 class Manifest:
     model: dict[str, Any]  # informational: family, source, name — the runtime never branches on it
     graphs: dict[str, GraphSpec]  # "vision", "prefill", "decode"; "verify" with decoder.verify_ar
+    graphs: dict[str, GraphSpec]  # "vision", "prefill", "decode" (and "head": decoder.hidden_output)
     tokenizer_file: str
     image: ImageSpec
     prompt: PromptSpec
@@ -285,8 +289,7 @@ def from_dict(d: Any) -> Manifest:
     return m
 
 
-MAPPED_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
-                 "uint8", "bool"}
+MAPPED_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool"}
 
 
 @dataclass
@@ -363,7 +366,7 @@ def load(folder: Path, verify: bool = True) -> Manifest:
         if name not in checked:
             check_path(folder, field_name, name)
             checked.add(name)
-    for name in ("vision", "prefill", "decode"):
+    for name in ("vision", "prefill", "decode", *(("head",) if "head" in m.graphs else ())):
         if name not in m.graphs:
             raise BundleError(f"manifest.json is malformed: graphs lacks the graph {name!r}")
     for name in m.graphs:

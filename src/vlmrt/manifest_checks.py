@@ -24,6 +24,14 @@ def check_decoder(m) -> None:
     if ("verify" in m.graphs) != (d.verify_ar > 0) or (d.verify_ar and (d.verify_ar < 2 or d.dynamic_ar)):
         raise BundleError("manifest.json is malformed: graphs.verify and decoder.verify_ar (>= 2, static graphs) go "
                           "together")
+    if m.decoder.hidden_output and ("head" not in m.graphs or m.decoder.dynamic_ar or m.decoder.argmax_output):
+        raise BundleError("manifest.json is malformed: decoder.hidden_output needs a head graph and static decoder "
+                          "graphs without argmax_output")
+    if "head" in m.graphs and not m.decoder.hidden_output:
+        raise BundleError("manifest.json is malformed: a head graph needs decoder.hidden_output")
+    if d.verify_ar and d.hidden_output:
+        raise BundleError("manifest.json is malformed: a verify graph (decoder.verify_ar) needs every row's logits, "
+                          "which a head graph (decoder.hidden_output, one row) does not give")
     if m.kv.layout == "in_place" and (m.kv.heads * m.kv.head_dim != m.kv.dim or m.kv.heads <= 0
                                       or not m.decoder.dynamic_ar):  # (a padded block would land in the cache)
         raise BundleError("manifest.json is malformed: kv.layout in_place needs kv.heads * kv.head_dim = kv.dim "
@@ -37,8 +45,11 @@ def check_io_names(m) -> None:
     """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
     m.graphs["vision"].input(m.vision.patches_input)
     m.graphs["vision"].output(m.vision.embeds_output)
+    if "head" in m.graphs:
+        m.graphs["head"].input(m.decoder.hidden_output or "")
+        m.graphs["head"].output(m.decoder.logits_output)
     for name, g in m.graphs.items():
-        if name == "vision":
+        if name in ("vision", "head"):
             continue
         d = m.decoder
         step = (d.seqlens_input, d.total_length_input) if m.kv.layout == "in_place" else (d.positions_input, d.mask_input)
@@ -47,7 +58,7 @@ def check_io_names(m) -> None:
         for t in (d.logit_rows_input, d.token_rows_input, d.token_scales_input):
             if t:
                 g.input(t)
-        g.output(m.decoder.logits_output)
+        g.output(d.hidden_output or d.logits_output)
         if m.decoder.argmax_output:
             g.output(m.decoder.argmax_output)
         for i in range(m.kv.layers):

@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from . import fuse, graphs, htp_precisions, htp_verify, int4_blocks, qnn_context
+from . import fuse, graphs, htp_head, htp_precisions, htp_verify, int4_blocks, qnn_context
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
@@ -316,8 +316,11 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     out_dir.mkdir(parents=True, exist_ok=True)
     gspecs = {}
     decoders = ["prefill", "decode", *(["verify"] if m.decoder.verify_ar else [])]
+    own_head = None  # the lm head as its own graph (htp_head): the decoder graphs end at the final norm
     for name in ("vision", *decoders):
         model, fused = fuse.prepare_for_qdq(onnx.load(str(float_dir / m.graphs[name].file)))  # with weights; RMSNorm fused
+        if "head" in prec and name != "vision":
+            own_head = htp_head.split(model, m.decoder.logits_output, m.decoder.hidden_size, m.decoder.vocab_size)
         enc = like = None
         if name != "vision":  # (the verify graph reads and writes decode's cache: decode's encoding)
             ranges = kv_ranges(rec["prefill" if name == "prefill" else "decode"].rows, m.kv.layers)
@@ -326,7 +329,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
             like = onnx.load(str(out_dir / "decode.onnx")) if prec["decode"] != "fp16" else None
             rec["verify"] = htp_verify.TiledFeeds(rec["decode"], m.decoder, m.decoder.verify_ar, m.kv.max_context)
         p = prec["decode" if name == "verify" else name]
-        head = prec["lm_head"] if name != "vision" and p != "fp16" else None
+        head = prec["lm_head"] if name != "vision" and p != "fp16" and "head" not in prec else None
         dst = out_dir / f"{name}.onnx"
         if p == "fp16":
             got, blocks = _float_graph(model, dst, m, enc), 0
@@ -342,22 +345,40 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
                    "blockwise_int4": blocks, "fused_rms_norms": fused,
                    "calibration_calls": rec["decode" if name == "verify" else name].calls}
         if name != "vision":
-            weights["lm_head"] = head or "fp16"
+            weights["lm_head"] = "graph head" if "head" in prec else head or "fp16"
         gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=htp_precisions.LABEL[p], inputs=ins, outputs=outs,
                                     weights=weights, qnn_options=dict(htp_precisions.QNN_OPTIONS.get(p, {})))
         if progress:
             progress(name)
+    files = []
+    if own_head is not None:
+        p, dst = prec["head"], out_dir / "head.onnx"
+        reader = htp_head.HiddenReader(float_dir / m.graphs["decode"].file, rec["decode"], m.decoder.logits_output)
+        if p == "fp16":
+            _, blocks = _float_graph(own_head, dst, m, None), 0
+        else:
+            _, blocks = _qdq_graph(own_head, out_dir / "head.float.onnx", dst, reader, m, None, p, None)
+        ins, outs = graphs.io_specs(dst)
+        weights = {"activations": "float16" if p == "fp16" else "uint16", "weights": htp_precisions.WEIGHTS[p],
+                   "blockwise_int4": blocks, "calibration_calls": len(reader.rows)}
+        gspecs["head"] = mf.GraphSpec(file="head.onnx", precision=htp_precisions.LABEL[p], inputs=ins, outputs=outs,
+                                      weights=weights, qnn_options=dict(htp_precisions.QNN_OPTIONS.get(p, {})))
+        graphs.share_weights(out_dir, ["head.onnx"], "head.data")
+        files = ["head.onnx", "head.data"]
+        if progress:
+            progress("head")
     graphs.share_weights(out_dir, ["vision.onnx"], "vision.data")
     graphs.share_weights(out_dir, [f"{g}.onnx" for g in decoders], "decoder.data")
     gspecs = {k: dataclasses.replace(g, **graphs.weight_table(out_dir / g.file)) for k, g in gspecs.items()}
     for f in ("embed.npy", "tokenizer.json") + ((m.decoder.embedding_scale_file,) if m.decoder.embedding_scale_file else ()):
         shutil.copyfile(float_dir / f, out_dir / f)
-    files = ["vision.onnx", "vision.data", *(f"{g}.onnx" for g in decoders), "decoder.data", "embed.npy", "tokenizer.json"]
+    files += ["vision.onnx", "vision.data", *(f"{g}.onnx" for g in decoders), "decoder.data", "embed.npy", "tokenizer.json"]
     if m.decoder.embedding_scale_file:
         files.append(m.decoder.embedding_scale_file)
     gspecs, files, qnn = qnn_context.compile_bundle(out_dir, gspecs, files, target, keep_qdq, shared_context)
     target = {"name": "htp", **target, **qnn}
+    dec = dataclasses.replace(m.decoder, hidden_output=htp_head.HIDDEN if own_head is not None else None)
     return dataclasses.replace(
         m, graphs=gspecs, kv=dataclasses.replace(m.kv, dtype="uint8", encodings=encodings), target=target,
-        files=mf.list_files(out_dir, files),
+        files=mf.list_files(out_dir, files), decoder=dec,
     )

@@ -3,6 +3,7 @@
     --quant w8a16                                         (the default) every graph a16w8 QDQ
     --quant w4a16 / w4a16o                                the decoder graphs 4-bit block-wise, vision at 8 bits
     --quant vision=fp16,prefill=fp16,decode=w4a16o,lm_head=w8a16   per graph (QHexRT's InternVL3.5-1B balance)
+    --quant ...,head=w8a16                                the lm head as its own graph at that precision (htp_head.py)
 
 Precisions on the HTP:
   fp16    the HTP's float path: the float graph as exported, compiled by the QNN EP with provider option
@@ -36,15 +37,30 @@ WEIGHTS = {"fp16": "float (fp16 on the HTP)", "w8a16": "uint8 per-channel",
 
 
 def parse(spec: str | None) -> dict[str, str]:
-    """--quant for --target htp -> {vision, prefill, decode, lm_head} (lm_head: the decoder graphs' head)."""
-    prec = quantize.parse(spec, default=DEFAULT)
+    """--quant for --target htp -> {vision, prefill, decode, lm_head} (lm_head: the decoder graphs' head), and
+    head: the lm head as its own graph (export/htp_head.py) at that precision, when the spec names it."""
+    parts = [p for p in (spec or "").split(",") if p.strip()]
+    own = [p.partition("=")[2].strip() for p in parts if p.partition("=")[0].strip() == "head"]
+    rest = ",".join(p for p in parts if p.partition("=")[0].strip() != "head")
+    if own and (len(own) > 1 or own[0] not in PRECISIONS):
+        raise quantize.QuantError(f"--target htp: head={own[-1]} is not an HTP precision; choose one of "
+                                  f"{', '.join(PRECISIONS)}")
+    if own and "lm_head=" in rest.replace(" ", ""):
+        raise quantize.QuantError("--target htp: head= (the lm head as its own graph) and lm_head= (its precision "
+                                  "inside the decoder graphs) exclude each other")
+    if own and rest and "=" not in rest:
+        raise quantize.QuantError("--target htp: with head=, give the other graphs per graph too "
+                                  "(e.g. prefill=w8a16,decode=w4a16o,head=w8a16)")
+    prec = quantize.parse(rest or None, default=DEFAULT)
+    if own:
+        prec["head"] = own[0]
     for g, p in prec.items():
         if g == "lm_head" and p not in HEADS:
             raise quantize.QuantError(f"--target htp: lm_head={p} is not an HTP head precision; choose one of "
                                       f"{', '.join(HEADS)}")
         if p not in PRECISIONS:
             raise quantize.QuantError(f"--target htp: {g}={p} is not an HTP precision; choose one of {', '.join(PRECISIONS)}")
-    if "lm_head" not in prec:
+    if "lm_head" not in prec and "head" not in prec:
         prec["lm_head"] = "w8a16"
     return prec
 

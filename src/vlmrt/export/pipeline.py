@@ -81,6 +81,9 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
         quant = None  # the float bundle the HTP graphs are made from
         if lookahead_ar < 0 or lookahead_ar == 1:
             raise ExportError("--lookahead-ar is the verify graph's AR: the current token and its drafts, at least 2")
+        if lookahead_ar and "head" in htp_prec:
+            raise ExportError("--lookahead-ar and --quant head=... exclude each other: the verify graph needs every "
+                              "row's logits and the head graph maps one row")
     elif keep_qdq or shared_context or soc_model is not None or htp_arch is not None or lookahead_ar:
         raise ExportError("--soc-model, --htp-arch, --keep-qdq, --htp-shared-context and --lookahead-ar are for "
                           "--target htp (the CPU decoder verifies lookahead drafts itself)")

@@ -112,7 +112,8 @@ def compile_graphs(folder: Path, graphs: list[str], target: dict, shared: bool =
 
 
 QDQ_FILES = {"vision": ("vision.onnx", "vision.data"), "prefill": ("prefill.onnx", "decoder.data"),
-             "decode": ("decode.onnx", "decoder.data"), "verify": ("verify.onnx", "decoder.data")}
+             "decode": ("decode.onnx", "decoder.data"), "verify": ("verify.onnx", "decoder.data"),
+             "head": ("head.onnx", "head.data")}
 
 
 def compile_bundle(folder: Path, gspecs: dict, files: list[str], target: dict, keep_qdq: bool, shared: bool):

@@ -348,9 +348,10 @@ class Bundle:
         release_freed_heap()
         shared = SharedWeights(path) if device != "htp" else None  # the QNN EP compiles its own copy
         sessions = Sessions(path, m, device, threads, shared, graphs, config)
-        for name in ("prefill", "decode"):  # every request needs the decoder; the vision graph only an image's
+        for name in ("prefill", "head", "decode"):  # every request needs the decoder; the vision graph only an image's
             # (decode loads last: with shared QNN contexts it stops the sharing)
-            sessions[name]  # noqa: B018 (loads it)
+            if name in m.graphs:
+                sessions[name]  # noqa: B018 (loads it)
         release_freed_heap()
         table = EmbeddingRows(path / m.decoder.embedding_file)
         if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):

@@ -82,17 +82,21 @@ class Engine:
     def __init__(self, prefill: Session | None, decode: Session, kv: KVSpec, dec: DecoderSpec,
                  embed_table, eos_ids: list[int], io_dtype: str = "float32",
                  embed_scale: np.ndarray | None = None, kv_requant: bool = True, lookahead: int = 0,
-                 verify: Session | None = None):
+                 verify: Session | None = None, head: Session | None = None):
         """kv_requant: in hybrid mode with per-graph uint8 KV encodings (HTP bundles), convert prefill's rows to
         decode's encoding (False reuses them as they are: to measure what the conversion buys).
         lookahead: k > 0 drafts up to k tokens per greedy decode step by prompt lookup (runtime/lookahead.py) and
         verifies them in one decoder call (verify); needs DecoderSpec.logit_rows_input, or static graphs' verify
-        session (DecoderSpec.verify_ar tokens: the drafts, padded). 0: off."""
+        session (DecoderSpec.verify_ar tokens: the drafts, padded). 0: off.
+        head: the lm head's own graph (DecoderSpec.hidden_output), run on each step's last valid row."""
         check_lookahead(dec, lookahead)
         if lookahead and dec.verify_ar and verify is None:
             raise ValueError("lookahead on static graphs needs the bundle's verify graph session")
         self.lookahead = lookahead
         self.prefill_session, self.decode_session, self.verify_session = prefill, decode, verify
+        self.head_session = head
+        if bool(dec.hidden_output) != (head is not None):
+            raise ValueError("decoder.hidden_output and a head graph session go together")
         self.kv_spec, self.dec = kv, dec
         # [vocab, hidden] rows by token id: an ndarray, or the bundle's EmbeddingRows (pread); a memmap is indexed as
         # a plain ndarray over the same mapping (np.memmap's __getitem__ is slow)
@@ -161,11 +165,12 @@ class Engine:
                 # a prompt's short last block, of any length: a step made for it and dropped, rather than one kept
                 # (with its buffers) per block length; bound for an in_place cache (a plain call would return
                 # copies of the whole buffers)
-                step = (make_step(session, self.dec, self.cache, ctx, ar, self.dtype, None, rows_out)
-                        if self.cache.in_place else PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype, rows_out))
+                step = (make_step(session, self.dec, self.cache, ctx, ar, self.dtype, None, rows_out, self.head_session)
+                        if self.cache.in_place else
+                        PlainStep(session, self.dec, self.cache, ctx, ar, self.dtype, rows_out, self.head_session))
             else:
                 step = self._steps[key] = make_step(session, self.dec, self.cache, ctx, ar, self.dtype, self._buffers,
-                                                    rows_out)
+                                                    rows_out, self.head_session)
         return step
 
     def _run(self, step, embeds: np.ndarray) -> np.ndarray:
@@ -258,11 +263,13 @@ class Engine:
             self.cache.rewind(start)
         else:
             self.cache.reset()
+        enc = self.kv_spec.encodings
+        if enc.get("prefill" if ar > 1 else "decode"):  # a uint8 cache: the slots the graph reads unwritten are
+            self.cache.clear_unused(enc["prefill" if ar > 1 else "decode"])  # its zero (KVCache.clear_unused)
         exact = start + n - n % ar
         if ar > 1:
             for b in range(0, n, ar):
                 logits = self.step("prefill", prompt_embeds[b : b + ar])
-            enc = self.kv_spec.encodings
             if self.kv_requant and enc.get("prefill") and enc.get("decode"):
                 self.cache.requantize(enc["prefill"], enc["decode"])
                 exact = 0  # the rows are in decode's encoding now, a prefill reads prefill's

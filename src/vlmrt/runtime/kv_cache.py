@@ -107,9 +107,21 @@ class KVCache:
         s = self.spec
         return [n.format(layer=i) for i in range(s.layers) for n in (s.key_output, s.value_output)]
 
+    def clear_unused(self, enc: dict) -> None:
+        """Slots length.. of a uint8 cache hold 0 under enc (per layer (scale, zp) of K and V: the encoding of the
+        graph that reads them next), i.e. byte zp. Byte 0 (np.zeros, or a stale row) reads back as -zp*scale in
+        every dim: a key row whose score q.k/sqrt(d) on a real decoder (large-mean queries) is far above the
+        -100 of an HTP mask, and a float (fp16) graph, which does not clip its scores to a calibrated range as a
+        QDQ graph does, then attends to the hidden slot (measured: SmolLM2's fp16 prefill, top-1 0.61 -> 0.9+)."""
+        n = self.length
+        for kind, bufs in (("key", self.keys), ("value", self.values)):
+            for i, buf in enumerate(bufs):
+                buf[n:] = enc[kind][i][1]
+
     def requantize(self, src: dict, dst: dict) -> None:
         """Re-express the uint8 rows 0..length from encoding src into dst (per layer (scale, zp) of K and V):
-        q_dst = clip(round((q_src - zp_src) * s_src / s_dst) + zp_dst, 0, 255)."""
+        q_dst = clip(round((q_src - zp_src) * s_src / s_dst) + zp_dst, 0, 255); the unused slots become dst's
+        zero (clear_unused)."""
         n = self.length
         for kind, bufs in (("key", self.keys), ("value", self.values)):
             for i, buf in enumerate(bufs):
@@ -118,6 +130,7 @@ class KVCache:
                     continue
                 x = (buf[:n].astype(np.float32) - z1) * (s1 / s2)
                 buf[:n] = np.clip(np.rint(x) + z2, 0, 255).astype(np.uint8)
+        self.clear_unused(dst)
 
     def _slots(self, n_valid: int) -> slice:
         """The slots the next n_valid rows go to (length..length+n_valid-1); the caller advances length

@@ -105,7 +105,7 @@ class VLM:
         self.engine = Engine(
             bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
             bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale, kv_requant, lookahead,
-            verify,
+            verify, bundle.sessions.get("head"),
         )
         self.result = Result()
         self.template = ChatTemplate(m.prompt)

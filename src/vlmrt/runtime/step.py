@@ -11,6 +11,8 @@ Both kinds of step read the cache prefix [:ctx] where it is and build positions 
              step allocates nothing and never copies the cache at the graph edge.
   PlainStep  session.run(feeds): sessions without io_binding (the torch reference, recorders, fakes in tests),
              and a symbolic-AR graph's short last prompt block (one bound step per block length would pile up).
+With a head graph (DecoderSpec.hidden_output: the HTP's lm head as its own graph) the decoder graph returns the
+final-norm hidden rows and the step runs the head on the last valid one: logits [1, vocab].
 With the in_place cache layout (kv_cache.py) a step feeds the step's end (seqlens_k, total_sequence_length) instead
 of positions and a mask, the graph writes the new rows into the cache itself (a bound step binds each buffer as
 input and output) and `rows` is None. With DecoderSpec.token_rows_input the graph also takes an int8 row and its
@@ -35,10 +37,10 @@ def can_bind(session) -> bool:
     return hasattr(session, "io_binding")
 
 
-def buffers_key(session, dec: DecoderSpec, ar: int, rows_out: int) -> tuple:
+def buffers_key(session, dec: DecoderSpec, ar: int, rows_out: int, head=None) -> tuple:
     """Steps with the same AR, logits rows and I/O types can share their StepBuffers (steps never run concurrently)."""
     ins = {i.name: i.type for i in session.get_inputs()}
-    outs = {o.name: o.type for o in session.get_outputs()}
+    outs = {o.name: o.type for o in (head or session).get_outputs()}
     positions = ins[dec.positions_input] if dec.positions_input else "tensor(int64)"
     return ar, rows_out, ins[dec.embeds_input], positions, outs[dec.logits_output]
 
@@ -48,10 +50,10 @@ def logits_rows(dec: DecoderSpec, ar: int, all_rows: bool = False) -> int:
     DecoderSpec.logit_rows_input or a static graph (every row's); else 1 with logit_rows_input or last_logits, ar for
     a static graph."""
     if all_rows:
-        if dec.last_logits:
+        if dec.last_logits or dec.hidden_output:  # (a head graph maps one row)
             raise ValueError("this decoder graph cannot return the logits of every row")
         return ar
-    return 1 if dec.logit_rows_input or dec.last_logits else ar
+    return 1 if dec.logit_rows_input or dec.last_logits or dec.hidden_output else ar
 
 
 class StepBuffers:
@@ -70,6 +72,10 @@ class StepBuffers:
         self.rows = None if cache.in_place else np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
         self.seqlens, self.total = np.zeros(1, np.int32), np.zeros((), np.int32)  # in_place: the step's end
         self.argmax = np.zeros(rows_out, np.int64)  # each logits row's argmax, where the graph returns it
+        # a head graph's: the decoder's final-norm rows [ar, hidden], the head's input row [1, hidden]
+        self.hidden = np.zeros((ar, dec.hidden_size), np.float32) if dec.hidden_output else None
+        self.head_in = np.zeros((1, dec.hidden_size), np.float32) if dec.hidden_output else None
+        self.n = 0  # the last load's valid rows
         self._range = np.arange(ar, dtype=positions_dtype)
         # views made once for the decode loop (each numpy call after a graph call runs on cold caches)
         self.first, self.first_row = self.embeds[:1], self.embeds[0]
@@ -99,11 +105,12 @@ class StepBuffers:
             self.total[...] = pos + ar
         if embeds is self.first:  # Engine.step_token wrote the row in place (or the token's int8 row: token_mode)
             self.positions[0] = pos
+            self.n = 1
             return
         if self.token_mode:
             self.token_scales[0] = 0
             self.token_mode = False
-        n = embeds.shape[0]
+        n = self.n = embeds.shape[0]
         self.embeds[:n] = embeds
         if n < ar:
             self.embeds[n:] = 0  # a static graph's padded last block: computed, never written to the cache
@@ -129,7 +136,7 @@ class StepMask:
 
 
 class BoundStep:
-    def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, buffers: StepBuffers):
+    def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, buffers: StepBuffers, head=None):
         import onnxruntime as ort
 
         self.session, self.ctx, self.buffers = session, ctx, buffers
@@ -152,7 +159,17 @@ class BoundStep:
             bind(dec.token_scales_input, buffers.token_scales)
         if dec.logit_rows_input:
             bind(dec.logit_rows_input, buffers.logit_rows)
-        bind(dec.logits_output, buffers.logits, output=True)
+        self.head_io = None
+        if head is not None:  # decoder -> hidden rows; head: its input row -> logits
+            bind(dec.hidden_output, buffers.hidden, output=True)
+            self.head_io = head.io_binding()
+            self.head = head
+            for name, arr, out in ((dec.hidden_output, buffers.head_in, False), (dec.logits_output, buffers.logits, True)):
+                v = ort.OrtValue.ortvalue_from_numpy(arr)
+                self._keep.append(v)
+                (self.head_io.bind_ortvalue_output if out else self.head_io.bind_ortvalue_input)(name, v)
+        else:
+            bind(dec.logits_output, buffers.logits, output=True)
         if dec.argmax_output:
             bind(dec.argmax_output, buffers.argmax, output=True)
         s = cache.spec
@@ -179,18 +196,24 @@ class BoundStep:
             self.mask.at(pos)
         t = time.perf_counter()
         self.session.run_with_iobinding(self.io)
+        if self.head_io is not None:  # the lm head on the last valid row
+            b = self.buffers
+            b.head_in[0] = b.hidden[b.n - 1]
+            self.head.run_with_iobinding(self.head_io)
         self.run_s = time.perf_counter() - t
         return self.buffers.logits
 
 
 class PlainStep:
-    def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, io_dtype, rows_out: int):
-        self.session, self.dec, self.cache, self.ctx, self.ar = session, dec, cache, ctx, ar
+    def __init__(self, session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, io_dtype, rows_out: int,
+                 head=None):
+        self.session, self.dec, self.cache, self.ctx, self.ar, self.head = session, dec, cache, ctx, ar, head
         self.buffers = StepBuffers(dec, cache, ar, io_dtype, np.int64, io_dtype, rows_out)
         self.rows = self.buffers.rows
         self.run_s = 0.0
         self.mask = StepMask(ar, ctx, io_dtype, dec.mask_value)
-        self._out_names = [dec.logits_output, *cache.output_names(), *([dec.argmax_output] if dec.argmax_output else [])]
+        self._out_names = [dec.hidden_output if head is not None else dec.logits_output, *cache.output_names(),
+                           *([dec.argmax_output] if dec.argmax_output else [])]
 
     def __call__(self, embeds: np.ndarray, pos: int) -> np.ndarray:
         b, d, c = self.buffers, self.dec, self.cache
@@ -206,6 +229,8 @@ class PlainStep:
             feeds[d.token_rows_input], feeds[d.token_scales_input] = b.token_rows, b.token_scales
         t = time.perf_counter()
         logits, *rows = self.session.run(self._out_names, feeds)
+        if self.head is not None:  # logits is the hidden rows: the lm head on the last valid one
+            logits = self.head.run([d.logits_output], {d.hidden_output: np.asarray(logits[b.n - 1 : b.n], np.float32)})[0]
         self.run_s = time.perf_counter() - t
         if d.argmax_output:
             b.argmax[:] = rows.pop()
@@ -218,16 +243,17 @@ class PlainStep:
 
 
 def make_step(session, dec: DecoderSpec, cache: KVCache, ctx: int, ar: int, io_dtype,
-              shared: dict[tuple, StepBuffers] | None = None, rows_out: int | None = None):
+              shared: dict[tuple, StepBuffers] | None = None, rows_out: int | None = None, head=None):
     """A BoundStep when the session can bind (its buffers taken from / added to `shared`), else a PlainStep.
-    rows_out: logits rows (logits_rows()), by default the decoder's for a plain step."""
+    rows_out: logits rows (logits_rows()), by default the decoder's for a plain step. head: the head graph's
+    session (DecoderSpec.hidden_output)."""
     rows_out = logits_rows(dec, ar) if rows_out is None else rows_out
-    if not can_bind(session):
-        return PlainStep(session, dec, cache, ctx, ar, io_dtype, rows_out)
-    key = buffers_key(session, dec, ar, rows_out)
+    if not can_bind(session) or (head is not None and not can_bind(head)):
+        return PlainStep(session, dec, cache, ctx, ar, io_dtype, rows_out, head)
+    key = buffers_key(session, dec, ar, rows_out, head)
     shared = {} if shared is None else shared
     if key not in shared:
         _, _, embeds, positions, logits = key
         shared[key] = StepBuffers(dec, cache, ar, _ORT_DTYPES[embeds], _ORT_DTYPES[positions], _ORT_DTYPES[logits],
                                   rows_out)
-    return BoundStep(session, dec, cache, ctx, ar, shared[key])
+    return BoundStep(session, dec, cache, ctx, ar, shared[key], head)
