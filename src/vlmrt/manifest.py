@@ -60,9 +60,8 @@ class GraphSpec:
     # "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and prepacked MatMulNBits inputs not listed
     mapped_weights: list[dict[str, Any]] = field(default_factory=list)
     prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)
-    # MatMulNBits scales / zero points (mapped_weights' form): ORT's x86 int8-compute kernel copies them into its packed
-    # weights but keeps the originals, which it never reads again; the runtime maps them itself and drops their pages
-    # once the session is built (runtime/bundle.py SharedWeights.drop_pages). [] in bundles exported before it
+    # MatMulNBits scales / zero points (mapped_weights' form) ORT's x86 int8 kernel keeps after packing but never reads:
+    # the runtime maps them and drops their pages once the session is built (SharedWeights.drop_pages); [] before it
     load_only_weights: list[dict[str, Any]] = field(default_factory=list)
     context: QnnContext | None = None  # the HTP target: what `--device htp` loads (no graph compile at load)
     qnn_options: dict[str, str] = field(default_factory=dict)  # HTP: QNN EP options it is compiled + loaded with
