@@ -83,7 +83,9 @@ class Hessians:
         """H of the MatMul whose weight initializer is weight_name: the exporter keeps the module path
         (`inner.layers.0.self_attn.q_proj.weight_kn`; a fused group joins its members' names with '+')."""
         first = weight_name.split("+")[0]
-        module = first.removeprefix("inner.").removesuffix(".weight_kn").removesuffix(".weight")
+        module = first.removesuffix(".weight_kn").removesuffix(".weight")
+        while module.startswith("inner."):  # each export wrapper (CastIO, TokenRows) adds one
+            module = module.removeprefix("inner.")
         return self.of(module)
 
 
