@@ -20,7 +20,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from . import fuse, graphs, htp_head, htp_precisions, htp_verify, int4_blocks, qnn_context
+from . import fuse, graphs, htp_head, htp_precisions, htp_verify, int4_blocks, onnx_names, qnn_context
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
@@ -204,14 +204,7 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
         g.initializer.append(numpy_helper.from_array(np.array(zp, np.uint8), f"{name}_kv_zero_point"))
         q.input[1], q.input[2] = f"{name}_kv_scale", f"{name}_kv_zero_point"
         drop.append(dq)
-        src = dq.input[0]
-        for n in g.node:
-            for j, o in enumerate(n.output):
-                if o == src:
-                    n.output[j] = name
-            for j, i in enumerate(n.input):
-                if i == src and n is not dq:
-                    n.input[j] = name
+        onnx_names.rename_tensor(g, dq.input[0], name, skip=dq)
         next(v for v in g.output if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
     keep = [n for n in g.node if not any(n is d for d in drop)]
     del g.node[:]

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from . import htp_precisions
+from . import htp_precisions, onnx_names
 
 HIDDEN = "hidden"  # the decoder graphs' output and the head graph's input (manifest decoder.hidden_output)
 TAIL = ("Cast", "Identity", "Add", "Reshape", "Squeeze", "Unsqueeze")  # htp_precisions.head_node walks these too
@@ -50,13 +50,7 @@ def split(model: onnx.ModelProto, logits: str, hidden_size: int, vocab: int) -> 
     still = {i for n in keep for i in n.input}
     del g.node[:]
     g.node.extend(keep)
-    for n in g.node:  # the norm's output is named HIDDEN
-        for j, o in enumerate(n.output):
-            if o == src:
-                n.output[j] = HIDDEN
-        for j, i in enumerate(n.input):
-            if i == src:
-                n.input[j] = HIDDEN
+    onnx_names.rename_tensor(g, src, HIDDEN)  # the norm's output is named HIDDEN
     out = next(o for o in g.output if o.name == logits)
     ar = out.type.tensor_type.shape.dim[0].dim_value
     out.CopyFrom(helper.make_tensor_value_info(HIDDEN, onnx.TensorProto.FLOAT, [ar, hidden_size]))

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import quantize
+from . import onnx_names, quantize
 
 PRECISIONS = ("fp16", "w8a16", "w4a16", "w4a16o")
 HEADS = ("w8a16", "w4a16", "w4a16o")
@@ -93,13 +93,7 @@ def float_kv_edges(model: onnx.ModelProto, encodings: dict[str, tuple[float, int
         next(v for v in g.input if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
     for name, like in outputs.items():
         src = name + "_kv_float"
-        for n in g.node:
-            for j, o in enumerate(n.output):
-                if o == name:
-                    n.output[j] = src
-            for j, i in enumerate(n.input):
-                if i == name:
-                    n.input[j] = src
+        onnx_names.rename_tensor(g, name, src)
         g.node.append(helper.make_node("QuantizeLinear", [src, f"{like}_kv_scale", f"{like}_kv_zero_point"], [name],
                                        name=name + "_kv_QuantizeLinear"))
         next(v for v in g.output if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
