@@ -80,7 +80,7 @@ def test_token_rows_step_equals_embeds_step(tmp_path_factory, bind):
     e.prefill(e.embed([3, 5, 7, 11, 2, 9]), "kv")
     for t in (4, 9, 9, 1, 22, 0, 13, vlm.manifest.decoder.vocab_size - 1):
         n = e.cache.length
-        a, am = e.step_token(t).copy(), e._argmax.copy()
+        a, am = e.step_token(t).copy(), list(e._argmax)
         ka = e.cache.stored(n + 1).copy()
         e.cache.rewind(n)
         bl = e.step("decode", e.embed([t]))[-1].copy()

@@ -12,6 +12,7 @@ or a fake one in tests).
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
@@ -107,9 +108,10 @@ class Engine:
         self._vocab = self.embed_table.shape[0]
         # int8 tables under a graph that scales the row itself (DecoderSpec.token_rows_input): a decode step reads
         # the token's row into the graph's input (EmbeddingRows.read_into), no multiply on the host
-        self._read_row = None
+        self._read_row = self._scales = None
         if dec.token_rows_input and embed_scale is not None and self.embed_table.dtype == np.int8:
             self._read_row = getattr(self.embed_table, "read_into", None) or _ndarray_reader(self.embed_table)
+            self._scales = array("f", np.asarray(embed_scale, np.float32).tobytes())  # [vocab], indexed as floats
         self.eos = set(eos_ids)
         self.dtype = np.dtype(io_dtype)
         self.cache = KVCache(kv)
@@ -118,7 +120,7 @@ class Engine:
         self._steps: dict[tuple[int, int, int], object] = {}  # id(session), ctx, ar -> the step for that shape
         self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
         self.run_s = 0.0  # time inside graph calls (session.run), accumulated
-        self._argmax = None  # the last step's argmax per logits row (DecoderSpec.argmax_output), for greedy picks
+        self._argmax = None  # the last step's argmax per logits row (StepBuffers.argmax_ids) (DecoderSpec.argmax_output), for greedy picks
         self._token_step = None  # in_place caches: step_token's step (one for every position)
         # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
         # that mode computes (see reusable)
@@ -178,16 +180,16 @@ class Engine:
         logits = step(embeds, self.cache.length)
         self.run_s += step.run_s
         self.cache.write(step.rows, n)
-        self._argmax = step.buffers.argmax
+        self._argmax = step.buffers.argmax_ids
         return logits if n == len(logits) else logits[:n]
 
     def _pick(self, sampler: Sampler, logits: np.ndarray, row: int = -1) -> int:
-        """sampler(logits), logits being row `row` of the last step's; a greedy pick reads the graph's argmax of it
-        where the graph returns one (DecoderSpec.argmax_output: the same index, first of equal maxima, as
+        """sampler(logits[row]), logits [rows, vocab] being the last step's; a greedy pick reads the graph's argmax of
+        the row where the graph returns one (DecoderSpec.argmax_output: the same index, first of equal maxima, as
         np.argmax; no pass over cold logits on the host)."""
         if self.dec.argmax_output and sampler.cfg.temperature == 0:
-            return int(self._argmax[row])
-        return sampler(logits)
+            return self._argmax[row]
+        return sampler(logits[row])
 
     def step(self, kind: str, embeds: np.ndarray) -> np.ndarray:
         """One graph call ("prefill" or "decode") over embeds [n, hidden] at the cache's next positions; the new rows
@@ -197,6 +199,10 @@ class Engine:
 
     def step_token(self, token: int) -> np.ndarray:
         """step("decode", embed([token]))[-1], the token's row written straight into the step's input buffer."""
+        return self._decode_token(token)[-1]
+
+    def _decode_token(self, token: int) -> np.ndarray:
+        """step_token's logits [rows, vocab] (the decode loop picks from the last row)."""
         step = self._token_step or self._step_for("decode", 1)
         if self.cache.in_place:  # its binding does not depend on the position: kept for the decode loop
             self._token_step = step
@@ -204,10 +210,10 @@ class Engine:
         if self._read_row is None:
             self.embed_into(token, b.first_row)
         elif 0 <= token < self._vocab:
-            self._read_row(token, b.token_row(self.embed_scale[token]))
+            self._read_row(token, b.token_row(self._scales[token]))
         else:
             raise IndexError(f"token id {token} out of range 0..{self._vocab - 1}")
-        return self._run(step, b.first)[-1]  # a decode step's AR is 1
+        return self._run(step, b.first)  # a decode step's AR is 1
 
     def verify(self, token: int, drafts: list[int], sampler: Sampler) -> list[int]:
         """One decoder call over [token, *drafts] at the cache's next positions, every row's logits: the longest
@@ -217,10 +223,10 @@ class Engine:
         step = self._step_for("decode" if self.dec.dynamic_ar else "verify", 1 + len(drafts), all_rows=True)
         logits = step(self.embed([token, *drafts]), self.cache.length)  # [1 + k, vocab]
         self.run_s += step.run_s
-        self._argmax = step.buffers.argmax
+        self._argmax = step.buffers.argmax_ids
         out = []
-        for i, row in enumerate(logits):
-            out.append(self._pick(sampler, row, i))
+        for i in range(len(logits)):
+            out.append(self._pick(sampler, logits, i))
             if i == len(drafts) or out[-1] != drafts[i]:
                 break
         self.cache.write(step.rows, len(out))
@@ -302,7 +308,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.prefill(prompt_embeds, mode, start)
         one_by_one = self._blocks(mode) == 1  # a fresh kv prefill computes generated tokens' rows as decode does
-        tokens = [self._pick(sampler, logits)]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
+        tokens = [self._pick(sampler, logits[None])]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
         st.prefill_s = time.perf_counter() - t0
         greedy = sampler.cfg.temperature == 0
         drafter = PromptLookup(self.lookahead, prompt_ids) if self.lookahead and greedy and prompt_ids else None
@@ -322,9 +328,10 @@ class Engine:
                 st.stop_reason = "context"
                 return
             t, run0 = time.perf_counter(), self.run_s
-            # drafts: no more than the answer and the cache have room for, none past an EOS
-            room = min(max_new_tokens - st.generated_tokens, self.kv_spec.max_context - self.cache.length) - 1
-            drafts = drafter.propose(room) if drafter else []
+            drafts = None
+            if drafter:  # drafts: no more than the answer and the cache have room for, none past an EOS
+                room = min(max_new_tokens - st.generated_tokens, self.kv_spec.max_context - self.cache.length) - 1
+                drafts = drafter.propose(room)
             if drafts and not ignore_eos:
                 drafts = next((drafts[:i] for i, d in enumerate(drafts) if d in self.eos), drafts)
             if drafts:
@@ -333,7 +340,7 @@ class Engine:
                 st.drafted_tokens += len(drafts)
                 st.accepted_tokens += len(tokens) - 1
             else:
-                logits = self.step_token(token)
+                logits = self._decode_token(token)
                 if one_by_one and self._exact[1] == self.cache.length - 1:
                     self._exact = (mode, self.cache.length, self.cache.epoch)
                 tokens = [self._pick(sampler, logits)]

@@ -147,7 +147,9 @@ class KVCache:
         step's rejected drafts, are stale slots like any beyond the length)."""
         pos = self.length
         if rows is None:
-            self.length = self._slots(n_valid).stop
+            if pos + n_valid > self.spec.max_context:
+                self._slots(n_valid)  # raises
+            self.length = pos + n_valid
             return
         if n_valid == 1 and pos < self.spec.max_context:  # a decode step: one assignment (no slices)
             self._by_slot[pos] = rows.transpose(2, 0, 1, 3)[0]

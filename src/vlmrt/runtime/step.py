@@ -72,11 +72,14 @@ class StepBuffers:
         self.rows = None if cache.in_place else np.zeros((cache.spec.layers, 2, ar, cache.spec.dim), cache.dtype)
         self.seqlens, self.total = np.zeros(1, np.int32), np.zeros((), np.int32)  # in_place: the step's end
         self.argmax = np.zeros(rows_out, np.int64)  # each logits row's argmax, where the graph returns it
+        # memoryviews of the buffers a decode step reads or writes one scalar of: a memoryview item is a plain C
+        # load/store, where a numpy scalar index runs its dtype machinery on caches a graph call left cold
+        self.argmax_ids = memoryview(self.argmax)  # [rows_out] Python ints
+        self._seqlens, self._total = memoryview(self.seqlens), memoryview(self.total.reshape(1))
         # a head graph's: the decoder's final-norm rows [ar, hidden], the head's input row [1, hidden]
         self.hidden = np.zeros((ar, dec.hidden_size), np.float32) if dec.hidden_output else None
         self.head_in = np.zeros((1, dec.hidden_size), np.float32) if dec.hidden_output else None
         self.n = 0  # the last load's valid rows
-        self._range = np.arange(ar, dtype=positions_dtype)
         # views made once for the decode loop (each numpy call after a graph call runs on cold caches)
         self.first, self.first_row = self.embeds[:1], self.embeds[0]
         # DecoderSpec.token_rows_input: int8 rows [ar, hidden] and their scales [ar] the graph adds to embeds; the
@@ -86,25 +89,28 @@ class StepBuffers:
         if dec.token_rows_input:
             self.token_rows, self.token_scales = np.zeros((ar, dec.hidden_size), np.int8), np.zeros(ar, np.float32)
             self.token_buf = memoryview(self.token_rows[0])  # where a decode step's row is read to (pread)
+            self._token_scale = memoryview(self.token_scales)
+        self.ar, self._range = ar, np.arange(ar, dtype=positions_dtype)
 
     def token_row(self, scale: float) -> memoryview:
         """A decode step's input as an int8 row: the buffer to read the token's row into (token_rows[0]), its scale
-        set; embeds[0] is 0 then (then load(first, pos))."""
+        (a float32 value) set; embeds[0] is 0 then (then load(first, pos))."""
         if not self.token_mode:
             self.first_row[...] = 0
             self.token_mode = True
-        self.token_scales[0] = scale
+        self._token_scale[0] = scale
         return self.token_buf
 
     def load(self, embeds: np.ndarray, pos: int) -> None:
         """The step's inputs in place: embeds [n <= ar, hidden] (zero rows after them), positions pos..; embeds
         may be `first`, the buffer's first row, already written (then ar is 1: a decode step)."""
-        ar = len(self.positions)
-        if self.in_place:
-            self.seqlens[0] = pos + ar - 1
-            self.total[...] = pos + ar
+        ar = self.ar
+        if self.in_place:  # (positions are not an input then)
+            self._seqlens[0] = pos + ar - 1
+            self._total[0] = pos + ar
         if embeds is self.first:  # Engine.step_token wrote the row in place (or the token's int8 row: token_mode)
-            self.positions[0] = pos
+            if not self.in_place:
+                self.positions[0] = pos
             self.n = 1
             return
         if self.token_mode:
