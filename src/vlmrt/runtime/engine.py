@@ -175,12 +175,18 @@ class Engine:
                                                     rows_out, self.head_session)
         return step
 
-    def _run(self, step, embeds: np.ndarray) -> np.ndarray:
-        n = embeds.shape[0]
+    def _call(self, step, embeds: np.ndarray) -> np.ndarray:
+        """step(embeds) at the cache's next positions, its time and argmax kept; the cache is not written."""
         logits = step(embeds, self.cache.length)
         self.run_s += step.run_s
-        self.cache.write(step.rows, n)
         self._argmax = step.buffers.argmax_ids
+        return logits
+
+    def _run(self, step, embeds: np.ndarray) -> np.ndarray:
+        """_call, then the rows of all n tokens go into the cache; logits of at most n rows."""
+        n = embeds.shape[0]
+        logits = self._call(step, embeds)
+        self.cache.write(step.rows, n)
         return logits if n == len(logits) else logits[:n]
 
     def _pick(self, sampler: Sampler, logits: np.ndarray, row: int = -1) -> int:
@@ -221,9 +227,7 @@ class Engine:
         token and the accepted drafts go into the cache (those a plain decode of the same tokens writes): the rows of
         rejected drafts (and a static verify graph's padding rows) are dropped, as a padded prefill block's are."""
         step = self._step_for("decode" if self.dec.dynamic_ar else "verify", 1 + len(drafts), all_rows=True)
-        logits = step(self.embed([token, *drafts]), self.cache.length)  # [1 + k, vocab]
-        self.run_s += step.run_s
-        self._argmax = step.buffers.argmax_ids
+        logits = self._call(step, self.embed([token, *drafts]))  # [1 + k, vocab] (a static graph's: [ar, vocab])
         out = []
         for i in range(len(logits)):
             out.append(self._pick(sampler, logits, i))
