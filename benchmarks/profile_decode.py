@@ -59,6 +59,9 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
         feeds[dec.mask_input] = attention_mask(pos, ar, ctx, g.input(dec.mask_input).dtype)
     if dec.logit_rows_input:
         feeds[dec.logit_rows_input] = np.array([ar - 1])  # the last row's logits, as the runtime asks
+    if dec.token_rows_input:  # a prompt block's way in (the rows come as inputs_embeds: no int8 row, scale 0)
+        feeds[dec.token_rows_input] = np.zeros((ar, dec.hidden_size), np.int8)
+        feeds[dec.token_scales_input] = np.zeros(ar, np.float32)
     # bound as the runtime binds them: in_place, each present KV output is its past buffer (the graph writes the
     # step's rows there; a plain run() would copy the whole buffer into a new present every call)
     io, keep = s.io_binding(), []

@@ -104,3 +104,43 @@ def test_unknown_or_inconsistent_kv_layout_is_refused(default_bundle, tmp_path, 
     (b / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(mf.BundleError, match=needle.replace("*", r"\*")):
         mf.load(b, verify=False)
+
+
+def test_packed_qkv_equals_split(tmp_path_factory, tmp_path):
+    """A 4-bit decoder's q/k/v projection (one fused MatMulNBits) goes into GroupQueryAttention whole, its packed-QKV
+    form (gqa_onnx.pack_qkv): no Split per layer, and the same logits and cache rows, bit for bit, as the graph with
+    the Split put back."""
+    import shutil
+
+    from onnx import helper, numpy_helper
+
+    from test_quant import bundle
+
+    b = bundle("w4a8", tmp_path_factory)
+    model = onnx.load(str(b / "decoder.onnx"), load_external_data=False)
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert gqa and all(list(n.input[1:3]) == ["", ""] for n in gqa)
+    assert "Split" not in {n.op_type for n in model.graph.node if n.output[0] in {g.input[0] for g in gqa}}
+    m = json.loads((b / "manifest.json").read_text())
+    heads = next(a.i for a in gqa[0].attribute if a.name == "num_heads")
+    kv_heads, d = m["kv"]["heads"], m["kv"]["head_dim"]
+    nodes = []
+    for n in model.graph.node:  # the Split put back in front of each op
+        if n.op_type == "GroupQueryAttention":
+            qkv = n.input[0]
+            parts = [qkv + s for s in ("_q", "_k", "_v")]
+            nodes.append(helper.make_node("Split", [qkv, qkv + "_sizes"], parts, axis=-1))
+            model.graph.initializer.append(numpy_helper.from_array(
+                np.array([heads * d, kv_heads * d, kv_heads * d], np.int64), qkv + "_sizes"))
+            n.input[0], n.input[1], n.input[2] = parts
+        nodes.append(n)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    split = tmp_path / "split"
+    shutil.copytree(b, split)
+    onnx.save(model, str(split / "decoder.onnx"))
+    a, s = VLM.load(b), VLM.load(split, verify=False)
+    x = np.random.default_rng(0).standard_normal((21, m["decoder"]["hidden_size"])).astype(np.float32) * 0.5
+    for mode in ("kv", "hybrid"):
+        np.testing.assert_array_equal(a.engine.score(x, [5, 9, 2, 7], mode), s.engine.score(x, [5, 9, 2, 7], mode))
+        np.testing.assert_array_equal(a.engine.cache.stored(), s.engine.cache.stored())

@@ -4,6 +4,7 @@ ORT's contrib ops have no schema in `onnx`, and the dynamo exporter builds a nod
 registers the op's schema (the inputs vlmrt uses, in ORT's order: docs/ContribOperators.md of onnxruntime) once, and
 gives the exporter the translation (`TABLE`, torch.onnx.export's custom_translation_table). do_rotary with the cos /
 sin caches applies RoPE (rotary_interleaved 0: transformers' rotate-half form); scale 1/sqrt(head_dim), ORT's default.
+`pack_qkv` then feeds the op the fused q/k/v projection whole (its packed-QKV form), without the Split between.
 """
 
 from __future__ import annotations
@@ -45,3 +46,36 @@ def _group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, 
 
 
 TABLE = {torch.ops.vlmrt.group_query_attention.default: _group_query_attention}
+
+
+def pack_qkv(model: onnx.ModelProto) -> int:
+    """Each GroupQueryAttention whose query, key and value are, in that order, the three outputs of one Split used
+    nowhere else (quantize.fuse_shared_input_matmuls' q/k/v MatMul + Split) takes the Split's input as its packed
+    query [1, ar, (heads + 2 kv_heads) * d], key and value left out: the op splits it itself, the same values, one
+    node less per layer. Projections with a bias or a norm between (Qwen2, Qwen3) keep their Split. Returns how many
+    were packed."""
+    g = model.graph
+    producers = {o: n for n in g.node for o in n.output}
+    uses: dict[str, int] = {o.name: 1 for o in g.output}
+    for n in g.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    drop, sizes = set(), set()
+    for n in g.node:
+        if n.op_type != "GroupQueryAttention" or n.domain != DOMAIN:
+            continue
+        split = producers.get(n.input[0])
+        if (split is None or split.op_type != "Split" or list(split.output) != list(n.input[:3])
+                or any(uses[o] != 1 for o in split.output)):
+            continue
+        n.input[0], n.input[1], n.input[2] = split.input[0], "", ""
+        drop.add(split.name)
+        sizes.update(i for i in split.input[1:] if uses.get(i) == 1)  # its split sizes, used by it alone
+    if drop:
+        keep = [n for n in g.node if n.name not in drop]
+        del g.node[:]
+        g.node.extend(keep)
+        inits = [i for i in g.initializer if i.name not in sizes]
+        del g.initializer[:]
+        g.initializer.extend(inits)
+    return len(drop)

@@ -242,6 +242,7 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
             rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits", hessian))
     model = onnx.load(str(path))
     fuse.fuse_rms_norm(model)
+    gqa_onnx.pack_qkv(model)
     largest_matmul_first(model)
     rewrite(path, model)
 
