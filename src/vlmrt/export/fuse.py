@@ -8,8 +8,10 @@ The exporter writes RMSNorm (layers.RMSNorm, mirroring transformers' LlamaRMSNor
 fused RMSNorm kernel, which the QNN EP maps to the HTP's RmsNorm). Why, per target:
 
 * CPU/CUDA graphs (graphs.export_decoder): seven kernel launches per norm, and ORT's own
-  SimplifiedLayerNormFusion does not match this chain (it expects Div, not Reciprocal + Mul); fused, ORT
-  also folds the residual Add in front (SkipSimplifiedLayerNormalization). SmolLM2-135M decode: 61 chains.
+  SimplifiedLayerNormFusion does not match this chain (it expects Div, not Reciprocal + Mul). ORT does not fold
+  the residual Add in front (its SkipLayerNorm fusion wants an Add used by the norm alone, and the residual
+  stream goes on): SmolLM2-135M decode runs 61 Add + 61 SimplifiedLayerNormalization. Folding them by hand into
+  SkipSimplifiedLayerNormalization was measured (docs/performance.md#packed-qkv-and-the-decode-steps-scalar-io).
 * HTP: quantized statically, every edge of the chain gets its own 16-bit encoding, and x**2 of a real
   LLM's residual stream (values in the hundreds at the attention-sink positions) needs a range of ~1e5
   that a 16-bit grid cannot hold next to the small values of ordinary tokens: the QDQ decoder's top-1 agreement
