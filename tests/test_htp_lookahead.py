@@ -49,11 +49,11 @@ def lookahead_runs(b, device: str, prompts, modes, tokens: int = 24):
         for mode in modes:
             a = list(plain.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True))
             for drafts_from in (oracle(a, vocab) + list(ids), list(ids)):
-                fast.engine.cache.data[:] = 0  # so that a row written beyond the cache length shows (the engine clears to zp)
                 got = list(fast.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True,
                                                 prompt_ids=drafts_from))
                 c, enc = fast.engine.cache, fast.engine.kv_spec.encodings["decode"]
-                # the slots past the length hold decode's zero (KVCache.clear_unused: byte zp), never a row
+                # the slots past the length hold decode's zero (KVCache.clear_unused: byte zp), never a row (a write
+                # to cache.data from here would break its "clean from" mark: the engine alone writes the cache)
                 st, rows, beyond = fast.engine.last, c.stored().astype(int), any(
                     (c.data[i, j, c.length:] != enc[kind][i][1]).any()
                     for i in range(c.spec.layers) for j, kind in enumerate(("key", "value")))

@@ -138,7 +138,7 @@ def test_hidden_cache_slots_read_as_zero(tmp_path_factory):
     real decoder is far above the -100 of the mask; a QDQ graph clips that score to its calibrated range, a float
     graph attends to the slot. Every slot a step does not see must hold the reading graph's zero point: fresh,
     after a longer prompt (stale rows), in hybrid (prefill's encoding, then decode's after the requantization) and
-    kv mode."""
+    kv mode, and after a chat turn's prefix reuse that keeps fewer rows than the cache held."""
     b = qhexrt_bundle(tmp_path_factory)
     bundle_ = VLM.load(b).bundle
     m = bundle_.manifest
@@ -148,6 +148,11 @@ def test_hidden_cache_slots_read_as_zero(tmp_path_factory):
     for mode in ("hybrid", "kv"):
         for prompt in ("Describe a red square and then a blue circle on a white background, please.", "Hi."):
             vlm(prompt, None, mode=mode, max_new_tokens=3, ignore_eos=True)
+    # a prefix reuse (chat, kv mode) that rewinds into the rows of a longer earlier call: the slots past the shorter
+    # new prompt held that call's rows (KVCache.clear_unused's "clean from" mark must re-fill them)
+    for text in ("Describe a red square and then a blue circle on a white background, please.", "Describe a red square."):
+        list(vlm.chat([{"role": "user", "content": text}], mode="kv", max_new_tokens=3, ignore_eos=True))
+    assert vlm.result.stats.reused_prompt_tokens > 5
     assert wrapped["prefill"].calls >= 2 and wrapped["decode"].calls > 10
     assert wrapped["prefill"].checked and wrapped["decode"].checked
 

@@ -388,6 +388,49 @@ def test_requantize_rounds_and_clamps():
     assert (c.keys[1][:10] == cast[1][:10]).all()  # identical encodings: untouched
 
 
+def test_unused_slots_clean_after_any_history():
+    """KVCache.clear_unused writes only what changed since the last clear (the "clean from" mark, and the whole tail
+    of a buffer whose zero point changes), yet after every clear each slot from the length on holds the encoding's
+    zero point and the rows below it are untouched, as the full memset of the unused slots gave. Random histories of
+    every path that leaves rows past the kept length: a longer call then a shorter one (reset), a prefix reuse
+    (rewind, to any n), hybrid's requantization to decode's zero points then prefill's again at the next prefill, a
+    verify step keeping only its accepted rows (write of n_valid < AR), a batch slot serving a new request (reset)."""
+    rng = np.random.default_rng(0)
+    pre = {"key": [[0.02, 128], [0.03, 100]], "value": [[0.025, 120], [0.02, 128]]}
+    dec = {"key": [[0.015, 140], [0.03, 100]], "value": [[0.04, 90], [0.02, 128]]}  # zp: 2 buffers differ, 2 equal
+    c = KVCache(kv_spec(ctx=40))
+
+    def check(enc):
+        kept = c.stored().copy()
+        for kind, bufs in (("key", c.keys), ("value", c.values)):
+            for i, buf in enumerate(bufs):
+                assert (buf[c.length:] == enc[kind][i][1]).all(), (kind, i, c.length, np.unique(buf[c.length:]))
+        return kept
+
+    dirty = written = 0  # clears that found rows past the length (the histories do exercise the mark); their end
+    for _ in range(400):
+        written = max(written, c.length)
+        if rng.random() < 0.5:
+            c.reset()
+        else:
+            c.rewind(int(rng.integers(0, c.length + 1)))
+        dirty, written = dirty + (c.length < written), c.length
+        enc = pre if rng.random() < 0.6 else dec
+        before = c.stored().copy()
+        c.clear_unused(enc)
+        np.testing.assert_array_equal(check(enc), before)
+        for _ in range(int(rng.integers(0, 4))):
+            ar = int(rng.integers(1, 7))
+            n = int(rng.integers(1, ar + 1))
+            if c.length + n > 40:
+                break
+            c.write(rng.integers(0, 256, (2, 2, ar, 8), dtype=np.uint8), n)
+            if enc is pre and rng.random() < 0.5:
+                c.requantize(pre, dec)
+                enc = dec
+                check(dec)
+    assert dirty > 100
+
 def test_kv_edges_take_the_cache_encoding_even_when_calibration_saw_an_empty_cache():
     """A prefill graph calibrated only on prompts shorter than its AR reads an all-zero cache in every
     calibration call: ORT gives the cache tensor (after its Reshape) a zero range. The cut KV edges

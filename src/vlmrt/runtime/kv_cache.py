@@ -73,9 +73,15 @@ class KVCache:
             self._by_slot = self.data.transpose(2, 0, 1, 3)  # [max_context, layers, 2, dim]: write's view
         self.length = 0  # number of valid slots (= next position)
         self.epoch = 0  # counts resets: rows kept across calls (a prefix reuse) belong to one epoch
+        # clear_unused's "clean from" mark: slots >= max(_written, length) were not written since the last clear and
+        # each buffer's hold the byte _tail[kind][i] (np.zeros: 0). Rows land only at length.. (write), so a slot
+        # is written past the kept length only when reset / rewind lowers the length: they raise _written first
+        self._written = 0
+        self._tail = {kind: [0.0] * spec.layers for kind in ("key", "value")}
 
     def reset(self) -> None:
-        self.length = 0  # stale rows beyond length are masked, no need to clear
+        self._written = max(self._written, self.length)
+        self.length = 0  # stale rows beyond length are masked (and reset to the zero point by clear_unused)
         self.epoch += 1
 
     def rewind(self, n: int) -> None:
@@ -83,6 +89,7 @@ class KVCache:
         stale, masked like those beyond length always are, and overwritten by the next writes."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot keep {n} rows of a cache holding {self.length}")
+        self._written = max(self._written, self.length)
         self.length = n
 
     def feeds(self, ctx: int | None = None) -> dict[str, np.ndarray]:
@@ -112,11 +119,19 @@ class KVCache:
         graph that reads them next), i.e. byte zp. Byte 0 (np.zeros, or a stale row) reads back as -zp*scale in
         every dim: a key row whose score q.k/sqrt(d) on a real decoder (large-mean queries) is far above the
         -100 of an HTP mask, and a float (fp16) graph, which does not clip its scores to a calibrated range as a
-        QDQ graph does, then attends to the hidden slot (measured: SmolLM2's fp16 prefill, top-1 0.61 -> 0.9+)."""
-        n = self.length
+        QDQ graph does, then attends to the hidden slot (measured: SmolLM2's fp16 prefill, top-1 0.61 -> 0.9+).
+        Only what changed is written: the slots written since the last clear (up to the "clean from" mark), or the
+        whole tail of a buffer whose zero point differs from the one its tail holds (prefill's vs decode's).
+        Layout rows only (the HTP's; an in_place graph writes rows past the length itself)."""
+        n, end = self.length, max(self._written, self.length)
         for kind, bufs in (("key", self.keys), ("value", self.values)):
             for i, buf in enumerate(bufs):
-                buf[n:] = enc[kind][i][1]
+                z, tail = enc[kind][i][1], self._tail[kind]
+                if tail[i] != z:
+                    buf[n:] = tail[i] = z
+                elif n < end:
+                    buf[n:end] = z
+        self._written = n
 
     def requantize(self, src: dict, dst: dict) -> None:
         """Re-express the uint8 rows 0..length from encoding src into dst (per layer (scale, zp) of K and V):
