@@ -274,8 +274,9 @@ class Engine:
         else:
             self.cache.reset()
         enc = self.kv_spec.encodings
-        if enc.get("prefill" if ar > 1 else "decode"):  # a uint8 cache: the slots the graph reads unwritten are
-            self.cache.clear_unused(enc["prefill" if ar > 1 else "decode"])  # its zero (KVCache.clear_unused)
+        reading = enc.get("prefill" if ar > 1 else "decode")
+        if reading:  # a uint8 cache: the slots the graph reads unwritten hold its zero (KVCache.clear_unused)
+            self.cache.clear_unused(reading)
         exact = start + n - n % ar
         if ar > 1:
             for b in range(0, n, ar):
