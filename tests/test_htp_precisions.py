@@ -75,16 +75,20 @@ def test_offsets_decompose_is_exact_on_q4_1_weights():
 
 def test_qhexrt_balance_bundle(tmp_path_factory, default_bundle):
     """vision and prefill fp16 (float graphs, only the KV I/O uint8; compiled with enable_htp_fp16_precision=1),
-    decode w4a16o with an 8-bit lm head; the manifest records each graph's precision and QNN options; on the
-    simulator the fp16 graphs stay within fp16 rounding of the CPU EP's float32 run and the greedy ids are the CPU
-    EP's (hybrid and kv); accuracy vs fp32 beats the symmetric w4a16 bundle's."""
+    decode w4a16o, and (the fixture's head is untied, the spec per graph) the lm head as its own w8a16 graph by
+    default; the manifest records each graph's precision and QNN options; on the simulator the fp16 graphs stay
+    within fp16 rounding of the CPU EP's float32 run and the greedy ids are the CPU EP's (hybrid and kv); accuracy
+    vs fp32 beats the symmetric w4a16 bundle's."""
     b = qhexrt_bundle(tmp_path_factory)
     m = mf.load(b)
-    assert {k: g.precision for k, g in m.graphs.items()} == {"vision": "fp16", "prefill": "fp16", "decode": "qdq-a16w4o"}
+    assert {k: g.precision for k, g in m.graphs.items()} == {"vision": "fp16", "prefill": "fp16", "decode": "qdq-a16w4o",
+                                                            "head": "qdq-a16w8"}
     assert {k: g.qnn_options for k, g in m.graphs.items()} == {
-        "vision": {"enable_htp_fp16_precision": "1"}, "prefill": {"enable_htp_fp16_precision": "1"}, "decode": {}}
+        "vision": {"enable_htp_fp16_precision": "1"}, "prefill": {"enable_htp_fp16_precision": "1"}, "decode": {},
+        "head": {}}
     raw = json.loads((b / "manifest.json").read_text())["graphs"]
-    assert raw["decode"]["weights"]["lm_head"] == "w8a16" and raw["prefill"]["weights"]["lm_head"] == "fp16"
+    assert raw["decode"]["weights"]["lm_head"] == raw["prefill"]["weights"]["lm_head"] == "graph head"
+    assert m.decoder.hidden_output == "hidden"
     # 2 layers x 7 projections, each as its int4 body and its int4 block-indicator matrix
     assert raw["decode"]["weights"]["blockwise_int4"] == 28
     layers = m.kv.layers
@@ -144,7 +148,8 @@ def test_hidden_cache_slots_read_as_zero(tmp_path_factory):
     m = bundle_.manifest
     assert any(zp for e in m.kv.encodings.values() for kind in e.values() for _, zp in kind)  # byte 0 != zero here
     wrapped = {g: HiddenSlots(bundle_.sessions[g], m, g) for g in ("prefill", "decode")}
-    vlm = VLM(dataclasses.replace(bundle_, sessions={"vision": bundle_.sessions["vision"], **wrapped}))
+    vlm = VLM(dataclasses.replace(bundle_, sessions={"vision": bundle_.sessions["vision"], "head": bundle_.sessions["head"],
+                                                     **wrapped}))
     for mode in ("hybrid", "kv"):
         for prompt in ("Describe a red square and then a blue circle on a white background, please.", "Hi."):
             vlm(prompt, None, mode=mode, max_new_tokens=3, ignore_eos=True)
@@ -198,6 +203,23 @@ def test_lm_head_as_its_own_graph(tmp_path_factory):
     del raw["graphs"]["head"]
     with pytest.raises(mf.BundleError, match="hidden_output needs a head graph"):
         check_decoder(mf.from_dict(raw))
+
+
+def test_own_head_by_default_where_untied():
+    """An untied lm head under a per-graph spec is its own w8a16 graph unless the spec names head= or lm_head=
+    (lm_head= keeps it inside: the one way to turn the default off); a plain precision, a tied head and a lookahead
+    verify graph (it needs every row's logits) keep it inside."""
+    from vlmrt.export.htp_precisions import parse
+
+    spec = "vision=fp16,prefill=fp16,decode=w4a16o"
+    base = {"vision": "fp16", "prefill": "fp16", "decode": "w4a16o"}
+    assert parse(spec, untied=True) == {**base, "head": "w8a16"}
+    assert parse(spec + ",head=w4a16o", untied=True) == {**base, "head": "w4a16o"}
+    assert parse(spec + ",lm_head=w8a16", untied=True) == {**base, "lm_head": "w8a16"}
+    for kw in ({"untied": False}, {"untied": True, "lookahead": True}):
+        assert parse(spec, **kw) == {**base, "lm_head": "w8a16"}, kw
+    for plain in (None, "w8a16", "w4a16o"):
+        assert "head" not in parse(plain, untied=True), plain
 
 
 def test_htp_quant_specs_refused(tmp_path_factory, capsys):
