@@ -44,7 +44,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static graphs with a uint8 KV cache, each QDQ (16-bit activations, 8- or 4-bit weights) or float
     (fp16 on the HTP) as quant says (export/htp_precisions.py; default w8a16),
-    calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set), then compiled by the QNN EP
+    calibrated on `calibration` [(image or None, prompt)] (default: eval.samples.htp_calibration_samples), then compiled by the QNN EP
     into context binaries for soc_model / htp_arch (qnn_context.resolve_target; default a current flagship);
     keep_qdq also keeps the QDQ graphs (what the CPU EP runs); shared_context compiles prefill and decode into one
     context (one copy of the decoder weights; the x86-64 simulator cannot load it).
