@@ -98,7 +98,9 @@ def test_qhexrt_balance_bundle(tmp_path_factory, default_bundle):
     kv = {n.format(layer=i) for i in range(layers) for n in (m.kv.key_input, m.kv.value_input, m.kv.key_output, m.kv.value_output)}
     assert {t.name for t in m.graphs["prefill"].inputs + m.graphs["prefill"].outputs if t.dtype == "uint8"} == kv
     rng = np.random.default_rng(0)
-    for name, tol in (("vision", 0.012), ("prefill", 0.015)):  # measured 0.0196 of 3.09 and 0.026 of 3.90 (v79)
+    # measured 0.0196 of 3.09 (vision) and 0.050 of 2.70 (prefill's output `hidden`, the final norm's: the untied
+    # head is its own graph) (v79)
+    for name, tol in (("vision", 0.012), ("prefill", 0.025)):
         g = m.graphs[name]
         x = feeds(g, rng)
         a = make_session(b / g.file, "cpu", None).run(None, x)[0]
@@ -194,8 +196,10 @@ def test_lm_head_as_its_own_graph(tmp_path_factory):
     plain = VLM(dataclasses.replace(bb, sessions={g: Plain(bb.sessions[g]) for g in ("prefill", "decode", "head")}))
     assert plain("Describe a red square.", None, max_new_tokens=6, ignore_eos=True).token_ids == want["hybrid"]
     r, r0 = run_eval(b, ex.ckpt), run_eval(inside, ex.ckpt)
-    # measured (hybrid, 16 tokens): top-1 0.875 both, KL 0.00395 both (to 1e-8)
-    assert r["top1_agreement"] == r0["top1_agreement"] and abs(r["mean_kl"] - r0["mean_kl"]) < 0.1 * r0["mean_kl"]
+    # measured (hybrid, 16 tokens, 112 positions): top-1 0.893 / 0.902 (one position), KL 0.00315 / 0.00314
+    # (the head graph is calibrated on its own rows: the two heads' encodings differ a little)
+    assert abs(r["top1_agreement"] - r0["top1_agreement"]) <= 1.5 / r["positions"]
+    assert abs(r["mean_kl"] - r0["mean_kl"]) < 0.1 * r0["mean_kl"]
     npu = VLM.load(b, device="htp")
     on_npu(npu)
     assert npu("Describe a red square.", None, mode="hybrid", max_new_tokens=4, ignore_eos=True).token_ids == want["hybrid"][:4]
