@@ -75,16 +75,20 @@ def test_offsets_decompose_is_exact_on_q4_1_weights():
 
 def test_qhexrt_balance_bundle(tmp_path_factory, default_bundle):
     """vision and prefill fp16 (float graphs, only the KV I/O uint8; compiled with enable_htp_fp16_precision=1),
-    decode w4a16o with an 8-bit lm head; the manifest records each graph's precision and QNN options; on the
-    simulator the fp16 graphs stay within fp16 rounding of the CPU EP's float32 run and the greedy ids are the CPU
-    EP's (hybrid and kv); accuracy vs fp32 beats the symmetric w4a16 bundle's."""
+    decode w4a16o, and (the fixture's head is untied, the spec per graph) the lm head as its own w8a16 graph by
+    default; the manifest records each graph's precision and QNN options; on the simulator the fp16 graphs stay
+    within fp16 rounding of the CPU EP's float32 run, the greedy ids are the CPU EP's (hybrid) and kv mode's first
+    logits track them; accuracy vs fp32 beats the symmetric w4a16 bundle's."""
     b = qhexrt_bundle(tmp_path_factory)
     m = mf.load(b)
-    assert {k: g.precision for k, g in m.graphs.items()} == {"vision": "fp16", "prefill": "fp16", "decode": "qdq-a16w4o"}
+    assert {k: g.precision for k, g in m.graphs.items()} == {"vision": "fp16", "prefill": "fp16", "decode": "qdq-a16w4o",
+                                                            "head": "qdq-a16w8"}
     assert {k: g.qnn_options for k, g in m.graphs.items()} == {
-        "vision": {"enable_htp_fp16_precision": "1"}, "prefill": {"enable_htp_fp16_precision": "1"}, "decode": {}}
+        "vision": {"enable_htp_fp16_precision": "1"}, "prefill": {"enable_htp_fp16_precision": "1"}, "decode": {},
+        "head": {}}
     raw = json.loads((b / "manifest.json").read_text())["graphs"]
-    assert raw["decode"]["weights"]["lm_head"] == "w8a16" and raw["prefill"]["weights"]["lm_head"] == "fp16"
+    assert raw["decode"]["weights"]["lm_head"] == raw["prefill"]["weights"]["lm_head"] == "graph head"
+    assert m.decoder.hidden_output == "hidden"
     # 2 layers x 7 projections, each as its int4 body and its int4 block-indicator matrix
     assert raw["decode"]["weights"]["blockwise_int4"] == 28
     layers = m.kv.layers
@@ -94,7 +98,9 @@ def test_qhexrt_balance_bundle(tmp_path_factory, default_bundle):
     kv = {n.format(layer=i) for i in range(layers) for n in (m.kv.key_input, m.kv.value_input, m.kv.key_output, m.kv.value_output)}
     assert {t.name for t in m.graphs["prefill"].inputs + m.graphs["prefill"].outputs if t.dtype == "uint8"} == kv
     rng = np.random.default_rng(0)
-    for name, tol in (("vision", 0.012), ("prefill", 0.015)):  # measured 0.0196 of 3.09 and 0.026 of 3.90 (v79)
+    # measured 0.0196 of 3.09 (vision) and 0.050 of 2.70 (prefill's output `hidden`, the final norm's: the untied
+    # head is its own graph) (v79)
+    for name, tol in (("vision", 0.012), ("prefill", 0.025)):
         g = m.graphs[name]
         x = feeds(g, rng)
         a = make_session(b / g.file, "cpu", None).run(None, x)[0]
@@ -103,9 +109,14 @@ def test_qhexrt_balance_bundle(tmp_path_factory, default_bundle):
         assert 1e-5 < err < tol, (name, err)  # not float32 (the HTP's fp16 path), close to it
     cpu, npu = VLM.load(b), VLM.load(b, device="htp")
     on_npu(npu)
-    for mode in ("hybrid", "kv"):
-        want = cpu("Describe a red square.", None, mode=mode, max_new_tokens=4, ignore_eos=True).token_ids
-        assert npu("Describe a red square.", None, mode=mode, max_new_tokens=4, ignore_eos=True).token_ids == want, mode
+    want = cpu("Describe a red square.", None, max_new_tokens=4, ignore_eos=True).token_ids
+    assert npu("Describe a red square.", None, max_new_tokens=4, ignore_eos=True).token_ids == want  # hybrid
+    # kv mode (the prompt one token at a time through the 4-bit decode graph, then the head graph): the first
+    # logits track the CPU EP's; this random model's best two are 0.082 apart there, and the simulator picks the
+    # second (measured 2026-12-01: max abs diff 0.22 of a 5.96 range; hybrid 0.038 of 6.73, the same ids)
+    _, e = cpu.prompt_embeds("Describe a red square.", None)
+    lc, ln = cpu.engine.prefill(e, "kv").copy(), npu.engine.prefill(e, "kv").copy()
+    assert np.abs(lc - ln).max() < 0.06 * (lc.max() - lc.min()) and lc.max() - lc[ln.argmax()] < 0.15
     r = run_eval(b, default_bundle.ckpt)
     sym = run_eval(bundle("htp-w4", tmp_path_factory), default_bundle.ckpt)
     # measured (hidden-64 random weights, hybrid): top-1 0.616, KL 0.051; symmetric w4a16: 0.348, 0.143
@@ -144,7 +155,8 @@ def test_hidden_cache_slots_read_as_zero(tmp_path_factory):
     m = bundle_.manifest
     assert any(zp for e in m.kv.encodings.values() for kind in e.values() for _, zp in kind)  # byte 0 != zero here
     wrapped = {g: HiddenSlots(bundle_.sessions[g], m, g) for g in ("prefill", "decode")}
-    vlm = VLM(dataclasses.replace(bundle_, sessions={"vision": bundle_.sessions["vision"], **wrapped}))
+    vlm = VLM(dataclasses.replace(bundle_, sessions={"vision": bundle_.sessions["vision"], "head": bundle_.sessions["head"],
+                                                     **wrapped}))
     for mode in ("hybrid", "kv"):
         for prompt in ("Describe a red square and then a blue circle on a white background, please.", "Hi."):
             vlm(prompt, None, mode=mode, max_new_tokens=3, ignore_eos=True)
@@ -194,8 +206,10 @@ def test_lm_head_as_its_own_graph(tmp_path_factory):
     plain = VLM(dataclasses.replace(bb, sessions={g: Plain(bb.sessions[g]) for g in ("prefill", "decode", "head")}))
     assert plain("Describe a red square.", None, max_new_tokens=6, ignore_eos=True).token_ids == want["hybrid"]
     r, r0 = run_eval(b, ex.ckpt), run_eval(inside, ex.ckpt)
-    # measured (hybrid, 16 tokens): top-1 0.875 both, KL 0.00395 both (to 1e-8)
-    assert r["top1_agreement"] == r0["top1_agreement"] and abs(r["mean_kl"] - r0["mean_kl"]) < 0.1 * r0["mean_kl"]
+    # measured (hybrid, 16 tokens, 112 positions): top-1 0.893 / 0.902 (one position), KL 0.00315 / 0.00314
+    # (the head graph is calibrated on its own rows: the two heads' encodings differ a little)
+    assert abs(r["top1_agreement"] - r0["top1_agreement"]) <= 1.5 / r["positions"]
+    assert abs(r["mean_kl"] - r0["mean_kl"]) < 0.1 * r0["mean_kl"]
     npu = VLM.load(b, device="htp")
     on_npu(npu)
     assert npu("Describe a red square.", None, mode="hybrid", max_new_tokens=4, ignore_eos=True).token_ids == want["hybrid"][:4]
@@ -203,6 +217,23 @@ def test_lm_head_as_its_own_graph(tmp_path_factory):
     del raw["graphs"]["head"]
     with pytest.raises(mf.BundleError, match="hidden_output needs a head graph"):
         check_decoder(mf.from_dict(raw))
+
+
+def test_own_head_by_default_where_untied():
+    """An untied lm head under a per-graph spec is its own w8a16 graph unless the spec names head= or lm_head=
+    (lm_head= keeps it inside: the one way to turn the default off); a plain precision, a tied head and a lookahead
+    verify graph (it needs every row's logits) keep it inside."""
+    from vlmrt.export.htp_precisions import parse
+
+    spec = "vision=fp16,prefill=fp16,decode=w4a16o"
+    base = {"vision": "fp16", "prefill": "fp16", "decode": "w4a16o"}
+    assert parse(spec, untied=True) == {**base, "head": "w8a16"}
+    assert parse(spec + ",head=w4a16o", untied=True) == {**base, "head": "w4a16o"}
+    assert parse(spec + ",lm_head=w8a16", untied=True) == {**base, "lm_head": "w8a16"}
+    for kw in ({"untied": False}, {"untied": True, "lookahead": True}):
+        assert parse(spec, **kw) == {**base, "lm_head": "w8a16"}, kw
+    for plain in (None, "w8a16", "w4a16o"):
+        assert "head" not in parse(plain, untied=True), plain
 
 
 def test_htp_quant_specs_refused(tmp_path_factory, capsys):

@@ -253,10 +253,13 @@ def test_htp_context_binaries_qwen2_biases(tmp_path_factory):
         assert not beyond and gap < 0.15
         accepted += st.accepted_tokens
     img = image_file("chelsea.png", None)
-    # hybrid (the default mode). In kv mode (the prompt one token at a time through the decode graph) the first
-    # greedy token of this random model already differs between the simulator and the CPU EP (386 vs 388,
-    # 2026-12-01): the two QDQ implementations round differently, and this fixture's logits are near ties
-    want = cpu("What is in the image?", img, max_new_tokens=3, ignore_eos=True).token_ids
-    assert npu("What is in the image?", img, max_new_tokens=3, ignore_eos=True).token_ids == want
+    # the image prompt's first logits (vision and prefill on the simulator): this random model's best two are a near
+    # tie (0.017 apart on the CPU EP since the HTP calibration set changed, 2026-12-01), and the two QDQ
+    # implementations round differently, so the greedy ids may part; the logits must track the CPU EP's and the
+    # simulator's pick be within 0.15 of the CPU EP's best (measured: max abs diff 0.195 of a 5.39 range, pick 0.024)
+    _, e = cpu.prompt_embeds("What is in the image?", img)
+    lc = cpu.engine.prefill(e, "hybrid").copy()
+    ln = npu.engine.prefill(npu.prompt_embeds("What is in the image?", img)[1], "hybrid").copy()
+    assert np.abs(lc - ln).max() < 0.08 * (lc.max() - lc.min()) and lc.max() - lc[ln.argmax()] < 0.15
     r = accuracy.evaluate(cpu, accuracy.load_reference(ex.ckpt, cpu), samples.default_samples(), tokens=16)
     assert r["top1_agreement"] >= 0.8 and r["mean_kl"] < 0.011  # measured: first-token 1.0, top-1 0.848, KL 0.0054

@@ -260,14 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "ones are 4-bit with a float offset per block, GGUF Q4_1's rule, and keep the lm head at 8 bits), or per graph, e.g. "
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype). --target htp: fp16 (the HTP's "
                         "float path), w8a16, w4a16 (int4 block-wise) or w4a16o (int4 block-wise with Q4_1 block offsets), default "
-                        "w8a16; 4-bit ones keep the vision graph and the lm head at 8 bits; head=PREC makes the lm head a "
-                        "graph of its own at PREC (e.g. vision=fp16,prefill=fp16,decode=w4a16o,head=w8a16)")
+                        "w8a16; 4-bit ones keep the vision graph and the lm head at 8 bits; head=PREC: the lm head as its own graph "
+                        "(vision=fp16,prefill=fp16,decode=w4a16o,head=w8a16; the default for an untied head under a per-graph spec)")
     e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
                    help="htp: static graphs for the Qualcomm NPU (QDQ with 16-bit activations or fp16, per --quant; uint8 KV "
                         "cache), compiled into QNN context binaries")
     e.add_argument("--calibration", default=None,
                    help="HTP calibration set: a folder of images (+ optional prompts.txt, one prompt per line); "
-                        "default: vlmrt's sample images and prompts")
+                        "default: vlmrt's sample images and its calibration prompts (apart from `vlmrt eval`'s)")
     e.add_argument("--soc-model", default=None,
                    help="HTP: the Snapdragon the context binaries are compiled for: SM8850, SM8750, SM8650, SM8550, SC8380XP "
                         "or a QNN soc model id (default SM8750 = Snapdragon 8 Elite, htp_arch 79)")

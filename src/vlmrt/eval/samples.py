@@ -47,6 +47,15 @@ def default_samples(text_only: bool = False) -> list[tuple[Path | None, str]]:
     return out
 
 
+def htp_calibration_samples() -> list[tuple[Path | None, str]]:
+    """The HTP target's default activation calibration (`vlmrt export --target htp` without --calibration):
+    CALIBRATION_PROMPTS text-only, apart from both evaluation sets (TEXT_PROMPTS, benchmarks' HELD_OUT), plus the
+    sample images with IMAGE_PROMPTS (the vision graph needs images). Calibrating on TEXT_PROMPTS themselves made
+    the built-in evaluation a self-test: on the real SmolLM2 decoder 1353 of its 2076 16-bit activation ranges were
+    exceeded on the held-out prompts (docs/npu-deploy.md §5b)."""
+    return [(None, p) for p in CALIBRATION_PROMPTS] + [(img, p) for img in sample_images() for p in IMAGE_PROMPTS]
+
+
 def calibration_set(folder: str | Path) -> list[tuple[Path | None, str]]:
     """Images of a folder × its prompts.txt (one per line; default prompts otherwise), plus text-only prompts."""
     folder = Path(folder)

@@ -119,7 +119,7 @@ class RowsRecorder(Recorder):
         return out
 
 
-def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 64):
+def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
     """Run the float bundle on samples; returns recorders for vision, prefill (hybrid) and decode (kv + generation)."""
     from ..runtime.bundle import Bundle
     from ..runtime.pipeline import VLM
@@ -294,7 +294,7 @@ def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifes
 
 
 def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, precisions: dict[str, str] | None = None,
-                    tokens: int = 8, keep_qdq: bool = False, shared_context: bool = False, progress=None) -> mf.Manifest:
+                    tokens: int = 32, keep_qdq: bool = False, shared_context: bool = False, progress=None) -> mf.Manifest:
     """float bundle -> HTP bundle in out_dir (QNN context binaries compiled for target (qnn_context.resolve_target),
     with keep_qdq also the QDQ / float graphs and their data; manifest). precisions: htp_precisions.parse's
     {vision, prefill, decode, lm_head} (default: w8a16 everywhere)."""

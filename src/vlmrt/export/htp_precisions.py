@@ -5,6 +5,13 @@
     --quant vision=fp16,prefill=fp16,decode=w4a16o,lm_head=w8a16   per graph (QHexRT's InternVL3.5-1B balance)
     --quant ...,head=w8a16                                the lm head as its own graph at that precision (htp_head.py)
 
+The lm head as its own graph is also the default where QHexRT has it: an untied head (tie_word_embeddings false)
+under a per-graph spec that names neither head= nor lm_head= gets head=w8a16. Its weight is then a separate large
+weight that would otherwise be copied into both decoder binaries. `lm_head=PREC` keeps it inside the decoder graphs
+(the one way to turn the default off); a plain precision (`--quant w8a16`, no --quant) keeps it inside too, at that
+precision; so does --lookahead-ar (the verify graph needs every row's logits; the head graph maps one row).
+A tied head (its weight is the embedding table) stays inside unless head= is named.
+
 Precisions on the HTP:
   fp16    the HTP's float path: the float graph as exported, compiled by the QNN EP with provider option
           `enable_htp_fp16_precision=1` (and soc_model set: the EP refuses the option without it); only the
@@ -29,6 +36,7 @@ from . import onnx_names, quantize
 PRECISIONS = ("fp16", "w8a16", "w4a16", "w4a16o")
 HEADS = ("w8a16", "w4a16", "w4a16o")
 DEFAULT = "w8a16"
+DEFAULT_OWN_HEAD = "w8a16"  # an untied head under a per-graph spec: its own graph (QHexRT's "lm-head W8A16")
 # provider options a graph of that precision is compiled (and loaded) with; recorded per graph in the manifest
 QNN_OPTIONS = {"fp16": {"enable_htp_fp16_precision": "1"}}
 LABEL = {"fp16": "fp16", "w8a16": "qdq-a16w8", "w4a16": "qdq-a16w4", "w4a16o": "qdq-a16w4o"}
@@ -36,9 +44,11 @@ WEIGHTS = {"fp16": "float (fp16 on the HTP)", "w8a16": "uint8 per-channel",
            "w4a16": "int4 block-wise (32) symmetric", "w4a16o": "int4 block-wise (32) with Q4_1 block offsets"}
 
 
-def parse(spec: str | None) -> dict[str, str]:
+def parse(spec: str | None, untied: bool = False, lookahead: bool = False) -> dict[str, str]:
     """--quant for --target htp -> {vision, prefill, decode, lm_head} (lm_head: the decoder graphs' head), and
-    head: the lm head as its own graph (export/htp_head.py) at that precision, when the spec names it."""
+    head: the lm head as its own graph (export/htp_head.py) at that precision, when the spec names it, or
+    DEFAULT_OWN_HEAD when the checkpoint's head is untied (untied), the spec is per graph and names neither
+    head= nor lm_head=, and there is no lookahead verify graph (lookahead: it needs every row's logits)."""
     parts = [p for p in (spec or "").split(",") if p.strip()]
     own = [p.partition("=")[2].strip() for p in parts if p.partition("=")[0].strip() == "head"]
     rest = ",".join(p for p in parts if p.partition("=")[0].strip() != "head")
@@ -52,6 +62,8 @@ def parse(spec: str | None) -> dict[str, str]:
         raise quantize.QuantError("--target htp: with head=, give the other graphs per graph too "
                                   "(e.g. prefill=w8a16,decode=w4a16o,head=w8a16)")
     prec = quantize.parse(rest or None, default=DEFAULT)
+    if "=" not in rest:  # a plain precision: the HTP's head rule below, not the CPU's (quantize.HEAD_OF_PLAIN: w8a8)
+        prec.pop("lm_head", None)
     if own:
         prec["head"] = own[0]
     for g, p in prec.items():
@@ -60,6 +72,8 @@ def parse(spec: str | None) -> dict[str, str]:
                                       f"{', '.join(HEADS)}")
         if p not in PRECISIONS:
             raise quantize.QuantError(f"--target htp: {g}={p} is not an HTP precision; choose one of {', '.join(PRECISIONS)}")
+    if untied and not lookahead and "=" in rest and "lm_head" not in prec and "head" not in prec:
+        prec["head"] = DEFAULT_OWN_HEAD
     if "lm_head" not in prec and "head" not in prec:
         prec["lm_head"] = "w8a16"
     return prec

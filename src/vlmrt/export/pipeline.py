@@ -44,7 +44,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static graphs with a uint8 KV cache, each QDQ (16-bit activations, 8- or 4-bit weights) or float
     (fp16 on the HTP) as quant says (export/htp_precisions.py; default w8a16),
-    calibrated on `calibration` [(image or None, prompt)] (default: vlmrt's sample set), then compiled by the QNN EP
+    calibrated on `calibration` [(image or None, prompt)] (default: eval.samples.htp_calibration_samples), then compiled by the QNN EP
     into context binaries for soc_model / htp_arch (qnn_context.resolve_target; default a current flagship);
     keep_qdq also keeps the QDQ graphs (what the CPU EP runs); shared_context compiles prefill and decode into one
     context (one copy of the decoder weights; the x86-64 simulator cannot load it).
@@ -73,12 +73,12 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     if target == "htp":
         try:
             qnn_target = qnn_context.resolve_target(soc_model, htp_arch)
-            htp_prec = htp_precisions.parse(quant)
+            htp_prec = htp_precisions.parse(quant)  # checked now; resolved again with the checkpoint (_plan)
         except (qnn_context.TargetError, quantize.QuantError) as e:
             raise ExportError(str(e)) from None
         if "fp16" in htp_prec.values() and not qnn_target["soc_model"]:
             raise ExportError("fp16 graphs need --soc-model (the QNN EP takes its fp16 precision flag only with a soc model)")
-        quant = None  # the float bundle the HTP graphs are made from
+        htp_spec, quant = quant, None  # the float bundle the HTP graphs are made from
         if lookahead_ar < 0 or lookahead_ar == 1:
             raise ExportError("--lookahead-ar is the verify graph's AR: the current token and its drafts, at least 2")
         if lookahead_ar and "head" in htp_prec:
@@ -91,7 +91,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                        force=force, context_step=context_step, attention=attention,
-                       htp=dict(precisions=htp_prec, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
+                       htp=dict(precisions=htp_prec, spec=htp_spec, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
                                 shared_context=shared_context, lookahead_ar=lookahead_ar) if target == "htp" else None)
     except qnn_context.TargetError as e:
         p.failed()
@@ -166,6 +166,9 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
         raise ExportError("the checkpoint has no tokenizer.json (a fast tokenizer is required)")
     tok_json = json.loads(tok_path.read_text())
     host = family.host_spec(ckpt, cfg, tok_json)
+    if htp is not None:  # the head's own graph by default where it is untied (htp_precisions.parse)
+        htp = {**htp, "precisions": htp_precisions.parse(htp["spec"], untied=not cfg.tie_word_embeddings,
+                                                         lookahead=bool(htp["lookahead_ar"]))}
     if max_seq_len is None:
         max_seq_len, _ = family.default_max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
@@ -360,15 +363,16 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back
         p.done()
+        htp = plan.htp  # (its precisions resolved with the checkpoint: _plan)
         if htp:
             t = htp["target"]
             prec = ",".join(f"{g}={v}" for g, v in htp["precisions"].items())
             p.start(f"HTP: calibrating and quantizing ({prec}; uint8 KV), "
                     f"compiling QNN context binaries for {t['soc_name'] or t['soc_model']} (htp_arch {t['htp_arch']})")
-            from ..eval.samples import default_samples
+            from ..eval.samples import htp_calibration_samples
 
             with staging.staged(out, "htp") as qdir:
-                m = htp_mod.quantize_bundle(tmp, qdir, htp["calibration"] or default_samples(), target=htp["target"],
+                m = htp_mod.quantize_bundle(tmp, qdir, htp["calibration"] or htp_calibration_samples(), target=htp["target"],
                                             precisions=htp["precisions"], keep_qdq=htp["keep_qdq"],
                                             shared_context=htp["shared_context"])
                 mf.save(m, qdir)

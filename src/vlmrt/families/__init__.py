@@ -54,6 +54,7 @@ class FamilyConfig(Protocol):
     vision: Any  # has patch_size
     patches_per_tile: int
     tokens_per_tile: int
+    tie_word_embeddings: bool  # the lm head is the embedding table (an untied one is a weight of its own)
 
 
 @runtime_checkable
