@@ -25,18 +25,24 @@ from . import fuse, graphs, htp_head, htp_precisions, htp_verify, int4_blocks, o
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 
 
+RECORD_BYTES = 1 << 30  # the most bytes of sampled feeds a Recorder keeps (a 1B decoder's cache: ~70 MB a call)
+
+
 class Recorder:
     """Wraps a session; keeps compact copies of the feeds of up to `limit` calls (reservoir sampling
-    over all calls) plus every call that starts a sequence (positions < 4: the first tokens carry the
+    over all calls; fewer when they would pass `budget` bytes: random ones are dropped and the limit lowered)
+    plus every call that starts a sequence (positions < 4: the first tokens carry the
     LLM's largest activations, and a range that misses them clips the attention sink), KV caches cut
     to their used rows (the rest is zeros when read back)."""
 
-    def __init__(self, session, kv_inputs: set[str], limit: int, positions: str = "position_ids"):
+    def __init__(self, session, kv_inputs: set[str], limit: int, positions: str = "position_ids",
+                 budget: int = RECORD_BYTES):
         self.session, self.kv_inputs, self.limit, self.positions = session, kv_inputs, limit, positions
         self.first: list[dict] = []
         self.sampled: list[dict] = []
         self.calls = 0
         self.rng = np.random.default_rng(0)
+        self.budget, self.bytes = budget, 0
 
     def run(self, names, feeds):
         self.calls += 1
@@ -51,8 +57,14 @@ class Recorder:
             slot = len(self.sampled) if len(self.sampled) < self.limit else int(self.rng.integers(0, self.calls))
             if slot == len(self.sampled):
                 self.sampled.append(item())
+                self.bytes += _nbytes(self.sampled[-1])
             elif slot < self.limit:
+                self.bytes -= _nbytes(self.sampled[slot])
                 self.sampled[slot] = item()
+                self.bytes += _nbytes(self.sampled[slot])
+            while len(self.sampled) > 1 and self.bytes > self.budget:
+                self.bytes -= _nbytes(self.sampled.pop(int(self.rng.integers(0, len(self.sampled)))))
+                self.limit = len(self.sampled)
         return self.session.run(names, feeds)
 
     @property
@@ -88,16 +100,13 @@ class Recorder:
         return Reader()
 
 
-def kv_ranges(rec_rows: list[list[np.ndarray]], layers: int) -> dict[str, list[tuple[float, float]]]:
-    """Per-layer (min, max) of K and V rows, from graph outputs in output_names() order."""
-    k = [(np.inf, -np.inf)] * layers
-    v = [(np.inf, -np.inf)] * layers
-    for rows in rec_rows:
-        for i in range(layers):
-            for store, r in ((k, rows[2 * i]), (v, rows[2 * i + 1])):
-                lo, hi = store[i]
-                store[i] = (min(lo, float(r.min())), max(hi, float(r.max())))
-    return {"key": k, "value": v}
+def _nbytes(item: dict) -> int:
+    return sum(v.nbytes for v, _ in item.values())
+
+
+def kv_ranges(rec: "RowsRecorder") -> dict[str, list[tuple[float, float]]]:
+    """Per-layer (min, max) of the K and V rows a graph returned over its calibration calls."""
+    return {"key": list(rec.key), "value": list(rec.value)}
 
 
 def uint8_encoding(lo: float, hi: float) -> tuple[float, int]:
@@ -107,15 +116,20 @@ def uint8_encoding(lo: float, hi: float) -> tuple[float, int]:
 
 
 class RowsRecorder(Recorder):
-    """Also keeps the KV rows every call returns (for the cache encodings)."""
+    """Also keeps the running per-layer (min, max) of the KV rows every call returns (for the cache encodings; the
+    rows themselves are not kept: at InternVL3.5-1B's shape they would be ~0.6 GB)."""
 
     def __init__(self, session, kv_inputs, limit, positions):
         super().__init__(session, kv_inputs, limit, positions)
-        self.rows: list[list[np.ndarray]] = []
+        layers = len(kv_inputs) // 2
+        self.key, self.value = [(np.inf, -np.inf)] * layers, [(np.inf, -np.inf)] * layers
 
     def run(self, names, feeds):
         out = super().run(names, feeds)
-        self.rows.append(out[1:])
+        for i in range(len(self.key)):  # outputs: logits (or hidden), then K and V rows per layer (output_names())
+            for store, r in ((self.key, out[1 + 2 * i]), (self.value, out[2 + 2 * i])):
+                lo, hi = store[i]
+                store[i] = (min(lo, float(r.min())), max(hi, float(r.max())))
         return out
 
 
@@ -139,6 +153,8 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 64):
             _, embeds = vlm.prompt_embeds(prompt, image)
             for _ in vlm.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True):
                 pass
+    for r in rec.values():  # the float sessions (and their weights) are not needed past the calibration
+        r.session = None
     return rec
 
 
@@ -301,6 +317,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     prec = precisions or htp_precisions.parse(None)
     m = mf.load(float_dir)
     rec = calibrate(float_dir, samples, tokens)
+    if progress:
+        progress("calibration")
     for name, r in rec.items():
         if not r.feeds:
             what = "images" if name == "vision" else "prompts"
@@ -316,7 +334,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
             own_head = htp_head.split(model, m.decoder.logits_output, m.decoder.hidden_size, m.decoder.vocab_size)
         enc = like = None
         if name != "vision":  # (the verify graph reads and writes decode's cache: decode's encoding)
-            ranges = kv_ranges(rec["prefill" if name == "prefill" else "decode"].rows, m.kv.layers)
+            ranges = kv_ranges(rec["prefill" if name == "prefill" else "decode"])
             enc = {kind: [uint8_encoding(lo, hi) for lo, hi in ranges[kind]] for kind in ("key", "value")}
         if name == "verify":  # the decode graph at AR = verify_ar: decode's encodings everywhere (htp_verify.py)
             like = onnx.load(str(out_dir / "decode.onnx")) if prec["decode"] != "fp16" else None
@@ -369,6 +387,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     if m.decoder.embedding_scale_file:
         files.append(m.decoder.embedding_scale_file)
     gspecs, files, qnn = qnn_context.compile_bundle(out_dir, gspecs, files, target, keep_qdq, shared_context)
+    if progress:
+        progress("compile")
     target = {"name": "htp", **target, **qnn}
     dec = dataclasses.replace(m.decoder, hidden_output=htp_head.HIDDEN if own_head is not None else None)
     return dataclasses.replace(

@@ -17,7 +17,7 @@ from .. import __version__
 from .. import manifest as mf
 from .. import staging
 from ..families import HostSpec, family_for
-from ..progress import Progress
+from ..progress import Laps, Progress
 from . import graphs, htp_precisions, qnn_context, quantize
 from . import htp as htp_mod
 from .chat_template import prompt_templates
@@ -355,6 +355,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         hessian = _gptq_hessians(plan, decoder, embed.numpy(), p)
         decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian)
         embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
+        del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
         p.start("manifest")
         m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file)
         mf.save(m, tmp)
@@ -368,12 +369,13 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
             from ..eval.samples import default_samples
 
             with staging.staged(out, "htp") as qdir:
+                laps = Laps()
                 m = htp_mod.quantize_bundle(tmp, qdir, htp["calibration"] or default_samples(), target=htp["target"],
                                             precisions=htp["precisions"], keep_qdq=htp["keep_qdq"],
-                                            shared_context=htp["shared_context"])
+                                            shared_context=htp["shared_context"], progress=laps)
                 mf.save(m, qdir)
                 mf.load(qdir)
-                p.done()
+                p.done(f"({laps})")
                 p.start(f"writing {out}")
                 staging.publish(qdir, out)
         else:
