@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import shutil
@@ -356,6 +357,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian)
         embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
         del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
+        gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
         p.start("manifest")
         m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file)
         mf.save(m, tmp)
