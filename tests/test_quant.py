@@ -458,3 +458,27 @@ def test_vision_w8a8_is_the_int8_gemm(tmp_path_factory, default_bundle):
     with_images = [s for s in samples.default_samples() if s[0] is not None]
     r = accuracy.evaluate(v, accuracy.load_reference(default_bundle.bundle, v), with_images, tokens=16)
     assert r["first_token_match"] == 1.0 and r["top1_agreement"] >= 0.9 and r["mean_kl"] < 0.008  # 1.0, 0.9375, 0.0044
+
+
+def test_calibration_recorder_keeps_its_byte_budget():
+    """export/htp_calibrate.Recorder: the calls that start a sequence are all kept; the reservoir of the others stops
+    at its byte budget (a 1B decoder's recorded caches would otherwise be ~2 GB), lowering its limit; RowsRecorder's
+    KV ranges are the min / max over every call's rows (not only the kept ones)."""
+    from vlmrt.export.htp_calibrate import Recorder, RowsRecorder, kv_ranges
+
+    class Echo:  # a one-layer graph: outputs logits, the new key row, the new value row
+        def run(self, names, feeds):
+            return [np.zeros(2, np.float32), feeds["k"][:1] + 1, -feeds["v"][:1]]
+
+    kept = []
+    for cls, budget in ((Recorder, 1 << 30), (RowsRecorder, 10_000)):
+        rec = cls(Echo(), {"k", "v"}, 64, "position_ids", budget=budget)
+        for seq in range(3):
+            for pos in range(40):  # caches [64, 8] float32, their first pos rows used: 32 bytes a row each
+                past = np.full((64, 8), pos, np.float32)
+                rec.run(None, {"k": past, "v": past, "position_ids": np.array([pos])})
+        assert len(rec.first) == 12 and rec.calls == 120 and rec.bytes <= budget
+        kept.append(len(rec.sampled))
+    assert kept[0] >= 64 and 4 <= kept[1] < 64 and rec.limit < 64
+    assert sum(v.nbytes for f in rec.sampled for v, _ in f.values()) == rec.bytes
+    assert kv_ranges(rec) == {"key": [(1.0, 40.0)], "value": [(-39.0, 0.0)]}

@@ -104,8 +104,8 @@ class RowsRecorder(Recorder):
     """Also keeps the running per-layer (min, max) of the KV rows every call returns (for the cache encodings; the
     rows themselves are not kept: at InternVL3.5-1B's shape they would be ~0.6 GB)."""
 
-    def __init__(self, session, kv_inputs, limit, positions):
-        super().__init__(session, kv_inputs, limit, positions)
+    def __init__(self, session, kv_inputs, limit, positions, budget: int = RECORD_BYTES):
+        super().__init__(session, kv_inputs, limit, positions, budget)
         layers = len(kv_inputs) // 2
         self.key, self.value = [(np.inf, -np.inf)] * layers, [(np.inf, -np.inf)] * layers
 
