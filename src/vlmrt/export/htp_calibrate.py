@@ -134,9 +134,9 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 64):
     }
     vlm = VLM(dataclasses.replace(b, sessions=rec))  # the runtime, its graph calls recorded
     for image, prompt in samples:
+        _, embeds = vlm.prompt_embeds(prompt, image)  # (once for both modes: the same vision calls; ~6 min at 1B)
         for mode in ("hybrid", "kv"):
-            _, embeds = vlm.prompt_embeds(prompt, image)
-            for _ in vlm.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True):
+            for _ in vlm.engine.generate(embeds.copy(), mode=mode, max_new_tokens=tokens, ignore_eos=True):
                 pass
     for r in rec.values():  # the float sessions (and their weights) are not needed past the calibration
         r.session = None
