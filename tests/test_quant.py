@@ -482,3 +482,43 @@ def test_calibration_recorder_keeps_its_byte_budget():
     assert kept[0] >= 64 and 4 <= kept[1] < 64 and rec.limit < 64
     assert sum(v.nbytes for f in rec.sampled for v, _ in f.values()) == rec.bytes
     assert kv_ranges(rec) == {"key": [(1.0, 40.0)], "value": [(-39.0, 0.0)]}
+
+
+def test_htp_graphs_reach_the_quantizer_at_opset_21(tmp_path, monkeypatch):
+    """ORT's QDQ quantizer converts a graph under opset 21 with onnx's version converter (16-bit activations need
+    21): a serialized copy under protobuf's 2 GB limit and three more copies of the weights in memory, past this
+    machine's 24 GB at InternVL3.5-1B's decoder. htp.at_opset21 raises an opset-20 graph in place, so the converter is
+    never called; a graph with GroupNormalization (whose meaning changed in 21) is left as it is."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import CalibrationDataReader
+
+    from vlmrt.export import htp
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    htp.at_opset21(model)
+    assert model.opset_import[0].version == 21
+    onnx.save(model, str(tmp_path / "f.onnx"))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"x": np.ones((2, 8), np.float32)}, {"x": -np.ones((2, 8), np.float32)}])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    def refuse(*a, **k):
+        raise AssertionError("onnx.version_converter called")
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", refuse)
+    htp.quantize_graph(tmp_path / "f.onnx", tmp_path / "q.onnx", Reader())
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "q.onnx")).graph.node]
+    assert "MatMul" in ops and "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    gn = helper.make_model(helper.make_graph([helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=2)],
+                                             "g", [], []), opset_imports=[helper.make_opsetid("", 20)])
+    htp.at_opset21(gn)
+    assert gn.opset_import[0].version == 20

@@ -11,6 +11,7 @@ are calibrated apart, so their encodings differ: the runtime re-quantizes after 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +21,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
+from ..runtime.bundle import release_freed_heap
 from . import fuse, graphs, htp_head, htp_precisions, htp_verify, int4_blocks, onnx_names, qnn_context
 from .htp_calibrate import calibrate, kv_ranges, uint8_encoding
 
@@ -97,6 +99,18 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
     return found
 
 
+def at_opset21(model: onnx.ModelProto) -> None:
+    """Raise an opset-20 graph to opset 21 in place. ORT's QDQ quantizer needs 21 for 16-bit activations, and
+    converts with onnx's version converter: a serialized copy that must stay under protobuf's 2 GB (a 1B decoder's
+    float weights do not) and three more copies of the weights in memory (~6 GB at InternVL3.5-1B). From 20 to 21
+    the operators changed only in the types they take (int4, float8), except GroupNormalization, whose meaning
+    changed: a graph with it is left to the converter."""
+    ops = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx") and o.version == 20 and "GroupNormalization" not in ops:
+            o.version = 21
+
+
 def quantize_graph(src: Path, dst: Path, reader, overrides: dict | None = None) -> None:
     """16-bit activations, uint8 per-channel weights (4-bit ones are re-made afterwards: int4_blocks.requantize)."""
     from onnxruntime.quantization import QuantType, quantize
@@ -157,6 +171,7 @@ def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifes
     off4 = (body if prec == "w4a16o" else set()) | ({lm} if head == "w4a16o" else set())
     floats = int4_blocks.float_weights(model, exclude={n.name for n in model.graph.node} - sym4) if sym4 else {}
     grids = int4_blocks.offsets_decompose(model, exclude={n.name for n in model.graph.node} - off4) if off4 else {}
+    at_opset21(model)
     onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
               location=full.stem + ".data", size_threshold=1024)
     overrides = kv_overrides(enc, m) if enc is not None else None
@@ -216,6 +231,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
             got, blocks = _qdq_graph(model, out_dir / f"{name}.float.onnx", dst, rec[name], m, enc, p, head, like,
                                      as_stored=name in ("decode", "verify") and bool(m.decoder.verify_ar))
         del model, like
+        gc.collect()
+        release_freed_heap()  # (a graph's float weights, freed: ~2 GB at InternVL3.5-1B that RSS would keep)
         if enc is not None:  # the graph's own encodings
             encodings[name] = {kind: [list(got[fin.format(layer=i)]) for i in range(m.kv.layers)]
                                for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}

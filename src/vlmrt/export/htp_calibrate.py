@@ -6,6 +6,7 @@ the uint8 cache its encodings.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -120,7 +121,7 @@ class RowsRecorder(Recorder):
 
 def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 64):
     """Run the float bundle on samples; returns recorders for vision, prefill (hybrid) and decode (kv + generation)."""
-    from ..runtime.bundle import Bundle
+    from ..runtime.bundle import Bundle, release_freed_heap
     from ..runtime.pipeline import VLM
 
     b = Bundle.open(float_bundle)
@@ -140,4 +141,7 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 64):
                 pass
     for r in rec.values():  # the float sessions (and their weights) are not needed past the calibration
         r.session = None
+    del vlm, b
+    gc.collect()  # (the runtime's objects hold one another)
+    release_freed_heap()
     return rec
