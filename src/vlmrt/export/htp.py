@@ -159,11 +159,11 @@ def _float_graph(model: onnx.ModelProto, dst: Path, m: mf.Manifest, enc: dict | 
     return got
 
 
-def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifest, enc: dict | None, prec: str,
-               head: str | None, like: onnx.ModelProto | None = None, as_stored: bool = False) -> tuple[dict, int]:
-    """A QDQ graph (a16, weights per prec; head: the decoder's lm head precision); returns (KV encodings, the number
-    of block-wise int4 weights). like: the QDQ graph whose quantization it takes (the verify graph: decode's);
-    as_stored: the step's own K/V rows attended as the cache stores them (htp_verify.attend_as_stored)."""
+def _save_for_qdq(model: onnx.ModelProto, full: Path, m: mf.Manifest, prec: str, head: str | None) -> tuple[dict, dict]:
+    """The float graph to quantize at prec (head: the decoder's lm head precision) saved as full (+ its .data), the
+    4-bit weights decomposed first; returns (float weights, int4 grids) for int4_blocks.requantize. The caller then
+    drops model: with upb protobuf a model's arena keeps every weight it ever held until the model itself goes (~6 GB
+    at InternVL3.5-1B's decoder), and ORT's quantizer loads the graph again twice."""
     four = ("w4a16", "w4a16o")
     lm = htp_precisions.head_node(model, m.decoder.logits_output) if head and (prec in four or head in four) else None
     body = {node for node, _ in int4_blocks.weight_axes(model).values()} - {lm}
@@ -174,6 +174,15 @@ def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifes
     at_opset21(model)
     onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
               location=full.stem + ".data", size_threshold=1024)
+    return floats, grids
+
+
+def _qdq_graph(full: Path, int4: tuple[dict, dict], dst: Path, rec, m: mf.Manifest, enc: dict | None,
+               like: onnx.ModelProto | None = None, as_stored: bool = False) -> tuple[dict, int]:
+    """The QDQ graph of the float graph full (_save_for_qdq; int4: what it returned), a16; returns (KV encodings, the
+    number of block-wise int4 weights). like: the QDQ graph whose quantization it takes (the verify graph: decode's);
+    as_stored: the step's own K/V rows attended as the cache stores them (htp_verify.attend_as_stored)."""
+    floats, grids = int4
     overrides = kv_overrides(enc, m) if enc is not None else None
     quantize_graph(full, dst, rec.reader(), overrides)
     os.remove(full)
@@ -225,14 +234,18 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         p = prec["decode" if name == "verify" else name]
         head = prec["lm_head"] if name != "vision" and p != "fp16" and "head" not in prec else None
         dst = out_dir / f"{name}.onnx"
+        full, int4 = out_dir / f"{name}.float.onnx", None
         if p == "fp16":
             got, blocks = _float_graph(model, dst, m, enc), 0
         else:
-            got, blocks = _qdq_graph(model, out_dir / f"{name}.float.onnx", dst, rec[name], m, enc, p, head, like,
-                                     as_stored=name in ("decode", "verify") and bool(m.decoder.verify_ar))
-        del model, like
+            int4 = _save_for_qdq(model, full, m, p, head)
+        del model
         gc.collect()
         release_freed_heap()  # (a graph's float weights, freed: ~2 GB at InternVL3.5-1B that RSS would keep)
+        if int4 is not None:
+            got, blocks = _qdq_graph(full, int4, dst, rec[name], m, enc, like,
+                                     as_stored=name in ("decode", "verify") and bool(m.decoder.verify_ar))
+        del like, int4
         if enc is not None:  # the graph's own encodings
             encodings[name] = {kind: [list(got[fin.format(layer=i)]) for i in range(m.kv.layers)]
                                for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
@@ -254,7 +267,11 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         if p == "fp16":
             _, blocks = _float_graph(own_head, dst, m, None), 0
         else:
-            _, blocks = _qdq_graph(own_head, out_dir / "head.float.onnx", dst, reader, m, None, p, None)
+            int4 = _save_for_qdq(own_head, out_dir / "head.float.onnx", m, p, None)
+            own_head = None
+            gc.collect()
+            release_freed_heap()
+            _, blocks = _qdq_graph(out_dir / "head.float.onnx", int4, dst, reader, m, None)
         ins, outs = graphs.io_specs(dst)
         weights = {"activations": "float16" if p == "fp16" else "uint16", "weights": htp_precisions.WEIGHTS[p],
                    "blockwise_int4": blocks, "calibration_calls": len(reader.rows)}
@@ -277,7 +294,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     if progress:
         progress("compile")
     target = {"name": "htp", **target, **qnn}
-    dec = dataclasses.replace(m.decoder, hidden_output=htp_head.HIDDEN if own_head is not None else None,
+    dec = dataclasses.replace(m.decoder, hidden_output=htp_head.HIDDEN if "head" in prec else None,
                               embedding_file="embed.npy", embedding_dtype=embed_dtype)
     return dataclasses.replace(
         m, graphs=gspecs, kv=dataclasses.replace(m.kv, dtype="uint8", encodings=encodings), target=target,
