@@ -209,7 +209,10 @@ def test_lm_head_as_its_own_graph(tmp_path_factory):
     for g in ("prefill", "decode"):  # the head's weight left both decoder binaries
         f = m.graphs[g].context.binary
         assert m.files[f]["bytes"] < big[mf.load(inside).graphs[g].context.binary]["bytes"]
-    cpu, ref = VLM.load(b), VLM.load(inside)
+    # (with the float32 rows the HTP bundles shipped before: their float16 rows flip a 0.001 near tie at the second kv
+    # step of the head-inside bundle, not of this one, measured; test_host_embedding_table_is_float16 covers the rows)
+    rows = np.load(ex.bundle / "embed.npy")
+    cpu, ref = (VLM(dataclasses.replace(VLM.load(x).bundle, embed_table=rows)) for x in (b, inside))
     want = {}
     for mode in ("hybrid", "kv"):
         want[mode] = ref("Describe a red square.", None, mode=mode, max_new_tokens=6, ignore_eos=True).token_ids
