@@ -501,3 +501,67 @@ def test_vision_w8a8_is_the_int8_gemm(tmp_path_factory, default_bundle):
     with_images = [s for s in samples.default_samples() if s[0] is not None]
     r = accuracy.evaluate(v, accuracy.load_reference(default_bundle.bundle, v), with_images, tokens=16)
     assert r["first_token_match"] == 1.0 and r["top1_agreement"] >= 0.9 and r["mean_kl"] < 0.008  # 1.0, 0.9375, 0.0044
+
+
+def test_calibration_recorder_keeps_its_byte_budget():
+    """export/htp_calibrate.Recorder: the calls that start a sequence are all kept; the reservoir of the others stops
+    at its byte budget (a 1B decoder's recorded caches would otherwise be ~2 GB), lowering its limit; RowsRecorder's
+    KV ranges are the min / max over every call's rows (not only the kept ones)."""
+    from vlmrt.export.htp_calibrate import Recorder, RowsRecorder, kv_ranges
+
+    class Echo:  # a one-layer graph: outputs logits, the new key row, the new value row
+        def run(self, names, feeds):
+            return [np.zeros(2, np.float32), feeds["k"][:1] + 1, -feeds["v"][:1]]
+
+    kept = []
+    for cls, budget in ((Recorder, 1 << 30), (RowsRecorder, 10_000)):
+        rec = cls(Echo(), {"k", "v"}, 64, "position_ids", budget=budget)
+        for seq in range(3):
+            for pos in range(40):  # caches [64, 8] float32, their first pos rows used: 32 bytes a row each
+                past = np.full((64, 8), pos, np.float32)
+                rec.run(None, {"k": past, "v": past, "position_ids": np.array([pos])})
+        assert len(rec.first) == 12 and rec.calls == 120 and rec.bytes <= budget
+        kept.append(len(rec.sampled))
+    assert kept[0] >= 64 and 4 <= kept[1] < 64 and rec.limit < 64
+    assert sum(v.nbytes for f in rec.sampled for v, _ in f.values()) == rec.bytes
+    assert kv_ranges(rec) == {"key": [(1.0, 40.0)], "value": [(-39.0, 0.0)]}
+
+
+def test_htp_graphs_reach_the_quantizer_at_opset_21(tmp_path, monkeypatch):
+    """ORT's QDQ quantizer converts a graph under opset 21 with onnx's version converter (16-bit activations need
+    21): a serialized copy under protobuf's 2 GB limit and three more copies of the weights in memory, past this
+    machine's 24 GB at InternVL3.5-1B's decoder. htp.at_opset21 raises an opset-20 graph in place, so the converter is
+    never called; a graph with GroupNormalization (whose meaning changed in 21) is left as it is."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import CalibrationDataReader
+
+    from vlmrt.export import htp
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    htp.at_opset21(model)
+    assert model.opset_import[0].version == 21
+    onnx.save(model, str(tmp_path / "f.onnx"))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"x": np.ones((2, 8), np.float32)}, {"x": -np.ones((2, 8), np.float32)}])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    def refuse(*a, **k):
+        raise AssertionError("onnx.version_converter called")
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", refuse)
+    htp.quantize_graph(tmp_path / "f.onnx", tmp_path / "q.onnx", Reader())
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "q.onnx")).graph.node]
+    assert "MatMul" in ops and "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    gn = helper.make_model(helper.make_graph([helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=2)],
+                                             "g", [], []), opset_imports=[helper.make_opsetid("", 20)])
+    htp.at_opset21(gn)
+    assert gn.opset_import[0].version == 20

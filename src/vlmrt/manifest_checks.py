@@ -11,6 +11,9 @@ def check_decoder(m) -> None:
     if m.kv.layout not in KV_LAYOUTS:
         raise BundleError(f"bundle KV layout {m.kv.layout[:40]!r} is not known to this vlmrt; upgrade vlmrt")
     d = m.decoder
+    if d.embedding_dtype not in EMBEDDING_DTYPES or (d.embedding_dtype == "int8") != bool(d.embedding_scale_file):
+        raise BundleError(f"manifest.json is malformed: decoder.embedding_dtype {d.embedding_dtype[:20]!r} is not one of "
+                          f"{', '.join(EMBEDDING_DTYPES)} (int8 with, and only with, an embedding_scale_file)")
     if bool(d.token_rows_input) != bool(d.token_scales_input) or (d.token_rows_input and not (
             d.embedding_scale_file and d.dynamic_ar)):
         raise BundleError("manifest.json is malformed: decoder.token_rows_input and token_scales_input go together, "
@@ -39,6 +42,7 @@ def check_decoder(m) -> None:
 
 
 KV_LAYOUTS = ("rows", "in_place")  # KVSpec.layout
+EMBEDDING_DTYPES = ("float32", "float16", "int8")  # DecoderSpec.embedding_dtype
 
 
 def check_io_names(m) -> None:

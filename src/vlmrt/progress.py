@@ -36,6 +36,21 @@ class Progress:
         self.open = False
 
 
+class Laps:
+    """Sub-steps of one long step, for its Progress note: `calibration 840 s, vision 30 s, ...` (call it after each)."""
+
+    def __init__(self):
+        self.t, self.laps = time.perf_counter(), []
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        self.laps.append(f"{what} {now - self.t:.0f} s")
+        self.t = now
+
+    def __str__(self) -> str:
+        return ", ".join(self.laps)
+
+
 def _clock(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"

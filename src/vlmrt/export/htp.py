@@ -11,6 +11,7 @@ are calibrated apart, so their encodings differ: the runtime re-quantizes after 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -20,126 +21,11 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
+from ..runtime.bundle import release_freed_heap
 from . import fuse, graphs, htp_head, htp_precisions, htp_verify, int4_blocks, onnx_names, qnn_context
+from .htp_calibrate import calibrate, kv_ranges, uint8_encoding
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
-
-
-class Recorder:
-    """Wraps a session; keeps compact copies of the feeds of up to `limit` calls (reservoir sampling
-    over all calls) plus every call that starts a sequence (positions < 4: the first tokens carry the
-    LLM's largest activations, and a range that misses them clips the attention sink), KV caches cut
-    to their used rows (the rest is zeros when read back)."""
-
-    def __init__(self, session, kv_inputs: set[str], limit: int, positions: str = "position_ids"):
-        self.session, self.kv_inputs, self.limit, self.positions = session, kv_inputs, limit, positions
-        self.first: list[dict] = []
-        self.sampled: list[dict] = []
-        self.calls = 0
-        self.rng = np.random.default_rng(0)
-
-    def run(self, names, feeds):
-        self.calls += 1
-        used = int(feeds[self.positions][0]) if self.positions in feeds else 0
-
-        def item():
-            return {k: (np.array(v[:used]), v.shape) if k in self.kv_inputs else (np.array(v), None) for k, v in feeds.items()}
-
-        if self.positions in feeds and used < 4:
-            self.first.append(item())
-        else:
-            slot = len(self.sampled) if len(self.sampled) < self.limit else int(self.rng.integers(0, self.calls))
-            if slot == len(self.sampled):
-                self.sampled.append(item())
-            elif slot < self.limit:
-                self.sampled[slot] = item()
-        return self.session.run(names, feeds)
-
-    @property
-    def feeds(self) -> list[dict]:
-        return self.first + self.sampled
-
-    def reader(self):
-        from onnxruntime.quantization import CalibrationDataReader
-
-        items = self.feeds
-
-        class Reader(CalibrationDataReader):
-            def __init__(self):
-                self.it = iter(items)
-
-            def get_next(self):
-                f = next(self.it, None)
-                if f is None:
-                    return None
-                out = {}
-                for k, (v, shape) in f.items():
-                    if shape is None:
-                        out[k] = v
-                    else:
-                        full = np.zeros(shape, v.dtype)
-                        full[: len(v)] = v
-                        out[k] = full
-                return out
-
-            def rewind(self):
-                self.it = iter(items)
-
-        return Reader()
-
-
-def kv_ranges(rec_rows: list[list[np.ndarray]], layers: int) -> dict[str, list[tuple[float, float]]]:
-    """Per-layer (min, max) of K and V rows, from graph outputs in output_names() order."""
-    k = [(np.inf, -np.inf)] * layers
-    v = [(np.inf, -np.inf)] * layers
-    for rows in rec_rows:
-        for i in range(layers):
-            for store, r in ((k, rows[2 * i]), (v, rows[2 * i + 1])):
-                lo, hi = store[i]
-                store[i] = (min(lo, float(r.min())), max(hi, float(r.max())))
-    return {"key": k, "value": v}
-
-
-def uint8_encoding(lo: float, hi: float) -> tuple[float, int]:
-    lo, hi = min(lo, 0.0), max(hi, 0.0)  # zero must be exact (empty slots, padding)
-    scale = max(hi - lo, 1e-8) / 255.0
-    return float(np.float32(scale)), int(np.clip(round(-lo / scale), 0, 255))
-
-
-class RowsRecorder(Recorder):
-    """Also keeps the KV rows every call returns (for the cache encodings)."""
-
-    def __init__(self, session, kv_inputs, limit, positions):
-        super().__init__(session, kv_inputs, limit, positions)
-        self.rows: list[list[np.ndarray]] = []
-
-    def run(self, names, feeds):
-        out = super().run(names, feeds)
-        self.rows.append(out[1:])
-        return out
-
-
-def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
-    """Run the float bundle on samples; returns recorders for vision, prefill (hybrid) and decode (kv + generation)."""
-    from ..runtime.bundle import Bundle
-    from ..runtime.pipeline import VLM
-
-    b = Bundle.open(float_bundle)
-    m = b.manifest
-    kv_in = {n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)}
-    pos = m.decoder.positions_input
-    rec = {
-        "vision": Recorder(b.sessions["vision"], set(), limit),
-        "prefill": RowsRecorder(b.sessions["prefill"], kv_in, limit, pos),
-        "decode": RowsRecorder(b.sessions["decode"], kv_in, limit, pos),
-    }
-    vlm = VLM(dataclasses.replace(b, sessions=rec))  # the runtime, its graph calls recorded
-    for image, prompt in samples:
-        for mode in ("hybrid", "kv"):
-            _, embeds = vlm.prompt_embeds(prompt, image)
-            for _ in vlm.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True):
-                pass
-    return rec
 
 
 PASS_THROUGH = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
@@ -213,6 +99,18 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
     return found
 
 
+def at_opset21(model: onnx.ModelProto) -> None:
+    """Raise an opset-20 graph to opset 21 in place. ORT's QDQ quantizer needs 21 for 16-bit activations, and
+    converts with onnx's version converter: a serialized copy that must stay under protobuf's 2 GB (a 1B decoder's
+    float weights do not) and three more copies of the weights in memory (~6 GB at InternVL3.5-1B). From 20 to 21
+    the operators changed only in the types they take (int4, float8), except GroupNormalization, whose meaning
+    changed: a graph with it is left to the converter."""
+    ops = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx") and o.version == 20 and "GroupNormalization" not in ops:
+            o.version = 21
+
+
 def quantize_graph(src: Path, dst: Path, reader, overrides: dict | None = None) -> None:
     """16-bit activations, uint8 per-channel weights (4-bit ones are re-made afterwards: int4_blocks.requantize)."""
     from onnxruntime.quantization import QuantType, quantize
@@ -261,11 +159,11 @@ def _float_graph(model: onnx.ModelProto, dst: Path, m: mf.Manifest, enc: dict | 
     return got
 
 
-def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifest, enc: dict | None, prec: str,
-               head: str | None, like: onnx.ModelProto | None = None, as_stored: bool = False) -> tuple[dict, int]:
-    """A QDQ graph (a16, weights per prec; head: the decoder's lm head precision); returns (KV encodings, the number
-    of block-wise int4 weights). like: the QDQ graph whose quantization it takes (the verify graph: decode's);
-    as_stored: the step's own K/V rows attended as the cache stores them (htp_verify.attend_as_stored)."""
+def _save_for_qdq(model: onnx.ModelProto, full: Path, m: mf.Manifest, prec: str, head: str | None) -> tuple[dict, dict]:
+    """The float graph to quantize at prec (head: the decoder's lm head precision) saved as full (+ its .data), the
+    4-bit weights decomposed first; returns (float weights, int4 grids) for int4_blocks.requantize. The caller then
+    drops model: with upb protobuf a model's arena keeps every weight it ever held until the model itself goes (~6 GB
+    at InternVL3.5-1B's decoder), and ORT's quantizer loads the graph again twice."""
     four = ("w4a16", "w4a16o")
     lm = htp_precisions.head_node(model, m.decoder.logits_output) if head and (prec in four or head in four) else None
     body = {node for node, _ in int4_blocks.weight_axes(model).values()} - {lm}
@@ -273,8 +171,18 @@ def _qdq_graph(model: onnx.ModelProto, full: Path, dst: Path, rec, m: mf.Manifes
     off4 = (body if prec == "w4a16o" else set()) | ({lm} if head == "w4a16o" else set())
     floats = int4_blocks.float_weights(model, exclude={n.name for n in model.graph.node} - sym4) if sym4 else {}
     grids = int4_blocks.offsets_decompose(model, exclude={n.name for n in model.graph.node} - off4) if off4 else {}
+    at_opset21(model)
     onnx.save(model, str(full), save_as_external_data=True, all_tensors_to_one_file=True,
               location=full.stem + ".data", size_threshold=1024)
+    return floats, grids
+
+
+def _qdq_graph(full: Path, int4: tuple[dict, dict], dst: Path, rec, m: mf.Manifest, enc: dict | None,
+               like: onnx.ModelProto | None = None, as_stored: bool = False) -> tuple[dict, int]:
+    """The QDQ graph of the float graph full (_save_for_qdq; int4: what it returned), a16; returns (KV encodings, the
+    number of block-wise int4 weights). like: the QDQ graph whose quantization it takes (the verify graph: decode's);
+    as_stored: the step's own K/V rows attended as the cache stores them (htp_verify.attend_as_stored)."""
+    floats, grids = int4
     overrides = kv_overrides(enc, m) if enc is not None else None
     quantize_graph(full, dst, rec.reader(), overrides)
     os.remove(full)
@@ -301,6 +209,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     prec = precisions or htp_precisions.parse(None)
     m = mf.load(float_dir)
     rec = calibrate(float_dir, samples, tokens)
+    if progress:
+        progress("calibration")
     for name, r in rec.items():
         if not r.feeds:
             what = "images" if name == "vision" else "prompts"
@@ -316,7 +226,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
             own_head = htp_head.split(model, m.decoder.logits_output, m.decoder.hidden_size, m.decoder.vocab_size)
         enc = like = None
         if name != "vision":  # (the verify graph reads and writes decode's cache: decode's encoding)
-            ranges = kv_ranges(rec["prefill" if name == "prefill" else "decode"].rows, m.kv.layers)
+            ranges = kv_ranges(rec["prefill" if name == "prefill" else "decode"])
             enc = {kind: [uint8_encoding(lo, hi) for lo, hi in ranges[kind]] for kind in ("key", "value")}
         if name == "verify":  # the decode graph at AR = verify_ar: decode's encodings everywhere (htp_verify.py)
             like = onnx.load(str(out_dir / "decode.onnx")) if prec["decode"] != "fp16" else None
@@ -324,19 +234,26 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         p = prec["decode" if name == "verify" else name]
         head = prec["lm_head"] if name != "vision" and p != "fp16" and "head" not in prec else None
         dst = out_dir / f"{name}.onnx"
+        full, int4 = out_dir / f"{name}.float.onnx", None
         if p == "fp16":
             got, blocks = _float_graph(model, dst, m, enc), 0
         else:
-            got, blocks = _qdq_graph(model, out_dir / f"{name}.float.onnx", dst, rec[name], m, enc, p, head, like,
+            int4 = _save_for_qdq(model, full, m, p, head)
+        del model
+        gc.collect()
+        release_freed_heap()  # (a graph's float weights, freed: ~2 GB at InternVL3.5-1B that RSS would keep)
+        if int4 is not None:
+            got, blocks = _qdq_graph(full, int4, dst, rec[name], m, enc, like,
                                      as_stored=name in ("decode", "verify") and bool(m.decoder.verify_ar))
-        del model, like
+        del like, int4
         if enc is not None:  # the graph's own encodings
             encodings[name] = {kind: [list(got[fin.format(layer=i)]) for i in range(m.kv.layers)]
                                for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
         ins, outs = graphs.io_specs(dst)
         weights = {"activations": "float16" if p == "fp16" else "uint16", "weights": htp_precisions.WEIGHTS[p],
                    "blockwise_int4": blocks, "fused_rms_norms": fused,
-                   "calibration_calls": rec["decode" if name == "verify" else name].calls}
+                   "calibration_calls": rec["decode" if name == "verify" else name].calls,
+                   "calibration_samples": len(rec["decode" if name == "verify" else name].feeds)}  # (Recorder)
         if name != "vision":
             weights["lm_head"] = "graph head" if "head" in prec else head or "fp16"
         gspecs[name] = mf.GraphSpec(file=f"{name}.onnx", precision=htp_precisions.LABEL[p], inputs=ins, outputs=outs,
@@ -350,7 +267,11 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         if p == "fp16":
             _, blocks = _float_graph(own_head, dst, m, None), 0
         else:
-            _, blocks = _qdq_graph(own_head, out_dir / "head.float.onnx", dst, reader, m, None, p, None)
+            int4 = _save_for_qdq(own_head, out_dir / "head.float.onnx", m, p, None)
+            own_head = None
+            gc.collect()
+            release_freed_heap()
+            _, blocks = _qdq_graph(out_dir / "head.float.onnx", int4, dst, reader, m, None)
         ins, outs = graphs.io_specs(dst)
         weights = {"activations": "float16" if p == "fp16" else "uint16", "weights": htp_precisions.WEIGHTS[p],
                    "blockwise_int4": blocks, "calibration_calls": len(reader.rows)}
@@ -363,14 +284,18 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     graphs.share_weights(out_dir, ["vision.onnx"], "vision.data")
     graphs.share_weights(out_dir, [f"{g}.onnx" for g in decoders], "decoder.data")
     gspecs = {k: dataclasses.replace(g, **graphs.weight_table(out_dir / g.file)) for k, g in gspecs.items()}
-    for f in ("embed.npy", "tokenizer.json") + ((m.decoder.embedding_scale_file,) if m.decoder.embedding_scale_file else ()):
+    embed_dtype = htp_precisions.host_embedding(float_dir / m.decoder.embedding_file, out_dir / "embed.npy")
+    for f in ("tokenizer.json",) + ((m.decoder.embedding_scale_file,) if m.decoder.embedding_scale_file else ()):
         shutil.copyfile(float_dir / f, out_dir / f)
     files += ["vision.onnx", "vision.data", *(f"{g}.onnx" for g in decoders), "decoder.data", "embed.npy", "tokenizer.json"]
     if m.decoder.embedding_scale_file:
         files.append(m.decoder.embedding_scale_file)
     gspecs, files, qnn = qnn_context.compile_bundle(out_dir, gspecs, files, target, keep_qdq, shared_context)
+    if progress:
+        progress("compile")
     target = {"name": "htp", **target, **qnn}
-    dec = dataclasses.replace(m.decoder, hidden_output=htp_head.HIDDEN if own_head is not None else None)
+    dec = dataclasses.replace(m.decoder, hidden_output=htp_head.HIDDEN if "head" in prec else None,
+                              embedding_file="embed.npy", embedding_dtype=embed_dtype)
     return dataclasses.replace(
         m, graphs=gspecs, kv=dataclasses.replace(m.kv, dtype="uint8", encodings=encodings), target=target,
         files=mf.list_files(out_dir, files), decoder=dec,

@@ -71,7 +71,7 @@ def split(model: onnx.ModelProto, logits: str, hidden_size: int, vocab: int) -> 
 
 class HiddenReader:
     """Calibration feeds of the head graph: {HIDDEN: [1, hidden_size]} rows, the float decoder's final-norm output
-    over the decode calls the decoder graphs were calibrated on (rec: export/htp.Recorder of the decode graph)."""
+    over the decode calls the decoder graphs were calibrated on (rec: export/htp_calibrate.Recorder of the decode graph)."""
 
     def __init__(self, float_decode: Path, rec, logits: str):
         import onnxruntime as ort

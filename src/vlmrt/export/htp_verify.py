@@ -54,7 +54,7 @@ def copy_encodings(decode_qdq: onnx.ModelProto, verify_qdq: onnx.ModelProto) -> 
 
 
 class TiledFeeds:
-    """Calibration feeds for the verify graph made from the decode graph's recorded ones (recorder: htp.Recorder):
+    """Calibration feeds for the verify graph made from the decode graph's recorded ones (recorder: htp_calibrate.Recorder):
     each decode call's token repeated over the K rows at positions pos..pos+K-1 under the causal mask. They only
     have to be valid inputs: every activation encoding is decode's (overrides)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from .. import __version__
 from .. import manifest as mf
 from .. import staging
 from ..families import HostSpec, family_for
-from ..progress import Progress
+from ..progress import Laps, Progress
 from . import graphs, htp_precisions, qnn_context, quantize
 from . import htp as htp_mod
 from .chat_template import prompt_templates
@@ -358,6 +359,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         hessian = _gptq_hessians(plan, decoder, embed.numpy(), p)
         decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian)
         embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
+        del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
+        gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
         p.start("manifest")
         m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file)
         mf.save(m, tmp)
@@ -372,12 +375,13 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
             from ..eval.samples import htp_calibration_samples
 
             with staging.staged(out, "htp") as qdir:
+                laps = Laps()
                 m = htp_mod.quantize_bundle(tmp, qdir, htp["calibration"] or htp_calibration_samples(), target=htp["target"],
                                             precisions=htp["precisions"], keep_qdq=htp["keep_qdq"],
-                                            shared_context=htp["shared_context"])
+                                            shared_context=htp["shared_context"], progress=laps)
                 mf.save(m, qdir)
                 mf.load(qdir)
-                p.done()
+                p.done(f"({laps})")
                 p.start(f"writing {out}")
                 staging.publish(qdir, out)
         else:

@@ -356,5 +356,7 @@ class Bundle:
         table = EmbeddingRows(path / m.decoder.embedding_file)
         if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):
             raise mf.BundleError(f"embedding table shape {table.shape} does not match the manifest")
+        if str(table.dtype) != m.decoder.embedding_dtype:
+            raise mf.BundleError(f"embedding table dtype {table.dtype} is not the manifest's {m.decoder.embedding_dtype}")
         scale = np.load(path / m.decoder.embedding_scale_file) if m.decoder.embedding_scale_file else None
         return cls(path, m, sessions, tok, table, scale, shared)

@@ -1,0 +1,147 @@
+"""Calibration of the HTP graphs: the float bundle run by the runtime over the calibration samples, each graph's
+calls recorded (export/htp.py quantizes each graph on its own recorded inputs), and the KV rows' ranges that give
+the uint8 cache its encodings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from pathlib import Path
+
+import numpy as np
+
+RECORD_BYTES = 1 << 30  # the most bytes of sampled feeds a Recorder keeps (a 1B decoder's cache: ~70 MB a call)
+
+
+class Recorder:
+    """Wraps a session; keeps compact copies of the feeds of up to `limit` calls (reservoir sampling
+    over all calls; fewer when they would pass `budget` bytes: random ones are dropped and the limit lowered)
+    plus every call that starts a sequence (positions < 4: the first tokens carry the
+    LLM's largest activations, and a range that misses them clips the attention sink), KV caches cut
+    to their used rows (the rest is zeros when read back)."""
+
+    def __init__(self, session, kv_inputs: set[str], limit: int, positions: str = "position_ids",
+                 budget: int = RECORD_BYTES):
+        self.session, self.kv_inputs, self.limit, self.positions = session, kv_inputs, limit, positions
+        self.first: list[dict] = []
+        self.sampled: list[dict] = []
+        self.calls = 0
+        self.rng = np.random.default_rng(0)
+        self.budget, self.bytes = budget, 0
+
+    def run(self, names, feeds):
+        self.calls += 1
+        used = int(feeds[self.positions][0]) if self.positions in feeds else 0
+
+        def item():
+            return {k: (np.array(v[:used]), v.shape) if k in self.kv_inputs else (np.array(v), None) for k, v in feeds.items()}
+
+        if self.positions in feeds and used < 4:
+            self.first.append(item())
+        else:
+            slot = len(self.sampled) if len(self.sampled) < self.limit else int(self.rng.integers(0, self.calls))
+            if slot == len(self.sampled):
+                self.sampled.append(item())
+                self.bytes += _nbytes(self.sampled[-1])
+            elif slot < self.limit:
+                self.bytes -= _nbytes(self.sampled[slot])
+                self.sampled[slot] = item()
+                self.bytes += _nbytes(self.sampled[slot])
+            while len(self.sampled) > 1 and self.bytes > self.budget:
+                self.bytes -= _nbytes(self.sampled.pop(int(self.rng.integers(0, len(self.sampled)))))
+                self.limit = len(self.sampled)
+        return self.session.run(names, feeds)
+
+    @property
+    def feeds(self) -> list[dict]:
+        return self.first + self.sampled
+
+    def reader(self):
+        from onnxruntime.quantization import CalibrationDataReader
+
+        items = self.feeds
+
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                self.it = iter(items)
+
+            def get_next(self):
+                f = next(self.it, None)
+                if f is None:
+                    return None
+                out = {}
+                for k, (v, shape) in f.items():
+                    if shape is None:
+                        out[k] = v
+                    else:
+                        full = np.zeros(shape, v.dtype)
+                        full[: len(v)] = v
+                        out[k] = full
+                return out
+
+            def rewind(self):
+                self.it = iter(items)
+
+        return Reader()
+
+
+def _nbytes(item: dict) -> int:
+    return sum(v.nbytes for v, _ in item.values())
+
+
+def kv_ranges(rec: "RowsRecorder") -> dict[str, list[tuple[float, float]]]:
+    """Per-layer (min, max) of the K and V rows a graph returned over its calibration calls."""
+    return {"key": list(rec.key), "value": list(rec.value)}
+
+
+def uint8_encoding(lo: float, hi: float) -> tuple[float, int]:
+    lo, hi = min(lo, 0.0), max(hi, 0.0)  # zero must be exact (empty slots, padding)
+    scale = max(hi - lo, 1e-8) / 255.0
+    return float(np.float32(scale)), int(np.clip(round(-lo / scale), 0, 255))
+
+
+class RowsRecorder(Recorder):
+    """Also keeps the running per-layer (min, max) of the KV rows every call returns (for the cache encodings; the
+    rows themselves are not kept: at InternVL3.5-1B's shape they would be ~0.6 GB)."""
+
+    def __init__(self, session, kv_inputs, limit, positions, budget: int = RECORD_BYTES):
+        super().__init__(session, kv_inputs, limit, positions, budget)
+        layers = len(kv_inputs) // 2
+        self.key, self.value = [(np.inf, -np.inf)] * layers, [(np.inf, -np.inf)] * layers
+
+    def run(self, names, feeds):
+        out = super().run(names, feeds)
+        for i in range(len(self.key)):  # outputs: logits (or hidden), then K and V rows per layer (output_names())
+            for store, r in ((self.key, out[1 + 2 * i]), (self.value, out[2 + 2 * i])):
+                lo, hi = store[i]
+                store[i] = (min(lo, float(r.min())), max(hi, float(r.max())))
+        return out
+
+
+def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
+    """Run the float bundle on samples; returns recorders for vision, prefill (hybrid) and decode (kv + generation)."""
+    from ..runtime.bundle import Bundle, release_freed_heap
+    from ..runtime.pipeline import VLM
+
+    b = Bundle.open(float_bundle)
+    m = b.manifest
+    kv_in = {n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)}
+    pos = m.decoder.positions_input
+    rec = {
+        "vision": Recorder(b.sessions["vision"], set(), limit),
+        "prefill": RowsRecorder(b.sessions["prefill"], kv_in, limit, pos),
+        "decode": RowsRecorder(b.sessions["decode"], kv_in, limit, pos),
+    }
+    vlm = VLM(dataclasses.replace(b, sessions=rec))  # the runtime, its graph calls recorded
+    for image, prompt in samples:
+        _, embeds = vlm.prompt_embeds(prompt, image)  # (once for both modes: the same vision calls; ~6 min at 1B)
+        for mode in ("hybrid", "kv"):
+            for _ in vlm.engine.generate(embeds.copy(), mode=mode, max_new_tokens=tokens, ignore_eos=True):
+                pass
+    for r in rec.values():  # the float sessions (and their weights) are not needed past the calibration
+        r.session = None
+    del vlm, b
+    gc.collect()  # (the runtime's objects hold one another)
+    release_freed_heap()
+    return rec
