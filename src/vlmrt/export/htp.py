@@ -284,8 +284,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     graphs.share_weights(out_dir, ["vision.onnx"], "vision.data")
     graphs.share_weights(out_dir, [f"{g}.onnx" for g in decoders], "decoder.data")
     gspecs = {k: dataclasses.replace(g, **graphs.weight_table(out_dir / g.file)) for k, g in gspecs.items()}
-    embed_dtype = htp_precisions.host_embedding(float_dir / m.decoder.embedding_file, out_dir / "embed.npy")
-    for f in ("tokenizer.json",) + ((m.decoder.embedding_scale_file,) if m.decoder.embedding_scale_file else ()):
+    for f in ("embed.npy", "tokenizer.json") + ((m.decoder.embedding_scale_file,) if m.decoder.embedding_scale_file else ()):
         shutil.copyfile(float_dir / f, out_dir / f)
     files += ["vision.onnx", "vision.data", *(f"{g}.onnx" for g in decoders), "decoder.data", "embed.npy", "tokenizer.json"]
     if m.decoder.embedding_scale_file:
@@ -295,7 +294,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         progress("compile")
     target = {"name": "htp", **target, **qnn}
     dec = dataclasses.replace(m.decoder, hidden_output=htp_head.HIDDEN if "head" in prec else None,
-                              embedding_file="embed.npy", embedding_dtype=embed_dtype)
+                              embedding_file="embed.npy")
     return dataclasses.replace(
         m, graphs=gspecs, kv=dataclasses.replace(m.kv, dtype="uint8", encodings=encodings), target=target,
         files=mf.list_files(out_dir, files), decoder=dec,

@@ -23,14 +23,11 @@ Precisions on the HTP:
 `lm_head` (the decoder's last MatMul / Gemm) follows nothing 4-bit unless named: w8a16 under a 4-bit decoder
 (its largest weight and every logit, as QHexRT keeps its lm head at W8A16); name `lm_head=w4a16` to get 4.
 A fp16 decoder graph keeps a float lm head. The CPU EP runs an fp16 graph in float32 (the flag is the QNN EP's).
-The host's embedding table is float16 (host_embedding; QHexRT's "embedding 311 MB" for InternVL3.5-1B): its rows
-feed an fp16 or 16-bit prefill / decode, and the runtime casts them to the graphs' float32 inputs.
+The host's embedding table stays the float bundle's float32 one: a float16 table (QHexRT's "embedding 311 MB" for
+InternVL3.5-1B) rounds the rows more coarsely than a 16-bit QDQ input's grid (docs/npu-deploy.md).
 """
 
 from __future__ import annotations
-
-import shutil
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -117,16 +114,3 @@ def float_kv_edges(model: onnx.ModelProto, encodings: dict[str, tuple[float, int
                                        name=name + "_kv_QuantizeLinear"))
         next(v for v in g.output if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
     del g.value_info[:]
-
-
-def host_embedding(src: Path, dst: Path) -> str:
-    """The float bundle's embedding table src (.npy) -> dst as float16 (half the bytes); returns its dtype. A table
-    float16 cannot hold (a value beyond +-65504) is copied as it is."""
-    table = np.load(src, mmap_mode="r")  # [vocab, hidden]
-    if table.dtype == np.float32:
-        half = table.astype(np.float16)
-        if np.isfinite(half).all():
-            np.save(dst, half)
-            return "float16"
-    shutil.copyfile(src, dst)
-    return str(table.dtype)
