@@ -58,32 +58,38 @@ class Recorder:
         return self.first + self.sampled
 
     def reader(self):
-        from onnxruntime.quantization import CalibrationDataReader
+        return list_reader(self.feeds, _unpacked)
 
-        items = self.feeds
 
-        class Reader(CalibrationDataReader):
-            def __init__(self):
-                self.it = iter(items)
+def list_reader(items: list, feed):
+    """An ORT CalibrationDataReader over items, each handed to the quantizer as feed(item) (a feeds dict)."""
+    from onnxruntime.quantization import CalibrationDataReader
 
-            def get_next(self):
-                f = next(self.it, None)
-                if f is None:
-                    return None
-                out = {}
-                for k, (v, shape) in f.items():
-                    if shape is None:
-                        out[k] = v
-                    else:
-                        full = np.zeros(shape, v.dtype)
-                        full[: len(v)] = v
-                        out[k] = full
-                return out
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(items)
 
-            def rewind(self):
-                self.it = iter(items)
+        def get_next(self):
+            item = next(self.it, None)
+            return None if item is None else feed(item)
 
-        return Reader()
+        def rewind(self):
+            self.it = iter(items)
+
+    return Reader()
+
+
+def _unpacked(item: dict) -> dict:
+    """A recorded call's feeds as the graph takes them: KV inputs, kept as their used rows, zero-padded back."""
+    out = {}
+    for k, (v, shape) in item.items():
+        if shape is None:
+            out[k] = v
+        else:
+            full = np.zeros(shape, v.dtype)
+            full[: len(v)] = v
+            out[k] = full
+    return out
 
 
 def _nbytes(item: dict) -> int:

@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 
 from . import htp_precisions, onnx_names
+from .htp_calibrate import list_reader
 
 HIDDEN = "hidden"  # the decoder graphs' output and the head graph's input (manifest decoder.hidden_output)
 TAIL = ("Cast", "Identity", "Add", "Reshape", "Squeeze", "Unsqueeze")  # htp_precisions.head_node walks these too
@@ -90,19 +91,4 @@ class HiddenReader:
             probe.unlink()
 
     def reader(self):
-        from onnxruntime.quantization import CalibrationDataReader
-
-        rows = self.rows
-
-        class Reader(CalibrationDataReader):
-            def __init__(self):
-                self.it = iter(rows)
-
-            def get_next(self):
-                r = next(self.it, None)
-                return None if r is None else {HIDDEN: r}
-
-            def rewind(self):
-                self.it = iter(rows)
-
-        return Reader()
+        return list_reader(self.rows, lambda r: {HIDDEN: r})

@@ -120,7 +120,7 @@ class Engine:
         self._steps: dict[tuple[int, int, int], object] = {}  # id(session), ctx, ar -> the step for that shape
         self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
         self.run_s = 0.0  # time inside graph calls (session.run), accumulated
-        self._argmax = None  # the last step's argmax per logits row (StepBuffers.argmax_ids) (DecoderSpec.argmax_output), for greedy picks
+        self._argmax = None  # the last step's argmax per logits row (DecoderSpec.argmax_output; StepBuffers.argmax_ids)
         self._token_step = None  # in_place caches: step_token's step (one for every position)
         # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
         # that mode computes (see reusable)
