@@ -118,7 +118,7 @@ def test_vision_session_loaded_on_first_image(copy):
 
 
 def test_text_only_run_loads_only_what_it_needs(copy):
-    """A text-only `vlmrt run` imports neither Pillow, the http client nor the export side (imports are most of a
+    """A text-only greedy `vlmrt run` imports neither Pillow, the http client, numpy.random nor the export side (imports are most of a
     short answer's process time after the session: docs/performance.md#cold-start-against-llamacpp-2026-12-01); an image
     request still gets them, and a PIL image is still taken."""
     import json
@@ -127,7 +127,7 @@ def test_text_only_run_loads_only_what_it_needs(copy):
 
     b, _ = copy
     code = ("import sys; from vlmrt import cli; rc = cli.main(sys.argv[1:]); "
-            "print(sorted(m for m in ('PIL', 'http.client', 'urllib.request', 'vlmrt.export', 'torch', 'onnx') "
+            "print(sorted(m for m in ('PIL', 'http.client', 'urllib.request', 'vlmrt.export', 'torch', 'onnx', 'numpy.random') "
             "if m in sys.modules)); sys.exit(rc)")
     p = subprocess.run([sys.executable, "-c", code, "run", str(b), "--prompt", "hi", "--max-new-tokens", "2", "--json"],
                        capture_output=True, text=True, timeout=300, env=os.environ)

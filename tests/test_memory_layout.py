@@ -95,3 +95,28 @@ def test_load_only_weights_unmapped_after_load(tmp_path_factory, tmp_path):
     ids = vlm.prompt_ids("hello", None)
     np.testing.assert_array_equal(vlm.engine.prefill(vlm.engine.embed(ids), "hybrid"),
                                   other.engine.prefill(other.engine.embed(ids), "hybrid"))
+
+
+def test_scale_pages_dropped_while_the_session_builds(tmp_path):
+    """SharedWeights.dropping unmaps the load-only weights' pages while the block still runs (the session build,
+    during which ORT reads each node's scales once and never again), not only at its end: pages read inside the
+    block do not stay resident, and the values read back afterwards are the file's."""
+    import time
+    from pathlib import Path
+
+    from vlmrt.runtime.bundle import SharedWeights
+
+    data = np.arange(256 * 1024, dtype=np.float32)  # 1 MB: 256 pages
+    (tmp_path / "w.data").write_bytes(data.tobytes())
+    w = {"name": "s", "file": "w.data", "offset": 0, "length": data.nbytes, "dtype": "float32", "shape": [data.size]}
+    shared = SharedWeights(Path(tmp_path))
+    shared.initializers(None, [w], own=True)
+    mapped = np.frombuffer(next(iter(shared.own.values())), np.float32)
+    with shared.dropping([w], every_s=0.002):
+        assert float(mapped.sum()) == float(data.sum())  # every page read (resident now)
+        deadline = time.monotonic() + 5
+        while _resident_pages(mapped) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _resident_pages(mapped) == 0  # dropped while the block runs
+    assert _resident_pages(mapped) == 0
+    np.testing.assert_array_equal(mapped, data)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,8 +66,8 @@ class SharedWeights:
     MatMulNBits inputs are left out: the CPU kernel computes from its own prepacked copy, and ORT, when it
     maps such a weight itself, drops the mapping once the copy exists; a shared mapping would keep both
     resident for the session's life (memory figures: docs/performance.md). The scales and zero points among them
-    (GraphSpec.load_only_weights) are mapped one weight per mapping (own=True), whose pages drop_pages unmaps once
-    the session is built."""
+    (GraphSpec.load_only_weights) are mapped one weight per mapping (own=True), whose pages drop_pages unmaps while
+    the session is built (dropping)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -113,8 +115,8 @@ class SharedWeights:
 
     def drop_pages(self, weights: list[dict]) -> None:
         """Unmap the resident pages of these weights' own mappings (MADV_DONTNEED: the file stays in the page cache;
-        a later read faults them back in, so this is safe whoever reads them). For GraphSpec.load_only_weights once
-        their session is built: ORT's x86 int8-compute MatMulNBits copies the scales into its packed weights and
+        a later read faults them back in, so this is safe whoever reads them, and when). For GraphSpec.load_only_weights
+        while their session is built: ORT's x86 int8-compute MatMulNBits copies the scales into its packed weights and
         keeps the originals, which it never reads again (16 MB for SmolLM2-135M w4a8; docs/performance.md#memory)."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
@@ -122,6 +124,27 @@ class SharedWeights:
             m = self.own.get((w["file"], w["offset"], w["length"]))
             if m is not None:
                 m.madvise(mmap.MADV_DONTNEED)
+
+    @contextlib.contextmanager
+    def dropping(self, weights: list[dict], every_s: float = 0.005):
+        """drop_pages(weights) every every_s seconds while the block runs (a session build: ORT releases the GIL
+        while it prepacks), and once more at its end. ORT packs node by node and never reads a node's scales again,
+        so their pages need not pile up until the session exists: for SmolLM2-135M w4a8 that pile was the load's
+        peak, 14 MB above what stays (docs/performance.md#memory)."""
+        done = threading.Event()
+
+        def drop() -> None:
+            while not done.wait(every_s):
+                self.drop_pages(weights)
+
+        t = threading.Thread(target=drop, name="vlmrt-drop-pages", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+            self.drop_pages(weights)
 
 
 class EmbeddingRows:
@@ -186,7 +209,7 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
                  load_only: SharedWeights | None = None):
     """An ORT session for the graph file at path; with shared (and the graph's spec), its mapped weights come from
     the shared mapping; config: more session config entries (the QNN EP's context sharing); with load_only, the
-    graph's load_only_weights come from that mapping, whose pages are dropped once the session is built."""
+    graph's load_only_weights come from that mapping, whose pages are dropped while the session is built."""
     import onnxruntime as ort
 
     if device not in DEVICES:
@@ -224,15 +247,14 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         if load_only is not None:
             for name, value in load_only.initializers(graph, graph.load_only_weights, own=True).items():
                 so.add_initializer(name, value)
+    building = load_only.dropping(graph.load_only_weights) if load_only is not None else contextlib.nullcontext()
     try:
-        if providers is None:
-            return ort.InferenceSession(str(path), sess_options=so)
-        session = ort.InferenceSession(str(path), sess_options=so, providers=providers)
+        with building:
+            if providers is None:
+                return ort.InferenceSession(str(path), sess_options=so)
+            return ort.InferenceSession(str(path), sess_options=so, providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise mf.BundleError(f"cannot load graph {path.name}: {str(e).splitlines()[0]}") from None
-    if load_only is not None:
-        load_only.drop_pages(graph.load_only_weights)
-    return session
 
 
 def _graph_files(m: mf.Manifest, device: str, htp_arch) -> tuple[dict[str, str], dict[str, dict]]:
