@@ -505,7 +505,8 @@ def test_vision_w8a8_is_the_int8_gemm(tmp_path_factory, default_bundle):
 
 def test_calibration_recorder_keeps_its_byte_budget():
     """export/htp_calibrate.Recorder: the calls that start a sequence are all kept; the reservoir of the others stops
-    at its byte budget (a 1B decoder's recorded caches would otherwise be ~2 GB), lowering its limit; RowsRecorder's
+    at its limit (64 of the 108 others) or at its byte budget (a 1B decoder's recorded caches would otherwise be ~2 GB),
+    lowering its limit; RowsRecorder's
     KV ranges are the min / max over every call's rows (not only the kept ones)."""
     from vlmrt.export.htp_calibrate import Recorder, RowsRecorder, kv_ranges
 
@@ -522,7 +523,12 @@ def test_calibration_recorder_keeps_its_byte_budget():
                 rec.run(None, {"k": past, "v": past, "position_ids": np.array([pos])})
         assert len(rec.first) == 12 and rec.calls == 120 and rec.bytes <= budget
         kept.append(len(rec.sampled))
-    assert kept[0] >= 64 and 4 <= kept[1] < 64 and rec.limit < 64
+    assert kept[0] == 64 and 4 <= kept[1] < 64 and rec.limit < 64
+    small = Recorder(Echo(), {"k", "v"}, 8, "position_ids")
+    for pos in range(4, 2004):  # a full reservoir stays at its limit however many calls follow
+        small.run(None, {"k": np.zeros((1, 1), np.float32), "v": np.zeros((1, 1), np.float32), "position_ids": np.array([pos])})
+        assert len(small.sampled) <= 8
+    assert len(small.sampled) == 8
     assert sum(v.nbytes for f in rec.sampled for v, _ in f.values()) == rec.bytes
     assert kv_ranges(rec) == {"key": [(1.0, 40.0)], "value": [(-39.0, 0.0)]}
 

@@ -41,7 +41,7 @@ class Recorder:
             self.first.append(item())
         else:
             slot = len(self.sampled) if len(self.sampled) < self.limit else int(self.rng.integers(0, self.calls))
-            if slot == len(self.sampled):
+            if slot == len(self.sampled) < self.limit:
                 self.sampled.append(item())
                 self.bytes += _nbytes(self.sampled[-1])
             elif slot < self.limit:
