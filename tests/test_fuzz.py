@@ -26,3 +26,61 @@ def test_image_loader_works_or_raises_image_error():
         image_property(root, max_examples=400)()
     finally:
         shutil.rmtree(root)
+
+
+def test_typed_json_fast_path_takes_what_the_field_check_takes(default_bundle):
+    """typed_json.build's fast path (one validator per type hint, made once) accepts exactly what the field-by-field
+    check accepts, with the same values: for every type hint the manifest's dataclasses use, on arbitrary JSON and on
+    the values a hint confuses (true for an integer, 1 for a float, 10**400, null), and on the fuzzer's mutated
+    manifests. What it refuses goes to the field check, which names the field."""
+    import dataclasses
+    import typing
+
+    from fuzz_targets import json_value, mutated_manifest
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from vlmrt import manifest as mf
+    from vlmrt import typed_json as tj
+
+    classes, hints, todo = [], [], [mf.Manifest, mf.FileEntry, mf.MappedWeight]
+    while todo:
+        c = todo.pop()
+        if c not in classes:
+            classes.append(c)
+            for t in typing.get_type_hints(c).values():
+                stack = [t]
+                while stack:  # the hint and every hint inside it (list[int | str] -> int | str -> int, str)
+                    h = stack.pop()
+                    if dataclasses.is_dataclass(h):
+                        todo.append(h)
+                    elif h not in hints:
+                        hints.append(h)
+                        stack += typing.get_args(h)
+
+    def outcome(fast, slow):
+        try:
+            a = fast()
+        except tj._Bad:
+            a = tj._Bad
+        try:
+            b = slow()
+        except tj.Malformed:
+            b = tj._Bad
+        return a, b
+
+    tricky = st.sampled_from([True, False, 0, 1, -1, 1.0, 0.5, 10**400, None, "", "x", [], {}, [1], [True], ["a", 2],
+                              [[1.0, 2]], {"a": 1}, {"a": {"b": [[1.0]]}}, {"a": "b"}, {"a": {"b": True}}])
+    base = json.loads((default_bundle.bundle / "manifest.json").read_bytes())
+
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(hints), st.one_of(tricky, json_value, st.lists(tricky, max_size=3)), mutated_manifest(base))
+    def prop(hint, value, data):
+        a, b = outcome(lambda: tj._fast(hint)(value), lambda: tj._check(value, hint, "x"))
+        assert a == b and type(a) is type(b), (hint, value)
+        d = json.loads(data)
+        if isinstance(d, dict):
+            a, b = outcome(lambda: tj._fast_build(mf.Manifest, d), lambda: tj._build(mf.Manifest, d, ""))
+            assert a == b
+
+    prop()

@@ -38,7 +38,7 @@ def _check(value, tp, where: str):
                 pass
         raise Malformed(f"{where} must be {_kind(tp)}, not {json.dumps(value)[:40]}")
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, where)
+        return _build(tp, value, where)
     base = origin or tp
     ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -68,7 +68,80 @@ def _shape(cls) -> tuple[dict, dict, list]:
     return hints, fields, required
 
 
+class _Bad(Exception):
+    """A value the fast path (_fast) does not take: the slow path says which field and why."""
+
+
+def _leaf(base):
+    if base is int:
+        return lambda v: v if isinstance(v, int) and not isinstance(v, bool) else _bad()
+    if base is float:
+        def number(v):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                try:
+                    return float(v)
+                except OverflowError:
+                    pass
+            return _bad()
+        return number
+    if base is type(None):
+        return lambda v: v if v is None else _bad()
+    return lambda v: v if isinstance(v, base) else _bad()
+
+
+def _bad():
+    raise _Bad
+
+
+@functools.cache
+def _fast(tp):
+    """A function value -> the value as _check returns it, or _Bad, made once per type hint: _check's answer without
+    its per-value type introspection and field paths (a manifest's ~400 weight entries took ~55 ms through _check)."""
+    if tp is Any:
+        return lambda v: v
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [_fast(a) for a in args]
+
+        def union(v):
+            for f in options:
+                try:
+                    return f(v)
+                except _Bad:
+                    pass
+            return _bad()
+        return union
+    if dataclasses.is_dataclass(tp):
+        return lambda v: _fast_build(tp, v)
+    base = origin or tp
+    ok = _leaf(base)
+    if base is list and args:
+        item = _fast(args[0])
+        return lambda v: [item(x) for x in ok(v)]
+    if base is dict and args:
+        key, val = _fast(args[0]), _fast(args[1])
+        return lambda v: {key(k): val(x) for k, x in ok(v).items()}
+    return ok
+
+
+def _fast_build(cls, d):
+    if not isinstance(d, dict):
+        _bad()
+    hints, fields, required = _shape(cls)
+    if any(n not in d for n in required) or any(k not in fields for k in d):
+        _bad()
+    return cls(**{k: _fast(hints[k])(v) for k, v in d.items()})
+
+
 def build(cls, d, where: str):
+    """cls from the parsed JSON object d, every field checked; Malformed names the first wrong field under where."""
+    try:
+        return _fast_build(cls, d)
+    except _Bad:
+        return _build(cls, d, where)  # the slow path raises Malformed with the field's path and what is wrong
+
+
+def _build(cls, d, where: str):
     if not isinstance(d, dict):
         raise Malformed(f"{where} must be an object, not {json.dumps(d)[:40]}")
     hints, fields, required = _shape(cls)
