@@ -330,8 +330,9 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
     seq = proc.get("image_seq_length", cfg.tokens_per_tile)
     if seq != cfg.tokens_per_tile:
         raise UnsupportedCheckpoint(f"processor image_seq_length {seq} != tokens per tile {cfg.tokens_per_tile}")
-    crop = pp.get("crop_to_patches", cfg.layout == "original")
-    max_tiles = pp.get("max_patches", cfg.max_tiles) if crop else 1
+    # no crop_to_patches read: InternVLProcessor passes crop_to_patches=True to the image processor on every call,
+    # over the preprocessor config's value (the released -hf repos ship false, and transformers tiles them)
+    max_tiles = pp.get("max_patches", cfg.max_tiles)
     resample = pp.get("resample", 3)
     tokens = {
         "start_token": tc.get("start_image_token", "<img>"),
