@@ -24,7 +24,8 @@ from ..manifest import ImageSpec
 if TYPE_CHECKING:
     from PIL import Image
 # Pillow is imported where an image is read, not with this module: a text-only run does not load it (cold start)
-RESAMPLE = {"nearest": "NEAREST", "bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}  # PIL names
+RESAMPLE = {"nearest": "NEAREST", "bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS", "box": "BOX",
+            "hamming": "HAMMING"}  # the manifest's names -> PIL's
 MAX_IMAGE_SIZE = 4096  # transformers' SmolVLM/Idefics3 cap on the resized image
 # The largest image file load_image accepts (docs/limits.md): 120 million pixels (a 108 MP phone sensor's
 # 12000×9000 fits; decoded as RGB that is 360 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
@@ -58,6 +59,8 @@ def is_pil_image(x) -> bool:
 def _resample(name: str):
     from PIL import Image
 
+    if name not in RESAMPLE:
+        raise ImageError(f"this vlmrt has no resample filter {name!r}; upgrade vlmrt")
     return Image.Resampling[RESAMPLE[name]]
 
 
