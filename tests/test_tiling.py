@@ -112,3 +112,28 @@ def test_every_pil_resample_filter_equals_transformers(family, resample, default
                                     **({} if fam.nested_images else {"crop_to_patches": True}))["pixel_values"]
         got = img_ops.preprocess(img_ops.load_image(image_file(name, tmp_path)), spec).pixels
         np.testing.assert_array_equal(got, want[0] if fam.pixel_batch_dim else want)
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "internvl"])
+def test_one_number_image_mean_and_std_equal_transformers(family, default_bundle, tmp_path_factory, tmp_path):
+    """image_mean / image_std may be one number for every channel (transformers broadcasts it); the export wrote it
+    as it was and failed its own manifest check ("image.mean must be a list, not 0.5")."""
+    import dataclasses
+
+    import oracle
+    import test_internvl as ivl
+    from fixtures import SMOLVLM
+    from fixtures_internvl import INTERNVL
+    from vlmrt import manifest as mf
+
+    ex = default_bundle if family == "smolvlm" else ivl.exported(ivl.CASES[0], tmp_path_factory)
+    fam = SMOLVLM if family == "smolvlm" else INTERNVL
+    spec = exported_spec(ex.ckpt, tmp_path, image_mean=0.4, image_std=0.3)
+    assert mf.build(ImageSpec, dataclasses.asdict(spec), "image") == spec  # what the manifest loader checks
+    assert spec.mean == [0.4] * 3 and spec.std == [0.3] * 3
+    im = Image.open(image_file("chelsea.png", None))
+    proc = oracle.processor(fam, tmp_path / "ckpt")
+    want = proc.image_processor(images=[[im]] if fam.nested_images else [im], return_tensors="np",
+                                **({} if fam.nested_images else {"crop_to_patches": True}))["pixel_values"]
+    got = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), spec).pixels
+    np.testing.assert_array_equal(got, want[0] if fam.pixel_batch_dim else want)

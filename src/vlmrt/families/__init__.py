@@ -35,6 +35,12 @@ def resample_name(value) -> str:
     return name
 
 
+def channel_values(value, channels: int = 3) -> list[float]:
+    """preprocessor_config.json image_mean / image_std: a list per channel, or one number for all (transformers
+    takes both)."""
+    return [float(value)] * channels if isinstance(value, (int, float)) else [float(v) for v in value]
+
+
 @dataclass(frozen=True)
 class HostSpec:
     """A family's host plan for one checkpoint, read from its processor files; the exporter writes it into the

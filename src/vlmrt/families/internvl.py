@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import HostSpec, decoder, layers, resample_name
+from . import HostSpec, channel_values, decoder, layers, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
 
 MODEL_TYPES = ("internvl", "internvl_chat")  # config.json model_type (families.REGISTRY)
@@ -348,8 +348,8 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
         "patch_size": cfg.vision.patch_size,
         "resample": resample_name(resample),
         "rescale_factor": pp.get("rescale_factor", 1 / 255),
-        "mean": pp.get("image_mean", IMAGENET_MEAN),
-        "std": pp.get("image_std", IMAGENET_STD),
+        "mean": channel_values(pp.get("image_mean", IMAGENET_MEAN)),
+        "std": channel_values(pp.get("image_std", IMAGENET_STD)),
         "params": {"min_tiles": pp.get("min_patches", cfg.min_tiles), "max_tiles": max_tiles, "thumbnail": cfg.thumbnail},
     }
     return HostSpec(image=image, prompt_expansion="wrapped_run", prompt_params=tokens,
