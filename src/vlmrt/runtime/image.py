@@ -97,7 +97,11 @@ def decode_image(source: Path | bytes, label: str) -> Image.Image:
                 return to_rgb(im)
     except Image.DecompressionBombError as e:  # over Pillow's own limit, refused by Image.open
         raise ImageError(f"image {label} is too large to decode safely: {str(e).split('.')[0]}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, struct_error, MemoryError) as e:
+    except UnidentifiedImageError:  # its message is "cannot identify image file <_io.BytesIO object at 0x...>"
+        empty = (len(source) if isinstance(source, bytes) else Path(source).stat().st_size) == 0
+        what = "the file is empty" if empty else "not an image format Pillow reads, or its header is corrupt"
+        raise ImageError(f"cannot read image {label}: {what}") from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct_error, MemoryError) as e:
         raise ImageError(f"cannot read image {label}: {e or type(e).__name__}") from None
 
 
