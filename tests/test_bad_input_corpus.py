@@ -176,3 +176,17 @@ def test_prompt_corpus(name, default_bundle):
         assert json.loads(p.stdout)["prompt_tokens"] > 0
     else:
         assert_one_line_error(p, *case["expect"])
+
+
+def test_a_file_that_is_no_image_is_named_plainly(tmp_path, capsys, default_bundle):
+    """Pillow's "cannot identify image file <_io.BytesIO object at 0x7f...>" (a memory address, the image read from bytes)
+    is said as what it means, for files, data URIs and empty files."""
+    import base64
+
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    for src, words in ((CORPUS / "images" / "text.jpg", "not an image format Pillow reads"), (empty, "the file is empty"),
+                       ("data:image/png;base64," + base64.b64encode(b"hello").decode(), "data URI: not an image format")):
+        p = in_process(capsys, "run", default_bundle.bundle, "--image", src, "--prompt", "hi")
+        assert_one_line_error(p, "cannot read image", words)
+        assert "BytesIO" not in p.stderr and " at 0x" not in p.stderr

@@ -367,6 +367,9 @@ def test_run_messages_file_equals_api(default_bundle, capsys, tmp_path):
     vlm = VLM.load(default_bundle.bundle)
     text = "".join(vlm.chat(conv, max_new_tokens=8))
     assert got["token_ids"] == vlm.result.token_ids and got["text"] == text
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps(conv).encode())  # a UTF-8 BOM, as Windows editors and PowerShell write
+    assert cli.main(["run", str(default_bundle.bundle), "--messages", str(f), "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == got["token_ids"]
     f.write_text("[{\"role\": \"user\"")
     assert "not JSON" in one_error_line(capsys, "run", default_bundle.bundle, "--messages", f)
     f.write_text(json.dumps([{"role": "assistant", "content": "Hi"}]))

@@ -125,6 +125,36 @@ def test_default_max_context_fits_max_tiles(internvl):
     assert m["image"]["params"] == {"min_tiles": 1, "max_tiles": c.max_tiles, "thumbnail": True}
 
 
+def test_crop_to_patches_false_is_tiled_as_the_processor_does(tmp_path_factory, tmp_path, capsys):
+    """The released -hf repos ship preprocessor_config.json with "crop_to_patches": false, and InternVLProcessor tiles
+    them anyway (it passes crop_to_patches=True on every call): the bundle tiles too (it used to export one untiled
+    tile), pixels, prompt ids and greedy ids as transformers' processor + generate, both modes."""
+    import os
+    import shutil
+
+    from fixtures_internvl import INTERNVL
+    import oracle
+
+    case = CASES[0]
+    ex = exported(case, tmp_path_factory)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ex.ckpt, ckpt, ignore=shutil.ignore_patterns("*.safetensors"))
+    os.symlink(ex.ckpt / "model.safetensors", ckpt / "model.safetensors")
+    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({**pre, "crop_to_patches": False}))
+    b = export(str(ckpt), tmp_path / "b", prefill_ar=case.prefill_ar, progress=False)
+    assert json.loads((b / "manifest.json").read_text())["image"]["params"]["max_tiles"] == case.max_tiles
+    path = image_file("chelsea.png", None)
+    model = ex.hf()[0]
+    prompt_ids, pixels, want = oracle.generate(INTERNVL, ckpt, Image.open(path), PROMPT, 12, ignore_eos=True, model=model)
+    tiles = img_ops.preprocess(img_ops.load_image(path), VLM.load(b).manifest.image)
+    assert len(tiles.pixels) == 7  # a 3x2 grid + the thumbnail
+    np.testing.assert_array_equal(tiles.pixels, pixels)
+    for mode in ("kv", "hybrid"):
+        got = cli_json(capsys, b, "--image", path, "--prompt", PROMPT, "--mode", mode, "--max-new-tokens", 12, "--ignore-eos")
+        assert got["prompt_tokens"] == len(prompt_ids) and got["token_ids"] == want, mode
+
+
 def test_original_layout_gives_identical_outputs(tmp_path_factory, tmp_path, capsys):
     """The OpenGVLab layout (fused qkv, ls1/ls2, mlp1.*, internvl_chat config) exports to the same graphs:
     same vision embeddings, and greedy ids equal transformers' on the -hf checkpoint for the same prompt ids."""

@@ -70,3 +70,70 @@ def test_unfold_patches_is_conv2d_as_matmul():
     want = conv.flatten(1).T.numpy()  # [patches, out] in raster order
     got = img_ops.unfold_patches(tile, 7) @ w.reshape(5, -1).T
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def exported_spec(ckpt, tmp, **edit) -> ImageSpec:
+    """The ImageSpec the exporter writes for ckpt with its preprocessor_config.json edited (the family's host_spec on a
+    copy of the checkpoint's processor files)."""
+    import json
+    import shutil
+
+    from vlmrt.export.checkpoint import Checkpoint
+    from vlmrt.families import family_for
+
+    folder = tmp / "ckpt"
+    shutil.copytree(ckpt, folder, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps({**pre, **edit}))
+    ck = Checkpoint.open(folder)
+    fam = family_for(ck.config)
+    host = fam.host_spec(ck, fam.config_from_hf(ck.config), json.loads((folder / "tokenizer.json").read_text()))
+    return ImageSpec(**host.image)
+
+
+@pytest.mark.parametrize("resample", [4, 5])  # PIL's BOX and HAMMING
+@pytest.mark.parametrize("family", ["smolvlm", "internvl"])
+def test_every_pil_resample_filter_equals_transformers(family, resample, default_bundle, tmp_path_factory, tmp_path):
+    """preprocessor_config.json may name any of Pillow's six filters (transformers takes them all): BOX and HAMMING used
+    to fail the export with `KeyError: 4`."""
+    import oracle
+    import test_internvl as ivl
+    from fixtures import SMOLVLM
+    from fixtures_internvl import INTERNVL
+
+    ex = default_bundle if family == "smolvlm" else ivl.exported(ivl.CASES[0], tmp_path_factory)
+    fam = SMOLVLM if family == "smolvlm" else INTERNVL
+    spec = exported_spec(ex.ckpt, tmp_path, resample=resample)
+    assert spec.resample == {4: "box", 5: "hamming"}[resample]
+    proc = oracle.processor(fam, tmp_path / "ckpt")
+    for name in ("chelsea.png", "tall"):
+        im = Image.open(image_file(name, tmp_path))
+        want = proc.image_processor(images=[[im]] if fam.nested_images else [im], return_tensors="np",
+                                    **({} if fam.nested_images else {"crop_to_patches": True}))["pixel_values"]
+        got = img_ops.preprocess(img_ops.load_image(image_file(name, tmp_path)), spec).pixels
+        np.testing.assert_array_equal(got, want[0] if fam.pixel_batch_dim else want)
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "internvl"])
+def test_one_number_image_mean_and_std_equal_transformers(family, default_bundle, tmp_path_factory, tmp_path):
+    """image_mean / image_std may be one number for every channel (transformers broadcasts it); the export wrote it
+    as it was and failed its own manifest check ("image.mean must be a list, not 0.5")."""
+    import dataclasses
+
+    import oracle
+    import test_internvl as ivl
+    from fixtures import SMOLVLM
+    from fixtures_internvl import INTERNVL
+    from vlmrt import manifest as mf
+
+    ex = default_bundle if family == "smolvlm" else ivl.exported(ivl.CASES[0], tmp_path_factory)
+    fam = SMOLVLM if family == "smolvlm" else INTERNVL
+    spec = exported_spec(ex.ckpt, tmp_path, image_mean=0.4, image_std=0.3)
+    assert mf.build(ImageSpec, dataclasses.asdict(spec), "image") == spec  # what the manifest loader checks
+    assert spec.mean == [0.4] * 3 and spec.std == [0.3] * 3
+    im = Image.open(image_file("chelsea.png", None))
+    proc = oracle.processor(fam, tmp_path / "ckpt")
+    want = proc.image_processor(images=[[im]] if fam.nested_images else [im], return_tensors="np",
+                                **({} if fam.nested_images else {"crop_to_patches": True}))["pixel_values"]
+    got = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), spec).pixels
+    np.testing.assert_array_equal(got, want[0] if fam.pixel_batch_dim else want)

@@ -98,7 +98,7 @@ class ImageSpec:
     tiling: str
     tile_size: int
     patch_size: int  # the host unfolds each tile into [patches, channels*patch*patch]
-    resample: str  # Pillow filter name: "lanczos" | "bicubic" | "bilinear" | "nearest"
+    resample: str  # Pillow filter name: "lanczos" | "bicubic" | "bilinear" | "nearest" | "box" | "hamming"
     rescale_factor: float
     mean: list[float]
     std: list[float]

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl"}
 
 # preprocessor_config.json "resample" (PIL's enum values) -> the runtime's filter names
-PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
+PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
 
 class UnknownFamily(ValueError):
@@ -28,7 +28,17 @@ class UnknownFamily(ValueError):
 
 
 def resample_name(value) -> str:
-    return PIL_RESAMPLE[value] if isinstance(value, int) else str(value).lower()
+    name = PIL_RESAMPLE.get(value) if isinstance(value, int) else str(value).lower()
+    if name not in PIL_RESAMPLE.values():
+        raise ValueError(f"preprocessor_config.json resample {value!r} is not one of Pillow's filters "
+                         f"({', '.join(f'{k} {v}' for k, v in PIL_RESAMPLE.items())})")
+    return name
+
+
+def channel_values(value, channels: int = 3) -> list[float]:
+    """preprocessor_config.json image_mean / image_std: a list per channel, or one number for all (transformers
+    takes both)."""
+    return [float(value)] * channels if isinstance(value, (int, float)) else [float(v) for v in value]
 
 
 @dataclass(frozen=True)

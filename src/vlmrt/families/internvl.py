@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import HostSpec, decoder, layers, resample_name
+from . import HostSpec, channel_values, decoder, layers, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
 
 MODEL_TYPES = ("internvl", "internvl_chat")  # config.json model_type (families.REGISTRY)
@@ -330,8 +330,9 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
     seq = proc.get("image_seq_length", cfg.tokens_per_tile)
     if seq != cfg.tokens_per_tile:
         raise UnsupportedCheckpoint(f"processor image_seq_length {seq} != tokens per tile {cfg.tokens_per_tile}")
-    crop = pp.get("crop_to_patches", cfg.layout == "original")
-    max_tiles = pp.get("max_patches", cfg.max_tiles) if crop else 1
+    # no crop_to_patches read: InternVLProcessor passes crop_to_patches=True to the image processor on every call,
+    # over the preprocessor config's value (the released -hf repos ship false, and transformers tiles them)
+    max_tiles = pp.get("max_patches", cfg.max_tiles)
     resample = pp.get("resample", 3)
     tokens = {
         "start_token": tc.get("start_image_token", "<img>"),
@@ -347,8 +348,8 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
         "patch_size": cfg.vision.patch_size,
         "resample": resample_name(resample),
         "rescale_factor": pp.get("rescale_factor", 1 / 255),
-        "mean": pp.get("image_mean", IMAGENET_MEAN),
-        "std": pp.get("image_std", IMAGENET_STD),
+        "mean": channel_values(pp.get("image_mean", IMAGENET_MEAN)),
+        "std": channel_values(pp.get("image_std", IMAGENET_STD)),
         "params": {"min_tiles": pp.get("min_patches", cfg.min_tiles), "max_tiles": max_tiles, "thumbnail": cfg.thumbnail},
     }
     return HostSpec(image=image, prompt_expansion="wrapped_run", prompt_params=tokens,

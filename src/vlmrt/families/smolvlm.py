@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import HostSpec, decoder, layers, resample_name
+from . import HostSpec, channel_values, decoder, layers, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
 
 MODEL_TYPES = ("smolvlm", "idefics3")  # config.json model_type (families.REGISTRY)
@@ -187,8 +187,8 @@ def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> HostSpec:
         "patch_size": cfg.vision.patch_size,
         "resample": resample_name(resample),
         "rescale_factor": pp.get("rescale_factor", 1 / 255),
-        "mean": pp.get("image_mean", [0.5, 0.5, 0.5]),
-        "std": pp.get("image_std", [0.5, 0.5, 0.5]),
+        "mean": channel_values(pp.get("image_mean", [0.5, 0.5, 0.5])),
+        "std": channel_values(pp.get("image_std", [0.5, 0.5, 0.5])),
         "params": {
             "longest_edge": pp.get("size", {}).get("longest_edge", 4 * tile),
             "split": pp.get("do_image_splitting", True),

@@ -168,7 +168,7 @@ def load_messages(path: str) -> list[dict]:
     import json
 
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a UTF-8 BOM (Windows editors and PowerShell write one) is skipped
             data = json.load(f)
     except OSError as e:
         raise ConversationError(f"cannot read {path}: {e.strerror or e}") from None

@@ -24,7 +24,8 @@ from ..manifest import ImageSpec
 if TYPE_CHECKING:
     from PIL import Image
 # Pillow is imported where an image is read, not with this module: a text-only run does not load it (cold start)
-RESAMPLE = {"nearest": "NEAREST", "bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}  # PIL names
+RESAMPLE = {"nearest": "NEAREST", "bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS", "box": "BOX",
+            "hamming": "HAMMING"}  # the manifest's names -> PIL's
 MAX_IMAGE_SIZE = 4096  # transformers' SmolVLM/Idefics3 cap on the resized image
 # The largest image file load_image accepts (docs/limits.md): 120 million pixels (a 108 MP phone sensor's
 # 12000×9000 fits; decoded as RGB that is 360 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
@@ -58,6 +59,8 @@ def is_pil_image(x) -> bool:
 def _resample(name: str):
     from PIL import Image
 
+    if name not in RESAMPLE:
+        raise ImageError(f"this vlmrt has no resample filter {name!r}; upgrade vlmrt")
     return Image.Resampling[RESAMPLE[name]]
 
 
@@ -94,7 +97,11 @@ def decode_image(source: Path | bytes, label: str) -> Image.Image:
                 return to_rgb(im)
     except Image.DecompressionBombError as e:  # over Pillow's own limit, refused by Image.open
         raise ImageError(f"image {label} is too large to decode safely: {str(e).split('.')[0]}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, struct_error, MemoryError) as e:
+    except UnidentifiedImageError:  # its message is "cannot identify image file <_io.BytesIO object at 0x...>"
+        empty = (len(source) if isinstance(source, bytes) else Path(source).stat().st_size) == 0
+        what = "the file is empty" if empty else "not an image format Pillow reads, or its header is corrupt"
+        raise ImageError(f"cannot read image {label}: {what}") from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct_error, MemoryError) as e:
         raise ImageError(f"cannot read image {label}: {e or type(e).__name__}") from None
 
 
