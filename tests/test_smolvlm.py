@@ -161,3 +161,69 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
         clear = top2[:, 1] - top2[:, 0] > 0.05
         assert clear.sum() >= 12  # most steps are decided by more than the tolerance
         assert (rows["16"].argmax(-1)[clear] == np.array(want)[clear]).all()
+
+
+
+def _text_equals_transformers(ckpt, bundle, n=16):
+    """A bundle's greedy ids on a text prompt equal transformers' in both modes, and its logits teacher-forced along
+    them are transformers' to float32 rounding (the tolerance of test_first_logits_close_to_transformers).
+    Returns (prompt + greedy ids, transformers' logits [n, vocab])."""
+    import torch
+    from fixtures import hf_generate, load_hf_model
+
+    model = load_hf_model(ckpt)
+    prompt_ids, _, want = hf_generate(ckpt, None, PROMPT, n, ignore_eos=True, model=model)
+    assert len(set(want)) > 4  # not degenerate
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([prompt_ids + want])).logits[0, len(prompt_ids) - 1:-1].numpy()
+    vlm = VLM.load(bundle)
+    ids = vlm.prompt_ids(PROMPT, None)
+    assert ids == prompt_ids
+    for mode in ("kv", "hybrid"):
+        vlm.reset()
+        assert vlm(PROMPT, mode=mode, max_new_tokens=n, ignore_eos=True).token_ids == want, mode
+        vlm.reset()
+        got = vlm.engine.score(vlm.engine.embed(ids), want, mode)
+        assert np.abs(got - ref).max() < 2e-4 * max(1.0, np.abs(ref).max()), mode
+    return prompt_ids + want, ref
+
+
+ROPE_SCALING = {  # transformers' rope_parameters (modeling_rope_utils.py) of the types a fixed RoPE table holds
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE_SCALING))
+def test_rope_scaling_equals_transformers(kind, tmp_path, capsys):
+    """Scaled RoPE (linear, Llama 3.1's, YaRN with its attention factor on cos/sin: families/rope.py) gives
+    transformers' greedy ids and logits (measured max |diff| ~8e-6 of ~4), where plain RoPE of the same theta
+    moves the logits by > 0.01; dynamic NTK past max_position_embeddings (frequencies that change with the length)
+    is refused at export in one line."""
+    import shutil
+
+    import torch
+    from fixtures import load_hf_model, make_smolvlm_checkpoint
+
+    rope = {**ROPE_SCALING[kind], "rope_theta": 10000.0}
+    ckpt = make_smolvlm_checkpoint(tmp_path / "ckpt", text_overrides={"rope_parameters": rope})
+    assert cli.main(["export", str(ckpt), str(tmp_path / "b"), "--prefill-ar", "8", "--max-seq-len", "96", "--quiet"]) == 0
+    seq, ref = _text_equals_transformers(ckpt, tmp_path / "b")
+    plain = tmp_path / "plain"  # the same weights with plain RoPE
+    shutil.copytree(ckpt, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    with torch.no_grad():
+        other = load_hf_model(plain)(input_ids=torch.tensor([seq])).logits[0, -len(ref) - 1:-1].numpy()
+    assert np.abs(other - ref).max() > 0.01
+    if kind == "linear":
+        cfg["text_config"].update(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+                                  max_position_embeddings=64)
+        (plain / "config.json").write_text(json.dumps(cfg))
+        capsys.readouterr()
+        assert cli.main(["export", str(plain), str(tmp_path / "d"), "--max-seq-len", "96", "--quiet"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("vlmrt: error: dynamic RoPE") and not (tmp_path / "d").exists()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gqa  # noqa: F401  (registers torch.ops.vlmrt.group_query_attention)
+from .rope import Rope
 
 
 class RMSNorm(nn.Module):
@@ -42,11 +43,6 @@ def activation(name: str):
     if name == "silu":
         return F.silu
     raise ValueError(f"unsupported activation {name!r}")
-
-
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    # exactly transformers' compute_default_rope_parameters
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,11 +192,13 @@ class CausalDecoder(nn.Module):
     """
 
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
-                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False):
+                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False, rope=None):
+        """rope: a rope.Rope (its scaling type), else plain RoPE of base rope_theta."""
         super().__init__()
+        rope = rope or Rope(theta=rope_theta)
         self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           intermediate=intermediate, eps=eps, act=act, rope_theta=rope_theta, vocab=vocab,
-                          qkv_bias=qkv_bias, qk_norm=qk_norm)
+                          qkv_bias=qkv_bias, qk_norm=qk_norm, rope=rope)
         self.logit_rows, self.in_place = logit_rows, in_place
         self.layers = nn.ModuleList(
             DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free, in_place)
@@ -208,7 +206,8 @@ class CausalDecoder(nn.Module):
         )
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta), persistent=False)
+        inv_freq, self.rope_scale = rope.frequencies(head_dim)  # rope_scale: yarn's attention factor on cos/sin
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_table(4096)
 
     def with_options(self, *, copy_free: bool, logit_rows: bool, rope_positions: int,
@@ -225,6 +224,8 @@ class CausalDecoder(nn.Module):
         gathers rows by position instead of running Sin/Cos — exact, cheaper, and NPU-friendly
         (the HTP's 16-bit Sin/Cos of large angles is not). Export sizes it to max context + AR."""
         cos, sin = rope_cos_sin(torch.arange(positions), self.inv_freq)
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
