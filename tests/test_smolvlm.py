@@ -164,30 +164,6 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
 
 
 
-def _text_equals_transformers(ckpt, bundle, n=16):
-    """A bundle's greedy ids on a text prompt equal transformers' in both modes, and its logits teacher-forced along
-    them are transformers' to float32 rounding (the tolerance of test_first_logits_close_to_transformers).
-    Returns (prompt + greedy ids, transformers' logits [n, vocab])."""
-    import torch
-    from fixtures import hf_generate, load_hf_model
-
-    model = load_hf_model(ckpt)
-    prompt_ids, _, want = hf_generate(ckpt, None, PROMPT, n, ignore_eos=True, model=model)
-    assert len(set(want)) > 4  # not degenerate
-    with torch.no_grad():
-        ref = model(input_ids=torch.tensor([prompt_ids + want])).logits[0, len(prompt_ids) - 1:-1].numpy()
-    vlm = VLM.load(bundle)
-    ids = vlm.prompt_ids(PROMPT, None)
-    assert ids == prompt_ids
-    for mode in ("kv", "hybrid"):
-        vlm.reset()
-        assert vlm(PROMPT, mode=mode, max_new_tokens=n, ignore_eos=True).token_ids == want, mode
-        vlm.reset()
-        got = vlm.engine.score(vlm.engine.embed(ids), want, mode)
-        assert np.abs(got - ref).max() < 2e-4 * max(1.0, np.abs(ref).max()), mode
-    return prompt_ids + want, ref
-
-
 ROPE_SCALING = {  # transformers' rope_parameters (modeling_rope_utils.py) of the types a fixed RoPE table holds
     "linear": {"rope_type": "linear", "factor": 4.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -205,12 +181,13 @@ def test_rope_scaling_equals_transformers(kind, tmp_path, capsys):
     import shutil
 
     import torch
-    from fixtures import load_hf_model, make_smolvlm_checkpoint
+    from fixtures import SMOLVLM, load_hf_model, make_smolvlm_checkpoint
+    from oracle import text_equals_transformers
 
     rope = {**ROPE_SCALING[kind], "rope_theta": 10000.0}
     ckpt = make_smolvlm_checkpoint(tmp_path / "ckpt", text_overrides={"rope_parameters": rope})
     assert cli.main(["export", str(ckpt), str(tmp_path / "b"), "--prefill-ar", "8", "--max-seq-len", "96", "--quiet"]) == 0
-    seq, ref = _text_equals_transformers(ckpt, tmp_path / "b")
+    seq, ref = text_equals_transformers(SMOLVLM, ckpt, tmp_path / "b", PROMPT)
     plain = tmp_path / "plain"  # the same weights with plain RoPE
     shutil.copytree(ckpt, plain)
     cfg = json.loads((plain / "config.json").read_text())
@@ -227,3 +204,27 @@ def test_rope_scaling_equals_transformers(kind, tmp_path, capsys):
         assert cli.main(["export", str(plain), str(tmp_path / "d"), "--max-seq-len", "96", "--quiet"]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("vlmrt: error: dynamic RoPE") and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("decoder, text", [("llama", {"attention_bias": True, "mlp_bias": True}),
+                                           ("qwen3", {"attention_bias": True, "head_dim": 16})],
+                         ids=["llama-attention-mlp-bias", "qwen3-attention-bias"])
+def test_decoder_biases_equal_transformers(decoder, text, tmp_path):
+    """attention_bias (Llama, Qwen3: q/k/v and o_proj) and mlp_bias (Llama: gate/up/down) decoders give
+    transformers' greedy ids and logits (measured max |diff| ~6e-6 of ~4; refused before as unmapped weights)."""
+    from fixtures import SMOLVLM, make_smolvlm_checkpoint
+    from fixtures_internvl import INTERNVL, make_internvl_checkpoint
+    from oracle import text_equals_transformers
+    from safetensors import safe_open
+
+    if decoder == "llama":
+        fam, ckpt = SMOLVLM, make_smolvlm_checkpoint(tmp_path / "ckpt", text_overrides=text)
+    else:
+        fam, ckpt = INTERNVL, make_internvl_checkpoint(tmp_path / "ckpt", decoder=decoder, text_overrides=text)
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        biases = {k.rsplit(".", 2)[-2] for k in f.keys() if k.endswith("_proj.bias") and ".layers.0." in k
+                  and "vision" not in k}
+    assert biases == ({"q_proj", "k_proj", "v_proj", "o_proj"} | ({"gate_proj", "up_proj", "down_proj"}
+                                                               if decoder == "llama" else set()))
+    assert cli.main(["export", str(ckpt), str(tmp_path / "b"), "--prefill-ar", "8", "--max-seq-len", "96", "--quiet"]) == 0
+    text_equals_transformers(fam, ckpt, tmp_path / "b", PROMPT)

@@ -36,6 +36,8 @@ class TextConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     rope: Rope | None = None  # its scaling type (rope.py); None: plain RoPE of base rope_theta
+    o_bias: bool = False  # Llama / Qwen3 attention_bias: o_proj has a bias too (Qwen2's q/k/v biases leave it out)
+    mlp_bias: bool = False  # Llama mlp_bias
 
     @property
     def kv_dim(self) -> int:
@@ -67,6 +69,8 @@ class TextConfig:
             qkv_bias=model_type == "qwen2" or bool(t.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             rope=rope,
+            o_bias=model_type != "qwen2" and bool(t.get("attention_bias", False)),
+            mlp_bias=model_type == "llama" and bool(t.get("mlp_bias", False)),
         )
 
 
@@ -75,6 +79,7 @@ def build(tc: TextConfig) -> layers.CausalDecoder:
         layers=tc.layers, hidden=tc.hidden, heads=tc.heads, kv_heads=tc.kv_heads, head_dim=tc.head_dim,
         intermediate=tc.intermediate, eps=tc.eps, act=tc.act, rope_theta=tc.rope_theta, vocab=tc.vocab,
         qkv_bias=tc.qkv_bias, qk_norm=tc.qk_norm, rope=tc.rope,
+        o_bias=tc.o_bias, mlp_bias=tc.mlp_bias,
     )
 
 

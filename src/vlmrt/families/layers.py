@@ -65,7 +65,8 @@ class CachedGQAttention(nn.Module):
     """Grouped-query attention over an external cache; returns output and the new K/V rows."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
-                 qk_norm: bool = False, eps: float = 1e-6, copy_free: bool = True, in_place: bool = False):
+                 qk_norm: bool = False, eps: float = 1e-6, copy_free: bool = True, in_place: bool = False,
+                 o_bias: bool = False):
         """copy_free: steps read the cache where it is (_copy_free_step); the HTP target's float graphs do not.
         in_place: forward(x, seqlens_k, total, cos_half, sin_half, past_k, past_v) -> (out, present_k, present_v)
         as one GroupQueryAttention over cache buffers [1, kv_heads, max_context, d] (module doc)."""
@@ -75,7 +76,7 @@ class CachedGQAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)  # Qwen2: q/k/v biases
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)  # Llama / Qwen3 attention_bias: o_proj's too
         # Qwen3: RMSNorm over each head's q and k before RoPE
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
@@ -144,11 +145,11 @@ class CachedGQAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)  # Llama mlp_bias
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
     def forward(self, x):
@@ -159,13 +160,13 @@ class DecoderLayer(nn.Module):
     """Pre-norm Llama/Qwen block with cache I/O."""
 
     def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias=False, qk_norm=False,
-                 copy_free=True, in_place=False):
+                 copy_free=True, in_place=False, o_bias=False, mlp_bias=False):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = CachedGQAttention(hidden, heads, kv_heads, head_dim, bias=qkv_bias, qk_norm=qk_norm, eps=eps,
-                                           copy_free=copy_free, in_place=in_place)
+                                           copy_free=copy_free, in_place=in_place, o_bias=o_bias)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = GatedMLP(hidden, intermediate, act)
+        self.mlp = GatedMLP(hidden, intermediate, act, mlp_bias)
 
     def forward(self, x, *cache):
         a, k_new, v_new = self.self_attn(self.input_layernorm(x), *cache)
@@ -192,16 +193,19 @@ class CausalDecoder(nn.Module):
     """
 
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
-                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False, rope=None):
-        """rope: a rope.Rope (its scaling type), else plain RoPE of base rope_theta."""
+                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False, rope=None,
+                 o_bias=False, mlp_bias=False):
+        """rope: a rope.Rope (its scaling type), else plain RoPE of base rope_theta. o_bias, mlp_bias: biases on
+        o_proj and on the MLP's projections (Llama's attention_bias / mlp_bias)."""
         super().__init__()
         rope = rope or Rope(theta=rope_theta)
         self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           intermediate=intermediate, eps=eps, act=act, rope_theta=rope_theta, vocab=vocab,
-                          qkv_bias=qkv_bias, qk_norm=qk_norm, rope=rope)
+                          qkv_bias=qkv_bias, qk_norm=qk_norm, rope=rope, o_bias=o_bias, mlp_bias=mlp_bias)
         self.logit_rows, self.in_place = logit_rows, in_place
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free, in_place)
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free, in_place,
+                         o_bias, mlp_bias)
             for _ in range(layers)
         )
         self.norm = RMSNorm(hidden, eps)
