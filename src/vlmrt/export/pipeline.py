@@ -170,6 +170,8 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     if htp is not None:  # the head's own graph by default where it is untied (htp_precisions.parse)
         htp = {**htp, "precisions": htp_precisions.parse(htp["spec"], untied=not cfg.tie_word_embeddings,
                                                          lookahead=bool(htp["lookahead_ar"]))}
+        t = cfg.text
+        htp_precisions.check_blocks(htp["precisions"], t.hidden, t.heads * t.head_dim, t.intermediate)
     if max_seq_len is None:
         max_seq_len, _ = family.default_max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
