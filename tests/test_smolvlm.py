@@ -228,3 +228,29 @@ def test_decoder_biases_equal_transformers(decoder, text, tmp_path):
                                                                if decoder == "llama" else set()))
     assert cli.main(["export", str(ckpt), str(tmp_path / "b"), "--prefill-ar", "8", "--max-seq-len", "96", "--quiet"]) == 0
     text_equals_transformers(fam, ckpt, tmp_path / "b", PROMPT)
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "internvl"])
+def test_saved_lm_head_under_tied_config_is_the_head(family, tmp_path):
+    """A checkpoint whose config says tie_word_embeddings but that saves an lm_head of its own: transformers 5 does
+    not tie them and uses the saved head; so does the export (it used the embedding table: other greedy ids, logits
+    ~5 apart)."""
+    import torch
+    from fixtures import SMOLVLM, make_smolvlm_checkpoint
+    from fixtures_internvl import INTERNVL, make_internvl_checkpoint
+    from oracle import text_equals_transformers
+    from safetensors.torch import load_file, save_file
+
+    if family == "smolvlm":
+        fam, ckpt, key = SMOLVLM, make_smolvlm_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True), "lm_head.weight"
+    else:
+        fam, key = INTERNVL, "language_model.lm_head.weight"
+        ckpt = make_internvl_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True)
+    sd = load_file(str(ckpt / "model.safetensors"))
+    assert key not in sd
+    emb = next(t for k, t in sd.items() if k.endswith("embed_tokens.weight"))
+    sd[key] = (emb + 0.5 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(0))).contiguous()
+    save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is True
+    assert cli.main(["export", str(ckpt), str(tmp_path / "b"), "--prefill-ar", "8", "--max-seq-len", "96", "--quiet"]) == 0
+    text_equals_transformers(fam, ckpt, tmp_path / "b", PROMPT)
