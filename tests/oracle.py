@@ -127,3 +127,28 @@ def generate(fam: OracleFamily, ckpt: Path, image, prompt: str, max_new_tokens: 
     if max_new_tokens == 0:  # the processor's outputs alone
         return prompt_ids, pixel_values, []
     return prompt_ids, pixel_values, greedy_new_ids(model, inputs, max_new_tokens, ignore_eos)
+
+
+def text_equals_transformers(fam: OracleFamily, ckpt: Path, bundle: Path, prompt: str, n: int = 16):
+    """A vlmrt bundle's greedy ids on a text prompt equal transformers' in both modes, and its logits teacher-forced
+    along them are transformers' to float32 rounding (2e-4 of the largest, test_smolvlm's first-logits tolerance).
+    Returns (prompt + greedy ids, transformers' logits [n, vocab])."""
+    import torch
+
+    from vlmrt.runtime.pipeline import VLM
+
+    model = load_model(fam, ckpt)
+    prompt_ids, _, want = generate(fam, ckpt, None, prompt, n, ignore_eos=True, model=model)
+    assert len(set(want)) > 4  # not degenerate
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([prompt_ids + want])).logits[0, len(prompt_ids) - 1:-1].numpy()
+    vlm = VLM.load(bundle)
+    ids = vlm.prompt_ids(prompt, None)
+    assert ids == prompt_ids
+    for mode in ("kv", "hybrid"):
+        vlm.reset()
+        assert vlm(prompt, mode=mode, max_new_tokens=n, ignore_eos=True).token_ids == want, mode
+        vlm.reset()
+        got = vlm.engine.score(vlm.engine.embed(ids), want, mode)
+        assert np.abs(got - ref).max() < 2e-4 * max(1.0, np.abs(ref).max()), mode
+    return prompt_ids + want, ref

@@ -251,3 +251,24 @@ def test_htp_quant_specs_refused(tmp_path_factory, capsys):
         assert cli.main([*args, "--quiet"]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("vlmrt: error:") and msg in err[0], err
+
+
+def test_int4_needs_whole_blocks(tmp_path, capsys):
+    """A 4-bit HTP decoder on a checkpoint whose weights' input sizes are not multiples of 32 (intermediate 200 here)
+    is refused before anything is traced: the short last block stayed 8-bit while the manifest said int4 (measured:
+    `--quant w4a16` on hidden 80 / intermediate 200 gave `blockwise_int4: 0` and the w8a16 bundle's very ids)."""
+    from fixtures import make_smolvlm_checkpoint
+
+    check = htp_precisions.check_blocks
+    check({"prefill": "w4a16", "decode": "w4a16o", "lm_head": "w8a16"}, 64, 64, 128)  # whole blocks: fine
+    check({"prefill": "w8a16", "decode": "w8a16", "lm_head": "w8a16"}, 80, 80, 200)  # 8-bit: any size
+    with pytest.raises(ValueError, match="hidden_size 80 is not"):  # a 4-bit head alone reads hidden only
+        check({"prefill": "w8a16", "decode": "w8a16", "head": "w4a16"}, 80, 96, 200)
+    ckpt = make_smolvlm_checkpoint(tmp_path / "ckpt", text_overrides={"intermediate_size": 200})
+    capsys.readouterr()
+    assert cli.main(["export", str(ckpt), str(tmp_path / "b"), "--target", "htp", "--quant", "prefill=w8a16,decode=w4a16",
+                     "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["vlmrt: error: --target htp: 4-bit decoder weights are int4 blocks of 32 inputs, and this "
+                   "checkpoint's intermediate_size 200 is not a multiple of 32; use w8a16 for the decoder graphs"]
+    assert not (tmp_path / "b").exists()

@@ -217,17 +217,23 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
     """--target htp on the InternVL3.5-style fixture (Qwen3 q/k norms, RMSNorm ViT): every RMSNorm is fused,
     the bundle tracks the float reference on the CPU EP, and every
     graph's context binary loads and runs on the HTP simulator with CPU fallback disabled, equal to the graph compiled
-    at load."""
+    at load. With a lookahead verify graph (--lookahead-ar 5; refused before: ONNX shape inference stops at the
+    fused q/k norms, htp_verify._rows_like), lookahead on the CPU EP gives plain decoding's ids."""
     from vlmrt.eval import accuracy, samples
     from vlmrt.runtime.pipeline import VLM
 
     case = CASES[2]
     ex = exported(case, tmp_path_factory)
     b = export(str(ex.ckpt), tmp_path_factory.mktemp("ivl-htp") / "b", prefill_ar=case.prefill_ar, target="htp",
-               keep_qdq=True, progress=False)
+               keep_qdq=True, lookahead_ar=5, progress=False)
     m = json.loads((b / "manifest.json").read_text())
     # vision: 2 layers x (norm1, norm2, q norm, k norm); decoder: 2 layers x (input, post-attention, q, k) + final
-    assert {k: g["weights"]["fused_rms_norms"] for k, g in m["graphs"].items()} == {"vision": 8, "prefill": 9, "decode": 9}
+    assert {k: g["weights"]["fused_rms_norms"] for k, g in m["graphs"].items()} == {"vision": 8, "prefill": 9, "decode": 9,
+                                                                                   "verify": 9}
+    from test_htp_lookahead import PROMPTS, lookahead_runs
+
+    for a, got, st, pc, fc, beyond, gap in lookahead_runs(b, "cpu", PROMPTS[:1], ("kv", "hybrid"), tokens=16):
+        assert got == a and np.abs(pc - fc).max() <= 1 and not beyond
     v = VLM.load(b)
     r = accuracy.evaluate(v, accuracy.load_reference(ex.ckpt, v), samples.default_samples(), tokens=16)
     assert r["top1_agreement"] >= 0.82 and r["mean_kl"] < 0.012  # measured: top-1 0.862, KL 0.0062

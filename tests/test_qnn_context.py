@@ -119,6 +119,21 @@ def test_export_target_options_refused(tmp_path_factory, capsys):
         assert len(err) == 1 and err[0].startswith("vlmrt: error:") and msg in err[0], err
 
 
+def test_calibration_longer_than_the_context_refused(tmp_path_factory, capsys):
+    """--target htp with a --max-seq-len no calibration image fits (the fixture's image prompts are >= 152 tokens):
+    one line naming the calibration (it used to be the runtime's `prompt is 152 tokens ...`, of a prompt the user
+    never gave), nothing written; samples longer than the context are left out of the calibration, which fails only
+    when none of a kind fits."""
+    ex = exported(CASES[0], tmp_path_factory)
+    out = tmp_path_factory.mktemp("short") / "b"
+    capsys.readouterr()
+    assert cli.main(["export", str(ex.ckpt), str(out), "--target", "htp", "--max-seq-len", "140", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["vlmrt: error: no image calibration sample fits the max context of 140 tokens (the shortest is 152); "
+                   "export with a larger --max-seq-len or --calibration with shorter ones"]
+    assert not out.exists() and not list(out.parent.iterdir())
+
+
 @pytest.mark.parametrize("ar", [8, 16])
 def test_htp_prefill_ar(tmp_path_factory, ar):
     """--prefill-ar for the HTP target: the prefill context takes AR rows (the last block padded); hybrid and kv

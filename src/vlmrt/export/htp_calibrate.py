@@ -140,11 +140,21 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
         "decode": RowsRecorder(b.sessions["decode"], kv_in, limit, pos),
     }
     vlm = VLM(dataclasses.replace(b, sessions=rec))  # the runtime, its graph calls recorded
+    fits, longer = {}, {}  # a sample longer than the context is no prompt this bundle can take: left out
     for image, prompt in samples:
-        _, embeds = vlm.prompt_embeds(prompt, image)  # (once for both modes: the same vision calls; ~6 min at 1B)
+        ids, embeds = vlm.prompt_embeds(prompt, image)  # (once for both modes: the same vision calls; ~6 min at 1B)
+        kind = "text" if image is None else "image"
+        if len(ids) >= m.kv.max_context:
+            longer[kind] = min(longer.get(kind, len(ids)), len(ids))
+            continue
+        fits[kind] = fits.get(kind, 0) + 1
         for mode in ("hybrid", "kv"):
             for _ in vlm.engine.generate(embeds.copy(), mode=mode, max_new_tokens=tokens, ignore_eos=True):
                 pass
+    for kind, n in longer.items():
+        if not fits.get(kind):
+            raise ValueError(f"no {kind} calibration sample fits the max context of {m.kv.max_context} tokens (the "
+                             f"shortest is {n}); export with a larger --max-seq-len or --calibration with shorter ones")
     for r in rec.values():  # the float sessions (and their weights) are not needed past the calibration
         r.session = None
     del vlm, b

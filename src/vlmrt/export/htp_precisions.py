@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import onnx_names, quantize
+from . import int4_blocks, onnx_names, quantize
 
 PRECISIONS = ("fp16", "w8a16", "w4a16", "w4a16o")
 HEADS = ("w8a16", "w4a16", "w4a16o")
@@ -79,6 +79,23 @@ def parse(spec: str | None, untied: bool = False, lookahead: bool = False) -> di
     if "lm_head" not in prec and "head" not in prec:
         prec["lm_head"] = "w8a16"
     return prec
+
+
+def check_blocks(prec: dict[str, str], hidden: int, attention: int, intermediate: int) -> None:
+    """4-bit decoder graphs need every weight's input size (hidden for q/k/v, gate/up and the head; heads x head_dim
+    for o_proj; intermediate for down_proj) a multiple of int4_blocks.BLOCK: a shorter last block is not made int4
+    (int4_blocks.requantize), so the bundle would be 8-bit where its manifest says 4."""
+    sizes = {"hidden_size": hidden}
+    if {prec.get("prefill"), prec.get("decode")} & {"w4a16", "w4a16o"}:
+        sizes.update({"heads x head_dim": attention, "intermediate_size": intermediate})
+    elif not {prec.get("lm_head"), prec.get("head")} & {"w4a16", "w4a16o"}:
+        return
+    bad = [f"{k} {v}" for k, v in sizes.items() if v % int4_blocks.BLOCK]
+    if bad:
+        raise quantize.QuantError(f"--target htp: 4-bit decoder weights are int4 blocks of {int4_blocks.BLOCK} inputs, "
+                                  f"and this checkpoint's {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a multiple of "
+                                  f"{int4_blocks.BLOCK}; "
+                                  "use w8a16 for the decoder graphs")
 
 
 def head_node(model: onnx.ModelProto, output: str) -> str:

@@ -83,8 +83,8 @@ def attend_as_stored(model: onnx.ModelProto, outputs: list[str]) -> int:
     from onnx import helper, numpy_helper, shape_inference
 
     g = model.graph
-    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
-              for v in shape_inference.infer_shapes(model).graph.value_info}
+    inferred = shape_inference.infer_shapes(model).graph
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*inferred.value_info, *g.output]}
     prod = {o: n for n in g.node for o in n.output}
     changed = 0
     for out in outputs:
@@ -99,7 +99,7 @@ def attend_as_stored(model: onnx.ModelProto, outputs: list[str]) -> int:
             raise ValueError(f"{out}: expected one Concat of the new rows with the cache, found {len(hits)}")
         concat, j = hits[0]
         past = prod[concat.input[1 - j]]  # the cache side: DequantizeLinear(its 16-bit encoding)
-        shape = shapes.get(concat.input[j])
+        shape = shapes.get(concat.input[j]) or _rows_like(shapes.get(concat.input[1 - j]), concat, shapes.get(out))
         if past.op_type != "DequantizeLinear" or not shape or 0 in shape:
             raise ValueError(f"{out}: the cache side of {concat.name} is not a DequantizeLinear of known shape")
         r = [f"{out}_as_stored_{k}" for k in range(4)]
@@ -113,6 +113,19 @@ def attend_as_stored(model: onnx.ModelProto, outputs: list[str]) -> int:
         changed += 1
     _toposort(g)
     return changed
+
+
+def _rows_like(past: list[int] | None, concat, rows: list[int] | None) -> list[int] | None:
+    """The new rows' shape at the Concat where ONNX shape inference lost it (past an ORT contrib op: Qwen3's q/k norms
+    fused into SimplifiedLayerNormalization): the cache side's shape with the concat axis holding the rows of the
+    [ar, kv_dim] output."""
+    if not past or 0 in past or not rows or 0 in rows:
+        return None
+    axis = next((a.i for a in concat.attribute if a.name == "axis"), 0) % len(past)
+    other = int(np.prod([d for k, d in enumerate(past) if k != axis]))
+    if int(np.prod(rows)) % other:
+        return None
+    return [int(np.prod(rows)) // other if k == axis else d for k, d in enumerate(past)]
 
 
 def _toposort(g) -> None:

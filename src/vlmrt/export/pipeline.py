@@ -170,10 +170,13 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     if htp is not None:  # the head's own graph by default where it is untied (htp_precisions.parse)
         htp = {**htp, "precisions": htp_precisions.parse(htp["spec"], untied=not cfg.tie_word_embeddings,
                                                          lookahead=bool(htp["lookahead_ar"]))}
+        t = cfg.text
+        htp_precisions.check_blocks(htp["precisions"], t.hidden, t.heads * t.head_dim, t.intermediate)
     if max_seq_len is None:
         max_seq_len, _ = family.default_max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
+    cfg.text.rope.check_context(max_seq_len)  # a table of RoPE rows must hold the scaling up to the max context
     if context_step is None:
         context_step = min(DEFAULT_CONTEXT_STEP, max_seq_len)
     if context_step > max_seq_len:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from . import layers
+from .rope import Rope, UnsupportedRope
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -34,6 +35,9 @@ class TextConfig:
     vocab: int
     qkv_bias: bool = False
     qk_norm: bool = False
+    rope: Rope | None = None  # its scaling type (rope.py); None: plain RoPE of base rope_theta
+    o_bias: bool = False  # Llama / Qwen3 attention_bias: o_proj has a bias too (Qwen2's q/k/v biases leave it out)
+    mlp_bias: bool = False  # Llama mlp_bias
 
     @property
     def kv_dim(self) -> int:
@@ -44,10 +48,10 @@ class TextConfig:
         model_type = t.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "qwen3"):
             raise UnsupportedCheckpoint(f"text model type {model_type!r} is not supported (llama, qwen2, qwen3)")
-        rope = t.get("rope_scaling") or t.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise UnsupportedCheckpoint(f"RoPE scaling {rope_type!r} is not supported yet")
+        try:
+            rope = Rope.from_hf(t)
+        except UnsupportedRope as e:
+            raise UnsupportedCheckpoint(str(e)) from None
         if t.get("use_sliding_window"):
             raise UnsupportedCheckpoint("sliding-window attention is not supported yet")
         hidden, heads = t["hidden_size"], t["num_attention_heads"]
@@ -60,10 +64,13 @@ class TextConfig:
             intermediate=t["intermediate_size"],
             eps=t.get("rms_norm_eps", 1e-6),
             act=t.get("hidden_act", "silu"),
-            rope_theta=float(t.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=rope.theta,
             vocab=t["vocab_size"],
             qkv_bias=model_type == "qwen2" or bool(t.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
+            rope=rope,
+            o_bias=model_type != "qwen2" and bool(t.get("attention_bias", False)),
+            mlp_bias=model_type == "llama" and bool(t.get("mlp_bias", False)),
         )
 
 
@@ -71,7 +78,8 @@ def build(tc: TextConfig) -> layers.CausalDecoder:
     return layers.CausalDecoder(
         layers=tc.layers, hidden=tc.hidden, heads=tc.heads, kv_heads=tc.kv_heads, head_dim=tc.head_dim,
         intermediate=tc.intermediate, eps=tc.eps, act=tc.act, rope_theta=tc.rope_theta, vocab=tc.vocab,
-        qkv_bias=tc.qkv_bias, qk_norm=tc.qk_norm,
+        qkv_bias=tc.qkv_bias, qk_norm=tc.qk_norm, rope=tc.rope,
+        o_bias=tc.o_bias, mlp_bias=tc.mlp_bias,
     )
 
 

@@ -301,7 +301,8 @@ def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
 
     if not cfg.tie_word_embeddings and head not in tensors:
         raise UnsupportedCheckpoint(f"config says the lm head is not tied, but the checkpoint has no {head}")
-    dec, embed = decoder.load(cfg.text, tensors, take, tp, None if cfg.tie_word_embeddings else head)
+    # transformers 5 ties only a head the checkpoint lacks: a saved one is the head even under tie_word_embeddings
+    dec, embed = decoder.load(cfg.text, tensors, take, tp, head if head in tensors else None)
     skipped_vision = [k for k in tensors if k.startswith(vp + "encoder.") and k not in used and cfg.feature_layer != -1]
     unused = sorted(k for k in tensors if k not in used and k != head and k not in skipped_vision)
     if unused:

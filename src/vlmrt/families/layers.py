@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gqa  # noqa: F401  (registers torch.ops.vlmrt.group_query_attention)
+from .rope import Rope
 
 
 class RMSNorm(nn.Module):
@@ -44,11 +45,6 @@ def activation(name: str):
     raise ValueError(f"unsupported activation {name!r}")
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    # exactly transformers' compute_default_rope_parameters
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-
-
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = position_ids[:, None].float() * inv_freq[None, :]  # [seq, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [seq, head_dim]
@@ -69,7 +65,8 @@ class CachedGQAttention(nn.Module):
     """Grouped-query attention over an external cache; returns output and the new K/V rows."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
-                 qk_norm: bool = False, eps: float = 1e-6, copy_free: bool = True, in_place: bool = False):
+                 qk_norm: bool = False, eps: float = 1e-6, copy_free: bool = True, in_place: bool = False,
+                 o_bias: bool = False):
         """copy_free: steps read the cache where it is (_copy_free_step); the HTP target's float graphs do not.
         in_place: forward(x, seqlens_k, total, cos_half, sin_half, past_k, past_v) -> (out, present_k, present_v)
         as one GroupQueryAttention over cache buffers [1, kv_heads, max_context, d] (module doc)."""
@@ -79,7 +76,7 @@ class CachedGQAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)  # Qwen2: q/k/v biases
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)  # Llama / Qwen3 attention_bias: o_proj's too
         # Qwen3: RMSNorm over each head's q and k before RoPE
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
@@ -148,11 +145,11 @@ class CachedGQAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)  # Llama mlp_bias
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
     def forward(self, x):
@@ -163,13 +160,13 @@ class DecoderLayer(nn.Module):
     """Pre-norm Llama/Qwen block with cache I/O."""
 
     def __init__(self, hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias=False, qk_norm=False,
-                 copy_free=True, in_place=False):
+                 copy_free=True, in_place=False, o_bias=False, mlp_bias=False):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = CachedGQAttention(hidden, heads, kv_heads, head_dim, bias=qkv_bias, qk_norm=qk_norm, eps=eps,
-                                           copy_free=copy_free, in_place=in_place)
+                                           copy_free=copy_free, in_place=in_place, o_bias=o_bias)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = GatedMLP(hidden, intermediate, act)
+        self.mlp = GatedMLP(hidden, intermediate, act, mlp_bias)
 
     def forward(self, x, *cache):
         a, k_new, v_new = self.self_attn(self.input_layernorm(x), *cache)
@@ -196,19 +193,25 @@ class CausalDecoder(nn.Module):
     """
 
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
-                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False):
+                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False, rope=None,
+                 o_bias=False, mlp_bias=False):
+        """rope: a rope.Rope (its scaling type), else plain RoPE of base rope_theta. o_bias, mlp_bias: biases on
+        o_proj and on the MLP's projections (Llama's attention_bias / mlp_bias)."""
         super().__init__()
+        rope = rope or Rope(theta=rope_theta)
         self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           intermediate=intermediate, eps=eps, act=act, rope_theta=rope_theta, vocab=vocab,
-                          qkv_bias=qkv_bias, qk_norm=qk_norm)
+                          qkv_bias=qkv_bias, qk_norm=qk_norm, rope=rope, o_bias=o_bias, mlp_bias=mlp_bias)
         self.logit_rows, self.in_place = logit_rows, in_place
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free, in_place)
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, act, qkv_bias, qk_norm, copy_free, in_place,
+                         o_bias, mlp_bias)
             for _ in range(layers)
         )
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta), persistent=False)
+        inv_freq, self.rope_scale = rope.frequencies(head_dim)  # rope_scale: yarn's attention factor on cos/sin
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_table(4096)
 
     def with_options(self, *, copy_free: bool, logit_rows: bool, rope_positions: int,
@@ -225,6 +228,8 @@ class CausalDecoder(nn.Module):
         gathers rows by position instead of running Sin/Cos — exact, cheaper, and NPU-friendly
         (the HTP's 16-bit Sin/Cos of large angles is not). Export sizes it to max context + AR."""
         cos, sin = rope_cos_sin(torch.arange(positions), self.inv_freq)
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

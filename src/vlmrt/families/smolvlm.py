@@ -158,7 +158,9 @@ def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> tuple[
 
     if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
         raise UnsupportedCheckpoint("config says the lm head is not tied, but the checkpoint has no lm_head.weight")
-    dec, embed = decoder.load(cfg.text, tensors, take, tp, None if cfg.tie_word_embeddings else "lm_head.weight")
+    # transformers 5 ties only a head the checkpoint lacks: a saved one is the head even under tie_word_embeddings
+    head = "lm_head.weight" if "lm_head.weight" in tensors else None
+    dec, embed = decoder.load(cfg.text, tensors, take, tp, head)
     unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
     if unused:
         raise UnsupportedCheckpoint(f"checkpoint has {len(unused)} weights this exporter does not map, e.g. {unused[0]}")
