@@ -94,6 +94,15 @@ BAD = [
     ("max_tokens", {"messages": [TEXT], "max_tokens": 0}, 400, "invalid_request_error", "invalid_parameter"),
     ("stop", {"messages": [TEXT], "stop": [1]}, 400, "invalid_request_error", "invalid_parameter"),
     ("file URL", {"messages": [ask("?", "file:///etc/passwd")]}, 400, "invalid_request_error", "invalid_image"),
+    ("JSON nested too deeply", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_request_error",
+     "invalid_json"),
+    ("a 5000-digit integer", b'{"messages": [{"role": "user", "content": "hi"}], "seed": 1' + b"0" * 5000 + b"}", 400,
+     "invalid_request_error", "invalid_json"),
+    ("temperature NaN", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+     "invalid_request_error", "invalid_parameter"),
+    ("temperature too large for a float", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1'
+     + b"0" * 400 + b"}", 400, "invalid_request_error", "invalid_parameter"),
+    ("negative seed", {"messages": [TEXT], "seed": -1}, 400, "invalid_request_error", "invalid_parameter"),
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 
 from ..runtime.conversation import ConversationError, parse_messages
@@ -30,7 +31,9 @@ class ChatRequest:
 def _json(raw: bytes):
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise bad_request("the body is not valid JSON: nested too deeply", "invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise bad_request(f"the body is not valid JSON: {e}", "invalid_json") from None
 
 
@@ -38,13 +41,18 @@ def _number(body: dict, name: str, kind, lo=None, hi=None, lo_open=False):
     v = body.get(name)
     if v is None:
         return None
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer())
+    # JSON may also carry NaN, Infinity and integers too large for a float
+    ok = isinstance(v, int) and not isinstance(v, bool) or (
+        isinstance(v, float) and math.isfinite(v) and (kind is float or v.is_integer()))
     if not ok:
-        raise bad_request(f"{name} must be {'a number' if kind is float else 'an integer'}", "invalid_parameter")
-    v = kind(v)
+        raise bad_request(f"{name} must be {'a finite number' if kind is float else 'an integer'}", "invalid_parameter")
+    try:
+        v = kind(v)
+    except OverflowError:
+        raise bad_request(f"{name} is out of range", "invalid_parameter") from None
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         span = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
-        raise bad_request(f"{name} must be in {span}, not {v}", "invalid_parameter")
+        raise bad_request(f"{name} must be in {span}, not {str(v)[:40]}", "invalid_parameter")
     return v
 
 
@@ -117,7 +125,7 @@ def parse_request(raw: bytes, max_images: int) -> ChatRequest:
         "temperature": _number(body, "temperature", float, 0, 2),
         "top_p": _number(body, "top_p", float, 0, 1, lo_open=True),
         "top_k": _number(body, "top_k", int, 0),
-        "seed": _number(body, "seed", int),
+        "seed": _number(body, "seed", int, 0, 2**64 - 1),
         "stop": _stop(body.get("stop")),
         "ignore_eos": body.get("ignore_eos"),
     }
