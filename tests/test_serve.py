@@ -102,6 +102,10 @@ BAD = [
      "invalid_request_error", "invalid_parameter"),
     ("temperature too large for a float", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1'
      + b"0" * 400 + b"}", 400, "invalid_request_error", "invalid_parameter"),
+    ("a lone surrogate in the text", b'{"messages": [{"role": "user", "content": "\\ud800 hi"}]}', 400,
+     "invalid_request_error", "invalid_request"),
+    ("a lone surrogate in an image url", {"messages": [ask("?", "\ud800.png")]}, 400, "invalid_request_error",
+     "invalid_image"),
     ("negative seed", {"messages": [TEXT], "seed": -1}, 400, "invalid_request_error", "invalid_parameter"),
 ]
 

@@ -88,7 +88,7 @@ def _messages(raw) -> tuple[list[dict], list[str], list]:
                     if not isinstance(url, str) or not url:
                         raise bad_request(f"{where}, part {j + 1}: image_url needs {{\"url\": ...}}", "invalid_content_part")
                     urls.append(url)
-                    kparts.append(("image", hashlib.sha256(url.encode()).hexdigest()))
+                    kparts.append(("image", hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()))
                 else:
                     raise bad_request(f"{where}, part {j + 1}: unknown content part type {kind!r} (text or image_url)",
                                       "invalid_content_part")
