@@ -221,6 +221,17 @@ def test_eval_bad_arguments(default_bundle, capsys, tmp_path):
                           f"reference {tmp_path / 'nope'} is neither a bundle nor a checkpoint folder")
 
 
+@pytest.mark.parametrize("text, needle", [
+    ("[" * 100_000 + "]" * 100_000, "is not JSON: nested too deeply"),
+    ('[{"role": "user", "content": "hi", "n": 1' + "0" * 5000 + "}]", "is not JSON: Exceeds the limit"),
+    ('[{"role": "user", "content": "\\ud800 hi"}]', "message 1: the text is not valid Unicode"),
+])
+def test_messages_file_that_python_cannot_take(default_bundle, capsys, tmp_path, text, needle):
+    """JSON that the parser cannot nest or convert, and text that cannot be tokenized, are one line each."""
+    (tmp_path / "conv.json").write_text(text)
+    assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--messages", tmp_path / "conv.json"), needle)
+
+
 def test_bench_prompt_shorter_than_the_image(default_bundle, capsys):
     """The cat photo's 7 tiles and the chat template are 146 tokens on this fixture: 120 cannot be met."""
     p = in_process(capsys, "bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 120)

@@ -181,7 +181,9 @@ def load_messages(path: str) -> list[dict]:
             data = json.load(f)
     except OSError as e:
         raise ConversationError(f"cannot read {path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise ConversationError(f"{path} is not JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise ConversationError(f"{path} is not JSON: {e}") from None
     if isinstance(data, dict) and "messages" in data:
         data = data["messages"]
