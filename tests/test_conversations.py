@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import numpy as np
 import pytest
@@ -347,6 +348,19 @@ def test_bad_image_sources_give_one_error_line(default_bundle, capsys, tmp_path)
         vlm = VLM.load(b, fetch=FetchLimits(timeout_s=0.5))
         with pytest.raises(img_ops.ImageError, match="timed out"):
             list(vlm.chat([oai([url + "/slow"], "Hi")], max_new_tokens=1))
+
+
+def test_a_url_that_drips_its_bytes_is_cut_off_at_the_deadline(default_bundle):
+    """Every read arrives within the read timeout, but the whole fetch may not take longer than total_s (a server
+    could hold a request, or `vlmrt serve`'s image threads, for as long as it dripped)."""
+    from vlmrt.runtime.sources import FetchLimits
+
+    vlm = VLM.load(default_bundle.bundle, fetch=FetchLimits(timeout_s=0.5, total_s=1.0))
+    with serve_images({"/drip": ("drip", 0.1, 100)}) as url:
+        t = time.perf_counter()
+        with pytest.raises(img_ops.ImageError, match="not received within 1 s"):
+            list(vlm.chat([oai([url + "/drip"], "Hi")], max_new_tokens=1))
+        assert time.perf_counter() - t < 3.0
 
 
 def test_too_many_images_for_the_context_is_one_line(capsys, tmp_path_factory, tmp_path):

@@ -106,6 +106,7 @@ BAD = [
      "invalid_request_error", "invalid_request"),
     ("a lone surrogate in an image url", {"messages": [ask("?", "\ud800.png")]}, 400, "invalid_request_error",
      "invalid_image"),
+    ("a malformed URL", {"messages": [ask("?", "https://[::1/x.png")]}, 400, "invalid_request_error", "invalid_image"),
     ("negative seed", {"messages": [TEXT], "seed": -1}, 400, "invalid_request_error", "invalid_parameter"),
 ]
 
