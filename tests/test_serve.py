@@ -107,8 +107,32 @@ BAD = [
     ("a lone surrogate in an image url", {"messages": [ask("?", "\ud800.png")]}, 400, "invalid_request_error",
      "invalid_image"),
     ("a malformed URL", {"messages": [ask("?", "https://[::1/x.png")]}, 400, "invalid_request_error", "invalid_image"),
+    ("logprobs", {"messages": [TEXT], "logprobs": True}, 400, "invalid_request_error", "unsupported_parameter"),
+    ("json output", {"messages": [TEXT], "response_format": {"type": "json_object"}}, 400, "invalid_request_error",
+     "unsupported_parameter"),
+    ("tools", {"messages": [TEXT], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "invalid_request_error", "unsupported_parameter"),
+    ("a penalty", {"messages": [TEXT], "frequency_penalty": 0.5}, 400, "invalid_request_error", "unsupported_parameter"),
+    ("logit_bias", {"messages": [TEXT], "logit_bias": {"5": 10}}, 400, "invalid_request_error", "unsupported_parameter"),
+    ("include_usage not a boolean", {"messages": [TEXT], "stream": True, "stream_options": {"include_usage": "no"}},
+     400, "invalid_request_error", "invalid_parameter"),
     ("negative seed", {"messages": [TEXT], "seed": -1}, 400, "invalid_request_error", "invalid_parameter"),
 ]
+
+
+def test_fields_that_ask_for_the_default_are_accepted(server, vlm):
+    """What clients send along (LangChain's zero penalties, logprobs false, a text response_format, no tools, user,
+    metadata, an unknown field) changes nothing: the answer is the plain request's."""
+    harmless = {"model": "any", "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+                "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+                "modalities": ["text"], "stream_options": {"include_usage": True}, "some_extension": [1, 2]}
+    messages = [ask("What is in the picture?", uri(picture(9)))]
+    code, out, _ = post(server, {"messages": messages, "max_tokens": 6, **harmless})
+    assert code == 200, out
+    assert out["choices"][0]["message"]["content"] == direct(vlm, messages, max_new_tokens=6)
+    code, out, _ = post(server, {"messages": [TEXT], "logprobs": True})
+    assert out["error"]["param"] == "logprobs" and "log probabilities are not returned" in out["error"]["message"]
 
 
 def test_lookahead_server_answers_as_plain_decoding(tiny, vlm):
