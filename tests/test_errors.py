@@ -191,6 +191,16 @@ def test_bad_sampling_args(default_bundle, capsys):
     assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens")
 
 
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--temperature", "nan", "temperature must be a finite number >= 0, not nan"),  # was numpy's "Probabilities contain NaN"
+    ("--temperature", "inf", "temperature must be a finite number >= 0, not inf"),  # was a uniform draw
+    ("--seed", "-3", "seed must be >= 0, not -3"),  # was numpy's "expected non-negative integer"
+])
+def test_sampling_args_numpy_cannot_take(default_bundle, capsys, flag, value, needle):
+    p = in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--temperature", "1", flag, value)
+    assert_one_line_error(p, needle)
+
+
 def test_negative_top_k(default_bundle, capsys):
     assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--top-k", "-1"), "top-k must be >= 0")
 

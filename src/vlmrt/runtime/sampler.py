@@ -15,12 +15,14 @@ class SamplingConfig:
     seed: int | None = None
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not 0 <= self.temperature < float("inf"):  # NaN too: it made every probability NaN
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if self.top_k < 0:
             raise ValueError("top-k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top-p must be in (0, 1]")
+        if self.seed is not None and self.seed < 0:  # numpy's "expected non-negative integer"
+            raise ValueError(f"seed must be >= 0, not {self.seed}")
 
 
 class Sampler:
