@@ -201,6 +201,14 @@ def test_sampling_args_numpy_cannot_take(default_bundle, capsys, flag, value, ne
     assert_one_line_error(p, needle)
 
 
+@pytest.mark.parametrize("threads", ["0", "-1", "100000"])
+def test_threads_out_of_range(default_bundle, capsys, threads):
+    """0 and -1 were passed to ORT as they are (0: its default); 100,000 hung the load starting threads."""
+    for cmd in ("run", "bench", "serve"):
+        args = [cmd, default_bundle.bundle, "--threads", threads] + (["--prompt", "hi"] if cmd == "run" else [])
+        assert_one_line_error(in_process(capsys, *args), "--threads must be between 1 and", f"not {threads}")
+
+
 def test_negative_top_k(default_bundle, capsys):
     assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--top-k", "-1"), "top-k must be >= 0")
 

@@ -73,10 +73,12 @@ def build(a, bundle: str, on_load_error=None):
     media = Path(a.media_dir) if a.media_dir else None
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
+    from ..runtime.bundle import check_threads
     from ..runtime.engine import check_lookahead
     from ..runtime.lookahead import check_exact
 
     # a missing or unreadable bundle, or a lookahead it cannot verify, fails now, not after the port opens
+    check_threads(a.threads)
     m = load_manifest(bundle, verify=False)
     check_lookahead(m.decoder, a.lookahead)
     check_exact(m.graphs["decode"], a.lookahead)
