@@ -9,6 +9,7 @@ Running runs the same server in a thread of this process (tests, benchmarks).
 
 from __future__ import annotations
 
+import math
 import socket
 import sys
 import threading
@@ -68,8 +69,10 @@ def build(a, bundle: str, on_load_error=None):
     from .app import Config, create_app
     from .scheduler import Scheduler
 
-    if a.slots < 1 or a.queue < 0 or a.max_images < 1 or a.max_body_mb <= 0 or a.image_cache_mb < 0:
-        raise ValueError("--slots, --max-images and --max-body-mb must be > 0, --queue and --image-cache-mb >= 0")
+    sizes_ok = all(math.isfinite(x) for x in (a.max_body_mb, a.image_cache_mb))  # NaN passes the comparisons below
+    if not sizes_ok or a.slots < 1 or a.queue < 0 or a.max_images < 1 or a.max_body_mb <= 0 or a.image_cache_mb < 0:
+        raise ValueError("--slots, --max-images and --max-body-mb must be > 0, --queue and --image-cache-mb >= 0 "
+                         "(finite numbers)")
     media = Path(a.media_dir) if a.media_dir else None
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
