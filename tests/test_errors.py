@@ -256,6 +256,15 @@ def test_bench_prompt_shorter_than_the_image(default_bundle, capsys):
     assert_one_line_error(p, "--prompt-tokens 120 is less than the image + chat template alone (146 tokens)")
 
 
+@pytest.mark.parametrize("counts", [("100000", "2"), ("300", "21")])
+def test_bench_over_the_context(default_bundle, capsys, counts):
+    """--prompt-tokens 100000 spent minutes building the prompt word by word; 300 + 21 on a 320-token context stopped
+    each run at the context, short of --gen-tokens."""
+    p = in_process(capsys, "bench", default_bundle.bundle, "--prompt-tokens", counts[0], "--gen-tokens", counts[1])
+    assert_one_line_error(p, f"--prompt-tokens {counts[0]} + --gen-tokens {counts[1]} is more than the bundle's max "
+                             "context (320 tokens)")
+
+
 @pytest.mark.parametrize("flag", ["--runs", "--gen-tokens", "--prompt-tokens"])
 def test_bench_counts_below_one(default_bundle, capsys, flag):
     assert_one_line_error(in_process(capsys, "bench", default_bundle.bundle, flag, "0"), "must be >= 1")
