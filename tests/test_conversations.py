@@ -435,6 +435,21 @@ def test_chat_repl(default_bundle, tmp_path):
     assert len([ln for ln in out.getvalue().splitlines()]) == 3  # one answer line per answered turn
 
 
+def test_chat_repl_without_a_turn(default_bundle, monkeypatch):
+    """/stats before any answered turn (and after a failed one) says so (was a report of zeros, 'stop: '); a closed
+    standard input (`vlmrt chat <&-`: sys.stdin is None) is an empty input (was an AttributeError traceback)."""
+    from vlmrt.chat_repl import repl
+
+    vlm = VLM.load(default_bundle.bundle)
+    err = io.StringIO()
+    script = io.StringIO("/stats\n/image /no/such.png\nHi\n/stats\n")
+    assert repl(vlm, dict(max_new_tokens=2), report=cli._stats_report, stdin=script, stdout=io.StringIO(),
+                stderr=err) == 0
+    assert err.getvalue().count("[no turn answered yet]") == 2 and "prompt tokens" not in err.getvalue()
+    monkeypatch.setattr("sys.stdin", None)
+    assert repl(vlm, {}, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+
+
 def test_vlmrt_chat_command(default_bundle, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n/stats\n/quit\nnever read\n"))
     capsys.readouterr()
