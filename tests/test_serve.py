@@ -212,8 +212,9 @@ def test_body_limit_queue_full_and_bugs(small, monkeypatch):
     assert code == 413 and out["error"]["code"] == "request_too_large"
     with stream_request(small, {"messages": [TEXT], "stream": True, "ignore_eos": True, "max_tokens": 1000}) as s:
         read_events(s, 2)  # the one slot is generating
-        code, out, _ = post(small, {"messages": [TEXT], "max_tokens": 2})
+        code, out, headers = post(small, {"messages": [TEXT], "max_tokens": 2})
         assert code == 503 and out["error"]["code"] == "queue_full" and out["error"]["type"] == "unavailable_error"
+        assert headers["retry-after"] == "1"  # the openai client waits that long before its retry
     wait_idle(small)
 
     def boom(*a, **k):
