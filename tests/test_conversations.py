@@ -435,6 +435,30 @@ def test_chat_repl(default_bundle, tmp_path):
     assert len([ln for ln in out.getvalue().splitlines()]) == 3  # one answer line per answered turn
 
 
+def test_an_answer_overtaken_by_another_on_the_same_vlm(default_bundle):
+    """Two answers alive on one VLM share its KV cache: the older one, resumed, raises instead of stepping on the
+    other's rows, and, closed late (garbage collected), records nothing in the prefix cache (it recorded its own
+    conversation over the rows the newer answer had written, which a later turn then reused: a wrong answer)."""
+    vlm = VLM.load(default_bundle.bundle)
+    first = [{"role": "user", "content": "Tell me about red apples and green pears, please."}]
+    other = [{"role": "user", "content": "Count the blue boxes on the table below the window."}]
+    g = vlm.chat(first, max_new_tokens=20, ignore_eos=True)
+    next(g)
+    "".join(vlm.chat(other, max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="the VLM began another one"):
+        list(g)
+    g = vlm.chat(first, max_new_tokens=20, ignore_eos=True)
+    next(g)
+    "".join(vlm.chat(other, max_new_tokens=4))
+    del g  # closed now, after the other answer
+    follow = first + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "And more?"}]
+    assert "".join(vlm.chat(follow, max_new_tokens=8)) == direct_answer(vlm.bundle, follow)
+
+
+def direct_answer(bundle, messages) -> str:
+    return "".join(VLM(bundle).chat(messages, max_new_tokens=8))
+
+
 def test_chat_repl_without_a_turn(default_bundle, monkeypatch):
     """/stats before any answered turn (and after a failed one) says so (was a report of zeros, 'stop: '); a closed
     standard input (`vlmrt chat <&-`: sys.stdin is None) is an empty input (was an AttributeError traceback)."""
