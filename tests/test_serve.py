@@ -116,6 +116,8 @@ BAD = [
     ("logit_bias", {"messages": [TEXT], "logit_bias": {"5": 10}}, 400, "invalid_request_error", "unsupported_parameter"),
     ("include_usage not a boolean", {"messages": [TEXT], "stream": True, "stream_options": {"include_usage": "no"}},
      400, "invalid_request_error", "invalid_parameter"),
+    ("empty content list", {"messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error",
+     "invalid_request"),
     ("negative seed", {"messages": [TEXT], "seed": -1}, 400, "invalid_request_error", "invalid_parameter"),
 ]
 

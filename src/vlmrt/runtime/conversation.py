@@ -90,6 +90,8 @@ def parse_messages(messages) -> Conversation:
         if isinstance(content, str):
             parts = [{"type": "text", "text": _text(content, where)}]
         elif isinstance(content, list):
+            if not content:  # a template indexing content[0] failed with jinja2's "list object has no element 0"
+                raise ConversationError(f"{where}: content is an empty list of parts (give a string or at least one part)")
             parts = []
             for j, p in enumerate(content):
                 kind = p.get("type") if isinstance(p, dict) else None
