@@ -455,6 +455,15 @@ def test_an_answer_overtaken_by_another_on_the_same_vlm(default_bundle):
     assert "".join(vlm.chat(follow, max_new_tokens=8)) == direct_answer(vlm.bundle, follow)
 
 
+def test_max_new_tokens_of_the_wrong_type_is_named(default_bundle):
+    """2.5 ran (the engine's loop compared floats), '3' and None were a bare '<' TypeError."""
+    vlm = VLM.load(default_bundle.bundle)
+    for bad in (2.5, "3", None, True):
+        with pytest.raises(TypeError, match=f"max_new_tokens must be an integer, not {type(bad).__name__}"):
+            list(vlm.chat([{"role": "user", "content": "hi"}], max_new_tokens=bad))
+    assert vlm("hi", max_new_tokens=np.int64(2)).stats.generated_tokens == 2
+
+
 def direct_answer(bundle, messages) -> str:
     return "".join(VLM(bundle).chat(messages, max_new_tokens=8))
 

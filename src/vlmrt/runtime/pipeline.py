@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import resource
 import time
+from numbers import Integral
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -226,6 +227,8 @@ class VLM:
         mode = mode or m.generate.get("default_mode", "hybrid")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral):
+            raise TypeError(f"max_new_tokens must be an integer, not {type(max_new_tokens).__name__}")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         sampler, cut = Sampler(sampling), StopStrings(stop)
