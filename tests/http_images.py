@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 @contextmanager
 def serve_images(routes: dict, lifetime_s: float = 120.0):
-    """routes: path -> bytes (200, served as is), ("redirect", path) (302), ("sleep", seconds) (answers late);
+    """routes: path -> bytes (200, served as is), ("redirect", path) (302), ("sleep", seconds) (answers late),
+    ("drip", seconds, n) (n bytes, one every seconds);
     anything else is 404. Yields the base URL."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -27,6 +28,16 @@ def serve_images(routes: dict, lifetime_s: float = 120.0):
                 self.send_header("Location", r[1])
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+            elif isinstance(r, tuple) and r[0] == "drip":  # one byte every r[1] seconds, r[2] of them
+                self.send_response(200)
+                self.end_headers()
+                for _ in range(r[2]):
+                    try:
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                    except OSError:
+                        return
+                    time.sleep(r[1])
             elif isinstance(r, tuple) and r[0] == "sleep":
                 time.sleep(r[1])
                 self.send_response(200)

@@ -82,6 +82,30 @@ def test_records_of_a_jsonl_file(tmp_path):
         records.read_records(tmp_path / "nope.jsonl", None)
 
 
+def test_records_that_python_cannot_parse_are_their_own_errors(tmp_path):
+    """A line nested too deeply for the JSON parser (or for copying its messages), a 5000-digit integer and text or
+    an id holding a lone surrogate are each that record's error, not the job's (were a traceback or a job error)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([
+        '{"id": 1, "prompt": "hi", "n": 1' + "0" * 5000 + "}",
+        "[" * 100_000 + "]" * 100_000,
+        '{"id": 3, "messages": ' + "[" * 600 + "]" * 600 + "}",
+        '{"id": 4, "prompt": "\\ud800"}',
+        '{"id": 5, "messages": [{"role": "user", "content": "\\udc80"}]}',
+        '{"id": "\\ud800", "prompt": "hi"}',
+        '{"id": 7, "prompt": "fine"}']) + "\n")
+    rs = records.read_records(src, None)
+    assert [(r.id, r.error) for r in rs] == [
+        ("line-1", "line 1: not JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5001 "
+                   "digits; use sys.set_int_max_str_digits() to increase the limit)"),
+        ("line-2", "line 2: not JSON (nested too deeply)"),
+        (3, "messages are nested too deeply"),
+        (4, "message 1, part 1: the text is not valid Unicode (it holds a lone surrogate)"),
+        (5, "message 1: the text is not valid Unicode (it holds a lone surrogate)"),
+        ("line-6", "line 6: a record needs an id (a non-empty string or an integer); this one holds a lone surrogate"),
+        (7, None)]
+
+
 def test_records_of_a_folder(tmp_path):
     for name in ("b.png", "a.JPG", "sub/c.webp", ".hidden/d.png", "notes.txt", ".e.png"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

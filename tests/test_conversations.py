@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import numpy as np
 import pytest
@@ -349,6 +350,19 @@ def test_bad_image_sources_give_one_error_line(default_bundle, capsys, tmp_path)
             list(vlm.chat([oai([url + "/slow"], "Hi")], max_new_tokens=1))
 
 
+def test_a_url_that_drips_its_bytes_is_cut_off_at_the_deadline(default_bundle):
+    """Every read arrives within the read timeout, but the whole fetch may not take longer than total_s (a server
+    could hold a request, or `vlmrt serve`'s image threads, for as long as it dripped)."""
+    from vlmrt.runtime.sources import FetchLimits
+
+    vlm = VLM.load(default_bundle.bundle, fetch=FetchLimits(timeout_s=0.5, total_s=1.0))
+    with serve_images({"/drip": ("drip", 0.1, 100)}) as url:
+        t = time.perf_counter()
+        with pytest.raises(img_ops.ImageError, match="not received within 1 s"):
+            list(vlm.chat([oai([url + "/drip"], "Hi")], max_new_tokens=1))
+        assert time.perf_counter() - t < 3.0
+
+
 def test_too_many_images_for_the_context_is_one_line(capsys, tmp_path_factory, tmp_path):
     ex = exported(CASES[1], tmp_path_factory)  # untiled, max context 96
     many = [str(image_file("chelsea.png", None))] * 12
@@ -422,6 +436,54 @@ def test_chat_repl(default_bundle, tmp_path):
     assert " 0 reused" in turns[0] and " 0 reused" not in turns[1]  # the second turn kept the first's rows
     assert "vlmrt: error: image not found: /no/such.png" in log and "time to 1st token" in log
     assert len([ln for ln in out.getvalue().splitlines()]) == 3  # one answer line per answered turn
+
+
+def test_an_answer_overtaken_by_another_on_the_same_vlm(default_bundle):
+    """Two answers alive on one VLM share its KV cache: the older one, resumed, raises instead of stepping on the
+    other's rows, and, closed late (garbage collected), records nothing in the prefix cache (it recorded its own
+    conversation over the rows the newer answer had written, which a later turn then reused: a wrong answer)."""
+    vlm = VLM.load(default_bundle.bundle)
+    first = [{"role": "user", "content": "Tell me about red apples and green pears, please."}]
+    other = [{"role": "user", "content": "Count the blue boxes on the table below the window."}]
+    g = vlm.chat(first, max_new_tokens=20, ignore_eos=True)
+    next(g)
+    "".join(vlm.chat(other, max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="the VLM began another one"):
+        list(g)
+    g = vlm.chat(first, max_new_tokens=20, ignore_eos=True)
+    next(g)
+    "".join(vlm.chat(other, max_new_tokens=4))
+    del g  # closed now, after the other answer
+    follow = first + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "And more?"}]
+    assert "".join(vlm.chat(follow, max_new_tokens=8)) == direct_answer(vlm.bundle, follow)
+
+
+def test_max_new_tokens_of_the_wrong_type_is_named(default_bundle):
+    """2.5 ran (the engine's loop compared floats), '3' and None were a bare '<' TypeError."""
+    vlm = VLM.load(default_bundle.bundle)
+    for bad in (2.5, "3", None, True):
+        with pytest.raises(TypeError, match=f"max_new_tokens must be an integer, not {type(bad).__name__}"):
+            list(vlm.chat([{"role": "user", "content": "hi"}], max_new_tokens=bad))
+    assert vlm("hi", max_new_tokens=np.int64(2)).stats.generated_tokens == 2
+
+
+def direct_answer(bundle, messages) -> str:
+    return "".join(VLM(bundle).chat(messages, max_new_tokens=8))
+
+
+def test_chat_repl_without_a_turn(default_bundle, monkeypatch):
+    """/stats before any answered turn (and after a failed one) says so (was a report of zeros, 'stop: '); a closed
+    standard input (`vlmrt chat <&-`: sys.stdin is None) is an empty input (was an AttributeError traceback)."""
+    from vlmrt.chat_repl import repl
+
+    vlm = VLM.load(default_bundle.bundle)
+    err = io.StringIO()
+    script = io.StringIO("/stats\n/image /no/such.png\nHi\n/stats\n")
+    assert repl(vlm, dict(max_new_tokens=2), report=cli._stats_report, stdin=script, stdout=io.StringIO(),
+                stderr=err) == 0
+    assert err.getvalue().count("[no turn answered yet]") == 2 and "prompt tokens" not in err.getvalue()
+    monkeypatch.setattr("sys.stdin", None)
+    assert repl(vlm, {}, stdout=io.StringIO(), stderr=io.StringIO()) == 0
 
 
 def test_vlmrt_chat_command(default_bundle, monkeypatch, capsys):

@@ -176,6 +176,18 @@ class ShapeRecorder:
         return self.inner.run(names, feeds)
 
 
+@pytest.mark.parametrize("kw, needle", [
+    (dict(temperature="1"), "temperature must be a number, not str"),
+    (dict(temperature=1.0, top_k=2.5), "top_k must be an integer, not float"),  # was numpy's "Partition index must be integer"
+    (dict(temperature=1.0, seed="7"), "seed must be an integer or None, not str"),
+    (dict(top_p=None), "top_p must be a number, not NoneType"),
+])
+def test_sampling_options_of_the_wrong_type_are_named(kw, needle):
+    with pytest.raises(TypeError, match=needle):
+        Sampler(SamplingConfig(**kw))
+    Sampler(SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int32(1)))  # numpy scalars are fine
+
+
 def test_symbolic_context_reads_the_prefix_it_needs():
     """Graphs with a symbolic cache length (DecoderSpec.context_step): each step reads the cache prefix that holds
     its past, rounded up to the step, and the tokens are those of the full-cache graphs."""

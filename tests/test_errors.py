@@ -191,6 +191,24 @@ def test_bad_sampling_args(default_bundle, capsys):
     assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens")
 
 
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--temperature", "nan", "temperature must be a finite number >= 0, not nan"),  # was numpy's "Probabilities contain NaN"
+    ("--temperature", "inf", "temperature must be a finite number >= 0, not inf"),  # was a uniform draw
+    ("--seed", "-3", "seed must be >= 0, not -3"),  # was numpy's "expected non-negative integer"
+])
+def test_sampling_args_numpy_cannot_take(default_bundle, capsys, flag, value, needle):
+    p = in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--temperature", "1", flag, value)
+    assert_one_line_error(p, needle)
+
+
+@pytest.mark.parametrize("threads", ["0", "-1", "100000"])
+def test_threads_out_of_range(default_bundle, capsys, threads):
+    """0 and -1 were passed to ORT as they are (0: its default); 100,000 hung the load starting threads."""
+    for cmd in ("run", "bench", "serve"):
+        args = [cmd, default_bundle.bundle, "--threads", threads] + (["--prompt", "hi"] if cmd == "run" else [])
+        assert_one_line_error(in_process(capsys, *args), "--threads must be between 1 and", f"not {threads}")
+
+
 def test_negative_top_k(default_bundle, capsys):
     assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--prompt", "hi", "--top-k", "-1"), "top-k must be >= 0")
 
@@ -221,10 +239,30 @@ def test_eval_bad_arguments(default_bundle, capsys, tmp_path):
                           f"reference {tmp_path / 'nope'} is neither a bundle nor a checkpoint folder")
 
 
+@pytest.mark.parametrize("text, needle", [
+    ("[" * 100_000 + "]" * 100_000, "is not JSON: nested too deeply"),
+    ('[{"role": "user", "content": "hi", "n": 1' + "0" * 5000 + "}]", "is not JSON: Exceeds the limit"),
+    ('[{"role": "user", "content": "\\ud800 hi"}]', "message 1: the text is not valid Unicode"),
+])
+def test_messages_file_that_python_cannot_take(default_bundle, capsys, tmp_path, text, needle):
+    """JSON that the parser cannot nest or convert, and text that cannot be tokenized, are one line each."""
+    (tmp_path / "conv.json").write_text(text)
+    assert_one_line_error(in_process(capsys, "run", default_bundle.bundle, "--messages", tmp_path / "conv.json"), needle)
+
+
 def test_bench_prompt_shorter_than_the_image(default_bundle, capsys):
     """The cat photo's 7 tiles and the chat template are 146 tokens on this fixture: 120 cannot be met."""
     p = in_process(capsys, "bench", default_bundle.bundle, "--image", image_file("chelsea.png", None), "--prompt-tokens", 120)
     assert_one_line_error(p, "--prompt-tokens 120 is less than the image + chat template alone (146 tokens)")
+
+
+@pytest.mark.parametrize("counts", [("100000", "2"), ("300", "21")])
+def test_bench_over_the_context(default_bundle, capsys, counts):
+    """--prompt-tokens 100000 spent minutes building the prompt word by word; 300 + 21 on a 320-token context stopped
+    each run at the context, short of --gen-tokens."""
+    p = in_process(capsys, "bench", default_bundle.bundle, "--prompt-tokens", counts[0], "--gen-tokens", counts[1])
+    assert_one_line_error(p, f"--prompt-tokens {counts[0]} + --gen-tokens {counts[1]} is more than the bundle's max "
+                             "context (320 tokens)")
 
 
 @pytest.mark.parametrize("flag", ["--runs", "--gen-tokens", "--prompt-tokens"])

@@ -94,7 +94,47 @@ BAD = [
     ("max_tokens", {"messages": [TEXT], "max_tokens": 0}, 400, "invalid_request_error", "invalid_parameter"),
     ("stop", {"messages": [TEXT], "stop": [1]}, 400, "invalid_request_error", "invalid_parameter"),
     ("file URL", {"messages": [ask("?", "file:///etc/passwd")]}, 400, "invalid_request_error", "invalid_image"),
+    ("JSON nested too deeply", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_request_error",
+     "invalid_json"),
+    ("a 5000-digit integer", b'{"messages": [{"role": "user", "content": "hi"}], "seed": 1' + b"0" * 5000 + b"}", 400,
+     "invalid_request_error", "invalid_json"),
+    ("temperature NaN", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+     "invalid_request_error", "invalid_parameter"),
+    ("temperature too large for a float", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1'
+     + b"0" * 400 + b"}", 400, "invalid_request_error", "invalid_parameter"),
+    ("a lone surrogate in the text", b'{"messages": [{"role": "user", "content": "\\ud800 hi"}]}', 400,
+     "invalid_request_error", "invalid_request"),
+    ("a lone surrogate in an image url", {"messages": [ask("?", "\ud800.png")]}, 400, "invalid_request_error",
+     "invalid_image"),
+    ("a malformed URL", {"messages": [ask("?", "https://[::1/x.png")]}, 400, "invalid_request_error", "invalid_image"),
+    ("logprobs", {"messages": [TEXT], "logprobs": True}, 400, "invalid_request_error", "unsupported_parameter"),
+    ("json output", {"messages": [TEXT], "response_format": {"type": "json_object"}}, 400, "invalid_request_error",
+     "unsupported_parameter"),
+    ("tools", {"messages": [TEXT], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "invalid_request_error", "unsupported_parameter"),
+    ("a penalty", {"messages": [TEXT], "frequency_penalty": 0.5}, 400, "invalid_request_error", "unsupported_parameter"),
+    ("logit_bias", {"messages": [TEXT], "logit_bias": {"5": 10}}, 400, "invalid_request_error", "unsupported_parameter"),
+    ("include_usage not a boolean", {"messages": [TEXT], "stream": True, "stream_options": {"include_usage": "no"}},
+     400, "invalid_request_error", "invalid_parameter"),
+    ("empty content list", {"messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error",
+     "invalid_request"),
+    ("negative seed", {"messages": [TEXT], "seed": -1}, 400, "invalid_request_error", "invalid_parameter"),
 ]
+
+
+def test_fields_that_ask_for_the_default_are_accepted(server, vlm):
+    """What clients send along (LangChain's zero penalties, logprobs false, a text response_format, no tools, user,
+    metadata, an unknown field) changes nothing: the answer is the plain request's."""
+    harmless = {"model": "any", "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+                "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+                "modalities": ["text"], "stream_options": {"include_usage": True}, "some_extension": [1, 2]}
+    messages = [ask("What is in the picture?", uri(picture(9)))]
+    code, out, _ = post(server, {"messages": messages, "max_tokens": 6, **harmless})
+    assert code == 200, out
+    assert out["choices"][0]["message"]["content"] == direct(vlm, messages, max_new_tokens=6)
+    code, out, _ = post(server, {"messages": [TEXT], "logprobs": True})
+    assert out["error"]["param"] == "logprobs" and "log probabilities are not returned" in out["error"]["message"]
 
 
 def test_lookahead_server_answers_as_plain_decoding(tiny, vlm):
@@ -174,8 +214,9 @@ def test_body_limit_queue_full_and_bugs(small, monkeypatch):
     assert code == 413 and out["error"]["code"] == "request_too_large"
     with stream_request(small, {"messages": [TEXT], "stream": True, "ignore_eos": True, "max_tokens": 1000}) as s:
         read_events(s, 2)  # the one slot is generating
-        code, out, _ = post(small, {"messages": [TEXT], "max_tokens": 2})
+        code, out, headers = post(small, {"messages": [TEXT], "max_tokens": 2})
         assert code == 503 and out["error"]["code"] == "queue_full" and out["error"]["type"] == "unavailable_error"
+        assert headers["retry-after"] == "1"  # the openai client waits that long before its retry
     wait_idle(small)
 
     def boom(*a, **k):

@@ -101,6 +101,14 @@ def test_cli_errors_are_one_line(tiny, capsys, tmp_path):
     assert capsys.readouterr().err.startswith("vlmrt: error: --slots")
 
 
+@pytest.mark.parametrize("flag, value", [("--max-body-mb", "nan"), ("--max-body-mb", "inf"), ("--image-cache-mb", "nan")])
+def test_cli_sizes_that_are_not_finite(tiny, capsys, flag, value):
+    """Were an OverflowError traceback (inf) and 'cannot convert float NaN to integer'."""
+    assert cli.main(["serve", str(tiny.bundle), flag, value]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vlmrt: error: --slots") and "finite numbers" in err[0], err
+
+
 def test_cli_serves_the_demo_model(demo_model):
     root, bundle = demo_model
     p = subprocess.Popen([sys.executable, "-m", "vlmrt.cli", "serve", "--port", "0", "--slots", "2", "--mode", "kv",

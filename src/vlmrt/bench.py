@@ -50,6 +50,10 @@ def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens:
         vlm = VLM.load(path, device=device, threads=threads, verify=False, lookahead=lookahead)
         load = time.perf_counter() - t
         if prompt is None:
+            ctx = vlm.manifest.kv.max_context
+            if prompt_tokens + gen_tokens > ctx:  # else a run stops at the context, short of --gen-tokens
+                raise ValueError(f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens} is more than the bundle's "
+                                 f"max context ({ctx} tokens)")
             prompt = make_prompt(vlm, image, prompt_tokens)
         r = vlm(prompt, image, mode=mode, max_new_tokens=gen_tokens, ignore_eos=True)
         s, g = r.stats, vlm.engine.last

@@ -29,12 +29,15 @@ def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, 
          stdout=None, stderr=None) -> int:
     """Run the loop until /quit or end of input; report(result) -> text for /stats."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if stdin is None:  # started with standard input closed (`<&-`): as an empty input
+        return 0
     interactive = hasattr(stdin, "isatty") and stdin.isatty()
 
     def fresh():
         return [{"role": "system", "content": system}] if system else []
 
     messages, pending = fresh(), list(images)
+    last = None  # the last answered turn's result (a failed turn leaves vlm.result half made)
     print(HELP, file=stderr)
     while True:
         if interactive:
@@ -55,8 +58,10 @@ def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, 
             elif cmd == "/image" and arg.strip():
                 pending.append(arg.strip())
                 print(f"[image {len(pending)} attached to the next turn]", file=stderr)
+            elif cmd == "/stats" and last is None:
+                print("[no turn answered yet]", file=stderr)
             elif cmd == "/stats":
-                print(report(vlm.result) if report else vlm.result.stats, file=stderr)
+                print(report(last) if report else last.stats, file=stderr)
                 print(f"caches: {vlm.cache_bytes()}", file=stderr)
             else:
                 print(HELP, file=stderr)
@@ -74,6 +79,7 @@ def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, 
             print(f"vlmrt: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=stderr)
             pending = []
             continue
-        messages = turn + [{"role": "assistant", "content": vlm.result.text}]
+        last = vlm.result
+        messages = turn + [{"role": "assistant", "content": last.text}]
         pending = []
         print(summary(vlm.result.stats), file=stderr)

@@ -101,15 +101,30 @@ def parse_line(line: bytes, n: int, base: Path, prompt: str | None) -> Record:
         return Record(f"line-{n}", error=f"line {n}: not UTF-8")
     except json.JSONDecodeError as e:
         return Record(f"line-{n}", error=f"line {n}: not JSON ({e.msg})")
+    except RecursionError:
+        return Record(f"line-{n}", error=f"line {n}: not JSON (nested too deeply)")
+    except ValueError as e:  # an integer of more than 4300 digits
+        return Record(f"line-{n}", error=f"line {n}: not JSON ({e})")
     if not isinstance(obj, dict):
         return Record(f"line-{n}", error=f"line {n}: a record must be a JSON object")
     rid = obj.get("id")
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
-        return Record(f"line-{n}", error=f"line {n}: a record needs an id (a non-empty string or an integer)")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "" or not _unicode(rid):
+        return Record(f"line-{n}", error=f"line {n}: a record needs an id (a non-empty string or an integer)"
+                      + ("" if _unicode(rid) else "; this one holds a lone surrogate"))
     try:
         return Record(rid, request_messages(obj, base, prompt))
     except ConversationError as e:
         return Record(rid, error=str(e))
+    except RecursionError:  # messages nested within the parser's depth but past copy's
+        return Record(rid, error="messages are nested too deeply")
+
+
+def _unicode(rid) -> bool:
+    """An id OUT can hold: an integer, or a string without lone surrogates (JSON's \\ud800 escape)."""
+    try:
+        return not isinstance(rid, str) or bool(rid.encode("utf-8"))
+    except UnicodeEncodeError:
+        return False
 
 
 def request_messages(obj: dict, base: Path, prompt: str | None) -> list[dict]:
@@ -132,7 +147,9 @@ def request_messages(obj: dict, base: Path, prompt: str | None) -> list[dict]:
     images = [images] if isinstance(images, str) else images
     if not isinstance(images, list) or not all(isinstance(s, str) and s for s in images):
         raise ConversationError("image must be a path, an http(s) URL or a data URI, or a list of them")
-    return user_turn(text, [resolve(s, base) for s in images])
+    messages = user_turn(text, [resolve(s, base) for s in images])
+    parse_messages(messages)  # the text's checks (a lone surrogate) are this record's error, as for messages
+    return messages
 
 
 def resolve(src: str, base: Path) -> str:

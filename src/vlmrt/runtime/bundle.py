@@ -38,6 +38,14 @@ def qnn_devices():
     return devs, onnxruntime_qnn.get_qnn_htp_path()
 
 
+def check_threads(threads: int | None) -> None:
+    """--threads: None (the default), or 1 to 4x this machine's CPUs (ORT starts every one of them: 100,000 threads
+    hung the load; more threads than CPUs only wait for each other)."""
+    cpus = os.cpu_count() or 1
+    if threads is not None and not 1 <= threads <= 4 * cpus:
+        raise ValueError(f"--threads must be between 1 and {4 * cpus} (4x this machine's {cpus} CPUs), not {threads}")
+
+
 def default_threads() -> int:
     """Physical cores if we can tell, else logical CPUs available to this process."""
     try:
@@ -358,6 +366,7 @@ class Bundle:
         were compiled for another one is refused."""
         from tokenizers import Tokenizer
 
+        check_threads(threads)
         path = Path(path)
         m = mf.load(path, verify=verify)
         if device == "htp" and m.target.get("name") != "htp":

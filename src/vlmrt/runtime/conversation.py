@@ -68,6 +68,15 @@ def _image_source(part: dict, where: str):
     raise ConversationError(f"{where}: an image part needs image_url.url (or image / url / path)")
 
 
+def _text(text: str, where: str) -> str:
+    """text, if it can be tokenized: JSON's \\ud800 escapes (and Python strings) may hold lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConversationError(f"{where}: the text is not valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
 def parse_messages(messages) -> Conversation:
     """Check and normalize chat messages (OpenAI style); the last one is the user's turn to answer."""
     if not isinstance(messages, list) or not messages:
@@ -79,15 +88,17 @@ def parse_messages(messages) -> Conversation:
             raise ConversationError(f"{where}: needs a role of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, str):
-            parts = [{"type": "text", "text": content}]
+            parts = [{"type": "text", "text": _text(content, where)}]
         elif isinstance(content, list):
+            if not content:  # a template indexing content[0] failed with jinja2's "list object has no element 0"
+                raise ConversationError(f"{where}: content is an empty list of parts (give a string or at least one part)")
             parts = []
             for j, p in enumerate(content):
                 kind = p.get("type") if isinstance(p, dict) else None
                 if kind == "text":
                     if not isinstance(p.get("text"), str):
                         raise ConversationError(f"{where}, part {j + 1}: text must be a string")
-                    parts.append({"type": "text", "text": p["text"]})
+                    parts.append({"type": "text", "text": _text(p["text"], f"{where}, part {j + 1}")})
                 elif kind in ("image_url", "image"):
                     if m["role"] != "user":
                         raise ConversationError(f"{where}: images can only be in user messages")
@@ -172,7 +183,9 @@ def load_messages(path: str) -> list[dict]:
             data = json.load(f)
     except OSError as e:
         raise ConversationError(f"cannot read {path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise ConversationError(f"{path} is not JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise ConversationError(f"{path} is not JSON: {e}") from None
     if isinstance(data, dict) and "messages" in data:
         data = data["messages"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import resource
 import time
+from numbers import Integral
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -112,6 +113,7 @@ class VLM:
         self.prefix = PrefixCache(self.engine.cache)
         self.image_cache = ImageCache(image_cache_bytes)
         self.fetch = fetch
+        self._answers = 0  # answers begun: one VLM answers one at a time (its KV cache is one conversation's)
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True,
@@ -225,9 +227,13 @@ class VLM:
         mode = mode or m.generate.get("default_mode", "hybrid")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral):
+            raise TypeError(f"max_new_tokens must be an integer, not {type(max_new_tokens).__name__}")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         sampler, cut = Sampler(sampling), StopStrings(stop)
+        self._answers += 1
+        me = self._answers
         res = self.result = Result()
         st = res.stats
         st.load_s = self.load_s
@@ -288,12 +294,14 @@ class VLM:
                     out = cut.feed(piece)
                     if out:
                         yield out
+                        self._still_mine(me)  # before the next step writes a KV row another answer may own
                     if cut.stopped:
                         break
             done = True
         finally:
             gen.close()
-            if cached and (done or res.token_ids):  # else the prefill failed: what the rows hold is unknown
+            # else the prefill failed, or another answer has used the rows since: what they hold is not ours to say
+            if cached and (done or res.token_ids) and self._answers == me:
                 self.prefix.record(keys + res.token_ids)
         # DecodeStream holds back an incomplete UTF-8 sequence; flush what the full decode has beyond it
         full = self.bundle.tokenizer.decode(res.token_ids, skip_special_tokens=True)
@@ -315,6 +323,11 @@ class VLM:
         st.stop_reason = "stop" if cut.stopped else g.stop_reason
         st.total_s = time.perf_counter() - t0
         st.peak_rss_mb = peak_rss_mb()
+
+    def _still_mine(self, me: int) -> None:
+        if self._answers != me:
+            raise RuntimeError("this answer cannot go on: the VLM began another one (generate / chat) since, over the "
+                               "same KV cache; a VLM answers one request at a time (use one VLM per concurrent answer)")
 
     def __call__(self, prompt: str, image=None, **kw) -> Result:
         for _ in self.generate(prompt, image, **kw):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import numpy as np
 
@@ -15,12 +16,20 @@ class SamplingConfig:
     seed: int | None = None
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        for name, v, kind in (("temperature", self.temperature, Real), ("top_p", self.top_p, Real),
+                              ("top_k", self.top_k, Integral), ("seed", self.seed, Integral)):
+            if isinstance(v, bool) or not (isinstance(v, kind) or (name == "seed" and v is None)):
+                # (numpy's own errors name neither the option nor the value)
+                raise TypeError(f"{name} must be {'an integer' if kind is Integral else 'a number'}"
+                                f"{' or None' if name == 'seed' else ''}, not {type(v).__name__}")
+        if not 0 <= self.temperature < float("inf"):  # NaN too: it made every probability NaN
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if self.top_k < 0:
             raise ValueError("top-k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top-p must be in (0, 1]")
+        if self.seed is not None and self.seed < 0:  # numpy's "expected non-negative integer"
+            raise ValueError(f"seed must be >= 0, not {self.seed}")
 
 
 class Sampler:

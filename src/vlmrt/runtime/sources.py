@@ -4,8 +4,9 @@
     img.digest   # sha256 of the bytes (of the pixels for a PIL image): the image embedding cache's key
     img.image    # RGB PIL image, decoded on first use
 
-Fetching is bounded: a timeout per connection and read, a byte cap, a redirect cap, http(s) only (a redirect
-elsewhere is refused), and the bytes must decode as an image. Every failure is one ImageError naming the source.
+Fetching is bounded: a timeout per connection and read, a deadline for the whole fetch (a server that drips its bytes
+is cut off), a byte cap, a redirect cap, http(s) only (a redirect elsewhere is refused), and the bytes must decode as
+an image. Every failure is one ImageError naming the source.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import base64
 import binascii
 import hashlib
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 URL_TIMEOUT_S = 10.0
 URL_MAX_BYTES = 32 * 1024 * 1024
 URL_MAX_REDIRECTS = 3
+URL_TOTAL_S = 30.0
 _DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+)?(;[^,;]*)*?;base64,(.*)", re.S)
 
 
@@ -34,6 +37,7 @@ class FetchLimits:
     timeout_s: float = URL_TIMEOUT_S
     max_bytes: int = URL_MAX_BYTES
     max_redirects: int = URL_MAX_REDIRECTS
+    total_s: float = URL_TOTAL_S  # the whole fetch (give or take one read's timeout_s)
 
 
 @dataclass
@@ -116,15 +120,24 @@ def fetch_url(url: str, limits: FetchLimits = FetchLimits()) -> bytes:
                 raise ImageError(f"cannot fetch image {url}: redirected to a non-http(s) URL")
             return super().redirect_request(req, fp, code, msg, headers, newurl)
 
-    opener = urllib.request.build_opener(Redirects(limits.max_redirects))
-    req = urllib.request.Request(url, headers={"User-Agent": "vlmrt", "Accept": "image/*"})
-    cap = limits.max_bytes
+    cap, start = limits.max_bytes, time.monotonic()
     try:
+        opener = urllib.request.build_opener(Redirects(limits.max_redirects))
+        req = urllib.request.Request(url, headers={"User-Agent": "vlmrt", "Accept": "image/*"})  # ValueError: bad URL
         with opener.open(req, timeout=limits.timeout_s) as r:
             size = r.headers.get("Content-Length")
             if size and size.isdigit() and int(size) > cap:
                 raise ImageError(f"cannot fetch image {url}: {int(size)} bytes is more than the {cap}-byte limit")
-            data = r.read(cap + 1)
+            chunks, n = [], 0
+            while n <= cap:
+                if time.monotonic() - start > limits.total_s:
+                    raise ImageError(f"cannot fetch image {url}: not received within {limits.total_s:g} s")
+                c = r.read1(1 << 16)  # what has arrived (at most one socket read): the deadline is checked between
+                if not c:
+                    break
+                chunks.append(c)
+                n += len(c)
+            data = b"".join(chunks)
     except ImageError:
         raise
     except urllib.error.HTTPError as e:

@@ -187,7 +187,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 close()
 
     async def api_error(request: Request, e: APIError):
-        return _error(e)
+        return _error(e, headers={"Retry-After": "1"} if e.status == 503 else None)  # queue full, loading
 
     async def http_error(request: Request, e: HTTPException):
         kind = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}

@@ -9,6 +9,7 @@ Running runs the same server in a thread of this process (tests, benchmarks).
 
 from __future__ import annotations
 
+import math
 import socket
 import sys
 import threading
@@ -68,15 +69,19 @@ def build(a, bundle: str, on_load_error=None):
     from .app import Config, create_app
     from .scheduler import Scheduler
 
-    if a.slots < 1 or a.queue < 0 or a.max_images < 1 or a.max_body_mb <= 0 or a.image_cache_mb < 0:
-        raise ValueError("--slots, --max-images and --max-body-mb must be > 0, --queue and --image-cache-mb >= 0")
+    sizes_ok = all(math.isfinite(x) for x in (a.max_body_mb, a.image_cache_mb))  # NaN passes the comparisons below
+    if not sizes_ok or a.slots < 1 or a.queue < 0 or a.max_images < 1 or a.max_body_mb <= 0 or a.image_cache_mb < 0:
+        raise ValueError("--slots, --max-images and --max-body-mb must be > 0, --queue and --image-cache-mb >= 0 "
+                         "(finite numbers)")
     media = Path(a.media_dir) if a.media_dir else None
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
+    from ..runtime.bundle import check_threads
     from ..runtime.engine import check_lookahead
     from ..runtime.lookahead import check_exact
 
     # a missing or unreadable bundle, or a lookahead it cannot verify, fails now, not after the port opens
+    check_threads(a.threads)
     m = load_manifest(bundle, verify=False)
     check_lookahead(m.decoder, a.lookahead)
     check_exact(m.graphs["decode"], a.lookahead)

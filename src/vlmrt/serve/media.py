@@ -21,6 +21,10 @@ def _local(url: str, media_dir: Path | None) -> str:
     if media_dir is None:
         raise bad_request("image paths are refused: this server was started without --media-dir "
                           "(send a data URI or an http(s) URL)", "invalid_image")
+    try:
+        url.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"image path {url!r} is not valid Unicode", "invalid_image") from None
     root = media_dir.resolve()
     p = (root / url).resolve()
     if not p.is_relative_to(root):

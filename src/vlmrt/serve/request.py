@@ -2,17 +2,20 @@
 
 Fields read: messages (system / developer / user / assistant; content a string or text / image_url parts), stream,
 stream_options.include_usage, max_completion_tokens / max_tokens, temperature, top_p, seed, stop, n (1 only), and the
-extensions llama.cpp and vLLM also take: top_k, ignore_eos. Others (model, user, ...) are accepted and ignored.
+extensions llama.cpp and vLLM also take: top_k, ignore_eos. Fields asking for what vlmrt does not do (logprobs,
+structured output, tools, penalties, logit_bias, audio) are refused (400 unsupported_parameter) unless they ask for
+the default, which is what ignoring them gives; the others (model, user, metadata, store, ...) are ignored.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 
 from ..runtime.conversation import ConversationError, parse_messages
-from .errors import bad_request
+from .errors import APIError, bad_request
 
 MAX_STOP = 16
 
@@ -30,7 +33,9 @@ class ChatRequest:
 def _json(raw: bytes):
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise bad_request("the body is not valid JSON: nested too deeply", "invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise bad_request(f"the body is not valid JSON: {e}", "invalid_json") from None
 
 
@@ -38,14 +43,50 @@ def _number(body: dict, name: str, kind, lo=None, hi=None, lo_open=False):
     v = body.get(name)
     if v is None:
         return None
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer())
+    # JSON may also carry NaN, Infinity and integers too large for a float
+    ok = isinstance(v, int) and not isinstance(v, bool) or (
+        isinstance(v, float) and math.isfinite(v) and (kind is float or v.is_integer()))
     if not ok:
-        raise bad_request(f"{name} must be {'a number' if kind is float else 'an integer'}", "invalid_parameter")
-    v = kind(v)
+        raise bad_request(f"{name} must be {'a finite number' if kind is float else 'an integer'}", "invalid_parameter")
+    try:
+        v = kind(v)
+    except OverflowError:
+        raise bad_request(f"{name} is out of range", "invalid_parameter") from None
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         span = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
-        raise bad_request(f"{name} must be in {span}, not {v}", "invalid_parameter")
+        raise bad_request(f"{name} must be in {span}, not {str(v)[:40]}", "invalid_parameter")
     return v
+
+
+def _text_only(v) -> bool:
+    return v is None or v == ["text"]
+
+
+# field -> (is the value what vlmrt does anyway?, what vlmrt does not do); "auto" tool_choice without tools is harmless
+UNSUPPORTED = {
+    "logprobs": (lambda v, b: v in (None, False), "log probabilities are not returned"),
+    "top_logprobs": (lambda v, b: v in (None, 0), "log probabilities are not returned"),
+    "response_format": (lambda v, b: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+                        "structured output (json_object, json_schema) is not supported"),
+    "tools": (lambda v, b: not v or b.get("tool_choice") == "none", "tools (function calling) are not supported"),
+    "tool_choice": (lambda v, b: v in (None, "none", "auto"), "tools (function calling) are not supported"),
+    "functions": (lambda v, b: not v, "functions (function calling) are not supported"),
+    "function_call": (lambda v, b: v in (None, "none", "auto"), "functions (function calling) are not supported"),
+    "frequency_penalty": (lambda v, b: v in (None, 0), "repetition penalties are not supported (only 0)"),
+    "presence_penalty": (lambda v, b: v in (None, 0), "repetition penalties are not supported (only 0)"),
+    "logit_bias": (lambda v, b: not v, "logit_bias is not supported"),
+    "modalities": (lambda v, b: _text_only(v), "only text output"),
+    "audio": (lambda v, b: v is None, "only text output"),
+}
+
+
+def _unsupported(body: dict) -> None:
+    for name, (default, why) in UNSUPPORTED.items():
+        v = body.get(name)
+        if not default(v, body):
+            shown = f" {json.dumps(v)[:40]}" if isinstance(v, (bool, int, float, str)) else ""
+            raise APIError(400, f"{name}{shown}: {why} by this server", "invalid_request_error",
+                           "unsupported_parameter", param=name)
 
 
 def _stop(v) -> list[str] | None:
@@ -80,7 +121,7 @@ def _messages(raw) -> tuple[list[dict], list[str], list]:
                     if not isinstance(url, str) or not url:
                         raise bad_request(f"{where}, part {j + 1}: image_url needs {{\"url\": ...}}", "invalid_content_part")
                     urls.append(url)
-                    kparts.append(("image", hashlib.sha256(url.encode()).hexdigest()))
+                    kparts.append(("image", hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()))
                 else:
                     raise bad_request(f"{where}, part {j + 1}: unknown content part type {kind!r} (text or image_url)",
                                       "invalid_content_part")
@@ -106,10 +147,12 @@ def parse_request(raw: bytes, max_images: int) -> ChatRequest:
     n = _number(body, "n", int)
     if n not in (None, 1):
         raise bad_request("only n = 1 is supported", "invalid_parameter")
+    _unsupported(body)
     stream = body.get("stream", False)
     so = body.get("stream_options") or {}
-    if not isinstance(stream, bool) or not isinstance(so, dict):
-        raise bad_request("stream must be a boolean and stream_options an object", "invalid_parameter")
+    if not isinstance(stream, bool) or not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
+        raise bad_request("stream must be a boolean and stream_options an object ({\"include_usage\": a boolean})",
+                          "invalid_parameter")
     tokens = _number(body, "max_completion_tokens", int, 1)
     tokens = tokens if tokens is not None else _number(body, "max_tokens", int, 1)
     opts = {
@@ -117,7 +160,7 @@ def parse_request(raw: bytes, max_images: int) -> ChatRequest:
         "temperature": _number(body, "temperature", float, 0, 2),
         "top_p": _number(body, "top_p", float, 0, 1, lo_open=True),
         "top_k": _number(body, "top_k", int, 0),
-        "seed": _number(body, "seed", int),
+        "seed": _number(body, "seed", int, 0, 2**64 - 1),
         "stop": _stop(body.get("stop")),
         "ignore_eos": body.get("ignore_eos"),
     }
