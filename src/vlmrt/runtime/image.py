@@ -95,9 +95,6 @@ def decode_image(source: Path | bytes, label: str) -> Image.Image:
                 if im.width * im.height == 0:
                     raise ImageError(f"image {label} has no pixels ({im.width}×{im.height})")
                 return to_rgb(im)
-    except UnidentifiedImageError:  # its message names the BytesIO object (0x7f...) of a URL's or data URI's bytes
-        raise ImageError(f"cannot read image {label}: cannot identify image file (not an image format Pillow "
-                         "reads)") from None
     except Image.DecompressionBombError as e:  # over Pillow's own limit, refused by Image.open
         raise ImageError(f"image {label} is too large to decode safely: {str(e).split('.')[0]}") from None
     except UnidentifiedImageError:  # its message is "cannot identify image file <_io.BytesIO object at 0x...>"
