@@ -134,7 +134,7 @@ class SharedWeights:
                 m.madvise(mmap.MADV_DONTNEED)
 
     @contextlib.contextmanager
-    def dropping(self, weights: list[dict], every_s: float = 0.005):
+    def dropping(self, weights: list[dict], every_s: float = 0.02):
         """drop_pages(weights) every every_s seconds while the block runs (a session build: ORT releases the GIL
         while it prepacks), and once more at its end. ORT packs node by node and never reads a node's scales again,
         so their pages need not pile up until the session exists: for SmolLM2-135M w4a8 that pile was the load's
