@@ -93,7 +93,8 @@ def test_records_that_python_cannot_parse_are_their_own_errors(tmp_path):
         '{"id": 4, "prompt": "\\ud800"}',
         '{"id": 5, "messages": [{"role": "user", "content": "\\udc80"}]}',
         '{"id": "\\ud800", "prompt": "hi"}',
-        '{"id": 7, "prompt": "fine"}']) + "\n")
+        '{"id": 7, "prompt": "fine"}',
+        '{"id": "", "prompt": "hi"}']) + "\n")
     rs = records.read_records(src, None)
     assert [(r.id, r.error) for r in rs] == [
         ("line-1", "line 1: not JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 5001 "
@@ -103,7 +104,8 @@ def test_records_that_python_cannot_parse_are_their_own_errors(tmp_path):
         (4, "message 1, part 1: the text is not valid Unicode (it holds a lone surrogate)"),
         (5, "message 1: the text is not valid Unicode (it holds a lone surrogate)"),
         ("line-6", "line 6: a record needs an id (a non-empty string or an integer); this one holds a lone surrogate"),
-        (7, None)]
+        (7, None),
+        ("line-8", "line 8: a record needs an id (a non-empty string or an integer)")]  # no surrogate in an empty id
 
 
 def test_records_of_a_folder(tmp_path):

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.conversation import ConversationError, parse_messages, user_turn
+from ..runtime.conversation import ConversationError, is_unicode, parse_messages, user_turn
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff"}
 _NOT_A_PATH = re.compile(r"(?i)([a-z][a-z0-9+.-]*://|data:)")
@@ -108,23 +108,16 @@ def parse_line(line: bytes, n: int, base: Path, prompt: str | None) -> Record:
     if not isinstance(obj, dict):
         return Record(f"line-{n}", error=f"line {n}: a record must be a JSON object")
     rid = obj.get("id")
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "" or not _unicode(rid):
+    surrogate = isinstance(rid, str) and not is_unicode(rid)  # OUT could not hold it
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "" or surrogate:
         return Record(f"line-{n}", error=f"line {n}: a record needs an id (a non-empty string or an integer)"
-                      + ("" if _unicode(rid) else "; this one holds a lone surrogate"))
+                      + ("; this one holds a lone surrogate" if surrogate else ""))
     try:
         return Record(rid, request_messages(obj, base, prompt))
     except ConversationError as e:
         return Record(rid, error=str(e))
     except RecursionError:  # messages nested within the parser's depth but past copy's
         return Record(rid, error="messages are nested too deeply")
-
-
-def _unicode(rid) -> bool:
-    """An id OUT can hold: an integer, or a string without lone surrogates (JSON's \\ud800 escape)."""
-    try:
-        return not isinstance(rid, str) or bool(rid.encode("utf-8"))
-    except UnicodeEncodeError:
-        return False
 
 
 def request_messages(obj: dict, base: Path, prompt: str | None) -> list[dict]:

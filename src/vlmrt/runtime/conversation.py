@@ -68,12 +68,20 @@ def _image_source(part: dict, where: str):
     raise ConversationError(f"{where}: an image part needs image_url.url (or image / url / path)")
 
 
-def _text(text: str, where: str) -> str:
-    """text, if it can be tokenized: JSON's \\ud800 escapes (and Python strings) may hold lone surrogates."""
+def is_unicode(s: str) -> bool:
+    """Whether s can be encoded (tokenized, written, used as a path): JSON's \\ud800 escapes (and Python strings) may
+    hold lone surrogates."""
     try:
-        text.encode("utf-8")
+        s.encode("utf-8")
     except UnicodeEncodeError:
-        raise ConversationError(f"{where}: the text is not valid Unicode (it holds a lone surrogate)") from None
+        return False
+    return True
+
+
+def _text(text: str, where: str) -> str:
+    """text, if it can be tokenized."""
+    if not is_unicode(text):
+        raise ConversationError(f"{where}: the text is not valid Unicode (it holds a lone surrogate)")
     return text
 
 

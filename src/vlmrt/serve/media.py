@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..runtime.conversation import is_unicode
 from ..runtime.image import ImageError
 from ..runtime.sources import FetchLimits, read_image
 from .errors import bad_request
@@ -21,10 +22,8 @@ def _local(url: str, media_dir: Path | None) -> str:
     if media_dir is None:
         raise bad_request("image paths are refused: this server was started without --media-dir "
                           "(send a data URI or an http(s) URL)", "invalid_image")
-    try:
-        url.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(f"image path {url!r} is not valid Unicode", "invalid_image") from None
+    if not is_unicode(url):
+        raise bad_request(f"image path {url!r} is not valid Unicode", "invalid_image")
     root = media_dir.resolve()
     p = (root / url).resolve()
     if not p.is_relative_to(root):
