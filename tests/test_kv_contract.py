@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from vlmrt.families.layers import CausalDecoder  # noqa: E402
+from vlmrt.families.rope import Rope  # noqa: E402
 from vlmrt.manifest import KVSpec  # noqa: E402
 from vlmrt.runtime.kv_cache import KVCache, attention_mask  # noqa: E402
 
@@ -21,7 +22,7 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, CTX = 2, 32, 4, 2, 8, 50, 24
 def decoder():
     torch.manual_seed(0)
     d = CausalDecoder(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate=64,
-                      eps=1e-5, act="silu", rope_theta=1e4, vocab=VOCAB).eval()
+                      eps=1e-5, act="silu", rope=Rope(theta=1e4), vocab=VOCAB).eval()
     with torch.no_grad():
         for p in d.parameters():
             if p.dim() == 2:

@@ -8,7 +8,7 @@ Differences are config flags, read once from the HF text config:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -31,11 +31,10 @@ class TextConfig:
     intermediate: int
     eps: float
     act: str
-    rope_theta: float
     vocab: int
     qkv_bias: bool = False
     qk_norm: bool = False
-    rope: Rope | None = None  # its scaling type (rope.py); None: plain RoPE of base rope_theta
+    rope: Rope = field(default_factory=Rope)  # base theta and scaling type (rope.py)
     o_bias: bool = False  # Llama / Qwen3 attention_bias: o_proj has a bias too (Qwen2's q/k/v biases leave it out)
     mlp_bias: bool = False  # Llama mlp_bias
 
@@ -64,7 +63,6 @@ class TextConfig:
             intermediate=t["intermediate_size"],
             eps=t.get("rms_norm_eps", 1e-6),
             act=t.get("hidden_act", "silu"),
-            rope_theta=rope.theta,
             vocab=t["vocab_size"],
             qkv_bias=model_type == "qwen2" or bool(t.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
@@ -77,7 +75,7 @@ class TextConfig:
 def build(tc: TextConfig) -> layers.CausalDecoder:
     return layers.CausalDecoder(
         layers=tc.layers, hidden=tc.hidden, heads=tc.heads, kv_heads=tc.kv_heads, head_dim=tc.head_dim,
-        intermediate=tc.intermediate, eps=tc.eps, act=tc.act, rope_theta=tc.rope_theta, vocab=tc.vocab,
+        intermediate=tc.intermediate, eps=tc.eps, act=tc.act, vocab=tc.vocab,
         qkv_bias=tc.qkv_bias, qk_norm=tc.qk_norm, rope=tc.rope,
         o_bias=tc.o_bias, mlp_bias=tc.mlp_bias,
     )

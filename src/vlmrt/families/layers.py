@@ -192,15 +192,14 @@ class CausalDecoder(nn.Module):
     graph while the logits are in cache); the step's tokens are at positions total - ar .. total - 1.
     """
 
-    def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope_theta, vocab,
-                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False, rope=None,
+    def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope: Rope, vocab,
+                 qkv_bias=False, qk_norm=False, copy_free=True, logit_rows=False, in_place=False,
                  o_bias=False, mlp_bias=False):
-        """rope: a rope.Rope (its scaling type), else plain RoPE of base rope_theta. o_bias, mlp_bias: biases on
-        o_proj and on the MLP's projections (Llama's attention_bias / mlp_bias)."""
+        """rope: a rope.Rope (base theta, scaling type). o_bias, mlp_bias: biases on o_proj and on the MLP's
+        projections (Llama's attention_bias / mlp_bias)."""
         super().__init__()
-        rope = rope or Rope(theta=rope_theta)
         self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                          intermediate=intermediate, eps=eps, act=act, rope_theta=rope_theta, vocab=vocab,
+                          intermediate=intermediate, eps=eps, act=act, vocab=vocab,
                           qkv_bias=qkv_bias, qk_norm=qk_norm, rope=rope, o_bias=o_bias, mlp_bias=mlp_bias)
         self.logit_rows, self.in_place = logit_rows, in_place
         self.layers = nn.ModuleList(
