@@ -203,30 +203,40 @@ def image_seq_len_for(tile_size: int, patch_size: int, scale_factor: int) -> int
 QK_GAIN = 2.0
 
 
-def _redraw_weights(model, seed: int, gain: float, image_token_id: int) -> None:
-    """Re-draw every parameter so activations/logits have O(1) scale (default init is ~flat).
+def redraw_weights(model, seed: int, gain: float, image_token_id: int, *, bias_std: float = 0.05,
+                   qk_norm_gain: float = 1.0, special=None) -> None:
+    """Re-draw every parameter so activations/logits have O(1) scale (default init is ~flat); both families'
+    fixtures (fixtures_internvl.py passes its own rules).
 
+    special(leaf, p, g) -> bool: a family's own rule for a parameter, tried first (True: drawn there).
     >=2-D (Linear, Embedding, Conv): N(0, gain/sqrt(fan_in)), fan_in = prod(shape[1:])
-    (x QK_GAIN for q_proj/k_proj).  1-D "weight" (LayerNorm / RMSNorm): 1 + 0.1 N(0,1).
-    1-D "bias": 0.05 N(0,1).  Tied parameters are shared objects and named_parameters()
-    yields them once.  Finally the ``<image>`` row of lm_head (== of embed_tokens when tied;
-    that row is never read as input, image features replace it) is zeroed so ``<image>``
-    gets logit 0 and is never generated: a generated ``<image>`` would make
-    ``model(prompt + generated, pixel_values)`` fail (more image tokens than features).
+    (x QK_GAIN for q_proj/k_proj).  1-D "weight" (LayerNorm / RMSNorm): 1 + 0.1 N(0,1), times qk_norm_gain for
+    Qwen3's per-head q_norm / k_norm.  1-D "bias": bias_std N(0,1).  Tied parameters are shared objects and
+    named_parameters() yields them once.  Finally the image token's row of lm_head (== of embed_tokens when tied;
+    that row is never read as input, image features replace it) is zeroed so it gets logit 0 and is never
+    generated: a generated image token would make ``model(prompt + generated, pixel_values)`` fail (more image
+    tokens than features).
     """
     import torch
 
     g = torch.Generator().manual_seed(seed + 12345)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if special is not None and special(leaf, p, g):
+                continue
             if p.dim() >= 2:
                 fan_in = math.prod(p.shape[1:])
                 f = QK_GAIN if ("q_proj" in name or "k_proj" in name) else 1.0
                 p.copy_(torch.randn(p.shape, generator=g) * (f * gain / math.sqrt(fan_in)))
-            elif name.endswith("weight"):
+            elif leaf == "weight" and ("self_attn.q_norm" in name or "self_attn.k_norm" in name):
+                # Qwen3 normalizes q and k per head, which undoes QK_GAIN: scale the norm weights
+                # instead, or attention stays near-uniform and greedy output collapses
+                p.copy_(qk_norm_gain * (1.0 + 0.1 * torch.randn(p.shape, generator=g)))
+            elif leaf == "weight":
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+                p.copy_(bias_std * torch.randn(p.shape, generator=g))
         model.lm_head.weight[image_token_id].zero_()
 
 
@@ -316,7 +326,7 @@ def make_smolvlm_checkpoint(
 
     torch.manual_seed(seed)
     model = SmolVLMForConditionalGeneration(config)
-    _redraw_weights(model, seed, gain, ids[IMAGE_TOKEN])
+    redraw_weights(model, seed, gain, ids[IMAGE_TOKEN])
     emb = model.model.text_model.embed_tokens.weight
     if tie_word_embeddings:
         assert model.lm_head.weight is emb, "lm_head should be tied to embed_tokens"
