@@ -39,7 +39,11 @@ def test_registered_families_meet_the_contract():
         assert all(families.family_for({"model_type": t}) is f for t in f.model_types)
     cfg = smolvlm.FAMILY.config(CONFIG)
     w = with_weights(modules).weights(cfg, {})
-    assert isinstance(w, Weights) and w.decoder.shape["layers"] == 2
+    assert isinstance(w, Weights) and len(w.decoder.layers) == 2
+    with pytest.raises(FamilyContractError, match="the decoder's layers / hidden / vocab 2 / 32 / 40 are not the "
+                                                  "config's 3 / 32 / 40"):
+        deeper = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, layers=3))
+        with_weights(lambda c: modules(cfg)).weights(deeper, {})
 
 
 def test_registry_and_family_must_agree(monkeypatch):

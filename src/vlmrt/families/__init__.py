@@ -156,10 +156,12 @@ class Family:
         if not isinstance(decoder, CausalDecoder):
             raise self.fail(f"load_weights gave a {type(decoder).__name__} decoder; the exporter traces, quantizes and "
                             "calibrates layers.CausalDecoder only (build it with families/decoder.py)")
-        if (decoder.shape["layers"], decoder.shape["hidden"], decoder.shape["vocab"]) != (t.layers, t.hidden, t.vocab):
-            raise self.fail(f"the decoder's layers / hidden / vocab {decoder.shape['layers']} / {decoder.shape['hidden']} "
-                            f"/ {decoder.shape['vocab']} are not the config's {t.layers} / {t.hidden} / {t.vocab}")
         names = {n for n, _ in decoder.named_modules()}
+        if "lm_head" in names and "norm" in names:  # (else: named below)
+            got = (len(decoder.layers), decoder.norm.weight.shape[0], decoder.lm_head.out_features)
+            if got != (t.layers, t.hidden, t.vocab):
+                raise self.fail(f"the decoder's layers / hidden / vocab {' / '.join(map(str, got))} are not the config's "
+                                f"{t.layers} / {t.hidden} / {t.vocab}")
         want = [f"layers.{i}.{w}" for i in range(t.layers) for w in DECODER_LAYER_WEIGHTS] + list(DECODER_WEIGHTS)
         missing = [w for w in want if w not in names]
         if missing:
