@@ -3,8 +3,10 @@
     app = create_app(load, model_id="easyvqa")   # load() -> Scheduler, run in a thread at startup
     uvicorn.run(app)                              # /health is 503 until load() returns, then 200
 
-A request is read (at most max_body bytes: else 413), checked (400s), its images decoded in a worker thread, then
-queued (503 when full). The answer waits for the first event of its generation, so that an error found there (the
+Around the routes, access.py's middleware: the Host check, CORS, the Origin check and API keys (Config says which).
+A request is read (at most max_body bytes: else 413; all of it within body_timeout_s: else 408 and the connection is
+closed), checked (400s), its images decoded in a worker thread (URLs within Config.fetch: public addresses only
+unless --allow-local-urls), then queued (503 when full). The answer waits for the first event of its generation, so that an error found there (the
 prompt does not fit the context) is still a plain JSON 400 for a streamed request too. A watcher reads the
 connection while the request waits or generates: a client that goes away cancels its job, which frees its slot.
 """
@@ -24,12 +26,16 @@ from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..runtime.sources import FetchLimits
+from ..runtime.url_policy import AddressPolicy
+from .access import ApiKeys, Cors, HeadSize, HostCheck, OriginCheck
 from .errors import APIError, internal, unavailable
+from .limits import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_CONNECTIONS
 from .media import load_images, with_images
 from .request import parse_request
 from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
@@ -46,8 +52,27 @@ class Config:
     media_dir: Path | None = None
     max_images: int = 8
     max_body: int = MAX_BODY
-    fetch: FetchLimits = FetchLimits()
+    fetch: FetchLimits = FetchLimits(addresses=AddressPolicy())  # image URLs: public addresses only
     mode: str | None = None  # VLM.chat's mode (None: the bundle's default)
+    body_timeout_s: float = BODY_TIMEOUT_S  # the whole body must arrive within this (else 408)
+    api_keys: tuple[str, ...] = ()  # none: no key needed
+    host_check: bool = True  # Host must be a loopback name (with the port) or in allowed_hosts (bound to loopback)
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    head_timeout_s: float = HEAD_TIMEOUT_S  # the request line and headers (protocol.py)
+    max_connections: int = MAX_CONNECTIONS  # uvicorn's limit_concurrency
+
+    def middleware(self) -> list[Middleware]:
+        """access.py's layers, outermost first."""
+        out = [Middleware(HeadSize)]
+        if self.host_check or self.allowed_hosts:
+            out.append(Middleware(HostCheck, allowed=self.allowed_hosts))
+        if self.cors_origins:
+            out.append(Middleware(Cors, origins=self.cors_origins))
+        out.append(Middleware(OriginCheck, origins=self.cors_origins))
+        if self.api_keys:
+            out.append(Middleware(ApiKeys, keys=self.api_keys))
+        return out
 
 
 class State:
@@ -60,20 +85,24 @@ def _error(e: APIError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     size = request.headers.get("content-length", "")
     chunks, n = [], 0
     over = size.isdigit() and int(size) > limit
     try:
-        async for c in request.stream():
-            n += len(c)
-            over = over or n > limit
-            if over and n > DRAIN:
-                break
-            if not over:
-                chunks.append(c)
+        async with asyncio.timeout(timeout_s):  # a body that drips (or stops) does not hold the connection
+            async for c in request.stream():
+                n += len(c)
+                over = over or n > limit
+                if over and n > DRAIN:
+                    break
+                if not over:
+                    chunks.append(c)
     except ClientDisconnect:  # gone before its body arrived: nobody reads the answer
         raise APIError(400, "the client disconnected while sending the body", code="client_disconnected") from None
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", "invalid_request_error",
+                       "request_timeout") from None
     if over:
         raise APIError(413, f"the request body is over the server's limit of {limit} bytes", "invalid_request_error",
                        "request_too_large")
@@ -149,7 +178,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
 
     async def chat(request: Request):
         sched = ready()
-        req = parse_request(await read_body(request, config.max_body), config.max_images)
+        req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
         images = await asyncio.to_thread(load_images, req.urls, config.media_dir, config.fetch)
         req.options.setdefault("max_new_tokens", sched.max_context)
         req.options["mode"] = config.mode
@@ -187,7 +216,9 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 close()
 
     async def api_error(request: Request, e: APIError):
-        return _error(e, headers={"Retry-After": "1"} if e.status == 503 else None)  # queue full, loading
+        headers = {503: {"Retry-After": "1"},  # queue full, loading
+                   408: {"Connection": "close"}}.get(e.status)  # the rest of a slow body is never read
+        return _error(e, headers=headers)
 
     async def http_error(request: Request, e: HTTPException):
         kind = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
@@ -201,9 +232,10 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
 
     routes = [Route("/", page), Route("/health", health), Route("/v1/models", models),
               Route("/v1/chat/completions", chat, methods=["POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=config.middleware(),
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.vlmrt = state  # .scheduler once loaded (tests, benchmarks)
+    app.state.config = config
     return app
 
 
