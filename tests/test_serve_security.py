@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -521,3 +522,65 @@ def test_warning_when_exposed_without_a_key():
     for host in ("0.0.0.0", "::", "192.168.1.10"):
         w = exposure_warning(host, ())
         assert w.startswith("vlmrt: warning: ") and "--api-key" in w and "\n" not in w
+
+
+def test_chat_page_asks_for_the_key_once(keyed, tmp_path):
+    """The page meets a 401 (its model list at load), asks for the key once (a dialog), keeps it in the tab
+    (sessionStorage, not localStorage) and sends it with the question; a reload in the same tab does not ask again."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from serve_client import CHROMIUM, CHROMIUM_ARGS
+
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing (scripts/setup test installs Debian's chromium)")
+    asked: list[str] = []
+    with sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
+                                                   args=CHROMIUM_ARGS)
+        try:
+            page = ctx.new_page()
+
+            def dialog(d):
+                asked.append(d.message)
+                d.accept(KEYS[1])
+
+            page.on("dialog", dialog)
+            page.goto(keyed.url + "/")
+            page.wait_for_function("document.getElementById('model').textContent !== '…'", timeout=30_000)
+            page.fill("#maxtok", "3")
+            page.fill("#prompt", "hello")
+            page.click("#send")
+            page.wait_for_selector(".stats", timeout=60_000)
+            assert page.query_selector(".msg.error") is None
+            stored = page.evaluate("[sessionStorage.getItem('vlmrt-api-key'), localStorage.length]")
+            page.reload()
+            page.wait_for_function("document.getElementById('model').textContent !== '…'", timeout=30_000)
+        finally:
+            ctx.close()
+    assert len(asked) == 1 and "API key" in asked[0], asked
+    assert stored == [KEYS[1], 0]
+
+
+def test_batch_records_under_the_url_policy(tiny, png, tmp_path, capsys):
+    """vlmrt batch's records may come from others: a loopback URL is that record's error line by default, answered
+    with --allow-local-urls; --no-image-urls refuses every URL record."""
+    with serve_images({"/q.png": png}) as base:
+        records = [{"id": "local", "image": base + "/q.png", "prompt": "what?"},
+                   {"id": "data", "image": uri(picture(5)), "prompt": "what?"},
+                   {"id": "meta", "image": "http://169.254.169.254/latest/", "prompt": "what?"}]
+
+        def run(name, n, *flags) -> dict:
+            src, out = tmp_path / f"{name}-in.jsonl", tmp_path / f"{name}.jsonl"
+            src.write_text("".join(json.dumps(r) + "\n" for r in records[:n]))
+            assert cli.main(["batch", str(tiny.bundle), "--input", str(src), "--output", str(out), "--quiet",
+                             "--max-new-tokens", "2", *flags]) == 0
+            capsys.readouterr()
+            return {d["id"]: d for d in map(json.loads, out.read_text().splitlines())}
+
+        got = run("default", 3)
+        assert "refused: the host has a loopback address" in got["local"]["error"]
+        assert "refused: the host has a link-local address" in got["meta"]["error"] and "text" in got["data"]
+        got = run("allowed", 2, "--allow-local-urls")  # (never the metadata address: it would be fetched)
+        assert "text" in got["local"] and "text" in got["data"]
+        got = run("off", 3, "--no-image-urls")
+        assert "--no-image-urls" in got["local"]["error"] and "--no-image-urls" in got["meta"]["error"]
+        assert "text" in got["data"]
