@@ -584,3 +584,45 @@ def test_batch_records_under_the_url_policy(tiny, png, tmp_path, capsys):
         got = run("off", 3, "--no-image-urls")
         assert "--no-image-urls" in got["local"]["error"] and "--no-image-urls" in got["meta"]["error"]
         assert "text" in got["data"]
+
+
+def test_slow_image_urls_do_not_hold_up_other_requests(keyed):
+    """20 requests whose image URL answers only after seconds hold the fetch threads (16); a request with a data URI
+    is answered meanwhile (on the default executor's 6 threads here it would wait behind them)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    arrived, finished = [], []
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):
+            arrived.append(1)
+            time.sleep(6)
+            finished.append(1)
+            self.send_error(404)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/slow.png"
+    results = []
+    clients = [threading.Thread(target=lambda: results.append(
+        request(keyed, "POST", "/v1/chat/completions", chat_body(url), auth(KEYS[0]))[0])) for _ in range(20)]
+    try:
+        for c in clients:
+            c.start()
+        for _ in range(100):  # bounded: 5 s
+            if len(arrived) >= 16:
+                break
+            time.sleep(0.05)
+        assert len(arrived) >= 16, len(arrived)
+        status, body, _ = request(keyed, "POST", "/v1/chat/completions", chat_body(uri(picture(6))), auth(KEYS[0]))
+        assert status == 200 and not finished, (status, len(finished))
+        for c in clients:
+            c.join(timeout=60)
+        assert results == [400] * 20
+    finally:
+        srv.shutdown()
+        srv.server_close()

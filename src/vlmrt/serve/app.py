@@ -5,10 +5,12 @@
 
 Around the routes, access.py's middleware: the Host check, CORS, the Origin check and API keys (Config says which).
 A request is read (at most max_body bytes: else 413; all of it within body_timeout_s: else 408 and the connection is
-closed), checked (400s), its images decoded in a worker thread (URLs within Config.fetch: public addresses only
-unless --allow-local-urls), then queued (503 when full). The answer waits for the first event of its generation, so that an error found there (the
-prompt does not fit the context) is still a plain JSON 400 for a streamed request too. A watcher reads the
-connection while the request waits or generates: a client that goes away cancels its job, which frees its slot.
+closed), checked (400s), its images decoded in a worker thread (a request with http(s) URLs on the fetch threads,
+the others on the default executor's, so that slow URLs cannot hold up data URIs; URLs within Config.fetch: public
+addresses only unless --allow-local-urls), then queued (503 when full). The answer waits for the first event of
+its generation, so that an error found there (the prompt does not fit the context) is still a plain JSON 400 for a
+streamed request too. A watcher reads the connection while the request waits or generates: a client that goes
+away cancels its job, which frees its slot.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -35,7 +39,7 @@ from ..runtime.sources import FetchLimits
 from ..runtime.url_policy import AddressPolicy
 from .access import ApiKeys, Cors, HeadSize, HostCheck, OriginCheck
 from .errors import APIError, internal, unavailable
-from .limits import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_CONNECTIONS
+from .limits import BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS
 from .media import load_images, with_images
 from .request import parse_request
 from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
@@ -150,10 +154,14 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             if on_load_error:
                 on_load_error(state.error)
 
+    fetch_pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="vlmrt-fetch")
+    decode_pool = None  # the event loop's default executor
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         threading.Thread(target=loader, name="vlmrt-load", daemon=True).start()
         yield
+        fetch_pool.shutdown(wait=False, cancel_futures=True)
         if state.scheduler is not None:
             state.scheduler.close()
 
@@ -179,7 +187,9 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
     async def chat(request: Request):
         sched = ready()
         req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
-        images = await asyncio.to_thread(load_images, req.urls, config.media_dir, config.fetch)
+        fetches = any(re.match(r"(?i)https?://", u) for u in req.urls)  # slow ones stay on their own threads
+        images = await asyncio.get_running_loop().run_in_executor(
+            fetch_pool if fetches else decode_pool, load_images, req.urls, config.media_dir, config.fetch)
         req.options.setdefault("max_new_tokens", sched.max_context)
         req.options["mode"] = config.mode
         job = Job(with_images(req.messages, images), req.key, req.options, asyncio.get_running_loop())

@@ -162,7 +162,8 @@ def build(a, bundle: str, on_load_error=None):
 
         t = time.perf_counter()
         b = Bundle.open(bundle, device=a.device, threads=a.threads, verify=verify)
-        return Scheduler(b, a.slots, a.queue, time.perf_counter() - t,
+        # the slots' VLMs get images already decoded; the policy is theirs too, should a URL ever reach one
+        return Scheduler(b, a.slots, a.queue, time.perf_counter() - t, fetch=fetch,
                          image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots), lookahead=a.lookahead)
 
     fetch = FetchLimits(addresses=None if a.allow_local_urls else AddressPolicy(), urls=not a.no_image_urls)

@@ -7,3 +7,5 @@ HEAD_MAX_BYTES = 16 * 1024  # the request line and headers together (h11's max_i
 MAX_CONNECTIONS = 512  # --max-connections: uvicorn's limit_concurrency (connections and requests; past it 503)
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
 BACKLOG = 128  # connections the kernel queues before the server accepts them
+FETCH_THREADS = 16  # requests whose images include an http(s) URL are decoded on these threads (app.py), so that
+# slow URLs never hold the threads that decode the other requests' data URIs
