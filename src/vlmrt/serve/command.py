@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     g.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST[,HOST]",
                    help="Host header values answered besides the loopback names (NAME, NAME:PORT, *.DOMAIN, *): the "
                         "name a reverse proxy passes on. Without it a server bound to loopback answers only "
-                        "Host: localhost / 127.0.0.1 / [::1] with its port (DNS rebinding)")
+                        "Host: localhost / *.localhost / 127.x / [::1], any port (DNS rebinding)")
     g.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="grant this origin (https://app.example.com; * for any) CORS, preflight included "
                         "(repeatable; default: none, and browsers' cross-origin requests are refused)")
