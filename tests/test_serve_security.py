@@ -354,7 +354,8 @@ def test_host_check_against_dns_rebinding(plain):
                  f"app.localhost:{p}", "vlm.example.test", "VLM.example.test:1234", "proxy.example.test:8443",
                  f"[::ffff:127.0.0.1]:{p}", "localhost", "127.0.0.1", f"localhost:{p + 1 if p < 65535 else 1}"):
         assert request(plain, "GET", "/health", headers={"Host": host})[0] == 200, host
-    for host in (f"evil.example:{p}", "evil.example", f"localhost.evil.example:{p}", f"127.0.0.1.nip.io:{p}", "proxy.example.test:8444", f"10.0.0.1:{p}",
+    for host in (f"evil.example:{p}", "evil.example", f"localhost.evil.example:{p}", f"127.0.0.1.nip.io:{p}",
+                 "proxy.example.test:8444", f"10.0.0.1:{p}",
                  "[::1", f"::1:{p}", f"127.0.0.1:{p}:{p}", f"127.0.0.1:x{p}", "", f"{'a' * 300}:{p}"):
         for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/")):
             status, body, _ = request(plain, method, path, chat_body() if method == "POST" else None, {"Host": host})
@@ -508,8 +509,10 @@ def test_cli_security_options(tiny, capsys):
     add_parser(ap.add_subparsers())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLMRT_API_KEY", "sk-env")
-        assert build(ap.parse_args(["serve", str(tiny.bundle)]), str(tiny.bundle)).state.config.api_keys == ("sk-env",)
-        assert build(ap.parse_args(["serve", str(tiny.bundle), "--api-key", "k"]), str(tiny.bundle)).state.config.api_keys == ("k",)
+        def keys(*args):
+            return build(ap.parse_args(["serve", str(tiny.bundle), *args]), str(tiny.bundle)).state.config.api_keys
+
+        assert keys() == ("sk-env",) and keys("--api-key", "k") == ("k",)
         mp.setenv("VLMRT_API_KEY", "two words")
         assert "VLMRT_API_KEY" in err()
 

@@ -170,7 +170,8 @@ def _opener(limits: FetchLimits, url: str):
             return self.do_open(pinned(http.client.HTTPSConnection), req, context=self._context,
                                 check_hostname=self._check_hostname)
 
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}), HTTP(), HTTPS(), Redirects(limits.max_redirects))
+    no_proxies = urllib.request.ProxyHandler({})
+    return urllib.request.build_opener(no_proxies, HTTP(), HTTPS(), Redirects(limits.max_redirects))
 
 
 def ascii_url(url: str) -> str:
@@ -216,7 +217,8 @@ def fetch_url(url: str, limits: FetchLimits = FetchLimits()) -> bytes:
         _no_credentials(url, url)
     try:
         opener = _opener(limits, url)
-        req = urllib.request.Request(ascii_url(url), headers={"User-Agent": "vlmrt", "Accept": "image/*"})  # ValueError: bad URL
+        headers = {"User-Agent": "vlmrt", "Accept": "image/*"}
+        req = urllib.request.Request(ascii_url(url), headers=headers)  # ValueError: a bad URL
         with opener.open(req, timeout=limits.timeout_s) as r:
             size = r.headers.get("Content-Length")
             if size and size.isdigit() and int(size) > cap:
@@ -239,7 +241,8 @@ def fetch_url(url: str, limits: FetchLimits = FetchLimits()) -> bytes:
         reason = _os(e.reason) if isinstance(e.reason, OSError) else e.reason
         raise ImageError(f"cannot fetch image {label}: {reason}") from None
     except (TimeoutError, OSError, ValueError, http.client.HTTPException) as e:  # read timeouts, resets, malformed URLs
-        raise ImageError(f"cannot fetch image {label}: {_os(e) if isinstance(e, OSError) else e or type(e).__name__}") from None
+        why = _os(e) if isinstance(e, OSError) else e or type(e).__name__
+        raise ImageError(f"cannot fetch image {label}: {why}") from None
     if len(data) > cap:
         raise ImageError(f"cannot fetch image {label}: more than the {cap}-byte limit")
     return data
