@@ -342,9 +342,11 @@ def test_keys_never_appear_in_logs(tiny):
     assert KEYS[0] not in text and "Bearer" not in text, text
 
 
-def test_page_is_open_and_asks_for_the_key(keyed):
-    status, page, _ = request(keyed, "GET", "/")
+def test_page_is_open_and_cannot_be_framed(keyed):
+    status, page, h = request(keyed, "GET", "/")
     assert status == 200 and b"sessionStorage" in page and b"Authorization" in page
+    assert h["x-frame-options"] == "DENY" and "frame-ancestors 'none'" in h["content-security-policy"]
+    assert "connect-src 'self'" in h["content-security-policy"]
 
 
 # --- 4. Host and Origin checks, CORS ----------------------------------------------------------------------------------

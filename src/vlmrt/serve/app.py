@@ -50,6 +50,16 @@ MAX_BODY = 32 * 1024 * 1024
 DRAIN = 64 * 1024 * 1024  # a body over the limit is read (and dropped) this far, so that the client sees the 413
 
 
+# the chat page talks only to its own server, shows only data: images, and is never framed by another page
+# (clickjacking: it may hold the API key); its one script and style are inline
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "img-src data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+                               "form-action 'none'",
+    "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+}
+
+
 @dataclass
 class Config:
     model_id: str
@@ -182,7 +192,8 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                                                          "owned_by": "vlmrt", "meta": meta}]})
 
     async def page(request: Request):
-        return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"))
+        return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"),
+                            headers=PAGE_HEADERS)
 
     async def chat(request: Request):
         sched = ready()
