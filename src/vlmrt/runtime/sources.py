@@ -190,7 +190,10 @@ def ascii_url(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)
     hostport = netloc[-1].lower().replace(host, ascii_host, 1) if not host.isascii() else netloc[-1]
     netloc = "@".join(netloc[:-1] + [hostport])
-    enc = lambda s: re.sub(r"[^\x21-\x7e]", lambda m: quote(m.group(), safe=""), s)  # noqa: E731
+
+    def enc(s: str) -> str:
+        return re.sub(r"[^\x21-\x7e]", lambda m: quote(m.group(), safe=""), s)
+
     return urlunsplit((parts.scheme, enc(netloc), enc(parts.path), enc(parts.query), enc(parts.fragment)))
 
 
