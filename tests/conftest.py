@@ -11,6 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import torchvision_ops
+
+torchvision_ops.declare()  # before anything imports torchvision (transformers does once it is installed)
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 # scripts/test sets VLMRT_REQUIRE_ALL=1: every test is required there, so a skip (a missing test dependency,
