@@ -28,29 +28,7 @@ def spec(kind: str, min_pixels: int, max_pixels: int, max_patches: int = 10**9, 
                              "max_patches": max_patches})
 
 
-_TORCHVISION_OPS = []
-
-
-def declare_torchvision_ops() -> None:
-    """transformers imports torchvision where it is installed (a test-only package here); its meta registrations need
-    its two C++ ops, which this torch build lacks: declare them first (RULES.md), once, unless someone already did."""
-    import importlib.util
-
-    import torch
-
-    if importlib.util.find_spec("torchvision") is None or _TORCHVISION_OPS:
-        return
-    try:
-        torch.ops.torchvision.nms
-    except (AttributeError, RuntimeError):
-        lib = torch.library.Library("torchvision", "DEF")
-        for op in ("nms", "qnms"):
-            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _TORCHVISION_OPS.append(lib)  # the ops live as long as the Library object
-
-
 def processor(kind: str, min_pixels: int, max_pixels: int):
-    declare_torchvision_ops()
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     patch, mean, std = PROCESSORS[kind]

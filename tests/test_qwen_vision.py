@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 from fixtures_qwen import make_checkpoint  # noqa: E402
-from test_image_native import declare_torchvision_ops, spec  # noqa: E402
+from test_image_native import spec  # noqa: E402
 from vlmrt.runtime import image_native as native  # noqa: E402
 from vlmrt.runtime import vision_inputs as vi  # noqa: E402
 
@@ -32,7 +32,6 @@ def noise(h, w, seed=0):
 @pytest.fixture(scope="module")
 def towers(tmp_path_factory):
     """kind -> (config, transformers' vision tower, ours loaded from the saved checkpoint)."""
-    declare_torchvision_ops()
     from safetensors.torch import load_file
 
     from fixtures_qwen import make_model
