@@ -71,3 +71,35 @@ def make_checkpoint(kind: str, out_dir: Path, seed: int = 0) -> Path:
     """The tiny model saved as a checkpoint folder (config.json + model.safetensors)."""
     make_model(kind, seed).save_pretrained(out_dir)
     return out_dir
+
+
+_LOADED: dict = {}
+
+
+def loaded(kind: str, tmp_path_factory):
+    """(config, transformers' model, our vision tower, our decoder, embedding table, checkpoint folder) for kind, built
+    once per test session (both test modules share it); every checkpoint weight is checked to be read."""
+    if kind in _LOADED:
+        return _LOADED[kind]
+    import json
+
+    from safetensors.torch import load_file
+
+    from vlmrt.families.qwen_vl import language, vision
+    from vlmrt.families.qwen_vl.config import QwenVLConfig
+
+    ckpt = make_checkpoint(kind, tmp_path_factory.mktemp(kind))
+    cfg = QwenVLConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    used = set()
+
+    def take(name):
+        used.add(name)
+        return tensors[name]
+
+    tower = vision.load(cfg.vision, tensors, take)
+    assert used == {n for n in tensors if "visual." in n}  # the tower reads every vision weight
+    dec, embed = language.load(cfg, tensors, take, positions=512)
+    assert used == set(tensors), sorted(set(tensors) - used)[:3]  # and the decoder the rest
+    _LOADED[kind] = (cfg, make_model(kind), tower, dec, embed, ckpt)
+    return _LOADED[kind]

@@ -12,7 +12,7 @@ from PIL import Image
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from fixtures_qwen import make_checkpoint  # noqa: E402
+from fixtures_qwen import loaded  # noqa: E402
 from test_image_native import spec  # noqa: E402
 from vlmrt.runtime import image_native as native  # noqa: E402
 from vlmrt.runtime import vision_inputs as vi  # noqa: E402
@@ -32,28 +32,10 @@ def noise(h, w, seed=0):
 @pytest.fixture(scope="module")
 def towers(tmp_path_factory):
     """kind -> (config, transformers' vision tower, ours loaded from the saved checkpoint)."""
-    from safetensors.torch import load_file
-
-    from fixtures_qwen import make_model
-    from vlmrt.families.qwen_vl import vision
-    from vlmrt.families.qwen_vl.config import QwenVLConfig
-
     out = {}
     for kind in KINDS:
-        ckpt = make_checkpoint(kind, tmp_path_factory.mktemp(kind))
-        import json
-
-        cfg = QwenVLConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
-        tensors = load_file(str(ckpt / "model.safetensors"))
-        used = set()
-
-        def take(name, tensors=tensors, used=used):
-            used.add(name)
-            return tensors[name]
-
-        ours = vision.load(cfg.vision, tensors, take)
-        assert used == {n for n in tensors if "visual." in n}  # every vision weight read
-        out[kind] = (cfg, make_model(kind).model.visual, ours)
+        cfg, model, tower, *_ = loaded(kind, tmp_path_factory)
+        out[kind] = (cfg, model.model.visual, tower)
     return out
 
 

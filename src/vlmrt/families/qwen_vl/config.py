@@ -83,7 +83,7 @@ class MRope:
             return [r for r, s in enumerate(self.sections) for _ in range(s)]
         out = [0] * n
         for r in (1, 2):
-            for i in range(r, 3 * self.sections[r], 3):
+            for i in range(r, min(3 * self.sections[r], n), 3):  # a slice, as transformers': clipped at n
                 out[i] = r
         return out
 
