@@ -28,6 +28,7 @@ TINY = {
     ),
 }
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 1000, 1001, 1002, 1003
+EOS_ID = 3
 
 
 def make_model(kind: str, seed: int = 0):
@@ -39,7 +40,7 @@ def make_model(kind: str, seed: int = 0):
     vision, text = TINY[kind]
     cls, cfg_cls = ((Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig) if kind == "qwen2_5_vl"
                     else (Qwen3VLForConditionalGeneration, Qwen3VLConfig))
-    cfg = cfg_cls(vision_config=vision, text_config={**text, "bos_token_id": None, "eos_token_id": 3},
+    cfg = cfg_cls(vision_config=vision, text_config={**text, "bos_token_id": None, "eos_token_id": EOS_ID},
                   image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
                   vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
     cfg._attn_implementation = "eager"

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from fixtures_qwen import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, loaded, make_model  # noqa: E402
+from fixtures_qwen import EOS_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, loaded, make_model  # noqa: E402
 from test_qwen_vision import MASK, ops, params, patches_of  # noqa: E402
 from vlmrt.runtime import mrope  # noqa: E402
 from vlmrt.runtime import vision_inputs as vi  # noqa: E402
@@ -102,7 +102,7 @@ def ours_generate(cfg, tower, dec, embed, ids, images, steps: int, deepstack: bo
         past = new
         at = mrope.next_position(pos)
         for _ in range(steps):
-            tok = int(logits[-1].argmax())
+            tok = greedy(logits[-1].numpy())
             out.append(tok)
             step_pos = torch.full((3, 1), at, dtype=torch.int64)
             at += 1
@@ -111,6 +111,14 @@ def ours_generate(cfg, tower, dec, embed, ids, images, steps: int, deepstack: bo
             logits, *new = dec(embed[torch.tensor([tok])], step_pos, torch.zeros(1, ctx + 1), *extra, *past)
             past = [torch.cat([p_, r]) for p_, r in zip(past, new)]
     return first, out
+
+
+def greedy(logits: np.ndarray) -> int:
+    """The greedy choice with EOS ruled out, as generate(min_new_tokens = all of them) rules it out: the answers
+    compared are always the full length."""
+    logits = logits.copy()
+    logits[EOS_ID] = -np.inf
+    return int(logits.argmax())
 
 
 def reference(model, ids, images, steps: int):
