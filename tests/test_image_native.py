@@ -138,3 +138,41 @@ def test_budget_override_and_bad_input():
                       rescale_factor=1 / 255, mean=[0.5] * 3, std=[0.5] * 3, params={"max_tiles": 4, "min_tiles": 1})
     with pytest.raises(img_ops.ImageError, match="no patch budget"):
         native.with_max_patches(tiles, 64)
+
+
+@pytest.mark.parametrize("layout", ["size", "min_max_pixels", "both"])
+@pytest.mark.parametrize("kind", sorted(PROCESSORS))
+def test_spec_from_processor_files(kind, layout, tmp_path):
+    """preprocessor_config.json as transformers saves it (size), as the hub's Qwen2.5-VL files have it (min_pixels /
+    max_pixels) or both: the image op set up from it (families/qwen_vl/processing.py) equals the processor loaded from
+    the same file, and the budget is the processor's own max when that is below the default."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from fixtures_qwen import TINY
+    from vlmrt.families.qwen_vl.config import VisionConfig
+    from vlmrt.families.qwen_vl.processing import DEFAULT_MAX_PATCHES, image_spec
+
+    patch = PROCESSORS[kind][0]
+    processor(kind, 6 * 28 * 28, 300 * 28 * 28).save_pretrained(tmp_path)
+    path = tmp_path / "preprocessor_config.json"
+    pre = json.loads(path.read_text())
+    if layout != "size":
+        pre.update(min_pixels=8 * 28 * 28, max_pixels=200 * 28 * 28)  # these win over size
+        if layout == "min_max_pixels":
+            pre.pop("size")
+        path.write_text(json.dumps(pre))
+    proc = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
+    v = VisionConfig.from_hf(kind, TINY[kind][0])
+    s = ImageSpec(**image_spec(pre, v))
+    p = s.params
+    lo, hi = (6, 300) if layout == "size" else (8, 200)
+    assert (p["min_pixels"], p["max_pixels"]) == (lo * 784, hi * 784)
+    assert p["max_patches"] == min(DEFAULT_MAX_PATCHES, p["max_pixels"] // patch**2 // 4 * 4)
+    for size in [(300, 500), (40, 30), (900, 700)]:
+        im = noise(*size, seed=9)
+        want = proc(images=[im], return_tensors="np")
+        got = native.smart_resize_patches(im, s)
+        np.testing.assert_array_equal(got.patches, want["pixel_values"])
+    assert ImageSpec(**image_spec(pre, v, max_patches=64)).params["max_patches"] == 64

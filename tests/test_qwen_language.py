@@ -6,6 +6,8 @@ images of different grids; DeepStack left out is caught."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -155,3 +157,27 @@ def test_deepstack_left_out_is_caught(models):
     want_logits, _ = reference(model, ids, images, 1)
     logits, _ = ours_generate(cfg, tower, dec, embed, ids, images, 0, deepstack=False)
     assert np.abs(logits - want_logits).max() > 100 * 5e-5
+
+
+def test_config_refusals_name_the_feature(tmp_path):
+    """A checkpoint with a feature vlmrt does not export is refused in one line that names it."""
+    from fixtures_qwen import make_model
+    from vlmrt.families.decoder import UnsupportedCheckpoint
+    from vlmrt.families.qwen_vl.config import QwenVLConfig
+
+    base = make_model("qwen3_vl").config.to_dict()
+    QwenVLConfig.from_hf(base)  # the tiny one is fine
+
+    def refused(change, match):
+        cfg = json.loads(json.dumps(base))
+        change(cfg)
+        with pytest.raises(UnsupportedCheckpoint, match=match) as e:
+            QwenVLConfig.from_hf(cfg)
+        assert "\n" not in str(e.value)
+
+    refused(lambda c: c["text_config"]["rope_parameters"].update(rope_type="yarn", factor=2.0), "text rope type 'yarn'")
+    refused(lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[2, 3]), r"mrope_section \[2, 3\]")
+    refused(lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[4, 4, 4]), "does not cover head_dim 16")
+    refused(lambda c: c["vision_config"].update(rope_parameters={"rope_type": "linear"}), "vision rotary type 'linear'")
+    refused(lambda c: c["vision_config"].update(num_position_embeddings=40), "num_position_embeddings 40")
+    refused(lambda c: c.update(model_type="qwen2_vl"), "model type 'qwen2_vl'")
