@@ -104,3 +104,31 @@ def loaded(kind: str, tmp_path_factory):
     assert used == set(tensors), sorted(set(tensors) - used)[:3]  # and the decoder the rest
     _LOADED[kind] = (cfg, make_model(kind), tower, dec, embed, ckpt)
     return _LOADED[kind]
+
+
+_VISION_GRAPHS: dict = {}
+
+
+def vision_graph(kind: str, tmp_path_factory, rows: int):
+    """Our tower exported as one static ONNX graph of `rows` patch rows (export/graphs.py export_graph, fp32), as an
+    ORT session; once per session and size."""
+    if (kind, rows) in _VISION_GRAPHS:
+        return _VISION_GRAPHS[kind, rows]
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from vlmrt.export.graphs import export_graph
+    from vlmrt.families.qwen_vl import vision
+    from vlmrt.runtime import vision_inputs as vi
+
+    cfg, _, tower, *_ = loaded(kind, tmp_path_factory)
+    v = cfg.vision
+    grid = (1, 2 * v.merge, 2 * v.merge)  # any grid: the graph's shapes are the budget's
+    ops, params = vision.host_inputs(v)
+    f = vi.build_feeds(np.zeros((grid[1] * grid[2], v.patch_dim), np.float32), grid, ops, params, rows, -1e30)
+    names = vision.input_names(v)
+    path = tmp_path_factory.mktemp(f"{kind}-vision") / "vision.onnx"
+    export_graph(tower, tuple(torch.from_numpy(f.feeds[n]) for n in names), names, vision.output_names(v), path)
+    _VISION_GRAPHS[kind, rows] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return _VISION_GRAPHS[kind, rows]

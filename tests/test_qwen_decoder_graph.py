@@ -1,5 +1,6 @@
 """The Qwen2.5-VL / Qwen3-VL decoder exported as an ONNX graph (rows contract: positions [3, ar] as an input, the
-cache outside, DeepStack rows as an input), run on ORT by a minimal host loop over its K/V rows: 24 greedy ids equal
+cache outside, DeepStack rows as an input), fed by the static vision graph (test_qwen_vision's, padded to its patch
+budget), run on ORT by a minimal host loop over its K/V rows: 24 greedy ids equal
 transformers' `generate` in kv mode (the prompt one token per step) and hybrid mode (blocks of PREFILL_AR, an image
 straddling a block boundary), with two images of different grids; the graph fed without DeepStack answers otherwise.
 
@@ -14,9 +15,11 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from fixtures_qwen import IMAGE_TOKEN_ID, loaded  # noqa: E402
-from test_qwen_language import encode, greedy, prompt_ids, reference  # noqa: E402
-from test_qwen_vision import MASK, patches_of  # noqa: E402
+from fixtures_qwen import IMAGE_TOKEN_ID, loaded, vision_graph  # noqa: E402
+from test_qwen_language import greedy, prompt_ids, reference  # noqa: E402
+from test_qwen_vision import BUDGET, MASK, ops, params, patches_of  # noqa: E402
+from vlmrt.families.qwen_vl import vision  # noqa: E402
+from vlmrt.runtime import vision_inputs as vi  # noqa: E402
 from vlmrt.runtime import mrope  # noqa: E402
 
 KINDS = ("qwen2_5_vl", "qwen3_vl")
@@ -53,7 +56,15 @@ def graphs(tmp_path_factory):
     return out
 
 
-def run_graph(cfg, sess, tower, embed, ids, images, mode: str, deepstack: bool = True) -> list[int]:
+def encode(cfg, vis, p):
+    """(image tokens [n, hidden], DeepStack features [n, levels*hidden] or None) through the vision graph."""
+    f = vi.build_feeds(p.patches, p.grid, ops(cfg), params(cfg), BUDGET, MASK)
+    outs = [f.restore(o) for o in vis.run(vision.output_names(cfg.vision),
+                                          {n: f.feeds[n] for n in vision.input_names(cfg.vision)})]
+    return outs[0], (np.concatenate(outs[1:], axis=1) if len(outs) > 1 else None)
+
+
+def run_graph(cfg, sess, vis, embed, ids, images, mode: str, deepstack: bool = True) -> list[int]:
     """Prompt in kv or hybrid mode, then STEPS greedy tokens: slots advance by one per token, positions as M-RoPE says."""
     t = cfg.text
     levels = len(cfg.vision.deepstack_layers)
@@ -61,7 +72,7 @@ def run_graph(cfg, sess, tower, embed, ids, images, mode: str, deepstack: bool =
     x = embed[ids].copy()
     ds = np.zeros((len(ids), levels * t.hidden), np.float32)
     rows = np.flatnonzero(np.array(ids) == IMAGE_TOKEN_ID)
-    enc = [encode(cfg, tower, p) for p in images]  # our torch tower (test_qwen_vision: equal to its graph)
+    enc = [encode(cfg, vis, p) for p in images]
     x[rows] = np.concatenate([e[0] for e in enc])
     if levels and deepstack:
         ds[rows] = np.concatenate([e[1] for e in enc])
@@ -97,15 +108,16 @@ def run_graph(cfg, sess, tower, embed, ids, images, mode: str, deepstack: bool =
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    """kind -> (prompt ids, images, transformers' 24 greedy ids, our tower, embedding table)."""
+    """kind -> (prompt ids, images, transformers' 24 greedy ids, the vision graph, embedding table)."""
     out = {}
     for kind in KINDS:
-        cfg, model, tower, _, embed, _ = loaded(kind, tmp_path_factory)
+        cfg, model, _, _, embed, _ = loaded(kind, tmp_path_factory)
         images = [patches_of(kind, (140, 154), seed=6), patches_of(kind, (56, 112), seed=7)]
         ids = prompt_ids([p.tokens for p in images], seed=2)
         runs = mrope.image_runs(np.array(ids), IMAGE_TOKEN_ID)
         assert any(a // PREFILL_AR != (b - 1) // PREFILL_AR for a, b in runs)  # an image straddles a block boundary
-        out[kind] = (ids, images, reference(model, ids, images, STEPS)[1], tower, embed)
+        out[kind] = (ids, images, reference(model, ids, images, STEPS)[1], vision_graph(kind, tmp_path_factory, BUDGET),
+                     embed)
     return out
 
 
@@ -113,11 +125,11 @@ def cases(tmp_path_factory):
 @pytest.mark.parametrize("kind", KINDS)
 def test_graph_greedy_ids_equal_generate(kind, mode, graphs, cases):
     cfg, sess = graphs[kind]
-    ids, images, want, tower, embed = cases[kind]
-    assert run_graph(cfg, sess, tower, embed, ids, images, mode) == want
+    ids, images, want, vis, embed = cases[kind]
+    assert run_graph(cfg, sess, vis, embed, ids, images, mode) == want
 
 
 def test_graph_without_deepstack_differs(graphs, cases):
     cfg, sess = graphs["qwen3_vl"]
-    ids, images, want, tower, embed = cases["qwen3_vl"]
-    assert run_graph(cfg, sess, tower, embed, ids, images, "hybrid", deepstack=False) != want
+    ids, images, want, vis, embed = cases["qwen3_vl"]
+    assert run_graph(cfg, sess, vis, embed, ids, images, "hybrid", deepstack=False) != want

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 from fixtures_qwen import EOS_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, loaded, make_model  # noqa: E402
 from test_qwen_vision import MASK, ops, params, patches_of  # noqa: E402
+from vlmrt.families.qwen_vl import vision  # noqa: E402
 from vlmrt.runtime import mrope  # noqa: E402
 from vlmrt.runtime import vision_inputs as vi  # noqa: E402
 
@@ -72,8 +73,7 @@ def models(tmp_path_factory):
 def encode(cfg, tower, p):
     """(image tokens [n, hidden], DeepStack features [n, levels*hidden] or None) through our tower."""
     f = vi.build_feeds(p.patches, p.grid, ops(cfg), params(cfg), len(p.patches), MASK)
-    names = (["patches", "rotary_cos", "rotary_sin", "full_mask", "window_mask"] if cfg.kind == "qwen2_5_vl"
-             else ["patches", "pos_index", "pos_weight", "rotary_cos", "rotary_sin", "attention_mask"])
+    names = vision.input_names(cfg.vision)
     with torch.no_grad():
         outs = tower(*[torch.from_numpy(f.feeds[n]) for n in names])
     outs = [f.restore(o.numpy()) for o in (outs if isinstance(outs, tuple) else (outs,))]

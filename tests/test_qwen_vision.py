@@ -12,7 +12,8 @@ from PIL import Image
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from fixtures_qwen import loaded  # noqa: E402
+from fixtures_qwen import loaded, vision_graph  # noqa: E402
+from vlmrt.families.qwen_vl import vision  # noqa: E402
 from test_image_native import spec  # noqa: E402
 from vlmrt.runtime import image_native as native  # noqa: E402
 from vlmrt.runtime import vision_inputs as vi  # noqa: E402
@@ -46,13 +47,11 @@ def patches_of(kind, size, budget=10**6, seed=0):
 
 
 def params(cfg):
-    v = cfg.vision
-    return {"head_dim": v.head_dim, "theta": v.theta, "merge": v.merge, "window": v.window, "patch": v.patch,
-            "position_side": v.position_side}
+    return vision.host_inputs(cfg.vision)[1]
 
 
 def ops(cfg):
-    return ["rotary_2d", "window_order"] if cfg.kind == "qwen2_5_vl" else ["rotary_2d", "interpolated_positions"]
+    return vision.host_inputs(cfg.vision)[0]
 
 
 def reference(visual, p: native.NativePatches):
@@ -64,8 +63,7 @@ def reference(visual, p: native.NativePatches):
 
 def run_ours(cfg, tower, p: native.NativePatches, rows: int, order_ops=None):
     f = vi.build_feeds(p.patches, p.grid, order_ops or ops(cfg), params(cfg), rows, MASK)
-    names = (["patches", "rotary_cos", "rotary_sin", "full_mask", "window_mask"] if cfg.kind == "qwen2_5_vl"
-             else ["patches", "pos_index", "pos_weight", "rotary_cos", "rotary_sin", "attention_mask"])
+    names = vision.input_names(cfg.vision)
     with torch.no_grad():
         outs = tower(*[torch.from_numpy(f.feeds[n]) for n in names])
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -120,21 +118,13 @@ def test_torch_tower_equals_transformers(kind, size, towers):
 
 
 @pytest.fixture(scope="module")
-def graphs(towers, tmp_path_factory):
-    """kind -> the tower exported as one static ONNX graph of BUDGET rows, as an ORT session."""
-    import onnxruntime as ort
-
-    from vlmrt.export.graphs import export_graph
-
+def graphs(tmp_path_factory):
+    """kind -> the tower exported as one static ONNX graph of BUDGET rows, as an ORT session (shared)."""
     out = {}
     for kind in KINDS:
-        cfg, _, ours = towers[kind]
-        p = patches_of(kind, (112, 112))
-        _, f, names = run_ours(cfg, ours, p, BUDGET)
-        outputs = ["embeds", *[f"deepstack_{i}" for i in range(len(cfg.vision.deepstack_layers))]]
-        path = tmp_path_factory.mktemp(f"{kind}-graph") / "vision.onnx"
-        export_graph(ours, tuple(torch.from_numpy(f.feeds[n]) for n in names), names, outputs, path)
-        out[kind] = (ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), names, outputs)
+        cfg = loaded(kind, tmp_path_factory)[0]
+        out[kind] = (vision_graph(kind, tmp_path_factory, BUDGET), vision.input_names(cfg.vision),
+                     vision.output_names(cfg.vision))
     return out
 
 
@@ -163,7 +153,7 @@ def test_missing_window_order_is_caught(towers):
     cfg, visual, ours = towers["qwen2_5_vl"]
     p = patches_of("qwen2_5_vl", (140, 154))
     want, _ = reference(visual, p)
-    f = vi.build_feeds(p.patches, p.grid, ["rotary_2d"], params(cfg), len(p.patches), MASK)
+    f = vi.build_feeds(p.patches, p.grid, ["rotary_2d"], params(cfg), len(p.patches), MASK)  # no window order
     with torch.no_grad():  # the full mask for window blocks too: what a port without windows computes
         m = torch.from_numpy(f.feeds["attention_mask"])
         got = ours(torch.from_numpy(f.feeds["patches"]), torch.from_numpy(f.feeds["rotary_cos"]),

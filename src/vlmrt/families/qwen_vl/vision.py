@@ -156,6 +156,25 @@ class Qwen3Vision(nn.Module):
         return (self.merger(x), *features)  # [N / merge², out_hidden] each
 
 
+def input_names(v: VisionConfig) -> list[str]:
+    """The vision graph's inputs, in forward's order (runtime/vision_inputs.py build_feeds makes them)."""
+    if v.kind == "qwen2_5_vl":
+        return ["patches", "rotary_cos", "rotary_sin", "full_mask", "window_mask"]
+    return ["patches", "pos_index", "pos_weight", "rotary_cos", "rotary_sin", "attention_mask"]
+
+
+def output_names(v: VisionConfig) -> list[str]:
+    return ["embeds", *[f"deepstack_{i}" for i in range(len(v.deepstack_layers))]]
+
+
+def host_inputs(v: VisionConfig) -> tuple[list[str], dict]:
+    """(the host ops of runtime/vision_inputs.py this tower takes, their parameters): what the manifest records."""
+    ops = ["rotary_2d", "window_order"] if v.kind == "qwen2_5_vl" else ["rotary_2d", "interpolated_positions"]
+    params = {"head_dim": v.head_dim, "theta": v.theta, "merge": v.merge}
+    params.update({"window": v.window, "patch": v.patch} if v.kind == "qwen2_5_vl" else {"position_side": v.position_side})
+    return ops, params
+
+
 def build(v: VisionConfig) -> nn.Module:
     return Qwen25Vision(v) if v.kind == "qwen2_5_vl" else Qwen3Vision(v)
 
