@@ -165,7 +165,7 @@ def test_spec_from_processor_files(kind, layout, tmp_path):
         path.write_text(json.dumps(pre))
     proc = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
     v = VisionConfig.from_hf(kind, TINY[kind][0])
-    s = ImageSpec(**image_spec(pre, v))
+    s = image_spec(pre, v)
     p = s.params
     lo, hi = (6, 300) if layout == "size" else (8, 200)
     assert (p["min_pixels"], p["max_pixels"]) == (lo * 784, hi * 784)
@@ -175,4 +175,4 @@ def test_spec_from_processor_files(kind, layout, tmp_path):
         want = proc(images=[im], return_tensors="np")
         got = native.smart_resize_patches(im, s)
         np.testing.assert_array_equal(got.patches, want["pixel_values"])
-    assert ImageSpec(**image_spec(pre, v, max_patches=64)).params["max_patches"] == 64
+    assert image_spec(pre, v, max_patches=64).params["max_patches"] == 64

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import channel_values, resample_name
+from ...manifest import ImageSpec
+from .. import processor_image
 from ..decoder import UnsupportedCheckpoint
 from .config import VisionConfig
 
@@ -22,8 +23,8 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 DEFAULT_MAX_PATCHES = 4096
 
 
-def image_spec(pre: dict[str, Any], v: VisionConfig, max_patches: int | None = None) -> dict[str, Any]:
-    """The manifest's ImageSpec fields for these processor settings and a vision graph of max_patches rows (None:
+def image_spec(pre: dict[str, Any], v: VisionConfig, max_patches: int | None = None) -> ImageSpec:
+    """The manifest's ImageSpec for these processor settings and a vision graph of max_patches rows (None:
     DEFAULT_MAX_PATCHES, or fewer when the processor's own max_pixels needs fewer)."""
     if pre.get("do_resize", True) is False:
         raise UnsupportedCheckpoint("preprocessor_config.json sets do_resize false; vlmrt exports the resizing "
@@ -46,13 +47,12 @@ def image_spec(pre: dict[str, Any], v: VisionConfig, max_patches: int | None = N
                                     f"({min_pixels} px = {-(-min_pixels // (patch * patch))} patches)")
     if budget % (merge * merge):
         raise UnsupportedCheckpoint(f"a patch budget of {budget} is not a multiple of {merge * merge} (a merge block)")
-    rescale = float(pre.get("rescale_factor", 1 / 255)) if pre.get("do_rescale", True) else 1.0
-    normalize = pre.get("do_normalize", True)
-    return dict(
-        tiling="smart_resize", tile_size=patch * merge, patch_size=patch,
-        resample=resample_name(pre.get("resample", 3)), rescale_factor=rescale,
-        mean=channel_values(pre.get("image_mean", CLIP_MEAN)) if normalize else [0.0] * 3,
-        std=channel_values(pre.get("image_std", CLIP_STD)) if normalize else [1.0] * 3,
-        params={"merge": merge, "temporal_patch": temporal, "min_pixels": min_pixels, "max_pixels": max_pixels,
-                "max_patches": budget},
-    )
+    pp = dict(pre)
+    if pre.get("do_rescale", True) is False:
+        pp["rescale_factor"] = 1.0
+    if pre.get("do_normalize", True) is False:
+        pp["image_mean"], pp["image_std"] = [0.0] * 3, [1.0] * 3
+    return processor_image(pp, tiling="smart_resize", tile_size=patch * merge, patch_size=patch,
+                           params={"merge": merge, "temporal_patch": temporal, "min_pixels": min_pixels,
+                                   "max_pixels": max_pixels, "max_patches": budget},
+                           resample=3, mean=CLIP_MEAN, std=CLIP_STD)  # the processor's defaults: bicubic, CLIP
