@@ -1,6 +1,6 @@
 """Model families: the registry (config.json `model_type` -> family module) and the contract every family meets.
 
-A family module (smolvlm.py, internvl.py) provides one `Family` at module level as `FAMILY`: its name, the model
+A family module (smolvlm.py, internvl.py; or a package, as qwen_vl/ will be) provides one `Family` as `FAMILY`: its name, the model
 types it exports and four functions (read the config, build the modules from the checkpoint's tensors, plan the host
 side, size the default context). `REGISTRY` names the module that holds each model type; the modules import torch,
 so they load on demand. The exporter and the float reference (eval/reference.py) talk to a family only through the
@@ -126,7 +126,7 @@ class Family:
     default_max_context: Callable[[FamilyConfig, HostSpec], tuple[int, str]]  # -> (max context tokens, why that many)
 
     def fail(self, what: str) -> FamilyContractError:
-        return FamilyContractError(f"family {self.name}: {what} (a bug in vlmrt/families/{self.name}.py, not in the "
+        return FamilyContractError(f"family {self.name}: {what} (a bug in vlmrt.families.{self.name}, not in the "
                                    "checkpoint)")
 
     def config(self, config: dict[str, Any]) -> FamilyConfig:
@@ -221,7 +221,7 @@ _ARITY = {"config_from_hf": 1, "load_weights": 2, "host_spec": 3, "default_max_c
 def _checked(module_name: str, module) -> Family:
     """The module's FAMILY, checked against REGISTRY (where a family is registered, the one-line error names it)."""
     fam = getattr(module, "FAMILY", None)
-    where = f"vlmrt/families/{module_name}.py"
+    where = f"vlmrt.families.{module_name}"
     if not isinstance(fam, Family):
         raise FamilyContractError(f"{where} is registered as a family but has no FAMILY = families.Family(...)")
     if fam.name != module_name:
