@@ -50,7 +50,7 @@ def test_pixels_and_prompt_ids_equal_hf_processor(smolvlm, image, tmp_path):
     assert tiles.pixels.shape == pixels.shape[1:]
     np.testing.assert_array_equal(tiles.pixels, pixels[0])  # same Pillow resizes, same float ops: exact
     vlm = VLM.load(smolvlm.bundle)
-    assert vlm.prompt_ids(PROMPT, tiles.grid) == prompt_ids
+    assert vlm.prompt(PROMPT, [path]).ids == prompt_ids
 
 
 @pytest.mark.parametrize("mode", ["kv", "hybrid"])
@@ -95,10 +95,8 @@ def test_first_logits_close_to_transformers(default_bundle):
     model, proc = ex.hf()
     vlm = VLM.load(ex.bundle)
     tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
-    ids = vlm.prompt_ids(PROMPT, tiles.grid)
-    from vlmrt.runtime.engine import splice
-
-    embeds = splice(ids, vlm.engine.embed(ids), vlm.encode_image(tiles.pixels), vlm.manifest.special_tokens.image_token_id)
+    p = vlm.prompt(PROMPT, [path])
+    ids, embeds = p.ids, vlm.embed_prompt(p)
     for mode in ("kv", "hybrid"):
         got = vlm.engine.prefill(embeds, mode)
         with torch.no_grad():
@@ -130,7 +128,6 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
     every step's logits within 0.05 (measured max 0.031) and the same argmax wherever fp32's top-2 gap exceeds
     that. (Equal free-running ids is luck on this random model: fp32's top-2 gap is 0.0024 at step 7.)"""
     from vlmrt.export.pipeline import export
-    from vlmrt.runtime.engine import splice
 
     c = default_bundle.case
     b16 = export(str(default_bundle.ckpt), tmp_path / "b16", prefill_ar=c.prefill_ar, max_seq_len=c.max_seq_len,
@@ -140,9 +137,7 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
     for name in ("chelsea.png", "rocket.jpg", "page.png"):
         logits = {}
         for key, v in (("32", v32), ("16", v16)):
-            t = img_ops.preprocess(img_ops.load_image(image_file(name, None)), v.manifest.image)
-            ids = v.prompt_ids(PROMPT, t.grid)
-            e = splice(ids, v.engine.embed(ids), v.encode_image(t.pixels), v.manifest.special_tokens.image_token_id)
+            e = v.embed_prompt(v.prompt(PROMPT, [image_file(name, None)]))
             logits[key] = {m: v.engine.prefill(e, m).astype(np.float32) for m in ("kv", "hybrid")}
         for m in ("kv", "hybrid"):
             assert np.abs(logits["32"][m] - logits["16"][m]).max() < 0.05
@@ -152,9 +147,7 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
     for m in ("kv", "hybrid"):
         rows = {}
         for key, v in (("32", v32), ("16", v16)):
-            t = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), v.manifest.image)
-            ids = v.prompt_ids(PROMPT, t.grid)
-            e = splice(ids, v.engine.embed(ids), v.encode_image(t.pixels), v.manifest.special_tokens.image_token_id)
+            e = v.embed_prompt(v.prompt(PROMPT, [image_file("chelsea.png", None)]))
             rows[key] = v.engine.score(e, want, mode=m).astype(np.float32)
         assert np.abs(rows["32"] - rows["16"]).max() < 0.05
         top2 = np.sort(rows["32"], axis=-1)[:, -2:]

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from ..runtime.sources import FetchLimits
 from .errors import APIError, internal, unavailable
-from .media import load_images, with_images
+from .media import load_images, load_videos, with_images
 from .request import parse_request
 from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
 from .scheduler import Job, QueueFull, Scheduler
@@ -151,9 +151,10 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
         sched = ready()
         req = parse_request(await read_body(request, config.max_body), config.max_images)
         images = await asyncio.to_thread(load_images, req.urls, config.media_dir, config.fetch)
+        videos = await asyncio.to_thread(load_videos, req.video_urls, config.media_dir, config.fetch)
         req.options.setdefault("max_new_tokens", sched.max_context)
         req.options["mode"] = config.mode
-        job = Job(with_images(req.messages, images), req.key, req.options, asyncio.get_running_loop())
+        job = Job(with_images(req.messages, images, videos), req.key, req.options, asyncio.get_running_loop())
         try:
             sched.submit(job)
         except QueueFull:
