@@ -380,3 +380,24 @@ def test_batch_records_with_video(default_bundle, clips, tmp_path, capsys):
     want = "".join(VLM.load(default_bundle.bundle).chat(video_turn(TINY_GIF), max_new_tokens=8))
     assert rows["a"]["text"] == want and rows["b"]["text"] == want
     assert "cannot read" in rows["c"]["error"]
+
+
+def test_chat_repl_video_then_a_follow_up(default_bundle, clips):
+    """`vlmrt chat --video` (and /video): the video goes with the first turn; the follow-up reuses its frames."""
+    import io
+
+    from vlmrt.chat_repl import repl
+    from vlmrt.runtime.conversation import VideoSource
+
+    vlm = VLM.load(default_bundle.bundle)
+    out, err = io.StringIO(), io.StringIO()
+    script = f"{QUESTION}\nAnd then?\n/reset\n/video {clips['uneven']}\nNow this one?\n/video /no/such.gif\nHm?\n"
+    assert repl(vlm, dict(max_new_tokens=4), videos=[VideoSource(str(TINY_GIF))], stdin=io.StringIO(script),
+                stdout=out, stderr=err) == 0
+    log = err.getvalue()
+    turns = [ln for ln in log.splitlines() if ln.startswith("[") and "prompt tokens" in ln]
+    assert len(turns) == 3, log
+    # the follow-up: the frames' embeddings cached, the first turn's rows kept; the other video is encoded
+    assert " 0 reused" in turns[0] and "vision skipped (cached)" in turns[1] and "skipped" not in turns[2]
+    assert "vlmrt: error: video not found: /no/such.gif" in log
+    assert len(out.getvalue().splitlines()) == 3
