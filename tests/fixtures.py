@@ -255,8 +255,12 @@ def make_smolvlm_checkpoint(
     gain: float = 1.0,
     text_overrides: dict | None = None,
     vision_overrides: dict | None = None,
+    video_sampling: dict | None = None,
 ) -> Path:
     """Write a tiny random SmolVLM checkpoint (hub layout) into ``out_dir`` and return it.
+
+    video_sampling: SmolVLM2's video processor settings (video_preprocessor_config.json); default fps 1, at most 4
+    frames, the longest edge to 2 tiles first (SmolVLM2 releases: fps 1, 64 frames, 512 = the tile).
 
     text_overrides / vision_overrides replace entries of the text / vision config (e.g. the real
     SmolVLM-256M sizes for benchmarks; a vocab_size larger than the tokenizer is allowed)."""
@@ -363,6 +367,16 @@ def make_smolvlm_checkpoint(
     processor_cfg = {"processor_class": "SmolVLMProcessor", "image_seq_len": image_seq_len}
     (out_dir / "processor_config.json").write_text(json.dumps(processor_cfg, indent=2) + "\n")
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": DEFAULT_CHAT_TEMPLATE}, indent=2) + "\n")
+    video = {
+        "video_processor_type": "SmolVLMVideoProcessor",
+        "processor_class": "SmolVLMProcessor",
+        "video_sampling": video_sampling or {"fps": 1, "max_frames": 4, "video_size": {"longest_edge": 2 * tile_size}},
+        "max_image_size": {"longest_edge": tile_size},
+        "resample": 1,  # LANCZOS
+        "do_sample_frames": True,
+        **{k: preprocessor[k] for k in ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")},
+    }
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     return out_dir
 
 

@@ -90,6 +90,7 @@ class HostSpec:
     system_prompt: str | None = None
     # templates that render no image item (OpenGVLab's originals): (placeholder, text put before the prompt)
     image_in_text_fallback: tuple[str, str] | None = None
+    video: dict[str, Any] | None = None  # manifest.VideoSpec fields, for a checkpoint whose processor reads videos
 
 
 class VisionSizes(Protocol):
