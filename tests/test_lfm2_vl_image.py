@@ -31,14 +31,10 @@ def processor(cfg: dict):
 
 
 def spec(cfg: dict) -> ImageSpec:
-    """The manifest's ImageSpec for cfg, as the lfm2_vl family's host spec writes it."""
-    f, patch = cfg["downsample_factor"], cfg["encoder_patch_size"]
-    max_patches = max(cfg["max_image_tokens"] * f * f, (cfg["tile_size"] // patch) ** 2 if cfg["do_image_splitting"] else 0)
-    params = {k: cfg[k] for k in ("downsample_factor", "min_tiles", "max_tiles", "use_thumbnail", "min_image_tokens",
-                                  "max_image_tokens", "max_pixels_tolerance")}
-    return ImageSpec(tiling="naflex_tiles", tile_size=cfg["tile_size"], patch_size=patch, resample="bilinear",
-                     rescale_factor=1 / 255, mean=[0.5] * 3, std=[0.5] * 3,
-                     params={**params, "split": cfg["do_image_splitting"], "max_num_patches": max_patches})
+    """The manifest's ImageSpec for cfg, as the lfm2_vl family writes it."""
+    from fixtures_lfm2_vl import image_spec
+
+    return image_spec(cfg)
 
 
 def assert_equal_processor(im: Image.Image, cfg: dict, proc=None) -> img_ops.Tiles:
