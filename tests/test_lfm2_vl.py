@@ -111,6 +111,37 @@ def test_vision_graph_equals_transformers(ckpt, hf, vision, tmp_path):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"{size} tile {k}")
 
 
+def test_prompt_markers_equal_processor(ckpt, hf):
+    """The image text (runtime/prompt.py tile_markers: start/end, <|img_row_R_col_C|> per tile, <|img_thumbnail|>,
+    the image-token runs) from vlmrt's own tiling, tokenized, equals the processor's input ids for one user turn with
+    single and tiled images, and two images in one turn."""
+    from tokenizers import Tokenizer
+
+    from fixtures_lfm2_vl import IMAGE, IMAGE_END, IMAGE_START, THUMBNAIL, hf_inputs, image_spec
+    from vlmrt.manifest import PromptSpec
+    from vlmrt.runtime.prompt import tile_markers
+
+    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
+    spec = image_spec(pre)
+    p = PromptSpec(template_image="", template_text="", expansion="tile_markers", tokens_per_tile=16,
+                   add_special_tokens=False, params={"image_token": IMAGE, "start_token": IMAGE_START,
+                                                     "end_token": IMAGE_END, "thumbnail_token": THUMBNAIL,
+                                                     "tile_marker": "<|img_row_{row}_col_{col}|>"})
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    grids = 0
+    for images in [[tiles_of(s)] for s in SIZES] + [[tiles_of((300, 90)), tiles_of((40, 40))]]:
+        want = hf_inputs(hf[1], images, PROMPT)["input_ids"][0].tolist()
+        text = hf[1].apply_chat_template([{"role": "user", "content": [{"type": "image"} for _ in images] +
+                                           [{"type": "text", "text": PROMPT}]}], add_generation_prompt=True, tokenize=False)
+        head, *rest = text.split(IMAGE)
+        for im, piece in zip(images, rest):
+            t = img_ops.preprocess(im, spec)
+            grids += t.rows > 0
+            head += tile_markers(t.rows, t.cols, naflex.tile_tokens(t.patch_grids, pre["downsample_factor"]), p) + piece
+        assert tok.encode(head, add_special_tokens=False).ids == want
+    assert grids >= 4
+
+
 # --- the decoder: conv state as per-slot rows (tests/lfm2_steps.py is the host until the runtime's cache kinds) -------
 
 PATTERNS = {  # layer_types: two conv layers in a row and a conv layer last; attention first and last; conv with biases

@@ -62,3 +62,8 @@ def tile_inputs(patches: np.ndarray, grid, side: int, factor: int, mask_value: f
     mask = np.full(max_patches, mask_value, np.float32)
     mask[:n] = 0.0
     return x, pw, mask, n // (factor * factor)
+
+
+def tile_tokens(patch_grids: np.ndarray, factor: int) -> list[int]:
+    """Each tile's image-token count: (h / f) · (w / f) of its patch grid (the processor's ceil of an even count)."""
+    return [int(-(-h // factor) * -(-w // factor)) for h, w in patch_grids]
