@@ -1,4 +1,4 @@
-"""LFM2-VL's host image op (runtime/image.py `naflex_tiles`, runtime/resize_aa.py) against transformers'
+"""LFM2-VL's host image op (runtime/image.py `naflex_tiles`, runtime/aa_resize.py) against transformers'
 Lfm2VlImageProcessor (the torchvision one, tests/torchvision_ops.py): pixel values, patch masks, patch grids and the
 tile grid equal the processor's, bit for bit, for small and tiled images of many sizes and aspect ratios."""
 
@@ -11,7 +11,7 @@ from PIL import Image
 from conftest import IMAGES, image_file
 from vlmrt.manifest import ImageSpec
 from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.resize_aa import resize_bilinear_aa
+from vlmrt.runtime.aa_resize import resize as aa_resize
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
@@ -77,7 +77,7 @@ def test_resize_equals_torchvision_antialiased_bilinear():
         x = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         want = tvF.resize(torch.from_numpy(x).permute(2, 0, 1).contiguous(), [nh, nw], antialias=True,
                           interpolation=tvF.InterpolationMode.BILINEAR).permute(1, 2, 0).numpy()
-        np.testing.assert_array_equal(resize_bilinear_aa(x, nh, nw), want, err_msg=str((h, w, nh, nw)))
+        np.testing.assert_array_equal(aa_resize(x, nh, nw, "bilinear"), want, err_msg=str((h, w, nh, nw)))
 
 
 @pytest.mark.parametrize("image", IMAGES)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..manifest import ImageSpec
-from .resize_aa import resize_bilinear_aa
+from .aa_resize import resize as aa_resize
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -255,7 +255,7 @@ def naflex_tiles(im: Image.Image, spec: ImageSpec) -> Tiles:
     naflex_size (sides in multiples of patch * downsample_factor) and is one tile; a larger one (naflex_is_large,
     and params.split) is resized to the closest-aspect grid of tile_size² tiles, cut row-major, plus a thumbnail of
     the whole image at naflex_size (params.use_thumbnail, more than one tile). Resizes are torchvision's antialiased
-    bilinear uint8 arithmetic (resize_aa.py); each tile becomes its patch rows, zero-padded to
+    bilinear uint8 arithmetic (aa_resize.py); each tile becomes its patch rows, zero-padded to
     params.max_num_patches, with its patch grid."""
     if spec.resample != "bilinear":
         raise ImageError(f"the naflex_tiles op resizes with torchvision's antialiased bilinear filter, not {spec.resample!r}")
@@ -271,12 +271,12 @@ def naflex_tiles(im: Image.Image, spec: ImageSpec) -> Tiles:
     if split and naflex_is_large(height, width, p):
         cols, rows = best_grid(height, width, tile, p["min_tiles"], p["max_tiles"],
                                naflex_grids(p["min_tiles"], p["max_tiles"]))
-        big = resize_bilinear_aa(x, rows * tile, cols * tile)
+        big = aa_resize(x, rows * tile, cols * tile, "bilinear")
         tiles = [big[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
         if p.get("use_thumbnail", True) and rows * cols != 1:
-            tiles.append(resize_bilinear_aa(x, h, w))
+            tiles.append(aa_resize(x, h, w, "bilinear"))
     else:
-        tiles = [resize_bilinear_aa(x, h, w)]
+        tiles = [aa_resize(x, h, w, "bilinear")]
     # transformers fuses rescale into normalize: (x - mean / rescale) / (std / rescale), in float32
     mean = np.asarray(spec.mean, np.float32) * np.float32(1.0 / spec.rescale_factor)
     std = np.asarray(spec.std, np.float32) * np.float32(1.0 / spec.rescale_factor)
