@@ -52,16 +52,39 @@ def weights(in_size: int, out_size: int, name: str) -> tuple[np.ndarray, int]:
     return np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)).astype(np.int64), bits
 
 
+def _taps(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An axis's [out, in] weights as (indices [out, k], weights [out, k]): each output's band of taps (k = the widest
+    band; taps past an output's own band have weight 0), so a pass costs out × k, not out × in."""
+    nz = m != 0
+    lo = np.where(nz.any(1), nz.argmax(1), 0)
+    hi = np.where(nz.any(1), m.shape[1] - nz[:, ::-1].argmax(1), 1)
+    k = int((hi - lo).max())
+    idx = lo[:, None] + np.arange(k)[None, :]
+    inside = idx < hi[:, None]
+    idx = np.where(inside, idx, lo[:, None])
+    return idx, np.where(inside, np.take_along_axis(m, idx, 1), 0)
+
+
+def _pass_rows(x: np.ndarray, m: np.ndarray, bits: int) -> np.ndarray:
+    """Resample axis 0 of x [n, w, c] uint8 with weights m [out, n] (int64 accumulators: lanczos / bicubic weights
+    are negative in places; >> is an arithmetic shift, as the kernel's)."""
+    idx, w = _taps(m)
+    acc = np.full((m.shape[0],) + x.shape[1:], 1 << (bits - 1), np.int64)
+    for t in range(idx.shape[1]):
+        acc += x[idx[:, t]] * w[:, t, None, None]
+    return np.clip(acc >> bits, 0, 255).astype(np.uint8)
+
+
 def resize(x: np.ndarray, height: int, width: int, name: str = "lanczos") -> np.ndarray:
     """[H, W, C] uint8 -> [height, width, C] uint8."""
     if name not in FILTERS:
         raise ValueError(f"no antialiased uint8 resize for the {name!r} filter (lanczos, bicubic, bilinear)")
     h0, w0, _ = x.shape
-    y = x.astype(np.int64)
-    if width != w0:
+    y = np.asarray(x, np.uint8)
+    if width != w0:  # the horizontal pass, on the image transposed so that a tap reads whole rows
         m, bits = weights(w0, width, name)
-        y = np.clip((np.einsum("ow,hwc->hoc", m, y) + (1 << (bits - 1))) >> bits, 0, 255)
+        y = _pass_rows(np.ascontiguousarray(y.transpose(1, 0, 2)), m, bits).transpose(1, 0, 2)
     if height != h0:
         m, bits = weights(h0, height, name)
-        y = np.clip((np.einsum("oh,hwc->owc", m, y) + (1 << (bits - 1))) >> bits, 0, 255)
-    return y.astype(np.uint8)
+        y = _pass_rows(y, m, bits)
+    return np.ascontiguousarray(y)

@@ -1,8 +1,11 @@
 """Host image ops: load, tile, rescale/normalize, unfold into patches (Pillow + numpy).
 
 Tiling strategies are named host ops; the manifest's `image.tiling` picks one and
-`image.params` parameterizes it. Each returns the tiles (uint8 HWC, tile_size²) and the
-grid (rows, cols) that prompt expansion needs; (0, 0) means one global tile, no grid.
+`image.params` parameterizes it. Each returns the normalized tiles and the grid (rows, cols)
+that prompt expansion needs; (0, 0) means one global tile, no grid. Most ops cut square
+tiles of tile_size² (pixels [tiles, c, S, S]); the NaFlex op (`naflex_tiles`, LFM2-VL) gives
+tiles of different sizes as padded patch rows (pixels [tiles, max_patches, patch² * c]) with
+each tile's patch grid.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..manifest import ImageSpec
+from .aa_resize import resize as aa_resize
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -40,9 +44,12 @@ class ImageError(ValueError):
 
 @dataclass
 class Tiles:
-    pixels: np.ndarray  # [tiles, channels, tile, tile] float32, normalized
+    # float32, normalized: [tiles, channels, tile, tile]; NaFlex ops: [tiles, max_patches, patch * patch * channels],
+    # each tile's patch rows in raster order, (py, px, c) within a row, zero rows after its patch_grids[t] h * w
+    pixels: np.ndarray
     rows: int
     cols: int
+    patch_grids: np.ndarray | None = None  # NaFlex ops: [tiles, 2] int64, each tile's (patch rows, patch columns)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -169,12 +176,14 @@ def grid_candidates(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
     return sorted(grids, key=lambda g: g[0] * g[1])
 
 
-def best_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+def best_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int,
+              candidates: list[tuple[int, int]] | None = None) -> tuple[int, int]:
     """GotOcr2 / InternVL `get_optimal_tiled_canvas`: the grid whose aspect ratio is closest to the
-    image's; on a tie the larger grid, while the image area exceeds half of the grid's pixel area."""
+    image's; on a tie the later candidate, while the image area exceeds half of the grid's pixel area.
+    candidates: (cols, rows) in the order they are tried (default grid_candidates')."""
     aspect, area = width / height, width * height
     best, best_diff = (1, 1), float("inf")
-    for cols, rows in grid_candidates(min_tiles, max_tiles):
+    for cols, rows in candidates or grid_candidates(min_tiles, max_tiles):
         diff = abs(aspect - cols / rows)
         if diff < best_diff:
             best, best_diff = (cols, rows), diff
@@ -197,7 +206,108 @@ def closest_aspect_grid(im: Image.Image, spec: ImageSpec) -> tuple[list[Image.Im
     return tiles, rows, cols
 
 
-TILING = {"longest_edge_grid": longest_edge_grid, "closest_aspect_grid": closest_aspect_grid}
+def _round_by(n: float, factor: int) -> int:
+    return round(n / factor) * factor  # Python's round: half to even, as transformers' round_by_factor
+
+
+def naflex_size(height: int, width: int, p: dict) -> tuple[int, int]:
+    """LFM2-VL `smart_resize`: (height, width) in multiples of patch * downsample, the aspect kept, the pixel count
+    within min_image_tokens..max_image_tokens tokens (a token = downsample² patches)."""
+    f = p["patch_size"] * p["downsample_factor"]
+    lo = p["min_image_tokens"] * f * f
+    hi = p["max_image_tokens"] * f * f
+    h, w = max(f, _round_by(height, f)), max(f, _round_by(width, f))
+    if h * w > hi:
+        beta = math.sqrt(height * width / hi)
+        h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
+    elif h * w < lo:
+        beta = math.sqrt(lo / (height * width))
+        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+    return h, w
+
+
+def naflex_is_large(height: int, width: int, p: dict) -> bool:
+    """LFM2-VL `_is_image_too_large`: whether the image is split into tiles (beyond max_pixels_tolerance × the
+    max_image_tokens budget once rounded)."""
+    f = p["patch_size"] * p["downsample_factor"]
+    h, w = max(p["patch_size"], _round_by(height, f)), max(p["patch_size"], _round_by(width, f))
+    return h * w > p["max_image_tokens"] * f * f * p["max_pixels_tolerance"]
+
+
+def naflex_grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
+    """LFM2-VL `_target_ratios`: (cols, rows) with min <= cols*rows <= max, ordered as transformers orders them
+    (sorted by tile count from a Python set: the order among equal counts decides exact aspect ties)."""
+    ratios = [(w, h) for n in range(min_tiles, max_tiles + 1) for w in range(1, n + 1) for h in range(1, n + 1)
+              if min_tiles <= w * h <= max_tiles]
+    return sorted(set(ratios), key=lambda r: r[0] * r[1])
+
+
+def patch_rows(x: np.ndarray, patch: int) -> np.ndarray:
+    """[H, W, c] -> [(H/p)*(W/p), p*p*c]: patches in raster order, each row ordered (py, px, c) — the layout of
+    SigLIP2's patch embedding (a Linear over the flattened patch), as transformers' convert_image_to_patches."""
+    h, w, c = x.shape
+    x = x.reshape(h // patch, patch, w // patch, patch, c).transpose(0, 2, 1, 3, 4)
+    return x.reshape((h // patch) * (w // patch), patch * patch * c)
+
+
+def naflex_tiles(im: Image.Image, spec: ImageSpec) -> Tiles:
+    """LFM2-VL's Lfm2VlImageProcessor (SigLIP2 NaFlex): an image within the token budget is resized to
+    naflex_size (sides in multiples of patch * downsample_factor) and is one tile; a larger one (naflex_is_large,
+    and params.split) is resized to the closest-aspect grid of tile_size² tiles, cut row-major, plus a thumbnail of
+    the whole image at naflex_size (params.use_thumbnail, more than one tile). Resizes are torchvision's antialiased
+    bilinear uint8 arithmetic (aa_resize.py); each tile becomes its patch rows, zero-padded to
+    params.max_num_patches, with its patch grid."""
+    if spec.resample != "bilinear":
+        raise ImageError(f"the naflex_tiles op resizes with torchvision's antialiased bilinear filter, not {spec.resample!r}")
+    p = {**spec.params, "patch_size": spec.patch_size}
+    tile, patch = spec.tile_size, spec.patch_size
+    x = np.asarray(im, dtype=np.uint8)
+    if x.ndim != 3 or x.shape[2] != 3:
+        raise ImageError(f"naflex_tiles takes an RGB image, not {im.mode}")
+    height, width = x.shape[:2]
+    h, w = naflex_size(height, width, p)
+    split = p.get("split", True) and not p["min_tiles"] == p["max_tiles"] == 1
+    rows = cols = 1
+    if split and naflex_is_large(height, width, p):
+        cols, rows = best_grid(height, width, tile, p["min_tiles"], p["max_tiles"],
+                               naflex_grids(p["min_tiles"], p["max_tiles"]))
+        big = aa_resize(x, rows * tile, cols * tile, "bilinear")
+        tiles = [big[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
+        if p.get("use_thumbnail", True) and rows * cols != 1:
+            tiles.append(aa_resize(x, h, w, "bilinear"))
+    else:
+        tiles = [aa_resize(x, h, w, "bilinear")]
+    # transformers fuses rescale into normalize: (x - mean / rescale) / (std / rescale), in float32
+    mean = np.asarray(spec.mean, np.float32) * np.float32(1.0 / spec.rescale_factor)
+    std = np.asarray(spec.std, np.float32) * np.float32(1.0 / spec.rescale_factor)
+    pixels = np.zeros((len(tiles), p["max_num_patches"], patch * patch * 3), np.float32)
+    grids = np.zeros((len(tiles), 2), np.int64)
+    for i, t in enumerate(tiles):
+        rows_i = patch_rows((t.astype(np.float32) - mean) / std, patch)
+        if len(rows_i) > p["max_num_patches"]:
+            raise ImageError(f"a {t.shape[0]}×{t.shape[1]} tile has {len(rows_i)} patches; the bundle's vision graph "
+                             f"takes {p['max_num_patches']}")
+        pixels[i, :len(rows_i)] = rows_i
+        grids[i] = t.shape[0] // patch, t.shape[1] // patch
+    return Tiles(pixels, 0 if rows * cols == 1 else rows, 0 if rows * cols == 1 else cols, grids)
+
+
+def square_tiles(op):
+    """A tiling op that cuts tile_size² uint8 tiles ((tiles, rows, cols)) as one that returns Tiles: the tiles
+    checked and normalized into [tiles, c, S, S]."""
+    def tiled(im: Image.Image, spec: ImageSpec) -> Tiles:
+        tiles, rows, cols = op(im, spec)
+        for t in tiles:
+            if t.size != (spec.tile_size, spec.tile_size):
+                raise AssertionError(f"tiling produced a {t.size} tile, expected {spec.tile_size}²")
+        return Tiles(normalize(tiles, spec), rows, cols)
+
+    return tiled
+
+
+# image.tiling -> (image, spec) -> Tiles
+TILING = {"longest_edge_grid": square_tiles(longest_edge_grid), "closest_aspect_grid": square_tiles(closest_aspect_grid),
+          "naflex_tiles": naflex_tiles}
 
 
 def normalize(tiles: list[Image.Image], spec: ImageSpec) -> np.ndarray:
@@ -222,11 +332,7 @@ def with_max_tiles(spec: ImageSpec, max_tiles: int | None) -> ImageSpec:
 def preprocess(im: Image.Image, spec: ImageSpec) -> Tiles:
     if spec.tiling not in TILING:
         raise ImageError(f"this vlmrt has no image tiling op {spec.tiling!r}; upgrade vlmrt")
-    tiles, rows, cols = TILING[spec.tiling](im, spec)
-    for t in tiles:
-        if t.size != (spec.tile_size, spec.tile_size):
-            raise AssertionError(f"tiling produced a {t.size} tile, expected {spec.tile_size}²")
-    return Tiles(normalize(tiles, spec), rows, cols)
+    return TILING[spec.tiling](im, spec)
 
 
 def unfold_patches(tile: np.ndarray, patch: int) -> np.ndarray:

@@ -39,6 +39,23 @@ def wrapped_run(rows: int, cols: int, tiles: int, p: PromptSpec) -> str:
     return p.params["start_token"] + p.params["image_token"] * (p.tokens_per_tile * tiles) + p.params["end_token"]
 
 
+def tile_markers(rows: int, cols: int, tile_tokens: list[int], p: PromptSpec) -> str:
+    """LFM2-VL (Lfm2VlProcessor._build_image_tokens): `<|image_start|>`, per tile of a rows×cols grid
+    `<|img_row_R_col_C|>` + `<image>` × its tokens, then the thumbnail `<|img_thumbnail|>` + `<image>` × its tokens
+    when the tiling made one (one tile more than the grid), `<|image_end|>`; a single image (rows == cols == 0) is
+    its `<image>` run alone between start and end. tile_tokens: each tile's image-token count (they differ: a 512²
+    tile has 256, the thumbnail or a single image (h/32)·(w/32)). Not in EXPANSION yet: the expansion ops take
+    (rows, cols, tiles, p) until the prompt chunks carry per-tile token counts."""
+    image, out = p.params["image_token"], p.params.get("start_token", "")
+    if rows * cols == 0:
+        return out + image * tile_tokens[0] + p.params.get("end_token", "")
+    for i in range(rows * cols):
+        out += p.params["tile_marker"].format(row=i // cols + 1, col=i % cols + 1) + image * tile_tokens[i]
+    if len(tile_tokens) > rows * cols:
+        out += p.params["thumbnail_token"] + image * tile_tokens[-1]
+    return out + p.params.get("end_token", "")
+
+
 EXPANSION = {"grid_markers": grid_markers, "wrapped_run": wrapped_run}
 
 

@@ -1,0 +1,157 @@
+"""LFM2's decoder as one static step over `ar` rows, its state outside the graph: K/V rows for the attention layers,
+conv rows for the conv layers (transformers/models/lfm2/modeling_lfm2.py is the reference).
+
+A conv layer (Lfm2ShortConv): in_proj -> B, C, x (each [ar, hidden]); the conv's input is B * x; a causal depthwise
+conv of kernel L over time; times C; out_proj. Its state is per slot, like K/V rows (the cache kind "conv"): slot p
+holds the conv input row (B * x) of slot p. A step at slots s .. s+ar-1 takes the W = L - 1 rows of slots s-W .. s-1
+(zeros before slot 0) as past_conv_i [W, hidden] and returns its own ar rows as new_conv_i [ar, hidden], which the host
+writes at slots s.. exactly as it writes K/V rows — so block prefill, lookahead (only accepted rows are written) and
+prefix reuse (the kept slots hold the prefix's rows) need no snapshot of a rolling state.
+
+An attention layer: GQA with RMSNorm over each head's q and k before RoPE (as Qwen3), the rows contract of
+families/layers.py CachedGQAttention. Each layer: x + op(operator_norm(x)); x + SwiGLU(ffn_norm(x)). Then
+embedding_norm (LFM2's final norm) and the lm head (tied to the embeddings in the released checkpoints).
+
+    forward(inputs_embeds [ar, hidden], position_ids [ar], attention_mask [ar, ctx + ar], *state[, logit_rows [r]])
+      state: per layer in order, attention: past_key_i, past_value_i [ctx, kv_dim]; conv: past_conv_i [W, hidden]
+      -> (logits [ar or r, vocab], per layer in order: new_key_i, new_value_i [ar, kv_dim] | new_conv_i [ar, hidden])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import layers
+from ..layers import CachedGQAttention, GatedMLP, RMSNorm
+from .config import Lfm2TextConfig
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution with its window of past conv-input rows as I/O."""
+
+    def __init__(self, hidden: int, kernel: int, bias: bool):
+        super().__init__()
+        self.kernel = kernel
+        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.conv_weight = nn.Parameter(torch.zeros(hidden, kernel))  # depthwise: HF conv.weight [hidden, 1, L]
+        self.conv_bias = nn.Parameter(torch.zeros(hidden)) if bias else None
+        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x, past):  # x [ar, hidden], past [L-1, hidden] (the rows of the W slots before the step)
+        ar, hidden = x.shape
+        b, c, xx = self.in_proj(x).split(hidden, dim=-1)  # [ar, hidden] each (HF's chunk(3) of BCx)
+        bx = b * xx  # [ar, hidden]: the conv's input, the state rows
+        seq = torch.cat([past, bx], dim=0)  # [L-1 + ar, hidden]
+        out = seq[0:ar] * self.conv_weight[:, 0]
+        for k in range(1, self.kernel):  # out[t] = sum_k w[k] * seq[t + k]: tap k reads slot t + k - (L-1)
+            out = out + seq[k:k + ar] * self.conv_weight[:, k]
+        if self.conv_bias is not None:
+            out = out + self.conv_bias
+        return self.out_proj(c * out), bx
+
+
+class Lfm2Layer(nn.Module):
+    def __init__(self, kind: str, t: Lfm2TextConfig, copy_free: bool):
+        super().__init__()
+        self.kind = kind
+        self.operator_norm = RMSNorm(t.hidden, t.eps)
+        if kind == "conv":
+            self.conv = ShortConv(t.hidden, t.conv_kernel, t.conv_bias)
+        else:
+            self.self_attn = CachedGQAttention(t.hidden, t.heads, t.kv_heads, t.head_dim, qk_norm=True, eps=t.eps,
+                                               copy_free=copy_free)
+        self.ffn_norm = RMSNorm(t.hidden, t.eps)
+        self.feed_forward = GatedMLP(t.hidden, t.intermediate, "silu")  # w1 = gate_proj, w3 = up_proj, w2 = down_proj
+
+    def forward(self, x, cos, sin, mask, *state):
+        y = self.operator_norm(x)
+        if self.kind == "conv":
+            a, *new = self.conv(y, *state)
+        else:
+            a, *new = self.self_attn(y, cos, sin, mask, *state)
+        x = x + a
+        return (x + self.feed_forward(self.ffn_norm(x)), *new)
+
+
+class Lfm2Decoder(nn.Module):
+    """The decoder graph's module (module doc). copy_free: the attention layers' CPU form (CachedGQAttention);
+    logit_rows: the graph takes the rows whose logits it returns."""
+
+    def __init__(self, t: Lfm2TextConfig, copy_free: bool = True, logit_rows: bool = False):
+        super().__init__()
+        self.text, self.logit_rows = t, logit_rows
+        self.layers = nn.ModuleList(Lfm2Layer(kind, t, copy_free) for kind in t.layer_types)
+        self.norm = RMSNorm(t.hidden, t.eps)  # embedding_norm
+        self.lm_head = nn.Linear(t.hidden, t.vocab, bias=False)
+        inv_freq, self.rope_scale = t.rope.frequencies(t.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_table(4096)
+
+    def with_options(self, *, copy_free: bool, logit_rows: bool, rope_positions: int) -> "Lfm2Decoder":
+        new = Lfm2Decoder(self.text, copy_free=copy_free, logit_rows=logit_rows)
+        new.load_state_dict(self.state_dict())
+        new.rope_table(rope_positions)
+        return new.eval()
+
+    def rope_table(self, positions: int) -> None:
+        """cos/sin [positions, head_dim] in fp32, gathered by position in the graph (layers.CausalDecoder's)."""
+        cos, sin = layers.rope_cos_sin(torch.arange(positions), self.inv_freq)
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def state_names(self) -> tuple[list[str], list[str]]:
+        """The state inputs and outputs, per layer in order."""
+        ins, outs = [], []
+        for i, kind in enumerate(self.text.layer_types):
+            if kind == "conv":
+                ins, outs = ins + [f"past_conv_{i}"], outs + [f"new_conv_{i}"]
+            else:
+                ins, outs = ins + [f"past_key_{i}", f"past_value_{i}"], outs + [f"new_key_{i}", f"new_value_{i}"]
+        return ins, outs
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, *state):
+        if self.logit_rows:
+            *state, rows = state
+        cos = self.rope_cos[position_ids].to(inputs_embeds.dtype)  # [ar, head_dim]
+        sin = self.rope_sin[position_ids].to(inputs_embeds.dtype)
+        x, new, at = inputs_embeds, [], 0
+        for layer in self.layers:
+            n = 1 if layer.kind == "conv" else 2
+            x, *rows_out = layer(x, cos, sin, attention_mask, *state[at:at + n])
+            new += rows_out
+            at += n
+        if self.logit_rows:
+            x = x.index_select(0, rows)
+        return (self.lm_head(self.norm(x)), *new)
+
+
+def load(t: Lfm2TextConfig, take, prefix: str, lm_head: str | None) -> tuple[Lfm2Decoder, torch.Tensor]:
+    """The decoder from the checkpoint's tensors under prefix (`model.language_model.`); lm_head None = tied.
+    Returns (decoder, embedding table [vocab, hidden])."""
+    embed = take(prefix + "embed_tokens.weight")
+    sd = {"norm.weight": take(prefix + "embedding_norm.weight"), "lm_head.weight": embed if lm_head is None else take(lm_head)}
+    for i, kind in enumerate(t.layer_types):
+        src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
+        names = {"operator_norm.weight": "operator_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+                 "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
+                 "feed_forward.w3.weight": "feed_forward.up_proj.weight",
+                 "feed_forward.w2.weight": "feed_forward.down_proj.weight"}
+        if kind == "conv":
+            names.update({"conv.in_proj.weight": "conv.in_proj.weight", "conv.out_proj.weight": "conv.out_proj.weight"})
+            sd[dst + "conv.conv_weight"] = take(src + "conv.conv.weight")[:, 0, :]
+            if t.conv_bias:
+                names.update({"conv.in_proj.bias": "conv.in_proj.bias", "conv.out_proj.bias": "conv.out_proj.bias",
+                              "conv.conv.bias": "conv.conv_bias"})
+        else:
+            names.update({f"self_attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkv"})
+            names.update({"self_attn.out_proj.weight": "self_attn.o_proj.weight",
+                          "self_attn.q_layernorm.weight": "self_attn.q_norm.weight",
+                          "self_attn.k_layernorm.weight": "self_attn.k_norm.weight"})
+        for s, d in names.items():
+            sd[dst + d] = take(src + s)
+    dec = Lfm2Decoder(t)
+    dec.load_state_dict(sd, strict=True)
+    return dec.eval(), embed

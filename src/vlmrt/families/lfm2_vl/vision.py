@@ -1,0 +1,87 @@
+"""LFM2-VL's vision graph: SigLIP2 NaFlex tower + pixel-unshuffle projector, one static graph for tiles of any size.
+
+Mirrors transformers' Siglip2VisionModel (embeddings, encoder, post_layernorm; no pooling head) and
+Lfm2VlMultiModalProjector (pixel unshuffle × f, LayerNorm, Linear, GELU, Linear). The graph takes max_patches rows
+whatever the tile's size; the host (runtime/naflex.py) orders them token-major, pads them and gives the position
+table's resize weights and the key mask, so nothing in the graph depends on the tile's size:
+
+    forward(patches [P, p*p*3], position_weights [P, side²], key_mask [P]) -> [P / f², text_hidden]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import activation
+from .config import Lfm2VlConfig
+
+
+class MaskedViTLayer(nn.Module):
+    """Pre-norm SigLIP block whose attention skips padding keys: scores + key_mask (0 or the mask value) per key.
+    Weight names as SigLIP's (families/layers.py ViTLayer)."""
+
+    def __init__(self, dim: int, heads: int, intermediate: int, eps: float, act: str):
+        super().__init__()
+        self.heads = heads
+        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
+        self.fc1 = nn.Linear(dim, intermediate)
+        self.fc2 = nn.Linear(intermediate, dim)
+        self.act = activation(act)
+
+    def forward(self, x, key_mask):  # x [n, dim], key_mask [n]
+        n, dim = x.shape
+        h = self.heads
+        d = dim // h
+        y = self.layer_norm1(x)
+        q = self.q_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
+        k = self.k_proj(y).view(n, h, d).permute(1, 2, 0)  # [h, d, n]
+        v = self.v_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
+        p = torch.softmax(torch.matmul(q, k) * (d**-0.5) + key_mask, dim=-1)  # [h, n, n]
+        x = x + self.out_proj(torch.matmul(p, v).transpose(0, 1).reshape(n, dim))
+        return x + self.fc2(self.act(self.fc1(self.layer_norm2(x))))
+
+
+class Projector(nn.Module):
+    """Lfm2VlMultiModalProjector after the unshuffle: [tokens, f² · vision_hidden] -> [tokens, text_hidden]."""
+
+    def __init__(self, cfg: Lfm2VlConfig):
+        super().__init__()
+        width = cfg.vision.hidden * cfg.downsample_factor**2
+        self.layer_norm = nn.LayerNorm(width) if cfg.projector_layernorm else nn.Identity()  # eps 1e-5 (torch's)
+        self.linear_1 = nn.Linear(width, cfg.projector_hidden, bias=cfg.projector_bias)
+        self.act = activation(cfg.projector_act)
+        self.linear_2 = nn.Linear(cfg.projector_hidden, cfg.text.hidden, bias=cfg.projector_bias)
+
+    def forward(self, x):
+        return self.linear_2(self.act(self.linear_1(self.layer_norm(x))))
+
+
+class NaFlexVision(nn.Module):
+    """One tile's padded, token-major patch rows -> its image-token embeddings (and garbage rows after them, from
+    the padding, which the host drops)."""
+
+    def __init__(self, cfg: Lfm2VlConfig):
+        super().__init__()
+        v = cfg.vision
+        self.factor = cfg.downsample_factor
+        self.patch_embedding = nn.Linear(3 * v.patch_size**2, v.hidden)  # a Linear in SigLIP2 too: rows (py, px, c)
+        self.position_embedding = nn.Parameter(torch.zeros(v.position_side**2, v.hidden))  # the learned side² table
+        self.layers = nn.ModuleList(MaskedViTLayer(v.hidden, v.heads, v.intermediate, v.eps, v.act) for _ in range(v.layers))
+        self.post_layernorm = nn.LayerNorm(v.hidden, eps=v.eps)
+        self.projector = Projector(cfg)
+
+    def forward(self, patches, position_weights, key_mask):
+        # patches [P, p*p*3]; position_weights [P, side²]; key_mask [P]
+        x = self.patch_embedding(patches) + torch.matmul(position_weights, self.position_embedding)  # [P, hidden]
+        for layer in self.layers:
+            x = layer(x, key_mask)
+        x = self.post_layernorm(x)
+        n, dim = x.shape
+        x = x.reshape(n // self.factor**2, self.factor**2 * dim)  # the unshuffle: rows are token-major (host)
+        return self.projector(x)  # [P / f², text_hidden]
