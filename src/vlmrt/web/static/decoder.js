@@ -11,24 +11,49 @@
 //             with positions and an additive mask [ar, ctx + ar]; static graphs (no dynamic_ar) take a fixed AR and
 //             the last prompt block padded, its padded rows dropped.
 
+// The manifest's decoder as one plain description (the only reader of the manifest's decoder and kv fields):
+//   {kind: "gqa_in_place" | "rows_dynamic" | "rows_static", dynamicAR, contextStep, maskInput, maskValue,
+//    positionsInput, logitRowsInput, lastLogits, argmaxOutput, seqlensInput, totalLengthInput, tokenRowsInput,
+//    tokenScalesInput, hiddenOutput, layers: [{kind: "attention", kvHeads, headDim, keyInput, valueInput, keyOutput,
+//    valueOutput}]}
+export function decoderPlan(m) {
+  const d = m.decoder, kv = m.kv;
+  const kind = kv.layout === "in_place" ? "gqa_in_place" : d.dynamic_ar ? "rows_dynamic" : "rows_static";
+  const heads = kv.layout === "in_place" ? kv.heads : 1, headDim = kv.layout === "in_place" ? kv.head_dim : kv.dim;
+  const layers = [];
+  for (let i = 0; i < kv.layers; i++) {
+    const name = (f) => f.replace("{layer}", i);
+    layers.push({ kind: "attention", kvHeads: heads, headDim, keyInput: name(kv.key_input), valueInput: name(kv.value_input),
+      keyOutput: name(kv.key_output), valueOutput: name(kv.value_output) });
+  }
+  return {
+    kind, dynamicAR: d.dynamic_ar, contextStep: d.context_step, maskInput: d.mask_input || null,
+    maskValue: d.mask_value, positionsInput: d.positions_input || null, logitRowsInput: d.logit_rows_input,
+    lastLogits: d.last_logits, argmaxOutput: d.argmax_output, seqlensInput: d.seqlens_input,
+    totalLengthInput: d.total_length_input, tokenRowsInput: d.token_rows_input, tokenScalesInput: d.token_scales_input,
+    hiddenOutput: d.hidden_output, layers,
+  };
+}
+
 // What this browser runtime cannot run exactly, as one line naming what to export instead; null when it can.
+// (site.py browser_problem refuses the same bundles before a site is written.)
 export function browserProblem(m) {
   const reexport = "re-export it for the browser: vlmrt export CHECKPOINT OUT (the CPU target, --dtype fp32, --quant fp32, w8a16 or w4a16)";
   if ((m.target?.name ?? "cpu") !== "cpu") return `this bundle is for the ${m.target.name} target, which a browser cannot run; ${reexport}`;
   for (const [name, g] of Object.entries(m.graphs)) {
     if (!g.file) return `graph ${name} has no ONNX file (only a compiled context); ${reexport}`;
-    if (/a8/.test(g.precision) || /a8/.test(String(g.weights?.lm_head ?? ""))) {
-      return `graph ${name} is ${g.precision}${/a8/.test(g.precision) ? "" : ` (lm head ${g.weights.lm_head})`}: onnxruntime-web computes int8-activation MatMulNBits in float, so its answers would not be vlmrt run's; ${reexport}`;
+    const head = String(g.weights?.lm_head ?? "");
+    if (g.precision.includes("a8") || head.includes("a8")) {
+      return `graph ${name} is ${g.precision.includes("a8") ? g.precision : `${g.precision} (lm head ${head})`}: onnxruntime-web computes int8-activation MatMulNBits in float, so its answers would not be vlmrt run's; ${reexport}`;
     }
     for (const t of [...g.inputs, ...g.outputs]) {
-      if (t.dtype === "float16") return `graph ${name} has float16 I/O (${t.name}), which this browser runtime does not feed; re-export with --dtype fp32 (weights may stay fp16 / 8 / 4 bit: --quant)`;
+      if (t.dtype === "float16") return `graph ${name} has float16 I/O (${t.name}), which the browser runtime does not feed; re-export with --dtype fp32 (weights may stay fp16 / 8 / 4 bit: --quant)`;
     }
   }
   if (m.kv.dtype !== "float32" || Object.keys(m.kv.encodings || {}).length) return `this bundle's KV cache is ${m.kv.dtype} (quantized); ${reexport}`;
-  const d = m.decoder;
-  if (d.hidden_output) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
+  if (m.decoder.hidden_output) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
   if (!["in_place", "rows"].includes(m.kv.layout)) return `this vlmrt has no KV layout '${m.kv.layout}'; upgrade vlmrt`;
-  if (m.kv.layout === "in_place" && !d.dynamic_ar) return "an in_place KV cache needs a decoder that takes any AR; re-export it";
+  if (m.kv.layout === "in_place" && !m.decoder.dynamic_ar) return "an in_place KV cache needs a decoder that takes any AR; re-export it";
   return null;
 }
 
@@ -38,113 +63,110 @@ export class Decoder {
   // sessions: {prefill, decode} (ort.InferenceSession; the same one when both name one file)
   constructor(ort, manifest, sessions) {
     this.ort = ort;
-    this.m = manifest;
-    this.d = manifest.decoder;
-    this.kv = manifest.kv;
+    this.p = decoderPlan(manifest);
+    this.hidden = manifest.decoder.hidden_size;
+    this.prefillAR = manifest.decoder.prefill_ar;
+    this.maxContext = manifest.kv.max_context;
     this.sessions = sessions;
-    this.inPlace = this.kv.layout === "in_place";
     this.length = 0;  // slots holding rows (= the next position)
     this.runMs = 0;  // time inside session.run, accumulated
-    this.zeros = new Map();  // ar -> zero token rows / scales (int8 tables: the host multiplies, see embed)
+    this.zeros = new Map();  // ar -> zero token rows / scales (int8 tables: the host multiplies, VLM.embed)
     this.reset();
   }
 
   reset() {
-    const kv = this.kv, T = this.ort.Tensor;
+    const T = this.ort.Tensor, top = this.maxContext;
     this.length = 0;
-    if (this.inPlace) {
-      const shape = [1, kv.heads, kv.max_context, kv.head_dim], n = shape.reduce((a, b) => a * b, 1);
-      const zero = new Float32Array(n);  // one zero buffer: a step returns new tensors, never writes its inputs
-      this.past = [];
-      for (let i = 0; i < kv.layers; i++) this.past.push([new T("float32", zero, shape), new T("float32", zero, shape)]);
+    if (this.p.kind === "gqa_in_place") {
+      // one zero buffer per shape: a step returns new tensors and never writes its inputs
+      this.past = this.p.layers.map((l) => {
+        const shape = [1, l.kvHeads, top, l.headDim], zero = new Float32Array(l.kvHeads * top * l.headDim);
+        return [new T("float32", zero, shape), new T("float32", zero, shape)];
+      });
     } else {
-      this.cache = [];
-      for (let i = 0; i < kv.layers; i++) this.cache.push([new Float32Array(kv.max_context * kv.dim), new Float32Array(kv.max_context * kv.dim)]);
+      this.cache = this.p.layers.map((l) => [new Float32Array(top * l.kvHeads * l.headDim), new Float32Array(top * l.kvHeads * l.headDim)]);
     }
   }
 
   // tokens per prompt step in a mode: prefill_ar for hybrid, 1 for kv (Engine._blocks)
   blocks(mode) {
-    return mode === "hybrid" ? this.d.prefill_ar : 1;
+    return mode === "hybrid" ? this.prefillAR : 1;
   }
 
   // the cache prefix a step at first position pos reads (Engine._ctx, kv_cache.context_slots)
   ctx(pos) {
-    const step = this.d.context_step, top = this.kv.max_context;
+    const step = this.p.contextStep, top = this.maxContext;
     return step ? Math.min(top, Math.max(step, Math.ceil(pos / step) * step)) : top;
   }
 
-  // embeds: Float32Array [n * hidden] at positions length..length+n-1; kind "prefill" | "decode" (graph choice)
-  async step(kind, embeds, n) {
-    const d = this.d, kv = this.kv, T = this.ort.Tensor, hidden = d.hidden_size, pos = this.length;
-    if (pos + n > kv.max_context) throw new Error(`the cache holds ${kv.max_context} positions; a step at ${pos} of ${n} tokens does not fit`);
-    const ar = d.dynamic_ar ? n : (kind === "prefill" ? d.prefill_ar : 1);
-    const session = this.sessions[kind];
+  // embeds: Float32Array [n * hidden] at positions length..length+n-1; kind "prefill" | "decode" (the graph)
+  async step(graph, embeds, n) {
+    const p = this.p, T = this.ort.Tensor, hidden = this.hidden, pos = this.length;
+    if (pos + n > this.maxContext) throw new Error(`the cache holds ${this.maxContext} positions; a step at ${pos} of ${n} tokens does not fit`);
+    const ar = p.dynamicAR ? n : (graph === "prefill" ? this.prefillAR : 1);
     let x = embeds;
     if (ar > n) {  // a static graph's padded last block: computed, never written to the cache
       x = new Float32Array(ar * hidden);
       x.set(embeds.subarray(0, n * hidden));
     }
-    const feeds = { [d.embeds_input]: new T("float32", x, [ar, hidden]) };
-    if (d.token_rows_input) {
+    const feeds = { [this.sessions.embedsInput]: new T("float32", x, [ar, hidden]) };
+    if (p.tokenRowsInput) {
       if (!this.zeros.has(ar)) this.zeros.set(ar, [new Int8Array(ar * hidden), new Float32Array(ar)]);
       const [rows, scales] = this.zeros.get(ar);
-      feeds[d.token_rows_input] = new T("int8", rows, [ar, hidden]);
-      feeds[d.token_scales_input] = new T("float32", scales, [ar]);
+      feeds[p.tokenRowsInput] = new T("int8", rows, [ar, hidden]);
+      feeds[p.tokenScalesInput] = new T("float32", scales, [ar]);
     }
-    // the rows whose logits the step returns: the last valid one (logits_rows: 1 row with logit_rows / last_logits)
-    if (d.logit_rows_input) feeds[d.logit_rows_input] = new T("int64", BigInt64Array.from([BigInt(n - 1)]), [1]);
-    const fetches = [d.logits_output];
-    if (d.argmax_output) fetches.push(d.argmax_output);
-    const name = (f, i) => f.replace("{layer}", i);
-    let ctx = 0;
-    if (this.inPlace) {
-      feeds[d.seqlens_input] = new T("int32", Int32Array.from([pos + ar - 1]), [1]);
-      feeds[d.total_length_input] = new T("int32", Int32Array.from([pos + ar]), []);
-      this.past.forEach(([k, v], i) => {
-        feeds[name(kv.key_input, i)] = k;
-        feeds[name(kv.value_input, i)] = v;
+    // the rows whose logits the step returns: the last valid one (step.logits_rows: 1 row with logit_rows)
+    if (p.logitRowsInput) feeds[p.logitRowsInput] = new T("int64", BigInt64Array.from([BigInt(n - 1)]), [1]);
+    const fetches = [this.sessions.logitsOutput];
+    if (p.argmaxOutput) fetches.push(p.argmaxOutput);
+    if (p.kind === "gqa_in_place") {
+      feeds[p.seqlensInput] = new T("int32", Int32Array.from([pos + ar - 1]), [1]);
+      feeds[p.totalLengthInput] = new T("int32", Int32Array.from([pos + ar]), []);
+      p.layers.forEach((l, i) => {
+        feeds[l.keyInput] = this.past[i][0];
+        feeds[l.valueInput] = this.past[i][1];
       });
     } else {
-      ctx = this.ctx(pos);
+      const ctx = this.ctx(pos);
       const positions = new BigInt64Array(ar);
       for (let i = 0; i < ar; i++) positions[i] = BigInt(pos + i);
-      feeds[d.positions_input] = new T("int64", positions, [ar]);
-      feeds[d.mask_input] = new T("float32", this.mask(pos, ar, ctx), [ar, ctx + ar]);
-      this.cache.forEach(([k, v], i) => {
-        feeds[name(kv.key_input, i)] = new T("float32", k.subarray(0, ctx * kv.dim), [ctx, kv.dim]);
-        feeds[name(kv.value_input, i)] = new T("float32", v.subarray(0, ctx * kv.dim), [ctx, kv.dim]);
+      feeds[p.positionsInput] = new T("int64", positions, [ar]);
+      feeds[p.maskInput] = new T("float32", this.mask(pos, ar, ctx), [ar, ctx + ar]);
+      p.layers.forEach((l, i) => {
+        const dim = l.kvHeads * l.headDim;
+        feeds[l.keyInput] = new T("float32", this.cache[i][0].subarray(0, ctx * dim), [ctx, dim]);
+        feeds[l.valueInput] = new T("float32", this.cache[i][1].subarray(0, ctx * dim), [ctx, dim]);
       });
     }
-    for (let i = 0; i < kv.layers; i++) fetches.push(name(kv.key_output, i), name(kv.value_output, i));
+    for (const l of p.layers) fetches.push(l.keyOutput, l.valueOutput);
     const t = performance.now();
-    const out = await session.run(feeds, fetches);
+    const out = await this.sessions[graph].run(feeds, fetches);
     this.runMs += performance.now() - t;
-    for (let i = 0; i < kv.layers; i++) {
-      const k = out[name(kv.key_output, i)], v = out[name(kv.value_output, i)];
-      if (this.inPlace) {
+    p.layers.forEach((l, i) => {
+      const k = out[l.keyOutput], v = out[l.valueOutput];
+      if (p.kind === "gqa_in_place") {
         this.past[i][0].dispose?.();
         this.past[i][1].dispose?.();
         this.past[i] = [k, v];  // the updated buffers are the next step's inputs
       } else {  // KVCache.write: the first n rows into slots pos..
-        this.cache[i][0].set(k.data.subarray(0, n * kv.dim), pos * kv.dim);
-        this.cache[i][1].set(v.data.subarray(0, n * kv.dim), pos * kv.dim);
-        k.dispose?.();
-        v.dispose?.();
+        const dim = l.kvHeads * l.headDim;
+        this.cache[i][0].set(k.data.subarray(0, n * dim), pos * dim);
+        this.cache[i][1].set(v.data.subarray(0, n * dim), pos * dim);
       }
-    }
+    });
     this.length = pos + n;
-    const logits = out[d.logits_output];
-    const rows = logits.dims[0], vocab = logits.dims[1];
-    const row = d.logit_rows_input || d.last_logits ? rows - 1 : n - 1;  // the last valid token's row
+    const logits = out[this.sessions.logitsOutput];
+    const vocab = logits.dims[1];
+    const row = p.logitRowsInput || p.lastLogits ? logits.dims[0] - 1 : n - 1;  // the last valid token's row
     const result = { logits: logits.data.subarray(row * vocab, (row + 1) * vocab), argmax: null };
-    if (d.argmax_output) result.argmax = Number(out[d.argmax_output].data[d.logit_rows_input || d.last_logits ? 0 : row]);
+    if (p.argmaxOutput) result.argmax = Number(out[p.argmaxOutput].data[row]);
     return result;
   }
 
   // kv_cache.attention_mask: slots < pos visible, causal within the step, the rest at the mask value
   mask(pos, ar, ctx) {
-    const neg = this.d.mask_value ?? F32_LOWEST, w = ctx + ar;
+    const neg = this.p.maskValue ?? F32_LOWEST, w = ctx + ar;
     const m = new Float32Array(ar * w).fill(neg);
     for (let r = 0; r < ar; r++) {
       m.fill(0, r * w, r * w + pos);

@@ -1,4 +1,4 @@
-// Pillow's Image.resize for 8-bit RGB images, ported bit for bit (Pillow's libImaging/Resample.c): the Python
+// Pillow's Image.resize for 8-bit RGB images, ported bit for bit (Pillow 13's libImaging/Resample.c): the Python
 // runtime resizes with Pillow (runtime/image.py), so the browser must compute the same bytes. A separable
 // two-pass convolution, horizontal then vertical, with the filter's coefficients per output pixel normalized to sum
 // 1 and rounded to fixed point (PRECISION_BITS fractional bits); each pass accumulates in 32-bit integers from a
@@ -134,14 +134,17 @@ function vertical(im, outH, c, shift) {
 }
 
 function resizeNearest(im, outW, outH) {
-  // Pillow's ImagingTransform affine with NEAREST for a resize: source pixel floor((x + 0.5) * in / out)
+  // Pillow's NEAREST resize is an affine transform (ImagingScaleAffine): the source coordinate of each output pixel
+  // starts at half a step and is accumulated step by step in double precision, then truncated
+  const ax = im.width / outW, ay = im.height / outH;
+  const xin = new Int32Array(outW);
+  for (let x = 0, xo = ax * 0.5; x < outW; x++, xo += ax) xin[x] = Math.min(im.width - 1, Math.trunc(xo));
   const out = new Uint8Array(outW * outH * 3);
-  const sx = im.width / outW, sy = im.height / outH;
-  for (let y = 0; y < outH; y++) {
-    const yi = Math.min(im.height - 1, Math.floor((y + 0.5) * sy));
+  let yo = ay * 0.5;
+  for (let y = 0; y < outH; y++, yo += ay) {
+    const yi = Math.min(im.height - 1, Math.trunc(yo));
     for (let x = 0; x < outW; x++) {
-      const xi = Math.min(im.width - 1, Math.floor((x + 0.5) * sx));
-      const s = (yi * im.width + xi) * 3, o = (y * outW + x) * 3;
+      const s = (yi * im.width + xin[x]) * 3, o = (y * outW + x) * 3;
       out[o] = im.data[s];
       out[o + 1] = im.data[s + 1];
       out[o + 2] = im.data[s + 2];
@@ -158,7 +161,13 @@ export function resize(im, outW, outH, name) {
   const needH = outW !== im.width, needV = outH !== im.height;
   const ch = coefficients(im.width, outW, name);
   const cv = coefficients(im.height, outH, name);
-  // the horizontal pass computes only the rows the vertical pass reads (as Pillow does)
+  // Pillow 13 resizes vertically first when the height shrinks by more than twice as many pixels as the width
+  // (the passes round to 8 bits in between, so the order shows in the result)
+  if (needH && needV && outH < im.height && im.height - outH > 2 * (im.width - outW)) {
+    const v = vertical(im, outH, cv, 0);
+    return horizontal(v, outW, 0, outH, ch);
+  }
+  // else horizontally first, only over the rows the vertical pass reads (as Pillow does)
   const first = cv.bounds[0];
   const last = cv.bounds[outH * 2 - 2] + cv.bounds[outH * 2 - 1];
   let cur = im, shift = 0;

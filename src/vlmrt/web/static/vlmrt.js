@@ -68,7 +68,8 @@ export class VLM {
     this.scales = scales;  // [vocab] for an int8 table
     this.sessions = sessions;
     this.template = new ChatTemplate(manifest.prompt);
-    this.decoder = new Decoder(ort, manifest, { prefill: sessions.prefill, decode: sessions.decode });
+    this.decoder = new Decoder(ort, manifest, { prefill: sessions.prefill, decode: sessions.decode,
+      embedsInput: manifest.decoder.embeds_input, logitsOutput: manifest.decoder.logits_output });
     this.busy = false;
   }
 
