@@ -24,13 +24,18 @@ def need_browser():
     return sync_api
 
 
+# WebGPU on SwiftShader (Chromium's software Vulkan: no GPU here), for the WebGPU experiments only
+SWIFTSHADER_WEBGPU = ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader", "--enable-features=Vulkan",
+                      "--use-vulkan=swiftshader", "--use-angle=swiftshader"]
+
+
 @contextlib.contextmanager
-def browser(profile: Path):
+def browser(profile: Path, extra_args: tuple[str, ...] = ()):
     """A persistent Chromium profile (its Cache Storage survives a reload, as a user's does)."""
     sync_api = need_browser()
+    args = [a for a in CHROMIUM_ARGS if not (extra_args and a == "--disable-gpu")] + list(extra_args)
     with sync_api.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True,
-                                                   args=CHROMIUM_ARGS)
+        ctx = p.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True, args=args)
         try:
             yield ctx
         finally:

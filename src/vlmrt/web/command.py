@@ -1,4 +1,4 @@
-"""`vlmrt web [BUNDLE] --out DIR [--force] [--serve [--port P]]`: write the static site (site.py), and serve it."""
+"""`vlmrt web [BUNDLE] --out DIR [--force] [--webgpu] [--serve [--port P]]`: write the static site (site.py), and serve it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ def add_parser(sub) -> None:
                    help="bundle folder (default: the offline easy-VQA demo model, exported on first use)")
     w.add_argument("--out", required=True, metavar="DIR", help="the site's folder to write")
     w.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    w.add_argument("--webgpu", action="store_true",
+                   help="also ship onnxruntime-web's WebGPU build (27 MB); the page uses it with ?ep=webgpu "
+                        "(experimental: docs/browser.md#webgpu)")
     w.add_argument("--serve", action="store_true",
                    help="also serve DIR on 127.0.0.1 with the COOP / COEP headers WASM threads need (Ctrl-C stops)")
     w.add_argument("--port", type=int, default=8000, help="--serve: the port (default 8000; 0 = any free port)")
@@ -30,7 +33,7 @@ def run(a) -> int:
             bundle = ensure_bundle(progress=True)
         else:
             bundle = a.bundle
-        out = write_site(bundle, a.out, force=a.force)
+        out = write_site(bundle, a.out, force=a.force, webgpu=a.webgpu)
         print(out)
         if server is None:
             return 0

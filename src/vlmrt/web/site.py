@@ -36,6 +36,12 @@ VENDOR = (
     ("@huggingface/tokenizers", "dist/tokenizers.min.mjs", "tokenizers.min.mjs"),
     ("@huggingface/jinja", "dist/index.js", "jinja.js"),
 )
+# vlmrt web --webgpu: onnxruntime-web's WebGPU build too (the page's ?ep=webgpu; docs/browser.md#webgpu)
+VENDOR_WEBGPU = (
+    ("onnxruntime-web", "dist/ort.webgpu.min.mjs", "ort/ort.webgpu.min.mjs"),
+    ("onnxruntime-web", "dist/ort-wasm-simd-threaded.asyncify.mjs", "ort/ort-wasm-simd-threaded.asyncify.mjs"),
+    ("onnxruntime-web", "dist/ort-wasm-simd-threaded.asyncify.wasm", "ort/ort-wasm-simd-threaded.asyncify.wasm"),
+)
 HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp",
            "Cross-Origin-Resource-Policy": "same-origin"}
 BROWSER_EXPORT = ("re-export it for the browser: vlmrt export CHECKPOINT OUT (the CPU target, --dtype fp32, "
@@ -79,13 +85,14 @@ def browser_problem(m: Manifest) -> str | None:
     return None
 
 
-def _vendor_sources() -> list[tuple[Path, str]]:
+def _vendor_sources(webgpu: bool) -> list[tuple[Path, str]]:
     root = node_modules()
-    missing = [f"{pkg}/{f}" for pkg, f, _ in VENDOR if not (root / pkg / f).is_file()]
+    files = VENDOR + (VENDOR_WEBGPU if webgpu else ())
+    missing = [f"{pkg}/{f}" for pkg, f, _ in files if not (root / pkg / f).is_file()]
     if missing:
         raise WebError(f"the browser runtime's JavaScript dependencies are not installed ({missing[0]} missing under "
                        f"{root}): run scripts/setup, or npm ci --prefix {HERE}")
-    return [(root / pkg / f, name) for pkg, f, name in VENDOR]
+    return [(root / pkg / f, name) for pkg, f, name in files]
 
 
 def _licences(root: Path) -> str:
@@ -111,8 +118,9 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def write_site(bundle: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Write the static site for the bundle folder into out (replaced with force). Returns out."""
+def write_site(bundle: str | Path, out: str | Path, force: bool = False, webgpu: bool = False) -> Path:
+    """Write the static site for the bundle folder into out (replaced with force); webgpu: with onnxruntime-web's
+    WebGPU build as well (27 MB more). Returns out."""
     bundle, out = Path(bundle), Path(out)
     m = load(bundle, verify=True)  # (a BundleError names what is wrong)
     problem = browser_problem(m)
@@ -123,7 +131,7 @@ def write_site(bundle: str | Path, out: str | Path, force: bool = False) -> Path
     if out.exists() and not force:
         if not out.is_dir() or any(out.iterdir()):
             raise WebError(f"{out} exists; use --force to replace it")
-    sources = _vendor_sources()
+    sources = _vendor_sources(webgpu)
     with staged(out, "web") as work:
         shutil.copyfile(STATIC / "index.html", work / "index.html")
         for name in RUNTIME_FILES:

@@ -1,6 +1,7 @@
 // The chat page: loads the bundle (progress in bytes), answers in this tab, streams the answer, shows tokens/s.
 // window.vlmrt: {ready (a promise of the VLM), ask({images, prompt, maxNewTokens, ...}) -> {text, tokenIds, ...}}
-// for tests and for pages that embed it. URL parameters: bundle=PATH (default bundle/), threads=N.
+// for tests and for pages that embed it. URL parameters: bundle=PATH (default bundle/), threads=N, ep=wasm|webgpu
+// (webgpu: sites written with vlmrt web --webgpu).
 
 import { VLM } from "./vlmrt.js";
 import { clearCache } from "./files.js";
@@ -17,6 +18,7 @@ function status(text, cls = "") {
 const threads = params.has("threads") ? Number(params.get("threads")) : null;
 const ready = VLM.load(params.get("bundle") || "bundle/", {
   threads,
+  ep: params.get("ep") || "wasm",
   onProgress: ({ done, total, fromNetwork }) => {
     $("progress").max = total;
     $("progress").value = done;
@@ -65,7 +67,7 @@ ready.then((vlm) => {
   const m = vlm.manifest;
   $("model").textContent = `· ${m.model.name || m.model.family} (${m.graphs.decode.precision})`;
   status(`ready: ${mb(vlm.bytes.total)} MB in ${(vlm.loadMs / 1000).toFixed(1)} s${vlm.bytes.fromNetwork === 0 ? " from the browser's cache" : ""}; ` +
-    `WASM, ${vlm.threads} thread${vlm.threads === 1 ? "" : "s"}${crossOriginIsolated ? "" : " (not cross-origin isolated: one thread)"}`);
+    `${vlm.ep === "webgpu" ? "WebGPU + " : ""}WASM, ${vlm.threads} thread${vlm.threads === 1 ? "" : "s"}${crossOriginIsolated ? "" : " (not cross-origin isolated: one thread)"}`);
   for (const id of ["prompt", "images", "send", "reset"]) $(id).disabled = false;
   $("prompt").focus();
 }, (e) => {

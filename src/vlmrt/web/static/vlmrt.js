@@ -7,7 +7,6 @@
 //   const r = await vlm.ask({images: ["cat.png"], prompt: "What is this?", maxNewTokens: 64, onText: (s) => ...});
 //   r.text, r.tokenIds, r.stats
 
-import * as ort from "./vendor/ort/ort.wasm.min.mjs";
 import { Tokenizer } from "./vendor/tokenizers.min.mjs";
 import { Decoder, browserProblem } from "./decoder.js";
 import { BundleFiles } from "./files.js";
@@ -21,18 +20,23 @@ export const SCHEMA_VERSION = 2;  // the manifest version this runtime reads (sr
 
 export class BundleError extends Error {}
 
+// onnxruntime-web: its WASM build; the WebGPU build where the site has it (vlmrt web --webgpu) and the page asks
+// for it (ep "webgpu"), for the experiments docs/browser.md describes
+let ort = null;
+const ORT_BUILDS = { wasm: "./vendor/ort/ort.wasm.min.mjs", webgpu: "./vendor/ort/ort.webgpu.min.mjs" };
+
 // the graph files a bundle's graphs name, each with its external data files, one session per file
-async function createSession(files, graph, threadsNote) {
+async function createSession(files, graph, providers) {
   const model = await files.get(graph.file);
   const externalData = [];
   for (const f of graph.data_files) externalData.push({ path: f.split("/").pop(), data: await files.get(f) });
-  return ort.InferenceSession.create(model, { executionProviders: ["wasm"], graphOptimizationLevel: "all", externalData });
+  return ort.InferenceSession.create(model, { executionProviders: providers, graphOptimizationLevel: "all", externalData });
 }
 
 export class VLM {
   // base: URL of the bundle folder (ending in /). options: threads (WASM threads; they need cross-origin isolation),
   // onProgress({done, total, fromNetwork}) as bytes arrive
-  static async load(base, { threads = null, onProgress = () => {} } = {}) {
+  static async load(base, { threads = null, ep = "wasm", onProgress = () => {} } = {}) {
     const t0 = performance.now();
     base = new URL(base, document.baseURI).href;
     const r = await fetch(new URL("manifest.json", base), { cache: "no-store" });
@@ -41,6 +45,15 @@ export class VLM {
     if (m.schema_version !== SCHEMA_VERSION) throw new BundleError(`bundle schema version ${m.schema_version} is not supported (this page reads ${SCHEMA_VERSION}); re-export it`);
     const problem = browserProblem(m);
     if (problem) throw new BundleError(problem);
+    if (!ORT_BUILDS[ep]) throw new BundleError(`unknown execution provider '${ep}' (wasm or webgpu)`);
+    if (ort && ort.__vlmrtEP !== ep) throw new BundleError("this page already loaded another onnxruntime-web build");
+    if (!ort) {
+      try {
+        ort = { ...(await import(ORT_BUILDS[ep])), __vlmrtEP: ep };
+      } catch (e) {
+        throw new BundleError(`this site has no onnxruntime-web ${ep} build (vlmrt web --webgpu adds it): ${e.message}`);
+      }
+    }
     ort.env.wasm.wasmPaths = new URL("./vendor/ort/", import.meta.url).href;
     if (threads) ort.env.wasm.numThreads = threads;
     const files = new BundleFiles(base, m, onProgress);
@@ -51,13 +64,14 @@ export class VLM {
     const byFile = new Map();
     for (const name of ["vision", "prefill", "decode"]) {
       const g = m.graphs[name];
-      if (!byFile.has(g.file)) byFile.set(g.file, await createSession(files, g));
+      if (!byFile.has(g.file)) byFile.set(g.file, await createSession(files, g, ep === "webgpu" ? ["webgpu", "wasm"] : ["wasm"]));
       sessions[name] = byFile.get(g.file);
     }
     const vlm = new VLM(m, tokenizer, table, scales, sessions);
     vlm.loadMs = performance.now() - t0;
     vlm.bytes = { total: files.total, fromNetwork: files.fromNetwork };
     vlm.threads = ort.env.wasm.numThreads;
+    vlm.ep = ep;
     return vlm;
   }
 
