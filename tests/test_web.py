@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -163,15 +162,15 @@ def _linked_copy(bundle: Path, dst: Path, edit) -> Path:
     (lambda m: m["target"].update(name="htp"), "this bundle is for the htp target"),
     (lambda m: m["graphs"]["vision"]["inputs"][0].update(dtype="float16"), "graph vision has float16 I/O"),
 ])
-def test_refuses_what_the_browser_cannot_run_exactly(demo_model, tmp_path, capsys, edit, says):
-    bundle = _linked_copy(demo_model[1], tmp_path / "b", edit)
+def test_refuses_what_the_browser_cannot_run_exactly(default_bundle, tmp_path, capsys, edit, says):
+    bundle = _linked_copy(default_bundle.bundle, tmp_path / "b", edit)
     line = _refused(capsys, "web", str(bundle), "--out", str(tmp_path / "site"))
     assert says in line and "vlmrt export" in line
     assert not (tmp_path / "site").exists() and list(tmp_path.iterdir()) == [bundle]  # nothing half-written
 
 
-def test_command_errors_are_one_line(demo_model, tmp_path, capsys, monkeypatch):
-    bundle = demo_model[1]
+def test_command_errors_are_one_line(default_bundle, tmp_path, capsys, monkeypatch):
+    bundle = default_bundle.bundle
     out = tmp_path / "site"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -188,19 +187,20 @@ def test_command_errors_are_one_line(demo_model, tmp_path, capsys, monkeypatch):
 
 
 def _get(url: str):
+    """(status, headers (case-insensitive), body)"""
     try:
         with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, dict(r.headers), r.read()
+            return r.status, r.headers, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), b""
+        return e.code, e.headers, b""
 
 
-def test_serve_sends_isolation_headers_and_only_the_folder(demo_model, tmp_path):
+def test_serve_sends_isolation_headers_and_only_the_folder(default_bundle, tmp_path):
     """`vlmrt web --serve` in a subprocess: 127.0.0.1, COOP / COEP, module and WASM types, no listing, no escape."""
     env_path = str(Path(__file__).resolve().parents[1] / "src")
     site = tmp_path / "site"
     (tmp_path / "secret.txt").write_text("no")
-    proc = subprocess.Popen([sys.executable, "-m", "vlmrt.cli", "web", str(demo_model[1]), "--out", str(site),
+    proc = subprocess.Popen([sys.executable, "-m", "vlmrt.cli", "web", str(default_bundle.bundle), "--out", str(site),
                              "--serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**__import__("os").environ, "PYTHONPATH": env_path})
     try:
@@ -221,14 +221,23 @@ def test_serve_sends_isolation_headers_and_only_the_folder(demo_model, tmp_path)
         proc.wait(timeout=30)
 
 
-def test_serve_refuses_a_taken_port(demo_model, tmp_path, capsys):
+def test_serve_refuses_a_taken_port(default_bundle, tmp_path, capsys):
     from vlmrt.web.server import make_server
 
     srv = make_server(tmp_path, 0)
     try:
         port = srv.server_address[1]
-        line = _refused(capsys, "web", str(demo_model[1]), "--out", str(tmp_path / "site"), "--serve", "--port",
+        line = _refused(capsys, "web", str(default_bundle.bundle), "--out", str(tmp_path / "site"), "--serve", "--port",
                         str(port))
         assert f"cannot listen on 127.0.0.1:{port}" in line and not (tmp_path / "site").exists()
     finally:
         srv.server_close()
+
+
+def test_without_bundle_the_demo_model(demo_model, tmp_path, monkeypatch, capsys):
+    """`vlmrt web --out DIR` takes the offline demo model from the cache (built there on first use)."""
+    root, bundle = demo_model
+    monkeypatch.setenv("VLMRT_CACHE", str(root))
+    assert cli.main(["web", "--out", str(tmp_path / "site")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "site")
+    assert (tmp_path / "site" / "bundle" / "manifest.json").read_bytes() == (bundle / "manifest.json").read_bytes()

@@ -73,7 +73,7 @@ def browser_problem(m: Manifest) -> str | None:
         for t in [*g.inputs, *g.outputs]:
             if t.dtype == "float16":
                 return (f"graph {name} has float16 I/O ({t.name}), which the browser runtime does not feed; re-export "
-                        f"with --dtype fp32 (weights may stay fp16 / 8 / 4 bit: --quant)")
+                        f"it with vlmrt export CHECKPOINT OUT --dtype fp32 (weights may stay fp16, 8 or 4 bit: --quant)")
     if m.kv.dtype != "float32" or m.kv.encodings:
         return f"this bundle's KV cache is {m.kv.dtype} (quantized); {BROWSER_EXPORT}"
     if m.decoder.hidden_output:
