@@ -3,6 +3,9 @@
 // under its sha256 so that a reload reads them from disk instead of downloading them again.
 
 const CACHE_NAME = "vlmrt-bundle-v1";
+// a file is cached in parts of at most this many bytes (one 500 MB entry can fail where its parts do not: each put
+// is one copy to the browser's storage)
+const PART_BYTES = 64 * 1024 * 1024;
 
 async function openCache() {
   // Cache Storage exists in secure contexts only (https, or http on localhost / 127.0.0.1)
@@ -55,16 +58,13 @@ export class BundleFiles {
     const entry = this.manifest.files[name];
     if (!entry) throw new Error(`the manifest does not list ${name}`);
     this.cache ??= await openCache();
-    const key = new URL(`${name}?sha256=${entry.sha256}`, this.base).href;
+    const parts = Math.max(1, Math.ceil(entry.bytes / PART_BYTES));
+    const keys = Array.from({ length: parts }, (_, i) => new URL(`${name}?sha256=${entry.sha256}&part=${i + 1}of${parts}`, this.base).href);
     if (this.cache) {
-      const hit = await this.cache.match(key);
+      const hit = await this.cached(keys, entry.bytes);
       if (hit) {
-        const bytes = new Uint8Array(await hit.arrayBuffer());
-        if (bytes.length === entry.bytes) {
-          this.count(bytes.length, false);
-          return bytes;
-        }
-        await this.cache.delete(key);
+        this.count(hit.length, false);
+        return hit;
       }
     }
     const bytes = await download(new URL(name, this.base).href, entry.bytes, (n) => this.count(n, true));
@@ -72,12 +72,33 @@ export class BundleFiles {
     if (digest !== null && digest !== entry.sha256) throw new Error(`${name} does not match the manifest's sha256 (an altered or truncated bundle)`);
     if (this.cache) {
       try {
-        await this.cache.put(key, new Response(bytes, { headers: { "Content-Type": "application/octet-stream" } }));
+        for (let i = 0; i < parts; i++) {
+          const part = bytes.subarray(i * PART_BYTES, Math.min(entry.bytes, (i + 1) * PART_BYTES));
+          await this.cache.put(keys[i], new Response(part, { headers: { "Content-Type": "application/octet-stream" } }));
+        }
       } catch (e) {
         console.warn(`vlmrt: ${name} not cached (${e.message}): a reload downloads it again`);
+        for (const k of keys) await this.cache.delete(k);
       }
     }
     return bytes;
+  }
+
+  // the file from the cache's parts, or null (a part missing or of the wrong size: the parts are dropped)
+  async cached(keys, size) {
+    const out = new Uint8Array(size);
+    let at = 0;
+    for (const k of keys) {
+      const hit = await this.cache.match(k);
+      const part = hit ? new Uint8Array(await hit.arrayBuffer()) : null;
+      if (!part || at + part.length > size) {
+        if (at > 0 || part) for (const key of keys) await this.cache.delete(key);
+        return null;
+      }
+      out.set(part, at);
+      at += part.length;
+    }
+    return at === size ? out : null;
   }
 
   count(n, network) {
