@@ -45,14 +45,14 @@ def export_graphs(ckpt: Path, precisions: set[str], work: Path) -> None:
     import torch
 
     from vlmrt.export import graphs
-    from vlmrt.export.checkpoint import Checkpoint
     from vlmrt.families import family_for
+    from vlmrt.families.checkpoint import Checkpoint
 
     c = Checkpoint.open(ckpt)
     family = family_for(c.config)
-    cfg = family.config_from_hf(c.config)
+    cfg = family.config(c.config)
     torch.manual_seed(0)
-    vision, _, _ = family.load_weights(cfg, c.tensors())
+    vision = family.weights(cfg, c.tensors()).vision
     for p in [p for p in todo if p != "i8dyn"] + (["i8dyn"] if "i8dyn" in todo else []):
         t = time.perf_counter()
         if p == "i8dyn":

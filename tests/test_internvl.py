@@ -1,17 +1,18 @@
-"""InternVL3 (Qwen2.5 decoder) and InternVL3.5 (Qwen3 decoder) end to end against transformers."""
+"""InternVL only: what the shared runner (test_family_conformance.py, which holds every family's pixels, prompt ids
+and greedy ids against transformers) does not cover. The default max context, crop_to_patches, the original
+OpenGVLab layout, the real Qwen3 tokenizer, the --max-tiles error, and the HTP target on InternVL's decoders."""
 
 from __future__ import annotations
 
-import copy
 import json
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import IMAGES, Exported, export_once, image_file
+from conftest import Exported, image_file
+from family_cases import CASES, exported
+from family_runner import cli_json, hf_greedy_from_ids
 from vlmrt import cli
 from vlmrt.export.pipeline import export
 from vlmrt.runtime import image as img_ops
@@ -23,97 +24,9 @@ torch = pytest.importorskip("torch")
 PROMPT = "What is in the image? Describe the colours."
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    decoder: str
-    tie: bool
-    image_size: int
-    patch: int
-    max_tiles: int
-    prefill_ar: int
-    vision_norm: str = "layer_norm"
-    vision_overrides: tuple = ()
-
-
-CASES = [
-    Case("internvl3-qwen2-untied", "qwen2", tie=False, image_size=28, patch=7, max_tiles=6, prefill_ar=16),
-    Case("internvl3.5-qwen3-tied", "qwen3", tie=True, image_size=56, patch=7, max_tiles=4, prefill_ar=32),
-    Case("qwen3-rmsnorm-vit-qknorm", "qwen3", tie=False, image_size=28, patch=7, max_tiles=12, prefill_ar=8,
-         vision_norm="rms_norm", vision_overrides=(("use_qk_norm", True),)),
-]
-
-
-def exported(case: Case, tmp_path_factory) -> Exported:
-    from fixtures_internvl import INTERNVL, make_internvl_checkpoint
-
-    def make(folder):
-        return make_internvl_checkpoint(
-            folder, decoder=case.decoder, tie_word_embeddings=case.tie, image_size=case.image_size,
-            patch_size=case.patch, max_tiles=case.max_tiles, vision_norm=case.vision_norm,
-            vision_overrides=dict(case.vision_overrides), seed=CASES.index(case) + 3,  # per case, not per test order
-        )
-
-    return export_once(case, tmp_path_factory, make, INTERNVL, prefill_ar=case.prefill_ar)
-
-
 @pytest.fixture(params=CASES, ids=[c.name for c in CASES])
 def internvl(request, tmp_path_factory) -> Exported:
     return exported(request.param, tmp_path_factory)
-
-
-_HF_RUNS: dict[tuple, tuple] = {}
-
-
-def hf_run(ex: Exported, path, prompt, n, ignore_eos=True):
-    """transformers' (prompt ids, pixels, greedy ids), computed once per checkpoint and request (the kv and
-    hybrid modes compare with the same reference); n=0: the processor alone."""
-    from fixtures_internvl import hf_generate
-
-    key = (str(ex.ckpt), Path(path).name if path else None, prompt, n, ignore_eos)
-    if key not in _HF_RUNS:
-        model, proc = ex.hf()
-        im = Image.open(path) if path else None
-        _HF_RUNS[key] = hf_generate(ex.ckpt, im, prompt, n, ignore_eos=ignore_eos, model=model, processor=proc)
-    return _HF_RUNS[key]
-
-
-def hf_greedy_from_ids(model, ids, pixels, n):
-    """transformers generate on given prompt ids + pixel values (EOS ignored)."""
-    cfg = copy.deepcopy(model.generation_config)
-    cfg.eos_token_id = None
-    kw = {"pixel_values": torch.from_numpy(pixels)} if pixels is not None else {}
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=n, generation_config=cfg, **kw)
-    return out[0, len(ids):].tolist()
-
-
-def cli_json(capsys, *args) -> dict:
-    capsys.readouterr()
-    assert cli.main(["run", *map(str, args), "--json"]) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("image", IMAGES)
-def test_pixels_and_prompt_ids_equal_hf_processor(internvl, image, tmp_path):
-    path = image_file(image, tmp_path)
-    prompt_ids, pixels, _ = hf_run(internvl, path, PROMPT, 0)
-    vlm = VLM.load(internvl.bundle)
-    tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
-    np.testing.assert_array_equal(tiles.pixels, pixels)
-    assert vlm.prompt_ids(PROMPT, tiles.grid) == prompt_ids
-
-
-@pytest.mark.parametrize("mode", ["kv", "hybrid"])
-@pytest.mark.parametrize("image", ["chelsea.png", "tall", None])
-def test_greedy_ids_equal_transformers(internvl, image, mode, tmp_path, capsys):
-    path = image_file(image, tmp_path) if image else None
-    prompt_ids, _, want = hf_run(internvl, path, PROMPT, 24)
-    args = ["--image", path] if path else []
-    got = cli_json(capsys, internvl.bundle, *args, "--prompt", PROMPT, "--mode", mode, "--max-new-tokens", 24, "--ignore-eos")
-    assert got["prompt_tokens"] == len(prompt_ids)
-    assert len(set(want)) > 4
-    assert got["token_ids"] == want
 
 
 def test_default_max_context_fits_max_tiles(internvl):

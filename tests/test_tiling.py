@@ -78,7 +78,7 @@ def exported_spec(ckpt, tmp, **edit) -> ImageSpec:
     import json
     import shutil
 
-    from vlmrt.export.checkpoint import Checkpoint
+    from vlmrt.families.checkpoint import Checkpoint
     from vlmrt.families import family_for
 
     folder = tmp / "ckpt"
@@ -87,8 +87,7 @@ def exported_spec(ckpt, tmp, **edit) -> ImageSpec:
     (folder / "preprocessor_config.json").write_text(json.dumps({**pre, **edit}))
     ck = Checkpoint.open(folder)
     fam = family_for(ck.config)
-    host = fam.host_spec(ck, fam.config_from_hf(ck.config), json.loads((folder / "tokenizer.json").read_text()))
-    return ImageSpec(**host.image)
+    return fam.host(ck, fam.config(ck.config), json.loads((folder / "tokenizer.json").read_text())).image
 
 
 @pytest.mark.parametrize("resample", [4, 5])  # PIL's BOX and HAMMING

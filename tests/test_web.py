@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ASSETS, exported as smolvlm_exported, export_once
+from conftest import ASSETS
+from family_cases import FAMILIES
 from web_browser import browser, need_browser, served
 
 from vlmrt import cli
@@ -103,26 +104,14 @@ def test_demo_answers_are_vlmrt_runs(demo_site, tmp_path):
         assert not any(u.endswith(".data") or u.endswith(".npy") for u in reloaded.requests)
 
 
-def _internvl(tmp_path_factory):
-    """test_internvl.py's first case (the same name: one export per session)."""
-    from fixtures_internvl import INTERNVL, make_internvl_checkpoint
-    from test_internvl import CASES
-
-    case = CASES[0]
-    return export_once(case, tmp_path_factory, lambda f: make_internvl_checkpoint(
-        f, decoder=case.decoder, tie_word_embeddings=case.tie, image_size=case.image_size, patch_size=case.patch,
-        max_tiles=case.max_tiles, vision_norm=case.vision_norm, vision_overrides=dict(case.vision_overrides),
-        seed=CASES.index(case) + 3), INTERNVL, prefill_ar=case.prefill_ar)
-
-
-@pytest.mark.parametrize("family", ["smolvlm", "internvl"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tiny_bundles_answer_as_python(family, tmp_path_factory, tmp_path):
-    """Tiled images (resized, cut, a global tile / thumbnail) through the vision graph, spliced, prefill + decode."""
+    """Every registered family's first tiny case (tests/family_cases.py): tiled images (resized, cut, a global tile /
+    thumbnail) through the vision graph, spliced, prefill + decode, in both modes."""
     need_browser()
     pytest.importorskip("torch")
-    from conftest import CASES
-
-    ex = smolvlm_exported(CASES[0], tmp_path_factory) if family == "smolvlm" else _internvl(tmp_path_factory)
+    fc = FAMILIES[family]
+    ex = fc.exported(fc.cases[0], tmp_path_factory)
     site = write_site(ex.bundle, tmp_path / "site")
     vlm = VLM.load(ex.bundle)
     with served(site) as url, browser(tmp_path / "profile") as ctx:

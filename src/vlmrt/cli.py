@@ -232,7 +232,7 @@ def _batch(a) -> int:
     job = Job(bundle=_bundle_or_default(a.bundle), input=a.input, output=a.output, prompt=a.prompt, workers=a.workers,
               threads=a.threads, ray_address=a.ray_address, device=a.device, verify=a.bundle is not None,
               kv_requant=not a.no_kv_requant, lookahead=a.lookahead, options=opts, batch_size=a.batch_size, retry_errors=a.retry_errors,
-              progress=not a.quiet)
+              progress=not a.quiet, allow_local_urls=a.allow_local_urls, image_urls=not a.no_image_urls)
     s = run_batch(job)
     report(s)
     if a.json:
@@ -322,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local Ray for the job)")
     t.add_argument("--batch-size", type=int, default=4, help="records per call of a Ray worker (default 4)")
     t.add_argument("--retry-errors", action="store_true", help="do again the records whose line in OUT is an error")
+    t.add_argument("--allow-local-urls", action="store_true",
+                   help="let records' image URLs reach loopback, private and link-local addresses (default: public "
+                        "addresses only, as records may come from others)")
+    t.add_argument("--no-image-urls", action="store_true", help="refuse records' http(s) image URLs (error lines)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     t.set_defaults(fn=_batch)

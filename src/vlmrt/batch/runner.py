@@ -25,6 +25,8 @@ from pathlib import Path
 
 from ..manifest import load as load_manifest
 from ..progress import Meter
+from ..runtime.sources import FetchLimits
+from ..runtime.url_policy import AddressPolicy
 from . import output as out_file
 from .records import Record, read_records
 from .worker import Answerer
@@ -50,6 +52,8 @@ class Job:
     verify: bool = True
     kv_requant: bool = True
     lookahead: int = 0  # VLM's draft length of lookahead decoding
+    allow_local_urls: bool = False  # image URLs may reach loopback / private / link-local addresses (else public only)
+    image_urls: bool = True  # False: records' http(s) image URLs are their error lines
     options: dict = field(default_factory=dict)  # VLM.chat's generation options
     batch_size: int = 4  # records per map_batches call (Ray)
     retry_errors: bool = False
@@ -182,9 +186,15 @@ def _error_line(r: Record) -> str:
     return json.dumps({"id": r.id, "error": r.error}, ensure_ascii=False)
 
 
+def fetch_limits(job: Job) -> FetchLimits:
+    """How the workers fetch records' image URLs: records may come from others, so by default only public
+    addresses (as vlmrt serve; runtime/url_policy.py)."""
+    return FetchLimits(addresses=None if job.allow_local_urls else AddressPolicy(), urls=job.image_urls)
+
+
 def _answerer_kwargs(job: Job, verify: bool) -> dict:
     return dict(bundle=job.bundle, device=job.device, verify=verify, kv_requant=job.kv_requant, lookahead=job.lookahead,
-                options=job.options)
+                options=job.options, fetch=fetch_limits(job))
 
 
 def _answer_here(w: Answerer, asks: list[Record], put) -> None:

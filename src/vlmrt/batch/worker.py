@@ -16,6 +16,8 @@ import json
 import os
 
 from ..runtime.pipeline import VLM
+from ..runtime.sources import FetchLimits
+from ..runtime.url_policy import AddressPolicy
 
 
 def error_text(e: BaseException) -> str:
@@ -39,9 +41,11 @@ class Answerer:
     """One worker: the bundle loaded once (VLM.load), generation options fixed at construction."""
 
     def __init__(self, bundle: str, device: str = "cpu", threads: int | None = None, verify: bool = True,
-                 kv_requant: bool = True, options: dict | None = None, lookahead: int = 0):
+                 kv_requant: bool = True, options: dict | None = None, lookahead: int = 0,
+                 fetch: FetchLimits = FetchLimits(addresses=AddressPolicy())):
+        """fetch: how records' image URLs are fetched (default: public addresses only, as runner.fetch_limits)."""
         self.vlm = VLM.load(bundle, device=device, threads=threads, verify=verify, kv_requant=kv_requant,
-                            lookahead=lookahead)
+                            lookahead=lookahead, fetch=fetch)
         self.options = dict(options or {})
         self.pid = os.getpid()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..export.checkpoint import Checkpoint
+from ..families.checkpoint import Checkpoint
 from ..families import family_for
 from ..manifest import Manifest
 from ..runtime.bundle import Bundle
@@ -59,8 +59,7 @@ class TorchDecoder:
 def torch_bundle(ckpt_path: Path, m: Manifest, tokenizer) -> Bundle:
     ckpt = Checkpoint.open(Path(ckpt_path))
     family = family_for(ckpt.config)
-    cfg = family.config_from_hf(ckpt.config)
-    vision, decoder, embed = family.load_weights(cfg, ckpt.tensors())
+    vision, decoder, embed = family.weights(family.config(ckpt.config), ckpt.tensors())
     dec = TorchDecoder(decoder.float(), m)
     sessions = {"vision": TorchVision(vision.float(), m.vision.embeds_output), "prefill": dec, "decode": dec}
     return Bundle(Path(ckpt_path), m, sessions, tokenizer, embed.numpy().astype(np.float32))

@@ -17,12 +17,12 @@ import numpy as np
 from .. import __version__
 from .. import manifest as mf
 from .. import staging
-from ..families import HostSpec, family_for
+from ..families import Family, FamilyConfig, HostSpec, family_for
 from ..progress import Laps, Progress
 from . import graphs, htp_precisions, qnn_context, quantize
 from . import htp as htp_mod
 from .chat_template import prompt_templates
-from .checkpoint import Checkpoint, CheckpointError, resolve
+from ..families.checkpoint import Checkpoint, CheckpointError, resolve
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 # CPU decoder graphs take any cache length; a step reads the prefix rounded up to this many slots: at most
@@ -114,8 +114,8 @@ class Plan:
 
     src: str
     ckpt: Checkpoint
-    family: Any  # families.Family
-    cfg: Any  # the family's config
+    family: Family
+    cfg: FamilyConfig  # the family's config dataclass
     host: HostSpec
     tok_json: dict
     prec: dict[str, str]  # graph -> precision (export.quantize.parse)
@@ -159,21 +159,21 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     ckpt = Checkpoint.open(resolve(src))
     family = family_for(ckpt.config)
     try:
-        cfg = family.config_from_hf(ckpt.config)
+        cfg = family.config(ckpt.config)
     except KeyError as e:
         raise ExportError(f"config.json lacks {e}") from None
     tok_path = ckpt.path / "tokenizer.json"
     if not tok_path.is_file():
         raise ExportError("the checkpoint has no tokenizer.json (a fast tokenizer is required)")
     tok_json = json.loads(tok_path.read_text())
-    host = family.host_spec(ckpt, cfg, tok_json)
+    host = family.host(ckpt, cfg, tok_json)
     if htp is not None:  # the head's own graph by default where it is untied (htp_precisions.parse)
         htp = {**htp, "precisions": htp_precisions.parse(htp["spec"], untied=not cfg.tie_word_embeddings,
                                                          lookahead=bool(htp["lookahead_ar"]))}
         t = cfg.text
         htp_precisions.check_blocks(htp["precisions"], t.hidden, t.heads * t.head_dim, t.intermediate)
     if max_seq_len is None:
-        max_seq_len, _ = family.default_max_context(cfg, host)
+        max_seq_len, _ = family.max_context(cfg, host)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
     cfg.text.rope.check_context(max_seq_len)  # a table of RoPE rows must hold the scaling up to the max context
@@ -310,12 +310,12 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
     if leftovers:
         raise ExportError(f"export left unlisted files: {leftovers}")
     return mf.Manifest(
-        model={"family": plan.family.__name__.rsplit(".", 1)[-1], "model_type": plan.ckpt.config.get("model_type"),
+        model={"family": plan.family.name, "model_type": plan.ckpt.config.get("model_type"),
                "source": str(plan.src), "exported_by": f"vlmrt {__version__}",
                "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         graphs=gspecs,
         tokenizer_file="tokenizer.json",
-        image=mf.ImageSpec(**host.image),
+        image=host.image,
         prompt=mf.PromptSpec(template_image=plan.templates[0], template_text=plan.templates[1],
                              expansion=host.prompt_expansion, tokens_per_tile=plan.cfg.tokens_per_tile,
                              add_special_tokens=True, params=host.prompt_params, **plan.conversation),
@@ -354,8 +354,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     plan = _plan(src, prec, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, context_step=context_step,
                  attention=attention, htp=htp)
     torch.manual_seed(0)
-    vision, decoder, embed = plan.family.load_weights(plan.cfg, plan.ckpt.tensors())
-    note = "from --max-seq-len" if max_seq_len is not None else plan.family.default_max_context(plan.cfg, plan.host)[1]
+    vision, decoder, embed = plan.family.weights(plan.cfg, plan.ckpt.tensors())
+    note = "from --max-seq-len" if max_seq_len is not None else plan.family.max_context(plan.cfg, plan.host)[1]
     p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note})")
 
     with staging.staged(out) as tmp:

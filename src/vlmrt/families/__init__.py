@@ -1,30 +1,55 @@
-"""Model families: the registry (config.json `model_type` -> family module) and the contract every family module
-meets (`Family`). The exporter and the float reference talk to a family only through this contract; the runtime
-never does (it reads the manifest the exporter wrote from it).
+"""Model families: the registry (config.json `model_type` -> family module) and the contract every family meets.
 
-A family module (smolvlm.py, internvl.py) defines, at module level:
-    MODEL_TYPES                          the config.json model types it exports
-    config_from_hf(config) -> cfg        its config dataclass (meets `FamilyConfig`)
-    load_weights(cfg, tensors)           -> (vision module, decoder module, embedding table [vocab, hidden])
-    host_spec(ckpt, cfg, tok_json)       -> HostSpec: what the runtime needs besides graphs
-    default_max_context(cfg, host)       -> (max context tokens, why that many)
+A family module (smolvlm.py, internvl.py) provides one `Family` at module level as `FAMILY`: its name, the model
+types it exports and four functions (read the config, build the modules from the checkpoint's tensors, plan the host
+side, size the default context). `REGISTRY` names the module that holds each model type; the modules import torch,
+so they load on demand. The exporter and the float reference (eval/reference.py) talk to a family only through the
+checked accessors below (`Family.config`, `Family.weights`, `Family.host`, `Family.max_context`); the runtime never
+does (it reads the manifest the exporter wrote from them).
+
+What the exporter relies on is checked where a family is looked up (`family_for`: the module's FAMILY agrees with
+REGISTRY) and when the export starts (the accessors), each in one line naming the family, before any graph is
+traced: the decoder is a `layers.CausalDecoder` (the one decoder the graphs, the quantizer and the calibration
+know) with the HF-Llama module names the quantizer matches, the vision module maps one tile to `tokens_per_tile`
+rows of the decoder's width, the embedding table is [vocab, hidden], and the host ops the family names exist in
+the runtime. What a new family provides: docs/adding-a-family.md.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol
 
-# config.json model_type -> family module (vlmrt.families.<name>); the modules import torch, so they load on demand
+from ..manifest import ImageSpec
+
+if TYPE_CHECKING:  # (torch only for export: this module is imported without it)
+    import torch
+
+    from .checkpoint import Checkpoint
+    from .decoder import TextConfig
+    from .layers import CausalDecoder
+
+# config.json model_type -> the family module (vlmrt.families.<name>) whose FAMILY exports it
 REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl"}
 
 # preprocessor_config.json "resample" (PIL's enum values) -> the runtime's filter names
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
+# the module names of CausalDecoder that the quantizer and the GPTQ calibration find weights by (HF Llama's:
+# export/quantize.py MIXED_8BIT, export/calibrate_gptq.py), per decoder layer, and the stack's own
+DECODER_LAYER_WEIGHTS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                         "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+DECODER_WEIGHTS = ("norm", "lm_head")
+
 
 class UnknownFamily(ValueError):
     pass
+
+
+class FamilyContractError(ValueError):
+    """A family module does not meet the contract: a bug in the family, caught before any graph is traced."""
 
 
 def resample_name(value) -> str:
@@ -41,13 +66,24 @@ def channel_values(value, channels: int = 3) -> list[float]:
     return [float(value)] * channels if isinstance(value, (int, float)) else [float(v) for v in value]
 
 
+def processor_image(pp: dict[str, Any], *, tiling: str, tile_size: int, patch_size: int, params: dict[str, Any],
+                    resample: int, mean: list[float], std: list[float]) -> ImageSpec:
+    """The ImageSpec for a preprocessor_config.json `pp`: its resample filter, rescale factor, mean and std read as
+    transformers reads them (resample, mean, std: the family's image processor's defaults), with the family's tiling
+    op and its parameters."""
+    return ImageSpec(tiling=tiling, tile_size=tile_size, patch_size=patch_size,
+                     resample=resample_name(pp.get("resample", resample)), rescale_factor=pp.get("rescale_factor", 1 / 255),
+                     mean=channel_values(pp.get("image_mean", mean)), std=channel_values(pp.get("image_std", std)),
+                     params=params)
+
+
 @dataclass(frozen=True)
 class HostSpec:
     """A family's host plan for one checkpoint, read from its processor files; the exporter writes it into the
     manifest (ImageSpec, PromptSpec, SpecialTokens)."""
 
-    image: dict[str, Any]  # manifest.ImageSpec fields: the tiling op and its parameters
-    prompt_expansion: str  # the host op that writes a tile grid as prompt text (runtime/prompt.py)
+    image: ImageSpec  # the tiling op (a name in runtime/image.py TILING) and its parameters, rescale, normalize
+    prompt_expansion: str  # the host op that writes a tile grid as prompt text (runtime/prompt.py EXPANSION)
     prompt_params: dict[str, Any]  # its parameters (the image marker tokens)
     image_placeholder: str  # what the rendered chat template holds where the image goes
     image_token_id: int  # the token whose rows the vision graph's embeddings replace
@@ -56,34 +92,162 @@ class HostSpec:
     image_in_text_fallback: tuple[str, str] | None = None
 
 
-@runtime_checkable
-class FamilyConfig(Protocol):
-    """The parts of a family's config dataclass the exporter reads."""
+class VisionSizes(Protocol):
+    patch_size: int  # a tile is unfolded into [patches_per_tile, 3 * patch_size**2] on the host
 
-    text: Any  # decoder.TextConfig
-    vision: Any  # has patch_size
-    patches_per_tile: int
-    tokens_per_tile: int
+
+class FamilyConfig(Protocol):
+    """The parts of a family's config dataclass the exporter reads (checked by `Family.config`)."""
+
+    text: TextConfig  # the decoder's shape, built by families/decoder.py
+    vision: VisionSizes
+    patches_per_tile: int  # the vision graph's input rows (one tile)
+    tokens_per_tile: int  # its output rows: image tokens per tile
     tie_word_embeddings: bool  # the lm head is the embedding table (an untied one is a weight of its own)
 
 
-@runtime_checkable
-class Family(Protocol):
-    MODEL_TYPES: tuple[str, ...]
+class Weights(NamedTuple):
+    """What `load_weights` builds from a checkpoint's tensors (eval mode, float32)."""
 
-    def config_from_hf(self, config: dict[str, Any]) -> FamilyConfig: ...
+    vision: torch.nn.Module  # forward(patches [patches_per_tile, 3*p*p]) -> [tokens_per_tile, text hidden]
+    decoder: CausalDecoder  # families/decoder.py `build` / `load` (weights.text_decoder)
+    embed: torch.Tensor  # the token-embedding table [vocab, hidden] (the host's lookup: embed.npy)
 
-    def load_weights(self, cfg: Any, tensors: dict[str, Any]) -> tuple[Any, Any, Any]: ...
 
-    def host_spec(self, ckpt: Any, cfg: Any, tok_json: dict) -> HostSpec: ...
+@dataclass(frozen=True)
+class Family:
+    """What a family provides. The functions are the family's own; callers use the checked accessors."""
 
-    def default_max_context(self, cfg: Any, host: HostSpec) -> tuple[int, str]: ...
+    name: str  # the module's name; written as the manifest's model.family (informational: the runtime never reads it)
+    model_types: tuple[str, ...]  # the config.json model types it exports (each one a REGISTRY key naming this module)
+    config_from_hf: Callable[[dict[str, Any]], FamilyConfig]  # config.json -> its config dataclass
+    load_weights: Callable[[FamilyConfig, Mapping[str, torch.Tensor]], Weights]  # checkpoint tensors -> modules
+    host_spec: Callable[[Checkpoint, FamilyConfig, dict], HostSpec]  # (checkpoint, config, tokenizer.json) -> host plan
+    default_max_context: Callable[[FamilyConfig, HostSpec], tuple[int, str]]  # -> (max context tokens, why that many)
+
+    def fail(self, what: str) -> FamilyContractError:
+        return FamilyContractError(f"family {self.name}: {what} (a bug in vlmrt/families/{self.name}.py, not in the "
+                                   "checkpoint)")
+
+    def config(self, config: dict[str, Any]) -> FamilyConfig:
+        from .decoder import TextConfig
+
+        cfg = self.config_from_hf(config)
+        if not isinstance(getattr(cfg, "text", None), TextConfig):
+            raise self.fail("config_from_hf must give a config whose .text is a families.decoder.TextConfig")
+        for field in ("patches_per_tile", "tokens_per_tile"):
+            value = getattr(cfg, field, None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise self.fail(f"config.{field} must be a positive int, not {value!r}")
+        patch = getattr(getattr(cfg, "vision", None), "patch_size", None)
+        if not isinstance(patch, int) or patch < 1:
+            raise self.fail(f"config.vision.patch_size must be a positive int, not {patch!r}")
+        if not isinstance(getattr(cfg, "tie_word_embeddings", None), bool):
+            raise self.fail("config.tie_word_embeddings must be a bool")
+        return cfg
+
+    def weights(self, cfg: FamilyConfig, tensors: Mapping[str, torch.Tensor]) -> Weights:
+        import torch
+
+        from .layers import CausalDecoder
+
+        vision, decoder, embed = self.load_weights(cfg, tensors)
+        t = cfg.text
+        if not isinstance(decoder, CausalDecoder):
+            raise self.fail(f"load_weights gave a {type(decoder).__name__} decoder; the exporter traces, quantizes and "
+                            "calibrates layers.CausalDecoder only (build it with families/decoder.py)")
+        if (decoder.shape["layers"], decoder.shape["hidden"], decoder.shape["vocab"]) != (t.layers, t.hidden, t.vocab):
+            raise self.fail(f"the decoder's layers / hidden / vocab {decoder.shape['layers']} / {decoder.shape['hidden']} "
+                            f"/ {decoder.shape['vocab']} are not the config's {t.layers} / {t.hidden} / {t.vocab}")
+        names = {n for n, _ in decoder.named_modules()}
+        want = [f"layers.{i}.{w}" for i in range(t.layers) for w in DECODER_LAYER_WEIGHTS] + list(DECODER_WEIGHTS)
+        missing = [w for w in want if w not in names]
+        if missing:
+            raise self.fail(f"the decoder has no module {missing[0]} (the quantizer finds weights by HF Llama's names)")
+        if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (t.vocab, t.hidden):
+            raise self.fail(f"the embedding table must be a [vocab, hidden] = [{t.vocab}, {t.hidden}] tensor, not "
+                            f"{tuple(getattr(embed, 'shape', ())) or type(embed).__name__}")
+        if not isinstance(vision, torch.nn.Module):
+            raise self.fail(f"load_weights gave a {type(vision).__name__} vision tower, not a torch module")
+        got = _output_shape(vision, (cfg.patches_per_tile, 3 * cfg.vision.patch_size**2))
+        if got != (cfg.tokens_per_tile, t.hidden):
+            raise self.fail(f"the vision module maps one tile [{cfg.patches_per_tile}, {3 * cfg.vision.patch_size**2}] "
+                            f"to {list(got)}, not [tokens_per_tile, hidden] = [{cfg.tokens_per_tile}, {t.hidden}]")
+        return Weights(vision, decoder, embed)
+
+    def host(self, ckpt: Checkpoint, cfg: FamilyConfig, tok_json: dict) -> HostSpec:
+        from ..runtime.image import TILING
+        from ..runtime.prompt import EXPANSION
+
+        host = self.host_spec(ckpt, cfg, tok_json)
+        if not isinstance(host, HostSpec) or not isinstance(host.image, ImageSpec):
+            raise self.fail("host_spec must give a HostSpec whose image is a manifest.ImageSpec")
+        if host.image.tiling not in TILING:
+            raise self.fail(f"tiling {host.image.tiling!r} is not a host op of the runtime ({', '.join(TILING)}; "
+                            "runtime/image.py TILING)")
+        if host.prompt_expansion not in EXPANSION:
+            raise self.fail(f"prompt expansion {host.prompt_expansion!r} is not a host op of the runtime "
+                            f"({', '.join(EXPANSION)}; runtime/prompt.py EXPANSION)")
+        if host.image.patch_size != cfg.vision.patch_size:
+            raise self.fail(f"the host unfolds patches of {host.image.patch_size} pixels, the vision tower takes "
+                            f"{cfg.vision.patch_size}")
+        if not isinstance(host.image_token_id, int) or not 0 <= host.image_token_id < cfg.text.vocab:
+            raise self.fail(f"image_token_id {host.image_token_id!r} is not a token of the {cfg.text.vocab}-token vocabulary")
+        return host
+
+    def max_context(self, cfg: FamilyConfig, host: HostSpec) -> tuple[int, str]:
+        tokens, why = self.default_max_context(cfg, host)
+        if not isinstance(tokens, int) or tokens < 2 or not isinstance(why, str):
+            raise self.fail(f"default_max_context must give (tokens >= 2, why), not {(tokens, why)!r}")
+        return tokens, why
+
+
+def _output_shape(module, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The module's output shape for a float32 input of `shape`, worked out on fake tensors (no compute, no memory:
+    the towers of real checkpoints are hundreds of millions of weights)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        return tuple(module(mode.from_tensor(torch.empty(shape))).shape)
+
+
+# what each accessor's function is called with: the arity a Family's functions must take
+_ARITY = {"config_from_hf": 1, "load_weights": 2, "host_spec": 3, "default_max_context": 2}
+
+
+def _checked(module_name: str, module) -> Family:
+    """The module's FAMILY, checked against REGISTRY (where a family is registered, the one-line error names it)."""
+    fam = getattr(module, "FAMILY", None)
+    where = f"vlmrt/families/{module_name}.py"
+    if not isinstance(fam, Family):
+        raise FamilyContractError(f"{where} is registered as a family but has no FAMILY = families.Family(...)")
+    if fam.name != module_name:
+        raise FamilyContractError(f"{where}: FAMILY.name is {fam.name!r}, not its module's name {module_name!r}")
+    mine = {t for t, m in REGISTRY.items() if m == module_name}
+    if set(fam.model_types) != mine or not mine:
+        raise FamilyContractError(f"{where}: FAMILY.model_types {sorted(fam.model_types)} are not the model types "
+                                  f"families.REGISTRY sends to it {sorted(mine)}")
+    for field, arity in _ARITY.items():
+        fn = getattr(fam, field)
+        try:
+            inspect.signature(fn).bind(*range(arity))
+        except (TypeError, ValueError):
+            raise FamilyContractError(f"{where}: FAMILY.{field} must be a function of {arity} argument(s)") from None
+    return fam
 
 
 def family_for(config: dict[str, Any]) -> Family:
-    """The family module for a checkpoint's config.json."""
+    """The family that exports a checkpoint's config.json."""
     model_type = config.get("model_type")
     if model_type not in REGISTRY:
         known = ", ".join(sorted(REGISTRY))
         raise UnknownFamily(f"unknown model type {model_type!r} in config.json; vlmrt exports: {known}")
-    return importlib.import_module(f"{__name__}.{REGISTRY[model_type]}")
+    name = REGISTRY[model_type]
+    return _checked(name, importlib.import_module(f"{__name__}.{name}"))
+
+
+def registered() -> list[Family]:
+    """Every registered family, checked (the conformance test runs over these)."""
+    names = sorted(set(REGISTRY.values()))
+    return [_checked(n, importlib.import_module(f"{__name__}.{n}")) for n in names]

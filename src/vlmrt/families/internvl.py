@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import HostSpec, channel_values, decoder, layers, resample_name
+from . import Family, HostSpec, Weights, layers, processor_image
 from .decoder import TextConfig, UnsupportedCheckpoint
-
-MODEL_TYPES = ("internvl", "internvl_chat")  # config.json model_type (families.REGISTRY)
+from .vit import ViTLayer, ViTOptions, conv_as_matmul_weight, pixel_shuffle
+from .weights import Tensors, layer_keys, text_decoder
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -127,39 +127,6 @@ class InternVLConfig:
         )
 
 
-class InternViTLayer(nn.Module):
-    """x + λ1·attn(norm1(x)); x + λ2·mlp(norm2(x)) — InternVLVisionLayer."""
-
-    def __init__(self, v: VisionConfig):
-        super().__init__()
-        norm = (lambda: nn.LayerNorm(v.hidden, eps=v.eps)) if v.norm == "layer_norm" else (lambda: layers.RMSNorm(v.hidden, v.eps))
-        self.heads = v.heads
-        self.norm1, self.norm2 = norm(), norm()
-        self.q_proj = nn.Linear(v.hidden, v.hidden, bias=v.qkv_bias)
-        self.k_proj = nn.Linear(v.hidden, v.hidden, bias=v.qkv_bias)
-        self.v_proj = nn.Linear(v.hidden, v.hidden, bias=v.qkv_bias)
-        self.q_norm = layers.RMSNorm(v.hidden, 1e-6) if v.qk_norm else nn.Identity()  # over the full width
-        self.k_norm = layers.RMSNorm(v.hidden, 1e-6) if v.qk_norm else nn.Identity()
-        self.proj = nn.Linear(v.hidden, v.hidden)
-        self.lambda_1 = nn.Parameter(torch.ones(v.hidden))
-        self.lambda_2 = nn.Parameter(torch.ones(v.hidden))
-        self.fc1 = nn.Linear(v.hidden, v.intermediate)
-        self.fc2 = nn.Linear(v.intermediate, v.hidden)
-        self.act = layers.activation(v.act)
-
-    def forward(self, x):  # x [tokens, dim]
-        n, dim = x.shape
-        h = self.heads
-        d = dim // h
-        y = self.norm1(x)
-        q = self.q_norm(self.q_proj(y)).view(n, h, d).transpose(0, 1)  # [h, n, d]
-        k = self.k_norm(self.k_proj(y)).view(n, h, d).permute(1, 2, 0)  # [h, d, n]
-        v = self.v_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
-        p = torch.softmax(torch.matmul(q, k) * (d**-0.5), dim=-1)
-        x = x + self.lambda_1 * self.proj(torch.matmul(p, v).transpose(0, 1).reshape(n, dim))
-        return x + self.lambda_2 * self.fc2(self.act(self.fc1(self.norm2(x))))
-
-
 class VisionEncoder(nn.Module):
     """One tile -> image-token embeddings in the decoder's space.
 
@@ -176,7 +143,9 @@ class VisionEncoder(nn.Module):
         self.patch_embedding = nn.Linear(3 * v.patch_size**2, v.hidden)  # Conv2d as MatMul
         self.cls_token = nn.Parameter(torch.zeros(1, v.hidden))
         self.position_embedding = nn.Parameter(torch.zeros(self.side**2 + 1, v.hidden))  # for this tile size
-        self.layers = nn.ModuleList(InternViTLayer(v) for _ in range(run))
+        # InternVLVisionLayer: x + λ1·attn(norm1(x)); x + λ2·mlp(norm2(x))
+        opts = ViTOptions(norm=v.norm, qkv_bias=v.qkv_bias, qk_norm=v.qk_norm, layer_scale=True)
+        self.layers = nn.ModuleList(ViTLayer(v.hidden, v.heads, v.intermediate, v.eps, v.act, opts) for _ in range(run))
         final = v.final_norm and cfg.feature_layer == -1
         self.final_norm = nn.LayerNorm(v.hidden, eps=v.eps) if final else nn.Identity()
         wide = v.hidden * self.scale**2
@@ -192,7 +161,7 @@ class VisionEncoder(nn.Module):
         x = self.final_norm(x)
         if self.drop_cls:
             x = x[1:]
-        x = layers.pixel_shuffle(x, self.side, self.scale)  # [tokens, dim*scale^2]; InternVL v2 == Idefics3's
+        x = pixel_shuffle(x, self.side, self.scale)  # [tokens, dim*scale^2]; InternVL v2 == Idefics3's
         return self.proj_2(self.proj_act(self.proj_1(self.proj_norm(x))))  # [tokens, text_hidden]
 
 
@@ -208,16 +177,24 @@ def interpolate_positions(pos: torch.Tensor, side: int) -> torch.Tensor:
 
 # --- weights: HF name -> ours ---------------------------------------------------------------
 # per vision layer, ours: (transformers name, original OpenGVLab name); None = fused / absent there
-VISION_LAYER_KEYS = {
+# (InternVLVisionLayer / InternVisionEncoderLayer -> vit.ViTLayer)
+VISION_NORM_KEYS = {
     "layers.{i}.norm1.{p}": ("encoder.layer.{i}.layernorm_before.{p}", "encoder.layers.{i}.norm1.{p}"),
     "layers.{i}.norm2.{p}": ("encoder.layer.{i}.layernorm_after.{p}", "encoder.layers.{i}.norm2.{p}"),
-    "layers.{i}.proj.{p}": ("encoder.layer.{i}.attention.projection_layer.{p}", "encoder.layers.{i}.attn.proj.{p}"),
+}
+VISION_LAYER_KEYS = {
+    "layers.{i}.out_proj.{p}": ("encoder.layer.{i}.attention.projection_layer.{p}", "encoder.layers.{i}.attn.proj.{p}"),
     "layers.{i}.fc1.{p}": ("encoder.layer.{i}.mlp.fc1.{p}", "encoder.layers.{i}.mlp.fc1.{p}"),
     "layers.{i}.fc2.{p}": ("encoder.layer.{i}.mlp.fc2.{p}", "encoder.layers.{i}.mlp.fc2.{p}"),
 }
 VISION_SCALE_KEYS = {
-    "layers.{i}.lambda_1": ("encoder.layer.{i}.lambda_1", "encoder.layers.{i}.ls1"),
-    "layers.{i}.lambda_2": ("encoder.layer.{i}.lambda_2", "encoder.layers.{i}.ls2"),
+    "layers.{i}.scale1": ("encoder.layer.{i}.lambda_1", "encoder.layers.{i}.ls1"),
+    "layers.{i}.scale2": ("encoder.layer.{i}.lambda_2", "encoder.layers.{i}.ls2"),
+}
+VISION_QKV_KEYS = {  # transformers only: the original fuses them (attn.qkv, rows q | k | v)
+    "layers.{i}.q_proj.{p}": "encoder.layer.{i}.attention.q_proj.{p}",
+    "layers.{i}.k_proj.{p}": "encoder.layer.{i}.attention.k_proj.{p}",
+    "layers.{i}.v_proj.{p}": "encoder.layer.{i}.attention.v_proj.{p}",
 }
 QK_NORM_KEYS = {
     "layers.{i}.q_norm.weight": ("encoder.layer.{i}.attention.q_norm.weight", "encoder.layers.{i}.attn.q_norm.weight"),
@@ -247,18 +224,15 @@ def _prefixes(cfg: InternVLConfig, keys) -> tuple[str, str, str, str]:
     raise UnsupportedCheckpoint("not an InternVL checkpoint: no vision_tower.embeddings.cls_token")
 
 
-def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
-    """Build the modules from HF or original tensors. Returns (vision, decoder, embedding table)."""
+def _column(table: dict[str, tuple[str, str]], col: int) -> dict[str, str]:
+    return {ours: names[col] for ours, names in table.items()}
+
+
+def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]) -> Weights:
+    """Build the modules from HF or original tensors: (vision, decoder, embedding table [vocab, hidden])."""
     col = 0 if cfg.layout == "hf" else 1
     root, vp, tp, head = _prefixes(cfg, tensors.keys())
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise UnsupportedCheckpoint(f"checkpoint is missing weight {name}")
-        used.add(name)
-        return tensors[name].float()
-
+    take = Tensors(tensors)
     v = cfg.vision
     vision = VisionEncoder(cfg)
     if cfg.layout == "hf":
@@ -268,7 +242,7 @@ def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
         emb = {"patch": "embeddings.patch_embedding.", "cls": "embeddings.class_embedding",
                "pos": "embeddings.position_embedding"}
     vsd = {
-        "patch_embedding.weight": layers.conv_as_matmul_weight(take(vp + emb["patch"] + "weight")),
+        "patch_embedding.weight": conv_as_matmul_weight(take(vp + emb["patch"] + "weight")),
         "patch_embedding.bias": take(vp + emb["patch"] + "bias"),
         "cls_token": take(vp + emb["cls"]).reshape(1, v.hidden),
         "position_embedding": interpolate_positions(take(vp + emb["pos"]).reshape(-1, v.hidden), vision.side),
@@ -276,38 +250,28 @@ def load_weights(cfg: InternVLConfig, tensors: dict[str, torch.Tensor]):
     if isinstance(vision.final_norm, nn.LayerNorm):
         vsd["final_norm.weight"] = take(vp + "layernorm.weight")
         vsd["final_norm.bias"] = take(vp + "layernorm.bias")
-    norm_params = ("weight", "bias") if v.norm == "layer_norm" else ("weight",)
-    for i in range(len(vision.layers)):
-        for ours, names in VISION_LAYER_KEYS.items():
-            for p in norm_params if "norm" in ours else ("weight", "bias"):
-                vsd[ours.format(i=i, p=p)] = take(vp + names[col].format(i=i, p=p))
-        for ours, names in VISION_SCALE_KEYS.items():
-            vsd[ours.format(i=i)] = take(vp + names[col].format(i=i)).reshape(-1)
-        if v.qk_norm:
-            for ours, names in QK_NORM_KEYS.items():
-                vsd[ours.format(i=i)] = take(vp + names[col].format(i=i))
-        qkv = ("weight", "bias") if v.qkv_bias else ("weight",)
-        for p in qkv:
-            if cfg.layout == "hf":
-                for n in "qkv":
-                    vsd[f"layers.{i}.{n}_proj.{p}"] = take(vp + f"encoder.layer.{i}.attention.{n}_proj.{p}")
-            else:  # fused [3*dim, ...], rows q | k | v (InternAttention reshapes to (3, heads, head_dim))
-                for n, part in zip("qkv", take(vp + f"encoder.layers.{i}.attn.qkv.{p}").chunk(3, dim=0)):
-                    vsd[f"layers.{i}.{n}_proj.{p}"] = part
-    for ours, names in PROJECTOR_KEYS.items():
-        for p in ("weight", "bias"):
-            vsd[ours.format(p=p)] = take((root if col == 0 else "") + names[col].format(p=p))
+    n = len(vision.layers)
+    keys = [*layer_keys(_column(VISION_NORM_KEYS, col), n, ("weight", "bias") if v.norm == "layer_norm" else ("weight",)),
+            *layer_keys(_column(VISION_LAYER_KEYS, col), n)]
+    if v.qk_norm:
+        keys += layer_keys(_column(QK_NORM_KEYS, col), n, ("",))
+    qkv = ("weight", "bias") if v.qkv_bias else ("weight",)
+    if cfg.layout == "hf":
+        keys += layer_keys(VISION_QKV_KEYS, n, qkv)
+    vsd.update((ours, take(vp + theirs)) for ours, theirs in keys)
+    vsd.update((ours, take(vp + theirs).reshape(-1)) for ours, theirs in layer_keys(_column(VISION_SCALE_KEYS, col), n, ("",)))
+    if cfg.layout == "original":  # fused [3*dim, ...], rows q | k | v (InternAttention reshapes to (3, heads, head_dim))
+        for i in range(n):
+            for p in qkv:
+                for part, q in zip("qkv", take(vp + f"encoder.layers.{i}.attn.qkv.{p}").chunk(3, dim=0)):
+                    vsd[f"layers.{i}.{part}_proj.{p}"] = q
+    for ours, theirs in layer_keys(_column(PROJECTOR_KEYS, col), 1):
+        vsd[ours] = take((root if col == 0 else "") + theirs)
     vision.load_state_dict(vsd, strict=True)
-
-    if not cfg.tie_word_embeddings and head not in tensors:
-        raise UnsupportedCheckpoint(f"config says the lm head is not tied, but the checkpoint has no {head}")
-    # transformers 5 ties only a head the checkpoint lacks: a saved one is the head even under tie_word_embeddings
-    dec, embed = decoder.load(cfg.text, tensors, take, tp, head if head in tensors else None)
-    skipped_vision = [k for k in tensors if k.startswith(vp + "encoder.") and k not in used and cfg.feature_layer != -1]
-    unused = sorted(k for k in tensors if k not in used and k != head and k not in skipped_vision)
-    if unused:
-        raise UnsupportedCheckpoint(f"checkpoint has {len(unused)} weights this exporter does not map, e.g. {unused[0]}")
-    return vision.eval(), dec, embed
+    dec, embed = text_decoder(cfg.text, take, tp, head, cfg.tie_word_embeddings)
+    # the vision layers past the feature layer are not built (VisionEncoder): theirs are not mapped
+    take.check_all_used(lambda k: cfg.feature_layer != -1 and k.startswith(vp + "encoder."))
+    return Weights(vision.eval(), dec, embed)
 
 
 # --- what the runtime needs besides graphs ------------------------------------------------------
@@ -334,7 +298,6 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
     # no crop_to_patches read: InternVLProcessor passes crop_to_patches=True to the image processor on every call,
     # over the preprocessor config's value (the released -hf repos ship false, and transformers tiles them)
     max_tiles = pp.get("max_patches", cfg.max_tiles)
-    resample = pp.get("resample", 3)
     tokens = {
         "start_token": tc.get("start_image_token", "<img>"),
         "end_token": tc.get("end_image_token", "</img>"),
@@ -343,16 +306,9 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
     image_token_id = cfg.image_token_id if cfg.image_token_id is not None else _token_id(tok_json, tokens["image_token"])
     if image_token_id is None or _token_id(tok_json, tokens["image_token"]) not in (None, image_token_id):
         raise UnsupportedCheckpoint(f"the tokenizer's {tokens['image_token']} id does not match the config's image_token_id")
-    image = {
-        "tiling": "closest_aspect_grid",
-        "tile_size": tile,
-        "patch_size": cfg.vision.patch_size,
-        "resample": resample_name(resample),
-        "rescale_factor": pp.get("rescale_factor", 1 / 255),
-        "mean": channel_values(pp.get("image_mean", IMAGENET_MEAN)),
-        "std": channel_values(pp.get("image_std", IMAGENET_STD)),
-        "params": {"min_tiles": pp.get("min_patches", cfg.min_tiles), "max_tiles": max_tiles, "thumbnail": cfg.thumbnail},
-    }
+    params = {"min_tiles": pp.get("min_patches", cfg.min_tiles), "max_tiles": max_tiles, "thumbnail": cfg.thumbnail}
+    image = processor_image(pp, tiling="closest_aspect_grid", tile_size=tile, patch_size=cfg.vision.patch_size,
+                            params=params, resample=3, mean=IMAGENET_MEAN, std=IMAGENET_STD)  # (bicubic)
     return HostSpec(image=image, prompt_expansion="wrapped_run", prompt_params=tokens,
                     image_placeholder=tokens["image_token"], image_token_id=image_token_id,
                     # original repos' templates know only string content: OpenGVLab's model.chat() writes
@@ -362,12 +318,12 @@ def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
 
 def default_max_context(cfg: InternVLConfig, host: HostSpec) -> tuple[int, str]:
     """Room for the default max tiles (+ thumbnail) and 512 tokens of text, rounded up to 256."""
-    p = host.image["params"]
+    p = host.image.params
     tiles = p["max_tiles"] + (1 if p["thumbnail"] and p["max_tiles"] > 1 else 0)
     need = tiles * cfg.tokens_per_tile + 512
     ctx = -(-need // 256) * 256
     return ctx, f"{tiles} tiles × {cfg.tokens_per_tile} image tokens + 512 for text"
 
 
-def config_from_hf(config: dict[str, Any]) -> InternVLConfig:
-    return InternVLConfig.from_hf(config)
+FAMILY = Family(name="internvl", model_types=("internvl", "internvl_chat"), config_from_hf=InternVLConfig.from_hf,
+                load_weights=load_weights, host_spec=host_spec, default_max_context=default_max_context)

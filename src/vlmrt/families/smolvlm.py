@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import HostSpec, channel_values, decoder, layers, resample_name
+from . import Family, HostSpec, Weights, processor_image
 from .decoder import TextConfig, UnsupportedCheckpoint
-
-MODEL_TYPES = ("smolvlm", "idefics3")  # config.json model_type (families.REGISTRY)
+from .vit import ViTLayer, conv_as_matmul_weight, pixel_shuffle
+from .weights import Tensors, layer_keys, text_decoder
 
 
 @dataclass
@@ -94,7 +94,7 @@ class VisionEncoder(nn.Module):
         self.scale = cfg.scale_factor
         self.patch_embedding = nn.Linear(3 * v.patch_size**2, v.hidden)  # Conv2d as MatMul
         self.position_embedding = nn.Parameter(torch.zeros(self.side**2, v.hidden))  # already gathered for a full tile
-        self.layers = nn.ModuleList(layers.ViTLayer(v.hidden, v.heads, v.intermediate, v.eps, v.act) for _ in range(v.layers))
+        self.layers = nn.ModuleList(ViTLayer(v.hidden, v.heads, v.intermediate, v.eps, v.act) for _ in range(v.layers))
         self.post_layernorm = nn.LayerNorm(v.hidden, eps=v.eps)
         self.proj = nn.Linear(v.hidden * cfg.scale_factor**2, cfg.text.hidden, bias=False)
 
@@ -103,22 +103,22 @@ class VisionEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x)
         x = self.post_layernorm(x)
-        x = layers.pixel_shuffle(x, self.side, self.scale)  # [tokens, vision_hidden*scale^2]
+        x = pixel_shuffle(x, self.side, self.scale)  # [tokens, vision_hidden*scale^2]
         return self.proj(x)  # [tokens, text_hidden]
 
 
 # --- weights: HF name -> ours ---------------------------------------------------------------
 # Checkpoints name the inner model "model." (transformers >= 4.46 / 5.x); older Idefics3 exports
-# have no prefix. Keys below are relative to that inner model.
+# have no prefix. Keys below are relative to that inner model's vision_model. (SiglipEncoderLayer -> vit.ViTLayer)
 VISION_LAYER_KEYS = {
-    "encoder.layers.{i}.layer_norm1.{p}": "layers.{i}.layer_norm1.{p}",
-    "encoder.layers.{i}.layer_norm2.{p}": "layers.{i}.layer_norm2.{p}",
-    "encoder.layers.{i}.self_attn.q_proj.{p}": "layers.{i}.q_proj.{p}",
-    "encoder.layers.{i}.self_attn.k_proj.{p}": "layers.{i}.k_proj.{p}",
-    "encoder.layers.{i}.self_attn.v_proj.{p}": "layers.{i}.v_proj.{p}",
-    "encoder.layers.{i}.self_attn.out_proj.{p}": "layers.{i}.out_proj.{p}",
-    "encoder.layers.{i}.mlp.fc1.{p}": "layers.{i}.fc1.{p}",
-    "encoder.layers.{i}.mlp.fc2.{p}": "layers.{i}.fc2.{p}",
+    "layers.{i}.norm1.{p}": "encoder.layers.{i}.layer_norm1.{p}",
+    "layers.{i}.norm2.{p}": "encoder.layers.{i}.layer_norm2.{p}",
+    "layers.{i}.q_proj.{p}": "encoder.layers.{i}.self_attn.q_proj.{p}",
+    "layers.{i}.k_proj.{p}": "encoder.layers.{i}.self_attn.k_proj.{p}",
+    "layers.{i}.v_proj.{p}": "encoder.layers.{i}.self_attn.v_proj.{p}",
+    "layers.{i}.out_proj.{p}": "encoder.layers.{i}.self_attn.out_proj.{p}",
+    "layers.{i}.fc1.{p}": "encoder.layers.{i}.mlp.fc1.{p}",
+    "layers.{i}.fc2.{p}": "encoder.layers.{i}.mlp.fc2.{p}",
 }
 
 
@@ -129,42 +129,25 @@ def _inner_prefix(keys) -> str:
     raise UnsupportedCheckpoint("not a SmolVLM/Idefics3 checkpoint: no text_model.embed_tokens.weight")
 
 
-def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> tuple[VisionEncoder, layers.CausalDecoder, torch.Tensor]:
-    """Build the modules from HF tensors. Returns (vision, decoder, embedding table [vocab, hidden])."""
+def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> Weights:
+    """Build the modules from HF tensors: (vision, decoder, embedding table [vocab, hidden])."""
     pre = _inner_prefix(tensors.keys())
     vp, tp = pre + "vision_model.", pre + "text_model."
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise UnsupportedCheckpoint(f"checkpoint is missing weight {name}")
-        used.add(name)
-        return tensors[name].float()
-
+    take = Tensors(tensors)
     vision = VisionEncoder(cfg)
     vsd = {
-        "patch_embedding.weight": layers.conv_as_matmul_weight(take(vp + "embeddings.patch_embedding.weight")),
+        "patch_embedding.weight": conv_as_matmul_weight(take(vp + "embeddings.patch_embedding.weight")),
         "patch_embedding.bias": take(vp + "embeddings.patch_embedding.bias"),
         "position_embedding": take(vp + "embeddings.position_embedding.weight")[patch_position_ids(vision.side)],
         "post_layernorm.weight": take(vp + "post_layernorm.weight"),
         "post_layernorm.bias": take(vp + "post_layernorm.bias"),
         "proj.weight": take(pre + "connector.modality_projection.proj.weight"),
     }
-    for i in range(cfg.vision.layers):
-        for src, dst in VISION_LAYER_KEYS.items():
-            for p in ("weight", "bias"):
-                vsd[dst.format(i=i, p=p)] = take(vp + src.format(i=i, p=p))
+    vsd.update((ours, take(vp + theirs)) for ours, theirs in layer_keys(VISION_LAYER_KEYS, cfg.vision.layers))
     vision.load_state_dict(vsd, strict=True)
-
-    if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
-        raise UnsupportedCheckpoint("config says the lm head is not tied, but the checkpoint has no lm_head.weight")
-    # transformers 5 ties only a head the checkpoint lacks: a saved one is the head even under tie_word_embeddings
-    head = "lm_head.weight" if "lm_head.weight" in tensors else None
-    dec, embed = decoder.load(cfg.text, tensors, take, tp, head)
-    unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
-    if unused:
-        raise UnsupportedCheckpoint(f"checkpoint has {len(unused)} weights this exporter does not map, e.g. {unused[0]}")
-    return vision.eval(), dec, embed
+    dec, embed = text_decoder(cfg.text, take, tp, "lm_head.weight", cfg.tie_word_embeddings)
+    take.check_all_used()
+    return Weights(vision.eval(), dec, embed)
 
 
 # --- what the runtime needs besides graphs: host preprocessing, prompt, special tokens --------
@@ -182,20 +165,9 @@ def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> HostSpec:
     seq = proc.get("image_seq_len", cfg.tokens_per_tile)
     if seq != cfg.tokens_per_tile:
         raise UnsupportedCheckpoint(f"processor image_seq_len {seq} != tokens per tile {cfg.tokens_per_tile} from the config")
-    resample = pp.get("resample", 1)
-    image = {
-        "tiling": "longest_edge_grid",
-        "tile_size": tile,
-        "patch_size": cfg.vision.patch_size,
-        "resample": resample_name(resample),
-        "rescale_factor": pp.get("rescale_factor", 1 / 255),
-        "mean": channel_values(pp.get("image_mean", [0.5, 0.5, 0.5])),
-        "std": channel_values(pp.get("image_std", [0.5, 0.5, 0.5])),
-        "params": {
-            "longest_edge": pp.get("size", {}).get("longest_edge", 4 * tile),
-            "split": pp.get("do_image_splitting", True),
-        },
-    }
+    params = {"longest_edge": pp.get("size", {}).get("longest_edge", 4 * tile), "split": pp.get("do_image_splitting", True)}
+    image = processor_image(pp, tiling="longest_edge_grid", tile_size=tile, patch_size=cfg.vision.patch_size,
+                            params=params, resample=1, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])  # (lanczos)
     tokens = {
         "image_token": tc.get("image_token", "<image>"),
         "fake_token": tc.get("fake_image_token", "<fake_token_around_image>"),
@@ -210,5 +182,5 @@ def default_max_context(cfg: SmolVLMConfig, host: HostSpec) -> tuple[int, str]:
     return 1024, "vlmrt's default for SmolVLM: a 4x4 grid + global tile of 64-token tiles and text"
 
 
-def config_from_hf(config: dict[str, Any]) -> SmolVLMConfig:
-    return SmolVLMConfig.from_hf(config)
+FAMILY = Family(name="smolvlm", model_types=("smolvlm", "idefics3"), config_from_hf=SmolVLMConfig.from_hf,
+                load_weights=load_weights, host_spec=host_spec, default_max_context=default_max_context)

@@ -6,7 +6,14 @@
 
 Fetching is bounded: a timeout per connection and read, a deadline for the whole fetch (a server that drips its bytes
 is cut off), a byte cap, a redirect cap, http(s) only (a redirect elsewhere is refused), and the bytes must decode as
-an image. Every failure is one ImageError naming the source.
+an image. Every failure is one ImageError naming the source; it never quotes what the remote host sent (only an HTTP
+status number).
+
+Where the URLs come from someone else (vlmrt serve's clients, vlmrt batch's records), FetchLimits.addresses is an
+AddressPolicy (url_policy.py): the host's addresses are checked after DNS resolution and the connection is made to a
+checked address, for the URL and for every redirect; URLs with credentials (user:pass@host) and proxies from the
+environment are not used then. FetchLimits(urls=False) refuses http(s) URLs altogether. `vlmrt run` and the Python API
+fetch any address (FetchLimits() has no policy): the user names their own images there.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .image import MAX_IMAGE_BYTES, ImageError, decode_image, is_pil_image, to_rgb
+from .url_policy import AddressPolicy
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -29,6 +37,7 @@ URL_TIMEOUT_S = 10.0
 URL_MAX_BYTES = 32 * 1024 * 1024
 URL_MAX_REDIRECTS = 3
 URL_TOTAL_S = 30.0
+URL_SHOWN = 200  # characters of a URL quoted in a message
 _DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+)?(;[^,;]*)*?;base64,(.*)", re.S)
 
 
@@ -38,6 +47,8 @@ class FetchLimits:
     max_bytes: int = URL_MAX_BYTES
     max_redirects: int = URL_MAX_REDIRECTS
     total_s: float = URL_TOTAL_S  # the whole fetch (give or take one read's timeout_s)
+    addresses: AddressPolicy | None = None  # which addresses a URL may reach (None: any; see url_policy.py)
+    urls: bool = True  # False: http(s) URLs are refused (vlmrt serve --no-image-urls)
 
 
 @dataclass
@@ -60,7 +71,12 @@ def describe(source) -> str:
     if is_pil_image(source):
         return "PIL image"
     s = str(source)
-    return "data URI" if s.startswith("data:") else s
+    return "data URI" if s.startswith("data:") else shown(s)
+
+
+def shown(url: str) -> str:
+    """A URL as messages quote it: at most URL_SHOWN characters."""
+    return url if len(url) <= URL_SHOWN else url[:URL_SHOWN] + "..."
 
 
 def read_image(source, limits: FetchLimits = FetchLimits()) -> SourceImage:
@@ -74,7 +90,10 @@ def read_image(source, limits: FetchLimits = FetchLimits()) -> SourceImage:
     if s.startswith("data:"):
         data, label = decode_data_uri(s), "data URI"
     elif re.match(r"(?i)https?://", s):
-        data, label = fetch_url(s, limits), s
+        if not limits.urls:
+            raise ImageError(f"image {shown(s)}: image URLs are turned off here (--no-image-urls); send the image "
+                             "as a data URI")
+        data, label = fetch_url(s, limits), shown(s)
     elif re.match(r"(?i)[a-z][a-z0-9+.-]*://", s):
         raise ImageError(f"image source {s!r}: only file paths, http(s):// URLs and data:image URIs are supported")
     else:
@@ -102,36 +121,115 @@ def decode_data_uri(uri: str) -> bytes:
         raise ImageError(f"data URI: bad base64 ({e})") from None
 
 
-def fetch_url(url: str, limits: FetchLimits = FetchLimits()) -> bytes:
-    """The body of an http(s) GET, at most limits.max_bytes, following at most limits.max_redirects redirects."""
-    import http.client  # here, not at the top: a run without URLs does not pay for loading them (cold start)
-    import urllib.error
+def _opener(limits: FetchLimits, url: str):
+    """urllib's opener for one fetch: the redirect cap, and under an address policy connections only to checked
+    addresses (http.client's connection factory is the policy's connect) and no proxies from the environment."""
+    import http.client
     import urllib.request
+    from urllib.parse import urljoin
 
     class Redirects(urllib.request.HTTPRedirectHandler):
         def __init__(self, limit: int):
             self.limit, self.count = limit, 0
 
+        def http_error_302(self, req, fp, code, msg, headers):  # before urllib's own scheme check (its HTTPError)
+            target = headers.get("location") or headers.get("uri") or ""
+            if target and not re.match(r"(?i)https?://", urljoin(req.full_url, target.strip())):
+                raise ImageError(f"cannot fetch image {shown(url)}: redirected to a non-http(s) URL")
+            return super().http_error_302(req, fp, code, msg, headers)
+
+        http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
         def redirect_request(self, req, fp, code, msg, headers, newurl):
             self.count += 1
             if self.count > self.limit:
-                raise ImageError(f"cannot fetch image {url}: more than {self.limit} redirects")
+                raise ImageError(f"cannot fetch image {shown(url)}: more than {self.limit} redirects")
             if not re.match(r"(?i)https?://", newurl):
-                raise ImageError(f"cannot fetch image {url}: redirected to a non-http(s) URL")
+                raise ImageError(f"cannot fetch image {shown(url)}: redirected to a non-http(s) URL")
+            if limits.addresses is not None:
+                _no_credentials(newurl, url)
             return super().redirect_request(req, fp, code, msg, headers, newurl)
 
-    cap, start = limits.max_bytes, time.monotonic()
+    policy = limits.addresses
+    if policy is None:
+        return urllib.request.build_opener(Redirects(limits.max_redirects))
+
+    def pinned(cls):
+        def make(host, **kw):
+            conn = cls(host, **kw)
+            conn._create_connection = policy.connect  # every connection: resolve once, check, connect to that
+            return conn
+        return make
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(pinned(http.client.HTTPConnection), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(pinned(http.client.HTTPSConnection), req, context=self._context,
+                                check_hostname=self._check_hostname)
+
+    no_proxies = urllib.request.ProxyHandler({})
+    return urllib.request.build_opener(no_proxies, HTTP(), HTTPS(), Redirects(limits.max_redirects))
+
+
+def ascii_url(url: str) -> str:
+    """url as http.client can send it: an international host name in its IDNA form (the resolver's name too),
+    other characters past ASCII and spaces percent-encoded (as a browser sends them). ValueError if it cannot be."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    if url.isascii() and " " not in url:
+        return url
+    parts = urlsplit(url)
+    host = parts.hostname or ""
     try:
-        opener = urllib.request.build_opener(Redirects(limits.max_redirects))
-        req = urllib.request.Request(url, headers={"User-Agent": "vlmrt", "Accept": "image/*"})  # ValueError: bad URL
+        ascii_host = host.encode("idna").decode("ascii") if not host.isascii() else host
+    except UnicodeError:
+        raise ValueError("the host name is not a valid international domain name") from None
+    netloc = parts.netloc.rsplit("@", 1)
+    hostport = netloc[-1].lower().replace(host, ascii_host, 1) if not host.isascii() else netloc[-1]
+    netloc = "@".join(netloc[:-1] + [hostport])
+
+    def enc(s: str) -> str:
+        return re.sub(r"[^\x21-\x7e]", lambda m: quote(m.group(), safe=""), s)
+
+    return urlunsplit((parts.scheme, enc(netloc), enc(parts.path), enc(parts.query), enc(parts.fragment)))
+
+
+def _no_credentials(target: str, url: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        userinfo = "@" in (urlsplit(target).netloc or "")
+    except ValueError:
+        raise ImageError(f"cannot fetch image {shown(url)}: not a valid URL") from None
+    if userinfo:
+        raise ImageError(f"cannot fetch image {shown(url)}: URLs with credentials (user@host) are refused here")
+
+
+def fetch_url(url: str, limits: FetchLimits = FetchLimits()) -> bytes:
+    """The body of an http(s) GET, at most limits.max_bytes, following at most limits.max_redirects redirects;
+    under limits.addresses, only from addresses that policy allows (see the module docstring)."""
+    import http.client  # here, not at the top: a run without URLs does not pay for loading them (cold start)
+    import urllib.error
+    import urllib.request
+
+    cap, start, label = limits.max_bytes, time.monotonic(), shown(url)
+    if limits.addresses is not None:
+        _no_credentials(url, url)
+    try:
+        opener = _opener(limits, url)
+        headers = {"User-Agent": "vlmrt", "Accept": "image/*"}
+        req = urllib.request.Request(ascii_url(url), headers=headers)  # ValueError: a bad URL
         with opener.open(req, timeout=limits.timeout_s) as r:
             size = r.headers.get("Content-Length")
             if size and size.isdigit() and int(size) > cap:
-                raise ImageError(f"cannot fetch image {url}: {int(size)} bytes is more than the {cap}-byte limit")
+                raise ImageError(f"cannot fetch image {label}: {int(size)} bytes is more than the {cap}-byte limit")
             chunks, n = [], 0
             while n <= cap:
                 if time.monotonic() - start > limits.total_s:
-                    raise ImageError(f"cannot fetch image {url}: not received within {limits.total_s:g} s")
+                    raise ImageError(f"cannot fetch image {label}: not received within {limits.total_s:g} s")
                 c = r.read1(1 << 16)  # what has arrived (at most one socket read): the deadline is checked between
                 if not c:
                     break
@@ -140,12 +238,23 @@ def fetch_url(url: str, limits: FetchLimits = FetchLimits()) -> bytes:
             data = b"".join(chunks)
     except ImageError:
         raise
-    except urllib.error.HTTPError as e:
-        raise ImageError(f"cannot fetch image {url}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.HTTPError as e:  # the status number only: the reason phrase and body are the remote's text
+        raise ImageError(f"cannot fetch image {label}: HTTP {e.code}") from None
     except urllib.error.URLError as e:
-        raise ImageError(f"cannot fetch image {url}: {e.reason}") from None
+        reason = _os(e.reason) if isinstance(e.reason, OSError) else e.reason
+        raise ImageError(f"cannot fetch image {label}: {reason}") from None
     except (TimeoutError, OSError, ValueError, http.client.HTTPException) as e:  # read timeouts, resets, malformed URLs
-        raise ImageError(f"cannot fetch image {url}: {e or type(e).__name__}") from None
+        why = _os(e) if isinstance(e, OSError) else e or type(e).__name__
+        raise ImageError(f"cannot fetch image {label}: {why}") from None
     if len(data) > cap:
-        raise ImageError(f"cannot fetch image {url}: more than the {cap}-byte limit")
+        raise ImageError(f"cannot fetch image {label}: more than the {cap}-byte limit")
     return data
+
+
+def _os(e: OSError) -> str:
+    """An OSError as one short line: its strerror (and errno), never a raw repr."""
+    if isinstance(e, TimeoutError):
+        return "timed out"
+    if e.strerror:
+        return f"[Errno {e.errno}] {e.strerror}" if e.errno else e.strerror
+    return str(e) or type(e).__name__

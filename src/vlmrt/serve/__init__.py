@@ -1,9 +1,13 @@
 """`vlmrt serve`: an OpenAI-compatible HTTP server over the conversation API (docs/server.md).
 
     command.py    the `vlmrt serve` arguments and launch (bind, load in the background, uvicorn)
-    app.py        the Starlette app: routes, body limit, JSON errors, server-sent events
+    app.py        the Starlette app: routes, body limit and deadline, JSON errors, server-sent events
+    access.py     who may talk to it: the Host check (DNS rebinding), CORS, the Origin check, API keys
+    protocol.py   the HTTP/1.1 connection: uvicorn's h11 protocol with a deadline for each request's head
+    limits.py     the limits on slow and abusive clients (timeouts, head size, connections)
     request.py    an OpenAI chat request -> messages + generation options, checked (400s)
-    media.py      image_url parts -> decoded images (data URIs, http(s) URLs, paths under the media folder)
+    media.py      image_url parts -> decoded images (data URIs, http(s) URLs of public addresses, paths under the
+                  media folder)
     scheduler.py  N slots (one VLM each: its own KV and prefix cache) over one bundle's sessions, one thread
     responses.py  completion objects, stream chunks, usage and the vlmrt timings field
     errors.py     APIError: the {"error": {"message", "type", "code"}} answers

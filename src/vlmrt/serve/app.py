@@ -3,10 +3,14 @@
     app = create_app(load, model_id="easyvqa")   # load() -> Scheduler, run in a thread at startup
     uvicorn.run(app)                              # /health is 503 until load() returns, then 200
 
-A request is read (at most max_body bytes: else 413), checked (400s), its images decoded in a worker thread, then
-queued (503 when full). The answer waits for the first event of its generation, so that an error found there (the
-prompt does not fit the context) is still a plain JSON 400 for a streamed request too. A watcher reads the
-connection while the request waits or generates: a client that goes away cancels its job, which frees its slot.
+Around the routes, access.py's middleware: the Host check, CORS, the Origin check and API keys (Config says which).
+A request is read (at most max_body bytes: else 413; all of it within body_timeout_s: else 408 and the connection is
+closed), checked (400s), its images decoded in a worker thread (a request with http(s) URLs on the fetch threads,
+the others on the default executor's, so that slow URLs cannot hold up data URIs; URLs within Config.fetch: public
+addresses only unless --allow-local-urls), then queued (503 when full). The answer waits for the first event of
+its generation, so that an error found there (the prompt does not fit the context) is still a plain JSON 400 for a
+streamed request too. A watcher reads the connection while the request waits or generates: a client that goes
+away cancels its job, which frees its slot.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,12 +30,16 @@ from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..runtime.sources import FetchLimits
+from ..runtime.url_policy import AddressPolicy
+from .access import ApiKeys, Cors, HeadSize, HostCheck, OriginCheck
 from .errors import APIError, internal, unavailable
+from .limits import BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS
 from .media import load_images, with_images
 from .request import parse_request
 from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
@@ -40,14 +50,43 @@ MAX_BODY = 32 * 1024 * 1024
 DRAIN = 64 * 1024 * 1024  # a body over the limit is read (and dropped) this far, so that the client sees the 413
 
 
+# the chat page talks only to its own server, shows only data: images, and is never framed by another page
+# (clickjacking: it may hold the API key); its one script and style are inline
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "img-src data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+                               "form-action 'none'",
+    "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+}
+
+
 @dataclass
 class Config:
     model_id: str
     media_dir: Path | None = None
     max_images: int = 8
     max_body: int = MAX_BODY
-    fetch: FetchLimits = FetchLimits()
+    fetch: FetchLimits = FetchLimits(addresses=AddressPolicy())  # image URLs: public addresses only
     mode: str | None = None  # VLM.chat's mode (None: the bundle's default)
+    body_timeout_s: float = BODY_TIMEOUT_S  # the whole body must arrive within this (else 408)
+    api_keys: tuple[str, ...] = ()  # none: no key needed
+    host_check: bool = True  # Host must be a loopback name (with the port) or in allowed_hosts (bound to loopback)
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    head_timeout_s: float = HEAD_TIMEOUT_S  # the request line and headers (protocol.py)
+    max_connections: int = MAX_CONNECTIONS  # uvicorn's limit_concurrency
+
+    def middleware(self) -> list[Middleware]:
+        """access.py's layers, outermost first."""
+        out = [Middleware(HeadSize)]
+        if self.host_check or self.allowed_hosts:
+            out.append(Middleware(HostCheck, allowed=self.allowed_hosts))
+        if self.cors_origins:
+            out.append(Middleware(Cors, origins=self.cors_origins))
+        out.append(Middleware(OriginCheck, origins=self.cors_origins))
+        if self.api_keys:
+            out.append(Middleware(ApiKeys, keys=self.api_keys))
+        return out
 
 
 class State:
@@ -60,20 +99,24 @@ def _error(e: APIError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     size = request.headers.get("content-length", "")
     chunks, n = [], 0
     over = size.isdigit() and int(size) > limit
     try:
-        async for c in request.stream():
-            n += len(c)
-            over = over or n > limit
-            if over and n > DRAIN:
-                break
-            if not over:
-                chunks.append(c)
+        async with asyncio.timeout(timeout_s):  # a body that drips (or stops) does not hold the connection
+            async for c in request.stream():
+                n += len(c)
+                over = over or n > limit
+                if over and n > DRAIN:
+                    break
+                if not over:
+                    chunks.append(c)
     except ClientDisconnect:  # gone before its body arrived: nobody reads the answer
         raise APIError(400, "the client disconnected while sending the body", code="client_disconnected") from None
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", "invalid_request_error",
+                       "request_timeout") from None
     if over:
         raise APIError(413, f"the request body is over the server's limit of {limit} bytes", "invalid_request_error",
                        "request_too_large")
@@ -121,10 +164,14 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             if on_load_error:
                 on_load_error(state.error)
 
+    fetch_pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="vlmrt-fetch")
+    decode_pool = None  # the event loop's default executor
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         threading.Thread(target=loader, name="vlmrt-load", daemon=True).start()
         yield
+        fetch_pool.shutdown(wait=False, cancel_futures=True)
         if state.scheduler is not None:
             state.scheduler.close()
 
@@ -145,12 +192,15 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                                                          "owned_by": "vlmrt", "meta": meta}]})
 
     async def page(request: Request):
-        return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"))
+        return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"),
+                            headers=PAGE_HEADERS)
 
     async def chat(request: Request):
         sched = ready()
-        req = parse_request(await read_body(request, config.max_body), config.max_images)
-        images = await asyncio.to_thread(load_images, req.urls, config.media_dir, config.fetch)
+        req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
+        fetches = any(re.match(r"(?i)https?://", u) for u in req.urls)  # slow ones stay on their own threads
+        images = await asyncio.get_running_loop().run_in_executor(
+            fetch_pool if fetches else decode_pool, load_images, req.urls, config.media_dir, config.fetch)
         req.options.setdefault("max_new_tokens", sched.max_context)
         req.options["mode"] = config.mode
         job = Job(with_images(req.messages, images), req.key, req.options, asyncio.get_running_loop())
@@ -187,7 +237,9 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 close()
 
     async def api_error(request: Request, e: APIError):
-        return _error(e, headers={"Retry-After": "1"} if e.status == 503 else None)  # queue full, loading
+        headers = {503: {"Retry-After": "1"},  # queue full, loading
+                   408: {"Connection": "close"}}.get(e.status)  # the rest of a slow body is never read
+        return _error(e, headers=headers)
 
     async def http_error(request: Request, e: HTTPException):
         kind = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
@@ -201,9 +253,10 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
 
     routes = [Route("/", page), Route("/health", health), Route("/v1/models", models),
               Route("/v1/chat/completions", chat, methods=["POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=config.middleware(),
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.vlmrt = state  # .scheduler once loaded (tests, benchmarks)
+    app.state.config = config
     return app
 
 

@@ -10,10 +10,13 @@ Running runs the same server in a thread of this process (tests, benchmarks).
 from __future__ import annotations
 
 import math
+import os
 import socket
 import sys
 import threading
 from pathlib import Path
+
+from .limits import BACKLOG, BODY_TIMEOUT_S, HEAD_MAX_BYTES, HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS
 
 
 def add_parser(sub) -> None:
@@ -38,7 +41,62 @@ def add_parser(sub) -> None:
     s.add_argument("--lookahead", type=int, default=0, metavar="N",
                    help="lookahead decoding of greedy answers, up to N drafted tokens per step (default 0: off)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = s.add_argument_group("security (docs/server.md#security)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but / and /health (repeatable: any of "
+                        "them; default: $VLMRT_API_KEY, which other users cannot see in the process list)")
+    g.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST[,HOST]",
+                   help="Host header values answered besides the loopback names (NAME, NAME:PORT, *.DOMAIN, *): the "
+                        "name a reverse proxy passes on. Without it a server bound to loopback answers only "
+                        "Host: localhost / *.localhost / 127.x / [::1], any port (DNS rebinding)")
+    g.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="grant this origin (https://app.example.com; * for any) CORS, preflight included "
+                        "(repeatable; default: none, and browsers' cross-origin requests are refused)")
+    g.add_argument("--allow-local-urls", action="store_true",
+                   help="let image URLs reach loopback, private and link-local addresses (a trusted network; "
+                        "default: public addresses only)")
+    g.add_argument("--no-image-urls", action="store_true", help="refuse http(s) image URLs altogether")
+    g.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                   help=f"a request body must arrive whole within S seconds, else 408 (default {BODY_TIMEOUT_S:g})")
+    g.add_argument("--head-timeout", type=float, default=HEAD_TIMEOUT_S, metavar="S",
+                   help=f"a request's line and headers must arrive within S seconds, else 408 (default "
+                        f"{HEAD_TIMEOUT_S:g})")
+    g.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                   help=f"open connections and requests in progress; past it requests get 503 (default "
+                        f"{MAX_CONNECTIONS})")
     s.set_defaults(fn=run)
+
+
+def is_loopback(host: str) -> bool:
+    """--host names only loopback addresses (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def exposure_warning(host: str, keys: tuple[str, ...]) -> str | None:
+    """The one line `vlmrt serve` prints when it listens beyond loopback without an API key."""
+    if keys or is_loopback(host):
+        return None
+    return (f"vlmrt: warning: listening on {host} (beyond loopback) without --api-key: anyone who can reach the port "
+            "can use the model and have it fetch public image URLs")
+
+
+def _list(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(v.strip() for item in values or () for v in item.split(",") if v.strip())
+
+
+def api_keys(a) -> tuple[str, ...]:
+    from .access import check_key
+
+    if a.api_key:
+        return tuple(check_key(k, "--api-key") for k in a.api_key)
+    env = os.environ.get("VLMRT_API_KEY")
+    return (check_key(env, "VLMRT_API_KEY"),) if env else ()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -50,7 +108,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        sock.listen(128)
+        sock.listen(BACKLOG)
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
@@ -66,6 +124,7 @@ def build(a, bundle: str, on_load_error=None):
     from ..manifest import load as load_manifest
     from ..runtime.bundle import Bundle
     from ..runtime.sources import FetchLimits
+    from ..runtime.url_policy import AddressPolicy
     from .app import Config, create_app
     from .scheduler import Scheduler
 
@@ -73,6 +132,17 @@ def build(a, bundle: str, on_load_error=None):
     if not sizes_ok or a.slots < 1 or a.queue < 0 or a.max_images < 1 or a.max_body_mb <= 0 or a.image_cache_mb < 0:
         raise ValueError("--slots, --max-images and --max-body-mb must be > 0, --queue and --image-cache-mb >= 0 "
                          "(finite numbers)")
+    if not all(math.isfinite(t) and t > 0 for t in (a.body_timeout, a.head_timeout)) or a.max_connections < 1:
+        raise ValueError("--body-timeout and --head-timeout must be finite numbers of seconds > 0, "
+                         "--max-connections >= 1")
+    if a.allow_local_urls and a.no_image_urls:
+        raise ValueError("--allow-local-urls and --no-image-urls contradict each other")
+    keys = api_keys(a)
+    from .access import HostCheck
+
+    allowed_hosts = _list(a.allowed_hosts)
+    HostCheck(None, allowed_hosts)  # a malformed entry fails now
+    origins = _list(a.cors_origin)
     media = Path(a.media_dir) if a.media_dir else None
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
@@ -92,19 +162,28 @@ def build(a, bundle: str, on_load_error=None):
 
         t = time.perf_counter()
         b = Bundle.open(bundle, device=a.device, threads=a.threads, verify=verify)
-        return Scheduler(b, a.slots, a.queue, time.perf_counter() - t,
+        # the slots' VLMs get images already decoded; the policy is theirs too, should a URL ever reach one
+        return Scheduler(b, a.slots, a.queue, time.perf_counter() - t, fetch=fetch,
                          image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots), lookahead=a.lookahead)
 
+    fetch = FetchLimits(addresses=None if a.allow_local_urls else AddressPolicy(), urls=not a.no_image_urls)
     config = Config(model_id=Path(bundle).name, media_dir=media, max_images=a.max_images,
-                    max_body=int(a.max_body_mb * 2**20), fetch=FetchLimits(), mode=a.mode)
+                    max_body=int(a.max_body_mb * 2**20), fetch=fetch, mode=a.mode, body_timeout_s=a.body_timeout,
+                    api_keys=keys, host_check=is_loopback(a.host), allowed_hosts=allowed_hosts, cors_origins=origins,
+                    head_timeout_s=a.head_timeout, max_connections=a.max_connections)
     return create_app(load, config, on_load_error)
 
 
 def _server(app, log_level: str):
     import uvicorn
 
+    from .protocol import Protocol
+
+    config = app.state.config
+    protocol = type("Protocol", (Protocol,), {"head_timeout_s": config.head_timeout_s})
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, ws="none",
-                                         lifespan="on"))
+                                         lifespan="on", http=protocol, h11_max_incomplete_event_size=HEAD_MAX_BYTES,
+                                         limit_concurrency=config.max_connections, timeout_keep_alive=KEEP_ALIVE_S))
 
 
 def run(a) -> int:
@@ -127,6 +206,9 @@ def run(a) -> int:
     host, port = sock.getsockname()[:2]
     print(f"vlmrt: serving {Path(bundle).name} on http://{host}:{port}/ ({a.slots} slots); loading ...",
           file=sys.stderr, flush=True)
+    warning = exposure_warning(a.host, app.state.config.api_keys)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     if failed:
         raise ValueError(failed[0])

@@ -1,0 +1,74 @@
+"""The test side of each family's registration: for every family in vlmrt.families.REGISTRY, the tiny checkpoints
+the shared runner (test_family_conformance.py) exports and compares with transformers, and how transformers runs
+them (oracle.OracleFamily). A family registered in vlmrt but missing here fails test_every_registered_family_is_tested.
+
+SmolVLM's cases (conftest.CASES, conftest.exported) stay in conftest, where most tests take them from; InternVL's are
+here (test_internvl.py and the tests that cover both families import them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import conftest
+from conftest import Exported, export_once
+
+
+@dataclass(frozen=True)
+class Case:
+    """An InternVL checkpoint shape: decoder (Qwen2 / Qwen3), tied head, tile / patch sizes, max tiles, vision norm."""
+
+    name: str
+    decoder: str
+    tie: bool
+    image_size: int
+    patch: int
+    max_tiles: int
+    prefill_ar: int
+    vision_norm: str = "layer_norm"
+    vision_overrides: tuple = ()
+
+
+CASES = [
+    Case("internvl3-qwen2-untied", "qwen2", tie=False, image_size=28, patch=7, max_tiles=6, prefill_ar=16),
+    Case("internvl3.5-qwen3-tied", "qwen3", tie=True, image_size=56, patch=7, max_tiles=4, prefill_ar=32),
+    Case("qwen3-rmsnorm-vit-qknorm", "qwen3", tie=False, image_size=28, patch=7, max_tiles=12, prefill_ar=8,
+         vision_norm="rms_norm", vision_overrides=(("use_qk_norm", True),)),
+]
+
+
+def exported(case: Case, tmp_path_factory) -> Exported:
+    """An InternVL case's checkpoint, exported once per test session."""
+    from fixtures_internvl import INTERNVL, make_internvl_checkpoint
+
+    def make(folder):
+        return make_internvl_checkpoint(
+            folder, decoder=case.decoder, tie_word_embeddings=case.tie, image_size=case.image_size,
+            patch_size=case.patch, max_tiles=case.max_tiles, vision_norm=case.vision_norm,
+            vision_overrides=dict(case.vision_overrides), seed=CASES.index(case) + 3,  # per case, not per test order
+        )
+
+    return export_once(case, tmp_path_factory, make, INTERNVL, prefill_ar=case.prefill_ar)
+
+
+@dataclass(frozen=True)
+class FamilyCases:
+    """What the shared runner needs of one family."""
+
+    cases: list  # the family's checkpoint shapes (each with a unique .name)
+    exported: Callable  # (case, tmp_path_factory) -> conftest.Exported, once per session
+    # measured: the cases whose text-only answer transformers ends with an EOS within 60 tokens, and at which length
+    # (so the EOS stop is really exercised, not only the length stop)
+    eos_stops: dict[str, int] = field(default_factory=dict)
+
+
+FAMILIES = {
+    "smolvlm": FamilyCases(conftest.CASES, conftest.exported, eos_stops={"untied-split": 46}),
+    "internvl": FamilyCases(CASES, exported),
+}
+
+
+def all_cases() -> list[tuple[str, object]]:
+    """(family name, case) for every case of every family: the runner's parameters."""
+    return [(name, case) for name, fc in FAMILIES.items() for case in fc.cases]

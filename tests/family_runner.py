@@ -1,0 +1,48 @@
+"""What the shared family runner (test_family_conformance.py) and the family test files use to hold a bundle
+against transformers: transformers' answers memoized per checkpoint and request, `vlmrt run --json` in process,
+and transformers' greedy ids for given prompt ids."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from PIL import Image
+
+import oracle
+from vlmrt import cli
+
+_HF_RUNS: dict[tuple, tuple] = {}
+
+
+def hf_run(ex, image_path, prompt: str, n: int, ignore_eos: bool = True):
+    """transformers' (prompt ids, pixels, greedy ids) for an exported case (conftest.Exported), computed once per
+    checkpoint and request (the kv and hybrid modes compare with the same reference); n=0: the processor alone.
+    pixels as the family's processor gives them ([1, tiles, ...] where ex.family.pixel_batch_dim)."""
+    key = (str(ex.ckpt), Path(image_path).name if image_path else None, prompt, n, ignore_eos)
+    if key not in _HF_RUNS:
+        model, proc = ex.hf()
+        im = Image.open(image_path) if image_path else None
+        _HF_RUNS[key] = oracle.generate(ex.family, ex.ckpt, im, prompt, n, ignore_eos=ignore_eos, model=model,
+                                        processor=proc)
+    return _HF_RUNS[key]
+
+
+def cli_json(capsys, *args) -> dict:
+    """`vlmrt run ARGS --json` in process: its exit status must be 0; returns the JSON result line."""
+    capsys.readouterr()
+    assert cli.main(["run", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def hf_greedy_from_ids(model, ids, pixels, n):
+    """transformers generate on given prompt ids + pixel values (EOS ignored)."""
+    import torch
+
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.eos_token_id = None
+    kw = {"pixel_values": torch.from_numpy(pixels)} if pixels is not None else {}
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=n, generation_config=cfg, **kw)
+    return out[0, len(ids):].tolist()

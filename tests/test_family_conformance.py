@@ -1,0 +1,137 @@
+"""The shared runner: every registered family (vlmrt.families.REGISTRY), every one of its tiny checkpoints
+(family_cases.FAMILIES), exported once and held against transformers on the same weights: pixels and prompt ids equal
+the family's processor's, greedy ids equal transformers' generate in both modes (kv, hybrid), with and without an
+image, the EOS stop where transformers stops, the first logits to float32 rounding; streaming, stats and seeded
+sampling on each family's first case. A new family is exercised here by registering it in vlmrt and in
+family_cases.py (test_every_registered_family_is_tested fails until both are done)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import IMAGES, image_file
+from family_cases import FAMILIES, all_cases
+from family_runner import cli_json, hf_run
+from vlmrt import families
+from vlmrt.runtime import image as img_ops
+from vlmrt.runtime.pipeline import VLM
+
+pytest.importorskip("transformers")
+
+PROMPT = "What is in the image? Describe the colours."
+GREEDY_IMAGES = ["chelsea.png", "page.png", "tall", None]  # a photo, a wide page, a tall synthetic, no image
+CASES = all_cases()
+
+
+def family_of(ex) -> str:
+    return next(name for name, fc in FAMILIES.items() if ex.case in fc.cases)
+
+
+@pytest.fixture(params=CASES, ids=[f"{f}-{c.name}" for f, c in CASES])
+def case(request, tmp_path_factory):
+    name, c = request.param
+    return FAMILIES[name].exported(c, tmp_path_factory)
+
+
+@pytest.fixture(params=list(FAMILIES))
+def first_case(request, tmp_path_factory):
+    fc = FAMILIES[request.param]
+    return fc.exported(fc.cases[0], tmp_path_factory)
+
+
+def test_every_registered_family_is_tested():
+    """Registering a family in vlmrt without its test cases here (or the other way round) fails."""
+    assert sorted(f.name for f in families.registered()) == sorted(FAMILIES)
+    assert all(fc.cases for fc in FAMILIES.values())
+    names = [c.name for _, c in CASES]
+    assert len(names) == len(set(names))  # conftest.export_once keys its exports by case name
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_pixels_and_prompt_ids_equal_hf_processor(case, image, tmp_path):
+    path = image_file(image, tmp_path)
+    prompt_ids, pixels, _ = hf_run(case, path, PROMPT, 0)
+    if case.family.pixel_batch_dim:
+        assert pixels.shape[0] == 1
+        pixels = pixels[0]
+    vlm = VLM.load(case.bundle)
+    tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
+    assert tiles.pixels.shape == pixels.shape
+    np.testing.assert_array_equal(tiles.pixels, pixels)  # same Pillow resizes, same float ops: exact
+    assert vlm.prompt_ids(PROMPT, tiles.grid) == prompt_ids
+
+
+@pytest.mark.parametrize("mode", ["kv", "hybrid"])
+@pytest.mark.parametrize("image", GREEDY_IMAGES)
+def test_greedy_ids_equal_transformers(case, image, mode, tmp_path, capsys):
+    path = image_file(image, tmp_path) if image else None
+    prompt_ids, _, want = hf_run(case, path, PROMPT, 24)
+    args = ["--image", path] if path else []
+    got = cli_json(capsys, case.bundle, *args, "--prompt", PROMPT, "--mode", mode, "--max-new-tokens", 24, "--ignore-eos")
+    assert got["prompt_tokens"] == len(prompt_ids)
+    assert len(set(want)) > 4  # the reference is not degenerate
+    assert got["token_ids"] == want
+
+
+def test_text_only_and_eos_stop_equal_transformers(case, capsys):
+    text = "Describe a red square on a blue page."
+    prompt_ids, _, want = hf_run(case, None, text, 24)
+    got = cli_json(capsys, case.bundle, "--prompt", text, "--max-new-tokens", 24, "--ignore-eos")
+    assert got["prompt_tokens"] == len(prompt_ids) and got["token_ids"] == want
+    # without --ignore-eos both stop at the first EOS, the EOS ids being transformers' own (generation_config):
+    # transformers' ids end with the EOS it stopped at, vlmrt's stop before it; the rest is equal, length included
+    model, _ = case.hf()
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    assert eos
+    _, _, want = hf_run(case, None, text, 60, ignore_eos=False)
+    got = cli_json(capsys, case.bundle, "--prompt", text, "--max-new-tokens", 60)
+    stopped = want[-1] in eos
+    assert got["token_ids"] == (want[:-1] if stopped else want)
+    assert not eos & set(got["token_ids"])
+    assert got["stats"]["stop_reason"] == ("eos" if stopped else "length")
+    expected = FAMILIES[family_of(case)].eos_stops.get(case.case.name)
+    if expected is not None:  # measured: transformers says EOS as its expected-th token here
+        assert stopped and len(want) == expected
+
+
+def test_first_logits_close_to_transformers(case):
+    """The decoder graph's logits after an image prompt match transformers' to float32 rounding (measured max |diff|
+    ~2e-6)."""
+    import torch
+
+    from vlmrt.runtime.engine import splice
+
+    model, _ = case.hf()
+    vlm = VLM.load(case.bundle)
+    tiles = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), vlm.manifest.image)
+    ids = vlm.prompt_ids(PROMPT, tiles.grid)
+    embeds = splice(ids, vlm.engine.embed(ids), vlm.encode_image(tiles.pixels), vlm.manifest.special_tokens.image_token_id)
+    pixels = torch.from_numpy(tiles.pixels[None] if case.family.pixel_batch_dim else tiles.pixels)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0, -1].numpy()
+    for mode in ("kv", "hybrid"):
+        vlm.reset()
+        got = vlm.engine.prefill(embeds, mode)
+        assert np.abs(got - ref).max() < 2e-4 * max(1.0, np.abs(ref).max()), mode
+
+
+def test_streamed_text_equals_decoded_ids(first_case):
+    vlm = VLM.load(first_case.bundle)
+    path = image_file("chelsea.png", None)
+    pieces = list(vlm.generate(PROMPT, path, max_new_tokens=20, ignore_eos=True))
+    r = vlm.result
+    assert "".join(pieces) == r.text == vlm.bundle.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    s = r.stats
+    tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
+    assert s.generated_tokens == 20 and s.prompt_tokens == len(r.prompt_ids) and s.image_tiles == len(tiles.pixels) > 1
+    assert 0 < s.ttft_s <= s.total_s and s.vision_s > 0 and s.decode_tokens_per_s > 0 and s.peak_rss_mb > 0
+
+
+def test_sampling_is_seeded(first_case, capsys):
+    args = [first_case.bundle, "--prompt", "Tell me a story.", "--max-new-tokens", 16, "--temperature", 1.0,
+            "--top-k", 20, "--top-p", 0.9, "--ignore-eos"]
+    a = cli_json(capsys, *args, "--seed", 1)["token_ids"]
+    assert a == cli_json(capsys, *args, "--seed", 1)["token_ids"]
+    assert a != cli_json(capsys, *args, "--seed", 2)["token_ids"]

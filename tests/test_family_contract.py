@@ -1,0 +1,143 @@
+"""The family contract (vlmrt/families/__init__.py) is checked: a family module that breaks it is refused in one line
+naming the family, where it is looked up or before any graph is traced, instead of failing deep in the export or at
+run time. Each check is shown failing on a family broken on purpose (the registered families pass them all:
+test_family_conformance.py exports every one)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vlmrt import families  # noqa: E402
+from vlmrt.families import FamilyContractError, Weights, decoder, smolvlm  # noqa: E402
+
+CONFIG = {  # a small SmolVLM config.json: no checkpoint needed to build its modules
+    "model_type": "smolvlm", "image_token_id": 3, "scale_factor": 2,
+    "vision_config": {"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 32,
+                      "image_size": 16, "patch_size": 4},
+    "text_config": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                    "intermediate_size": 64, "vocab_size": 40},
+}
+
+
+def modules(cfg):
+    return smolvlm.VisionEncoder(cfg).eval(), decoder.build(cfg.text).eval(), torch.zeros(cfg.text.vocab, cfg.text.hidden)
+
+
+def with_weights(make):
+    """SmolVLM's family with load_weights replaced by one that returns make(cfg)."""
+    return dataclasses.replace(smolvlm.FAMILY, load_weights=lambda cfg, tensors: make(cfg))
+
+
+def test_registered_families_meet_the_contract():
+    fams = families.registered()
+    assert [f.name for f in fams] == ["internvl", "smolvlm"]
+    for f in fams:
+        assert all(families.family_for({"model_type": t}) is f for t in f.model_types)
+    cfg = smolvlm.FAMILY.config(CONFIG)
+    w = with_weights(modules).weights(cfg, {})
+    assert isinstance(w, Weights) and w.decoder.shape["layers"] == 2
+
+
+def test_registry_and_family_must_agree(monkeypatch):
+    monkeypatch.setitem(families.REGISTRY, "smolvlm2", "smolvlm")  # sent to a family that does not claim it
+    with pytest.raises(FamilyContractError, match=r"model_types \['idefics3', 'smolvlm'\] are not .*'smolvlm2'"):
+        families.family_for({"model_type": "smolvlm"})
+    monkeypatch.setitem(families.REGISTRY, "smolvlm2", "vit")  # a module that is no family
+    with pytest.raises(FamilyContractError, match="families/vit.py is registered as a family but has no FAMILY"):
+        families.family_for({"model_type": "smolvlm2"})
+    monkeypatch.delitem(families.REGISTRY, "smolvlm2")
+    monkeypatch.setattr(smolvlm, "FAMILY", dataclasses.replace(smolvlm.FAMILY, load_weights=lambda cfg: None))
+    with pytest.raises(FamilyContractError, match="FAMILY.load_weights must be a function of 2 argument"):
+        families.family_for({"model_type": "idefics3"})
+    with pytest.raises(families.UnknownFamily, match="unknown model type 'llava'"):
+        families.family_for({"model_type": "llava"})
+
+
+def test_config_must_give_the_fields_the_exporter_reads():
+    bad = dataclasses.replace(smolvlm.FAMILY, config_from_hf=lambda c: dataclasses.replace(
+        smolvlm.SmolVLMConfig.from_hf(c), tie_word_embeddings=1))
+    with pytest.raises(FamilyContractError, match="family smolvlm: config.tie_word_embeddings must be a bool"):
+        bad.config(CONFIG)
+
+
+def test_decoder_must_be_the_causal_decoder_with_hf_llama_names():
+    cfg = smolvlm.FAMILY.config(CONFIG)
+
+    class OwnDecoder(torch.nn.Module):
+        pass
+
+    with pytest.raises(FamilyContractError, match="family smolvlm: load_weights gave a OwnDecoder decoder; the exporter "
+                                                  "traces, quantizes and calibrates layers.CausalDecoder only"):
+        with_weights(lambda c: (modules(c)[0], OwnDecoder(), modules(c)[2])).weights(cfg, {})
+
+    def renamed(c):  # the MLP under another name: the quantizer's mixed precisions would find no down_proj
+        v, d, e = modules(c)
+        d.layers[1].ffn = d.layers[1].mlp
+        del d.layers[1].mlp
+        return v, d, e
+
+    with pytest.raises(FamilyContractError, match="the decoder has no module layers.1.mlp.gate_proj"):
+        with_weights(renamed).weights(cfg, {})
+
+
+def test_embedding_table_and_vision_output_are_checked():
+    cfg = smolvlm.FAMILY.config(CONFIG)
+    with pytest.raises(FamilyContractError, match=r"embedding table must be a \[vocab, hidden\] = \[40, 32\] tensor, "
+                                                  r"not \(40, 31\)"):
+        with_weights(lambda c: (*modules(c)[:2], torch.zeros(40, 31))).weights(cfg, {})
+
+    def wide(c):  # a connector to the wrong width
+        v, d, e = modules(c)
+        v.proj = torch.nn.Linear(v.proj.in_features, 33, bias=False)
+        return v, d, e
+
+    with pytest.raises(FamilyContractError, match=r"the vision module maps one tile \[16, 48\] to \[4, 33\], not "
+                                                  r"\[tokens_per_tile, hidden\] = \[4, 32\]"):
+        with_weights(wide).weights(cfg, {})
+
+
+def host(image_edit=None, **edit) -> families.HostSpec:
+    """A SmolVLM host plan for CONFIG, edited."""
+    image = families.ImageSpec(**{**dict(tiling="longest_edge_grid", tile_size=16, patch_size=4, resample="lanczos",
+                                         rescale_factor=1 / 255, mean=[0.5] * 3, std=[0.5] * 3), **(image_edit or {})})
+    return families.HostSpec(**{**dict(image=image, prompt_expansion="grid_markers", prompt_params={},
+                                       image_placeholder="<image>", image_token_id=3), **edit})
+
+
+@pytest.mark.parametrize("spec, message", [
+    (host({"tiling": "square_grid"}), "tiling 'square_grid' is not a host op of the runtime"),
+    (host(prompt_expansion="markers"), "prompt expansion 'markers' is not a host op of the runtime"),
+    (host({"patch_size": 8}), "the host unfolds patches of 8 pixels, the vision tower takes 4"),
+    (host(image_token_id=40), "image_token_id 40 is not a token of the 40-token vocabulary"),
+    (host(image={"tiling": "longest_edge_grid"}), "host_spec must give a HostSpec whose image is a manifest.ImageSpec"),
+])
+def test_host_ops_must_exist_in_the_runtime(spec, message):
+    cfg = smolvlm.FAMILY.config(CONFIG)
+    assert dataclasses.replace(smolvlm.FAMILY, host_spec=lambda ckpt, c, tok: host()).host(None, cfg, {}) == host()
+    with pytest.raises(FamilyContractError, match=f"family smolvlm: {message}"):
+        dataclasses.replace(smolvlm.FAMILY, host_spec=lambda ckpt, c, tok: spec).host(None, cfg, {})
+
+
+def test_a_broken_family_fails_the_export_in_one_line(default_bundle, tmp_path, capsys, monkeypatch):
+    """Through `vlmrt export`: one line, exit status 1, nothing written (the check runs before any graph is traced)."""
+    from vlmrt import cli
+
+    real = smolvlm.FAMILY.host_spec
+
+    def bad_host(ckpt, cfg, tok_json):
+        h = real(ckpt, cfg, tok_json)
+        return dataclasses.replace(h, image=dataclasses.replace(h.image, tiling="square_grid"))
+
+    monkeypatch.setattr(smolvlm, "FAMILY", dataclasses.replace(smolvlm.FAMILY, host_spec=bad_host))
+    capsys.readouterr()
+    out = tmp_path / "b"
+    assert cli.main(["export", str(default_bundle.ckpt), str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["vlmrt: error: family smolvlm: tiling 'square_grid' is not a host op of the runtime "
+                   "(longest_edge_grid, closest_aspect_grid; runtime/image.py TILING) (a bug in "
+                   "vlmrt/families/smolvlm.py, not in the checkpoint)"], err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
