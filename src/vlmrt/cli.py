@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.command import add_parser as add_serve  # argparse only: the server's modules load when it runs
 
     add_serve(sub)
+    from .web.command import add_parser as add_web
+
+    add_web(sub)
     return ap
 
 

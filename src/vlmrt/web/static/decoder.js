@@ -1,0 +1,204 @@
+// The decoder graphs and the KV cache, as runtime/engine.py + step.py + kv_cache.py execute them: the one place that
+// knows the manifest's decoder kinds. A step takes the embeddings of n tokens at the cache's next positions and
+// returns the last row's logits (and the graph's argmax of it, where the graph has one).
+//
+// Kinds (the manifest's kv.layout and decoder fields):
+//   in_place  the CPU target's GroupQueryAttention decoder: buffers [1, heads, max_context, head_dim] per layer and
+//             K/V that the graph updates itself. ORT's CPU EP binds present_* to the past_* memory; onnxruntime-web
+//             cannot, so each step's present_* tensors are the next step's past_* (copied in and out of WASM memory).
+//   rows      graphs that return only the step's new K/V rows [ar, dim] (--attention portable, static graphs): the
+//             host cache [max_context, dim] per layer and K/V, read as the prefix [:ctx] (context_step) or whole,
+//             with positions and an additive mask [ar, ctx + ar]; static graphs (no dynamic_ar) take a fixed AR and
+//             the last prompt block padded, its padded rows dropped.
+
+// The manifest's decoder as one plain description (the only reader of the manifest's decoder and kv fields):
+//   {kind: "gqa_in_place" | "rows_dynamic" | "rows_static", dynamicAR, contextStep, maskInput, maskValue,
+//    positionsInput, logitRowsInput, lastLogits, argmaxOutput, seqlensInput, totalLengthInput, tokenRowsInput,
+//    tokenScalesInput, hiddenOutput, layers: [{kind: "attention", kvHeads, headDim, keyInput, valueInput, keyOutput,
+//    valueOutput}]}
+export function decoderPlan(m) {
+  const d = m.decoder, kv = m.kv;
+  if (d.kind) {  // schema 3: decoder.kind is a tagged union, decoder.positions the rope positions input, kv.layers
+    const k = d.kind;
+    return {
+      kind: k.name, dynamicAR: k.name !== "rows_static", contextStep: k.context_step ?? 0,
+      maskInput: k.mask_input ?? null, maskValue: k.mask_value ?? null, positionsInput: d.positions.input,
+      positionRows: d.positions.rows, positionsOp: d.positions.op, logitRowsInput: k.logit_rows_input ?? null,
+      lastLogits: false, argmaxOutput: k.argmax_output ?? null, seqlensInput: k.seqlens_input ?? null,
+      totalLengthInput: k.total_length_input ?? null, tokenRowsInput: k.token_rows_input ?? null,
+      tokenScalesInput: k.token_scales_input ?? null, hiddenOutput: k.hidden_output ?? null,
+      layers: kv.layers.map((l) => (l.kind === "attention" ? { kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
+        keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output } : { kind: l.kind })),
+    };
+  }
+  const kind = kv.layout === "in_place" ? "gqa_in_place" : d.dynamic_ar ? "rows_dynamic" : "rows_static";
+  const heads = kv.layout === "in_place" ? kv.heads : 1, headDim = kv.layout === "in_place" ? kv.head_dim : kv.dim;
+  const layers = [];
+  for (let i = 0; i < kv.layers; i++) {
+    const name = (f) => f.replace("{layer}", i);
+    layers.push({ kind: "attention", kvHeads: heads, headDim, keyInput: name(kv.key_input), valueInput: name(kv.value_input),
+      keyOutput: name(kv.key_output), valueOutput: name(kv.value_output) });
+  }
+  return {
+    kind, dynamicAR: d.dynamic_ar, contextStep: d.context_step, maskInput: d.mask_input || null,
+    maskValue: d.mask_value, positionsInput: d.positions_input || null, positionRows: 1, positionsOp: "slots",
+    logitRowsInput: d.logit_rows_input, lastLogits: d.last_logits, argmaxOutput: d.argmax_output,
+    seqlensInput: d.seqlens_input, totalLengthInput: d.total_length_input, tokenRowsInput: d.token_rows_input,
+    tokenScalesInput: d.token_scales_input, hiddenOutput: d.hidden_output, layers,
+  };
+}
+
+// What this browser runtime cannot run exactly, as one line naming what to export instead; null when it can.
+// (site.py browser_problem refuses the same bundles before a site is written.)
+export function browserProblem(m) {
+  const reexport = "re-export it for the browser: vlmrt export CHECKPOINT OUT (the CPU target, --dtype fp32, --quant fp32, w8a16 or w4a16)";
+  if ((m.target?.name ?? "cpu") !== "cpu") return `this bundle is for the ${m.target.name} target, which a browser cannot run; ${reexport}`;
+  for (const [name, g] of Object.entries(m.graphs)) {
+    if (!g.file) return `graph ${name} has no ONNX file (only a compiled context); ${reexport}`;
+    const head = String(g.weights?.lm_head ?? "");
+    if (g.precision.includes("a8") || head.includes("a8")) {
+      return `graph ${name} is ${g.precision.includes("a8") ? g.precision : `${g.precision} (lm head ${head})`}: onnxruntime-web computes int8-activation MatMulNBits in float, so its answers would not be vlmrt run's; ${reexport}`;
+    }
+    for (const t of [...g.inputs, ...g.outputs]) {
+      if (t.dtype === "float16") return `graph ${name} has float16 I/O (${t.name}), which the browser runtime does not feed; re-export it with vlmrt export CHECKPOINT OUT --dtype fp32 (weights may stay fp16, 8 or 4 bit: --quant)`;
+    }
+  }
+  if (m.kv.dtype !== "float32" || Object.keys(m.kv.encodings || {}).length) return `this bundle's KV cache is ${m.kv.dtype} (quantized); ${reexport}`;
+  if (m.decoder.kind === undefined && !["in_place", "rows"].includes(m.kv.layout)) return `this vlmrt has no KV layout '${m.kv.layout}'; upgrade vlmrt`;
+  const p = decoderPlan(m);
+  if (!["gqa_in_place", "rows_dynamic", "rows_static"].includes(p.kind)) return `this vlmrt has no decoder kind '${p.kind}'; upgrade vlmrt`;
+  if (p.hiddenOutput) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
+  if (p.positionsOp !== "slots" || p.positionRows !== 1) return `this bundle's rope positions (${p.positionsOp}, ${p.positionRows} rows) are not computed by the browser runtime yet; use vlmrt run`;
+  const other = p.layers.find((l) => l.kind !== "attention");
+  if (other) return `this bundle has ${other.kind} cache layers, which the browser runtime does not keep yet; use vlmrt run`;
+  return null;
+}
+
+const F32_LOWEST = -3.4028234663852886e38;
+
+export class Decoder {
+  // sessions: {prefill, decode} (ort.InferenceSession; the same one when both name one file)
+  constructor(ort, manifest, sessions) {
+    this.ort = ort;
+    this.p = decoderPlan(manifest);
+    this.schema3 = manifest.decoder.kind !== undefined;
+    this.hidden = manifest.decoder.hidden_size;
+    this.prefillAR = manifest.decoder.prefill_ar;
+    this.maxContext = manifest.kv.max_context;
+    this.sessions = sessions;
+    this.length = 0;  // slots holding rows (= the next position)
+    this.runMs = 0;  // time inside session.run, accumulated
+    this.zeros = new Map();  // ar -> zero token rows / scales (int8 tables: the host multiplies, VLM.embed)
+    this.reset();
+  }
+
+  reset() {
+    const T = this.ort.Tensor, top = this.maxContext;
+    this.length = 0;
+    if (this.p.kind === "gqa_in_place") {
+      // one zero buffer per shape: a step returns new tensors and never writes its inputs
+      this.past = this.p.layers.map((l) => {
+        const shape = [1, l.kvHeads, top, l.headDim], zero = new Float32Array(l.kvHeads * top * l.headDim);
+        return [new T("float32", zero, shape), new T("float32", zero, shape)];
+      });
+    } else {
+      this.cache = this.p.layers.map((l) => [new Float32Array(top * l.kvHeads * l.headDim), new Float32Array(top * l.kvHeads * l.headDim)]);
+    }
+  }
+
+  // tokens per prompt step in a mode: prefill_ar for hybrid, 1 for kv (Engine._blocks)
+  blocks(mode) {
+    return mode === "hybrid" ? this.prefillAR : 1;
+  }
+
+  // the cache prefix a step at first position pos reads (Engine._ctx, kv_cache.context_slots)
+  ctx(pos) {
+    const step = this.p.contextStep, top = this.maxContext;
+    return step ? Math.min(top, Math.max(step, Math.ceil(pos / step) * step)) : top;
+  }
+
+  // embeds: Float32Array [n * hidden] at positions length..length+n-1; kind "prefill" | "decode" (the graph)
+  async step(graph, embeds, n) {
+    const p = this.p, T = this.ort.Tensor, hidden = this.hidden, pos = this.length;
+    if (pos + n > this.maxContext) throw new Error(`the cache holds ${this.maxContext} positions; a step at ${pos} of ${n} tokens does not fit`);
+    const ar = p.dynamicAR ? n : (graph === "prefill" ? this.prefillAR : 1);
+    let x = embeds;
+    if (ar > n) {  // a static graph's padded last block: computed, never written to the cache
+      x = new Float32Array(ar * hidden);
+      x.set(embeds.subarray(0, n * hidden));
+    }
+    const feeds = { [this.sessions.embedsInput]: new T("float32", x, [ar, hidden]) };
+    if (p.tokenRowsInput) {
+      if (!this.zeros.has(ar)) this.zeros.set(ar, [new Int8Array(ar * hidden), new Float32Array(ar)]);
+      const [rows, scales] = this.zeros.get(ar);
+      feeds[p.tokenRowsInput] = new T("int8", rows, [ar, hidden]);
+      feeds[p.tokenScalesInput] = new T("float32", scales, [ar]);
+    }
+    // the rows whose logits the step returns: the last valid one (step.logits_rows: 1 row with logit_rows)
+    if (p.logitRowsInput) feeds[p.logitRowsInput] = new T("int64", BigInt64Array.from([BigInt(n - 1)]), [1]);
+    const fetches = [this.sessions.logitsOutput];
+    if (p.argmaxOutput) fetches.push(p.argmaxOutput);
+    if (p.positionsInput && p.kind === "gqa_in_place") {  // (schema 3: every kind takes positions [1, ar])
+      feeds[p.positionsInput] = new T("int64", this.positions(pos, ar), [1, ar]);
+    }
+    if (p.kind === "gqa_in_place") {
+      feeds[p.seqlensInput] = new T("int32", Int32Array.from([pos + ar - 1]), [1]);
+      feeds[p.totalLengthInput] = new T("int32", Int32Array.from([pos + ar]), []);
+      p.layers.forEach((l, i) => {
+        feeds[l.keyInput] = this.past[i][0];
+        feeds[l.valueInput] = this.past[i][1];
+      });
+    } else {
+      const ctx = this.ctx(pos);
+      // (schema 2: [ar]; schema 3: [rows = 1, ar])
+      feeds[p.positionsInput] = new T("int64", this.positions(pos, ar), this.schema3 ? [1, ar] : [ar]);
+      feeds[p.maskInput] = new T("float32", this.mask(pos, ar, ctx), [ar, ctx + ar]);
+      p.layers.forEach((l, i) => {
+        const dim = l.kvHeads * l.headDim;
+        feeds[l.keyInput] = new T("float32", this.cache[i][0].subarray(0, ctx * dim), [ctx, dim]);
+        feeds[l.valueInput] = new T("float32", this.cache[i][1].subarray(0, ctx * dim), [ctx, dim]);
+      });
+    }
+    for (const l of p.layers) fetches.push(l.keyOutput, l.valueOutput);
+    const t = performance.now();
+    const out = await this.sessions[graph].run(feeds, fetches);
+    this.runMs += performance.now() - t;
+    p.layers.forEach((l, i) => {
+      const k = out[l.keyOutput], v = out[l.valueOutput];
+      if (p.kind === "gqa_in_place") {
+        this.past[i][0].dispose?.();
+        this.past[i][1].dispose?.();
+        this.past[i] = [k, v];  // the updated buffers are the next step's inputs
+      } else {  // KVCache.write: the first n rows into slots pos..
+        const dim = l.kvHeads * l.headDim;
+        this.cache[i][0].set(k.data.subarray(0, n * dim), pos * dim);
+        this.cache[i][1].set(v.data.subarray(0, n * dim), pos * dim);
+      }
+    });
+    this.length = pos + n;
+    const logits = out[this.sessions.logitsOutput];
+    const vocab = logits.dims[1];
+    const row = p.logitRowsInput || p.lastLogits ? logits.dims[0] - 1 : n - 1;  // the last valid token's row
+    const result = { logits: logits.data.subarray(row * vocab, (row + 1) * vocab), argmax: null };
+    if (p.argmaxOutput) result.argmax = Number(out[p.argmaxOutput].data[row]);
+    return result;
+  }
+
+  // the "slots" positions op: the position of slot p is p (a padded block's rows continue the count)
+  positions(pos, ar) {
+    const x = new BigInt64Array(ar);
+    for (let i = 0; i < ar; i++) x[i] = BigInt(pos + i);
+    return x;
+  }
+
+  // kv_cache.attention_mask: slots < pos visible, causal within the step, the rest at the mask value
+  mask(pos, ar, ctx) {
+    const neg = this.p.maskValue ?? F32_LOWEST, w = ctx + ar;
+    const m = new Float32Array(ar * w).fill(neg);
+    for (let r = 0; r < ar; r++) {
+      m.fill(0, r * w, r * w + pos);
+      m.fill(0, r * w + ctx, r * w + ctx + r + 1);
+    }
+    return m;
+  }
+}

@@ -1,0 +1,232 @@
+"""`vlmrt web`: the static site answers in headless Chromium (onnxruntime-web, WASM, 2 threads) with the token ids of
+the Python runtime (`vlmrt run`) on the demo model's easy-VQA questions and on tiny SmolVLM / InternVL bundles
+with tiled images; it asks nothing of any other origin and no /v1 API; a reload reads the bundle from Cache
+Storage; the command refuses what the browser cannot run in one line; the server sends the isolation headers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import ASSETS
+from family_cases import FAMILIES
+from web_browser import browser, need_browser, served
+
+from vlmrt import cli
+from vlmrt.runtime.pipeline import VLM
+from vlmrt.web.site import write_site
+
+QUESTIONS = 13  # the demo's stratified easy-VQA subset: one question per answer (as `vlmrt eval --dataset --limit 13`)
+
+
+def _uri(path: Path) -> str:
+    kind = "jpeg" if path.suffix == ".jpg" else "png"
+    return f"data:image/{kind};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _ask(page, **request) -> dict:
+    return page.evaluate("r => window.vlmrt.ask(r)", request)
+
+
+def _open(ctx, url: str):
+    """A page of the site with its model loaded; the requests it made are in page.requests."""
+    page = ctx.new_page()
+    page.requests = []
+    page.on("request", lambda r: page.requests.append(r.url))
+    page.goto(url + "/?threads=2")
+    page.wait_for_function("window.vlmrt !== undefined")
+    page.loaded = page.evaluate("window.vlmrt.ready.then(v => ({bytes: v.bytes, threads: v.threads, "
+                                "loadMs: v.loadMs, isolated: crossOriginIsolated}))")
+    return page
+
+
+@pytest.fixture(scope="module")
+def demo_site(demo_model, tmp_path_factory):
+    need_browser()
+    root, bundle = demo_model
+    return bundle, write_site(bundle, tmp_path_factory.mktemp("web") / "site")
+
+
+def test_demo_answers_are_vlmrt_runs(demo_site, tmp_path):
+    from vlmrt.demo import easyvqa_data as ev
+
+    bundle, site = demo_site
+    vlm = VLM.load(bundle)
+    rows = ev.select("test", QUESTIONS)
+    with served(site) as url, browser(tmp_path / "profile") as ctx:
+        page = _open(ctx, url)
+        assert page.loaded["isolated"] and page.loaded["threads"] == 2  # COOP / COEP: WASM threads
+        assert page.loaded["bytes"]["fromNetwork"] == page.loaded["bytes"]["total"] > 500e6
+        for question, _, image_id in rows:
+            image = ev.image_path("test", image_id)
+            want = vlm(question, image, max_new_tokens=8)
+            got = _ask(page, images=[_uri(image)], prompt=question, maxNewTokens=8)
+            assert (got["tokenIds"], got["text"]) == (want.token_ids, want.text), question
+            assert got["promptIds"] == want.prompt_ids
+        # text only, kv mode, a stop string: the same as the Python runtime's
+        want = vlm("What is 2+2? Answer in words.", None, max_new_tokens=12)
+        assert _ask(page, prompt="What is 2+2? Answer in words.", maxNewTokens=12)["tokenIds"] == want.token_ids
+        question, _, image_id = rows[0]
+        image = ev.image_path("test", image_id)
+        want = vlm(question, image, max_new_tokens=8, mode="kv", stop=["e"], ignore_eos=True)
+        got = _ask(page, images=[_uri(image)], prompt=question, maxNewTokens=8, mode="kv", stop=["e"], ignoreEos=True)
+        assert (got["tokenIds"], got["text"], got["stats"]["stopReason"]) == (want.token_ids, want.text,
+                                                                              want.stats.stop_reason)
+        sampled = _ask(page, images=[_uri(image)], prompt=question, maxNewTokens=6, temperature=0.8, topK=20, topP=0.9,
+                       seed=3, ignoreEos=True)
+        assert len(sampled["tokenIds"]) == 6 and sampled["stats"]["stopReason"] == "length"
+        again = _ask(page, images=[_uri(image)], prompt=question, maxNewTokens=6, temperature=0.8, topK=20,
+                     topP=0.9, seed=3, ignoreEos=True)
+        assert again["tokenIds"] == sampled["tokenIds"]  # seeded
+        # the page itself: a question typed in streams its answer
+        page.fill("#prompt", "What is 2+2? Answer in words.")
+        page.press("#prompt", "Enter")
+        page.wait_for_function("document.getElementById('rate').textContent.includes('tokens/s')", timeout=120_000)
+        page.wait_for_function("document.getElementById('send').disabled === false", timeout=120_000)
+        shown = page.eval_on_selector_all(".turn.assistant span", "e => e.map(x => x.textContent)")
+        assert shown == [vlm("What is 2+2? Answer in words.", None, max_new_tokens=256).text]
+        # nothing but the site itself: no CDN, no API
+        assert page.requests and all(u.startswith(url + "/") or u.startswith("data:") for u in page.requests)
+        assert not any("/v1" in u for u in page.requests)
+
+        reloaded = _open(ctx, url)  # Cache Storage: a reload downloads none of the bundle again
+        assert reloaded.loaded["bytes"]["fromNetwork"] == 0
+        got = _ask(reloaded, images=[_uri(image)], prompt=question, maxNewTokens=8)
+        assert got["tokenIds"] == vlm(question, image, max_new_tokens=8).token_ids
+        assert not any(u.endswith(".data") or u.endswith(".npy") for u in reloaded.requests)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tiny_bundles_answer_as_python(family, tmp_path_factory, tmp_path):
+    """Every registered family's first tiny case (tests/family_cases.py): tiled images (resized, cut, a global tile /
+    thumbnail) through the vision graph, spliced, prefill + decode, in both modes."""
+    need_browser()
+    pytest.importorskip("torch")
+    fc = FAMILIES[family]
+    ex = fc.exported(fc.cases[0], tmp_path_factory)
+    site = write_site(ex.bundle, tmp_path / "site")
+    vlm = VLM.load(ex.bundle)
+    with served(site) as url, browser(tmp_path / "profile") as ctx:
+        page = _open(ctx, url)
+        for image in (ASSETS / "chelsea.png", ASSETS / "page.png"):
+            for mode in ("hybrid", "kv"):
+                want = vlm("Describe the image.", image, max_new_tokens=8, ignore_eos=True, mode=mode)
+                assert want.stats.image_tiles > 1
+                got = _ask(page, images=[_uri(image)], prompt="Describe the image.", maxNewTokens=8, ignoreEos=True,
+                           mode=mode)
+                assert got["promptIds"] == want.prompt_ids
+                assert got["tokenIds"] == want.token_ids, (image.name, mode)
+
+
+# ------------------------------------------------------------------------------------------ the command line
+
+def _refused(capsys, *argv) -> str:
+    rc = cli.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith("vlmrt: error: "), err
+    return err[0]
+
+
+def _linked_copy(bundle: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    for f in bundle.iterdir():
+        if f.is_file() and f.name != "manifest.json":
+            (dst / f.name).hardlink_to(f)
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m["graphs"]["decode"].update(precision="w4a8"), "graph decode is w4a8: onnxruntime-web computes"),
+    (lambda m: m["target"].update(name="htp"), "this bundle is for the htp target"),
+    (lambda m: m["graphs"]["vision"]["inputs"][0].update(dtype="float16"), "graph vision has float16 I/O"),
+])
+def test_refuses_what_the_browser_cannot_run_exactly(default_bundle, tmp_path, capsys, edit, says):
+    bundle = _linked_copy(default_bundle.bundle, tmp_path / "b", edit)
+    line = _refused(capsys, "web", str(bundle), "--out", str(tmp_path / "site"))
+    assert says in line and "vlmrt export" in line
+    assert not (tmp_path / "site").exists() and list(tmp_path.iterdir()) == [bundle]  # nothing half-written
+
+
+def test_command_errors_are_one_line(default_bundle, tmp_path, capsys, monkeypatch):
+    bundle = default_bundle.bundle
+    out = tmp_path / "site"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert "exists; use --force" in _refused(capsys, "web", str(bundle), "--out", str(out))
+    assert (out / "keep.txt").read_text() == "mine"
+    assert "not a vlmrt bundle" in _refused(capsys, "web", str(tmp_path), "--out", str(tmp_path / "x"))
+    monkeypatch.setenv("VLMRT_WEB_MODULES", str(tmp_path / "none"))
+    assert "npm ci" in _refused(capsys, "web", str(bundle), "--out", str(tmp_path / "y"))
+    assert not (tmp_path / "y").exists()
+    monkeypatch.delenv("VLMRT_WEB_MODULES")
+    assert cli.main(["web", str(bundle), "--out", str(out), "--force"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "bundle" / "manifest.json").is_file()
+    assert (out / "_headers").read_text().count("Cross-Origin-") == 3
+
+
+def _get(url: str):
+    """(status, headers (case-insensitive), body)"""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, b""
+
+
+def test_serve_sends_isolation_headers_and_only_the_folder(default_bundle, tmp_path):
+    """`vlmrt web --serve` in a subprocess: 127.0.0.1, COOP / COEP, module and WASM types, no listing, no escape."""
+    env_path = str(Path(__file__).resolve().parents[1] / "src")
+    site = tmp_path / "site"
+    (tmp_path / "secret.txt").write_text("no")
+    proc = subprocess.Popen([sys.executable, "-m", "vlmrt.cli", "web", str(default_bundle.bundle), "--out", str(site),
+                             "--serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": env_path})
+    try:
+        assert proc.stdout.readline().strip() == str(site)
+        line = proc.stderr.readline()
+        assert "serving" in line and "http://127.0.0.1:" in line
+        url = line.split("at ")[1].split()[0].rstrip("/")
+        status, headers, body = _get(url + "/")
+        assert status == 200 and b"vlmrt" in body
+        assert headers["Cross-Origin-Opener-Policy"] == "same-origin"
+        assert headers["Cross-Origin-Embedder-Policy"] == "require-corp"
+        assert _get(url + "/vlmrt/vendor/ort/ort-wasm-simd-threaded.wasm")[1]["Content-Type"] == "application/wasm"
+        assert _get(url + "/vlmrt/vlmrt.js")[1]["Content-Type"].startswith("text/javascript")
+        assert _get(url + "/vlmrt/")[0] == 404  # no listing
+        assert _get(url + "/../secret.txt")[0] == 404 and _get(url + "/%2e%2e/secret.txt")[0] == 404
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_refuses_a_taken_port(default_bundle, tmp_path, capsys):
+    from vlmrt.web.server import make_server
+
+    srv = make_server(tmp_path, 0)
+    try:
+        port = srv.server_address[1]
+        line = _refused(capsys, "web", str(default_bundle.bundle), "--out", str(tmp_path / "site"), "--serve", "--port",
+                        str(port))
+        assert f"cannot listen on 127.0.0.1:{port}" in line and not (tmp_path / "site").exists()
+    finally:
+        srv.server_close()
+
+
+def test_without_bundle_the_demo_model(demo_model, tmp_path, monkeypatch, capsys):
+    """`vlmrt web --out DIR` takes the offline demo model from the cache (built there on first use)."""
+    root, bundle = demo_model
+    monkeypatch.setenv("VLMRT_CACHE", str(root))
+    assert cli.main(["web", "--out", str(tmp_path / "site")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "site")
+    assert (tmp_path / "site" / "bundle" / "manifest.json").read_bytes() == (bundle / "manifest.json").read_bytes()
