@@ -123,8 +123,8 @@ def test_prompt_markers_equal_processor(ckpt, hf):
 
     pre = json.loads((ckpt / "preprocessor_config.json").read_text())
     spec = image_spec(pre)
-    p = PromptSpec(template_image="", template_text="", expansion="tile_markers", tokens_per_tile=16,
-                   add_special_tokens=False, params={"image_token": IMAGE, "start_token": IMAGE_START,
+    p = PromptSpec(chat_template="", expansion="tile_markers", tokens_per_tile=16, add_special_tokens=False,
+                   image_placeholder=IMAGE, params={"image_token": IMAGE, "start_token": IMAGE_START,
                                                      "end_token": IMAGE_END, "thumbnail_token": THUMBNAIL,
                                                      "tile_marker": "<|img_row_{row}_col_{col}|>"})
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
