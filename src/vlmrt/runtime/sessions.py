@@ -13,13 +13,8 @@ from pathlib import Path
 from .. import manifest as mf
 from .weights import SharedWeights, release_freed_heap
 
-
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
-
-
 DEVICES = ("cpu", "cuda", "htp")
-
-
 _QNN_REGISTERED = False
 
 
