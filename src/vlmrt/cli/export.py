@@ -18,8 +18,9 @@ def add_parser(sub) -> None:
                         "ones are 4-bit with a float offset per block, GGUF Q4_1's rule, and keep the lm head at 8 bits), or per graph, e.g. "
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype). --target htp: fp16 (the HTP's "
                         "float path), w8a16, w4a16 (int4 block-wise) or w4a16o (int4 block-wise with Q4_1 block offsets), default "
-                        "w8a16; 4-bit ones keep the vision graph and the lm head at 8 bits; head=PREC: the lm head as its own graph "
-                        "(vision=fp16,prefill=fp16,decode=w4a16o,head=w8a16; the default for an untied head under a per-graph spec)")
+                        "w8a16; 4-bit ones keep the vision graph and the lm head at 8 bits; head=PREC makes the lm head a "
+                        "graph of its own at PREC (e.g. vision=fp16,prefill=fp16,decode=w4a16o,head=w8a16), the default (w8a16) for an "
+                        "untied head under a per-graph spec without lm_head= and without --lookahead-ar")
     e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
                    help="htp: static graphs for the Qualcomm NPU (QDQ with 16-bit activations or fp16, per --quant; uint8 KV "
                         "cache), compiled into QNN context binaries")
