@@ -2,7 +2,7 @@
 
     python benchmarks/htp_cycles.py BUNDLE [BUNDLE ...] [--steps 24] [--level detailed] [--out DIR]
 
-Each bundle is opened as `vlmrt run --device htp` opens it (runtime/bundle.py: Bundle.open, make_session), except that
+Each bundle is opened as `vlmrt run --device htp` opens it (runtime/bundle.py Bundle.open, runtime/sessions.py make_session), except that
 its decode graph's session gets two more QNN provider options, profiling_level and profiling_file_path (the QNN EP
 writes a CSV of QNN's profile events, and a binary *_qnn.log for qnn-profile-viewer, when the session ends). A greedy
 answer of --steps tokens (hybrid: the prompt through the prefill graph, unprofiled) runs the decode graph once per token;
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmrt.runtime.bundle import Bundle, make_session
+from vlmrt.runtime.bundle import Bundle
+from vlmrt.runtime.sessions import make_session
 from vlmrt.runtime.pipeline import VLM
 
 PROMPT = "Describe a red square and then a blue circle on a white background, please."

@@ -27,7 +27,7 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
     import onnxruntime as ort
 
     from vlmrt import manifest as mf
-    from vlmrt.runtime.bundle import SharedWeights
+    from vlmrt.runtime.weights import SharedWeights
     from vlmrt.runtime.kv_cache import KVCache, attention_mask, context_slots
 
     m = mf.load(bundle, verify=False)

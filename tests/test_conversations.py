@@ -17,6 +17,7 @@ import test_internvl as ivl
 from conftest import CASES, exported, image_file
 from http_images import serve_images
 from vlmrt import cli
+from vlmrt.cli.options import stats_report
 from vlmrt.runtime import image as img_ops
 from vlmrt.runtime.pipeline import VLM
 
@@ -428,7 +429,7 @@ def test_chat_repl(default_bundle, tmp_path):
     vlm = VLM.load(default_bundle.bundle)
     out, err = io.StringIO(), io.StringIO()
     script = f"What is this?\n/image {small('strip', tmp_path)}\nAnd this one?\n/stats\n/image /no/such.png\nHm?\n/reset\nHi\n"
-    assert repl(vlm, dict(max_new_tokens=4), images=[a], report=cli._stats_report, stdin=io.StringIO(script),
+    assert repl(vlm, dict(max_new_tokens=4), images=[a], report=stats_report, stdin=io.StringIO(script),
                 stdout=out, stderr=err) == 0
     log = err.getvalue()
     turns = [ln for ln in log.splitlines() if ln.startswith("[") and "prompt tokens" in ln]
@@ -479,7 +480,7 @@ def test_chat_repl_without_a_turn(default_bundle, monkeypatch):
     vlm = VLM.load(default_bundle.bundle)
     err = io.StringIO()
     script = io.StringIO("/stats\n/image /no/such.png\nHi\n/stats\n")
-    assert repl(vlm, dict(max_new_tokens=2), report=cli._stats_report, stdin=script, stdout=io.StringIO(),
+    assert repl(vlm, dict(max_new_tokens=2), report=stats_report, stdin=script, stdout=io.StringIO(),
                 stderr=err) == 0
     assert err.getvalue().count("[no turn answered yet]") == 2 and "prompt tokens" not in err.getvalue()
     monkeypatch.setattr("sys.stdin", None)

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import CASES, exported, image_file
 from vlmrt import cli
+from vlmrt.cli.options import stats_report
 
 
 def run_cli(*args, env=None):
@@ -65,11 +66,11 @@ def test_one_token_answer_reports_no_decode_rate():
     from vlmrt.runtime.pipeline import Result, RunStats
 
     one = Result(stats=RunStats(prompt_tokens=9, generated_tokens=1, stop_reason="eos"))
-    assert "none (the one token came from prefill)" in cli._stats_report(one)
+    assert "none (the one token came from prefill)" in stats_report(one)
     assert "tok/s" not in chat_repl.summary(one.stats)
     two = Result(stats=RunStats(prompt_tokens=9, generated_tokens=2, decode_tokens_per_s=50.0,
                                 decode_ms_per_token=20.0, stop_reason="eos"))
-    assert "50.0 tokens/s (20.0 ms/token)" in cli._stats_report(two)
+    assert "50.0 tokens/s (20.0 ms/token)" in stats_report(two)
     assert "2 tokens, 50.0 tok/s" in chat_repl.summary(two.stats)
 
 

@@ -145,3 +145,24 @@ def test_a_broken_family_fails_the_export_in_one_line(default_bundle, tmp_path, 
                    "(longest_edge_grid, closest_aspect_grid; runtime/image.py TILING) (a bug in "
                    "vlmrt.families.smolvlm, not in the checkpoint)"], err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(norm="rms_norm", qkv_bias=False, qk_norm=True, layer_scale=True)],
+                         ids=["siglip", "internvit"])
+def test_vit_layer_key_mask_hides_padding(opts):
+    """vit.ViTLayer's key_mask: real patches padded to a static count (NaFlex tiles) come out as the layer gives them
+    unpadded (the padding is attended by none); without a mask the padding changes them."""
+    from vlmrt.families.vit import ViTLayer, ViTOptions
+
+    torch.manual_seed(0)
+    layer = ViTLayer(16, 2, 32, 1e-6, "gelu", ViTOptions(**opts)).eval()
+    for prm in layer.parameters():
+        torch.nn.init.normal_(prm, std=0.3)
+    real, pad = torch.randn(5, 16), torch.randn(3, 16)
+    mask = torch.tensor([0.0] * 5 + [-1e9] * 3)
+    with torch.no_grad():
+        alone = layer(real)
+        masked = layer(torch.cat([real, pad]), mask)[:5]
+        unmasked = layer(torch.cat([real, pad]))[:5]
+    torch.testing.assert_close(masked, alone, rtol=0, atol=1e-6)
+    assert (unmasked - alone).abs().max() > 1e-2

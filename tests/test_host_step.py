@@ -7,7 +7,7 @@ import pytest
 
 from vlmrt import manifest as mf
 from vlmrt.manifest import KVSpec
-from vlmrt.runtime.bundle import EmbeddingRows
+from vlmrt.runtime.weights import EmbeddingRows
 from vlmrt.runtime.engine import Engine
 from vlmrt.runtime.kv_cache import KVCache, attention_mask
 from vlmrt.runtime.step import StepMask

@@ -19,7 +19,7 @@ from vlmrt import cli
 from vlmrt import manifest as mf
 from vlmrt.export import htp_precisions, int4_blocks, quantize_offsets
 from vlmrt.manifest_checks import check_decoder
-from vlmrt.runtime.bundle import make_session
+from vlmrt.runtime.sessions import make_session
 from vlmrt.runtime.pipeline import VLM
 
 pytest.importorskip("torch")

@@ -161,7 +161,7 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
     # docs/npu-deploy.md). What is checked: each context equals the graph compiled at load for the same arch.
     from test_qnn_context import feeds
     from vlmrt import manifest as mf
-    from vlmrt.runtime.bundle import make_session
+    from vlmrt.runtime.sessions import make_session
 
     mm, rng = mf.load(b), np.random.default_rng(0)
     for name, g in mm.graphs.items():

@@ -104,7 +104,7 @@ def test_scale_pages_dropped_while_the_session_builds(tmp_path):
     import time
     from pathlib import Path
 
-    from vlmrt.runtime.bundle import SharedWeights
+    from vlmrt.runtime.weights import SharedWeights
 
     data = np.arange(256 * 1024, dtype=np.float32)  # 1 MB: 256 pages
     (tmp_path / "w.data").write_bytes(data.tobytes())

@@ -16,7 +16,8 @@ from test_quant import bundle
 from vlmrt import cli
 from vlmrt import manifest as mf
 from vlmrt.export.pipeline import export
-from vlmrt.runtime.bundle import Bundle, make_session
+from vlmrt.runtime.bundle import Bundle
+from vlmrt.runtime.sessions import make_session
 from vlmrt.runtime.pipeline import VLM
 
 pytest.importorskip("torch")

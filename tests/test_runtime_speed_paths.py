@@ -8,7 +8,8 @@ import onnxruntime as ort
 import pytest
 
 import vlmrt
-from vlmrt.runtime.bundle import Bundle, SharedWeights
+from vlmrt.runtime.bundle import Bundle
+from vlmrt.runtime.weights import SharedWeights
 from vlmrt.runtime.pipeline import VLM
 from vlmrt.runtime.step import BoundStep
 
@@ -167,7 +168,7 @@ def test_embedding_rows_read_with_pread_equal_the_table(default_bundle, tmp_path
     import numpy as np
 
     from vlmrt.manifest import BundleError
-    from vlmrt.runtime.bundle import EmbeddingRows
+    from vlmrt.runtime.weights import EmbeddingRows
 
     path = default_bundle.bundle / default_bundle.manifest()["decoder"]["embedding_file"]
     want = np.load(path)

@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .runtime.bundle import default_threads
+from .runtime.sessions import default_threads
 from .runtime.pipeline import VLM, peak_rss_mb
 
 FILLER = "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. "

@@ -56,7 +56,7 @@ class GraphSpec:
     weights: dict[str, Any] = field(default_factory=dict)  # e.g. {"block_size": 32, "symmetric": true, "lm_head": "w8a16"}
     # written by the export from the graph proto (required in a manifest; defaults only while the export builds one):
     data_files: list[str] = field(default_factory=list)  # the external-data files the graph reads
-    # external initializers the host may map once and share between sessions (runtime/bundle.py SharedWeights): [{"name",
+    # external initializers the host may map once and share between sessions (runtime/weights.py SharedWeights): [{"name",
     # "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and prepacked MatMulNBits inputs not listed
     mapped_weights: list[dict[str, Any]] = field(default_factory=list)
     prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)

@@ -21,7 +21,7 @@ import onnx
 from onnx import helper
 
 from .. import manifest as mf
-from ..runtime.bundle import release_freed_heap
+from ..runtime.weights import release_freed_heap
 from . import fuse, graphs, htp_head, htp_precisions, htp_verify, int4_blocks, onnx_names, qnn_context
 from .htp_calibrate import calibrate, kv_ranges, uint8_encoding
 

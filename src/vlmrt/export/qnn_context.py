@@ -68,7 +68,7 @@ def compile_graphs(folder: Path, graphs: list[str], target: dict, shared: bool =
     import onnx
     import onnxruntime as ort
 
-    from ..runtime.bundle import qnn_devices
+    from ..runtime.sessions import qnn_devices
 
     devs, backend = qnn_devices()
     opts = {"backend_path": backend, "htp_arch": str(target["htp_arch"])}

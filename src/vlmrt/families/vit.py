@@ -61,7 +61,10 @@ class ViTLayer(nn.Module):
         self.scale1 = nn.Parameter(torch.ones(dim)) if opts.layer_scale else None
         self.scale2 = nn.Parameter(torch.ones(dim)) if opts.layer_scale else None
 
-    def forward(self, x):  # x [tokens, dim]
+    def forward(self, x, key_mask=None):  # x [tokens, dim]
+        """key_mask [tokens], additive (0 for a real patch, a large negative value for padding): added to every
+        query's scores per key, so padded patches are attended by none (tiles padded to one static patch count,
+        NaFlex); None: no Add in the graph."""
         n, dim = x.shape
         h = self.heads
         d = dim // h
@@ -69,7 +72,10 @@ class ViTLayer(nn.Module):
         q = self.q_norm(self.q_proj(y)).view(n, h, d).transpose(0, 1)  # [h, n, d]
         k = self.k_norm(self.k_proj(y)).view(n, h, d).permute(1, 2, 0)  # [h, d, n]
         v = self.v_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
-        p = torch.softmax(torch.matmul(q, k) * (d**-0.5), dim=-1)  # [h, n, n]
+        scores = torch.matmul(q, k) * (d**-0.5)  # [h, n, n]
+        if key_mask is not None:
+            scores = scores + key_mask[None, None, :]
+        p = torch.softmax(scores, dim=-1)
         a = self.out_proj(torch.matmul(p, v).transpose(0, 1).reshape(n, dim))  # [n, dim]
         x = x + (a if self.scale1 is None else self.scale1 * a)
         m = self.fc2(self.act(self.fc1(self.norm2(x))))

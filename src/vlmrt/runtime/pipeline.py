@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from . import image as img_ops
-from .bundle import Bundle, Sessions
+from .bundle import Bundle
+from .sessions import Sessions
 from .chunks import Prompt
 from .engine import MODES, ContextOverflow, Engine, check_lookahead
 from .lookahead import check_exact

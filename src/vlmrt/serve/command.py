@@ -146,7 +146,7 @@ def build(a, bundle: str, on_load_error=None):
     media = Path(a.media_dir) if a.media_dir else None
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
-    from ..runtime.bundle import check_threads
+    from ..runtime.sessions import check_threads
     from ..runtime.engine import check_lookahead
     from ..runtime.lookahead import check_exact
 

@@ -1,0 +1,50 @@
+"""`vlmrt batch`: every record of a data set answered into a JSONL file (vlmrt.batch; docs/batch.md)."""
+
+from __future__ import annotations
+
+import json
+
+from .options import _bundle_or_default, _generation_args, _options
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("batch", help="answer every record of a data set into a JSONL file (one process or Ray Data actors)")
+    _generation_args(t, "intra-op threads per worker (default: 1 worker in process, the physical cores; more, "
+                        "the CPUs divided by the workers, on a cluster the smallest node's)")
+    t.add_argument("--input", required=True, metavar="SRC",
+                   help="a folder of images (with --prompt) or a JSONL file of records: id, image (a path, URL or data "
+                        "URI, or a list of them) and prompt, or id and messages")
+    t.add_argument("--output", required=True, metavar="OUT.jsonl",
+                   help="results, one line per record (appended; a rerun skips the ids already in it)")
+    t.add_argument("--prompt", default=None, help="the question for a folder's images and for records without one")
+    t.add_argument("--workers", type=int, default=1,
+                   help="workers, each loading the bundle once (default 1: in this process; more: Ray Data actors)")
+    t.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local Ray for the job)")
+    t.add_argument("--batch-size", type=int, default=4, help="records per call of a Ray worker (default 4)")
+    t.add_argument("--retry-errors", action="store_true", help="do again the records whose line in OUT is an error")
+    t.add_argument("--allow-local-urls", action="store_true",
+                   help="let records' image URLs reach loopback, private and link-local addresses (default: public "
+                        "addresses only, as records may come from others)")
+    t.add_argument("--no-image-urls", action="store_true", help="refuse records' http(s) image URLs (error lines)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    t.set_defaults(fn=run)
+
+
+def run(a) -> int:
+    from ..batch.runner import Job, report, run_batch
+
+    opts = _options(a)
+    if a.workers < 1:  # before the default model is built
+        raise ValueError("--workers must be >= 1")
+    job = Job(bundle=_bundle_or_default(a.bundle), input=a.input, output=a.output, prompt=a.prompt, workers=a.workers,
+              threads=a.threads, ray_address=a.ray_address, device=a.device, verify=a.bundle is not None,
+              kv_requant=not a.no_kv_requant, lookahead=a.lookahead, options=opts, batch_size=a.batch_size, retry_errors=a.retry_errors,
+              progress=not a.quiet, allow_local_urls=a.allow_local_urls, image_urls=not a.no_image_urls)
+    s = run_batch(job)
+    report(s)
+    if a.json:
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(s)))
+    return 0

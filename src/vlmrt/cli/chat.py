@@ -1,0 +1,23 @@
+"""`vlmrt chat`: an interactive conversation (vlmrt.chat_repl)."""
+
+from __future__ import annotations
+
+from .options import _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
+
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("chat", help="an interactive conversation (/image PATH|URL, /reset, /stats, /quit)")
+    _generation_args(c)
+    _image_arg(c)
+    c.add_argument("--system", default=None, help="a system message put first")
+    c.set_defaults(fn=run)
+
+
+def run(a) -> int:
+    from ..chat_repl import repl
+    from ..runtime.pipeline import VLM
+
+    opts = _options(a)
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
+    return repl(vlm, opts, images=a.image or [], videos=_videos(a), system=a.system, report=stats_report)

@@ -1,0 +1,69 @@
+"""`vlmrt export`: a Hugging Face checkpoint (folder or hub id) to a bundle folder (vlmrt.export.pipeline)."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("export", help="export a Hugging Face checkpoint (folder or hub id) to a bundle")
+    e.add_argument("src", help="checkpoint folder or hub id (e.g. HuggingFaceTB/SmolVLM-256M-Instruct)")
+    e.add_argument("out", help="bundle folder to write")
+    e.add_argument("--prefill-ar", type=int, default=32, help="tokens per prefill graph call (default 32)")
+    e.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV cache size = max context in tokens (default: the family's, e.g. 1024 for SmolVLM, "
+                        "room for the default max tiles for InternVL)")
+    e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="graph I/O and KV cache type (default fp32)")
+    e.add_argument("--quant", default=None,
+                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8|w4a16m|w4a8m|w4a16o|w4a8o|w4a16g|w4a8g for all graphs (4-bit ones keep the "
+                        "vision graph at 8 bits; the m ones also keep each layer's v_proj and down_proj at 8 bits, as Q4_K_M; the o "
+                        "ones are 4-bit with a float offset per block, GGUF Q4_1's rule, and keep the lm head at 8 bits), or per graph, e.g. "
+                        "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype). --target htp: fp16 (the HTP's "
+                        "float path), w8a16, w4a16 (int4 block-wise) or w4a16o (int4 block-wise with Q4_1 block offsets), default "
+                        "w8a16; 4-bit ones keep the vision graph and the lm head at 8 bits; head=PREC makes the lm head a "
+                        "graph of its own at PREC (e.g. vision=fp16,prefill=fp16,decode=w4a16o,head=w8a16), the default (w8a16) for an "
+                        "untied head under a per-graph spec without lm_head= and without --lookahead-ar")
+    e.add_argument("--target", choices=["cpu", "htp"], default="cpu",
+                   help="htp: static graphs for the Qualcomm NPU (QDQ with 16-bit activations or fp16, per --quant; uint8 KV "
+                        "cache), compiled into QNN context binaries")
+    e.add_argument("--calibration", default=None,
+                   help="HTP calibration set: a folder of images (+ optional prompts.txt, one prompt per line); "
+                        "default: vlmrt's sample images and its calibration prompts (apart from `vlmrt eval`'s)")
+    e.add_argument("--soc-model", default=None,
+                   help="HTP: the Snapdragon the context binaries are compiled for: SM8850, SM8750, SM8650, SM8550, SC8380XP "
+                        "or a QNN soc model id (default SM8750 = Snapdragon 8 Elite, htp_arch 79)")
+    e.add_argument("--htp-arch", default=None, help="HTP: Hexagon arch (e.g. 73, 75, 79) when --soc-model is not given or not known")
+    e.add_argument("--keep-qdq", action="store_true",
+                   help="HTP: also keep the QDQ ONNX graphs (the CPU EP runs only those; the QNN EP would compile them at load)")
+    e.add_argument("--htp-shared-context", action="store_true",
+                   help="HTP: prefill and decode in one context binary (one copy of the decoder weights on the device); "
+                        "unverified: the x86-64 simulator cannot load it (docs/npu-deploy.md)")
+    e.add_argument("--lookahead-ar", type=int, default=0, metavar="K",
+                   help="HTP: also a lookahead verify graph of K tokens (the decode graph at AR = K, every row's logits), "
+                        "which `run --lookahead` (up to K-1 drafts) uses; default 0: none")
+    e.add_argument("--context-step", type=int, default=None,
+                   help="CPU decoder graphs take any cache length and each step reads the cache prefix it needs, "
+                        "rounded up to this many slots (default 64; 0 = static graphs over the whole cache, as "
+                        "--target htp uses)")
+    e.add_argument("--attention", choices=["gqa", "portable"], default=None,
+                   help="gqa: the CPU decoder's attention as ORT's GroupQueryAttention, which updates the KV cache in "
+                        "place (the default for the one-graph CPU decoder when head_dim is a multiple of 16); portable: "
+                        "the graph's own attention ops and host-written KV rows (what static and HTP graphs use)")
+    e.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    e.add_argument("--quiet", action="store_true", help="no progress display")
+    e.set_defaults(fn=run)
+
+
+def run(a) -> int:
+    from ..export.pipeline import export
+
+    calibration = None
+    if a.calibration:
+        from ..eval.samples import calibration_set
+
+        calibration = calibration_set(a.calibration)
+    out = export(a.src, a.out, prefill_ar=a.prefill_ar, max_seq_len=a.max_seq_len, dtype=a.dtype, quant=a.quant,
+                 target=a.target, calibration=calibration, soc_model=a.soc_model,
+                 htp_arch=a.htp_arch, keep_qdq=a.keep_qdq, shared_context=a.htp_shared_context,
+                 context_step=a.context_step, attention=a.attention, lookahead_ar=a.lookahead_ar, force=a.force,
+                 progress=not a.quiet)
+    print(out)
+    return 0

@@ -1,0 +1,96 @@
+"""What several commands share: the generation arguments and options, the image (and video) arguments, the
+default model, the stats report."""
+
+from __future__ import annotations
+
+
+def stats_report(r) -> str:
+    s = r.stats
+    lines = [
+        f"prompt tokens      {s.prompt_tokens} ({s.images} images, {s.image_tiles} image tiles; "
+        f"{s.reused_prompt_tokens} reused)",
+        f"generated tokens   {s.generated_tokens} (stop: {s.stop_reason})",
+        f"model load         {s.load_s:.3f} s" + (f" (+ vision graph {s.vision_load_s:.3f} s, on first use)"
+                                                 if s.vision_load_s else ""),
+        f"image preprocess   {s.preprocess_s:.3f} s",
+        f"vision encode      {s.vision_s:.3f} s" + (" (skipped: cached)" if s.vision_skipped else ""),
+        f"time to 1st token  {s.ttft_s:.3f} s",
+        f"prefill            {s.prefill_tokens_per_s:.1f} tokens/s",
+        (f"decode             {s.decode_tokens_per_s:.1f} tokens/s ({s.decode_ms_per_token:.1f} ms/token)"
+         if s.generated_tokens > 1 else "decode             none (the one token came from prefill)"),
+        f"peak RSS           {s.peak_rss_mb:.0f} MB",
+    ]
+    if s.drafted_tokens:
+        lines.insert(-1, f"lookahead          {s.accepted_tokens} of {s.drafted_tokens} drafted tokens accepted")
+    return "\n".join(lines)
+
+
+def _options(a) -> dict:
+    """The generation options of `run` and `chat`, checked."""
+    from ..runtime.sampler import SamplingConfig
+
+    SamplingConfig(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed).validate()
+    if a.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    return dict(mode=a.mode, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos, max_tiles=a.max_tiles, max_frames=a.max_frames)
+
+
+def _videos(a) -> list:
+    """--video (with --fps for a folder of frames) as the turn's VideoSource."""
+    from ..runtime.conversation import VideoSource
+
+    if a.fps is not None and a.video is None:
+        raise ValueError("--fps is the frame rate of a --video folder of frames")
+    return [VideoSource(a.video, a.fps)] if a.video is not None else []
+
+
+def _bundle_or_default(bundle: str | None) -> str:
+    """The given bundle, or the offline default model (exported into the cache on first use)."""
+    if bundle is not None:
+        return bundle
+    from ..demo.default_model import ensure_bundle
+
+    return str(ensure_bundle(progress=True))
+
+
+LOOKAHEAD_HELP = ("lookahead decoding of greedy answers: draft up to N tokens per step by prompt lookup and verify "
+                  "them in one decoder call (same output; faster when the answer copies the prompt); 0 = off (default)")
+
+
+def _generation_args(r, threads_help: str = "intra-op threads (default: physical cores)") -> None:
+    r.add_argument("bundle", nargs="?", default=None,
+                   help="bundle folder (default: the offline easy-VQA demo model, exported into $VLMRT_CACHE or "
+                        "~/.cache/vlmrt on first use)")
+    r.add_argument("--mode", choices=["kv", "hybrid"], default=None, help="kv: prompt through the AR=1 graph; hybrid: AR=N prefill blocks (default)")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable): the answer is cut before it and generation ends there")
+    r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    r.add_argument("--max-tiles", type=int, default=None,
+                   help="cap each image's tile count (bundles whose tiling has one, e.g. InternVL)")
+    r.add_argument("--max-frames", type=int, default=None,
+                   help="sample at most this many frames of a video (default: the checkpoint's, e.g. 64 for SmolVLM2)")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"],
+                   help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
+    r.add_argument("--htp-arch", default=None,
+                   help="--device htp: this device's Hexagon arch (e.g. 75, 79); a bundle compiled for another is refused")
+    r.add_argument("--no-kv-requant", action="store_true",
+                   help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
+    r.add_argument("--threads", type=int, default=None, help=threads_help)
+    r.add_argument("--lookahead", type=int, default=0, metavar="N", help=LOOKAHEAD_HELP)
+
+
+def _image_arg(r) -> None:
+    r.add_argument("--image", action="append",
+                   help="image: a file, an http(s):// URL or a data:image/...;base64, URI (repeatable: several "
+                        "images, in order, before the text)")
+    r.add_argument("--video", default=None,
+                   help="video (SmolVLM2 bundles): an animated GIF / WebP, an mp4 / webm / mkv / mov file (needs "
+                        "vlmrt[video]), a folder of numbered frames (with --fps), an http(s):// URL or a data URI; "
+                        "put before the images and the text (docs/video.md)")
+    r.add_argument("--fps", type=float, default=None, help="the frame rate of a --video folder of frames")

@@ -1,0 +1,55 @@
+"""`vlmrt run`: one answer to a prompt with images, or to a conversation's next turn (--messages)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .options import _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("run", help="ask a question about images or a video, or answer a conversation's next turn")
+    _generation_args(r)
+    _image_arg(r)
+    r.add_argument("--prompt", default=None, help="the question (one user turn: the --image images, then this text)")
+    r.add_argument("--messages", default=None, metavar="CONV.json",
+                   help="a conversation: a JSON list of OpenAI-style messages (system / user / assistant; content a "
+                        "string or text / image_url / video_url parts); answers the next assistant turn")
+    r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
+    r.set_defaults(fn=run)
+
+
+def run(a) -> int:
+    from ..runtime.conversation import user_turn
+    from ..runtime.pipeline import VLM
+
+    if (a.messages is None) == (a.prompt is None):
+        raise ValueError("give --prompt (with --image / --video ...) or --messages CONV.json")
+    if a.messages is not None:
+        if a.image or a.video:
+            raise ValueError("--messages carries its images and videos (image_url / video_url parts); --image and "
+                             "--video do not apply")
+        from ..runtime.conversation import load_messages
+
+        messages = load_messages(a.messages)
+    else:
+        messages = user_turn(a.prompt, a.image or [], _videos(a))
+    opts = _options(a)
+    # the default model's cache was verified (every file's sha256) by ensure_bundle just now
+    if a.htp_arch is not None and a.device != "htp":
+        raise ValueError("--htp-arch is for --device htp")
+    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
+    # a one-shot run: nothing to reuse, the same as generate()
+    gen = vlm.chat(messages, **opts)
+    if a.json:
+        for _ in gen:
+            pass
+        print(json.dumps(vlm.result.to_dict()))
+    else:
+        for piece in gen:
+            print(piece, end="", flush=True)
+        print(flush=True)  # the answer's line ends before the report (stderr) when both go to one pipe
+        print(stats_report(vlm.result), file=sys.stderr)
+    return 0
