@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Family, HostSpec, Weights, processor_image
+from . import Family, HostSpec, Weights, processor_image, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
 from .vit import ViTLayer, conv_as_matmul_weight, pixel_shuffle
 from .weights import Tensors, layer_keys, text_decoder
