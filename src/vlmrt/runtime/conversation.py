@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..manifest import PromptSpec
-from .prompt import EXPANSION, build_prompt
+from .prompt import EXPANSION
 
 ROLES = ("system", "user", "assistant")
 
@@ -127,12 +127,10 @@ class ChatTemplate:
 
     def __init__(self, p: PromptSpec):
         self.p = p
-        self._template = None
-        if p.chat_template:
-            try:
-                self._template = template_env().from_string(p.chat_template)
-            except Exception as e:  # jinja2 syntax errors
-                raise ConversationError(f"cannot compile the bundle's chat template: {e}") from None
+        try:
+            self._template = template_env().from_string(p.chat_template)
+        except Exception as e:  # jinja2 syntax errors
+            raise ConversationError(f"cannot compile the bundle's chat template: {e}") from None
 
     def _template_messages(self, conv: Conversation) -> list[dict]:
         p, msgs = self.p, []
@@ -152,8 +150,6 @@ class ChatTemplate:
     def render(self, conv: Conversation, grids: list[tuple[int, int, int]]) -> str:
         """The prompt text with each image's expansion; grids: (rows, cols, tiles) per image, in order."""
         p = self.p
-        if self._template is None:
-            return self._render_legacy(conv, grids)
         if p.expansion not in EXPANSION:
             raise ValueError(f"this vlmrt has no prompt expansion op {p.expansion!r}; upgrade vlmrt")
         try:
@@ -172,14 +168,6 @@ class ChatTemplate:
         for grid, piece in zip(grids, pieces[1:]):
             out += EXPANSION[p.expansion](*grid, p) + piece
         return out
-
-    def _render_legacy(self, conv: Conversation, grids) -> str:
-        """Bundles exported before conversations carry one rendered single-turn template."""
-        m = conv.messages
-        if len(m) != 1 or len(grids) > 1:
-            raise ConversationError("this bundle was exported before conversations and multi-image prompts; re-export it")
-        text = "\n".join(part["text"] for part in m[0]["content"] if part["type"] == "text")
-        return build_prompt(self.p, text, grids[0] if grids else None)
 
 
 def load_messages(path: str) -> list[dict]:

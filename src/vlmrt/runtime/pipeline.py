@@ -31,7 +31,8 @@ import numpy as np
 
 from . import image as img_ops
 from .bundle import Bundle, Sessions
-from .engine import MODES, ContextOverflow, Engine, check_lookahead, splice
+from .positions import prompt_positions
+from .engine import MODES, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead, splice
 from .lookahead import check_exact
 from .conversation import ChatTemplate, Conversation, parse_messages, user_turn
 from .prefix_cache import CachedImage, ImageCache, PrefixCache, row_keys
@@ -102,12 +103,11 @@ class VLM:
         check_lookahead(m.decoder, lookahead)
         check_exact(m.graphs["decode"], lookahead)
         # a static bundle's verify graph (the HTP target), loaded only for lookahead
-        verify = bundle.sessions["verify"] if lookahead and m.decoder.verify_ar else None
-        self.engine = Engine(
-            bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
-            bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale, kv_requant, lookahead,
-            verify, bundle.sessions.get("head"),
-        )
+        verify = bundle.sessions["verify"] if lookahead and getattr(m.decoder.kind, "verify_ar", 0) else None
+        sessions = DecoderSessions(decode=bundle.sessions["decode"], prefill=bundle.sessions.get("prefill"),
+                                   verify=verify, head=bundle.sessions.get("head"))
+        config = EngineConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
+        self.engine = Engine(sessions, config, bundle.embed_table, bundle.embed_scale)
         self.result = Result()
         self.template = ChatTemplate(m.prompt)
         self.prefix = PrefixCache(self.engine.cache)
@@ -190,7 +190,7 @@ class VLM:
 
     def cache_bytes(self) -> dict:
         """Memory held: the KV cache (allocated once, max_context rows) and the image embedding cache (bounded)."""
-        return {"kv_cache": self.engine.cache.data.nbytes, "image_cache": self.image_cache.bytes,
+        return {"kv_cache": self.engine.cache.nbytes, "image_cache": self.image_cache.bytes,
                 "image_cache_limit": self.image_cache.max_bytes, "images_cached": len(self.image_cache)}
 
     def _images(self, conv: Conversation, cached: bool, max_tiles: int | None):
@@ -280,8 +280,9 @@ class VLM:
         fed = ""  # the decoded text given to cut
         if cached:
             self.prefix.clear()  # the cache's rows change from here on; record() says what they hold at the end
+        positions = prompt_positions(m.decoder.positions, ids, start, self.engine.cache.position_after(start))
         gen = self.engine.generate(embeds, mode=mode, max_new_tokens=max_new_tokens, sampler=sampler,
-                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids)
+                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids, positions=positions)
         done = False
         try:
             for token in gen:
