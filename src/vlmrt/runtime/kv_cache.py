@@ -73,11 +73,16 @@ class CacheLayout:
     name: str
     shape: Callable[[AttentionLayer, int], tuple]  # (layer, max_context) -> one buffer's shape
     rows: Callable[[np.ndarray, int], np.ndarray]  # (block [layers, 2, *buffer], n) -> its slots 0..n-1 [layers, 2, n, dim]
+    prefix: bool  # a step reads a buffer's prefix [:ctx] (else the whole buffer)
+    # block -> its view [max_context, layers, 2, dim] by slot (a decode step's one-row write), where the host writes
+    by_slot: Callable[[np.ndarray], np.ndarray | None]
 
 
-ROWS = CacheLayout("rows", lambda layer, ctx: (ctx, layer.dim), lambda block, n: block[:, :, :n])
+ROWS = CacheLayout("rows", lambda layer, ctx: (ctx, layer.dim), lambda block, n: block[:, :, :n], True,
+                   lambda block: block.transpose(2, 0, 1, 3))
 HEADS = CacheLayout("heads", lambda layer, ctx: (1, layer.kv_heads, ctx, layer.head_dim),
-                    lambda block, n: block[:, :, 0, :, :n].transpose(0, 1, 3, 2, 4).reshape(*block.shape[:2], n, -1))
+                    lambda block, n: block[:, :, 0, :, :n].transpose(0, 1, 3, 2, 4).reshape(*block.shape[:2], n, -1),
+                    False, lambda block: None)  # (the graph writes HEADS buffers itself)
 
 
 class AttentionBlock:
@@ -87,8 +92,7 @@ class AttentionBlock:
     def __init__(self, layers: list[int], specs: list[AttentionLayer], layout: CacheLayout, max_context: int, dtype):
         self.layers, self.specs, self.layout = layers, specs, layout
         self.data = zeroed((len(layers), 2, *layout.shape(specs[0], max_context)), dtype)
-        # ROWS: [max_context, layers, 2, dim], write's view of a slot
-        self.by_slot = self.data.transpose(2, 0, 1, 3) if layout is ROWS else None
+        self.by_slot = layout.by_slot(self.data)
 
     def staging(self, ar: int) -> np.ndarray:
         """A step's new rows [layers, 2, ar, dim] (ROWS)."""
@@ -134,8 +138,8 @@ class KVCache:
         a = c = 0
         for layer in spec.layers:
             if isinstance(layer, AttentionLayer):
-                self._inputs += [(layer.key_input, self.keys[a], layout is ROWS),
-                                 (layer.value_input, self.values[a], layout is ROWS)]
+                self._inputs += [(layer.key_input, self.keys[a], layout.prefix),
+                                 (layer.value_input, self.values[a], layout.prefix)]
                 a += 1
             else:
                 self._inputs.append((layer.state_input, self.convs[c].window, False))

@@ -31,7 +31,7 @@ import numpy as np
 
 from . import image as img_ops
 from .bundle import Bundle, Sessions
-from .positions import prompt_positions
+from .positions import position_op, prompt_positions
 from .engine import MODES, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead, splice
 from .lookahead import check_exact
 from .conversation import ChatTemplate, Conversation, parse_messages, user_turn
@@ -102,6 +102,7 @@ class VLM:
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
         check_lookahead(m.decoder, lookahead)
         check_exact(m.graphs["decode"], lookahead)
+        position_op(m.decoder.positions)  # (a bundle naming an op this vlmrt lacks fails at load)
         # a static bundle's verify graph (the HTP target), loaded only for lookahead
         verify = bundle.sessions["verify"] if lookahead and getattr(m.decoder.kind, "verify_ar", 0) else None
         sessions = DecoderSessions(decode=bundle.sessions["decode"], prefill=bundle.sessions.get("prefill"),

@@ -27,9 +27,14 @@ def slots(spec: PositionsSpec, ids: list[int], start: int, first: int) -> np.nda
 POSITION_OPS: dict[str, Callable[[PositionsSpec, list[int], int, int], np.ndarray]] = {"slots": slots}
 
 
-def prompt_positions(spec: PositionsSpec, ids: list[int], start: int, first: int) -> np.ndarray:
-    """The positions of ids[start:] (the rows a prefill feeds), the first following position `first`."""
+def position_op(spec: PositionsSpec):
+    """The bundle's positions op (ValueError, one line, if this vlmrt has none of that name)."""
     op = POSITION_OPS.get(spec.op)
     if op is None:
         raise ValueError(f"this vlmrt has no positions op {spec.op[:40]!r}; upgrade vlmrt")
-    return op(spec, ids, start, first)
+    return op
+
+
+def prompt_positions(spec: PositionsSpec, ids: list[int], start: int, first: int) -> np.ndarray:
+    """The positions of ids[start:] (the rows a prefill feeds), the first following position `first`."""
+    return position_op(spec)(spec, ids, start, first)
