@@ -72,7 +72,7 @@ def test_verify_graph_in_the_manifest_with_decodes_quantization(tmp_path_factory
     assert m.decoder.kind.verify_ar == 5 and v.precision == d.precision and v.context.file == "verify_ctx.onnx"
     assert v.input("inputs_embeds").shape == [5, m.decoder.hidden_size]
     assert v.input("attention_mask").shape == [5, m.kv.max_context + 5] and v.input("past_key_0").dtype == "uint8"
-    assert v.output("logits").shape == [5, m.decoder.vocab_size] and v.output("new_key_1").shape == [5, m.kv.dim]
+    assert v.output("logits").shape == [5, m.decoder.vocab_size] and v.output("new_key_1").shape == [5, m.kv.layers[1].dim]
     assert m.kv.encodings["verify"] == m.kv.encodings["decode"]  # it reads and writes decode's cache
     assert v.data_files == d.data_files == ["decoder.data"]  # the weights stored once for the three graphs
     # every Q/DQ node of the verify graph has decode's scale, zero point and constant (htp_verify.copy_encodings)
