@@ -58,13 +58,17 @@ def check_same_answers(gqa_bundle, portable_bundle, layers, tokens=16):
     x = np.random.default_rng(0).standard_normal((37, a.manifest.decoder.hidden_size)).astype(np.float32) * 0.5
     la, lb = e_a.score(x, list(range(5, 12))), e_b.score(x, list(range(5, 12)))
     np.testing.assert_allclose(la, lb, rtol=0, atol=2e-4 * max(1.0, float(np.abs(lb).max())))
-    # rope positions apart from the slots (a rope delta: the prompt at positions 5.., its rows at slots 0..): both
-    # graphs rotate by the positions input (GroupQueryAttention's position_ids), not by the slot
-    shifted = 5 + np.arange(37)[None]
-    sa, sb = e_a.score(x, list(range(5, 12)), positions=shifted), e_b.score(x, list(range(5, 12)), positions=shifted)
+    # rope positions apart from the slots (a jump of 7 after row 20, as an M-RoPE image's rows leave one; kv mode, so
+    # no step at slot 0 holds the jump): both graphs rotate by the positions input (GroupQueryAttention's
+    # position_ids), not by the slot. (A uniform shift would change nothing: RoPE scores depend on differences only.)
+    rows = np.arange(37)
+    jumped = (rows + 7 * (rows >= 20))[None]
+    toks = list(range(5, 12))
+    ka = e_a.score(x, toks, "kv")
+    sa, sb = e_a.score(x, toks, "kv", positions=jumped), e_b.score(x, toks, "kv", positions=jumped)
     np.testing.assert_allclose(sa, sb, rtol=0, atol=2e-4 * max(1.0, float(np.abs(sb).max())))
-    assert np.abs(sa - la).max() > 1e-2  # (the positions change the answer)
-    assert int(e_a.cache.positions[0, e_a.cache.length - 1]) == 5 + e_a.cache.length - 1
+    assert np.abs(sa - ka).max() > 1e-2  # (the positions change the answer)
+    assert int(e_a.cache.positions[0, e_a.cache.length - 1]) == 7 + e_a.cache.length - 1  # generated rows continue
     with pytest.raises(ValueError, match="consecutive positions in a step at slot 0"):  # ORT's first-prompt rule
         e_a.prefill(x[:8], "hybrid", positions=np.array([[0, 1, 2, 2, 2, 3, 4, 5]]))
     # lookahead on the gqa bundles: test_lookahead_bundles.py (the session's default exports)

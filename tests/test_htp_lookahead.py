@@ -56,7 +56,7 @@ def lookahead_runs(b, device: str, prompts, modes, tokens: int = 24):
                 # to cache.data from here would break its "clean from" mark: the engine alone writes the cache)
                 st, rows, beyond = fast.engine.last, c.stored().astype(int), any(
                     (c.data[i, j, c.length:] != enc[kind][i][1]).any()
-                    for i in range(c.spec.layers) for j, kind in enumerate(("key", "value")))
+                    for i in range(len(c.spec.layers)) for j, kind in enumerate(("key", "value")))
                 gap = 0.0
                 if got != a:
                     scores = plain.engine.score(embeds, got, mode=mode)
