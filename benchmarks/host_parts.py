@@ -13,11 +13,14 @@ from vlmrt.runtime.step import make_step  # noqa: E402
 
 vlm = VLM.load(sys.argv[1], threads=2, verify=False)
 m, e = vlm.manifest, vlm.engine
-cache = KVCache(m.kv)
+kind = e.kind
+cache = KVCache(m.kv, kind.layout)
 cache.length = 300
-step = make_step(vlm.bundle.sessions["decode"], m.decoder, cache, ctx=320, ar=1, io_dtype=e.dtype)
+ctx = kind.context(300)
+step = make_step(vlm.bundle.sessions["decode"], kind, cache, ctx=ctx, ar=1, io_dtype=e.dtype)
 x = e.embed([5])
-step(x, 300)
+pos = e.positions(1)
+step(x, pos, 300)
 N = 2000
 
 
@@ -34,9 +37,10 @@ def t(f):
 samp = Sampler(SamplingConfig())
 parts = {
     "embed lookup (int8 row x scale, in place)": lambda: e.embed_into(1234, step.buffers.embeds[0]),
-    "inputs in place (positions, mask)": lambda: (step.buffers.load(step.buffers.embeds[:1], 300),
-                                                  step.mask and step.mask.at(300)),  # (in_place caches: no mask)
-    "KV write (one copy of 60 rows)": lambda: (cache.write(step.rows, 1), setattr(cache, "length", 300)),
+    "inputs in place (positions, mask / end slot)": lambda: (step.buffers.load(step.buffers.embeds[:1], pos),
+                                                             step.inputs.set(300)),
+    "KV store (rows kinds: one copy of 60 rows)": lambda: (kind.store(cache, step.staged, 1, step.buffers.positions),
+                                                           setattr(cache, "length", 300)),
     "greedy sampler (argmax 49280)": lambda: samp(step.buffers.logits[0]),
 }
 for k, f in parts.items():
@@ -57,7 +61,7 @@ class NoRun:  # the decode session with its graph call replaced: what is left is
         return getattr(self.s, k)
 
 
-e.decode_session = NoRun(e.decode_session)
+e.sessions.decode = NoRun(e.sessions.decode)
 e._steps.clear()
 
 

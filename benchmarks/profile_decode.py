@@ -28,7 +28,8 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
 
     from vlmrt import manifest as mf
     from vlmrt.runtime.weights import SharedWeights
-    from vlmrt.runtime.kv_cache import KVCache, attention_mask, context_slots
+    from vlmrt.runtime.decoder_kinds import decoder_kind
+    from vlmrt.runtime.kv_cache import KVCache
 
     m = mf.load(bundle, verify=False)
     g = m.graphs[graph]
@@ -44,31 +45,32 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
     s = ort.InferenceSession(str(bundle / g.file), so, providers=["CPUExecutionProvider"])
     dec = m.decoder
     ar = 1 if graph == "decode" else dec.prefill_ar
-    cache = KVCache(m.kv)
-    # the cache the runtime binds for a step at pos: rows layout, the prefix (symbolic "ctx") or the whole cache;
-    # in_place, the whole buffers with the step's end in seqlens_k / total_sequence_length
-    ctx = context_slots(pos, dec.context_step, m.kv.max_context) if dec.context_step else m.kv.max_context
-    feeds = cache.feeds(None if cache.in_place else ctx)
+    kind = decoder_kind(dec, m.kv)
+    cache = KVCache(m.kv, kind.layout)
+    # the cache the runtime binds for a step at slot pos, as its decoder kind reads it (decoder_kinds.py): the prefix
+    # (symbolic "ctx") or the whole cache, with the kind's own inputs (a mask, or the step's end slot)
+    ctx = kind.context(pos)
+    feeds = cache.feeds(ctx)
     dtype = g.input(dec.embeds_input).dtype
     feeds[dec.embeds_input] = (np.random.default_rng(0).standard_normal((ar, dec.hidden_size)) * 0.02).astype(dtype)
-    if cache.in_place:
-        feeds[dec.seqlens_input] = np.array([pos + ar - 1], np.int32)
-        feeds[dec.total_length_input] = np.array(pos + ar, np.int32)
-    else:
-        feeds[dec.positions_input] = np.arange(pos, pos + ar)
-        feeds[dec.mask_input] = attention_mask(pos, ar, ctx, g.input(dec.mask_input).dtype)
-    if dec.logit_rows_input:
-        feeds[dec.logit_rows_input] = np.array([ar - 1])  # the last row's logits, as the runtime asks
-    if dec.token_rows_input:  # a prompt block's way in (the rows come as inputs_embeds: no int8 row, scale 0)
-        feeds[dec.token_rows_input] = np.zeros((ar, dec.hidden_size), np.int8)
-        feeds[dec.token_scales_input] = np.zeros(ar, np.float32)
-    # bound as the runtime binds them: in_place, each present KV output is its past buffer (the graph writes the
+    feeds[dec.positions.input] = np.broadcast_to(np.arange(pos, pos + ar), (dec.positions.rows, ar)).copy()
+    mask = getattr(kind.spec, "mask_input", None)
+    inputs = kind.step_inputs(ar, ctx, g.input(mask).dtype if mask else np.float32)
+    inputs.set(pos)
+    feeds.update(inputs.feeds())
+    if kind.logit_rows_input:
+        feeds[kind.logit_rows_input] = np.array([ar - 1])  # the last row's logits, as the runtime asks
+    if kind.token_rows_input:  # a prompt block's way in (the rows come as inputs_embeds: no int8 row, scale 0)
+        feeds[kind.token_rows_input] = np.zeros((ar, dec.hidden_size), np.int8)
+        feeds[kind.token_scales_input] = np.zeros(ar, np.float32)
+    # bound as the runtime binds them: gqa_in_place, each present KV output is its past buffer (the graph writes the
     # step's rows there; a plain run() would copy the whole buffer into a new present every call)
     io, keep = s.io_binding(), []
     for name, arr in feeds.items():
         keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
         io.bind_ortvalue_input(name, keep[-1])
-    present = dict(zip(cache.output_names(), cache.feeds().values())) if cache.in_place else {}
+    in_place = kind.staging(cache, ar) is None
+    present = dict(zip(cache.output_names(), cache.feeds().values())) if in_place else {}
     for o in s.get_outputs():
         if o.name in present:
             keep.append(ort.OrtValue.ortvalue_from_numpy(present[o.name]))

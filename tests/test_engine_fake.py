@@ -8,8 +8,8 @@ and a no-cache full-sequence computation must agree.
 import numpy as np
 import pytest
 
-from vlmrt.manifest import DecoderSpec, KVSpec
-from vlmrt.runtime.engine import ContextOverflow, Engine
+from vlmrt.manifest import DecoderSpec, KVSpec, PositionsSpec, RowsDynamicKind, RowsStaticKind, attention_layers
+from vlmrt.runtime.engine import ContextOverflow, DecoderSessions, Engine, EngineConfig
 from vlmrt.runtime.kv_cache import attention_mask
 from vlmrt.runtime.sampler import Sampler, SamplingConfig
 
@@ -23,18 +23,17 @@ class FakeDecoder:
         self.pe = rng.standard_normal((64, H))  # a position term, so that outputs depend on positions
         self.bias = np.zeros(V)
         self.calls = []
-        self.last_logits = False  # an old one-graph export (DecoderSpec.last_logits): logits of the last row only
 
-    def logits_full(self, x):
-        """Reference: causal attention over the whole sequence at once."""
-        x = x + self.pe[: len(x)]
+    def logits_full(self, x, positions=None):
+        """Reference: causal attention over the whole sequence at once (at positions, default 0..n-1)."""
+        x = x + self.pe[np.arange(len(x)) if positions is None else positions]
         q, k, v = x @ self.wq, x @ self.wk, x @ self.wv
         s = q @ k.T + np.triu(np.full((len(x), len(x)), -np.inf), 1)
         p = np.exp(s - s.max(-1, keepdims=True))
         return (p / p.sum(-1, keepdims=True)) @ v @ self.wo
 
     def run(self, names, feeds):
-        x = feeds["inputs_embeds"].astype(np.float64) + self.pe[feeds["position_ids"]]
+        x = feeds["inputs_embeds"].astype(np.float64) + self.pe[feeds["position_ids"][0]]  # [1, ar]: one rope row
         self.calls.append(x.shape[0])
         k_new, v_new = x @ self.wk, x @ self.wv
         k = np.concatenate([feeds["past_key_0"], k_new])
@@ -42,29 +41,28 @@ class FakeDecoder:
         s = (x @ self.wq) @ k.T + feeds["attention_mask"]
         p = np.exp(s - s.max(-1, keepdims=True))
         logits = (p / p.sum(-1, keepdims=True)) @ v @ self.wo + self.bias
-        if "logit_rows" in feeds:  # a one-graph export (DecoderSpec.logit_rows_input): those rows' logits
+        if "logit_rows" in feeds:  # a one-graph export (kind rows_dynamic): those rows' logits
             logits = logits[feeds["logit_rows"]]
-        out = {"logits": logits[-1:] if self.last_logits else logits, "new_key_0": k_new, "new_value_0": v_new}
+        out = {"logits": logits, "new_key_0": k_new, "new_value_0": v_new}
         return [out[n].astype(np.float32) for n in names]
 
 
 def make_engine(max_context=24, ar=4, seed=0, one_graph=False, context_step=0, wrap=lambda fake: fake,
-                old_one_graph=False, lookahead=0, verify_ar=0):
-    """one_graph: a graph symbolic in AR with a logit_rows input; old_one_graph: with last_logits instead;
+                lookahead=0, verify_ar=0):
+    """one_graph: a graph symbolic in AR with a logit_rows input (kind rows_dynamic), else kind rows_static;
     verify_ar: static graphs with a lookahead verify graph of that AR (the same fake serves it)."""
     rng = np.random.default_rng(seed)
     fake = FakeDecoder(rng)
-    kv = KVSpec(layers=1, dim=D, max_context=max_context, dtype="float32", key_input="past_key_{layer}",
-                value_input="past_value_{layer}", key_output="new_key_{layer}", value_output="new_value_{layer}")
-    dec = DecoderSpec(hidden_size=H, vocab_size=V, prefill_ar=ar, embeds_input="inputs_embeds", positions_input="position_ids",
-                      mask_input="attention_mask", logits_output="logits", embedding_file="embed.npy", embedding_dtype="float32",
-                      dynamic_ar=one_graph or old_one_graph, last_logits=old_one_graph, context_step=context_step,
-                      logit_rows_input="logit_rows" if one_graph else None, verify_ar=verify_ar)
-    fake.last_logits = old_one_graph
+    kv = KVSpec(max_context=max_context, dtype="float32", layers=attention_layers(1, 1, D))
+    kind = (RowsDynamicKind("rows_dynamic", "attention_mask", context_step or 4, "logit_rows") if one_graph else
+            RowsStaticKind("rows_static", "attention_mask", context_step, verify_ar=verify_ar))
+    dec = DecoderSpec(hidden_size=H, vocab_size=V, prefill_ar=ar, embeds_input="inputs_embeds",
+                      positions=PositionsSpec("position_ids"), logits_output="logits", embedding_file="embed.npy",
+                      embedding_dtype="float32", kind=kind)
     table = rng.standard_normal((V, H)).astype(np.float32)
     session = wrap(fake)
-    return Engine(session, session, kv, dec, table, eos_ids=[0], lookahead=lookahead,
-                  verify=session if verify_ar else None), fake
+    sessions = DecoderSessions(decode=session, prefill=session, verify=session if verify_ar else None)
+    return Engine(sessions, EngineConfig(kv, dec, eos_ids=[0], lookahead=lookahead), table), fake
 
 
 def reference_greedy(engine, fake, prompt_ids, n):
@@ -93,12 +91,11 @@ def test_kv_and_hybrid_match_full_sequence(n_prompt):
 
 
 @pytest.mark.parametrize("n_prompt", [1, 4, 9])
-@pytest.mark.parametrize("old", [False, True])
-def test_one_graph_feeds_exact_rows_and_reads_last_logits(n_prompt, old):
-    """A graph symbolic in AR (DecoderSpec.dynamic_ar, one session for prefill and decode): the last prefill block
+def test_one_graph_feeds_exact_rows_and_reads_last_logits(n_prompt):
+    """A graph symbolic in AR (kind rows_dynamic, one session for prefill and decode): the last prefill block
     is fed its real rows only, never padding, and the engine reads the single logits row it asks for with
-    logit_rows (or that an old bundle's last_logits graph returns)."""
-    engine, fake = make_engine(one_graph=not old, old_one_graph=old)
+    logit_rows."""
+    engine, fake = make_engine(one_graph=True)
     prompt = list(np.random.default_rng(n_prompt).integers(1, V, n_prompt))
     want = reference_greedy(engine, fake, prompt, 10)
     for mode in ("kv", "hybrid"):
@@ -162,7 +159,7 @@ class ShapeRecorder:
     def run(self, names, feeds):
         ctx = feeds["past_key_0"].shape[0]
         assert feeds["attention_mask"].shape[1] == ctx + feeds["inputs_embeds"].shape[0]
-        self.ctxs.append((int(feeds["position_ids"][0]), ctx))
+        self.ctxs.append((int(feeds["position_ids"][0, 0]), ctx))
         return self.inner.run(names, feeds)
 
 
@@ -193,3 +190,37 @@ def test_symbolic_context_reads_the_prefix_it_needs():
         assert all(ctx == min(24, max(8, -(-pos // 8) * 8)) for pos, ctx in rec.ctxs)
         assert {ctx for _, ctx in rec.ctxs} == {8, 16, 24}  # 7 prompt + 15 tokens: positions 0..20
     assert rec.ctxs[:3] == [(0, 8), (1, 8), (2, 8)] and (9, 16) in rec.ctxs and (17, 24) in rec.ctxs
+
+
+@pytest.mark.parametrize("one_graph", [False, True])
+@pytest.mark.parametrize("positions", [[5, 6, 7, 8, 9, 10], [0, 1, 2, 2, 2, 3], [0, 3, 3, 3, 4, 9]])
+def test_positions_apart_from_slots(one_graph, positions):
+    """The rope positions are an input of their own (decoder.positions): a prompt fed at positions that are not its
+    slots (an M-RoPE image's rows share positions; a rope delta shifts them) gives the answer of the model run at those
+    positions, each generated token one past the largest position before it, while the rows still go to slots
+    0, 1, 2, ... (the cache keeps each slot's position); kv and hybrid mode agree, and a prefix reuse resumes them."""
+    engine, fake = make_engine(one_graph=one_graph)
+    prompt = [3, 9, 4, 11, 2, 7]
+    pos = np.array([positions])
+    ids, want, p = list(prompt), [], list(positions)
+    for _ in range(6):
+        t = int(np.argmax(fake.logits_full(engine.embed(ids).astype(np.float64), np.array(p))[-1]))
+        want.append(t)
+        ids.append(t)
+        p.append(max(p) + 1)
+    for mode in ("kv", "hybrid"):
+        got = list(engine.generate(engine.embed(prompt), mode=mode, max_new_tokens=6, ignore_eos=True, positions=pos))
+        assert got == want, mode
+        assert engine.cache.length == len(prompt) + 5 and list(engine.cache.positions[0, : engine.cache.length]) == p[:-1]
+    # the default (positions None) is slots: a different answer here, the one of plain positions
+    plain = list(engine.generate(engine.embed(prompt), mode="kv", max_new_tokens=6, ignore_eos=True))
+    assert plain == reference_greedy(engine, fake, prompt, 6)
+    # resume after the first 4 rows (kv mode: every row reusable): positions of the rest, from slot 4
+    list(engine.generate(engine.embed(prompt), mode="kv", max_new_tokens=1, ignore_eos=True, positions=pos))
+    start = engine.reusable("kv", 4)
+    assert start == 4 and engine.cache.position_after(4) == max(positions[:4]) + 1
+    got = list(engine.generate(engine.embed(prompt)[4:], mode="kv", max_new_tokens=6, ignore_eos=True, start=4,
+                               positions=pos[:, 4:]))
+    assert got == want
+    with pytest.raises(ValueError, match=r"positions must be \[1, 6\]"):
+        engine.prefill(engine.embed(prompt), "kv", positions=np.zeros((2, 6), np.int64))

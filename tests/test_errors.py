@@ -133,30 +133,29 @@ def test_missing_bundle_file(bundle_copy, capsys):
     assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), "missing", "vision.data")
 
 
-@pytest.mark.parametrize("field", ["last_logits", "logit_rows_input"])
-def test_last_rows_logits_without_dynamic_ar_is_refused(bundle_copy, capsys, field):
-    """last_logits / logit_rows_input mean the graph's last row is the step's last token, which only holds without
-    padding (last_logits: bundles exported before logit_rows_input)."""
+def test_bundle_of_an_older_schema_is_refused(bundle_copy, capsys):
+    """A bundle of schema 2 (decoder flags, no positions input, kv as one layout) is refused in one line that names
+    the re-export; nothing of it is read as the new contract."""
     m = json.loads((bundle_copy / "manifest.json").read_text())
-    m["decoder"]["dynamic_ar"] = False
-    if field == "last_logits":
-        m["decoder"].update(last_logits=True, logit_rows_input=None)
+    m["schema_version"] = 2
     (bundle_copy / "manifest.json").write_text(json.dumps(m))
-    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"), f"{field} needs")
+    assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"),
+                          "bundle schema version 2 is not supported (this vlmrt reads 3)", "vlmrt export")
 
 
 def test_verify_ar_without_a_verify_graph_is_refused(bundle_copy, capsys):
-    """decoder.verify_ar and graphs.verify (the HTP target's lookahead verify graph) come together, on static graphs."""
+    """decoder.kind.verify_ar and graphs.verify (the HTP target's lookahead verify graph) come together, kind
+    rows_static."""
     m = json.loads((bundle_copy / "manifest.json").read_text())
-    m["decoder"]["verify_ar"] = 5
+    m["decoder"]["kind"] = {"name": "rows_static", "mask_input": "attention_mask", "verify_ar": 5}
     (bundle_copy / "manifest.json").write_text(json.dumps(m))
     assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi"),
-                          "graphs.verify and decoder.verify_ar (>= 2, static graphs) go together")
+                          "graphs.verify and decoder.kind.verify_ar (>= 2, kind rows_static) go together")
 
 
 def test_lookahead_that_the_bundle_cannot_verify_is_refused(bundle_copy, capsys):
-    """A draft length over the graph's AR, a negative one, and any lookahead on a bundle without
-    decoder.logit_rows_input (exported before it: its graph returns one row of logits) are one-line errors."""
+    """A draft length over the graph's AR, a negative one, and a decoder with int8 activations are one-line errors
+    (static graphs without a verify graph: test_lookahead.py)."""
     ar = json.loads((bundle_copy / "manifest.json").read_text())["decoder"]["prefill_ar"]
     for n, needle in ((ar, f"--lookahead is at most {ar - 1}"), (-1, "--lookahead must be >= 0")):
         assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi", "--lookahead", n), needle)
@@ -165,10 +164,6 @@ def test_lookahead_that_the_bundle_cannot_verify_is_refused(bundle_copy, capsys)
     (bundle_copy / "manifest.json").write_text(json.dumps(m))
     assert_one_line_error(in_process(capsys, "run", bundle_copy, "--prompt", "hi", "--lookahead", "2"),
                           "needs a decoder with float activations", "w8a8")
-    m["decoder"]["logit_rows_input"] = None
-    (bundle_copy / "manifest.json").write_text(json.dumps(m))
-    assert_one_line_error(in_process(capsys, "bench", bundle_copy, "--lookahead", "2", "--runs", "1"),
-                          "cannot verify lookahead drafts")
 
 
 def test_not_a_bundle(capsys, tmp_path):

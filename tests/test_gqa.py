@@ -38,10 +38,10 @@ def _nodes(bundle) -> dict[str, int]:
 
 def check_same_answers(gqa_bundle, portable_bundle, layers, tokens=16):
     m = json.loads((gqa_bundle / "manifest.json").read_text())
-    assert m["kv"]["layout"] == "in_place" and m["decoder"]["seqlens_input"] == "seqlens_k"
+    assert m["decoder"]["kind"]["name"] == "gqa_in_place" and m["decoder"]["kind"]["seqlens_input"] == "seqlens_k"
+    assert "context_step" not in m["decoder"]["kind"]  # (the in_place graph reads whole buffers)
     mp = json.loads((portable_bundle / "manifest.json").read_text())
-    assert mp["kv"]["layout"] == "rows" and mp["decoder"]["context_step"] > 0  # symbolic cache length
-    assert m["decoder"]["context_step"] == 0  # (the in_place graph reads whole buffers)
+    assert mp["decoder"]["kind"]["name"] == "rows_dynamic" and mp["decoder"]["kind"]["context_step"] > 0
     fused, plain = _nodes(gqa_bundle), _nodes(portable_bundle)
     assert fused["GroupQueryAttention"] == layers and "GroupQueryAttention" not in plain
     assert sum(plain.values()) >= 2 * sum(fused.values()), (fused, plain)  # tiny graphs; the real decoder: 3.3x
@@ -58,13 +58,26 @@ def check_same_answers(gqa_bundle, portable_bundle, layers, tokens=16):
     x = np.random.default_rng(0).standard_normal((37, a.manifest.decoder.hidden_size)).astype(np.float32) * 0.5
     la, lb = e_a.score(x, list(range(5, 12))), e_b.score(x, list(range(5, 12)))
     np.testing.assert_allclose(la, lb, rtol=0, atol=2e-4 * max(1.0, float(np.abs(lb).max())))
+    # rope positions apart from the slots (a jump of 7 after row 20, as an M-RoPE image's rows leave one; kv mode, so
+    # no step at slot 0 holds the jump): both graphs rotate by the positions input (GroupQueryAttention's
+    # position_ids), not by the slot. (A uniform shift would change nothing: RoPE scores depend on differences only.)
+    rows = np.arange(37)
+    jumped = (rows + 7 * (rows >= 20))[None]
+    toks = list(range(5, 12))
+    ka = e_a.score(x, toks, "kv")
+    sa, sb = e_a.score(x, toks, "kv", positions=jumped), e_b.score(x, toks, "kv", positions=jumped)
+    np.testing.assert_allclose(sa, sb, rtol=0, atol=2e-4 * max(1.0, float(np.abs(sb).max())))
+    assert np.abs(sa - ka).max() > 1e-2  # (the positions change the answer)
+    assert int(e_a.cache.positions[0, e_a.cache.length - 1]) == 7 + e_a.cache.length - 1  # generated rows continue
+    with pytest.raises(ValueError, match="consecutive positions in a step at slot 0"):  # ORT's first-prompt rule
+        e_a.prefill(x[:8], "hybrid", positions=np.array([[0, 1, 2, 2, 2, 3, 4, 5]]))
     # lookahead on the gqa bundles: test_lookahead_bundles.py (the session's default exports)
 
 
 def test_smolvlm_gqa_equals_portable(default_bundle, tmp_path_factory, tmp_path):
     from test_runtime_speed_paths import cache_readers
 
-    layers = default_bundle.manifest()["kv"]["layers"]
+    layers = len(default_bundle.manifest()["kv"]["layers"])
     portable = _portable(default_bundle, tmp_path_factory)
     # Shape: the symbolic cache length is read off the input's metadata, not its data; no copy of the cache
     assert cache_readers(portable, tmp_path) <= {"MatMul", "FusedMatMul", "Shape"}
@@ -75,7 +88,7 @@ def test_internvl_qwen3_gqa_equals_portable(tmp_path_factory):
     import test_internvl
 
     ex = test_internvl.exported(test_internvl.CASES[1], tmp_path_factory)  # Qwen3: q/k norms before RoPE
-    check_same_answers(ex.bundle, _portable(ex, tmp_path_factory), ex.manifest()["kv"]["layers"])
+    check_same_answers(ex.bundle, _portable(ex, tmp_path_factory), len(ex.manifest()["kv"]["layers"]))
 
 
 def test_gqa_needs_the_one_graph_decoder(default_bundle, tmp_path, capsys):
@@ -89,10 +102,17 @@ def test_gqa_needs_the_one_graph_decoder(default_bundle, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"layout": "paged"}, "bundle KV layout 'paged' is not known to this vlmrt; upgrade vlmrt"),
-    ({"heads": 3}, "kv.layout in_place needs kv.heads * kv.head_dim = kv.dim"),
+    (lambda m: m["decoder"]["kind"].update(name="paged"), "bundle decoder kind 'paged' is not known to this vlmrt"),
+    (lambda m: m["kv"]["layers"][1].update(kind="ssm"), r"bundle cache layer kind 'ssm' \(kv.layers\[1\]\) is not known"),
+    (lambda m: m["decoder"]["kind"].update(mask_input="attention_mask"), "decoder.kind has an unknown field 'mask_input'"),
+    (lambda m: m["decoder"]["kind"].pop("seqlens_input"), "decoder.kind lacks the field 'seqlens_input'"),
+    (lambda m: m["kv"]["layers"][0].update(kv_heads=0), r"kv.layers\[0\]: kv_heads and head_dim must be positive"),
+    (lambda m: m["decoder"]["positions"].update(rows=3), "gqa_in_place takes one row of positions"),
+    (lambda m: m["kv"]["layers"].append({"kind": "conv", "channels": 4, "width": 2, "state_input": "c",
+                                         "state_output": "d"}), "gqa_in_place holds attention layers only"),
 ])
-def test_unknown_or_inconsistent_kv_layout_is_refused(default_bundle, tmp_path, change, needle):
+def test_unknown_or_inconsistent_decoder_kind_is_refused(default_bundle, tmp_path, change, needle):
+    """The tagged unions (decoder.kind, kv.layers[i].kind) name kinds this vlmrt knows, each with its own fields only."""
     import shutil
 
     from vlmrt import manifest as mf
@@ -100,9 +120,9 @@ def test_unknown_or_inconsistent_kv_layout_is_refused(default_bundle, tmp_path, 
     b = tmp_path / "b"
     shutil.copytree(default_bundle.bundle, b)
     m = json.loads((b / "manifest.json").read_text())
-    m["kv"].update(change)
+    change(m)
     (b / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(mf.BundleError, match=needle.replace("*", r"\*")):
+    with pytest.raises(mf.BundleError, match=needle):
         mf.load(b, verify=False)
 
 
@@ -123,7 +143,7 @@ def test_packed_qkv_equals_split(tmp_path_factory, tmp_path):
     assert "Split" not in {n.op_type for n in model.graph.node if n.output[0] in {g.input[0] for g in gqa}}
     m = json.loads((b / "manifest.json").read_text())
     heads = next(a.i for a in gqa[0].attribute if a.name == "num_heads")
-    kv_heads, d = m["kv"]["heads"], m["kv"]["head_dim"]
+    kv_heads, d = m["kv"]["layers"][0]["kv_heads"], m["kv"]["layers"][0]["head_dim"]
     nodes = []
     for n in model.graph.node:  # the Split put back in front of each op
         if n.op_type == "GroupQueryAttention":

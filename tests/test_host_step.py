@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from vlmrt import manifest as mf
-from vlmrt.manifest import KVSpec
+from vlmrt.manifest import KVSpec, attention_layers
 from vlmrt.runtime.weights import EmbeddingRows
-from vlmrt.runtime.engine import Engine
+from vlmrt.runtime.decoder_kinds import StepMask
+from vlmrt.runtime.engine import DecoderSessions, Engine, EngineConfig
 from vlmrt.runtime.kv_cache import KVCache, attention_mask
-from vlmrt.runtime.step import StepMask
 
 from test_engine_fake import make_engine
 from test_quant import bundle
@@ -20,12 +20,13 @@ from test_runtime_speed_paths import RunOnly
 @pytest.mark.parametrize("ar,ctx,neg", [(1, 64, None), (4, 24, None), (3, 16, -30.0)])
 def test_kept_mask_equals_a_fresh_one(ar, ctx, neg):
     rng = np.random.default_rng(0)
-    m = StepMask(ar, ctx, np.float32, neg)
+    m = StepMask("attention_mask", ar, ctx, np.float32, neg)
     pos = 0
     for _ in range(200):  # mostly forward by one (decode), sometimes a jump or a rewind (a new request)
         pos = int(rng.integers(0, ctx + 1)) if rng.random() < 0.2 else min(ctx, pos + 1)
         want = attention_mask(pos, ar, ctx, np.float32, neg=neg)
-        np.testing.assert_array_equal(m.at(pos), want)
+        m.set(pos)
+        np.testing.assert_array_equal(m.array, want)
 
 
 def test_token_row_in_place_equals_embed(default_bundle, tmp_path):
@@ -39,7 +40,7 @@ def test_token_row_in_place_equals_embed(default_bundle, tmp_path):
               (rng.standard_normal((vocab, hidden)).astype(np.float32), None)]
     for tab, sc in tables:
         for dtype in ("float32", "float16"):
-            e = Engine(None, None, m.kv, m.decoder, tab, [0], dtype, sc)
+            e = Engine(DecoderSessions(decode=None), EngineConfig(m.kv, m.decoder, [0], dtype), tab, sc)
             for t in (0, 1, 17, vocab - 1):
                 out = np.empty(hidden, dtype)
                 e.embed_into(t, out)
@@ -72,9 +73,9 @@ def test_token_rows_step_equals_embeds_step(tmp_path_factory, bind):
     b = bundle("w4a8", tmp_path_factory)
     vlm = VLM.load(b, verify=False)
     d = vlm.manifest.decoder
-    assert d.token_rows_input == "token_rows" and d.token_scales_input == "token_scales"
+    assert d.kind.token_rows_input == "token_rows" and d.kind.token_scales_input == "token_scales"
     if not bind:
-        vlm.engine.decode_session = vlm.engine.prefill_session = RunOnly(vlm.bundle.sessions["decode"])
+        vlm.engine.sessions.decode = vlm.engine.sessions.prefill = RunOnly(vlm.bundle.sessions["decode"])
     e = vlm.engine
     assert e._read_row is not None  # the token path is what step_token takes
     e.prefill(e.embed([3, 5, 7, 11, 2, 9]), "kv")
@@ -109,15 +110,15 @@ def test_step_token_equals_step_of_embed():
 
 
 def test_one_row_write_equals_block_write():
-    spec = KVSpec(layers=3, dim=4, max_context=6, dtype="float32", key_input="k{layer}", value_input="v{layer}",
-                  key_output="nk{layer}", value_output="nv{layer}")
+    spec = KVSpec(max_context=6, dtype="float32", layers=attention_layers(3, 2, 2))
     a, b = KVCache(spec), KVCache(spec)
     rng = np.random.default_rng(0)
-    for _ in range(6):
+    for p in range(6):
         rows = rng.standard_normal((3, 2, 2, 4)).astype(np.float32)
-        a.write(rows, 1)
+        a.write([rows], 1, np.array([[p + 10, p + 11]]))
         b.data[:, :, b.length : b.length + 1] = rows[:, :, :1]
         b.length += 1
     np.testing.assert_array_equal(a.data, b.data)
+    assert list(a.positions[0]) == [10, 11, 12, 13, 14, 15] and a.next_position() == 16
     with pytest.raises(OverflowError):
-        a.write(rows, 1)
+        a.write([rows], 1, np.zeros((1, 2), np.int64))

@@ -56,7 +56,7 @@ def lookahead_runs(b, device: str, prompts, modes, tokens: int = 24):
                 # to cache.data from here would break its "clean from" mark: the engine alone writes the cache)
                 st, rows, beyond = fast.engine.last, c.stored().astype(int), any(
                     (c.data[i, j, c.length:] != enc[kind][i][1]).any()
-                    for i in range(c.spec.layers) for j, kind in enumerate(("key", "value")))
+                    for i in range(len(c.spec.layers)) for j, kind in enumerate(("key", "value")))
                 gap = 0.0
                 if got != a:
                     scores = plain.engine.score(embeds, got, mode=mode)
@@ -69,10 +69,10 @@ def test_verify_graph_in_the_manifest_with_decodes_quantization(tmp_path_factory
     b = bundle("htp", tmp_path_factory)
     m = mf.load(b)
     v, d = m.graphs["verify"], m.graphs["decode"]
-    assert m.decoder.verify_ar == 5 and v.precision == d.precision and v.context.file == "verify_ctx.onnx"
+    assert m.decoder.kind.verify_ar == 5 and v.precision == d.precision and v.context.file == "verify_ctx.onnx"
     assert v.input("inputs_embeds").shape == [5, m.decoder.hidden_size]
     assert v.input("attention_mask").shape == [5, m.kv.max_context + 5] and v.input("past_key_0").dtype == "uint8"
-    assert v.output("logits").shape == [5, m.decoder.vocab_size] and v.output("new_key_1").shape == [5, m.kv.dim]
+    assert v.output("logits").shape == [5, m.decoder.vocab_size] and v.output("new_key_1").shape == [5, m.kv.layers[1].dim]
     assert m.kv.encodings["verify"] == m.kv.encodings["decode"]  # it reads and writes decode's cache
     assert v.data_files == d.data_files == ["decoder.data"]  # the weights stored once for the three graphs
     # every Q/DQ node of the verify graph has decode's scale, zero point and constant (htp_verify.copy_encodings)
@@ -114,8 +114,8 @@ def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
 
     def call(graph, rows, at):
         s = npu.bundle.sessions[graph]
-        f = {**e.cache.feeds(ctx), "inputs_embeds": rows, "position_ids": at + np.arange(len(rows)),
-             "attention_mask": attention_mask(at, len(rows), ctx, np.float32, neg=m.decoder.mask_value)}
+        f = {**e.cache.feeds(ctx), "inputs_embeds": rows, "position_ids": at + np.arange(len(rows))[None],
+             "attention_mask": attention_mask(at, len(rows), ctx, np.float32, neg=m.decoder.kind.mask_value)}
         return dict(zip([o.name for o in s.get_outputs()], s.run(None, f)))
 
     verify = call("verify", toks, pos)
@@ -123,7 +123,8 @@ def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
         one = call("decode", toks[i : i + 1], pos + i)
         gap = np.abs(one["logits"][0] - verify["logits"][i]).max()
         assert gap == 0 if i == 0 else gap < 0.15, (i, gap)
-        e.cache.write(np.stack([np.stack([one[f"new_key_{j}"], one[f"new_value_{j}"]]) for j in range(m.kv.layers)]), 1)
+        e.cache.write([np.stack([np.stack([one[f"new_key_{j}"], one[f"new_value_{j}"]]) for j in range(len(m.kv.layers))])],
+                      1, np.array([[pos + i]]))
     plain = VLM.load(b, device="htp")
     got = list(e.generate(embeds, mode="hybrid", max_new_tokens=16, ignore_eos=True,
                           prompt_ids=oracle(list(plain.engine.generate(embeds, mode="hybrid", max_new_tokens=16,

@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import CASES, exported, on_npu
+from vlmrt.export.htp_calibrate import slot_of
 from test_qnn_context import feeds
 from test_quant import bundle, run_eval
 from vlmrt import cli
@@ -88,14 +89,14 @@ def test_qhexrt_balance_bundle(tmp_path_factory, default_bundle):
         "head": {}}
     raw = json.loads((b / "manifest.json").read_text())["graphs"]
     assert raw["decode"]["weights"]["lm_head"] == raw["prefill"]["weights"]["lm_head"] == "graph head"
-    assert m.decoder.hidden_output == "hidden"
+    assert m.decoder.kind.hidden_output == "hidden"
     # 2 layers x 7 projections, each as its int4 body and its int4 block-indicator matrix
     assert raw["decode"]["weights"]["blockwise_int4"] == 28
-    layers = m.kv.layers
+    layers = len(m.kv.layers)
     pre = onnx.load(str(b / m.graphs["prefill"].file), load_external_data=False)
     ops = [n.op_type for n in pre.graph.node]
     assert ops.count("QuantizeLinear") == ops.count("DequantizeLinear") == 2 * layers  # the KV edges only
-    kv = {n.format(layer=i) for i in range(layers) for n in (m.kv.key_input, m.kv.value_input, m.kv.key_output, m.kv.value_output)}
+    kv = {*m.kv.state_inputs(), *m.kv.state_outputs()}
     assert {t.name for t in m.graphs["prefill"].inputs + m.graphs["prefill"].outputs if t.dtype == "uint8"} == kv
     rng = np.random.default_rng(0)
     # measured 0.0196 of 3.09 (vision) and 0.050 of 2.70 (prefill's output `hidden`, the final norm's: the untied
@@ -125,7 +126,7 @@ def test_qhexrt_balance_bundle(tmp_path_factory, default_bundle):
 
 
 class HiddenSlots:
-    """A decoder session that checks, at each call, that every cache slot the step does not see (pos.. : empty or
+    """A decoder session that checks, at each call, that every cache slot the step does not see (slot.. : empty or
     stale) holds its graph's zero point: 0 once dequantized, whatever the graph does with a masked slot."""
 
     def __init__(self, session, m: mf.Manifest, graph: str):
@@ -133,11 +134,11 @@ class HiddenSlots:
         self.calls = self.checked = 0
 
     def run(self, names, feeds):
-        kv, pos = self.m.kv, int(feeds[self.m.decoder.positions_input][0])
-        for i in range(kv.layers):
-            for kind, name in (("key", kv.key_input), ("value", kv.value_input)):
-                hidden = feeds[name.format(layer=i)][pos:]
-                assert (hidden == self.enc[kind][i][1]).all(), (name.format(layer=i), pos, np.unique(hidden)[:5])
+        pos = slot_of(feeds[self.m.decoder.kind.mask_input])
+        for i, layer in enumerate(self.m.kv.attention()):
+            for kind, name in (("key", layer.key_input), ("value", layer.value_input)):
+                hidden = feeds[name][pos:]
+                assert (hidden == self.enc[kind][i][1]).all(), (name, pos, np.unique(hidden)[:5])
                 self.checked += hidden.size
         self.calls += 1
         return self.session.run(names, feeds)
@@ -180,7 +181,7 @@ def test_lm_head_as_its_own_graph(tmp_path_factory):
                      "--keep-qdq", "--prefill-ar", str(ex.case.prefill_ar), "--max-seq-len", str(ex.case.max_seq_len),
                      "--quiet"]) == 0
     m = mf.load(b)
-    assert m.decoder.hidden_output == "hidden" and set(m.graphs) == {"vision", "prefill", "decode", "head"}
+    assert m.decoder.kind.hidden_output == "hidden" and set(m.graphs) == {"vision", "prefill", "decode", "head"}
     for g in ("prefill", "decode"):
         assert [t.name for t in m.graphs[g].outputs if "key" not in t.name and "value" not in t.name] == ["hidden"]
         assert m.graphs[g].weights["lm_head"] == "graph head"

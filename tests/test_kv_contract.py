@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 
 from vlmrt.families.layers import CausalDecoder  # noqa: E402
 from vlmrt.families.rope import Rope  # noqa: E402
-from vlmrt.manifest import KVSpec  # noqa: E402
-from vlmrt.runtime.kv_cache import KVCache, attention_mask  # noqa: E402
+from vlmrt.manifest import KVSpec, attention_layers  # noqa: E402
+from vlmrt.runtime.kv_cache import HEADS as HEADS_LAYOUT, KVCache, attention_mask  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, CTX = 2, 32, 4, 2, 8, 50, 24
 
@@ -35,12 +35,12 @@ def full_sequence_logits(decoder, x):
     empty = [torch.zeros(0, KV_HEADS * HEAD_DIM) for _ in range(2 * LAYERS)]
     mask = torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)
     with torch.no_grad():
-        return decoder(torch.from_numpy(x), torch.arange(n), mask, *empty)[0].numpy()
+        return decoder(torch.from_numpy(x), torch.arange(n)[None], mask, *empty)[0].numpy()
 
 
 def stepped_logits(decoder, x, ar):
-    spec = KVSpec(layers=LAYERS, dim=KV_HEADS * HEAD_DIM, max_context=CTX, dtype="float32", key_input="k{layer}",
-                  value_input="v{layer}", key_output="nk{layer}", value_output="nv{layer}")
+    spec = KVSpec(max_context=CTX, dtype="float32", layers=attention_layers(LAYERS, KV_HEADS, HEAD_DIM, "k{layer}",
+                                                                            "v{layer}", "nk{layer}", "nv{layer}"))
     cache = KVCache(spec)
     out = []
     for start in range(0, len(x), ar):
@@ -51,9 +51,10 @@ def stepped_logits(decoder, x, ar):
         feeds = cache.feeds()
         past = [torch.from_numpy(feeds[f"{kv}{i}"]) for i in range(LAYERS) for kv in ("k", "v")]
         with torch.no_grad():
-            logits, *rows = decoder(torch.from_numpy(block), torch.arange(pos, pos + ar),
+            logits, *rows = decoder(torch.from_numpy(block), torch.arange(pos, pos + ar)[None],
                                     torch.from_numpy(attention_mask(pos, ar, CTX)), *past)
-        cache.write(np.stack([r.numpy() for r in rows]).reshape(LAYERS, 2, ar, -1), n)  # [layers, K/V, ar, dim]
+        staged = [np.stack([r.numpy() for r in rows]).reshape(LAYERS, 2, ar, -1)]  # [layers, K/V, ar, dim]
+        cache.write(staged, n, np.arange(pos, pos + ar)[None])
         out.append(logits.numpy()[:n])
     assert cache.length == len(x)
     return np.concatenate(out)
@@ -70,8 +71,8 @@ def test_stepped_equals_full_sequence(decoder, ar):
 def test_stale_rows_beyond_length_are_ignored(decoder):
     """reset() keeps old rows; the mask must hide them."""
     x = np.random.default_rng(0).standard_normal((6, HIDDEN)).astype(np.float32)
-    spec = KVSpec(layers=LAYERS, dim=KV_HEADS * HEAD_DIM, max_context=CTX, dtype="float32", key_input="k{layer}",
-                  value_input="v{layer}", key_output="nk{layer}", value_output="nv{layer}")
+    spec = KVSpec(max_context=CTX, dtype="float32", layers=attention_layers(LAYERS, KV_HEADS, HEAD_DIM, "k{layer}",
+                                                                            "v{layer}", "nk{layer}", "nv{layer}"))
     cache = KVCache(spec)
     for buf in cache.keys + cache.values:
         buf[:] = 1e3  # garbage from an earlier request
@@ -79,30 +80,32 @@ def test_stale_rows_beyond_length_are_ignored(decoder):
     feeds = cache.feeds()
     past = [torch.from_numpy(feeds[f"{kv}{i}"]) for i in range(LAYERS) for kv in ("k", "v")]
     with torch.no_grad():
-        got = decoder(torch.from_numpy(x), torch.arange(6), torch.from_numpy(attention_mask(0, 6, CTX)), *past)[0].numpy()
+        got = decoder(torch.from_numpy(x), torch.arange(6)[None], torch.from_numpy(attention_mask(0, 6, CTX)),
+                      *past)[0].numpy()
     np.testing.assert_allclose(got, full_sequence_logits(decoder, x), rtol=0, atol=2e-5)
 
 
 def in_place_stepped_logits(decoder, x, blocks, garbage=False):
-    """The in_place contract (kv.layout in_place, families/gqa.py eager): the module writes each block's rows into
-    the KVCache's buffers itself (PlainStep's copy of its slots stands for ORT's shared buffer); write only advances."""
-    spec = KVSpec(layers=LAYERS, dim=KV_HEADS * HEAD_DIM, max_context=CTX, dtype="float32", key_input="k{layer}",
-                  value_input="v{layer}", key_output="pk{layer}", value_output="pv{layer}", layout="in_place",
-                  heads=KV_HEADS, head_dim=HEAD_DIM)
-    cache = KVCache(spec)
+    """The gqa_in_place contract (families/gqa.py eager): the module writes each block's rows into the KVCache's
+    HEADS buffers itself (PlainStep's copy of its slots stands for ORT's shared buffer); advance only moves the
+    length."""
+    spec = KVSpec(max_context=CTX, dtype="float32", layers=attention_layers(LAYERS, KV_HEADS, HEAD_DIM, "k{layer}",
+                                                                            "v{layer}", "pk{layer}", "pv{layer}"))
+    cache = KVCache(spec, HEADS_LAYOUT)
     if garbage:
         cache.data[:] = 1e3  # stale rows of an earlier request: beyond the length, never read
-    module = decoder.with_options(copy_free=True, logit_rows=True, rope_positions=CTX, in_place=True)
+    module = decoder.with_options(attention="gqa_in_place", logit_rows=True, rope_positions=CTX)
     out, start = [], 0
     for n in blocks:
         pos = cache.length
         past = [torch.from_numpy(b) for i in range(LAYERS) for b in (cache.keys[i], cache.values[i])]
         with torch.no_grad():
-            logits, *present, top = module(torch.from_numpy(x[start : start + n]), torch.tensor([pos + n - 1], dtype=torch.int32),
-                                      torch.tensor(pos + n, dtype=torch.int32), *past, torch.arange(n))
+            logits, *present, top = module(torch.from_numpy(x[start : start + n]), torch.arange(pos, pos + n)[None],
+                                           torch.tensor([pos + n - 1], dtype=torch.int32),
+                                           torch.tensor(pos + n, dtype=torch.int32), *past, torch.arange(n))
         for j, p in enumerate(present):
             cache.data[j // 2, j % 2][..., pos : pos + n, :] = p.numpy()[..., pos : pos + n, :]
-        cache.write(None, n)
+        cache.advance(n, np.arange(pos, pos + n)[None])
         assert (top.numpy() == logits.numpy().argmax(-1)).all()  # next_token: the greedy choice of each row
         out.append(logits.numpy())
         start += n

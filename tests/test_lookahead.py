@@ -47,10 +47,7 @@ def prompts():
 
 
 def test_lookahead_the_decoder_cannot_verify_is_refused():
-    """An old one-graph export (last_logits), static graphs without a verify graph, and a draft block over the
-    graph's AR are refused at construction."""
-    with pytest.raises(ValueError, match="cannot verify lookahead drafts .no logit_rows input"):
-        make_engine(one_graph=False, old_one_graph=True, lookahead=2)
+    """Static graphs without a verify graph, and a draft block over the graph's AR are refused at construction."""
     with pytest.raises(ValueError, match="cannot verify lookahead drafts .no verify graph.*--lookahead-ar"):
         make_engine(lookahead=2)
     with pytest.raises(ValueError, match="at most 3"):

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from vlmrt.manifest import KVSpec
+from vlmrt.manifest import KVSpec, attention_layers
 from vlmrt.runtime.kv_cache import KVCache, zeroed
 
 from test_quant import bundle
@@ -39,13 +39,12 @@ def test_kv_cache_pages_only_where_written():
     """A 32 MB cache with one row written per buffer holds a page per buffer, not the 2 MB huge page around each
     row (numpy advises huge pages for its arrays of 4 MB or more: a 16-token prompt then made 42 of a 45 MB cache
     resident)."""
-    spec = KVSpec(layers=4, dim=64, max_context=1 << 14, dtype="float32", key_input="k{layer}", value_input="v{layer}",
-                  key_output="nk{layer}", value_output="nv{layer}")
+    spec = KVSpec(max_context=1 << 14, dtype="float32", layers=attention_layers(4, 2, 32))
     cache = KVCache(spec)
     assert cache.data.nbytes == 32 << 20
     assert _resident_pages(cache.data) <= 1
     cache.data[:, :, 0] = 1  # slot 0 of every buffer ([layers, 2, max_context, dim])
-    assert _resident_pages(cache.data) <= 2 * 2 * spec.layers  # one page per buffer (two at a boundary)
+    assert _resident_pages(cache.data) <= 2 * 2 * len(spec.layers)  # one page per buffer (two at a boundary)
 
 
 def test_lm_head_is_prepacked_first(tmp_path_factory):

@@ -18,7 +18,7 @@ from vlmrt import cli
 from vlmrt.eval import accuracy, samples
 from vlmrt.export import quantize
 from vlmrt.export.pipeline import export
-from vlmrt.manifest import KVSpec
+from vlmrt.manifest import KVSpec, attention_layers
 from vlmrt.runtime.kv_cache import KVCache
 from vlmrt.runtime.pipeline import VLM
 
@@ -256,7 +256,7 @@ def test_htp_bundle_on_cpu_ep(tmp_path_factory, default_bundle):
     b = bundle("htp", tmp_path_factory)
     m = json.loads((b / "manifest.json").read_text())
     assert m["target"]["name"] == "htp" and m["kv"]["dtype"] == "uint8"
-    assert m["decoder"]["mask_value"] == -100.0
+    assert m["decoder"]["kind"]["name"] == "rows_static" and m["decoder"]["kind"]["mask_value"] == -100.0
     for g in ("prefill", "decode"):
         enc = m["kv"]["encodings"][g]
         assert len(enc["key"]) == len(enc["value"]) == 2 and all(0 < s and 0 <= z <= 255 for s, z in enc["key"])
@@ -344,8 +344,7 @@ def test_htp_device_refuses_a_cpu_bundle(default_bundle, capsys):
 
 
 def kv_spec(layers=2, dim=8, ctx=16):
-    return KVSpec(layers=layers, dim=dim, max_context=ctx, dtype="uint8", key_input="k{layer}", value_input="v{layer}",
-                  key_output="nk{layer}", value_output="nv{layer}")
+    return KVSpec(max_context=ctx, dtype="uint8", layers=attention_layers(layers, 1, dim))
 
 
 def encode(x, s, z):
@@ -423,7 +422,7 @@ def test_unused_slots_clean_after_any_history():
             n = int(rng.integers(1, ar + 1))
             if c.length + n > 40:
                 break
-            c.write(rng.integers(0, 256, (2, 2, ar, 8), dtype=np.uint8), n)
+            c.write([rng.integers(0, 256, (2, 2, ar, 8), dtype=np.uint8)], n, np.zeros((1, ar), np.int64))
             if enc is pre and rng.random() < 0.5:
                 c.requantize(pre, dec)
                 enc = dec

@@ -55,7 +55,7 @@ def test_bound_steps_do_not_multiply_with_prompt_lengths(default_bundle):
     lengths leave at most two sets of buffers, and their answers equal the plain path's."""
     vlm = _load(default_bundle.bundle, True)
     dec = vlm.manifest.decoder
-    assert dec.dynamic_ar
+    assert dec.kind.name == "gqa_in_place"  # (symbolic AR)
     bound = {}
     for words in range(1, 40, 3):
         bound[words] = vlm("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids
@@ -110,7 +110,7 @@ def cache_readers(bundle, tmp_path) -> set[str]:
 
 
 def test_decode_graph_reads_the_cache_in_place(default_bundle, tmp_path):
-    """The default CPU decoder's cache buffers go only into GroupQueryAttention (kv.layout in_place), which reads
+    """The default CPU decoder's cache buffers go only into GroupQueryAttention (kind gqa_in_place), which reads
     them where they are and writes the step's rows into them. The portable form (--attention portable) feeds every
     past input straight into a MatMul (q·Kᵀ as FusedMatMul transB), no Concat, Transpose or other copy of the cache
     per step (CachedGQAttention._copy_free_step): test_gqa.py checks that one on its portable export."""
@@ -120,7 +120,7 @@ def test_decode_graph_reads_the_cache_in_place(default_bundle, tmp_path):
 def test_symbolic_context_graphs_equal_static_ones(default_bundle, tmp_path_factory, monkeypatch):
     """The default CPU export is one decoder graph for prefill and decode, GroupQueryAttention over in_place cache
     buffers (test_gqa.py: equal to the portable graph, symbolic in the cache length, where steps read the prefix of
-    the cache they need: DecoderSpec.context_step) and symbolic in AR (dynamic_ar: a step feeds
+    the cache they need: kind rows_dynamic's context_step) and symbolic in AR (a step feeds
     exactly its tokens; logit_rows: only the rows' logits it asks for, the last one's), loaded as one session. Same checkpoint
     exported static (--context-step 0: two graphs, padded prefill blocks): identical tokens; cache rows and logits
     equal to float rounding (the AR=1 step's own-key product is a MatMul over a symbolic AR instead of the static
@@ -134,19 +134,22 @@ def test_symbolic_context_graphs_equal_static_ones(default_bundle, tmp_path_fact
     m = default_bundle.manifest()
     # the default: GroupQueryAttention over whole in_place buffers (test_gqa.py compares it with the portable graph,
     # symbolic in the cache length)
-    assert m["decoder"]["context_step"] == 0 and m["kv"]["layout"] == "in_place"
+    assert m["decoder"]["kind"]["name"] == "gqa_in_place"
     dec_in = {t["name"]: t["shape"] for t in m["graphs"]["decode"]["inputs"]}
-    assert dec_in["past_key_0"] == [1, m["kv"]["heads"], c.max_seq_len, m["kv"]["head_dim"]]
+    layer = m["kv"]["layers"][0]
+    assert dec_in["past_key_0"] == [1, layer["kv_heads"], c.max_seq_len, layer["head_dim"]]
     assert dec_in["inputs_embeds"][0] == "ar" and dec_in["seqlens_k"] == [1] and dec_in["total_sequence_length"] == []
+    assert dec_in["position_ids"] == [1, "ar"]  # the rope positions, apart from the slots (seqlens_k)
     assert m["graphs"]["prefill"]["file"] == m["graphs"]["decode"]["file"] == "decoder.onnx"
-    assert m["decoder"]["dynamic_ar"] and m["decoder"]["logit_rows_input"] == "logit_rows" and not m["decoder"]["last_logits"]
+    assert m["decoder"]["kind"]["logit_rows_input"] == "logit_rows"
     assert {t["name"]: t["shape"] for t in m["graphs"]["decode"]["outputs"]}["logits"] == ["rows", m["decoder"]["vocab_size"]]
     assert dec_in["logit_rows"] == ["rows"]
     static = export(str(default_bundle.ckpt), tmp_path_factory.mktemp("static") / "b", prefill_ar=c.prefill_ar,
                     max_seq_len=c.max_seq_len, context_step=0, progress=False)
     ms = vlmrt.load(static).manifest
-    assert ms.decoder.context_step == 0 and ms.graphs["decode"].input("past_key_0").shape[0] == c.max_seq_len
-    assert ms.graphs["prefill"].file == "prefill.onnx" and not ms.decoder.dynamic_ar
+    assert ms.decoder.kind.name == "rows_static" and ms.decoder.kind.context_step == 0
+    assert ms.graphs["decode"].input("past_key_0").shape[0] == c.max_seq_len
+    assert ms.graphs["prefill"].file == "prefill.onnx"
     img = image_file("chelsea.png", None)
     for mode in ("hybrid", "kv"):
         a, b = vlmrt.load(default_bundle.bundle), vlmrt.load(static)

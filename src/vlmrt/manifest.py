@@ -26,7 +26,9 @@ from .verify_record import Record
 
 # 2: each graph lists its data files and the external initializers the host maps (GraphSpec.data_files,
 # mapped_weights, prepacked), so that the runtime never parses a graph itself (the onnx package is export-only)
-SCHEMA_VERSION = 2
+# 3: the decoder by kind (decoder.kind, a tagged union), rope positions as their own input (decoder.positions), the
+# cache as a list of per-layer kinds (kv.layers); the conversation template is required
+SCHEMA_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 
 
@@ -149,77 +151,168 @@ class PromptSpec:
 
 
 @dataclass
-class KVSpec:
-    """The KV cache lives outside the graphs, one [max_context, dim] buffer per layer and K/V.
+class AttentionLayer:
+    """A layer whose cache state is one K and one V row per slot (runtime/kv_cache.py stores them).
 
-    A graph step with AR tokens at positions pos..pos+AR-1 reads the cache (the whole of it, or
-    the prefix [:ctx] for a graph with a symbolic cache length, DecoderSpec) plus an
-    additive mask [AR, ctx + AR] and returns only the AR new rows per layer; the host writes
-    row i to cache slot pos+i (runtime/kv_cache.py is the one definition).
-    layout "in_place" (CPU one-graph decoders): buffers [1, heads, max_context, head_dim] that the graph updates
-    itself (present_* bound to past_*), given DecoderSpec.seqlens_input / total_length_input, no positions or mask.
-    """
+    The decoder kind (DecoderSpec.kind) says how the graph takes them: `gqa_in_place` as buffers
+    [1, kv_heads, max_context, head_dim] it updates itself (key_output / value_output: the updated buffers, bound to
+    the inputs' memory), the rows kinds as [ctx, kv_heads * head_dim] plus the step's new rows [ar, kv_dim] out."""
 
-    layers: int
-    dim: int  # kv_heads * head_dim
-    max_context: int
-    dtype: str
-    key_input: str  # format with layer=i
+    kind: str  # "attention"
+    kv_heads: int
+    head_dim: int
+    key_input: str
     value_input: str
     key_output: str
     value_output: str
+
+    @property
+    def dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.key_input, self.value_input
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.key_output, self.value_output
+
+
+@dataclass
+class ConvLayer:
+    """A layer whose cache state is one row per slot of a short convolution's input (LFM2: B*x of its in_proj,
+    channels = hidden), of which a step reads a fixed window: state_input [width, channels] = the rows of slots
+    slot - width .. slot - 1 before the step (zeros before slot 0), state_output [ar, channels] = the step's own rows,
+    which the host writes at the step's slots like K/V rows (so a rewind, a rejected lookahead draft or a padded
+    block needs nothing more). No family exports one yet (LFM2-VL, issue 31)."""
+
+    kind: str  # "conv"
+    channels: int
+    width: int  # the kernel size - 1
+    state_input: str
+    state_output: str
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.state_input,)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.state_output,)
+
+
+CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer}
+
+
+def attention_layers(n: int, kv_heads: int, head_dim: int, key_input: str = "past_key_{layer}",
+                     value_input: str = "past_value_{layer}", key_output: str = "new_key_{layer}",
+                     value_output: str = "new_value_{layer}") -> list[AttentionLayer]:
+    """n attention layers of one shape, their tensor names the templates formatted with layer=i."""
+    return [AttentionLayer("attention", kv_heads, head_dim, key_input.format(layer=i), value_input.format(layer=i),
+                           key_output.format(layer=i), value_output.format(layer=i)) for i in range(n)]
+
+
+@dataclass
+class KVSpec:
+    """The decoder's state outside the graphs: one entry per decoder layer, by kind (CACHE_LAYER_KINDS), over
+    max_context slots. runtime/kv_cache.py is the one definition of how each kind is stored and written."""
+
+    max_context: int
+    dtype: str
+    layers: list[AttentionLayer | ConvLayer]
     # uint8 caches (HTP bundles): per graph, per layer (scale, zero_point) of K and V rows,
     # {"prefill": {"key": [[s, zp], ...], "value": [...]}, "decode": {...}}; q = round(x / s) + zp
     encodings: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
-    layout: str = "rows"  # KV_LAYOUTS; in_place: kv heads and head_dim of a buffer below (heads * head_dim = dim)
-    heads: int = 0
-    head_dim: int = 0
+
+    def attention(self) -> list[AttentionLayer]:
+        return [layer for layer in self.layers if isinstance(layer, AttentionLayer)]
+
+    def state_inputs(self) -> list[str]:
+        """Every layer's state inputs, in layer order (attention: key, value)."""
+        return [n for layer in self.layers for n in layer.inputs]
+
+    def state_outputs(self) -> list[str]:
+        return [n for layer in self.layers for n in layer.outputs]
+
+
+@dataclass
+class PositionsSpec:
+    """The rope positions, a graph input of every decoder kind, computed by the host apart from the cache slot a row
+    is written to: `input` [rows, ar] int64 (rows: rope rows, 1 for a plain RoPE, 3 for M-RoPE's (t, h, w)). `op`
+    names the host op that computes a prompt's positions (runtime/positions.py POSITION_OPS; "slots": the position of
+    slot p is p); a generated token's is the largest of the last slot's positions + 1."""
+
+    input: str
+    rows: int = 1
+    op: str = "slots"
+    params: dict[str, Any] = field(default_factory=dict)  # op-specific
+
+
+@dataclass
+class GqaInPlaceKind:
+    """The CPU target's one decoder graph: each layer's attention is ORT's GroupQueryAttention over the cache buffers,
+    which it updates in place; AR symbolic 1..prefill_ar, the buffers read whole. It takes the step's end slot
+    (seqlens_input [1] int32 = last slot, total_length_input [] int32 = last slot + 1) instead of a mask, and
+    positions [1, ar] (GroupQueryAttention's position_ids: ORT applies RoPE at them)."""
+
+    name: str  # "gqa_in_place"
+    seqlens_input: str
+    total_length_input: str
+    logit_rows_input: str  # [r] int64: the rows whose logits the step returns ([r, vocab])
+    argmax_output: str  # [r] int64: each logits row's argmax (greedy decoding reads it)
+    # int8 tables (DecoderSpec.embedding_scale_file): inputs [ar, hidden] int8 and [ar] float32; the graph adds
+    # token_rows * token_scales (in float32, cast to the I/O dtype) to inputs_embeds, so a decode step reads its row
+    # straight into the bound input and the host does no multiply (scale 0: the row is not used)
+    token_rows_input: str | None = None
+    token_scales_input: str | None = None
+
+
+@dataclass
+class RowsDynamicKind:
+    """One decoder graph under the rows contract, symbolic in AR (1..prefill_ar) and cache length: a step at slot s
+    reads the cache prefix [:ctx] (ctx = s rounded up to context_step; kv_cache.context_slots) and an additive mask
+    [ar, ctx + ar] built from slots, and returns the step's new rows, which the host writes (--attention portable)."""
+
+    name: str  # "rows_dynamic"
+    mask_input: str
+    context_step: int
+    logit_rows_input: str  # [r] int64: the rows whose logits the step returns
+
+
+@dataclass
+class RowsStaticKind:
+    """Decoder graphs at fixed AR under the rows contract: prefill (AR = prefill_ar, the last block padded), decode
+    (AR = 1), and verify (AR = verify_ar > 0: the lookahead verify graph, every row's logits). context_step 0: the
+    cache inputs are the whole cache (the HTP target); > 0: the prefix [:ctx] as rows_dynamic's (two-graph CPU
+    exports). logits [ar, vocab]; with hidden_output the graphs return the final norm's [ar, hidden] and graphs.head
+    maps a step's last valid row (that input) to logits [1, vocab]."""
+
+    name: str  # "rows_static"
+    mask_input: str
+    context_step: int = 0
+    mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
+    verify_ar: int = 0
+    hidden_output: str | None = None
+
+
+DECODER_KINDS = {"gqa_in_place": GqaInPlaceKind, "rows_dynamic": RowsDynamicKind, "rows_static": RowsStaticKind}
 
 
 @dataclass
 class DecoderSpec:
-    """Names of the decoder graphs' non-cache I/O, shared by prefill and decode."""
+    """The decoder graphs' non-cache I/O; `kind` says which contract they follow (DECODER_KINDS), with its fields."""
 
     hidden_size: int
     vocab_size: int
-    prefill_ar: int
+    prefill_ar: int  # hybrid mode's prompt block
     embeds_input: str
-    positions_input: str
-    mask_input: str
+    positions: PositionsSpec
     logits_output: str
     embedding_file: str  # [vocab, hidden] .npy, memory-mapped by the host
     embedding_dtype: str  # float32 | float16 | int8 (then rows are scaled by embedding_scale_file [vocab])
+    kind: GqaInPlaceKind | RowsDynamicKind | RowsStaticKind
     embedding_scale_file: str | None = None
-    mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
-    # > 0: the graphs' cache inputs have a symbolic length "ctx" (mask [ar, ctx + ar]); a step at first position
-    # pos reads the prefix [:ctx], ctx = pos rounded up to a multiple of context_step (at least context_step, at
-    # most max_context). 0: static graphs over the whole cache (and kv.layout in_place: the graph reads it whole)
-    context_step: int = 0
-    # the prefill and decode graphs take any AR from 1 to prefill_ar ("ar" in their shapes; usually one graph file
-    # for both): a step feeds exactly its tokens, never padding
-    dynamic_ar: bool = False
-    # the logits output is [1, vocab], the step's last token only (needs dynamic_ar: the last row is then a real
-    # token); the rows before it never go through the LM head. Bundles exported before logit_rows_input
-    last_logits: bool = False
-    # graph input [r] int64 (needs dynamic_ar): the rows whose logits the step returns ([r, vocab]), the last one or
-    # all of a lookahead verify step. None: logits are [ar or 1, vocab] (static graphs, last_logits): no lookahead
-    logit_rows_input: str | None = None
-    # kv.layout in_place: inputs [1] int32 = the step's last position, [] int32 = that + 1 (positions_input and
-    # mask_input are then ""; the graph takes neither)
-    seqlens_input: str | None = None
-    total_length_input: str | None = None
-    argmax_output: str | None = None  # output [r] int64: each logits row's argmax (greedy decoding reads it)
-    # static graphs (the HTP target): AR of graphs.verify, the lookahead verify graph (the decode graph at AR = K:
-    # same weights, activation and KV encodings; every row's logits). 0: no verify graph
-    verify_ar: int = 0
-    # int8 tables (embedding_scale_file) on the one-graph CPU decoder: inputs [ar, hidden] int8 and [ar] float32; the
-    # graph adds token_rows * token_scales (in float32, cast to the I/O dtype) to inputs_embeds, so a decode step
-    # reads its row straight into the bound input and the host does no multiply (scale 0: the row is not used)
-    token_rows_input: str | None = None
-    token_scales_input: str | None = None
-    # the lm head is graphs.head (HTP, static graphs): the decoder graphs output this [ar, hidden] final-norm state
-    # instead of logits, and the head maps a step's last valid row [1, hidden] (this input) to logits_output [1, vocab]
-    hidden_output: str | None = None
 
 
 @dataclass
@@ -238,8 +331,9 @@ class SpecialTokens:
 @dataclass
 class Manifest:
     model: dict[str, Any]  # informational: family, source, name — the runtime never branches on it
-    graphs: dict[str, GraphSpec]  # "vision", "prefill", "decode"; "verify" with decoder.verify_ar
-    graphs: dict[str, GraphSpec]  # "vision", "prefill", "decode" (and "head": decoder.hidden_output)
+    # "vision", "prefill", "decode" (one file for both with the symbolic-AR kinds); rows_static: "verify" with
+    # decoder.kind.verify_ar, "head" with decoder.kind.hidden_output
+    graphs: dict[str, GraphSpec]
     tokenizer_file: str
     image: ImageSpec
     prompt: PromptSpec
@@ -280,8 +374,10 @@ def from_dict(d: Any) -> Manifest:
         raise BundleError("manifest.json is malformed: it must be a JSON object")
     version = d.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise BundleError(f"bundle schema version {version} is not supported (this vlmrt reads {SCHEMA_VERSION}); re-export it")
+        raise BundleError(f"bundle schema version {version} is not supported (this vlmrt reads {SCHEMA_VERSION}); "
+                          "re-export it from its checkpoint with `vlmrt export CHECKPOINT OUT`")
     try:
+        check_kinds(d)
         m = build(Manifest, d, "")
         for name, entry in m.files.items():
             build(FileEntry, entry, f"files.{name}")
@@ -300,6 +396,25 @@ def from_dict(d: Any) -> Manifest:
     except RecursionError:
         raise BundleError("manifest.json is malformed: nested too deeply") from None
     return m
+
+
+def check_kinds(d: dict) -> None:
+    """The tagged unions' tags (decoder.kind.name, kv.layers[i].kind) name kinds this vlmrt knows (else: upgrade), and
+    each entry is well formed as its kind (Malformed names the field); build then picks the same dataclass."""
+    kind = d.get("decoder", {}).get("kind") if isinstance(d.get("decoder"), dict) else None
+    if isinstance(kind, dict):
+        name = kind.get("name")
+        if name not in DECODER_KINDS:
+            raise BundleError(f"bundle decoder kind {str(name)[:40]!r} is not known to this vlmrt "
+                              f"({', '.join(DECODER_KINDS)}); upgrade vlmrt")
+        build(DECODER_KINDS[name], kind, "decoder.kind")
+    layers = d.get("kv", {}).get("layers") if isinstance(d.get("kv"), dict) else None
+    for i, layer in enumerate(layers if isinstance(layers, list) else []):
+        if isinstance(layer, dict):
+            if layer.get("kind") not in CACHE_LAYER_KINDS:
+                raise BundleError(f"bundle cache layer kind {str(layer.get('kind'))[:40]!r} (kv.layers[{i}]) is not "
+                                  f"known to this vlmrt ({', '.join(CACHE_LAYER_KINDS)}); upgrade vlmrt")
+            build(CACHE_LAYER_KINDS[layer["kind"]], layer, f"kv.layers[{i}]")
 
 
 MAPPED_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool"}

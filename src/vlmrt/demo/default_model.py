@@ -26,8 +26,8 @@ MAX_SEQ_LEN = 128  # the demo's prompts are ~25 tokens (4 image tokens + the que
 # bumped when the export writes a different bundle from the same weights, so that a cache of the older form is
 # rebuilt instead of reused: 2 = the decoder takes logit_rows (lookahead decoding needs it); 3 = its attention is
 # GroupQueryAttention over an in_place KV cache; 4 = int8 tables: it scales a decode step's row itself (token_rows),
-# and its LM head is prepacked first
-EXPORT_FORMAT = 4
+# and its LM head is prepacked first; 5 = manifest schema 3 (decoder kinds, a positions input, per-layer cache kinds)
+EXPORT_FORMAT = 5
 
 
 class DefaultModelError(ValueError):

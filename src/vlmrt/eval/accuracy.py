@@ -64,7 +64,8 @@ def float_manifest(m: Manifest) -> Manifest:
     """The same host plan with float32 graph I/O and KV cache (for a float reference)."""
     m = copy.deepcopy(m)
     m.kv = dataclasses.replace(m.kv, dtype="float32", encodings={})
-    m.decoder = dataclasses.replace(m.decoder, hidden_output=None)  # the reference's decoder returns logits itself
+    if getattr(m.decoder.kind, "hidden_output", None):  # the reference's decoder returns logits itself
+        m.decoder = dataclasses.replace(m.decoder, kind=dataclasses.replace(m.decoder.kind, hidden_output=None))
     m.graphs.pop("head", None)
     for g in m.graphs.values():
         for t in g.inputs + g.outputs:

@@ -27,32 +27,38 @@ class TorchVision:
             return [self.module(torch.from_numpy(np.asarray(x, np.float32))).numpy()]
 
 
+# the torch attention kind (families/layers.py ATTENTION_KINDS) that computes what each decoder kind's graph does
+ATTENTION_OF_KIND = {"gqa_in_place": "gqa_in_place", "rows_dynamic": "rows_copy_free", "rows_static": "rows_copy_free"}
+
+
 class TorchDecoder:
     """run(names, feeds) over layers.CausalDecoder, feeds keyed by the manifest's tensor names."""
 
     def __init__(self, module, m: Manifest):
-        if m.kv.layout == "in_place":  # the same weights with the GroupQueryAttention contract (families/gqa.py)
-            module = module.with_options(copy_free=True, logit_rows=True, rope_positions=m.kv.max_context, in_place=True)
+        k = m.decoder.kind
+        attention = ATTENTION_OF_KIND[k.name]
+        # the same weights with the kind's attention; gqa_in_place's module returns logit_rows' rows itself
+        module = module.with_options(attention=attention, logit_rows=attention == "gqa_in_place",
+                                     rope_positions=m.kv.max_context + m.decoder.prefill_ar)
         self.module, self.m = module, m
-        kv = m.kv
-        self.past = [n.format(layer=i) for i in range(kv.layers) for n in (kv.key_input, kv.value_input)]
-        self.outs = [m.decoder.logits_output] + [n.format(layer=i) for i in range(kv.layers) for n in (kv.key_output, kv.value_output)]
-        self.outs += [m.decoder.argmax_output] if m.decoder.argmax_output else []
+        self.step = [t for t in (getattr(k, f, None) for f in ("mask_input", "seqlens_input", "total_length_input")) if t]
+        self.past = m.kv.state_inputs()
+        self.outs = [m.decoder.logits_output, *m.kv.state_outputs()]
+        self.outs += [k.argmax_output] if getattr(k, "argmax_output", None) else []
 
     def run(self, names, feeds):
-        d = self.m.decoder
-        t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
-        in_place = self.m.kv.layout == "in_place"
-        step = (t[d.seqlens_input], t[d.total_length_input]) if in_place else (t[d.positions_input], t[d.mask_input].float())
-        rows = [t[d.logit_rows_input]] if in_place else []  # (the in_place module returns those rows itself)
+        d, k = self.m.decoder, self.m.decoder.kind
+        t = {n: torch.from_numpy(np.asarray(v)) for n, v in feeds.items()}
+        step = [t[n].float() if t[n].is_floating_point() else t[n] for n in self.step]
+        rows = [t[k.logit_rows_input]] if self.module.logit_rows else []
         embeds = t[d.embeds_input].float()
-        if d.token_rows_input:  # the graph's own addition of the int8 rows (export/graphs.py TokenRows)
-            embeds = embeds + t[d.token_rows_input].float() * t[d.token_scales_input][:, None]
+        if getattr(k, "token_rows_input", None):  # the graph's own addition of the int8 rows (export/graphs.py TokenRows)
+            embeds = embeds + t[k.token_rows_input].float() * t[k.token_scales_input][:, None]
         with torch.no_grad():
-            out = self.module(embeds, *step, *[t[n].float() for n in self.past], *rows)
+            out = self.module(embeds, t[d.positions.input], *step, *[t[n].float() for n in self.past], *rows)
         by_name = dict(zip(self.outs, (o.numpy() for o in out)))
-        if d.logit_rows_input and not in_place:  # the rows the exported graph would return (this module computes all)
-            by_name[d.logits_output] = by_name[d.logits_output][feeds[d.logit_rows_input]]
+        if getattr(k, "logit_rows_input", None) and not self.module.logit_rows:
+            by_name[d.logits_output] = by_name[d.logits_output][feeds[k.logit_rows_input]]  # the graph's rows only
         return [by_name[n] for n in names]
 
 

@@ -27,10 +27,15 @@ from ..manifest import TensorSpec
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def kv_names(layers: int, in_place: bool = False) -> tuple[list[str], list[str]]:
-    """The cache inputs and outputs: new rows (new_key_i) or, in_place, the whole updated buffers (present_key_i)."""
+# what a decoder graph's cache outputs are, by attention kind (families/layers.py ATTENTION_KINDS): the step's new
+# rows (new_key_i) or the whole updated buffers (present_key_i)
+KV_OUTPUT_PREFIX = {"rows_copy_free": "new", "rows_concat": "new", "gqa_in_place": "present"}
+
+
+def kv_names(layers: int, attention: str = "rows_copy_free") -> tuple[list[str], list[str]]:
+    """The cache inputs and outputs of a decoder graph of the attention kind."""
     ins, outs = [], []
-    out = "present" if in_place else "new"
+    out = KV_OUTPUT_PREFIX[attention]
     for i in range(layers):
         ins += [f"past_key_{i}", f"past_value_{i}"]
         outs += [f"{out}_key_{i}", f"{out}_value_{i}"]
@@ -146,48 +151,51 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
 
 
-def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: int, layers: int, io_dtype: str,
-                   precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
-                   dynamic_ar: bool = False, in_place: tuple[int, int] | None = None, hessian=None,
-                   token_rows: bool = False) -> None:
-    """cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): steps read
-    the cache without copying it (CachedGQAttention._copy_free_step) and RMSNorm chains become one fused op.
+def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden: int, kv_heads: int, head_dim: int,
+                   layers: int, io_dtype: str, precision: str, head: str, path: Path, cpu: bool = True,
+                   dynamic_context: bool = False, dynamic_ar: bool = False, hessian=None, token_rows: bool = False) -> None:
+    """attention: the decoder graph's attention kind (families/layers.py ATTENTION_KINDS); every graph takes
+    inputs_embeds [ar, hidden] and position_ids [1, ar] int64 (the rope positions) first.
+    cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): RMSNorm chains become one
+    fused op.
     dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
     (the dim is named "ctx"), so that one graph reads only the prefix of the cache that a step needs.
     dynamic_ar (with dynamic_context): the step's token count is symbolic too ("ar", 1..ar), so that one graph
     (one session, one prepacked copy of the weights) serves the prefill blocks and the 1-token decode steps;
     such a graph also takes logit_rows [r] (CausalDecoder.logit_rows): the logits are [r, vocab], those rows' only
     (the last row for a prefill block or a decode step, all of a lookahead verify step's).
-    in_place = (kv_heads, head_dim) (with dynamic_ar): attention as ORT's GroupQueryAttention over cache buffers
-    [1, kv_heads, max_context, head_dim] that the graph updates in place (CausalDecoder in_place): inputs
-    inputs_embeds, seqlens_k, total_sequence_length, past_*, logit_rows; outputs logits, present_*, next_token.
+    attention gqa_in_place (with dynamic_ar): ORT's GroupQueryAttention over cache buffers [1, kv_heads, max_context,
+    head_dim] that the graph updates in place: inputs inputs_embeds, position_ids, seqlens_k, total_sequence_length,
+    past_*, logit_rows; outputs logits, present_*, next_token.
     hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
-    token_rows (with in_place): two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
+    token_rows (with gqa_in_place): two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
     from . import fuse, quantize
 
-    if in_place:
-        return _export_in_place(decoder, ar=ar, max_context=max_context, hidden=hidden, heads=in_place, layers=layers,
-                                io_dtype=io_dtype, precision=precision, head=head, path=path, hessian=hessian,
-                                token_rows=token_rows)
+    if attention == "gqa_in_place":
+        return _export_in_place(decoder, ar=ar, max_context=max_context, hidden=hidden, heads=(kv_heads, head_dim),
+                                layers=layers, io_dtype=io_dtype, precision=precision, head=head, path=path,
+                                hessian=hessian, token_rows=token_rows)
     dt = TORCH_DTYPES[io_dtype]
     # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context
-    decoder = decoder.with_options(copy_free=cpu, logit_rows=dynamic_ar, rope_positions=max_context + ar)
+    decoder = decoder.with_options(attention=attention, logit_rows=dynamic_ar, rope_positions=max_context + ar)
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
-    positions = torch.arange(ar, dtype=torch.int64)
+    positions = torch.arange(ar, dtype=torch.int64)[None]  # [rope rows = 1, ar]
     mask = torch.zeros(ar, max_context + ar, dtype=dt)
-    past = [torch.zeros(max_context, kv_dim, dtype=dt) for _ in range(2 * layers)]
-    kin, kout = kv_names(layers)
+    past = [torch.zeros(max_context, kv_heads * head_dim, dtype=dt) for _ in range(2 * layers)]
+    kin, kout = kv_names(layers, attention)
     extra, extra_names = ([torch.arange(ar, dtype=torch.int64)], ["logit_rows"]) if dynamic_ar else ([], [])
     dynamic = None
     if dynamic_context:
         ctx = torch.export.Dim("ctx", min=2, max=max_context)
         n = torch.export.Dim("ar", min=1, max=ar) if dynamic_ar else None
         rows = {0: n} if dynamic_ar else None
+        pos_dims = {1: n} if dynamic_ar else None
         # CastIO.forward(*args): one varargs entry
         total = torch.export.Dim.AUTO if dynamic_ar else ctx + ar  # ctx + ar: the exporter derives it
         logit_rows = [{0: torch.export.Dim("rows", min=1, max=ar)}] if dynamic_ar else []
-        dynamic = ((rows, rows, {0: n, 1: total} if dynamic_ar else {1: total}, *[{0: ctx}] * (2 * layers), *logit_rows),)
+        dynamic = ((rows, pos_dims, {0: n, 1: total} if dynamic_ar else {1: total}, *[{0: ctx}] * (2 * layers),
+                    *logit_rows),)
     export_graph(
         module, (embeds, positions, mask, *past, *extra),
         ["inputs_embeds", "position_ids", "attention_mask", *kin, *extra_names], ["logits", *kout], path, dynamic,
@@ -212,26 +220,29 @@ def export_decoder(decoder, *, ar: int, max_context: int, hidden: int, kv_dim: i
 
 def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: tuple[int, int], layers: int,
                      io_dtype: str, precision: str, head: str, path: Path, hessian=None, token_rows: bool = False) -> None:
-    """export_decoder's in_place graph: symbolic AR 1..ar, cache buffers of max_context slots."""
+    """export_decoder's gqa_in_place graph: symbolic AR 1..ar, cache buffers of max_context slots."""
     from . import fuse, gqa_onnx, quantize
 
     dt = TORCH_DTYPES[io_dtype]
     kv_heads, head_dim = heads
-    decoder = decoder.with_options(copy_free=True, logit_rows=True, rope_positions=max_context, in_place=True)
+    decoder = decoder.with_options(attention="gqa_in_place", logit_rows=True, rope_positions=max_context)
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
+    positions = torch.arange(ar, dtype=torch.int64)[None]  # [1, ar]: GroupQueryAttention's position_ids
     seqlens, total = torch.tensor([ar - 1], dtype=torch.int32), torch.tensor(ar, dtype=torch.int32)
     past = [torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt) for _ in range(2 * layers)]
-    kin, kout = kv_names(layers, in_place=True)
+    kin, kout = kv_names(layers, "gqa_in_place")
     n = torch.export.Dim("ar", min=1, max=ar)
     extra, extra_names, extra_dims = [], [], []
     if token_rows:  # [ar, hidden] int8, [ar] float32
         module = TokenRows(module)
         extra, extra_names = [torch.zeros(ar, hidden, dtype=torch.int8), torch.zeros(ar)], ["token_rows", "token_scales"]
         extra_dims = [{0: n}, {0: n}]
-    dynamic = (({0: n}, None, None, *[None] * (2 * layers), {0: torch.export.Dim("rows", min=1, max=ar)}, *extra_dims),)
-    export_graph(module, (embeds, seqlens, total, *past, torch.arange(ar, dtype=torch.int64), *extra),
-                 ["inputs_embeds", "seqlens_k", "total_sequence_length", *kin, "logit_rows", *extra_names],
+    dynamic = (({0: n}, {1: n}, None, None, *[None] * (2 * layers), {0: torch.export.Dim("rows", min=1, max=ar)},
+                *extra_dims),)
+    export_graph(module, (embeds, positions, seqlens, total, *past, torch.arange(ar, dtype=torch.int64), *extra),
+                 ["inputs_embeds", "position_ids", "seqlens_k", "total_sequence_length", *kin, "logit_rows",
+                  *extra_names],
                  ["logits", *kout, "next_token"], path,
                  dynamic, gqa_onnx.TABLE)
     model = onnx.load(str(path))

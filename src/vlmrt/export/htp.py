@@ -130,21 +130,21 @@ def kv_overrides(enc: dict, m: mf.Manifest) -> dict:
     from onnxruntime.quantization import QuantType
 
     out = {}
-    for i in range(m.kv.layers):
-        for kind, fin, fout in (("key", m.kv.key_input, m.kv.key_output), ("value", m.kv.value_input, m.kv.value_output)):
+    for i, layer in enumerate(m.kv.attention()):
+        for kind, fin, fout in (("key", layer.key_input, layer.key_output), ("value", layer.value_input, layer.value_output)):
             s, zp = enc[kind][i]
-            for name in (fin.format(layer=i), fout.format(layer=i)):
+            for name in (fin, fout):
                 out[name] = [{"quant_type": QuantType.QUInt8, "scale": np.array(s, np.float32), "zero_point": np.array(zp, np.uint8)}]
     return out
 
 
 def _kv_names(m: mf.Manifest, enc: dict):
     """(cache inputs, new-rows output -> its input, cache input -> (scale, zero point))."""
-    kin = [n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)]
-    kout = {fout.format(layer=i): fin.format(layer=i) for i in range(m.kv.layers)
-            for fin, fout in ((m.kv.key_input, m.kv.key_output), (m.kv.value_input, m.kv.value_output))}
-    want = {fin.format(layer=i): tuple(enc[kind][i]) for i in range(m.kv.layers)
-            for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
+    layers = m.kv.attention()
+    kin = [n for layer in layers for n in layer.inputs]
+    kout = {fout: fin for layer in layers for fin, fout in zip(layer.inputs, layer.outputs)}
+    want = {fin: tuple(enc[kind][i]) for i, layer in enumerate(layers)
+            for kind, fin in (("key", layer.key_input), ("value", layer.value_input))}
     return kin, kout, want
 
 
@@ -218,7 +218,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     encodings = {}
     out_dir.mkdir(parents=True, exist_ok=True)
     gspecs = {}
-    decoders = ["prefill", "decode", *(["verify"] if m.decoder.verify_ar else [])]
+    kind = m.decoder.kind  # (the float bundle's: rows_static)
+    decoders = ["prefill", "decode", *(["verify"] if kind.verify_ar else [])]
     own_head = None  # the lm head as its own graph (htp_head): the decoder graphs end at the final norm
     for name in ("vision", *decoders):
         model, fused = fuse.prepare_for_qdq(onnx.load(str(float_dir / m.graphs[name].file)))  # with weights; RMSNorm fused
@@ -230,7 +231,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
             enc = {kind: [uint8_encoding(lo, hi) for lo, hi in ranges[kind]] for kind in ("key", "value")}
         if name == "verify":  # the decode graph at AR = verify_ar: decode's encodings everywhere (htp_verify.py)
             like = onnx.load(str(out_dir / "decode.onnx")) if prec["decode"] != "fp16" else None
-            rec["verify"] = htp_verify.TiledFeeds(rec["decode"], m.decoder, m.decoder.verify_ar, m.kv.max_context)
+            rec["verify"] = htp_verify.TiledFeeds(rec["decode"], m.decoder, kind.verify_ar, m.kv.max_context)
         p = prec["decode" if name == "verify" else name]
         head = prec["lm_head"] if name != "vision" and p != "fp16" and "head" not in prec else None
         dst = out_dir / f"{name}.onnx"
@@ -244,11 +245,11 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         release_freed_heap()  # (a graph's float weights, freed: ~2 GB at InternVL3.5-1B that RSS would keep)
         if int4 is not None:
             got, blocks = _qdq_graph(full, int4, dst, rec[name], m, enc, like,
-                                     as_stored=name in ("decode", "verify") and bool(m.decoder.verify_ar))
+                                     as_stored=name in ("decode", "verify") and bool(kind.verify_ar))
         del like, int4
         if enc is not None:  # the graph's own encodings
-            encodings[name] = {kind: [list(got[fin.format(layer=i)]) for i in range(m.kv.layers)]
-                               for kind, fin in (("key", m.kv.key_input), ("value", m.kv.value_input))}
+            encodings[name] = {"key": [list(got[layer.key_input]) for layer in m.kv.attention()],
+                               "value": [list(got[layer.value_input]) for layer in m.kv.attention()]}
         ins, outs = graphs.io_specs(dst)
         weights = {"activations": "float16" if p == "fp16" else "uint16", "weights": htp_precisions.WEIGHTS[p],
                    "blockwise_int4": blocks, "fused_rms_norms": fused,
@@ -293,8 +294,8 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
     if progress:
         progress("compile")
     target = {"name": "htp", **target, **qnn}
-    dec = dataclasses.replace(m.decoder, hidden_output=htp_head.HIDDEN if "head" in prec else None,
-                              embedding_file="embed.npy")
+    dec = dataclasses.replace(m.decoder, embedding_file="embed.npy",
+                              kind=dataclasses.replace(kind, hidden_output=htp_head.HIDDEN if "head" in prec else None))
     return dataclasses.replace(
         m, graphs=gspecs, kv=dataclasses.replace(m.kv, dtype="uint8", encodings=encodings), target=target,
         files=mf.list_files(out_dir, files), decoder=dec,

@@ -17,13 +17,14 @@ RECORD_BYTES = 1 << 30  # the most bytes of sampled feeds a Recorder keeps (a 1B
 class Recorder:
     """Wraps a session; keeps compact copies of the feeds of up to `limit` calls (reservoir sampling
     over all calls; fewer when they would pass `budget` bytes: random ones are dropped and the limit lowered)
-    plus every call that starts a sequence (positions < 4: the first tokens carry the
+    plus every call that starts a sequence (a step at slot < 4: the first tokens carry the
     LLM's largest activations, and a range that misses them clips the attention sink), KV caches cut
-    to their used rows (the rest is zeros when read back)."""
+    to their used rows (the rest is zeros when read back). mask: the rows kinds' mask input, from which a call's
+    slot is read (the cache slots it sees: the zero columns of its first row before the step's own)."""
 
-    def __init__(self, session, kv_inputs: set[str], limit: int, positions: str = "position_ids",
+    def __init__(self, session, kv_inputs: set[str], limit: int, mask: str = "attention_mask",
                  budget: int = RECORD_BYTES):
-        self.session, self.kv_inputs, self.limit, self.positions = session, kv_inputs, limit, positions
+        self.session, self.kv_inputs, self.limit, self.mask = session, kv_inputs, limit, mask
         self.first: list[dict] = []
         self.sampled: list[dict] = []
         self.calls = 0
@@ -32,12 +33,12 @@ class Recorder:
 
     def run(self, names, feeds):
         self.calls += 1
-        used = int(feeds[self.positions][0]) if self.positions in feeds else 0
+        used = slot_of(feeds[self.mask]) if self.mask in feeds else 0
 
         def item():
             return {k: (np.array(v[:used]), v.shape) if k in self.kv_inputs else (np.array(v), None) for k, v in feeds.items()}
 
-        if self.positions in feeds and used < 4:
+        if self.mask in feeds and used < 4:
             self.first.append(item())
         else:
             slot = len(self.sampled) if len(self.sampled) < self.limit else int(self.rng.integers(0, self.calls))
@@ -59,6 +60,13 @@ class Recorder:
 
     def reader(self):
         return list_reader(self.feeds, _unpacked)
+
+
+def slot_of(mask: np.ndarray) -> int:
+    """The first cache slot of a rows-kind step, from its additive mask [ar, ctx + ar]: the cache slots its first
+    row sees (slots 0..slot-1 are visible, the rest hidden)."""
+    ctx = mask.shape[1] - mask.shape[0]
+    return int(np.count_nonzero(mask[0, :ctx] == 0))
 
 
 def list_reader(items: list, feed):
@@ -133,8 +141,8 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
 
     b = Bundle.open(float_bundle)
     m = b.manifest
-    kv_in = {n.format(layer=i) for i in range(m.kv.layers) for n in (m.kv.key_input, m.kv.value_input)}
-    pos = m.decoder.positions_input
+    kv_in = set(m.kv.state_inputs())
+    pos = m.decoder.kind.mask_input  # (the float bundle's kind: rows_static)
     rec = {
         "vision": Recorder(b.sessions["vision"], set(), limit),
         "prefill": RowsRecorder(b.sessions["prefill"], kv_in, limit, pos),

@@ -22,6 +22,7 @@ import onnx
 
 from .. import manifest as mf
 from ..runtime.kv_cache import attention_mask
+from .htp_calibrate import slot_of
 
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
@@ -55,7 +56,7 @@ def copy_encodings(decode_qdq: onnx.ModelProto, verify_qdq: onnx.ModelProto) -> 
 
 class TiledFeeds:
     """Calibration feeds for the verify graph made from the decode graph's recorded ones (recorder: htp_calibrate.Recorder):
-    each decode call's token repeated over the K rows at positions pos..pos+K-1 under the causal mask. They only
+    each decode call's token repeated over the K rows at slots slot..slot+K-1 (positions p..p+K-1) under the causal mask. They only
     have to be valid inputs: every activation encoding is decode's (overrides)."""
 
     def __init__(self, recorder, dec: mf.DecoderSpec, ar: int, max_context: int):
@@ -63,13 +64,14 @@ class TiledFeeds:
 
     def reader(self):
         d, ar = self.dec, self.ar
-        rec = type(self.recorder)(None, self.recorder.kv_inputs, 0, self.recorder.positions)
+        rec = type(self.recorder)(None, self.recorder.kv_inputs, 0, self.recorder.mask)
         for f in self.recorder.feeds:
-            pos = int(f[d.positions_input][0][0])
+            slot = slot_of(f[d.kind.mask_input][0])
+            positions = f[d.positions.input][0]  # [rows, 1]
             g = dict(f)
             g[d.embeds_input] = (np.repeat(f[d.embeds_input][0], ar, axis=0), None)
-            g[d.positions_input] = (pos + np.arange(ar, dtype=np.int64), None)
-            g[d.mask_input] = (attention_mask(pos, ar, self.ctx, np.float32, neg=d.mask_value), None)
+            g[d.positions.input] = (positions + np.arange(ar, dtype=np.int64), None)
+            g[d.kind.mask_input] = (attention_mask(slot, ar, self.ctx, np.float32, neg=d.kind.mask_value), None)
             rec.first.append(g)
         return rec.reader()
 

@@ -126,7 +126,7 @@ class Plan:
     max_seq_len: int
     context_step: int  # > 0: symbolic cache length; 0: static graphs
     htp: dict | None  # the HTP target's options, None for the CPU target
-    in_place: bool  # the one decoder graph's attention is GroupQueryAttention over an in_place cache (export attention)
+    attention: str  # the decoder graphs' attention kind (families/layers.py ATTENTION_KINDS; --attention, the target)
     prompt: mf.PromptSpec  # the chat template and how it takes images, the expansion op
 
     @property
@@ -137,8 +137,8 @@ class Plan:
             and self.prefill_ar > 1
 
     @property
-    def token_rows(self) -> bool:  # the in_place decoder scales an int8 embedding row itself (token_rows_input)
-        return self.in_place and bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS))
+    def token_rows(self) -> bool:  # the gqa_in_place decoder scales an int8 embedding row itself (token_rows_input)
+        return self.attention == "gqa_in_place" and bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS))
 
 
 def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
@@ -200,13 +200,14 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
         if not renders_one_image(prompt):
             raise ExportError("the chat template does not render one image and one text item as expected")
     plan = Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
-                htp, False, prompt)
+                htp, "rows_concat" if htp else "rows_copy_free", prompt)
     gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0
     if attention == "gqa" and not gqa_fits:
         raise ExportError("--attention gqa needs the one-graph CPU decoder (symbolic cache length, one precision for "
                           "prefill and decode, --prefill-ar > 1) and a head_dim that is a multiple of 16 "
                           f"(this one: {cfg.text.head_dim})")
-    plan.in_place = gqa_fits and attention != "portable"
+    if gqa_fits and attention != "portable":
+        plan.attention = "gqa_in_place"
     return plan
 
 
@@ -246,11 +247,11 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
         what = f"prefill + decode graph (AR=1..{ar}" if plan.one_graph else f"{name} graph (AR={ar}"
         p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[_like(name)]}, lm head {h})")
         stem = "decoder" if plan.one_graph else name
-        graphs.export_decoder(decoder, ar=ar, max_context=ctx, hidden=t.hidden, kv_dim=t.kv_heads * t.head_dim,
-                              layers=t.layers, io_dtype=plan.dtype, precision=prec[_like(name)], head=h,
-                              path=tmp / f"{stem}.onnx", cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
-                              dynamic_ar=plan.one_graph, in_place=(t.kv_heads, t.head_dim) if plan.in_place else None,
-                              hessian=hessian, token_rows=plan.token_rows)
+        graphs.export_decoder(decoder, attention=plan.attention, ar=ar, max_context=ctx, hidden=t.hidden,
+                              kv_heads=t.kv_heads, head_dim=t.head_dim, layers=t.layers, io_dtype=plan.dtype,
+                              precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx", cpu=plan.htp is None,
+                              dynamic_context=plan.context_step > 0, dynamic_ar=plan.one_graph, hessian=hessian,
+                              token_rows=plan.token_rows)
         decoder_graphs.append((name, stem))
         p.done()
     p.start("sharing weights between graphs")
@@ -305,7 +306,6 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
               scale_file: str | None) -> mf.Manifest:
     """The manifest of the files in tmp (all of them: a file it does not list is an error)."""
     t, host = plan.cfg.text, plan.host
-    new = "present" if plan.in_place else "new"  # graphs.kv_names
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
                    | ({scale_file} if scale_file else set()))
@@ -322,26 +322,38 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
         prompt=plan.prompt,
         special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=plan.ckpt.eos_ids(plan.tok_json),
                                         pad_token_id=plan.ckpt.pad_id(t.vocab)),
-        kv=mf.KVSpec(layers=t.layers, dim=t.kv_heads * t.head_dim, max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype],
-                     key_input="past_key_{layer}", value_input="past_value_{layer}",
-                     key_output=f"{new}_key_{{layer}}", value_output=f"{new}_value_{{layer}}",
-                     **(dict(layout="in_place", heads=t.kv_heads, head_dim=t.head_dim) if plan.in_place else {})),
+        kv=mf.KVSpec(max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype], layers=_cache_layers(plan)),
         decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
-                               embeds_input="inputs_embeds", positions_input="" if plan.in_place else "position_ids",
-                               mask_input="" if plan.in_place else "attention_mask", logits_output="logits",
-                               seqlens_input="seqlens_k" if plan.in_place else None,
-                               total_length_input="total_sequence_length" if plan.in_place else None,
-                               argmax_output="next_token" if plan.in_place else None,
-                               **({"token_rows_input": "token_rows", "token_scales_input": "token_scales"} if plan.token_rows else {}),
-                               embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
-                               mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
-                               context_step=0 if plan.in_place else plan.context_step, dynamic_ar=plan.one_graph,
-                               logit_rows_input="logit_rows" if plan.one_graph else None,
-                               verify_ar=plan.htp["lookahead_ar"] if plan.htp else 0),
+                               embeds_input="inputs_embeds", positions=mf.PositionsSpec(input="position_ids"),
+                               logits_output="logits", kind=_decoder_kind(plan),
+                               embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
         generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
         files=mf.list_files(tmp, files),
     )
+
+
+def _cache_layers(plan: Plan) -> list[mf.AttentionLayer]:
+    """One attention layer per decoder layer (today's families), its tensor names graphs.kv_names'."""
+    t = plan.cfg.text
+    out = graphs.KV_OUTPUT_PREFIX[plan.attention]
+    return mf.attention_layers(t.layers, t.kv_heads, t.head_dim, key_output=f"{out}_key_{{layer}}",
+                               value_output=f"{out}_value_{{layer}}")
+
+
+def _decoder_kind(plan: Plan) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
+    """The decoder graphs' kind (manifest.DECODER_KINDS) with its tensor names, as the export wrote them."""
+    if plan.attention == "gqa_in_place":
+        return mf.GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
+                                 logit_rows_input="logit_rows", argmax_output="next_token",
+                                 **({"token_rows_input": "token_rows", "token_scales_input": "token_scales"}
+                                    if plan.token_rows else {}))
+    if plan.one_graph:
+        return mf.RowsDynamicKind(name="rows_dynamic", mask_input="attention_mask", context_step=plan.context_step,
+                                  logit_rows_input="logit_rows")
+    return mf.RowsStaticKind(name="rows_static", mask_input="attention_mask", context_step=plan.context_step,
+                             mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
+                             verify_ar=plan.htp["lookahead_ar"] if plan.htp else 0)
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,

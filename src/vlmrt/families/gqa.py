@@ -4,11 +4,13 @@
         q [1, s, heads*d], k [1, s, kv_heads*d], v [1, s, kv_heads*d],      (before RoPE)
         past_k [1, kv_heads, max_context, d], past_v [...],                 (the cache, post-RoPE keys)
         seqlens_k [1] int32 (= total - 1), total [] int32 (= past + s),
-        cos [positions, d/2], sin [positions, d/2], heads, kv_heads)
+        cos [table rows, d/2], sin [table rows, d/2], position_ids [1, s] int64, heads, kv_heads)
 
-The s new tokens sit at positions total - s .. total - 1: RoPE (rotate-half, transformers' form) is applied to q
-and k at those positions, their K/V rows are written into present at those slots, and each new token attends to
-slots 0..its position (causal inside the block). `present` has the shape of `past`: the runtime binds both to one
+The s new tokens go to cache slots total - s .. total - 1: RoPE (rotate-half, transformers' form) is applied to q
+and k at their position_ids (the rope positions, which need not be the slots), their K/V rows are written into
+present at those slots, and each new token attends to slots 0..its own slot (causal inside the block). ORT 1.32
+reads position_ids per token except on a step that starts at slot 0 (its "first prompt"), where it rotates token i
+by position_ids[0] + i; the runtime refuses other positions there (runtime/decoder_kinds.py). `present` has the shape of `past`: the runtime binds both to one
 buffer, so the graph updates the cache in place (ORT's past/present share-buffer mode). export/gqa_onnx.py maps
 the op onto the ORT node; the eager version below is its reference (tests/test_gqa.py).
 """
@@ -30,11 +32,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 @torch.library.custom_op("vlmrt::group_query_attention", mutates_args=())
 def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
                           past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          sin: torch.Tensor, position_ids: torch.Tensor, heads: int,
+                          kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s, d = q.shape[1], past_k.shape[-1]
     n = int(total)
-    pos = torch.arange(n - s, n)
-    c, si = cos[pos].to(q.dtype), sin[pos].to(q.dtype)  # [s, d/2]
+    pos = torch.arange(n - s, n)  # the slots
+    c, si = cos[position_ids[0]].to(q.dtype), sin[position_ids[0]].to(q.dtype)  # [s, d/2]
     qh = _rope(q[0].view(s, heads, d).transpose(0, 1), c, si)  # [heads, s, d]
     kh = _rope(k[0].view(s, kv_heads, d).transpose(0, 1), c, si)  # [kv_heads, s, d]
     present_k, present_v = past_k.clone(), past_v.clone()
@@ -50,5 +53,5 @@ def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pas
 
 
 @group_query_attention.register_fake
-def _(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, heads, kv_heads):
+def _(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads, kv_heads):
     return torch.empty_like(q), torch.empty_like(past_k), torch.empty_like(past_v)

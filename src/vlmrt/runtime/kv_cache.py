@@ -1,36 +1,45 @@
-"""The KV cache outside the graphs — the one definition of how it is read and updated.
+"""The decoder's state outside the graphs — the one definition of how it is stored, read and updated.
 
-Layout (manifest `kv`): per layer a K and a V buffer [max_context, dim]; slot p holds the
-(post-RoPE) key/value of the token at absolute position p. A graph step over AR tokens at
-positions pos..pos+AR-1 reads all slots (or the prefix `context_slots` gives), masked so that slots < pos are visible and the
-step's own tokens see each other causally, and returns AR new rows per buffer; `write`
-stores the first n_valid of them at slots pos..pos+n_valid-1 (padding rows are dropped).
-families/layers.py:CachedGQAttention is the graph side; tests/test_kv_contract.py checks both.
-
-Layout "in_place" (manifest kv.layout; the CPU target's GroupQueryAttention decoder): per layer a K and a V buffer
-[1, heads, max_context, head_dim] that the graph reads whole and writes the step's rows into itself (the same
-buffers are bound as its past_* inputs and present_* outputs), so `write` only advances the length.
+The manifest's `kv.layers` lists one entry per decoder layer, by kind (manifest.CACHE_LAYER_KINDS), and this cache
+is built from that list alone, so a family with mixed layers needs no engine change:
+  attention  a K and a V row per slot: slot s holds the (post-RoPE) key/value of the row written at slot s. Layers
+             of one shape share one block [layers, 2 (K, V), *buffer] (a step's new rows land in all of them with
+             one copy); layers of other widths get a block of their own.
+  conv       one row [channels] per slot of a short convolution's input, of which a step reads the `width` rows
+             before its first slot (a window [width, channels], load_windows) and returns its own rows, written at
+             its slots like K/V rows.
+How an attention buffer is laid out is the decoder kind's (runtime/decoder_kinds.py): `ROWS` [max_context, kv_dim]
+(the rows contract: a step reads all slots or the prefix `context_slots` gives, masked so that slots < the step's
+first slot are visible and its own rows see each other causally, and returns its new rows; `write` stores the
+first n_valid at the next slots, padding rows dropped) or `HEADS` [1, kv_heads, max_context, head_dim]
+(GroupQueryAttention's buffers, which the graph writes itself: `advance` only moves the length).
+Slots are not positions: `positions` [rope rows, max_context] keeps the rope positions each slot's row was computed
+at (runtime/positions.py), so that the next token's position follows the kept rows after a rewind.
+families/layers.py is the graph side; tests/test_kv_contract.py checks both.
 """
 
 from __future__ import annotations
 
 import mmap
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from ..manifest import KVSpec
+from ..manifest import AttentionLayer, ConvLayer, KVSpec
 
 
 def attention_mask(pos: int, ar: int, max_context: int, dtype=np.float32, out: np.ndarray | None = None,
                    neg: float | None = None) -> np.ndarray:
-    """Additive mask [ar, max_context + ar] for a step whose first token is at position pos.
+    """Additive mask [ar, max_context + ar] for a step whose first row goes to cache slot pos (slots, not rope
+    positions: the mask says which slots hold rows).
 
     neg is the value of hidden slots: the dtype's lowest by default; quantized (HTP) graphs use a
     moderate value (manifest decoder.mask_value) so that the mask does not eat the 16-bit range."""
     neg = np.finfo(dtype).min if neg is None else neg
     m = out if out is not None else np.empty((ar, max_context + ar), dtype)
     m.fill(neg)
-    m[:, :pos] = 0  # the cache holds positions 0..pos-1
+    m[:, :pos] = 0  # the cache holds slots 0..pos-1
     m[:, max_context:][np.tril_indices(ar)] = 0  # causal within the step
     return m
 
@@ -51,33 +60,124 @@ def zeroed(shape: tuple, dtype) -> np.ndarray:
 
 
 def context_slots(pos: int, step: int, max_context: int) -> int:
-    """The cache prefix [:ctx] a step at first position pos reads from a graph with a symbolic cache length
-    (manifest decoder.context_step = step > 0): pos rounded up to a multiple of step, at least step, at most
-    max_context. The prefix holds positions 0..pos-1."""
+    """The cache prefix [:ctx] a step at first slot pos reads from a graph with a symbolic cache length
+    (manifest decoder.kind.context_step = step > 0): pos rounded up to a multiple of step, at least step, at most
+    max_context. The prefix holds slots 0..pos-1."""
     return min(max_context, max(step, -(-pos // step) * step))
 
 
-class KVCache:
-    def __init__(self, spec: KVSpec, dtype=None):
+@dataclass(frozen=True)
+class CacheLayout:
+    """How an attention layer's K (or V) buffer is laid out; the decoder kind picks one (decoder_kinds.py)."""
+
+    name: str
+    shape: Callable[[AttentionLayer, int], tuple]  # (layer, max_context) -> one buffer's shape
+    rows: Callable[[np.ndarray, int], np.ndarray]  # (block [layers, 2, *buffer], n) -> its slots 0..n-1 [layers, 2, n, dim]
+    prefix: bool  # a step reads a buffer's prefix [:ctx] (else the whole buffer)
+    # block -> its view [max_context, layers, 2, dim] by slot (a decode step's one-row write), where the host writes
+    by_slot: Callable[[np.ndarray], np.ndarray | None]
+
+
+ROWS = CacheLayout("rows", lambda layer, ctx: (ctx, layer.dim), lambda block, n: block[:, :, :n], True,
+                   lambda block: block.transpose(2, 0, 1, 3))
+HEADS = CacheLayout("heads", lambda layer, ctx: (1, layer.kv_heads, ctx, layer.head_dim),
+                    lambda block, n: block[:, :, 0, :, :n].transpose(0, 1, 3, 2, 4).reshape(*block.shape[:2], n, -1),
+                    False, lambda block: None)  # (the graph writes HEADS buffers itself)
+
+
+class AttentionBlock:
+    """The buffers of the attention layers of one shape: data [layers, 2 (K, V), *buffer]; `layers` are their
+    indices among the cache's attention layers (the order of kv.encodings' lists)."""
+
+    def __init__(self, layers: list[int], specs: list[AttentionLayer], layout: CacheLayout, max_context: int, dtype):
+        self.layers, self.specs, self.layout = layers, specs, layout
+        self.data = zeroed((len(layers), 2, *layout.shape(specs[0], max_context)), dtype)
+        self.by_slot = layout.by_slot(self.data)
+
+    def staging(self, ar: int) -> np.ndarray:
+        """A step's new rows [layers, 2, ar, dim] (ROWS)."""
+        return np.zeros((len(self.layers), 2, ar, self.specs[0].dim), self.data.dtype)
+
+
+class ConvRows:
+    """One conv layer's rows: data [width + max_context, channels], slot s at row width + s (the width rows before
+    slot 0 stay zero), and the window a step reads, [width, channels] (the graph input, load_windows)."""
+
+    def __init__(self, spec: ConvLayer, max_context: int, dtype):
         self.spec = spec
+        self.data = zeroed((spec.width + max_context, spec.channels), dtype)
+        self.window = np.zeros((spec.width, spec.channels), dtype)
+
+    def load(self, slot: int) -> None:
+        self.window[...] = self.data[slot : slot + self.spec.width]  # slots slot - width .. slot - 1
+
+    def staging(self, ar: int) -> np.ndarray:
+        return np.zeros((ar, self.spec.channels), self.data.dtype)
+
+
+class KVCache:
+    def __init__(self, spec: KVSpec, layout: CacheLayout = ROWS, dtype=None, rope_rows: int = 1):
+        self.spec, self.layout = spec, layout
         self.dtype = np.dtype(dtype or spec.dtype)
-        self.in_place = spec.layout == "in_place"
-        # one block [layers, 2 (K, V), max_context, dim]: keys[i] / values[i] are views of it, so a step's
-        # new rows land in every buffer with one copy (write), and graph inputs bind to prefixes of it;
-        # in_place: [layers, 2, 1, heads, max_context, head_dim], the graph's buffers
-        shape = (1, spec.heads, spec.max_context, spec.head_dim) if self.in_place else (spec.max_context, spec.dim)
-        self.data = zeroed((spec.layers, 2, *shape), self.dtype)
-        self.keys = [self.data[i, 0] for i in range(spec.layers)]
-        self.values = [self.data[i, 1] for i in range(spec.layers)]
-        if not self.in_place:
-            self._by_slot = self.data.transpose(2, 0, 1, 3)  # [max_context, layers, 2, dim]: write's view
-        self.length = 0  # number of valid slots (= next position)
+        self.max_context = spec.max_context
+        attention = spec.attention()
+        shapes: dict[tuple, list[int]] = {}
+        for i, layer in enumerate(attention):
+            shapes.setdefault(layout.shape(layer, spec.max_context), []).append(i)
+        self.blocks = [AttentionBlock(ix, [attention[i] for i in ix], layout, spec.max_context, self.dtype)
+                       for ix in shapes.values()]
+        # attention layer i's K and V buffers (views of its block), in layer order
+        at = {i: (b, j) for b in self.blocks for j, i in enumerate(b.layers)}
+        self.keys = [at[i][0].data[at[i][1], 0] for i in range(len(attention))]
+        self.values = [at[i][0].data[at[i][1], 1] for i in range(len(attention))]
+        self.convs = [ConvRows(layer, spec.max_context, self.dtype) for layer in spec.layers
+                      if isinstance(layer, ConvLayer)]
+        # the graph inputs, in kv.layers order: (name, buffer, read as a prefix [:ctx]) — attention K / V buffers
+        # (ROWS: a prefix), conv windows (whole)
+        self._inputs: list[tuple[str, np.ndarray, bool]] = []
+        a = c = 0
+        for layer in spec.layers:
+            if isinstance(layer, AttentionLayer):
+                self._inputs += [(layer.key_input, self.keys[a], layout.prefix),
+                                 (layer.value_input, self.values[a], layout.prefix)]
+                a += 1
+            else:
+                self._inputs.append((layer.state_input, self.convs[c].window, False))
+                c += 1
+        self.positions = np.zeros((rope_rows, spec.max_context), np.int64)  # each slot's rope positions
+        self._positions = memoryview(self.positions)  # (single items: the decode loop's)
+        self.length = 0  # number of valid slots (= the next slot)
         self.epoch = 0  # counts resets: rows kept across calls (a prefix reuse) belong to one epoch
         # clear_unused's "clean from" mark: slots >= max(_written, length) were not written since the last clear and
         # each buffer's hold the byte _tail[kind][i] (np.zeros: 0). Rows land only at length.. (write), so a slot
         # is written past the kept length only when reset / rewind lowers the length: they raise _written first
         self._written = 0
-        self._tail = {kind: [0.0] * spec.layers for kind in ("key", "value")}
+        self._tail = {kind: [0.0] * len(attention) for kind in ("key", "value")}
+
+    @property
+    def data(self) -> np.ndarray:
+        """The attention block [layers, 2, *buffer] of a cache whose attention layers have one shape (today's
+        families; tests look into it)."""
+        if len(self.blocks) != 1:
+            raise ValueError("this cache's attention layers have several shapes: see KVCache.blocks")
+        return self.blocks[0].data
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.data.nbytes for b in self.blocks) + sum(c.data.nbytes for c in self.convs)
+
+    def next_position(self) -> int:
+        """The rope position of a row after the kept ones: one past the largest of the last slot's positions (0 for
+        an empty cache). With positions = slots (runtime/positions.py "slots") that is the length."""
+        return self.position_after(self.length)
+
+    def position_after(self, n: int) -> int:
+        """The rope position of a row after slots 0..n-1 (n <= length)."""
+        if not n:
+            return 0
+        if self.positions.shape[0] == 1:
+            return self._positions[0, n - 1] + 1
+        return int(self.positions[:, n - 1].max()) + 1
 
     def reset(self) -> None:
         self._written = max(self._written, self.length)
@@ -93,26 +193,45 @@ class KVCache:
         self.length = n
 
     def feeds(self, ctx: int | None = None) -> dict[str, np.ndarray]:
-        """The cache as graph inputs; ctx < max_context gives the prefix [:ctx] (a contiguous view, no copy).
-        in_place: the whole buffers."""
-        s = self.spec
-        f = {}
-        for i in range(s.layers):
-            f[s.key_input.format(layer=i)] = self.keys[i] if self.in_place else self.keys[i][:ctx]
-            f[s.value_input.format(layer=i)] = self.values[i] if self.in_place else self.values[i][:ctx]
-        return f
+        """The state as graph inputs; ctx < max_context gives ROWS buffers' prefix [:ctx] (a contiguous view, no
+        copy); HEADS buffers and conv states whole."""
+        return {name: buf[:ctx] if prefix else buf for name, buf, prefix in self._inputs}
+
+    def load_windows(self, slot: int) -> None:
+        """The conv layers' windows (their graph inputs) for a step whose first row goes to slot."""
+        for c in self.convs:
+            c.load(slot)
+
+    def inputs(self) -> list[tuple[str, np.ndarray, bool]]:
+        """(graph input name, whole buffer, read as a prefix [:ctx]) of every layer's state, in kv.layers order."""
+        return list(self._inputs)
 
     def stored(self, n: int | None = None) -> np.ndarray:
-        """Rows 0..n-1 (default: the length) as [layers, 2, n, dim], whatever the layout (in_place: a copy)."""
+        """Attention rows 0..n-1 (default: the length) as [layers, 2, n, dim], whatever the layout (HEADS: a copy)."""
         n = self.length if n is None else n
-        if not self.in_place:
-            return self.data[:, :, :n]
-        s = self.spec
-        return self.data[:, :, 0, :, :n].transpose(0, 1, 3, 2, 4).reshape(s.layers, 2, n, s.dim)
+        return self.layout.rows(self.data, n)
 
     def output_names(self) -> list[str]:
-        s = self.spec
-        return [n.format(layer=i) for i in range(s.layers) for n in (s.key_output, s.value_output)]
+        return self.spec.state_outputs()
+
+    def staging(self, ar: int) -> list[np.ndarray]:
+        """The buffers a ROWS step's outputs land in: per attention block [layers, 2, ar, dim], then per conv layer
+        [ar, channels] (write's `rows`)."""
+        return [b.staging(ar) for b in self.blocks] + [c.staging(ar) for c in self.convs]
+
+    def staged_outputs(self, staged: list[np.ndarray]) -> list[np.ndarray]:
+        """The staging buffers by graph output, in output_names() order (attention: K then V)."""
+        out, a, c = [], 0, 0
+        where = {i: (bi, j) for bi, b in enumerate(self.blocks) for j, i in enumerate(b.layers)}
+        for layer in self.spec.layers:
+            if isinstance(layer, AttentionLayer):
+                bi, j = where[a]
+                out += [staged[bi][j, 0], staged[bi][j, 1]]
+                a += 1
+            else:
+                out.append(staged[len(self.blocks) + c])
+                c += 1
+        return out
 
     def clear_unused(self, enc: dict) -> None:
         """Slots length.. of a uint8 cache hold 0 under enc (per layer (scale, zp) of K and V: the encoding of the
@@ -122,7 +241,7 @@ class KVCache:
         QDQ graph does, then attends to the hidden slot (measured: SmolLM2's fp16 prefill, top-1 0.61 -> 0.9+).
         Only what changed is written: the slots written since the last clear (up to the "clean from" mark), or the
         whole tail of a buffer whose zero point differs from the one its tail holds (prefill's vs decode's).
-        Layout rows only (the HTP's; an in_place graph writes rows past the length itself)."""
+        ROWS buffers only (the HTP's; a HEADS graph writes rows past the length itself)."""
         n, end = self.length, max(self._written, self.length)
         for kind, bufs in (("key", self.keys), ("value", self.values)):
             for i, buf in enumerate(bufs):
@@ -147,29 +266,40 @@ class KVCache:
                 buf[:n] = np.clip(np.rint(x) + z2, 0, 255).astype(np.uint8)
         self.clear_unused(dst)
 
-    def _slots(self, n_valid: int) -> slice:
-        """The slots the next n_valid rows go to (length..length+n_valid-1); the caller advances length
-        once they are written."""
-        pos = self.length
-        if pos + n_valid > self.spec.max_context:
-            raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.spec.max_context}")
-        return slice(pos, pos + n_valid)
+    def _check_room(self, n_valid: int) -> None:
+        if self.length + n_valid > self.max_context:
+            raise OverflowError(f"KV cache full: {self.length} + {n_valid} > {self.max_context}")
 
-    def write(self, rows: np.ndarray | None, n_valid: int) -> None:
-        """rows [layers, 2 (K, V), ar, dim], a step's new rows (runtime/step.py stages them in one block): store the
-        first n_valid at slots length..length+n_valid-1 (padding rows are dropped), then advance length.
-        in_place (rows None): the graph stored them; only the length advances (rows it wrote beyond, a lookahead
-        step's rejected drafts, are stale slots like any beyond the length)."""
+    def keep_positions(self, positions: np.ndarray, n_valid: int) -> None:
+        """positions [rows, >= n_valid]: the rope positions of the rows about to go to slots length.. ."""
         pos = self.length
-        if rows is None:
-            if pos + n_valid > self.spec.max_context:
-                self._slots(n_valid)  # raises
-            self.length = pos + n_valid
-            return
-        if n_valid == 1 and pos < self.spec.max_context:  # a decode step: one assignment (no slices)
-            self._by_slot[pos] = rows.transpose(2, 0, 1, 3)[0]
-            self.length = pos + 1
-            return
-        at = self._slots(n_valid)
-        self.data[:, :, at] = rows[:, :, :n_valid]
-        self.length = at.stop
+        if n_valid == 1 and self.positions.shape[0] == 1:
+            self._positions[0, pos] = positions[0, 0]
+        else:
+            self.positions[:, pos : pos + n_valid] = positions[:, :n_valid]
+
+    def advance(self, n_valid: int, positions: np.ndarray) -> None:
+        """A HEADS step's rows are in the buffers (the graph wrote them): keep their positions and move the length
+        (rows it wrote beyond, a lookahead step's rejected drafts, are stale slots like any beyond the length)."""
+        self._check_room(n_valid)
+        self.keep_positions(positions, n_valid)
+        self.length += n_valid
+
+    def write(self, rows: list[np.ndarray], n_valid: int, positions: np.ndarray) -> None:
+        """rows: a ROWS step's staging (staging()): store the first n_valid rows of each attention block and conv
+        layer at slots length..length+n_valid-1 (padding rows are dropped), keep their positions [rows, ar], then
+        advance the length."""
+        pos = self.length
+        self._check_room(n_valid)
+        self.keep_positions(positions, n_valid)
+        blocks = self.blocks
+        if n_valid == 1:  # a decode step: one assignment per block (no slices)
+            for b, r in zip(blocks, rows):
+                b.by_slot[pos] = r.transpose(2, 0, 1, 3)[0]
+        else:
+            for b, r in zip(blocks, rows):
+                b.data[:, :, pos : pos + n_valid] = r[:, :, :n_valid]
+        for c, r in zip(self.convs, rows[len(blocks):]):
+            w = c.spec.width
+            c.data[w + pos : w + pos + n_valid] = r[:n_valid]
+        self.length = pos + n_valid

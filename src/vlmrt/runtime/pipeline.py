@@ -33,7 +33,8 @@ from . import image as img_ops
 from .bundle import Bundle
 from .sessions import Sessions
 from .chunks import Prompt
-from .engine import MODES, ContextOverflow, Engine, check_lookahead
+from .positions import position_op, prompt_positions
+from .engine import MODES, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead
 from .lookahead import check_exact
 from . import video as video_ops
 from .conversation import ChatTemplate, Conversation, VideoSource, parse_messages, user_turn
@@ -106,13 +107,13 @@ class VLM:
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
         check_lookahead(m.decoder, lookahead)
         check_exact(m.graphs["decode"], lookahead)
+        position_op(m.decoder.positions)  # (a bundle naming an op this vlmrt lacks fails at load)
         # a static bundle's verify graph (the HTP target), loaded only for lookahead
-        verify = bundle.sessions["verify"] if lookahead and m.decoder.verify_ar else None
-        self.engine = Engine(
-            bundle.sessions.get("prefill"), bundle.sessions["decode"], m.kv, m.decoder,
-            bundle.embed_table, m.special_tokens.eos_token_ids, io_dtype, bundle.embed_scale, kv_requant, lookahead,
-            verify, bundle.sessions.get("head"),
-        )
+        verify = bundle.sessions["verify"] if lookahead and getattr(m.decoder.kind, "verify_ar", 0) else None
+        sessions = DecoderSessions(decode=bundle.sessions["decode"], prefill=bundle.sessions.get("prefill"),
+                                   verify=verify, head=bundle.sessions.get("head"))
+        config = EngineConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
+        self.engine = Engine(sessions, config, bundle.embed_table, bundle.embed_scale)
         self.result = Result()
         self.template = ChatTemplate(m.prompt)
         self.prefix = PrefixCache(self.engine.cache)
@@ -210,7 +211,7 @@ class VLM:
 
     def cache_bytes(self) -> dict:
         """Memory held: the KV cache (allocated once, max_context rows) and the image embedding cache (bounded)."""
-        return {"kv_cache": self.engine.cache.data.nbytes, "image_cache": self.image_cache.bytes,
+        return {"kv_cache": self.engine.cache.nbytes, "image_cache": self.image_cache.bytes,
                 "image_cache_limit": self.image_cache.max_bytes, "images_cached": len(self.image_cache)}
 
     def _media(self, conv: Conversation, cached: bool, max_tiles: int | None,
@@ -359,8 +360,9 @@ class VLM:
         fed = ""  # the decoded text given to cut
         if cached:
             self.prefix.clear()  # the cache's rows change from here on; record() says what they hold at the end
+        positions = prompt_positions(m.decoder.positions, ids, start, self.engine.cache.position_after(start))
         gen = self.engine.generate(embeds, mode=mode, max_new_tokens=max_new_tokens, sampler=sampler,
-                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids)
+                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids, positions=positions)
         done = False
         try:
             for token in gen:

@@ -108,7 +108,7 @@ class Scheduler:
     def status(self) -> dict:
         with self._cv:
             busy = sum(s.job is not None for s in self.slots)
-            kv = sum(s.vlm.engine.cache.data.nbytes for s in self.slots)
+            kv = sum(s.vlm.engine.cache.nbytes for s in self.slots)
             images = sum(s.vlm.image_cache.bytes for s in self.slots)
             return {"slots": len(self.slots), "busy": busy, "queued": len(self.waiting), "kv_cache_bytes": kv,
                     "image_cache_bytes": images, **self.counts}
