@@ -23,7 +23,7 @@ for p in PROMPTS:
         print(f"{mode:6s} {p[:32]:32s} {'identical' if part is None else f'part at token {part}'}", flush=True)
 print(f"greedy ids: {same}/{2 * len(PROMPTS)} identical")
 for p in PROMPTS[:3]:
-    ids = va.prompt_ids(p, None)
+    ids = va.prompt(p).ids
     answer = va(p, mode="kv", max_new_tokens=24, ignore_eos=True).token_ids
     la = {m: va.engine.score(va.engine.embed(ids), answer, mode=m) for m in ("kv", "hybrid")}
     for m in ("kv", "hybrid"):

@@ -203,30 +203,40 @@ def image_seq_len_for(tile_size: int, patch_size: int, scale_factor: int) -> int
 QK_GAIN = 2.0
 
 
-def _redraw_weights(model, seed: int, gain: float, image_token_id: int) -> None:
-    """Re-draw every parameter so activations/logits have O(1) scale (default init is ~flat).
+def redraw_weights(model, seed: int, gain: float, image_token_id: int, *, bias_std: float = 0.05,
+                   qk_norm_gain: float = 1.0, special=None) -> None:
+    """Re-draw every parameter so activations/logits have O(1) scale (default init is ~flat); both families'
+    fixtures (fixtures_internvl.py passes its own rules).
 
+    special(leaf, p, g) -> bool: a family's own rule for a parameter, tried first (True: drawn there).
     >=2-D (Linear, Embedding, Conv): N(0, gain/sqrt(fan_in)), fan_in = prod(shape[1:])
-    (x QK_GAIN for q_proj/k_proj).  1-D "weight" (LayerNorm / RMSNorm): 1 + 0.1 N(0,1).
-    1-D "bias": 0.05 N(0,1).  Tied parameters are shared objects and named_parameters()
-    yields them once.  Finally the ``<image>`` row of lm_head (== of embed_tokens when tied;
-    that row is never read as input, image features replace it) is zeroed so ``<image>``
-    gets logit 0 and is never generated: a generated ``<image>`` would make
-    ``model(prompt + generated, pixel_values)`` fail (more image tokens than features).
+    (x QK_GAIN for q_proj/k_proj).  1-D "weight" (LayerNorm / RMSNorm): 1 + 0.1 N(0,1), times qk_norm_gain for
+    Qwen3's per-head q_norm / k_norm.  1-D "bias": bias_std N(0,1).  Tied parameters are shared objects and
+    named_parameters() yields them once.  Finally the image token's row of lm_head (== of embed_tokens when tied;
+    that row is never read as input, image features replace it) is zeroed so it gets logit 0 and is never
+    generated: a generated image token would make ``model(prompt + generated, pixel_values)`` fail (more image
+    tokens than features).
     """
     import torch
 
     g = torch.Generator().manual_seed(seed + 12345)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if special is not None and special(leaf, p, g):
+                continue
             if p.dim() >= 2:
                 fan_in = math.prod(p.shape[1:])
                 f = QK_GAIN if ("q_proj" in name or "k_proj" in name) else 1.0
                 p.copy_(torch.randn(p.shape, generator=g) * (f * gain / math.sqrt(fan_in)))
-            elif name.endswith("weight"):
+            elif leaf == "weight" and ("self_attn.q_norm" in name or "self_attn.k_norm" in name):
+                # Qwen3 normalizes q and k per head, which undoes QK_GAIN: scale the norm weights
+                # instead, or attention stays near-uniform and greedy output collapses
+                p.copy_(qk_norm_gain * (1.0 + 0.1 * torch.randn(p.shape, generator=g)))
+            elif leaf == "weight":
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+                p.copy_(bias_std * torch.randn(p.shape, generator=g))
         model.lm_head.weight[image_token_id].zero_()
 
 
@@ -245,8 +255,12 @@ def make_smolvlm_checkpoint(
     gain: float = 1.0,
     text_overrides: dict | None = None,
     vision_overrides: dict | None = None,
+    video_sampling: dict | None = None,
 ) -> Path:
     """Write a tiny random SmolVLM checkpoint (hub layout) into ``out_dir`` and return it.
+
+    video_sampling: SmolVLM2's video processor settings (video_preprocessor_config.json); default fps 1, at most 4
+    frames, the longest edge to 2 tiles first (SmolVLM2 releases: fps 1, 64 frames, 512 = the tile).
 
     text_overrides / vision_overrides replace entries of the text / vision config (e.g. the real
     SmolVLM-256M sizes for benchmarks; a vocab_size larger than the tokenizer is allowed)."""
@@ -316,7 +330,7 @@ def make_smolvlm_checkpoint(
 
     torch.manual_seed(seed)
     model = SmolVLMForConditionalGeneration(config)
-    _redraw_weights(model, seed, gain, ids[IMAGE_TOKEN])
+    redraw_weights(model, seed, gain, ids[IMAGE_TOKEN])
     emb = model.model.text_model.embed_tokens.weight
     if tie_word_embeddings:
         assert model.lm_head.weight is emb, "lm_head should be tied to embed_tokens"
@@ -353,6 +367,16 @@ def make_smolvlm_checkpoint(
     processor_cfg = {"processor_class": "SmolVLMProcessor", "image_seq_len": image_seq_len}
     (out_dir / "processor_config.json").write_text(json.dumps(processor_cfg, indent=2) + "\n")
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": DEFAULT_CHAT_TEMPLATE}, indent=2) + "\n")
+    video = {
+        "video_processor_type": "SmolVLMVideoProcessor",
+        "processor_class": "SmolVLMProcessor",
+        "video_sampling": video_sampling or {"fps": 1, "max_frames": 4, "video_size": {"longest_edge": 2 * tile_size}},
+        "max_image_size": {"longest_edge": tile_size},
+        "resample": 1,  # LANCZOS
+        "do_sample_frames": True,
+        **{k: preprocessor[k] for k in ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")},
+    }
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     return out_dir
 
 

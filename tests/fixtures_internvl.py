@@ -10,7 +10,7 @@ imported lazily inside them, torchvision never imported):
   Qwen3 decoder) in the Hugging Face ``-hf`` hub layout (``OpenGVLab/InternVL3-1B-hf``,
   ``OpenGVLab/InternVL3_5-1B-HF``): config.json, model.safetensors, tokenizer, preprocessor_config.json
   (GotOcr2 image processor), processor_config.json, chat_template.json, generation_config.json.
-  Weights are re-drawn at unit gain (attention q/k at ``QK_GAIN``), layer-scale vectors random
+  Weights are re-drawn at unit gain (attention q/k at ``fixtures.QK_GAIN``), layer-scale vectors random
   and non-zero, and the ``<IMG_CONTEXT>`` row of lm_head zeroed so it is never generated.
 * :func:`to_original_layout` -- the same weights in the ORIGINAL OpenGVLab layout
   (``InternVLChatModel``: ``vision_model.*`` with fused ``attn.qkv``, ``mlp1.*``,
@@ -35,6 +35,7 @@ from functools import partial
 from pathlib import Path
 
 import oracle
+from fixtures import redraw_weights
 from oracle import OracleFamily
 
 HERE = Path(__file__).resolve().parent
@@ -277,10 +278,9 @@ VISION_LN_EPS = 1e-6
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
-# as tests/fixtures.py: q/k drawn this much above unit gain so attention is selective and greedy
-# generation does not collapse into repeating one token.
-QK_GAIN = 2.0
-QK_NORM_GAIN = 2.5  # Qwen3 q_norm / k_norm weights (see _redraw_weights)
+# q/k are drawn at fixtures.QK_GAIN above unit gain so attention is selective and greedy generation does not
+# collapse into repeating one token; Qwen3's per-head q/k norms undo that, so their weights get this gain instead
+QK_NORM_GAIN = 2.5
 
 
 def image_seq_len_for(image_size: int, patch_size: int, downsample_ratio: float) -> int:
@@ -288,44 +288,30 @@ def image_seq_len_for(image_size: int, patch_size: int, downsample_ratio: float)
     return int((image_size // patch_size) ** 2 * downsample_ratio**2)
 
 
-def _redraw_weights(model, seed: int, gain: float, image_token_id: int) -> None:
-    """Re-draw every parameter so activations/logits have O(1) scale (default init is ~flat).
+def _vision_rule(leaf: str, p, g) -> bool:
+    """InternViT's parameters whose default init is 0 or 1 (fixtures.redraw_weights' special rule):
 
-    * vision ``cls_token`` N(0, 1), ``position_embeddings`` N(0, 0.5^2) (their default init is 0).
+    * vision ``cls_token`` N(0, 1), ``position_embeddings`` N(0, 0.5^2).
     * vision layer scale ``lambda_1`` / ``lambda_2``: U(0.25, 1.0) per channel -- non-zero and not
       constant, so a runtime that drops or mis-broadcasts them is caught.
-    * other >=2-D (Linear, Embedding, Conv): N(0, gain/sqrt(fan_in)), fan_in = prod(shape[1:])
-      (x QK_GAIN for q_proj / k_proj).  1-D "weight" (LayerNorm / RMSNorm): 1 + 0.1 N(0,1).
-      1-D "bias": 0.1 N(0,1) (Qwen2 q/k/v biases included).
-    * the ``<IMG_CONTEXT>`` row of lm_head (== of embed_tokens when tied; never read as input,
-      image features replace it) is zeroed: a generated <IMG_CONTEXT> would break
-      ``model(prompt + generated, pixel_values)`` (more image tokens than features).
+    The rest as fixtures.redraw_weights draws it, with 1-D biases at 0.1 N(0,1) (Qwen2 q/k/v biases included),
+    Qwen3's q/k norm weights at QK_NORM_GAIN, and the ``<IMG_CONTEXT>`` row of lm_head zeroed.
     """
     import torch
 
-    g = torch.Generator().manual_seed(seed + 12345)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "cls_token":
-                p.copy_(torch.randn(p.shape, generator=g))
-            elif leaf == "position_embeddings":
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif leaf in ("lambda_1", "lambda_2"):
-                p.copy_(0.25 + 0.75 * torch.rand(p.shape, generator=g))
-            elif p.dim() >= 2:
-                fan_in = math.prod(p.shape[1:])
-                f = QK_GAIN if ("q_proj" in name or "k_proj" in name) else 1.0
-                p.copy_(torch.randn(p.shape, generator=g) * (f * gain / math.sqrt(fan_in)))
-            elif leaf == "weight" and ("self_attn.q_norm" in name or "self_attn.k_norm" in name):
-                # Qwen3 normalizes q and k per head, which undoes QK_GAIN: scale the norm weights
-                # instead, or attention stays near-uniform and greedy output collapses
-                p.copy_(QK_NORM_GAIN * (1.0 + 0.1 * torch.randn(p.shape, generator=g)))
-            elif leaf == "weight":
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-        model.lm_head.weight[image_token_id].zero_()
+    if leaf == "cls_token":
+        p.copy_(torch.randn(p.shape, generator=g))
+    elif leaf == "position_embeddings":
+        p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    elif leaf in ("lambda_1", "lambda_2"):
+        p.copy_(0.25 + 0.75 * torch.rand(p.shape, generator=g))
+    else:
+        return False
+    return True
+
+
+def _redraw_weights(model, seed: int, gain: float, image_token_id: int) -> None:
+    redraw_weights(model, seed, gain, image_token_id, bias_std=0.1, qk_norm_gain=QK_NORM_GAIN, special=_vision_rule)
 
 
 def write_processor_files(

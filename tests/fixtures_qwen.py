@@ -114,21 +114,14 @@ def vision_graph(kind: str, tmp_path_factory, rows: int):
     ORT session; once per session and size."""
     if (kind, rows) in _VISION_GRAPHS:
         return _VISION_GRAPHS[kind, rows]
-    import numpy as np
     import onnxruntime as ort
-    import torch
 
     from vlmrt.export.graphs import export_graph
     from vlmrt.families.qwen_vl import vision
-    from vlmrt.runtime import vision_inputs as vi
 
     cfg, _, tower, *_ = loaded(kind, tmp_path_factory)
     v = cfg.vision
-    grid = (1, 2 * v.merge, 2 * v.merge)  # any grid: the graph's shapes are the budget's
-    ops, params = vision.host_inputs(v)
-    f = vi.build_feeds(np.zeros((grid[1] * grid[2], v.patch_dim), np.float32), grid, ops, params, rows, -1e30)
-    names = vision.input_names(v)
     path = tmp_path_factory.mktemp(f"{kind}-vision") / "vision.onnx"
-    export_graph(tower, tuple(torch.from_numpy(f.feeds[n]) for n in names), names, vision.output_names(v), path)
+    export_graph(tower, vision.example_inputs(v, rows, -1e30), vision.input_names(v), vision.output_names(v), path)
     _VISION_GRAPHS[kind, rows] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return _VISION_GRAPHS[kind, rows]

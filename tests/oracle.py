@@ -143,7 +143,7 @@ def text_equals_transformers(fam: OracleFamily, ckpt: Path, bundle: Path, prompt
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([prompt_ids + want])).logits[0, len(prompt_ids) - 1:-1].numpy()
     vlm = VLM.load(bundle)
-    ids = vlm.prompt_ids(prompt, None)
+    ids = vlm.prompt(prompt).ids
     assert ids == prompt_ids
     for mode in ("kv", "hybrid"):
         vlm.reset()

@@ -157,7 +157,7 @@ def test_runtime_prompt_is_the_training_prompt(cache):
     vlm = VLM.load(cache[1])
     tiles = preprocess(load_image(SAMPLE), vlm.manifest.image)
     assert (tiles.rows, tiles.cols, len(tiles.pixels)) == (0, 0, 1)  # one global 64 px tile
-    ids = vlm.prompt_ids("What color is the shape?", (tiles.rows, tiles.cols, len(tiles.pixels)))
+    ids = vlm.prompt("What color is the shape?", [SAMPLE]).ids
     assert ids == vlm.bundle.tokenizer.encode(ev.prompt_text("What color is the shape?"), add_special_tokens=False).ids
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vlmrt.manifest import DecoderSpec, KVSpec
-from vlmrt.runtime.engine import ContextOverflow, Engine, splice
+from vlmrt.runtime.engine import ContextOverflow, Engine
 from vlmrt.runtime.kv_cache import attention_mask
 from vlmrt.runtime.sampler import Sampler, SamplingConfig
 
@@ -137,16 +137,6 @@ def test_attention_mask_layout():
     assert m.shape == (2, 7)
     assert (m[:, :3] == 0).all() and (m[:, 3:5] == neg).all()  # cache slots 0..2 visible, 3..4 not
     assert m[0, 5] == 0 and m[0, 6] == neg and (m[1, 5:] == 0).all()  # causal within the step
-
-
-def test_splice_replaces_image_rows_in_order():
-    table = np.arange(20, dtype=np.float32).reshape(10, 2)
-    ids = [1, 9, 9, 2, 9]
-    img = -np.arange(6, dtype=np.float32).reshape(3, 2) - 1
-    e = splice(ids, table[ids], img, image_token_id=9)
-    assert (e[[1, 2, 4]] == img).all() and (e[[0, 3]] == table[[1, 2]]).all()
-    with pytest.raises(ValueError, match="2 embeddings"):
-        splice(ids, table[ids], img[:2], image_token_id=9)
 
 
 def test_sampler_greedy_topk_topp_seed():

@@ -59,7 +59,7 @@ def test_pixels_and_prompt_ids_equal_hf_processor(case, image, tmp_path):
     tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
     assert tiles.pixels.shape == pixels.shape
     np.testing.assert_array_equal(tiles.pixels, pixels)  # same Pillow resizes, same float ops: exact
-    assert vlm.prompt_ids(PROMPT, tiles.grid) == prompt_ids
+    assert vlm.prompt(PROMPT, [path]).ids == prompt_ids
 
 
 @pytest.mark.parametrize("mode", ["kv", "hybrid"])
@@ -101,13 +101,11 @@ def test_first_logits_close_to_transformers(case):
     ~2e-6)."""
     import torch
 
-    from vlmrt.runtime.engine import splice
-
     model, _ = case.hf()
     vlm = VLM.load(case.bundle)
     tiles = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), vlm.manifest.image)
-    ids = vlm.prompt_ids(PROMPT, tiles.grid)
-    embeds = splice(ids, vlm.engine.embed(ids), vlm.encode_image(tiles.pixels), vlm.manifest.special_tokens.image_token_id)
+    p = vlm.prompt(PROMPT, [image_file("chelsea.png", None)])
+    ids, embeds = p.ids, vlm.embed_prompt(p)
     pixels = torch.from_numpy(tiles.pixels[None] if case.family.pixel_batch_dim else tiles.pixels)
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0, -1].numpy()

@@ -39,7 +39,11 @@ def test_registered_families_meet_the_contract():
         assert all(families.family_for({"model_type": t}) is f for t in f.model_types)
     cfg = smolvlm.FAMILY.config(CONFIG)
     w = with_weights(modules).weights(cfg, {})
-    assert isinstance(w, Weights) and w.decoder.shape["layers"] == 2
+    assert isinstance(w, Weights) and len(w.decoder.layers) == 2
+    with pytest.raises(FamilyContractError, match="the decoder's layers / hidden / vocab 2 / 32 / 40 are not the "
+                                                  "config's 3 / 32 / 40"):
+        deeper = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, layers=3))
+        with_weights(lambda c: modules(cfg)).weights(deeper, {})
 
 
 def test_registry_and_family_must_agree(monkeypatch):
@@ -47,7 +51,7 @@ def test_registry_and_family_must_agree(monkeypatch):
     with pytest.raises(FamilyContractError, match=r"model_types \['idefics3', 'smolvlm'\] are not .*'smolvlm2'"):
         families.family_for({"model_type": "smolvlm"})
     monkeypatch.setitem(families.REGISTRY, "smolvlm2", "vit")  # a module that is no family
-    with pytest.raises(FamilyContractError, match="families/vit.py is registered as a family but has no FAMILY"):
+    with pytest.raises(FamilyContractError, match="vlmrt.families.vit is registered as a family but has no FAMILY"):
         families.family_for({"model_type": "smolvlm2"})
     monkeypatch.delitem(families.REGISTRY, "smolvlm2")
     monkeypatch.setattr(smolvlm, "FAMILY", dataclasses.replace(smolvlm.FAMILY, load_weights=lambda cfg: None))
@@ -139,5 +143,5 @@ def test_a_broken_family_fails_the_export_in_one_line(default_bundle, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["vlmrt: error: family smolvlm: tiling 'square_grid' is not a host op of the runtime "
                    "(longest_edge_grid, closest_aspect_grid; runtime/image.py TILING) (a bug in "
-                   "vlmrt/families/smolvlm.py, not in the checkpoint)"], err
+                   "vlmrt.families.smolvlm, not in the checkpoint)"], err
     assert not out.exists() and list(tmp_path.iterdir()) == []

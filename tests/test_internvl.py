@@ -83,7 +83,7 @@ def test_original_layout_gives_identical_outputs(tmp_path_factory, tmp_path, cap
         tiles = img_ops.preprocess(img_ops.load_image(path), v_orig.manifest.image)
         np.testing.assert_allclose(v_orig.encode_image(tiles.pixels), v_hf.encode_image(tiles.pixels), rtol=0, atol=1e-5)
         got = cli_json(capsys, b, "--image", path, "--prompt", PROMPT, "--max-new-tokens", 24, "--ignore-eos")
-        ids = v_orig.prompt_ids(PROMPT, tiles.grid)
+        ids = v_orig.prompt(PROMPT, [path]).ids
         text = v_orig.bundle.tokenizer.decode(ids, skip_special_tokens=False)
         assert "<img><IMG_CONTEXT>" in text and "</img>\n" + PROMPT in text  # model.chat(): "<image>\n" + question
         want = hf_greedy_from_ids(ex.hf()[0], ids, tiles.pixels, 24)
@@ -103,8 +103,7 @@ def test_real_qwen3_tokenizer_prompt_ids(tmp_path):
         content = ([{"type": "image"}] if path else []) + [{"type": "text", "text": "Qu'y a-t-il sur l'image ? 图片里有什么？"}]
         text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
         want = proc(text=[text], images=[Image.open(path)] if path else None)["input_ids"][0]
-        grid = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image).grid if path else None
-        got = vlm.prompt_ids("Qu'y a-t-il sur l'image ? 图片里有什么？", grid)
+        got = vlm.prompt("Qu'y a-t-il sur l'image ? 图片里有什么？", [path] if path else []).ids
         assert got == list(want)
         assert tok.token_to_id("<IMG_CONTEXT>") == vlm.manifest.special_tokens.image_token_id
         assert got[0] == tok.token_to_id("<|im_start|>")

@@ -92,7 +92,7 @@ def test_load_only_weights_unmapped_after_load(tmp_path_factory, tmp_path):
     other = VLM.load(plain, verify=False)
     assert not other.bundle.shared.own
     assert other("Describe the picture in detail.", None, max_new_tokens=12, ignore_eos=True).token_ids == r.token_ids
-    ids = vlm.prompt_ids("hello", None)
+    ids = vlm.prompt("hello").ids
     np.testing.assert_array_equal(vlm.engine.prefill(vlm.engine.embed(ids), "hybrid"),
                                   other.engine.prefill(other.engine.embed(ids), "hybrid"))
 

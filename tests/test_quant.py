@@ -163,7 +163,6 @@ def test_weight_only_bundle_equals_transformers_on_fake_quantized_weights(kind, 
     import torch
 
     from vlmrt.runtime import image as img_ops
-    from vlmrt.runtime.engine import splice
 
     b = bundle(kind, tmp_path_factory)
     m = json.loads((b / "manifest.json").read_text())
@@ -171,8 +170,8 @@ def test_weight_only_bundle_equals_transformers_on_fake_quantized_weights(kind, 
     v = VLM.load(b)
     path = image_file("chelsea.png", None)
     tiles = img_ops.preprocess(img_ops.load_image(path), v.manifest.image)
-    ids = v.prompt_ids("What is in the image?", tiles.grid)
-    embeds = splice(ids, v.engine.embed(ids), v.encode_image(tiles.pixels), v.manifest.special_tokens.image_token_id)
+    p = v.prompt("What is in the image?", [path])
+    ids, embeds = p.ids, v.embed_prompt(p)
     with torch.no_grad():
         seq = torch.tensor([ids])
         pixels = torch.from_numpy(tiles.pixels[None])
@@ -322,7 +321,7 @@ def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory, capsys):
     tiles = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), cpu.manifest.image)
     e_cpu, e_npu = cpu.encode_image(tiles.pixels[:2]), npu.encode_image(tiles.pixels[:2])
     assert np.abs(e_cpu - e_npu).max() < 0.15 * np.abs(e_cpu).max()  # measured 0.076 of 3.2
-    ids = cpu.prompt_ids("Describe a red square.", None)
+    ids = cpu.prompt("Describe a red square.").ids
     for mode in ("kv", "hybrid"):
         a, h = cpu.engine.prefill(cpu.engine.embed(ids), mode), npu.engine.prefill(npu.engine.embed(ids), mode)
         assert a.argmax() == h.argmax() and np.abs(a - h).max() < 0.3

@@ -85,7 +85,6 @@ def test_w4a16o_bundle_equals_transformers_on_fake_quantized_weights(tmp_path_fa
     import torch
 
     from vlmrt.runtime import image as img_ops
-    from vlmrt.runtime.engine import splice
     from vlmrt.runtime.pipeline import VLM
 
     b = bundle("vision=w8a16,prefill=w4a16o,decode=w4a16o,lm_head=w4a16o", tmp_path_factory)  # all float compute
@@ -108,8 +107,8 @@ def test_w4a16o_bundle_equals_transformers_on_fake_quantized_weights(tmp_path_fa
         emb.copy_(torch.from_numpy((np.clip(np.rint(table / scale), -127, 127) * scale).astype(np.float32)))
     v = VLM.load(b)
     tiles = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), v.manifest.image)
-    ids = v.prompt_ids("What is in the image?", tiles.grid)
-    embeds = splice(ids, v.engine.embed(ids), v.encode_image(tiles.pixels), v.manifest.special_tokens.image_token_id)
+    p = v.prompt("What is in the image?", [image_file("chelsea.png", None)])
+    ids, embeds = p.ids, v.embed_prompt(p)
     with torch.no_grad():
         seq, pixels = torch.tensor([ids]), torch.from_numpy(tiles.pixels[None])
         for _ in range(12):

@@ -149,7 +149,7 @@ def test_onnx_graph_equals_transformers(kind, towers, graphs):
 
 def test_missing_window_order_is_caught(towers):
     """A Qwen2.5-VL tower fed without the window order (patches in raster order, one window per image) answers
-    something else: the comparison above would fail."""
+    something else: the comparison above would fail (measured: 1.4 apart)."""
     cfg, visual, ours = towers["qwen2_5_vl"]
     p = patches_of("qwen2_5_vl", (140, 154))
     want, _ = reference(visual, p)

@@ -71,7 +71,7 @@ def test_score_keeps_rows_with_io_binding(default_bundle):
     import numpy as np
 
     vlm = _load(default_bundle.bundle, True)
-    ids = vlm.prompt_ids("Hello there", None)
+    ids = vlm.prompt("Hello there").ids
     rows = vlm.engine.score(vlm.engine.embed(ids), [5, 6, 7, 8], mode="hybrid")
     assert not np.allclose(rows[0], rows[-1])
 
@@ -155,7 +155,7 @@ def test_symbolic_context_graphs_equal_static_ones(default_bundle, tmp_path_fact
         assert ra.stats.prompt_tokens > 64  # the prompt spans several context steps
         assert ra.token_ids == rb.token_ids
         np.testing.assert_allclose(a.engine.cache.stored(), b.engine.cache.stored(), rtol=0, atol=5e-5)
-        ids = a.prompt_ids("Hello there", None)
+        ids = a.prompt("Hello there").ids
         la = a.engine.score(a.engine.embed(ids), [5, 6, 7], mode=mode)
         lb = b.engine.score(b.engine.embed(ids), [5, 6, 7], mode=mode)
         np.testing.assert_allclose(la, lb, rtol=0, atol=2e-5)

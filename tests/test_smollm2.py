@@ -290,7 +290,10 @@ def test_checkpoint_loads_as_smolvlm_in_transformers(ckpt):
 
 def test_smollm2_chat_template_renders_like_the_gguf_template(meta):
     pytest.importorskip("jinja2")
-    from vlmrt.export.chat_template import render
+    from vlmrt.runtime.conversation import template_env
+
+    def render(template, messages, special):
+        return template_env().from_string(template).render(messages=messages, add_generation_prompt=True, **special)
 
     gguf_template = meta["tokenizer.chat_template"]
     for system in (None, "Answer in French."):

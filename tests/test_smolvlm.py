@@ -23,7 +23,6 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
     every step's logits within 0.05 (measured max 0.031) and the same argmax wherever fp32's top-2 gap exceeds
     that. (Equal free-running ids is luck on this random model: fp32's top-2 gap is 0.0024 at step 7.)"""
     from vlmrt.export.pipeline import export
-    from vlmrt.runtime.engine import splice
 
     c = default_bundle.case
     b16 = export(str(default_bundle.ckpt), tmp_path / "b16", prefill_ar=c.prefill_ar, max_seq_len=c.max_seq_len,
@@ -33,9 +32,7 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
     for name in ("chelsea.png", "rocket.jpg", "page.png"):
         logits = {}
         for key, v in (("32", v32), ("16", v16)):
-            t = img_ops.preprocess(img_ops.load_image(image_file(name, None)), v.manifest.image)
-            ids = v.prompt_ids(PROMPT, t.grid)
-            e = splice(ids, v.engine.embed(ids), v.encode_image(t.pixels), v.manifest.special_tokens.image_token_id)
+            e = v.embed_prompt(v.prompt(PROMPT, [image_file(name, None)]))
             logits[key] = {m: v.engine.prefill(e, m).astype(np.float32) for m in ("kv", "hybrid")}
         for m in ("kv", "hybrid"):
             assert np.abs(logits["32"][m] - logits["16"][m]).max() < 0.05
@@ -45,9 +42,7 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
     for m in ("kv", "hybrid"):
         rows = {}
         for key, v in (("32", v32), ("16", v16)):
-            t = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), v.manifest.image)
-            ids = v.prompt_ids(PROMPT, t.grid)
-            e = splice(ids, v.engine.embed(ids), v.encode_image(t.pixels), v.manifest.special_tokens.image_token_id)
+            e = v.embed_prompt(v.prompt(PROMPT, [image_file("chelsea.png", None)]))
             rows[key] = v.engine.score(e, want, mode=m).astype(np.float32)
         assert np.abs(rows["32"] - rows["16"]).max() < 0.05
         top2 = np.sort(rows["32"], axis=-1)[:, -2:]

@@ -22,16 +22,19 @@ FILLER = "The quick brown fox jumps over the lazy dog while the five boxing wiza
 
 def make_prompt(vlm: VLM, image, prompt_tokens: int) -> str:
     """A text whose full templated prompt (with the image, if any) is at most prompt_tokens tokens, as close as words allow."""
-    from .runtime import image as img_ops
+    images = [image] if image else []
+    media = vlm.media(images)
 
-    grid = img_ops.preprocess(img_ops.load_image(image), vlm.manifest.image).grid if image else None
+    def n_tokens(text: str) -> int:
+        return vlm.prompt(text, images, media=media).n_tokens
+
     text = ""
-    least = len(vlm.prompt_ids(text, grid))
+    least = n_tokens(text)
     if least > prompt_tokens:
         raise ValueError(f"--prompt-tokens {prompt_tokens} is less than the {'image + ' if image else ''}chat template "
                          f"alone ({least} tokens)")
     for word in (FILLER * (prompt_tokens // 8 + 1)).split():
-        if len(vlm.prompt_ids(text + word + " ", grid)) > prompt_tokens:
+        if n_tokens(text + word + " ") > prompt_tokens:
             break
         text += word + " "
     return text

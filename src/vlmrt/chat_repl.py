@@ -1,6 +1,7 @@
 """`vlmrt chat`: an interactive conversation over VLM.chat, one line per user turn.
 
     /image PATH|URL   attach an image to the next turn (repeatable)
+    /video PATH|URL   attach a video to the next turn (SmolVLM2 bundles; a folder of frames: --fps on the command line)
     /reset            start a new conversation (the caches stay: a repeated image is not encoded again)
     /stats            the last turn's statistics in full
     /quit             leave (so does end of input)
@@ -12,9 +13,10 @@ from __future__ import annotations
 import sys
 
 from .manifest import BundleError
+from .runtime.conversation import VideoSource
 from .runtime.image import ImageError
 
-HELP = "commands: /image PATH|URL (attach to the next turn), /reset, /stats, /quit"
+HELP = "commands: /image PATH|URL, /video PATH|URL (attach to the next turn), /reset, /stats, /quit"
 
 
 def summary(s) -> str:
@@ -26,8 +28,9 @@ def summary(s) -> str:
 
 
 def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, report=None, stdin=None,
-         stdout=None, stderr=None) -> int:
-    """Run the loop until /quit or end of input; report(result) -> text for /stats."""
+         stdout=None, stderr=None, videos: list = ()) -> int:
+    """Run the loop until /quit or end of input; report(result) -> text for /stats. images, videos (VideoSource):
+    attached to the first turn."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if stdin is None:  # started with standard input closed (`<&-`): as an empty input
         return 0
@@ -36,7 +39,8 @@ def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, 
     def fresh():
         return [{"role": "system", "content": system}] if system else []
 
-    messages, pending = fresh(), list(images)
+    messages, pending, pending_videos = fresh(), list(images), list(videos)
+    fps = next((v.fps for v in videos if v.fps is not None), None)  # --fps: for folders given by /video too
     last = None  # the last answered turn's result (a failed turn leaves vlm.result half made)
     print(HELP, file=stderr)
     while True:
@@ -53,11 +57,14 @@ def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, 
             if cmd == "/quit":
                 return 0
             if cmd == "/reset":
-                messages, pending = fresh(), []
+                messages, pending, pending_videos = fresh(), [], []
                 print("[new conversation]", file=stderr)
             elif cmd == "/image" and arg.strip():
                 pending.append(arg.strip())
                 print(f"[image {len(pending)} attached to the next turn]", file=stderr)
+            elif cmd == "/video" and arg.strip():
+                pending_videos.append(VideoSource(arg.strip(), fps))
+                print(f"[video {len(pending_videos)} attached to the next turn]", file=stderr)
             elif cmd == "/stats" and last is None:
                 print("[no turn answered yet]", file=stderr)
             elif cmd == "/stats":
@@ -66,7 +73,8 @@ def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, 
             else:
                 print(HELP, file=stderr)
             continue
-        content = [{"type": "image_url", "image_url": {"url": p}} for p in pending] + [{"type": "text", "text": line}]
+        content = ([{"type": "video", "video": v.source, "fps": v.fps} for v in pending_videos]
+                   + [{"type": "image_url", "image_url": {"url": p}} for p in pending] + [{"type": "text", "text": line}])
         turn = messages + [{"role": "user", "content": content}]
         try:
             pieces = []
@@ -77,9 +85,9 @@ def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, 
         except (ImageError, BundleError, ValueError, OSError) as e:
             # the turn is dropped (its images too): the conversation goes on as before it
             print(f"vlmrt: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=stderr)
-            pending = []
+            pending, pending_videos = [], []
             continue
         last = vlm.result
         messages = turn + [{"role": "assistant", "content": last.text}]
-        pending = []
+        pending, pending_videos = [], []
         print(summary(vlm.result.stats), file=stderr)

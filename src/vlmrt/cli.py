@@ -54,7 +54,16 @@ def _options(a) -> dict:
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
     return dict(mode=a.mode, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos, max_tiles=a.max_tiles)
+                seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos, max_tiles=a.max_tiles, max_frames=a.max_frames)
+
+
+def _videos(a) -> list:
+    """--video (with --fps for a folder of frames) as the turn's VideoSource."""
+    from .runtime.conversation import VideoSource
+
+    if a.fps is not None and a.video is None:
+        raise ValueError("--fps is the frame rate of a --video folder of frames")
+    return [VideoSource(a.video, a.fps)] if a.video is not None else []
 
 
 def _run(a) -> int:
@@ -62,15 +71,16 @@ def _run(a) -> int:
     from .runtime.pipeline import VLM
 
     if (a.messages is None) == (a.prompt is None):
-        raise ValueError("give --prompt (with --image ...) or --messages CONV.json")
+        raise ValueError("give --prompt (with --image / --video ...) or --messages CONV.json")
     if a.messages is not None:
-        if a.image:
-            raise ValueError("--messages carries its images (image_url parts); --image does not apply")
+        if a.image or a.video:
+            raise ValueError("--messages carries its images and videos (image_url / video_url parts); --image and "
+                             "--video do not apply")
         from .runtime.conversation import load_messages
 
         messages = load_messages(a.messages)
     else:
-        messages = user_turn(a.prompt, a.image or [])
+        messages = user_turn(a.prompt, a.image or [], _videos(a))
     opts = _options(a)
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
     if a.htp_arch is not None and a.device != "htp":
@@ -98,7 +108,7 @@ def _chat(a) -> int:
     opts = _options(a)
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
                    kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
-    return repl(vlm, opts, images=a.image or [], system=a.system, report=_stats_report)
+    return repl(vlm, opts, images=a.image or [], videos=_videos(a), system=a.system, report=_stats_report)
 
 
 def _bundle_or_default(bundle: str | None) -> str:
@@ -207,6 +217,8 @@ def _generation_args(r, threads_help: str = "intra-op threads (default: physical
     r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
     r.add_argument("--max-tiles", type=int, default=None,
                    help="cap each image's tile count (bundles whose tiling has one, e.g. InternVL)")
+    r.add_argument("--max-frames", type=int, default=None,
+                   help="sample at most this many frames of a video (default: the checkpoint's, e.g. 64 for SmolVLM2)")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"],
                    help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
     r.add_argument("--htp-arch", default=None,
@@ -221,6 +233,11 @@ def _image_arg(r) -> None:
     r.add_argument("--image", action="append",
                    help="image: a file, an http(s):// URL or a data:image/...;base64, URI (repeatable: several "
                         "images, in order, before the text)")
+    r.add_argument("--video", default=None,
+                   help="video (SmolVLM2 bundles): an animated GIF / WebP, an mp4 / webm / mkv / mov file (needs "
+                        "vlmrt[video]), a folder of numbered frames (with --fps), an http(s):// URL or a data URI; "
+                        "put before the images and the text (docs/video.md)")
+    r.add_argument("--fps", type=float, default=None, help="the frame rate of a --video folder of frames")
 
 
 def _batch(a) -> int:
@@ -292,13 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=_export)
 
-    r = sub.add_parser("run", help="ask a question about images, or answer a conversation's next turn")
+    r = sub.add_parser("run", help="ask a question about images or a video, or answer a conversation's next turn")
     _generation_args(r)
     _image_arg(r)
     r.add_argument("--prompt", default=None, help="the question (one user turn: the --image images, then this text)")
     r.add_argument("--messages", default=None, metavar="CONV.json",
                    help="a conversation: a JSON list of OpenAI-style messages (system / user / assistant; content a "
-                        "string or text / image_url parts); answers the next assistant turn")
+                        "string or text / image_url / video_url parts); answers the next assistant turn")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
     r.set_defaults(fn=_run)
 

@@ -106,32 +106,46 @@ class ImageSpec:
 
 
 @dataclass
-class PromptSpec:
-    """How a user prompt and an image become token ids.
+class VideoSpec:
+    """How a video becomes frames and prompt text (runtime/video.py), as the checkpoint's video processor does it
+    (SmolVLM2: SmolVLMVideoProcessor + SmolVLMProcessor). Absent from a bundle: --video is refused."""
 
-    `template_image` / `template_text` are the model's chat template rendered for one user
-    turn with a generation prompt; `{image}` and `{prompt}` mark where the expanded image
-    text and the user's text go. `expansion` names the host op that writes the image text
-    from the tile grid (runtime/prompt.py), with `params` for it.
+    fps: float  # frames sampled per second of video ...
+    max_frames: int  # ... at most this many
+    skip_secs: float  # a clip long enough loses this much at each end before sampling
+    longest_edge: int  # a frame's longest edge is resized to this first ...
+    frame_size: int  # ... then the frame to frame_size × frame_size: one tile
+    resample: str  # Pillow filter name, as ImageSpec.resample
+    placeholder: str  # what the rendered template holds for one video ("<video>")
+    chat_template: str  # the template a conversation with a video is rendered with (the processor's own for videos)
+    intro: str  # "You are provided the following series of {frame_count} frames from a {video_duration} ..."
+    frame_line: str  # "\nFrame from {timestamp}:" before each frame's image text
+    outro: str  # after the last frame
+
+
+@dataclass
+class PromptSpec:
+    """How a conversation and its images become token ids (runtime/conversation.py, runtime/prompt.py).
+
+    `chat_template` is the checkpoint's Jinja chat template, rendered at run time with jinja2 as transformers'
+    apply_chat_template does, with `template_strings` (bos_token, eos_token, ...) it may read. `content_format` says
+    how it takes message content ("parts": [{"type": "image"}, {"type": "text", ...}]; "string": text only, an image
+    written into the text as `image_in_text`); `image_placeholder` is what a rendered image item is, replaced by
+    the image's expansion: `expansion` names the host op that writes it from the tile grid (runtime/prompt.py),
+    with `params` for it. (How prompt tokens are positioned is the decoder's: DecoderSpec's positions op.)
     """
 
-    template_image: str
-    template_text: str
+    chat_template: str
     expansion: str
     tokens_per_tile: int
     add_special_tokens: bool
+    image_placeholder: str
     params: dict[str, Any] = field(default_factory=dict)
-    # conversations (runtime/conversation.py renders them with jinja2, as transformers' apply_chat_template does):
-    # the checkpoint's Jinja chat template, the special-token strings it may read (bos_token, eos_token, ...),
-    # how it takes message content ("parts": [{"type": "image"}, {"type": "text", ...}]; "string": text only, an
-    # image written into the text as `image_in_text`), and what a rendered image item is (`image_placeholder`,
-    # replaced by the expansion op's text, image by image). None: a bundle exported before conversations.
-    chat_template: str | None = None
     template_strings: dict[str, str] = field(default_factory=dict)
     content_format: str = "parts"
-    image_placeholder: str = ""
     image_in_text: str | None = None
     system_prompt: str | None = None  # a system turn put first when a conversation has none
+    video: VideoSpec | None = None  # video input (SmolVLM2); None: the bundle takes no videos
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
     {"id": "a1", "image": "imgs/cat.png", "prompt": "What is this?"}
     {"id": "a2", "image": ["https://host/a.jpg", "data:image/png;base64,..."], "prompt": "Compare them."}
+    {"id": "v1", "video": "clips/run.mp4", "prompt": "What happens?"}     (+ "fps" for a folder of frames)
     {"id": "a3", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "b.png"}},
                                                           {"type": "text", "text": "And this?"}]}]}
 
@@ -123,8 +124,8 @@ def parse_line(line: bytes, n: int, base: Path, prompt: str | None) -> Record:
 def request_messages(obj: dict, base: Path, prompt: str | None) -> list[dict]:
     """The record's messages: its own (`messages`) or one user turn of its images and prompt."""
     if "messages" in obj:
-        if "prompt" in obj or "image" in obj:
-            raise ConversationError("a record has either messages or prompt (+ image), not both")
+        if "prompt" in obj or "image" in obj or "video" in obj:
+            raise ConversationError("a record has either messages or prompt (+ image / video), not both")
         messages = copy.deepcopy(obj["messages"])
         parse_messages(messages)  # checked here: a bad conversation is this record's error
         for m in messages:
@@ -140,7 +141,14 @@ def request_messages(obj: dict, base: Path, prompt: str | None) -> list[dict]:
     images = [images] if isinstance(images, str) else images
     if not isinstance(images, list) or not all(isinstance(s, str) and s for s in images):
         raise ConversationError("image must be a path, an http(s) URL or a data URI, or a list of them")
+    video = obj.get("video")
+    if video is not None and not (isinstance(video, str) and video):
+        raise ConversationError("video must be a path (a file or a folder of frames), an http(s) URL or a data URI")
+    if "fps" in obj and video is None:
+        raise ConversationError("fps is the frame rate of the record's video (a folder of frames)")
+    videos = [{"type": "video", "video": resolve(video, base), "fps": obj.get("fps")}] if video is not None else []
     messages = user_turn(text, [resolve(s, base) for s in images])
+    messages[0]["content"][:0] = videos
     parse_messages(messages)  # the text's checks (a lone surrogate) are this record's error, as for messages
     return messages
 
@@ -159,8 +167,14 @@ def _resolve_part(part: dict, base: Path) -> None:
             u["url"] = resolve(u["url"], base)
         else:
             part["image_url"] = resolve(u, base)
-    elif part.get("type") == "image":
-        for k in ("image", "url", "path"):
+    elif part.get("type") == "video_url":
+        u = part["video_url"]
+        if isinstance(u, dict):
+            u["url"] = resolve(u["url"], base)
+        else:
+            part["video_url"] = resolve(u, base)
+    elif part.get("type") in ("image", "video"):
+        for k in ("image", "video", "url", "path"):
             if isinstance(part.get(k), str):
                 part[k] = resolve(part[k], base)
                 break

@@ -95,18 +95,19 @@ def hessians(decoder, embed: np.ndarray, prompt_ids: list[list[int]], tokens: in
     return Hessians(decoder).collect([greedy_sequence(decoder, embed, ids, tokens) for ids in prompt_ids])
 
 
-def prompt_hessians(decoder, embed: np.ndarray, tok_json: dict, template: str, p) -> Hessians:
-    """Hessians over CALIBRATION_PROMPTS in the text chat template (its {prompt} slot), tokenized as
-    runtime/prompt.py does, each followed by TOKENS greedy tokens; p: the export's Progress."""
+def prompt_hessians(decoder, embed: np.ndarray, tok_json: dict, spec, p) -> Hessians:
+    """Hessians over CALIBRATION_PROMPTS, each a user turn built as the runtime builds prompts (runtime/prompt.py
+    text_prompt with the bundle's PromptSpec, spec), each followed by TOKENS greedy tokens; p: the export's Progress."""
     import json
 
     from tokenizers import Tokenizer
 
     from ..eval.samples import CALIBRATION_PROMPTS
+    from ..runtime.prompt import text_prompt
 
     p.start(f"GPTQ calibration ({len(CALIBRATION_PROMPTS)} prompts + {TOKENS} generated tokens each)")
     tok = Tokenizer.from_str(json.dumps(tok_json))
-    ids = [tok.encode(template.replace("{prompt}", q), add_special_tokens=True).ids for q in CALIBRATION_PROMPTS]
+    ids = [text_prompt(spec, tok, q).ids for q in CALIBRATION_PROMPTS]
     h = hessians(decoder, embed, ids, TOKENS)
     p.done()
     return h

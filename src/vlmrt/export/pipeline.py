@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import json
@@ -21,7 +22,7 @@ from ..families import Family, FamilyConfig, HostSpec, family_for
 from ..progress import Laps, Progress
 from . import graphs, htp_precisions, qnn_context, quantize
 from . import htp as htp_mod
-from .chat_template import prompt_templates
+from .chat_template import renders_one_image
 from ..families.checkpoint import Checkpoint, CheckpointError, resolve
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
@@ -126,8 +127,7 @@ class Plan:
     context_step: int  # > 0: symbolic cache length; 0: static graphs
     htp: dict | None  # the HTP target's options, None for the CPU target
     in_place: bool  # the one decoder graph's attention is GroupQueryAttention over an in_place cache (export attention)
-    templates: tuple[str, str]  # the chat template rendered for one user turn with / without an image
-    conversation: dict[str, Any]  # PromptSpec's conversation fields: the template itself and how it takes images
+    prompt: mf.PromptSpec  # the chat template and how it takes images, the expansion op
 
     @property
     def one_graph(self) -> bool:
@@ -185,19 +185,22 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     if not template:
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
     special = ckpt.special_strings()
-    # conversations: the checkpoint's template itself, rendered at run time (runtime/conversation.py)
-    conversation = {"chat_template": template, "template_strings": special, "content_format": "parts",
-                    "image_placeholder": host.image_placeholder, "system_prompt": host.system_prompt}
-    try:
-        templates = prompt_templates(template, host.image_placeholder, special, host.system_prompt)
-    except ValueError:
+    # the checkpoint's template itself, rendered at run time (runtime/conversation.py)
+    prompt = mf.PromptSpec(chat_template=template, expansion=host.prompt_expansion,
+                           tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True,
+                           image_placeholder=host.image_placeholder, params=host.prompt_params,
+                           template_strings=special, system_prompt=host.system_prompt,
+                           video=mf.VideoSpec(**host.video) if host.video else None)
+    if not renders_one_image(prompt):
         if not host.image_in_text_fallback:
-            raise
+            raise ExportError("the chat template does not render one image and one text item as expected")
         placeholder, in_text = host.image_in_text_fallback
-        templates = prompt_templates(template, placeholder, special, host.system_prompt, in_text)
-        conversation.update(content_format="string", image_placeholder=placeholder, image_in_text=in_text)
+        prompt = dataclasses.replace(prompt, content_format="string", image_placeholder=placeholder,
+                                     image_in_text=in_text)
+        if not renders_one_image(prompt):
+            raise ExportError("the chat template does not render one image and one text item as expected")
     plan = Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
-                htp, False, templates, conversation)
+                htp, False, prompt)
     gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0
     if attention == "gqa" and not gqa_fits:
         raise ExportError("--attention gqa needs the one-graph CPU decoder (symbolic cache length, one precision for "
@@ -221,7 +224,7 @@ def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
         return None
     from . import calibrate_gptq
 
-    return calibrate_gptq.prompt_hessians(decoder, embed, plan.tok_json, plan.templates[1], p).for_weight
+    return calibrate_gptq.prompt_hessians(decoder, embed, plan.tok_json, plan.prompt, p).for_weight
 
 
 def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=None) -> list[tuple[str, str]]:
@@ -316,9 +319,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
         graphs=gspecs,
         tokenizer_file="tokenizer.json",
         image=host.image,
-        prompt=mf.PromptSpec(template_image=plan.templates[0], template_text=plan.templates[1],
-                             expansion=host.prompt_expansion, tokens_per_tile=plan.cfg.tokens_per_tile,
-                             add_special_tokens=True, params=host.prompt_params, **plan.conversation),
+        prompt=plan.prompt,
         special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=plan.ckpt.eos_ids(plan.tok_json),
                                         pad_token_id=plan.ckpt.pad_id(t.vocab)),
         kv=mf.KVSpec(layers=t.layers, dim=t.kv_heads * t.head_dim, max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype],

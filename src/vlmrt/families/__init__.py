@@ -1,6 +1,6 @@
 """Model families: the registry (config.json `model_type` -> family module) and the contract every family meets.
 
-A family module (smolvlm.py, internvl.py) provides one `Family` at module level as `FAMILY`: its name, the model
+A family module (smolvlm.py, internvl.py; or a package, as qwen_vl/ will be) provides one `Family` as `FAMILY`: its name, the model
 types it exports and four functions (read the config, build the modules from the checkpoint's tensors, plan the host
 side, size the default context). `REGISTRY` names the module that holds each model type; the modules import torch,
 so they load on demand. The exporter and the float reference (eval/reference.py) talk to a family only through the
@@ -90,6 +90,7 @@ class HostSpec:
     system_prompt: str | None = None
     # templates that render no image item (OpenGVLab's originals): (placeholder, text put before the prompt)
     image_in_text_fallback: tuple[str, str] | None = None
+    video: dict[str, Any] | None = None  # manifest.VideoSpec fields, for a checkpoint whose processor reads videos
 
 
 class VisionSizes(Protocol):
@@ -126,7 +127,7 @@ class Family:
     default_max_context: Callable[[FamilyConfig, HostSpec], tuple[int, str]]  # -> (max context tokens, why that many)
 
     def fail(self, what: str) -> FamilyContractError:
-        return FamilyContractError(f"family {self.name}: {what} (a bug in vlmrt/families/{self.name}.py, not in the "
+        return FamilyContractError(f"family {self.name}: {what} (a bug in vlmrt.families.{self.name}, not in the "
                                    "checkpoint)")
 
     def config(self, config: dict[str, Any]) -> FamilyConfig:
@@ -156,10 +157,12 @@ class Family:
         if not isinstance(decoder, CausalDecoder):
             raise self.fail(f"load_weights gave a {type(decoder).__name__} decoder; the exporter traces, quantizes and "
                             "calibrates layers.CausalDecoder only (build it with families/decoder.py)")
-        if (decoder.shape["layers"], decoder.shape["hidden"], decoder.shape["vocab"]) != (t.layers, t.hidden, t.vocab):
-            raise self.fail(f"the decoder's layers / hidden / vocab {decoder.shape['layers']} / {decoder.shape['hidden']} "
-                            f"/ {decoder.shape['vocab']} are not the config's {t.layers} / {t.hidden} / {t.vocab}")
         names = {n for n, _ in decoder.named_modules()}
+        if "lm_head" in names and "norm" in names:  # (else: named below)
+            got = (len(decoder.layers), decoder.norm.weight.shape[0], decoder.lm_head.out_features)
+            if got != (t.layers, t.hidden, t.vocab):
+                raise self.fail(f"the decoder's layers / hidden / vocab {' / '.join(map(str, got))} are not the config's "
+                                f"{t.layers} / {t.hidden} / {t.vocab}")
         want = [f"layers.{i}.{w}" for i in range(t.layers) for w in DECODER_LAYER_WEIGHTS] + list(DECODER_WEIGHTS)
         missing = [w for w in want if w not in names]
         if missing:
@@ -219,7 +222,7 @@ _ARITY = {"config_from_hf": 1, "load_weights": 2, "host_spec": 3, "default_max_c
 def _checked(module_name: str, module) -> Family:
     """The module's FAMILY, checked against REGISTRY (where a family is registered, the one-line error names it)."""
     fam = getattr(module, "FAMILY", None)
-    where = f"vlmrt/families/{module_name}.py"
+    where = f"vlmrt.families.{module_name}"
     if not isinstance(fam, Family):
         raise FamilyContractError(f"{where} is registered as a family but has no FAMILY = families.Family(...)")
     if fam.name != module_name:

@@ -151,6 +151,40 @@ def load_weights(cfg: SmolVLMConfig, tensors: dict[str, torch.Tensor]) -> Weight
 
 
 # --- what the runtime needs besides graphs: host preprocessing, prompt, special tokens --------
+# transformers' SmolVLMProcessor (processing_smolvlm.py) writes a video's prompt with these strings, and renders a
+# conversation holding a video with its own template (DEFAULT_CHAT_TEMPLATE), whatever the checkpoint's is
+VIDEO_INTRO = "You are provided the following series of {frame_count} frames from a {video_duration} [H:MM:SS] video.\n"
+VIDEO_FRAME_LINE = "\nFrame from {timestamp}:"
+VIDEO_OUTRO = "\n\n"
+VIDEO_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'] is string %}"
+    "{{': ' + message['content']}}{% else %}{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}"
+    "{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% elif line['type'] == 'video' %}{{ '<video>' }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def video_spec(ckpt, tile: int) -> dict[str, Any] | None:
+    """SmolVLMVideoProcessor's settings: `video_sampling` (fps, max_frames, video_size) of the video processor's
+    config (video_preprocessor_config.json, else preprocessor_config.json); None for checkpoints without one
+    (SmolVLM 1, Idefics3), whose bundles refuse videos."""
+    vp = ckpt.json("video_preprocessor_config.json", {}) or {}
+    if not vp.get("video_sampling"):
+        vp = ckpt.json("preprocessor_config.json", {}) or {}
+    sampling = vp.get("video_sampling")
+    if not sampling:
+        return None
+    size = (vp.get("size") or sampling.get("video_size") or {}).get("longest_edge", 4 * tile)
+    frame = (vp.get("max_image_size") or {}).get("longest_edge", tile)
+    if frame != tile:
+        raise UnsupportedCheckpoint(f"the video processor's max_image_size {frame} differs from the vision tile {tile}")
+    return {"fps": float(sampling.get("fps", 1)), "max_frames": int(sampling.get("max_frames", 64)), "skip_secs": 1.0,
+            "longest_edge": int(size), "frame_size": int(frame),
+            "resample": resample_name(vp["resample"]) if "resample" in vp else "lanczos",
+            "placeholder": "<video>", "chat_template": VIDEO_CHAT_TEMPLATE, "intro": VIDEO_INTRO,
+            "frame_line": VIDEO_FRAME_LINE, "outro": VIDEO_OUTRO}
+
 def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> HostSpec:
     """Image/prompt/special-token parameters from the checkpoint's processor files.
 
@@ -175,7 +209,8 @@ def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> HostSpec:
         "tile_marker": "<row_{row}_col_{col}>",
     }
     return HostSpec(image=image, prompt_expansion="grid_markers", prompt_params=tokens,
-                    image_placeholder=tokens["image_token"], image_token_id=cfg.image_token_id)
+                    image_placeholder=tokens["image_token"], image_token_id=cfg.image_token_id,
+                    video=video_spec(ckpt, tile))
 
 
 def default_max_context(cfg: SmolVLMConfig, host: HostSpec) -> tuple[int, str]:

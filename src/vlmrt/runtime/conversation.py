@@ -3,22 +3,22 @@
     conv = parse_messages([{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://.../cat.jpg"}},
         {"type": "text", "text": "What is this?"}]}])
-    text = ChatTemplate(manifest.prompt).render(conv, grids)   # grids: (rows, cols, tiles) per image, in order
+    pieces = ChatTemplate(manifest.prompt).render(conv)   # text, with None where each image goes, in order
 
 The manifest carries the template (PromptSpec.chat_template) and how it takes content; it is rendered with jinja2
 the way transformers' apply_chat_template does (sandboxed, trim_blocks, lstrip_blocks, loopcontrols), so that
 position-dependent template logic (a default system turn, "User:" vs "User: " before an image) comes out as the
-reference's. Each rendered image placeholder is then replaced, in order, by the image's expansion
-(runtime/prompt.py's host ops), as the processors do.
+reference's. runtime/prompt.py then puts each image's expansion (its host op) where the rendered placeholder was,
+as the processors do, and tokenizes the whole: the one way every caller builds a prompt.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..manifest import PromptSpec
-from .prompt import EXPANSION, build_prompt
 
 ROLES = ("system", "user", "assistant")
 
@@ -41,17 +41,49 @@ def template_env():
 
 
 @dataclass
+class VideoSource:
+    source: Any  # a path (file or folder of frames), URL, data URI, or a list of PIL images
+    fps: float | None = None  # the frame rate of a folder's (or a list's) frames
+
+
+@dataclass
 class Conversation:
-    """Messages with content as parts: {"type": "text", "text": ...} or {"type": "image", "index": i}, images[i]
-    being the image's source (a path, URL, data URI or PIL image)."""
+    """Messages with content as parts: {"type": "text", "text": ...}, {"type": "image", "index": i}, images[i]
+    being the image's source (a path, URL, data URI or PIL image), or {"type": "video", "index": j}, videos[j] a
+    VideoSource."""
 
     messages: list[dict[str, Any]]
     images: list[Any] = field(default_factory=list)
+    videos: list[VideoSource] = field(default_factory=list)
 
 
-def user_turn(prompt: str, images: list) -> list[dict]:
-    """One user message: the images in order, then the text (what `vlmrt run --image ... --prompt` asks)."""
-    return [{"role": "user", "content": [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]}]
+def user_turn(prompt: str, images: list, videos: list = ()) -> list[dict]:
+    """One user message: the videos, the images in order, then the text (what `vlmrt run --image / --video ...
+    --prompt` asks); videos: sources or VideoSource."""
+    vids = [{"type": "video", "video": v.source, "fps": v.fps} if isinstance(v, VideoSource) else
+            {"type": "video", "video": v} for v in videos]
+    return [{"role": "user", "content": vids + [{"type": "image", "image": im} for im in images]
+             + [{"type": "text", "text": prompt}]}]
+
+
+def _video_source(part: dict, where: str) -> VideoSource:
+    """{"type": "video_url", "video_url": {"url"}} (OpenAI-style, as vLLM takes it) or {"type": "video", "video" |
+    "url" | "path": ...}; an optional "fps" for a folder of frames."""
+    if part["type"] == "video_url":
+        u = part.get("video_url")
+        src = u.get("url") if isinstance(u, dict) else u
+        if not isinstance(src, str) or not src:
+            raise ConversationError(f"{where}: video_url needs a url (a path, an http(s) URL or a data URI)")
+    else:
+        src = next((part[k] for k in ("video", "url", "path") if part.get(k) is not None), None)
+        if src is None:
+            raise ConversationError(f"{where}: a video part needs video_url.url (or video / url / path)")
+    fps = part.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000):
+        raise ConversationError(f"{where}: fps must be a number in (0, 1000]")
+    if isinstance(src, str) and not is_unicode(src):
+        raise ConversationError(f"{where}: the video's url is not valid Unicode")
+    return VideoSource(src, fps)
 
 
 def _image_source(part: dict, where: str):
@@ -89,7 +121,7 @@ def parse_messages(messages) -> Conversation:
     """Check and normalize chat messages (OpenAI style); the last one is the user's turn to answer."""
     if not isinstance(messages, list) or not messages:
         raise ConversationError("messages must be a non-empty list of {role, content} objects")
-    out, images = [], []
+    out, images, videos = [], [], []
     for i, m in enumerate(messages):
         where = f"message {i + 1}"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
@@ -112,14 +144,20 @@ def parse_messages(messages) -> Conversation:
                         raise ConversationError(f"{where}: images can only be in user messages")
                     images.append(_image_source(p, f"{where}, part {j + 1}"))
                     parts.append({"type": "image", "index": len(images) - 1})
+                elif kind in ("video_url", "video"):
+                    if m["role"] != "user":
+                        raise ConversationError(f"{where}: videos can only be in user messages")
+                    videos.append(_video_source(p, f"{where}, part {j + 1}"))
+                    parts.append({"type": "video", "index": len(videos) - 1})
                 else:
-                    raise ConversationError(f"{where}, part {j + 1}: type must be text, image_url or image")
+                    raise ConversationError(f"{where}, part {j + 1}: type must be text, image_url, image, video_url or "
+                                            "video")
         else:
             raise ConversationError(f"{where}: content must be a string or a list of parts")
         out.append({"role": m["role"], "content": parts})
     if out[-1]["role"] != "user":
         raise ConversationError("the last message must be the user's (the answer is the next assistant turn)")
-    return Conversation(out, images)
+    return Conversation(out, images, videos)
 
 
 class ChatTemplate:
@@ -127,12 +165,15 @@ class ChatTemplate:
 
     def __init__(self, p: PromptSpec):
         self.p = p
-        self._template = None
-        if p.chat_template:
-            try:
-                self._template = template_env().from_string(p.chat_template)
-            except Exception as e:  # jinja2 syntax errors
-                raise ConversationError(f"cannot compile the bundle's chat template: {e}") from None
+        self._template = self._compile(p.chat_template)
+        self._video_template = self._compile(p.video.chat_template) if p.video else None
+
+    @staticmethod
+    def _compile(source: str):
+        try:
+            return template_env().from_string(source)
+        except Exception as e:  # jinja2 syntax errors
+            raise ConversationError(f"cannot compile the bundle's chat template: {e}") from None
 
     def _template_messages(self, conv: Conversation) -> list[dict]:
         p, msgs = self.p, []
@@ -145,41 +186,51 @@ class ChatTemplate:
                 msgs.append({"role": m["role"], "content": (p.image_in_text or "") * n + text})
             else:
                 msgs.append({"role": m["role"], "content": [
-                    {"type": "text", "text": part["text"]} if part["type"] == "text" else {"type": "image"}
+                    {"type": "text", "text": part["text"]} if part["type"] == "text" else {"type": part["type"]}
                     for part in m["content"]]})
         return msgs
 
-    def render(self, conv: Conversation, grids: list[tuple[int, int, int]]) -> str:
-        """The prompt text with each image's expansion; grids: (rows, cols, tiles) per image, in order."""
+    def render(self, conv: Conversation) -> list:
+        """The rendered conversation as pieces: text, and ("image", i) / ("video", j) where each image's / video's
+        prompt text goes, in order. A conversation with a video is rendered with the template the checkpoint's
+        processor renders videos with (PromptSpec.video.chat_template), as transformers does."""
         p = self.p
-        if self._template is None:
-            return self._render_legacy(conv, grids)
-        if p.expansion not in EXPANSION:
-            raise ValueError(f"this vlmrt has no prompt expansion op {p.expansion!r}; upgrade vlmrt")
+        template = self._template
+        if conv.videos:
+            if p.video is None:
+                raise ConversationError("this bundle takes no videos: its checkpoint's processor reads none, or it was "
+                                        "exported by an older vlmrt (re-export a SmolVLM2 checkpoint)")
+            if p.content_format != "parts":
+                raise ConversationError("this bundle's chat template takes no videos")
+            template = self._video_template
         try:
-            text = self._template.render(messages=self._template_messages(conv), add_generation_prompt=True,
-                                         **p.template_strings)
+            text = template.render(messages=self._template_messages(conv), add_generation_prompt=True,
+                                   **p.template_strings)
         except ValueError:
             raise
         except Exception as e:  # jinja2 undefined / type errors of a template fed content it does not expect
             raise ConversationError(f"cannot render the chat template: {type(e).__name__}: {e}") from None
-        pieces = text.split(p.image_placeholder) if p.image_placeholder else [text]
-        if len(pieces) - 1 != len(grids):
-            raise ConversationError(f"the rendered conversation has {len(pieces) - 1} image tokens "
-                                    f"({p.image_placeholder}) for {len(grids)} images: message text must not contain "
-                                    f"{p.image_placeholder!r}")
-        out = pieces[0]
-        for grid, piece in zip(grids, pieces[1:]):
-            out += EXPANSION[p.expansion](*grid, p) + piece
-        return out
-
-    def _render_legacy(self, conv: Conversation, grids) -> str:
-        """Bundles exported before conversations carry one rendered single-turn template."""
-        m = conv.messages
-        if len(m) != 1 or len(grids) > 1:
-            raise ConversationError("this bundle was exported before conversations and multi-image prompts; re-export it")
-        text = "\n".join(part["text"] for part in m[0]["content"] if part["type"] == "text")
-        return build_prompt(self.p, text, grids[0] if grids else None)
+        marks = [(p.image_placeholder, "image")] if p.image_placeholder else []
+        if p.video:
+            marks.append((p.video.placeholder, "video"))
+        found = {kind: 0 for _, kind in marks}
+        pieces: list = []
+        pattern = "|".join(re.escape(m) for m, _ in marks)
+        at = 0
+        for hit in re.finditer(pattern, text) if pattern else ():
+            kind = dict(marks)[hit.group(0)]
+            pieces += [text[at:hit.start()], (kind, found[kind])]
+            found[kind] += 1
+            at = hit.end()
+        pieces.append(text[at:])
+        for mark, kind in marks:
+            want = len(conv.images) if kind == "image" else len(conv.videos)
+            if found[kind] != want:
+                raise ConversationError(f"the rendered conversation has {found[kind]} {kind} tokens ({mark}) for "
+                                        f"{want} {kind}s: message text must not contain {mark!r}")
+        if not p.image_placeholder and conv.images:
+            raise ConversationError("this bundle's chat template takes no images")
+        return pieces
 
 
 def load_messages(path: str) -> list[dict]:

@@ -361,15 +361,3 @@ def _ndarray_reader(table: np.ndarray):
         np.frombuffer(buf, np.int8)[...] = table[token]
     return read_into
 
-
-def splice(ids: list[int], embed: np.ndarray, image_embeds: np.ndarray | None, image_token_id: int) -> np.ndarray:
-    """Prompt embeddings [n, hidden]: token embeddings with image-token rows replaced, in order, by
-    the vision graph's rows (image_embeds [tiles*tokens_per_tile, hidden])."""
-    slots = np.flatnonzero(np.asarray(ids) == image_token_id)
-    have = 0 if image_embeds is None else image_embeds.shape[0]
-    if len(slots) != have:
-        raise ValueError(f"prompt has {len(slots)} image tokens but the image gives {have} embeddings")
-    if have:
-        embed = embed.copy() if not embed.flags.writeable else embed
-        embed[slots] = image_embeds
-    return embed

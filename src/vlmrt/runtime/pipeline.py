@@ -31,11 +31,13 @@ import numpy as np
 
 from . import image as img_ops
 from .bundle import Bundle, Sessions
-from .engine import MODES, ContextOverflow, Engine, check_lookahead, splice
+from .chunks import Prompt
+from .engine import MODES, ContextOverflow, Engine, check_lookahead
 from .lookahead import check_exact
-from .conversation import ChatTemplate, Conversation, parse_messages, user_turn
-from .prefix_cache import CachedImage, ImageCache, PrefixCache, row_keys
-from .prompt import build_prompt
+from . import video as video_ops
+from .conversation import ChatTemplate, Conversation, VideoSource, parse_messages, user_turn
+from .prefix_cache import CachedImage, ImageCache, PrefixCache
+from .prompt import Media, build
 from .sampler import Sampler, SamplingConfig
 from .sources import FetchLimits, read_image
 from .stop_strings import StopStrings
@@ -67,8 +69,10 @@ class RunStats:
     total_s: float = 0.0
     peak_rss_mb: float = 0.0
     stop_reason: str = ""  # eos | length | context | stop (a stop string)
-    images: int = 0
-    images_cached: int = 0  # images whose embeddings came from the image cache (chat)
+    images: int = 0  # images and video frames
+    images_cached: int = 0  # images (and video frames) whose embeddings came from the image cache (chat)
+    videos: int = 0
+    video_frames: int = 0  # frames sampled from the videos (one tile each; counted in images too)
     vision_skipped: bool = False  # images were given and none went through the vision graph
     reused_prompt_tokens: int = 0  # leading prompt tokens whose KV rows were kept from the previous turn (chat)
     drafted_tokens: int = 0  # lookahead: drafts verified, and those accepted (see GenerationStats)
@@ -124,15 +128,36 @@ class VLM:
         return cls(b, time.perf_counter() - t, kv_requant, **options)
 
     # --- host steps -----------------------------------------------------------------------
-    def prompt_ids(self, prompt: str, grid: tuple[int, int, int] | None) -> list[int]:
-        """Token ids of the templated prompt; grid = (rows, cols, tiles) of the image, None for text only."""
-        text = build_prompt(self.manifest.prompt, prompt, grid)
-        return self.bundle.tokenizer.encode(text, add_special_tokens=self.manifest.prompt.add_special_tokens).ids
+    def prompt(self, messages: list[dict] | str, images=(), *, max_tiles: int | None = None,
+               media: list[Media] | None = None) -> Prompt:
+        """The prompt (typed chunks, runtime/chunks.py) of a conversation, or of one user turn (a str: images in
+        order, then the text), built as every call builds it; its images read and tiled, not yet encoded.
+        media: the images' Media already read (VLM.media), to build many prompts over the same images."""
+        conv = parse_messages(user_turn(messages, list(images)) if isinstance(messages, str) else messages)
+        if media is not None:
+            return self._build(conv, media)
+        images, videos, _ = self._media(conv, False, max_tiles)
+        return self._build(conv, images, videos)
 
-    def conversation_ids(self, messages: list[dict], grids: list[tuple[int, int, int]]) -> list[int]:
-        """Token ids of a conversation (chat messages) with its images' grids (rows, cols, tiles), in order."""
-        text = self.template.render(parse_messages(messages), grids)
-        return self.bundle.tokenizer.encode(text, add_special_tokens=self.manifest.prompt.add_special_tokens).ids
+    def media(self, images, max_tiles: int | None = None) -> list[Media]:
+        """The images (paths, URLs, data URIs or PIL images) read and tiled, for VLM.prompt(media=...)."""
+        return self._media(Conversation([], list(images)), False, max_tiles)[0]
+
+    def embed_prompt(self, prompt: Prompt, start: int = 0, cache: bool = False) -> np.ndarray:
+        """Prompt embeddings [n - start, hidden]: the token rows of ids[start:] with the image rows spliced in, the
+        image chunks that still need them run through the vision graph (and kept in the image cache if cache)."""
+        for c in prompt.needs_rows(start):
+            if c.embeds is None:
+                c.embeds = self.encode_image(c.pixels)
+                if cache:
+                    self.image_cache.put(c.key, CachedImage(c.grid, c.embeds))
+        return prompt.splice(self.engine.embed(prompt.ids[start:]), start)
+
+    def prompt_embeds(self, prompt: str, image=None, max_tiles: int | None = None) -> tuple[list[int], np.ndarray]:
+        """(prompt ids, prompt embeddings [n, hidden]) of one user turn (an image, then the text), without the
+        timings and the context check of generate()."""
+        p = self.prompt(prompt, [] if image is None else [image], max_tiles=max_tiles)
+        return p.ids, self.embed_prompt(p)
 
     def encode_image(self, tiles: np.ndarray) -> np.ndarray:
         """[tiles, c, S, S] -> [tiles*tokens_per_tile, hidden] through the vision graph, tile by tile."""
@@ -149,39 +174,33 @@ class VLM:
         ]
         return np.concatenate(out).astype(self.engine.dtype, copy=False)
 
-    def prompt_embeds(self, prompt: str, image=None, max_tiles: int | None = None) -> tuple[list[int], np.ndarray]:
-        """(prompt ids, prompt embeddings [n, hidden] with the image's rows spliced in) for one request, without the
-        timings and the context check of generate()."""
-        m = self.manifest
-        if image is None:
-            ids = self.prompt_ids(prompt, None)
-            return ids, self.engine.embed(ids)
-        im = img_ops.load_image(image) if not img_ops.is_pil_image(image) else img_ops.to_rgb(image)
-        tiles = img_ops.preprocess(im, img_ops.with_max_tiles(m.image, max_tiles))
-        ids = self.prompt_ids(prompt, tiles.grid)
-        return ids, splice(ids, self.engine.embed(ids), self.encode_image(tiles.pixels), m.special_tokens.image_token_id)
-
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompt: str, image: str | Path | Image.Image | None = None, *, images=(), mode: str | None = None,
                  max_new_tokens: int = 256, sampling: SamplingConfig | None = None, ignore_eos: bool = False,
-                 max_tiles: int | None = None, stop: list[str] | None = None) -> Iterator[str]:
+                 max_tiles: int | None = None, stop: list[str] | None = None, video=None, fps: float | None = None,
+                 max_frames: int | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are generated; self.result holds text, ids and stats at the end. The prompt is
-        one user turn: image (and then images: paths, URLs, data URIs or PIL images) in order, then the text.
+        one user turn: the video if any (a GIF / WebP / mp4 / webm file, a folder of numbered frames at fps, a URL,
+        a data URI or a list of PIL images at fps; docs/video.md), image (and then images: paths, URLs, data URIs or
+        PIL images) in order, then the text. max_frames: sample at most this many frames (default: the bundle's).
         Cache-less: nothing is kept from or for other calls."""
         srcs = ([image] if image is not None else []) + list(images)
-        return self._answer(parse_messages(user_turn(prompt, srcs)), False, mode, max_new_tokens,
-                            sampling or SamplingConfig(), ignore_eos, max_tiles, stop)
+        videos = [VideoSource(video, fps)] if video is not None else []
+        return self._answer(parse_messages(user_turn(prompt, srcs, videos)), False, mode, max_new_tokens,
+                            sampling or SamplingConfig(), ignore_eos, max_tiles, stop, max_frames)
 
     def chat(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-             ignore_eos: bool = False, max_tiles: int | None = None) -> Iterator[str]:
+             ignore_eos: bool = False, max_tiles: int | None = None, max_frames: int | None = None) -> Iterator[str]:
         """Answer the next assistant turn of a conversation (OpenAI-style messages: system / user / assistant,
-        content a string or parts {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}}), yielding
+        content a string or parts {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
+        {"type": "video_url", "video_url": {"url"}} (or {"type": "video", "video": src, "fps": N})), yielding
         text pieces like generate. KV rows of the previous call's prompt + answer that the new prompt starts with
-        are kept, images already encoded (same bytes) are not encoded again; the answer is the same token for token
-        as a fresh run's. self.result.stats: reused_prompt_tokens, images_cached, vision_skipped."""
+        are kept, images and video frames already encoded (same pixels) are not encoded again; the answer is the same
+        token for token as a fresh run's. self.result.stats: reused_prompt_tokens, images_cached, vision_skipped."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return self._answer(parse_messages(messages), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop)
+        return self._answer(parse_messages(messages), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
+                            max_frames)
 
     def reset(self) -> None:
         """Forget the conversation caches (the KV rows stay allocated: they are the engine's cache)."""
@@ -193,24 +212,94 @@ class VLM:
         return {"kv_cache": self.engine.cache.data.nbytes, "image_cache": self.image_cache.bytes,
                 "image_cache_limit": self.image_cache.max_bytes, "images_cached": len(self.image_cache)}
 
-    def _images(self, conv: Conversation, cached: bool, max_tiles: int | None):
-        """Per image (key, grid, cached embeddings or None, tiles or None), and how many came from the cache."""
+    def _media(self, conv: Conversation, cached: bool, max_tiles: int | None,
+               max_frames: int | None = None) -> tuple[list[Media], list[tuple], int]:
+        """Each image's Media: its embeddings from the image cache (if cached and there), else its tiles; each
+        video's (prompt pieces, one Media per sampled frame, clip); how many images and frames came from the cache."""
         spec = img_ops.with_max_tiles(self.manifest.image, max_tiles)
-        out, hits = [], 0
-        for src in conv.images:
+        images, hits = [], 0
+        for i, src in enumerate(conv.images):
             s = read_image(src, self.fetch)
             key = (s.digest, max_tiles)
             item = self.image_cache.get(key) if cached else None
+            label = f"image {i + 1}"
             if item is not None:
                 hits += 1
-                out.append((key, item.grid, item.embeds, None))
+                images.append(Media(key, item.grid, embeds=item.embeds, label=label))
             else:
                 tiles = img_ops.preprocess(s.image, spec)
-                out.append((key, tiles.grid, None, tiles))
-        return out, hits
+                images.append(Media(key, tiles.grid, pixels=tiles.pixels, label=label))
+        videos = []
+        for j, v in enumerate(conv.videos):
+            pieces, frames, clip, h = self._video(v, j, cached, max_frames)
+            videos.append((pieces, frames, clip))
+            hits += h
+        return images, videos, hits
 
-    def _overflow(self, n: int, grids: list) -> ContextOverflow:
+    def _video(self, v: VideoSource, j: int, cached: bool, max_frames: int | None) -> tuple[list, list[Media], object, int]:
+        """A video's prompt pieces (its text, None per frame), its sampled frames as one-tile Media, the clip, and how
+        many frames came from the image cache."""
         m = self.manifest
+        spec = m.prompt.video
+        if spec is None:
+            raise video_ops.VideoError("this bundle takes no videos: its checkpoint's processor reads none, or it was "
+                                       "exported by an older vlmrt (re-export a SmolVLM2 checkpoint)")
+        if max_frames is not None and max_frames < 1:
+            raise video_ops.VideoError("--max-frames must be >= 1")
+        clip = video_ops.open_source(v.source, v.fps, self.fetch)
+        idx = video_ops.sample_indices(clip, spec, max_frames)
+        out, hits = [], 0
+        for k, im in enumerate(clip.frames(idx)):
+            key = video_ops.frame_key(im, spec)
+            item = self.image_cache.get(key) if cached else None
+            label = f"frame {k + 1} of video {j + 1}"
+            if item is not None:
+                hits += 1
+                out.append(Media(key, item.grid, embeds=item.embeds, label=label))
+            else:
+                out.append(Media(key, (0, 0, 1), pixels=video_ops.frame_tile(im, spec, m.image)[None], label=label))
+        return video_ops.video_pieces(spec, clip, idx), out, clip, hits
+
+    def _build(self, conv: Conversation, images: list[Media], videos: list = ()) -> Prompt:
+        """The prompt of conv: the rendered template's pieces with each image's and video's text and media."""
+        m = self.manifest
+        pieces, media = [], []
+        for x in self.template.render(conv):
+            if isinstance(x, str):
+                pieces.append(x)
+            elif x[0] == "image":
+                pieces.append(None)
+                media.append(images[x[1]])
+            else:
+                pieces += videos[x[1]][0]
+                media += videos[x[1]][1]
+        return build(pieces, media, m.prompt, self.bundle.tokenizer, m.special_tokens.image_token_id)
+
+    def _frames_that_fit(self, conv: Conversation, images: list[Media], videos: list) -> int:
+        """The most frames per video (max_frames) whose prompt fits the context, 0 if none: the prompts of fewer
+        frames tokenized (their text only: nothing is decoded or encoded)."""
+        spec, ctx = self.manifest.prompt.video, self.manifest.kv.max_context
+        for k in range(max(len(f) for _, f, _ in videos) - 1, 0, -1):
+            alt = []
+            for _, _, clip in videos:
+                idx = video_ops.sample_indices(clip, spec, k)
+                alt.append((video_ops.video_pieces(spec, clip, idx), [Media(None, (0, 0, 1), label="frame") for _ in idx],
+                            clip))
+            if self._build(conv, images, alt).n_tokens < ctx:
+                return k
+        return 0
+
+    def _overflow(self, prompt: Prompt, grids: list, conv: Conversation, images: list, videos: list) -> ContextOverflow:
+        m, n = self.manifest, prompt.n_tokens
+        ctx = m.kv.max_context
+        if videos:
+            frames = sum(len(f) for _, f, _ in videos)
+            tokens = next(c.n_tokens for c in prompt.chunks if getattr(c, "label", "").startswith("frame"))
+            fit = self._frames_that_fit(conv, images, videos)
+            what = "video + prompt" if len(videos) == 1 else f"{len(videos)} videos + prompt"
+            fix = f"sample fewer frames (--max-frames {fit}, or \"max_frames\" in a request) or " if fit else ""
+            return ContextOverflow(f"{what} is {n} tokens ({frames} frames of {tokens} tokens each) but the bundle's "
+                                   f"max context is {ctx}; {fix}re-export with a larger --max-seq-len")
         tiles = [g[2] for g in grids]
         fix = "re-export with a larger --max-seq-len"
         if grids and "max_tiles" in m.image.params and max(tiles) > 1:
@@ -219,10 +308,10 @@ class VLM:
             fix = "use fewer images, " + fix
         what = {0: "prompt", 1: "image + prompt"}.get(len(grids), f"{len(grids)} images + prompt")
         per = f" (tiles per image: {', '.join(map(str, tiles))}; {m.prompt.tokens_per_tile} tokens per tile)" if grids else ""
-        return ContextOverflow(f"{what} is {n} tokens{per} but the bundle's max context is {m.kv.max_context}; {fix}")
+        return ContextOverflow(f"{what} is {n} tokens{per} but the bundle's max context is {ctx}; {fix}")
 
     def _answer(self, conv: Conversation, cached: bool, mode, max_new_tokens, sampling, ignore_eos, max_tiles,
-                stop) -> Iterator[str]:
+                stop, max_frames=None) -> Iterator[str]:
         m = self.manifest
         mode = mode or m.generate.get("default_mode", "hybrid")
         if mode not in MODES:
@@ -239,40 +328,29 @@ class VLM:
         st.load_s = self.load_s
         t0 = time.perf_counter()
 
-        images, st.images_cached = self._images(conv, cached, max_tiles)
-        grids = [g for _, g, _, _ in images]
-        st.images, st.image_tiles = len(images), sum(g[2] for g in grids)
-        text = self.template.render(conv, grids)
-        res.prompt_ids = ids = self.bundle.tokenizer.encode(text, add_special_tokens=m.prompt.add_special_tokens).ids
+        images, videos, st.images_cached = self._media(conv, cached, max_tiles, max_frames)
+        media = images + [f for _, frames, _ in videos for f in frames]
+        grids = [x.grid for x in media]
+        st.images, st.image_tiles = len(media), sum(g[2] for g in grids)
+        st.videos, st.video_frames = len(videos), sum(len(f) for _, f, _ in videos)
+        prompt = self._build(conv, images, videos)
+        res.prompt_ids = ids = prompt.ids
         st.prompt_tokens = len(ids)
         if len(ids) >= m.kv.max_context:
-            raise self._overflow(len(ids), grids)
-        per_tile = m.prompt.tokens_per_tile
-        keys = row_keys(ids, m.special_tokens.image_token_id, [(k, g[2] * per_tile) for k, g, _, _ in images])
+            raise self._overflow(prompt, grids, conv, images, videos)
+        keys = prompt.keys()
         start = self.engine.reusable(mode, min(self.prefix.common(keys), len(ids) - 1)) if cached else 0
         st.reused_prompt_tokens = start
         t1 = time.perf_counter()
         st.preprocess_s = t1 - t0
 
         # image rows: from the cache, from the vision graph, or none for an image wholly inside the kept prefix
-        embeds = self.engine.embed(ids[start:])
-        slots = np.flatnonzero(np.asarray(ids) == m.special_tokens.image_token_id)
-        at, encoded, lazy0 = 0, 0, self.lazy_load_s
-        for key, grid, rows, tiles in images:
-            s = slots[at : at + grid[2] * per_tile]
-            at += len(s)
-            if s[-1] < start:
-                continue
-            if rows is None:
-                rows = self.encode_image(tiles.pixels)
-                encoded += 1
-                if cached:
-                    self.image_cache.put(key, CachedImage(grid, rows))
-            keep = s >= start
-            embeds[s[keep] - start] = rows[keep]
+        lazy0 = self.lazy_load_s
+        encoded = sum(c.embeds is None for c in prompt.needs_rows(start))
+        embeds = self.embed_prompt(prompt, start, cache=cached)
         st.vision_load_s = self.lazy_load_s - lazy0
         st.vision_s = time.perf_counter() - t1 - st.vision_load_s
-        st.vision_skipped = bool(images) and encoded == 0
+        st.vision_skipped = bool(media) and encoded == 0
 
         from tokenizers.decoders import DecodeStream
 

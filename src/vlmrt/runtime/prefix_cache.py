@@ -1,7 +1,8 @@
 """The caches of a conversation: which prompt rows the KV cache holds, and image embeddings by content.
 
-PrefixCache  remembers what the engine's KV cache rows stand for: one key per row, the token id, or for an image
-             token (image digest, tiling, row) — the image token id alone does not say which picture it is. A new
+PrefixCache  remembers what the engine's KV cache rows stand for: one key per row (runtime/chunks.py Prompt.keys:
+             the token id, or for an image token (image digest, tiling, row) — the image token id alone does not
+             say which picture it is). A new
              prompt's keys are compared with them; the engine (Engine.reusable) says how much of the common prefix
              can be kept so that the answer is the one a fresh run gives. The rows themselves stay where they are
              (KVCache.rewind): the prefix cache adds no memory beyond its keys.
@@ -16,22 +17,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kv_cache import KVCache
-
-
-def row_keys(ids: list[int], image_token_id: int, images: list[tuple]) -> list:
-    """One key per prompt position: ids, with the image-token positions keyed (image key, row) in order;
-    images: (key, rows) per image in prompt order."""
-    keys: list = list(ids)
-    slots = [i for i, t in enumerate(ids) if t == image_token_id]
-    if len(slots) != sum(n for _, n in images):
-        raise ValueError(f"prompt has {len(slots)} image tokens but the images give {sum(n for _, n in images)} embeddings")
-    at = 0
-    for key, n in images:
-        for r in range(n):
-            keys[slots[at]] = (key, r)
-            at += 1
-    return keys
-
 
 
 def common_prefix(a: list, b: list) -> int:

@@ -1,8 +1,22 @@
-"""Prompt building: the chat template rendered at export, image text expansion as named host ops."""
+"""Prompt building: the rendered chat template's pieces + each image's expansion (named host ops) -> typed chunks.
+
+    prompt = build(pieces, media, manifest.prompt, tokenizer)   # pieces: the rendered text split at each image
+
+There is one way a prompt is built, for every caller (run, chat, serve, batch, eval, bench, calibration): the
+checkpoint's chat template rendered with jinja2 (runtime/conversation.py ChatTemplate), each image placeholder
+replaced by the image's expansion text, the whole text tokenized once (so token boundaries are those of the
+reference processor's), then cut into chunks (runtime/chunks.py) at the expansions' character spans.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
 from ..manifest import PromptSpec
+from .chunks import Chunk, ImageChunk, Prompt, TextChunk
 
 
 def grid_markers(rows: int, cols: int, tiles: int, p: PromptSpec) -> str:
@@ -28,12 +42,72 @@ def wrapped_run(rows: int, cols: int, tiles: int, p: PromptSpec) -> str:
 EXPANSION = {"grid_markers": grid_markers, "wrapped_run": wrapped_run}
 
 
-def build_prompt(p: PromptSpec, user_text: str, grid: tuple[int, int, int] | None) -> str:
-    """The full prompt text: the chat template with the expanded image, grid = (rows, cols, tiles), or text only."""
-    if grid is None:
-        return p.template_text.replace("{prompt}", user_text)
+def expansion(p: PromptSpec):
     if p.expansion not in EXPANSION:
         raise ValueError(f"this vlmrt has no prompt expansion op {p.expansion!r}; upgrade vlmrt")
-    image_text = EXPANSION[p.expansion](*grid, p)
-    head, tail = p.template_image.split("{prompt}", 1)
-    return head.replace("{image}", image_text) + user_text + tail.replace("{image}", image_text)
+    return EXPANSION[p.expansion]
+
+
+@dataclass
+class Media:
+    """An image (or video frame) to place in the prompt: its grid, and its pixels or known embeddings."""
+
+    key: Any
+    grid: tuple[int, int, int]
+    pixels: np.ndarray | None = None
+    embeds: np.ndarray | None = None
+    label: str = "image"
+    n_rows: int | None = None  # vision rows it gives; None: tiles × PromptSpec.tokens_per_tile (square tiles)
+
+
+def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_token_id: int) -> Prompt:
+    """The prompt as chunks. pieces: text (str) and, in order, one None per image where the template put it (the
+    text around it may also come from a video's frame lines); media: one per None."""
+    if sum(x is None for x in pieces) != len(media):
+        raise ValueError(f"the prompt has {sum(x is None for x in pieces)} image places for {len(media)} images")
+    expand = expansion(p)
+    text, spans, it = "", [], iter(media)
+    for x in pieces:
+        if x is None:
+            m = next(it)
+            a = len(text)
+            text += expand(*m.grid, p)
+            spans.append((a, len(text), m))
+        else:
+            text += x
+    enc = tokenizer.encode(text, add_special_tokens=p.add_special_tokens)
+    ids, offsets = enc.ids, enc.offsets
+    n = len(ids)
+
+    def in_text(i: int) -> bool:  # tokens the post-processor adds (BOS, ...) have an empty span
+        return offsets[i][1] > offsets[i][0]
+
+    chunks: list[Chunk] = []
+    at = 0  # the first token not yet in a chunk
+    for a, b, m in spans:
+        first = at
+        while first < n and not (in_text(first) and offsets[first][0] >= a):
+            first += 1
+        last = first
+        while last < n and in_text(last) and offsets[last][1] <= b:
+            last += 1
+        run = ids[first:last]
+        rows = np.flatnonzero(np.asarray(run, dtype=np.int64) == image_token_id)
+        want = m.n_rows if m.n_rows is not None else m.grid[2] * p.tokens_per_tile
+        if not run or offsets[first][0] != a or offsets[last - 1][1] != b or len(rows) != want:
+            raise ValueError(f"{m.label}: its expansion does not tokenize into its own tokens with {want} image tokens "
+                             f"(found {len(rows)}); the tokenizer does not keep the image tokens whole")
+        if first > at:
+            chunks.append(TextChunk(ids[at:first]))
+        chunks.append(ImageChunk(run, rows, m.key, m.grid, len(run), m.pixels, m.embeds, m.label))
+        at = last
+    if at < n:
+        chunks.append(TextChunk(ids[at:]))
+    return Prompt(chunks)
+
+
+def text_prompt(p: PromptSpec, tokenizer, text: str) -> Prompt:
+    """One user turn of text only, as every caller builds it (GPTQ calibration at export, before a bundle exists)."""
+    from .conversation import ChatTemplate, parse_messages, user_turn
+
+    return build(ChatTemplate(p).render(parse_messages(user_turn(text, []))), [], p, tokenizer, -1)

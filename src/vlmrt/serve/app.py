@@ -40,7 +40,7 @@ from ..runtime.url_policy import AddressPolicy
 from .access import ApiKeys, Cors, HeadSize, HostCheck, OriginCheck
 from .errors import APIError, internal, unavailable
 from .limits import BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS
-from .media import load_images, with_images
+from .media import load_images, load_videos, with_images
 from .request import parse_request
 from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
 from .scheduler import Job, QueueFull, Scheduler
@@ -198,12 +198,15 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
     async def chat(request: Request):
         sched = ready()
         req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
-        fetches = any(re.match(r"(?i)https?://", u) for u in req.urls)  # slow ones stay on their own threads
-        images = await asyncio.get_running_loop().run_in_executor(
-            fetch_pool if fetches else decode_pool, load_images, req.urls, config.media_dir, config.fetch)
+        fetches = any(re.match(r"(?i)https?://", u) for u in req.urls + req.video_urls)  # slow ones on their own threads
+        loop = asyncio.get_running_loop()
+        images = await loop.run_in_executor(fetch_pool if fetches else decode_pool, load_images, req.urls,
+                                            config.media_dir, config.fetch)
+        videos = await loop.run_in_executor(fetch_pool if fetches else decode_pool, load_videos, req.video_urls,
+                                            config.media_dir, config.fetch) if req.video_urls else []
         req.options.setdefault("max_new_tokens", sched.max_context)
         req.options["mode"] = config.mode
-        job = Job(with_images(req.messages, images), req.key, req.options, asyncio.get_running_loop())
+        job = Job(with_images(req.messages, images, videos), req.key, req.options, asyncio.get_running_loop())
         try:
             sched.submit(job)
         except QueueFull:

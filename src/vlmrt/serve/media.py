@@ -43,9 +43,35 @@ def load_images(urls: list[str], media_dir: Path | None, limits: FetchLimits):
     return out
 
 
-def with_images(messages: list[dict], images: list) -> list[dict]:
-    """messages with each image_url part replaced, in order, by {"type": "image", "image": <decoded image>}."""
-    it = iter(images)
-    return [{"role": m["role"], "content": [{"type": "image", "image": next(it)} if p.get("type") == "image_url" else p
-                                            for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
-            for m in messages]
+def load_videos(urls: list[str], media_dir: Path | None, limits: FetchLimits) -> list:
+    """The videos opened (runtime/video.py Clip: fetched, header read; frames are decoded when the model samples them),
+    in order (blocking: run it in a worker thread). A folder of frames is refused (a request gives no frame rate)."""
+    from ..runtime.video import VideoError, open_source
+
+    out = []
+    for i, url in enumerate(urls):
+        local = not (url.startswith("data:") or re.match(r"(?i)https?://", url))
+        src = _local(url, media_dir) if local else url
+        if local and Path(src).is_dir():
+            raise bad_request(f"video {i + 1}: a folder of frames cannot be sent (send a video file)", "invalid_image")
+        try:
+            out.append(open_source(src, None, limits))
+        except (VideoError, ImageError) as e:
+            raise bad_request(f"video {i + 1}: {e}", "invalid_image") from None
+    return out
+
+
+def with_images(messages: list[dict], images: list, videos: list = ()) -> list[dict]:
+    """messages with each image_url part replaced, in order, by {"type": "image", "image": <decoded image>} and each
+    video_url part by {"type": "video", "video": <opened clip>}."""
+    it, vit = iter(images), iter(videos)
+
+    def part(p):
+        if p.get("type") == "image_url":
+            return {"type": "image", "image": next(it)}
+        if p.get("type") == "video_url":
+            return {"type": "video", "video": next(vit)}
+        return p
+
+    return [{"role": m["role"], "content": [part(p) for p in m["content"]] if isinstance(m["content"], list)
+             else m["content"]} for m in messages]

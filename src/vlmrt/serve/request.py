@@ -1,6 +1,7 @@
 """An OpenAI chat-completions request body -> a checked ChatRequest (every problem one 400 APIError).
 
-Fields read: messages (system / developer / user / assistant; content a string or text / image_url parts), stream,
+Fields read: messages (system / developer / user / assistant; content a string or text / image_url / video_url parts
+(video_url as vLLM takes it: {"type": "video_url", "video_url": {"url": ...}})), stream,
 stream_options.include_usage, max_completion_tokens / max_tokens, temperature, top_p, seed, stop, n (1 only), and the
 extensions llama.cpp and vLLM also take: top_k, ignore_eos. Fields asking for what vlmrt does not do (logprobs,
 structured output, tools, penalties, logit_bias, audio) are refused (400 unsupported_parameter) unless they ask for
@@ -18,6 +19,7 @@ from ..runtime.conversation import ConversationError, parse_messages
 from .errors import APIError, bad_request
 
 MAX_STOP = 16
+MAX_VIDEOS = 1  # a video is up to the bundle's max frames (64 for SmolVLM2) of images already
 
 
 @dataclass
@@ -25,6 +27,7 @@ class ChatRequest:
     messages: list[dict]  # roles mapped, content as parts; image_url parts still hold their url
     urls: list[str]  # the image_url urls, in order
     key: list  # per message (role, parts) with images as the sha256 of their url: the slot affinity key
+    video_urls: list[str] = field(default_factory=list)  # the video_url urls, in order
     stream: bool = False
     include_usage: bool = False
     options: dict = field(default_factory=dict)  # VLM.chat keyword arguments
@@ -98,10 +101,10 @@ def _stop(v) -> list[str] | None:
     return stops
 
 
-def _messages(raw) -> tuple[list[dict], list[str], list]:
+def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list of {role, content} objects")
-    out, urls, key = [], [], []
+    out, urls, key, video_urls = [], [], [], []
     for i, m in enumerate(raw):
         where = f"message {i + 1}"
         if not isinstance(m, dict):
@@ -122,9 +125,16 @@ def _messages(raw) -> tuple[list[dict], list[str], list]:
                         raise bad_request(f"{where}, part {j + 1}: image_url needs {{\"url\": ...}}", "invalid_content_part")
                     urls.append(url)
                     kparts.append(("image", hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()))
+                elif kind == "video_url":
+                    u = p.get("video_url")
+                    url = u.get("url") if isinstance(u, dict) else None
+                    if not isinstance(url, str) or not url:
+                        raise bad_request(f"{where}, part {j + 1}: video_url needs {{\"url\": ...}}", "invalid_content_part")
+                    video_urls.append(url)
+                    kparts.append(("video", hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()))
                 else:
-                    raise bad_request(f"{where}, part {j + 1}: unknown content part type {kind!r} (text or image_url)",
-                                      "invalid_content_part")
+                    raise bad_request(f"{where}, part {j + 1}: unknown content part type {kind!r} (text, image_url or "
+                                      "video_url)", "invalid_content_part")
                 parts.append(p)
         else:
             kparts.append(("text", content))
@@ -134,16 +144,18 @@ def _messages(raw) -> tuple[list[dict], list[str], list]:
         parse_messages(out)  # roles, text types, images only in user turns, the last turn the user's
     except ConversationError as e:
         raise bad_request(str(e)) from None
-    return out, urls, key
+    return out, urls, key, video_urls
 
 
 def parse_request(raw: bytes, max_images: int) -> ChatRequest:
     body = _json(raw)
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
-    messages, urls, key = _messages(body.get("messages"))
+    messages, urls, key, video_urls = _messages(body.get("messages"))
     if len(urls) > max_images:
         raise bad_request(f"{len(urls)} images; this server takes at most {max_images} per request", "too_many_images")
+    if len(video_urls) > MAX_VIDEOS:
+        raise bad_request(f"{len(video_urls)} videos; this server takes at most {MAX_VIDEOS} per request", "too_many_images")
     n = _number(body, "n", int)
     if n not in (None, 1):
         raise bad_request("only n = 1 is supported", "invalid_parameter")
@@ -166,5 +178,5 @@ def parse_request(raw: bytes, max_images: int) -> ChatRequest:
     }
     if opts["ignore_eos"] is not None and not isinstance(opts["ignore_eos"], bool):
         raise bad_request("ignore_eos must be a boolean", "invalid_parameter")
-    return ChatRequest(messages, urls, key, stream, bool(so.get("include_usage")),
+    return ChatRequest(messages, urls, key, video_urls, stream, bool(so.get("include_usage")),
                        {k: v for k, v in opts.items() if v is not None})

@@ -175,6 +175,20 @@ def host_inputs(v: VisionConfig) -> tuple[list[str], dict]:
     return ops, params
 
 
+def example_inputs(v: VisionConfig, rows: int, mask_value: float) -> tuple[torch.Tensor, ...]:
+    """Inputs of the graph's shapes for a budget of `rows` patches (what the exporter traces with): one merge block's
+    worth of zero patches, padded as the runtime pads."""
+    import numpy as np
+
+    from ...runtime import vision_inputs
+
+    grid = (1, v.merge, v.merge)
+    ops, params = host_inputs(v)
+    f = vision_inputs.build_feeds(np.zeros((v.merge_unit, v.patch_dim), np.float32), grid, ops, params, rows,
+                                  mask_value)
+    return tuple(torch.from_numpy(f.feeds[n]) for n in input_names(v))
+
+
 def build(v: VisionConfig) -> nn.Module:
     return Qwen25Vision(v) if v.kind == "qwen2_5_vl" else Qwen3Vision(v)
 

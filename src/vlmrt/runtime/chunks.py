@@ -1,0 +1,108 @@
+"""A prompt as typed chunks: runs of text token ids and images, each knowing its token count and its position count.
+
+    prompt = Prompt([TextChunk([1, 2, 3]), ImageChunk(ids, rows, key, grid, n_pos), TextChunk([...])])
+    prompt.ids            # every token id, image slots holding the image token id
+    prompt.keys()         # one key per KV slot (the prefix cache compares them)
+    prompt.splice(token_embeds, start)   # the image rows put over their slots: the one splice
+
+As in llama.cpp's mtmd, a chunk's token count (n_tokens: the KV slots and embedding rows it takes) and its position
+count (n_pos: how far it moves the next chunk's position) are kept apart: for today's families they are equal, a
+family with M-RoPE positions (Qwen-VL) gives an image fewer positions than tokens. How a chunk's tokens are
+positioned is the manifest's named position op's (decoder.positions.op, runtime/positions.py), which reads the
+chunks; never a family branch here.
+
+A video is not a chunk type: runtime/video.py writes it as text chunks (the intro, a "Frame from MM:SS:" line per
+frame) and one image chunk per frame, so a repeated frame's embeddings come from the image cache like an image's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+
+@dataclass
+class TextChunk:
+    ids: list[int]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def n_pos(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class ImageChunk:
+    """One image (or video frame) as the prompt holds it: its expansion's token ids (markers and image-token slots),
+    the offsets in ids of the slots the vision graph's rows fill, and where those rows come from."""
+
+    ids: list[int]  # the expansion's token ids, markers included
+    rows: np.ndarray  # [len(embeds)] int64 offsets in ids of the image-token slots, in order
+    key: Any  # (content digest, tiling): the image cache's key and the prefix cache's row key
+    grid: tuple[int, int, int]  # (rows, cols, tiles) of the tiling, what the expansion was written from
+    n_pos: int  # positions the chunk takes (== n_tokens for 1-D RoPE families)
+    pixels: np.ndarray | None = None  # [tiles, c, S, S] to run through the vision graph, or None when embeds are known
+    embeds: np.ndarray | None = None  # [len(rows), hidden]: the vision graph's rows (from the image cache or encoded)
+    label: str = field(default="image")  # what it is, for messages ("image 2", "frame 3 of video 1")
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+
+Chunk = Union[TextChunk, ImageChunk]
+
+
+class Prompt:
+    def __init__(self, chunks: list[Chunk]):
+        self.chunks = chunks
+        self.ids: list[int] = [t for c in chunks for t in c.ids]
+        starts = np.cumsum([0] + [c.n_tokens for c in chunks])
+        self.offsets = [int(s) for s in starts[:-1]]  # each chunk's first slot
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def n_pos(self) -> int:
+        return sum(c.n_pos for c in self.chunks)
+
+    def images(self) -> list[tuple[int, ImageChunk]]:
+        """(first slot, chunk) of each image chunk, in order."""
+        return [(o, c) for o, c in zip(self.offsets, self.chunks) if isinstance(c, ImageChunk)]
+
+    def keys(self) -> list:
+        """One key per slot: the token id, or (image key, row) for an image row, whose token id alone does not say which
+        picture it is."""
+        keys: list = list(self.ids)
+        for o, c in self.images():
+            for r, at in enumerate(c.rows):
+                keys[o + int(at)] = (c.key, r)
+        return keys
+
+    def needs_rows(self, start: int) -> list[ImageChunk]:
+        """Image chunks with a row at or after slot start (those wholly before it are in the kept KV prefix)."""
+        return [c for o, c in self.images() if len(c.rows) and o + int(c.rows[-1]) >= start]
+
+    def splice(self, token_embeds: np.ndarray, start: int = 0) -> np.ndarray:
+        """Prompt embeddings [n_tokens - start, hidden] from the token embeddings of ids[start:]: each image chunk's
+        rows put over its image-token slots (the rows of chunks wholly before start are not needed)."""
+        if token_embeds.shape[0] != self.n_tokens - start:
+            raise ValueError(f"{token_embeds.shape[0]} token embeddings for {self.n_tokens - start} prompt slots")
+        out = token_embeds if token_embeds.flags.writeable else token_embeds.copy()
+        for o, c in self.images():
+            slots = o + c.rows
+            if not len(slots) or slots[-1] < start:
+                continue
+            if c.embeds is None or c.embeds.shape[0] != len(c.rows):
+                have = "no embeddings" if c.embeds is None else f"{c.embeds.shape[0]} embeddings"
+                raise ValueError(f"{c.label} has {len(c.rows)} image-token slots but {have}")
+            keep = slots >= start
+            out[slots[keep] - start] = c.embeds[keep]
+        return out

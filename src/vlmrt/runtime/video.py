@@ -1,0 +1,358 @@
+"""Video input as SmolVLM2 reads it: decode, sample frames, one tile per frame, and the frames' prompt text.
+
+    clip = read_video("clip.gif")                      # or a folder of numbered frames (fps=...), an mp4 / webm (PyAV)
+    idx = sample_indices(clip, spec)                   # transformers' SmolVLMVideoProcessor.sample_frames
+    frames = clip.frames(idx)                          # PIL RGB images
+    tile = frame_tile(frames[0], spec, image_spec)     # [3, S, S]: resized as the video processor does
+    pieces = video_pieces(spec, clip, idx)             # the intro, a "Frame from MM:SS:" line per frame, None per frame
+
+A clip is a sequence of frames at a constant rate (`fps`, `total_frames`, `duration`), as a video decoder reports it.
+An animated GIF / WebP shows each frame for its own duration: its rate is frames / total duration (FFmpeg's average
+rate) and frame i of the clip is the image shown at time i / fps, so uneven durations give the right timestamps
+(with even durations that is frame i itself). Durations of 0 or 10 ms or less are shown as 100 ms, as browsers do.
+
+Sources: a path or a PIL image sequence for GIF / WebP (Pillow), a folder of numbered frames (fps given), or a video
+file through PyAV (the optional extra vlmrt[video]); bytes of a GIF / WebP / video file (data URIs, http(s)) too.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..manifest import ImageSpec, VideoSpec
+from . import aa_resize
+from . import image as img_ops
+
+MAX_VIDEO_BYTES = 1024 * 1024 * 1024  # 1 GiB on disk
+MAX_FRAME_PIXELS = 40_000_000  # one frame's width × height (an 8K frame is 33 MP)
+MAX_SOURCE_FRAMES = 100_000  # frames a clip may have (a 1 h video at 25 fps is 90,000)
+FRAME_FILES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+PILLOW_VIDEO = ("GIF", "WEBP", "PNG")  # animated formats Pillow decodes (APNG)
+
+
+class VideoError(ValueError):
+    pass
+
+
+@dataclass
+class Clip:
+    """A decoded video: frames at a constant rate, read on demand (frames(indices))."""
+
+    label: str
+    total_frames: int
+    fps: float
+    duration: float  # seconds
+    _read: Callable[[np.ndarray], list]  # sorted unique indices -> PIL RGB images
+
+    def frames(self, indices: np.ndarray) -> list:
+        return self._read(np.asarray(indices))
+
+
+def sample_indices(clip: Clip, spec: VideoSpec, max_frames: int | None = None) -> np.ndarray:
+    """transformers' SmolVLMVideoProcessor.sample_frames: round(fps × duration) frames, at most max_frames, uniformly
+    between the first and last frame, or between skip_secs from each end when the clip is long enough."""
+    num_frames = spec.max_frames if max_frames is None else max_frames
+    fps, total = spec.fps, clip.total_frames
+    desired = max(1, min(int(round(fps * clip.duration)), num_frames))
+    start, end = 0, total - 1
+    if spec.skip_secs > 0 and (clip.duration - 2 * spec.skip_secs) > (num_frames * fps):
+        start, end = int(spec.skip_secs * clip.fps), int(total - spec.skip_secs * clip.fps)
+    start, end = max(0, start), min(end, total - 1)
+    if start >= end:
+        start, end = 0, total - 1
+    return np.unique(np.linspace(start, end, desired, dtype=int))
+
+
+def timestamps(clip: Clip, indices: np.ndarray) -> list[float]:
+    return [int(i) / clip.fps for i in indices]
+
+
+ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+        "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+
+
+def number_words(n: int) -> str:
+    """English cardinal words as num2words writes them ("sixty-four", "one hundred and one"), 0 <= n < 10**6."""
+    if n < 20:
+        return ONES[n]
+    if n < 100:
+        return TENS[n // 10] + ("-" + ONES[n % 10] if n % 10 else "")
+    if n < 1000:
+        rest = n % 100
+        return ONES[n // 100] + " hundred" + (" and " + number_words(rest) if rest else "")
+    if n < 10**6:
+        rest = n % 1000
+        sep = " and " if rest and rest < 100 else ", " if rest else ""
+        return number_words(n // 1000) + " thousand" + (sep + number_words(rest) if rest else "")
+    raise ValueError(f"{n} frames")
+
+
+def video_pieces(spec: VideoSpec, clip: Clip, indices: np.ndarray) -> list:
+    """The video's prompt text as pieces (SmolVLMProcessor's): the intro with the frame count in words and the
+    duration as H:MM:SS, then per frame its "Frame from MM:SS:" line and None where the frame's image goes, then
+    the outro."""
+    duration = timedelta(seconds=int(clip.duration))
+    pieces: list = [spec.intro.format(frame_count=number_words(len(indices)), video_duration=str(duration))]
+    for t in timestamps(clip, indices):
+        pieces += [spec.frame_line.format(timestamp=f"{int(t // 60):02d}:{int(t % 60):02d}"), None]
+    return pieces + [spec.outro]
+
+
+def frame_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
+    """SmolVLMVideoProcessor's first resize: the longest edge to longest_edge (at most 4096), the other side keeping
+    the aspect, truncated, then rounded up to even."""
+    edge = min(img_ops.MAX_IMAGE_SIZE, longest_edge)
+    aspect = width / height
+    if width >= height:
+        width, height = edge, int(edge / aspect)
+        height += height % 2
+    else:
+        height, width = edge, int(edge * aspect)
+        width += width % 2
+    return max(height, 1), max(width, 1)
+
+
+def frame_tile(im, spec: VideoSpec, image: ImageSpec) -> np.ndarray:
+    """One frame -> [3, S, S] float32 as SmolVLMVideoProcessor: resized to frame_size, then to S × S (S =
+    spec.frame_size, the image tile), both with torchvision's antialiased uint8 resize (runtime/aa_resize.py), then
+    rescaled and normalized as images are."""
+    x = np.asarray(im.convert("RGB"), dtype=np.uint8)
+    h, w = frame_size(x.shape[0], x.shape[1], spec.longest_edge)
+    x = aa_resize.resize(aa_resize.resize(x, h, w, spec.resample), spec.frame_size, spec.frame_size, spec.resample)
+    return img_ops.normalize([x], image)[0]
+
+
+# --- sources -------------------------------------------------------------------------------------------------------
+def read_video(source, fps: float | None = None, data: bytes | None = None, label: str | None = None) -> Clip:
+    """A clip from a path (file or folder of frames), the file's bytes (data), or a list of PIL images (fps given).
+    fps: the rate of a folder's (or a list's) frames; refused for files, whose rate is their own."""
+    label = label or (str(source) if isinstance(source, (str, Path)) else "the video")
+    if isinstance(source, list):
+        if fps is None:
+            raise VideoError(f"{label}: a list of frames needs an fps")
+        return _frames_clip(label, [img_ops.to_rgb(im) for im in source], _check_fps(fps, label), lambda x: x)
+    if data is None:
+        path = Path(source)
+        if path.is_dir():
+            return _folder_clip(path, fps, label)
+        if fps is not None:
+            raise VideoError(f"{label}: --fps is for a folder of frames; a video file has its own rate")
+        if not path.is_file():
+            raise VideoError(f"video not found: {label}")
+        size = path.stat().st_size
+        if size > MAX_VIDEO_BYTES:
+            raise VideoError(f"video {label} is {size / 2**20:.0f} MiB; vlmrt reads videos up to "
+                             f"{MAX_VIDEO_BYTES >> 20} MiB")
+        data = path.read_bytes()
+    elif fps is not None:
+        raise VideoError(f"{label}: fps is for a folder of frames; a video file has its own rate")
+    if not data:
+        raise VideoError(f"cannot read video {label}: the file is empty")
+    clip = _pillow_clip(data, label)
+    return clip if clip is not None else _pyav_clip(data, label)
+
+
+def _check_fps(fps, label: str) -> float:
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
+        raise VideoError(f"{label}: fps must be a number in (0, 1000], not {fps!r}")
+    return float(fps)
+
+
+def _frames_clip(label: str, items: list, fps: float, load: Callable[[Any], Any]) -> Clip:
+    if not items:
+        raise VideoError(f"{label} has no frames")
+    return Clip(label, len(items), fps, len(items) / fps, lambda idx: [load(items[int(i)]) for i in idx])
+
+
+def _folder_clip(path: Path, fps: float | None, label: str) -> Clip:
+    """Numbered frames: the image files of the folder in the order of the number in their names (frame_2 before
+    frame_10), then by name."""
+    if fps is None:
+        raise VideoError(f"{label} is a folder of frames: give its frame rate (--fps, or \"fps\" in the request)")
+    fps = _check_fps(fps, label)
+    files = [p for p in path.iterdir() if p.is_file() and p.suffix.lower() in FRAME_FILES]
+    if not files:
+        raise VideoError(f"{label}: the folder has no image files ({', '.join(FRAME_FILES)})")
+    if len(files) > MAX_SOURCE_FRAMES:
+        raise VideoError(f"{label} has {len(files)} frames; vlmrt reads at most {MAX_SOURCE_FRAMES}")
+
+    def order(p: Path):
+        nums = re.findall(r"\d+", p.stem)
+        return (int(nums[-1]) if nums else -1, p.name)
+
+    files.sort(key=order)
+    return _frames_clip(label, files, fps, img_ops.load_image)
+
+
+def _pillow_clip(data: bytes, label: str) -> Clip | None:
+    """An animated GIF / WebP / PNG read by Pillow (None: not a format Pillow animates: a video file for PyAV)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            im = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        return None
+    except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as e:
+        raise VideoError(f"cannot read video {label}: {e or type(e).__name__}") from None
+    if im.format not in PILLOW_VIDEO and im.format in ("JPEG", "BMP", "TIFF", "ICO", "PPM"):
+        raise VideoError(f"{label} is a still {im.format} image, not a video (give it as an image)")
+    if im.format not in PILLOW_VIDEO or (im.format != "GIF" and not getattr(im, "is_animated", False)):
+        # a GIF of one frame is a video of one frame (as transformers reads it); a still PNG / WebP / JPEG is an image
+        raise VideoError(f"{label} is a still {im.format} image, not a video (give it as an image)")
+    if im.width * im.height > MAX_FRAME_PIXELS or im.width * im.height == 0:
+        raise VideoError(f"video {label} has {im.width}×{im.height} frames; vlmrt reads frames of 1 to "
+                         f"{MAX_FRAME_PIXELS / 1e6:.0f} million pixels")
+    try:
+        n = getattr(im, "n_frames", 1)
+        if n > MAX_SOURCE_FRAMES:
+            raise VideoError(f"{label} has {n} frames; vlmrt reads at most {MAX_SOURCE_FRAMES}")
+        durations = []
+        for i in range(n):
+            im.seek(i)
+            if im.format == "WEBP":
+                im.load()  # WebP sets a frame's duration when it decodes it
+            d = im.info.get("duration") or 0
+            durations.append(100 if d <= 10 else int(d))
+    except VideoError:
+        raise
+    except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as e:
+        raise VideoError(f"cannot read video {label}: {e or type(e).__name__}") from None
+    total_ms = sum(durations)
+    starts = np.cumsum([0] + durations[:-1])  # ms at which each source frame is shown
+
+    def read(idx: np.ndarray) -> list:
+        out = []
+        for i in idx:
+            # the source frame shown at time i / fps = i * total_ms / n ms (exact, in integers)
+            j = int(np.searchsorted(starts * n, int(i) * total_ms, side="right")) - 1
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    im.seek(j)
+                    im.load()
+                    out.append(img_ops.to_rgb(im))
+            except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as e:
+                raise VideoError(f"cannot read frame {j + 1} of video {label}: {e or type(e).__name__}") from None
+        return out
+
+    return Clip(label, n, n * 1000 / total_ms, total_ms / 1000, read)
+
+
+def _pyav_clip(data: bytes, label: str) -> Clip:
+    """A video file through PyAV (FFmpeg), read as transformers' read_video_pyav: the stream's frame count and average
+    rate, frames decoded in order and those sampled kept."""
+    try:
+        import av
+    except ImportError:
+        raise VideoError(f"{label} is not a GIF / WebP / PNG animation: reading video files (mp4, webm, ...) needs "
+                         "PyAV: pip install 'vlmrt[video]'") from None
+    try:
+        container = av.open(io.BytesIO(data))
+        streams = container.streams.video
+        if not streams:
+            raise VideoError(f"cannot read video {label}: it has no video stream")
+        s = streams[0]
+        rate = float(s.average_rate) if s.average_rate else 0.0
+        total = int(s.frames)
+        if total <= 0 and rate > 0 and s.duration and s.time_base:  # webm / mkv: no frame count in the header
+            total = int(round(float(s.duration * s.time_base) * rate))
+        if total <= 0 or rate <= 0:
+            total, rate = _count_frames(data)
+        if s.width * s.height > MAX_FRAME_PIXELS:
+            raise VideoError(f"video {label} has {s.width}×{s.height} frames; vlmrt reads frames up to "
+                             f"{MAX_FRAME_PIXELS / 1e6:.0f} million pixels")
+        if total > MAX_SOURCE_FRAMES:
+            raise VideoError(f"{label} has {total} frames; vlmrt reads at most {MAX_SOURCE_FRAMES}")
+        container.close()
+    except VideoError:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError, IndexError, MemoryError) as e:
+        raise VideoError(f"cannot read video {label}: {e or type(e).__name__}") from None
+
+    def read(idx: np.ndarray) -> list:
+        want = {int(i) for i in idx}
+        got: dict[int, Any] = {}
+        try:
+            with av.open(io.BytesIO(data)) as c:
+                for i, frame in enumerate(c.decode(video=0)):
+                    if i in want:
+                        got[i] = frame.to_image().convert("RGB")
+                    if i >= max(want):
+                        break
+        except (av.error.FFmpegError, OSError, ValueError, MemoryError) as e:
+            raise VideoError(f"cannot read video {label}: {e or type(e).__name__}") from None
+        missing = sorted(want - got.keys())
+        if missing:
+            raise VideoError(f"cannot read video {label}: frame {missing[0] + 1} of {total} did not decode "
+                             f"(the file is truncated or its frame count is wrong)")
+        return [got[int(i)] for i in idx]
+
+    return Clip(label, total, rate, total / rate, read)
+
+
+def _count_frames(data: bytes) -> tuple[int, float]:
+    """Frame count and rate by decoding the whole stream (containers that record neither)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as c:
+        times = [f.time for f in c.decode(video=0) if f.time is not None]
+    if len(times) < 2 or times[-1] <= times[0]:
+        raise VideoError("cannot read the video's frame rate")
+    rate = (len(times) - 1) / (times[-1] - times[0])
+    return len(times), rate
+
+
+_DATA_URI = re.compile(r"data:((?:video|image)/[A-Za-z0-9.+-]+)(;[^,;]*)*?;base64,(.*)", re.S)
+
+
+def open_source(source, fps: float | None, limits) -> Clip:
+    """A clip from a conversation's video source: a path (file or folder), an http(s) URL (fetched within limits,
+    runtime/sources.py), a data:video/...;base64 URI, or a list of PIL images."""
+    import base64
+    import binascii
+
+    from .sources import fetch_url
+
+    if isinstance(source, Clip):  # opened already (the server opens videos before queueing a request)
+        return source
+    if isinstance(source, list):
+        return read_video(source, fps)
+    s = str(source)
+    if s.startswith("data:"):
+        m = _DATA_URI.fullmatch(s.strip())
+        if not m:
+            raise VideoError("data URI: expected data:video/<type>;base64,<data>")
+        try:
+            data = base64.b64decode(re.sub(r"\s+", "", m.group(3)), validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise VideoError(f"data URI: bad base64 ({e})") from None
+        return read_video(None, fps, data, "data URI")
+    if re.match(r"(?i)https?://", s):
+        try:
+            data = fetch_url(s, limits)
+        except ValueError as e:  # ImageError: the fetch's one line
+            raise VideoError(str(e).replace("image", "video")) from None
+        return read_video(None, fps, data, s)
+    if re.match(r"(?i)[a-z][a-z0-9+.-]*://", s):
+        raise VideoError(f"video source {s!r}: only file paths, folders, http(s):// URLs and data URIs are supported")
+    return read_video(s, fps)
+
+
+def frame_key(im, spec: VideoSpec) -> tuple:
+    """The image cache's key of a sampled frame: its pixels' digest and how it is resized."""
+    import hashlib
+
+    h = hashlib.sha256(f"{im.mode}{im.size}".encode())
+    h.update(im.tobytes())
+    return ("frame", h.hexdigest(), spec.longest_edge, spec.frame_size, spec.resample)
