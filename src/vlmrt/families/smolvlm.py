@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Family, HostSpec, Weights, processor_image
+from . import Family, HostSpec, Weights, processor_image, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
 from .vit import ViTLayer, conv_as_matmul_weight, pixel_shuffle
 from .weights import Tensors, layer_keys, text_decoder
@@ -184,6 +184,7 @@ def video_spec(ckpt, tile: int) -> dict[str, Any] | None:
             "resample": resample_name(vp["resample"]) if "resample" in vp else "lanczos",
             "placeholder": "<video>", "chat_template": VIDEO_CHAT_TEMPLATE, "intro": VIDEO_INTRO,
             "frame_line": VIDEO_FRAME_LINE, "outro": VIDEO_OUTRO}
+
 
 def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> HostSpec:
     """Image/prompt/special-token parameters from the checkpoint's processor files.
