@@ -76,12 +76,18 @@ def browser_problem(m: Manifest) -> str | None:
                         f"it with vlmrt export CHECKPOINT OUT --dtype fp32 (weights may stay fp16, 8 or 4 bit: --quant)")
     if m.kv.dtype != "float32" or m.kv.encodings:
         return f"this bundle's KV cache is {m.kv.dtype} (quantized); {BROWSER_EXPORT}"
-    if m.decoder.hidden_output:
+    kind = m.decoder.kind
+    if kind.name not in ("gqa_in_place", "rows_dynamic", "rows_static"):
+        return f"this vlmrt has no decoder kind {kind.name!r}; upgrade vlmrt"
+    if getattr(kind, "hidden_output", None):
         return f"this bundle's lm head is its own graph (an NPU export); {BROWSER_EXPORT}"
-    if m.kv.layout not in ("in_place", "rows"):
-        return f"this vlmrt has no KV layout {m.kv.layout!r}; upgrade vlmrt"
-    if m.kv.layout == "in_place" and not m.decoder.dynamic_ar:
-        return "an in_place KV cache needs a decoder that takes any AR; re-export it"
+    pos = m.decoder.positions
+    if pos.op != "slots" or pos.rows != 1:
+        return (f"this bundle's rope positions ({pos.op}, {pos.rows} rows) are not computed by the browser runtime "
+                f"yet; use vlmrt run")
+    other = next((layer.kind for layer in m.kv.layers if layer.kind != "attention"), None)
+    if other:
+        return f"this bundle has {other} cache layers, which the browser runtime does not keep yet; use vlmrt run"
     return None
 
 

@@ -18,33 +18,16 @@
 //    valueOutput}]}
 export function decoderPlan(m) {
   const d = m.decoder, kv = m.kv;
-  if (d.kind) {  // schema 3: decoder.kind is a tagged union, decoder.positions the rope positions input, kv.layers
-    const k = d.kind;
-    return {
-      kind: k.name, dynamicAR: k.name !== "rows_static", contextStep: k.context_step ?? 0,
-      maskInput: k.mask_input ?? null, maskValue: k.mask_value ?? null, positionsInput: d.positions.input,
-      positionRows: d.positions.rows, positionsOp: d.positions.op, logitRowsInput: k.logit_rows_input ?? null,
-      lastLogits: false, argmaxOutput: k.argmax_output ?? null, seqlensInput: k.seqlens_input ?? null,
-      totalLengthInput: k.total_length_input ?? null, tokenRowsInput: k.token_rows_input ?? null,
-      tokenScalesInput: k.token_scales_input ?? null, hiddenOutput: k.hidden_output ?? null,
-      layers: kv.layers.map((l) => (l.kind === "attention" ? { kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
-        keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output } : { kind: l.kind })),
-    };
-  }
-  const kind = kv.layout === "in_place" ? "gqa_in_place" : d.dynamic_ar ? "rows_dynamic" : "rows_static";
-  const heads = kv.layout === "in_place" ? kv.heads : 1, headDim = kv.layout === "in_place" ? kv.head_dim : kv.dim;
-  const layers = [];
-  for (let i = 0; i < kv.layers; i++) {
-    const name = (f) => f.replace("{layer}", i);
-    layers.push({ kind: "attention", kvHeads: heads, headDim, keyInput: name(kv.key_input), valueInput: name(kv.value_input),
-      keyOutput: name(kv.key_output), valueOutput: name(kv.value_output) });
-  }
+  const k = d.kind;
   return {
-    kind, dynamicAR: d.dynamic_ar, contextStep: d.context_step, maskInput: d.mask_input || null,
-    maskValue: d.mask_value, positionsInput: d.positions_input || null, positionRows: 1, positionsOp: "slots",
-    logitRowsInput: d.logit_rows_input, lastLogits: d.last_logits, argmaxOutput: d.argmax_output,
-    seqlensInput: d.seqlens_input, totalLengthInput: d.total_length_input, tokenRowsInput: d.token_rows_input,
-    tokenScalesInput: d.token_scales_input, hiddenOutput: d.hidden_output, layers,
+    kind: k.name, dynamicAR: k.name !== "rows_static", contextStep: k.context_step ?? 0,
+    maskInput: k.mask_input ?? null, maskValue: k.mask_value ?? null, positionsInput: d.positions.input,
+    positionRows: d.positions.rows, positionsOp: d.positions.op, logitRowsInput: k.logit_rows_input ?? null,
+    lastLogits: false, argmaxOutput: k.argmax_output ?? null, seqlensInput: k.seqlens_input ?? null,
+    totalLengthInput: k.total_length_input ?? null, tokenRowsInput: k.token_rows_input ?? null,
+    tokenScalesInput: k.token_scales_input ?? null, hiddenOutput: k.hidden_output ?? null,
+    layers: kv.layers.map((l) => (l.kind === "attention" ? { kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
+      keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output } : { kind: l.kind })),
   };
 }
 
@@ -64,7 +47,6 @@ export function browserProblem(m) {
     }
   }
   if (m.kv.dtype !== "float32" || Object.keys(m.kv.encodings || {}).length) return `this bundle's KV cache is ${m.kv.dtype} (quantized); ${reexport}`;
-  if (m.decoder.kind === undefined && !["in_place", "rows"].includes(m.kv.layout)) return `this vlmrt has no KV layout '${m.kv.layout}'; upgrade vlmrt`;
   const p = decoderPlan(m);
   if (!["gqa_in_place", "rows_dynamic", "rows_static"].includes(p.kind)) return `this vlmrt has no decoder kind '${p.kind}'; upgrade vlmrt`;
   if (p.hiddenOutput) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
@@ -81,7 +63,6 @@ export class Decoder {
   constructor(ort, manifest, sessions) {
     this.ort = ort;
     this.p = decoderPlan(manifest);
-    this.schema3 = manifest.decoder.kind !== undefined;
     this.hidden = manifest.decoder.hidden_size;
     this.prefillAR = manifest.decoder.prefill_ar;
     this.maxContext = manifest.kv.max_context;
@@ -138,9 +119,7 @@ export class Decoder {
     if (p.logitRowsInput) feeds[p.logitRowsInput] = new T("int64", BigInt64Array.from([BigInt(n - 1)]), [1]);
     const fetches = [this.sessions.logitsOutput];
     if (p.argmaxOutput) fetches.push(p.argmaxOutput);
-    if (p.positionsInput && p.kind === "gqa_in_place") {  // (schema 3: every kind takes positions [1, ar])
-      feeds[p.positionsInput] = new T("int64", this.positions(pos, ar), [1, ar]);
-    }
+    feeds[p.positionsInput] = new T("int64", this.positions(pos, ar), [1, ar]);  // every kind: [rows = 1, ar]
     if (p.kind === "gqa_in_place") {
       feeds[p.seqlensInput] = new T("int32", Int32Array.from([pos + ar - 1]), [1]);
       feeds[p.totalLengthInput] = new T("int32", Int32Array.from([pos + ar]), []);
@@ -150,8 +129,6 @@ export class Decoder {
       });
     } else {
       const ctx = this.ctx(pos);
-      // (schema 2: [ar]; schema 3: [rows = 1, ar])
-      feeds[p.positionsInput] = new T("int64", this.positions(pos, ar), this.schema3 ? [1, ar] : [ar]);
       feeds[p.maskInput] = new T("float32", this.mask(pos, ar, ctx), [ar, ctx + ar]);
       p.layers.forEach((l, i) => {
         const dim = l.kvHeads * l.headDim;
