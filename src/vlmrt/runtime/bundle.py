@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import manifest as mf
+from ..verify_record import identity
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 DEVICES = ("cpu", "cuda", "htp")
@@ -301,11 +302,13 @@ class Sessions(Mapping):
     graphs that share a file share one session. load_s: seconds spent creating sessions so far, per graph name."""
 
     def __init__(self, path: Path, m: mf.Manifest, device: str, threads: int | None, shared: SharedWeights | None,
-                 files: dict[str, str], config: dict[str, dict]):
+                 files: dict[str, str], config: dict[str, dict], verified: dict[str, list[int]] | None = None):
         """files: graph name -> the file its session loads; config: file -> more session config entries
-        (_graph_files)."""
+        (_graph_files). verified: bundle file -> its identity (verify_record.identity) when manifest.load verified
+        it; a session created later (the vision graph's, on the first image) first checks that its files are still
+        those: a file changed since is hashed again, and refused if its sha256 is no longer the manifest's."""
         self.path, self.m, self.device, self.threads, self.shared = path, m, device, threads, shared
-        self.files, self.config = files, config
+        self.files, self.config, self.verified = files, config, verified
         # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
         # ORT loads it itself, prepacks its weights (a faster vision tile) and drops the unpacked copy
         specs = {files[name]: g for name, g in m.graphs.items()}
@@ -321,6 +324,7 @@ class Sessions(Mapping):
         s = self.by_file.get(f)
         if s is None:
             t = time.perf_counter()
+            self._still_verified(name)
             shared = self.shared if any(self.users[loc] > 1 for loc in g.data_files) else None
             s = make_session(self.path / f, self.device, self.threads, self.m.target, shared, g, self.config.get(f),
                              self.shared if g.load_only_weights else None)
@@ -331,6 +335,25 @@ class Sessions(Mapping):
             release_freed_heap()
             self.load_s[name] = time.perf_counter() - t
         return s
+
+    def _still_verified(self, name: str) -> None:
+        """The graph's files are those manifest.load verified, else hashed again (BundleError if altered)."""
+        if self.verified is None:
+            return
+        for field_name, f in mf.bundle_paths(self.m):
+            if not field_name.startswith(f"graphs.{name}.") or f not in self.verified:
+                continue
+            p = self.path / f
+            try:
+                st = p.stat()
+            except OSError as e:
+                raise mf.BundleError(f"bundle file missing since the bundle was loaded: {p} ({e.strerror})") from None
+            if identity(st) == self.verified[f]:
+                continue
+            entry = self.m.files[f]
+            if st.st_size != entry["bytes"] or mf.sha256_file(p) != entry["sha256"]:
+                raise mf.BundleError(f"bundle file altered since the bundle was loaded (sha256 mismatch): {p}")
+            self.verified[f] = identity(st)
 
     def __iter__(self):
         return iter(self.m.graphs)
@@ -369,6 +392,8 @@ class Bundle:
         check_threads(threads)
         path = Path(path)
         m = mf.load(path, verify=verify)
+        # what was verified, so that a session created later (the vision graph's) checks its files are still those
+        verified = {f: identity((path / f).stat()) for f in m.files} if verify else None
         if device == "htp" and m.target.get("name") != "htp":
             raise mf.BundleError(f"this bundle was exported for {m.target.get('name')}; export with --target htp to run on the HTP")
         graphs, config = _graph_files(m, device, htp_arch)
@@ -378,7 +403,7 @@ class Bundle:
             raise mf.BundleError(f"cannot load tokenizer {m.tokenizer_file}: {e}") from None
         release_freed_heap()
         shared = SharedWeights(path) if device != "htp" else None  # the QNN EP compiles its own copy
-        sessions = Sessions(path, m, device, threads, shared, graphs, config)
+        sessions = Sessions(path, m, device, threads, shared, graphs, config, verified)
         for name in ("prefill", "head", "decode"):  # every request needs the decoder; the vision graph only an image's
             # (decode loads last: with shared QNN contexts it stops the sharing)
             if name in m.graphs:
