@@ -331,6 +331,7 @@ class Sessions(Mapping):
             for other, spec in self.m.graphs.items():  # the graph file's I/O are what the manifest says
                 if self.files[other] == f:
                     check_io(s, other, spec, f)
+                    check_agrees(s, other, self.m, f)
             self.by_file[f] = s
             release_freed_heap()
             self.load_s[name] = time.perf_counter() - t
@@ -372,6 +373,57 @@ def check_io(s, name: str, g: mf.GraphSpec, file: str) -> None:
                                  f"the manifest's graphs.{name}.{kind}")
 
 
+def _static(shape) -> list:
+    return [d if isinstance(d, int) else None for d in shape]
+
+
+def _agree(have, want) -> bool:
+    """Two shapes agree where both dims are numbers."""
+    return len(have) == len(want) and all(a is None or b is None or a == b for a, b in zip(_static(have), _static(want)))
+
+
+def check_agrees(s, name: str, m: mf.Manifest, file: str) -> None:
+    """The graph file's tensors have the static dims the manifest's graphs.<name> says."""
+    g = m.graphs[name]
+    for kind, have in (("inputs", s.get_inputs()), ("outputs", s.get_outputs())):
+        spec = {t.name: t.shape for t in getattr(g, kind)}
+        for t in have:
+            if t.name in spec and not _agree(t.shape, spec[t.name]):
+                raise mf.BundleError(f"graph {file}'s {t.name} has shape {t.shape}, the manifest's graphs.{name} "
+                                     f"says {spec[t.name]}")
+
+
+def check_numbers(m: mf.Manifest) -> None:
+    """The manifest's numbers agree with its own graph specs (which check_agrees holds to the graph files): the KV
+    cache's layers and shape for the decoder graphs, a tile's patches and tokens per tile for the vision graph. A
+    manifest that loads but disagrees would otherwise fail inside ORT, or answer from misplaced rows."""
+    v = m.graphs["vision"]
+    side = m.image.tile_size // m.image.patch_size
+    want_in = [side * side, 3 * m.image.patch_size ** 2]
+    have_in = v.input(m.vision.patches_input).shape
+    if m.image.tile_size % m.image.patch_size or not _agree(have_in, want_in):
+        raise mf.BundleError(f"the manifest's image tile_size {m.image.tile_size} and patch_size {m.image.patch_size} "
+                             f"do not fit the vision graph's input {have_in}")
+    rows = v.output(m.vision.embeds_output).shape[:1]
+    if m.prompt.tokens_per_tile < 1 or not _agree(rows, [m.prompt.tokens_per_tile]):
+        raise mf.BundleError(f"the manifest's prompt.tokens_per_tile {m.prompt.tokens_per_tile} is not the vision "
+                             f"graph's {rows[0] if rows else '?'} rows per tile")
+    kv = m.kv
+    for name in ("prefill", "decode", "verify"):
+        if name not in m.graphs:
+            continue
+        shapes = {t.name: t.shape for t in m.graphs[name].inputs}
+        layers = sum(kv.key_input.format(layer=i) in shapes for i in range(len(shapes) + 1))
+        if kv.layers < 1 or layers != kv.layers or kv.key_input.format(layer=kv.layers - 1) not in shapes:
+            raise mf.BundleError(f"the manifest's kv.layers {kv.layers} is not graphs.{name}'s {layers} cache layers")
+        want = ([1, kv.heads, kv.max_context, kv.head_dim] if kv.layout == "in_place"
+                else [kv.max_context if not m.decoder.context_step else None, kv.dim])
+        have = shapes[kv.key_input.format(layer=0)]
+        if not _agree(have, want) or (kv.layout == "in_place" and kv.heads * kv.head_dim != kv.dim):
+            raise mf.BundleError(f"the manifest's kv (max_context {kv.max_context}, dim {kv.dim}, heads {kv.heads}, "
+                                 f"head_dim {kv.head_dim}) does not fit graphs.{name}'s cache input {have}")
+
+
 @dataclass
 class Bundle:
     path: Path
@@ -392,6 +444,7 @@ class Bundle:
         check_threads(threads)
         path = Path(path)
         m = mf.load(path, verify=verify)
+        check_numbers(m)
         # what was verified, so that a session created later (the vision graph's) checks its files are still those
         verified = {f: identity((path / f).stat()) for f in m.files} if verify else None
         if device == "htp" and m.target.get("name") != "htp":
