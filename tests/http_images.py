@@ -12,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 @contextmanager
 def serve_images(routes: dict, lifetime_s: float = 120.0):
     """routes: path -> bytes (200, served as is), ("redirect", path) (302), ("sleep", seconds) (answers late),
-    ("drip", seconds, n) (n bytes, one every seconds);
+    ("drip", seconds, n) (n bytes, one every seconds), ("flaky", n, data) (503 for the first n requests, then data);
     anything else is 404. Yields the base URL."""
+    served: dict[str, int] = {}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -38,6 +39,13 @@ def serve_images(routes: dict, lifetime_s: float = 120.0):
                     except OSError:
                         return
                     time.sleep(r[1])
+            elif isinstance(r, tuple) and r[0] == "flaky":
+                served[self.path] = served.get(self.path, 0) + 1
+                code, body = (503, b"busy") if served[self.path] <= r[1] else (200, r[2])
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
             elif isinstance(r, tuple) and r[0] == "sleep":
                 time.sleep(r[1])
                 self.send_response(200)

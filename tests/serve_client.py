@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import http.client
 import io
 import json
@@ -31,6 +32,35 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
+HOLD = "hold this slot"  # the text of a holder request (see hold_slots)
+
+
+def hold_slots(r: Running) -> None:
+    """Make requests that hold their slot by construction: on every slot of r's scheduler, a conversation whose last
+    message is HOLD streams the first two pieces of its real answer and then never finishes on its own: it yields
+    empty pieces (the scheduler thread keeps turning, so the other slots, the queue and cancellations go on) until its
+    client goes away (the cancel closes it). A test that fills the slots with them is not racing their length."""
+    for slot in r.app.state.vlmrt.scheduler.slots:
+        slot.vlm.chat = functools.partial(_maybe_held, slot.vlm.chat)
+
+
+def _maybe_held(chat, messages, **kw):
+    gen = chat(messages, **kw)
+    return _held(gen) if messages[-1]["content"] == HOLD else gen
+
+
+def _held(gen):
+    try:
+        for i, piece in enumerate(gen):
+            yield piece
+            if i == 1:
+                while True:  # bounded by the client: it is cancelled when the client disconnects
+                    time.sleep(0.02)
+                    yield ""
+    finally:
+        gen.close()
+
+
 def start(bundle, *args) -> Running:
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers())
@@ -38,6 +68,7 @@ def start(bundle, *args) -> Running:
     r = Running(build(a, str(bundle)))
     for _ in range(600):  # bounded: 60 s
         if get(r, "/health")[0] == 200:
+            hold_slots(r)
             return r
         time.sleep(0.1)
     r.stop()
@@ -162,11 +193,12 @@ def wait_idle(r) -> dict:
 
 
 LONG = {"messages": [TEXT], "stream": True, "ignore_eos": True, "max_tokens": 1000}  # ~300 tokens: to the context
+HOLDER = {"messages": [{"role": "user", "content": HOLD}], "stream": True, "ignore_eos": True, "max_tokens": 1000}
 
 
 def busy_slots(r, n: int):
-    """n long streams holding n slots, each seen generating."""
-    socks = [stream_request(r, LONG) for _ in range(n)]
+    """n holder streams (hold_slots) holding n slots, each seen generating; each holds its slot until closed."""
+    socks = [stream_request(r, HOLDER) for _ in range(n)]
     for s in socks:
         read_events(s.__enter__(), 2)
     return socks

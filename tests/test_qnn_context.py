@@ -24,6 +24,7 @@ pytest.importorskip("torch")
 pytest.importorskip("onnxruntime_qnn")
 
 _AR16: dict = {}
+TIE = 0.1  # logits: a top-2 margin this small on the CPU EP may be decided the other way on the simulator
 
 
 def feeds(spec: mf.GraphSpec, rng) -> dict:
@@ -138,7 +139,7 @@ def test_calibration_longer_than_the_context_refused(tmp_path_factory, capsys):
 @pytest.mark.parametrize("ar", [8, 16])
 def test_htp_prefill_ar(tmp_path_factory, ar):
     """--prefill-ar for the HTP target: the prefill context takes AR rows (the last block padded); hybrid and kv
-    mode on the simulator give the CPU EP's greedy ids for the same QDQ graphs."""
+    mode on the simulator give the CPU EP's greedy ids (16 of them) for the same QDQ graphs."""
     ex = exported(CASES[0], tmp_path_factory)
     if ar == ex.case.prefill_ar:
         b = bundle("htp", tmp_path_factory)
@@ -151,9 +152,22 @@ def test_htp_prefill_ar(tmp_path_factory, ar):
     assert m.decoder.prefill_ar == ar and m.graphs["prefill"].input("inputs_embeds").shape[0] == ar
     cpu, npu = VLM.load(b), VLM.load(b, device="htp")
     for mode in ("hybrid", "kv"):
-        want = cpu("Describe a red square.", None, mode=mode, max_new_tokens=4, ignore_eos=True)
-        got = npu("Describe a red square.", None, mode=mode, max_new_tokens=4, ignore_eos=True)
-        assert got.token_ids == want.token_ids, mode
+        # 16 tokens (issue 37: 2-4 tokens showed little of the simulator's decode loop). The simulator computes a
+        # little differently from the CPU EP's QDQ simulation, so where the CPU EP's best two logits are nearly tied
+        # a free-running answer may part (seen in kv mode at token 8): each of the 16 steps is checked teacher-forced
+        # on the CPU EP's tokens, the simulator's choice the CPU EP's wherever its top-2 margin is over TIE.
+        want = cpu("Describe a red square.", None, mode=mode, max_new_tokens=16, ignore_eos=True)
+        assert len(want.token_ids) == 16
+        embeds = cpu.prompt_embeds("Describe a red square.")[1]
+        lc = cpu.engine.score(embeds, want.token_ids, mode)
+        ln = npu.engine.score(embeds, want.token_ids, mode)
+        top2 = np.sort(lc, axis=-1)[:, -2:]
+        close = top2[:, 1] - top2[:, 0] <= TIE
+        assert (lc.argmax(-1) == want.token_ids).all()
+        parted = [i for i in range(16) if ln[i].argmax() != want.token_ids[i]]
+        assert all(close[i] for i in parted), (mode, parted, (top2[:, 1] - top2[:, 0]).round(3).tolist())
+        assert np.abs(ln - lc).max() <= 0.5, (mode, float(np.abs(ln - lc).max()))  # measured here: 0.41 (kv mode)
+        assert len(parted) <= 2, (mode, parted)
         assert len(want.prompt_ids) % ar != 0  # the last prefill block is a padded one
 
 

@@ -8,8 +8,49 @@ from pathlib import Path
 import numpy as np
 
 from .. import manifest as mf
-from .sessions import Sessions, _graph_files, check_threads
+from ..manifest_checks import kind_inputs
+from ..verify_record import identity
+from .sessions import Sessions, _graph_files, agree, check_threads
 from .weights import EmbeddingRows, SharedWeights, release_freed_heap
+
+
+def check_numbers(m: mf.Manifest) -> None:
+    """The manifest's numbers agree with its own graph specs (which sessions.check_agrees holds to the graph files):
+    each attention layer's cache buffer shape (the decoder kind's layout) for the decoder graphs, a tile's patches and
+    tokens per tile for the vision graph. A manifest that loads but disagrees would otherwise fail inside ORT, or
+    answer from misplaced rows."""
+    v = m.graphs["vision"]
+    side = m.image.tile_size // m.image.patch_size
+    want_in = [side * side, 3 * m.image.patch_size ** 2]
+    have_in = v.input(m.vision.patches_input).shape
+    if m.image.tile_size % m.image.patch_size or not agree(have_in, want_in):
+        raise mf.BundleError(f"the manifest's image tile_size {m.image.tile_size} and patch_size {m.image.patch_size} "
+                             f"do not fit the vision graph's input {have_in}")
+    rows = v.output(m.vision.embeds_output).shape[:1]
+    if m.prompt.tokens_per_tile < 1 or not agree(rows, [m.prompt.tokens_per_tile]):
+        raise mf.BundleError(f"the manifest's prompt.tokens_per_tile {m.prompt.tokens_per_tile} is not the vision "
+                             f"graph's {rows[0] if rows else '?'} rows per tile")
+    kind, kv = m.decoder.kind, m.kv
+    for name in ("prefill", "decode", "verify"):
+        if name not in m.graphs:
+            continue
+        g = m.graphs[name]
+        known = {m.decoder.embeds_input, m.decoder.positions.input, *kind_inputs(kind), *kv.state_inputs()}
+        extra = [t.name for t in g.inputs if t.name not in known]
+        if extra:
+            raise mf.BundleError(f"graphs.{name} takes inputs that the manifest's decoder and kv do not name: "
+                                 f"{', '.join(extra[:3])}")
+        for i, layer in enumerate(kv.attention()):
+            if kind.name == "gqa_in_place":
+                want = [1, layer.kv_heads, kv.max_context, layer.head_dim]
+            else:
+                want = [None if kind.context_step else kv.max_context, layer.kv_heads * layer.head_dim]
+            for t in (layer.key_input, layer.value_input):
+                have = g.input(t).shape
+                if not agree(have, want):
+                    raise mf.BundleError(f"the manifest's kv (max_context {kv.max_context}, attention layer {i}: "
+                                         f"kv_heads {layer.kv_heads}, head_dim {layer.head_dim}) does not fit "
+                                         f"graphs.{name}'s cache input {t} {have}")
 
 
 @dataclass
@@ -32,6 +73,9 @@ class Bundle:
         check_threads(threads)
         path = Path(path)
         m = mf.load(path, verify=verify)
+        check_numbers(m)
+        # what was verified, so that a session created later (the vision graph's) checks its files are still those
+        verified = {f: identity((path / f).stat()) for f in m.files} if verify else None
         if device == "htp" and m.target.get("name") != "htp":
             raise mf.BundleError(f"this bundle was exported for {m.target.get('name')}; export with --target htp to run on the HTP")
         graphs, config = _graph_files(m, device, htp_arch)
@@ -41,7 +85,7 @@ class Bundle:
             raise mf.BundleError(f"cannot load tokenizer {m.tokenizer_file}: {e}") from None
         release_freed_heap()
         shared = SharedWeights(path) if device != "htp" else None  # the QNN EP compiles its own copy
-        sessions = Sessions(path, m, device, threads, shared, graphs, config)
+        sessions = Sessions(path, m, device, threads, shared, graphs, config, verified)
         for name in ("prefill", "head", "decode"):  # every request needs the decoder; the vision graph only an image's
             # (decode loads last: with shared QNN contexts it stops the sharing)
             if name in m.graphs:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .. import manifest as mf
+from ..verify_record import identity
 from .weights import SharedWeights, release_freed_heap
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -152,11 +153,13 @@ class Sessions(Mapping):
     graphs that share a file share one session. load_s: seconds spent creating sessions so far, per graph name."""
 
     def __init__(self, path: Path, m: mf.Manifest, device: str, threads: int | None, shared: SharedWeights | None,
-                 files: dict[str, str], config: dict[str, dict]):
+                 files: dict[str, str], config: dict[str, dict], verified: dict[str, list[int]] | None = None):
         """files: graph name -> the file its session loads; config: file -> more session config entries
-        (_graph_files)."""
+        (_graph_files). verified: bundle file -> its identity (verify_record.identity) when manifest.load verified
+        it; a session created later (the vision graph's, on the first image) first checks that its files are still
+        those: a file changed since is hashed again, and refused if its sha256 is no longer the manifest's."""
         self.path, self.m, self.device, self.threads, self.shared = path, m, device, threads, shared
-        self.files, self.config = files, config
+        self.files, self.config, self.verified = files, config, verified
         # a graph whose data file no other graph reads (the vision graph) gains nothing from the shared mapping:
         # ORT loads it itself, prepacks its weights (a faster vision tile) and drops the unpacked copy
         specs = {files[name]: g for name, g in m.graphs.items()}
@@ -172,16 +175,37 @@ class Sessions(Mapping):
         s = self.by_file.get(f)
         if s is None:
             t = time.perf_counter()
+            self._still_verified(name)
             shared = self.shared if any(self.users[loc] > 1 for loc in g.data_files) else None
             s = make_session(self.path / f, self.device, self.threads, self.m.target, shared, g, self.config.get(f),
                              self.shared if g.load_only_weights else None)
             for other, spec in self.m.graphs.items():  # the graph file's I/O are what the manifest says
                 if self.files[other] == f:
                     check_io(s, other, spec, f)
+                    check_agrees(s, other, self.m, f)
             self.by_file[f] = s
             release_freed_heap()
             self.load_s[name] = time.perf_counter() - t
         return s
+
+    def _still_verified(self, name: str) -> None:
+        """The graph's files are those manifest.load verified, else hashed again (BundleError if altered)."""
+        if self.verified is None:
+            return
+        for field_name, f in mf.bundle_paths(self.m):
+            if not field_name.startswith(f"graphs.{name}.") or f not in self.verified:
+                continue
+            p = self.path / f
+            try:
+                st = p.stat()
+            except OSError as e:
+                raise mf.BundleError(f"bundle file missing since the bundle was loaded: {p} ({e.strerror})") from None
+            if identity(st) == self.verified[f]:
+                continue
+            entry = self.m.files[f]
+            if st.st_size != entry["bytes"] or mf.sha256_file(p) != entry["sha256"]:
+                raise mf.BundleError(f"bundle file altered since the bundle was loaded (sha256 mismatch): {p}")
+            self.verified[f] = identity(st)
 
     def __iter__(self):
         return iter(self.m.graphs)
@@ -198,3 +222,23 @@ def check_io(s, name: str, g: mf.GraphSpec, file: str) -> None:
         if sorted(t.name for t in have) != sorted(t.name for t in want):
             raise mf.BundleError(f"graph {file}'s {kind} {sorted(t.name for t in have)[:6]} disagree with "
                                  f"the manifest's graphs.{name}.{kind}")
+
+
+def _static(shape) -> list:
+    return [d if isinstance(d, int) else None for d in shape]
+
+
+def agree(have, want) -> bool:
+    """Two shapes agree where both dims are numbers."""
+    return len(have) == len(want) and all(a is None or b is None or a == b for a, b in zip(_static(have), _static(want)))
+
+
+def check_agrees(s, name: str, m: mf.Manifest, file: str) -> None:
+    """The graph file's tensors have the static dims the manifest's graphs.<name> says."""
+    g = m.graphs[name]
+    for kind, have in (("inputs", s.get_inputs()), ("outputs", s.get_outputs())):
+        spec = {t.name: t.shape for t in getattr(g, kind)}
+        for t in have:
+            if t.name in spec and not agree(t.shape, spec[t.name]):
+                raise mf.BundleError(f"graph {file}'s {t.name} has shape {t.shape}, the manifest's graphs.{name} "
+                                     f"says {spec[t.name]}")
