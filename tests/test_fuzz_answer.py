@@ -23,12 +23,30 @@ from vlmrt.runtime.pipeline import VLM
 IMAGE = None  # set by the fixture: the picture every answer is about
 
 # (path in manifest.json, values): each loads (the schema takes it) but disagrees with the bundle
+class Edit:
+    """A value computed from the field's own (a list shortened or grown), named for the test id."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+    def __repr__(self):
+        return self.name
+
+
+def _drop_last(layers):
+    return layers[:-1]
+
+
+def _repeat_first(layers):
+    return [layers[0], *layers]
+
+
 MUTATIONS = [
-    (("kv", "layers"), [1, 3]),
+    (("kv", "layers"), [Edit("drop_last", _drop_last), Edit("repeat_first", _repeat_first)]),
     (("kv", "max_context"), [40, 321]),
-    (("kv", "dim"), [16]),
-    (("kv", "heads"), [4]),
-    (("kv", "head_dim"), [8]),
+    (("kv", "layers", 0, "kv_heads"), [4]),
+    (("kv", "layers", 0, "head_dim"), [8]),
+    (("kv", "layers", 1, "key_input"), ["past_key_0"]),
     (("prompt", "tokens_per_tile"), [15, 0]),
     (("decoder", "vocab_size"), [519]),
     (("decoder", "hidden_size"), [32]),
@@ -55,7 +73,7 @@ def mutate(d: dict, path: tuple, value) -> None:
     for k in path[:-1]:
         d = d[k]
     assert path[-1] in d if isinstance(d, dict) else path[-1] < len(d), path  # the field exists (not silently added)
-    d[path[-1]] = value
+    d[path[-1]] = value.fn(d[path[-1]]) if isinstance(value, Edit) else value
 
 
 @pytest.fixture(scope="module")
