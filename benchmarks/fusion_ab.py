@@ -16,7 +16,7 @@ import onnx
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from vlmrt.export import quantize  # noqa: E402
+from vlmrt.export.cpu import quantize  # noqa: E402
 from vlmrt.runtime.kv_cache import context_slots  # noqa: E402
 
 

@@ -72,7 +72,7 @@ def main() -> int:
     try:
         folder = prepare_bundle_copy(bundle, root / "bundle")
         results = [
-            run("manifest (vlmrt.manifest.load, verify=True)",
+            run("manifest (vlmrt.format.manifest.load, verify=True)",
                 lambda c, s, n: manifest_property(base, folder, n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
             run("image (vlmrt.runtime.image.load_image)",
                 lambda c, s, n: image_property(root, n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from vlmrt import manifest as mf
+from vlmrt.format import manifest as mf
 from vlmrt.runtime.kv_cache import KVCache
 
 

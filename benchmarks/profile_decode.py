@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) -> dict:
     import onnxruntime as ort
 
-    from vlmrt import manifest as mf
+    from vlmrt.format import manifest as mf
     from vlmrt.runtime.weights import SharedWeights
     from vlmrt.runtime.decoder_kinds import decoder_kind
     from vlmrt.runtime.kv_cache import KVCache

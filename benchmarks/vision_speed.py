@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vlmrt import manifest as mf  # noqa: E402
+from vlmrt.format import manifest as mf  # noqa: E402
 from vlmrt.runtime import image as img_ops  # noqa: E402
 
 OPT = {"all": "ORT_ENABLE_ALL", "extended": "ORT_ENABLE_EXTENDED", "basic": "ORT_ENABLE_BASIC", "none": "ORT_DISABLE_ALL"}
@@ -70,7 +70,8 @@ def quantize_dynamic(src: Path, dst: Path) -> None:
     from onnxruntime.quantization import QuantType
     from onnxruntime.quantization import quantize_dynamic as qd
 
-    from vlmrt.export import graphs, quantize
+    from vlmrt.export import graphs
+    from vlmrt.export.cpu import quantize
 
     tmp = dst.with_suffix(".matmul.onnx")
     graphs.rewrite(tmp, quantize.gemm_to_matmul(onnx.load(str(src))))

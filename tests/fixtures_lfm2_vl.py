@@ -180,7 +180,7 @@ def make_lfm2_vl_checkpoint(
 def image_spec(pre: dict):
     """The manifest ImageSpec of the naflex_tiles op for Lfm2VlImageProcessor settings (preprocessor_config.json's
     keys), as the lfm2_vl family writes it."""
-    from vlmrt.manifest import ImageSpec
+    from vlmrt.format.manifest import ImageSpec
 
     f, patch = pre["downsample_factor"], pre["encoder_patch_size"]
     split = pre.get("do_image_splitting", True)

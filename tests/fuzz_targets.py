@@ -1,5 +1,5 @@
 """Property-based fuzzing (hypothesis) of the two loaders that read untrusted files: the manifest loader
-(vlmrt.manifest.load) and the image loader (vlmrt.runtime.image.load_image). For any input they either work or raise
+(vlmrt.format.manifest.load) and the image loader (vlmrt.runtime.image.load_image). For any input they either work or raise
 vlmrt's own error (BundleError / ImageError) — never another exception — and what they accept stays within the
 rules (bundle paths inside the bundle; images RGB, at most MAX_IMAGE_PIXELS). Used by tests/test_fuzz.py (a short run)
 and benchmarks/fuzz.py (the long run)."""
@@ -16,7 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmrt import manifest as mf
+from vlmrt.format import manifest as mf
 from vlmrt.runtime import image as img_ops
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "images"

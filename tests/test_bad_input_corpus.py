@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from test_errors import assert_one_line_error, in_process
-from vlmrt import manifest as mf
+from vlmrt.format import manifest as mf
 from vlmrt.runtime import image as img_ops
 
 CORPUS = Path(__file__).resolve().parent / "corpus"

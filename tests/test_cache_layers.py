@@ -8,8 +8,15 @@ kv mode, hybrid mode, a prefix reuse and lookahead must agree with a no-cache fu
 import numpy as np
 import pytest
 
-from vlmrt.manifest import (AttentionLayer, ConvLayer, DecoderSpec, KVSpec, PositionsSpec, RowsDynamicKind,
-                            RowsStaticKind)
+from vlmrt.format.manifest import (
+    AttentionLayer,
+    ConvLayer,
+    DecoderSpec,
+    KVSpec,
+    PositionsSpec,
+    RowsDynamicKind,
+    RowsStaticKind,
+)
 from vlmrt.runtime.engine import DecoderSessions, Engine, EngineConfig
 from vlmrt.runtime.kv_cache import HEADS, KVCache
 

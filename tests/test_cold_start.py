@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from vlmrt import manifest as mf
-from vlmrt import verify_record
+from vlmrt.format import manifest as mf
+from vlmrt.format import verify_record
 from vlmrt.runtime.pipeline import VLM
 
 

@@ -8,7 +8,7 @@ and a no-cache full-sequence computation must agree.
 import numpy as np
 import pytest
 
-from vlmrt.manifest import DecoderSpec, KVSpec, PositionsSpec, RowsDynamicKind, RowsStaticKind, attention_layers
+from vlmrt.format.manifest import DecoderSpec, KVSpec, PositionsSpec, RowsDynamicKind, RowsStaticKind, attention_layers
 from vlmrt.runtime.engine import ContextOverflow, DecoderSessions, Engine, EngineConfig
 from vlmrt.runtime.kv_cache import attention_mask
 from vlmrt.runtime.sampler import Sampler, SamplingConfig

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from test_errors import assert_one_line_error, in_process
-from vlmrt import manifest as mf
+from vlmrt.format import manifest as mf
 
 SAMPLE = Path(__file__).resolve().parent.parent / "src" / "vlmrt" / "demo" / "data" / "shape.png"
 
@@ -43,7 +43,7 @@ def test_killed_export_leaves_nothing_and_next_export_cleans_up(default_bundle, 
 
 
 def test_a_live_exports_work_folder_is_left_alone(tmp_path):
-    from vlmrt.staging import remove_stale
+    from vlmrt.format.staging import remove_stale
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

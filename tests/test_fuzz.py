@@ -40,8 +40,8 @@ def test_typed_json_fast_path_takes_what_the_field_check_takes(default_bundle):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from vlmrt import manifest as mf
-    from vlmrt import typed_json as tj
+    from vlmrt.format import manifest as mf
+    from vlmrt.format import typed_json as tj
 
     classes, hints, todo = [], [], [mf.Manifest, mf.FileEntry, mf.MappedWeight]
     while todo:

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from vlmrt import cli
-from vlmrt import manifest as mf
+from vlmrt.format import manifest as mf
 from vlmrt.runtime import image as img_ops
 from vlmrt.runtime.pipeline import VLM
 

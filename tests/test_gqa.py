@@ -115,7 +115,7 @@ def test_unknown_or_inconsistent_decoder_kind_is_refused(default_bundle, tmp_pat
     """The tagged unions (decoder.kind, kv.layers[i].kind) name kinds this vlmrt knows, each with its own fields only."""
     import shutil
 
-    from vlmrt import manifest as mf
+    from vlmrt.format import manifest as mf
 
     b = tmp_path / "b"
     shutil.copytree(default_bundle.bundle, b)

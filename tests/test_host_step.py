@@ -5,8 +5,8 @@ the one-row KV write. Greedy ids through them: test_engine_fake.py, test_runtime
 import numpy as np
 import pytest
 
-from vlmrt import manifest as mf
-from vlmrt.manifest import KVSpec, attention_layers
+from vlmrt.format import manifest as mf
+from vlmrt.format.manifest import KVSpec, attention_layers
 from vlmrt.runtime.weights import EmbeddingRows
 from vlmrt.runtime.decoder_kinds import StepMask
 from vlmrt.runtime.engine import DecoderSessions, Engine, EngineConfig

@@ -1,5 +1,5 @@
 """Lookahead decoding on the HTP target (`vlmrt export --target htp --lookahead-ar K`): the static verify graph
-(the decode graph at AR = K with decode's quantization, export/htp_verify.py) on the session's HTP bundle of the
+(the decode graph at AR = K with decode's quantization, export/htp/verify.py) on the session's HTP bundle of the
 tiny SmolVLM fixture (test_quant.bundle("htp"), AR 5): the manifest entry, its encodings equal to decode's, greedy
 lookahead ids equal to plain decoding on the CPU EP (the QDQ graphs), rejected drafts' rows never in the cache, the
 context binary on the HTP simulator (a verify row against decode steps there), and a bad K refused in one line.
@@ -18,7 +18,7 @@ import pytest
 from conftest import image_file, on_npu
 from test_errors import assert_one_line_error, in_process
 from test_quant import bundle
-from vlmrt import manifest as mf
+from vlmrt.format import manifest as mf
 from vlmrt.runtime.kv_cache import attention_mask
 from vlmrt.runtime.pipeline import VLM
 

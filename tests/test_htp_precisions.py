@@ -1,5 +1,5 @@
 """Per-graph precisions of the HTP target (`--target htp --quant vision=fp16,prefill=fp16,decode=w4a16o`, QHexRT's
-balance; export/htp_precisions.py): the block-offset decomposition's exactness, the bundle's manifest (precision and
+balance; export/htp/precisions.py): the block-offset decomposition's exactness, the bundle's manifest (precision and
 QNN options per graph), the simulator's greedy ids vs the CPU EP's, accuracy vs fp32, and bad specs refused."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import CASES, exported, on_npu
-from vlmrt.export.htp_calibrate import slot_of
+from vlmrt.export.htp.calibrate import slot_of
 from test_qnn_context import feeds
 from test_quant import bundle, run_eval
 from vlmrt import cli
-from vlmrt import manifest as mf
-from vlmrt.export import htp_precisions, int4_blocks, quantize_offsets
-from vlmrt.manifest_checks import check_decoder
+from vlmrt.format import manifest as mf
+from vlmrt.export.htp import precisions as htp_precisions, int4_blocks
+from vlmrt.export.cpu import offsets as quantize_offsets
+from vlmrt.format.checks import check_decoder
 from vlmrt.runtime.sessions import make_session
 from vlmrt.runtime.pipeline import VLM
 
@@ -226,7 +227,7 @@ def test_own_head_by_default_where_untied():
     """An untied lm head under a per-graph spec is its own w8a16 graph unless the spec names head= or lm_head=
     (lm_head= keeps it inside: the one way to turn the default off); a plain precision, a tied head and a lookahead
     verify graph (it needs every row's logits) keep it inside."""
-    from vlmrt.export.htp_precisions import parse
+    from vlmrt.export.htp.precisions import parse
 
     spec = "vision=fp16,prefill=fp16,decode=w4a16o"
     base = {"vision": "fp16", "prefill": "fp16", "decode": "w4a16o"}

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from conftest import IMAGES, image_file
-from vlmrt.manifest import ImageSpec
+from vlmrt.format.manifest import ImageSpec
 from vlmrt.runtime import image as img_ops
 from vlmrt.runtime import image_native as native
 

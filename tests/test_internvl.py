@@ -160,7 +160,7 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
     # with htp_arch unset (how the bundle ran before context binaries) the CPU EP's [50, 67, 304] (2026-12-01,
     # docs/npu-deploy.md). What is checked: each context equals the graph compiled at load for the same arch.
     from test_qnn_context import feeds
-    from vlmrt import manifest as mf
+    from vlmrt.format import manifest as mf
     from vlmrt.runtime.sessions import make_session
 
     mm, rng = mf.load(b), np.random.default_rng(0)

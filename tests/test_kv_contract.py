@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from vlmrt.families.layers import CausalDecoder  # noqa: E402
 from vlmrt.families.rope import Rope  # noqa: E402
-from vlmrt.manifest import KVSpec, attention_layers  # noqa: E402
+from vlmrt.format.manifest import KVSpec, attention_layers  # noqa: E402
 from vlmrt.runtime.kv_cache import HEADS as HEADS_LAYOUT, KVCache, attention_mask  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, CTX = 2, 32, 4, 2, 8, 50, 24

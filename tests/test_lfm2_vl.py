@@ -118,7 +118,7 @@ def test_prompt_markers_equal_processor(ckpt, hf):
     from tokenizers import Tokenizer
 
     from fixtures_lfm2_vl import IMAGE, IMAGE_END, IMAGE_START, THUMBNAIL, hf_inputs, image_spec
-    from vlmrt.manifest import PromptSpec
+    from vlmrt.format.manifest import PromptSpec
     from vlmrt.runtime.prompt import tile_markers
 
     pre = json.loads((ckpt / "preprocessor_config.json").read_text())

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from vlmrt.manifest import KVSpec, attention_layers
+from vlmrt.format.manifest import KVSpec, attention_layers
 from vlmrt.runtime.kv_cache import KVCache, zeroed
 
 from test_quant import bundle

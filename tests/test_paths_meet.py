@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmrt import manifest as mf
+from vlmrt.format import manifest as mf
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.pipeline import VLM
 from vlmrt.runtime import lookahead as lookahead_module

@@ -14,7 +14,7 @@ import pytest
 from conftest import CASES, exported, image_file, on_npu
 from test_quant import bundle
 from vlmrt import cli
-from vlmrt import manifest as mf
+from vlmrt.format import manifest as mf
 from vlmrt.export.pipeline import export
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.sessions import make_session
@@ -177,7 +177,7 @@ def test_shared_context_compiles_but_is_refused_on_the_simulator(tmp_path_factor
     import dataclasses
     import platform
 
-    from vlmrt.export import qnn_context
+    from vlmrt.export.htp import qnn_context
 
     src = bundle("htp", tmp_path_factory)
     b = tmp_path / "b"

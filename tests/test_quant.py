@@ -16,9 +16,9 @@ import pytest
 from conftest import exported, CASES, graph_path, image_file, on_npu
 from vlmrt import cli
 from vlmrt.eval import accuracy, samples
-from vlmrt.export import quantize
+from vlmrt.export.cpu import quantize
 from vlmrt.export.pipeline import export
-from vlmrt.manifest import KVSpec, attention_layers
+from vlmrt.format.manifest import KVSpec, attention_layers
 from vlmrt.runtime.kv_cache import KVCache
 from vlmrt.runtime.pipeline import VLM
 
@@ -281,7 +281,7 @@ def test_htp_bundle_on_cpu_ep(tmp_path_factory, default_bundle):
 
 def test_htp_4bit_weights(tmp_path_factory, default_bundle):
     """--target htp --quant w4a16: the decoder graphs' linear weights int4 block-wise (32 inputs per scale,
-    symmetric; export/int4_blocks.py), packed two per byte in decoder.data; the vision graph and the lm head stay
+    symmetric; export/htp/int4_blocks.py), packed two per byte in decoder.data; the vision graph and the lm head stay
     at 8 bits. Runs on the CPU EP and as QNN context binaries on the simulator (same greedy ids in hybrid mode)."""
     b = bundle("htp-w4", tmp_path_factory)
     m = json.loads((b / "manifest.json").read_text())
@@ -438,7 +438,7 @@ def test_kv_edges_take_the_cache_encoding_even_when_calibration_saw_an_empty_cac
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from vlmrt.export import htp
+    from vlmrt.export.htp import bundle as htp
 
     def init(name, v):
         return numpy_helper.from_array(np.array(v), name)
@@ -506,7 +506,7 @@ def test_calibration_recorder_keeps_its_byte_budget():
     at its limit (64 of the 108 others) or at its byte budget (a 1B decoder's recorded caches would otherwise be ~2 GB),
     lowering its limit; RowsRecorder's
     KV ranges are the min / max over every call's rows (not only the kept ones)."""
-    from vlmrt.export.htp_calibrate import Recorder, RowsRecorder, kv_ranges
+    from vlmrt.export.htp.calibrate import Recorder, RowsRecorder, kv_ranges
 
     class Echo:  # a one-layer graph: outputs logits, the new key row, the new value row
         def run(self, names, feeds):
@@ -540,7 +540,7 @@ def test_htp_graphs_reach_the_quantizer_at_opset_21(tmp_path, monkeypatch):
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime.quantization import CalibrationDataReader
 
-    from vlmrt.export import htp
+    from vlmrt.export.htp import bundle as htp
 
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",

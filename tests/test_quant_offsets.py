@@ -1,5 +1,5 @@
 """The block-offset 4-bit precisions (w4a16o, w4a8o: GGUF Q4_1's rule w = d·q + m on the symmetric MatMulNBits
-kernel, export/quantize_offsets.py): the rule against a numpy reference written here, the graph's exactness
+kernel, export/cpu/offsets.py): the rule against a numpy reference written here, the graph's exactness
 against it, and a bundle against transformers on the fake-quantized fixture weights."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import graph_path, image_file
 from test_quant import bundle, mlas_fake_quant, run_eval
-from vlmrt.export import quantize, quantize_gptq, quantize_offsets
+from vlmrt.export.cpu import quantize, gptq as quantize_gptq, offsets as quantize_offsets
 
 pytest.importorskip("torch")
 
@@ -158,7 +158,7 @@ def test_offsets_refuse_fp16_weights():
         quantize_offsets.offset_nodes(helper.make_model(g), None, exclude=set())
 
 
-# --- GPTQ with integer zero points (w4a16g, w4a8g: export/quantize_gptq.py) --------------------------------------
+# --- GPTQ with integer zero points (w4a16g, w4a8g: export/cpu/gptq.py) --------------------------------------
 
 
 def zp_rtn_reference(w_kn: np.ndarray) -> np.ndarray:

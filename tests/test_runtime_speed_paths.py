@@ -83,7 +83,7 @@ def _optimized(bundle, graph, tmp_path):
 
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / f"{graph}.opt.onnx")
-    from vlmrt import manifest as mf
+    from vlmrt.format import manifest as mf
 
     shared = SharedWeights(bundle)
     for k, v in shared.initializers(mf.load(bundle, verify=False).graphs[graph]).items():
@@ -170,7 +170,7 @@ def test_embedding_rows_read_with_pread_equal_the_table(default_bundle, tmp_path
     the same rows as the .npy in any order, repeats included; an id outside the vocabulary is an error."""
     import numpy as np
 
-    from vlmrt.manifest import BundleError
+    from vlmrt.format.manifest import BundleError
     from vlmrt.runtime.weights import EmbeddingRows
 
     path = default_bundle.bundle / default_bundle.manifest()["decoder"]["embedding_file"]

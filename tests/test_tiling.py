@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from conftest import IMAGES, image_file
-from vlmrt.manifest import ImageSpec
+from vlmrt.format.manifest import ImageSpec
 from vlmrt.runtime import image as img_ops
 
 pytest.importorskip("transformers")
@@ -123,7 +123,7 @@ def test_one_number_image_mean_and_std_equal_transformers(family, default_bundle
     import test_internvl as ivl
     from fixtures import SMOLVLM
     from fixtures_internvl import INTERNVL
-    from vlmrt import manifest as mf
+    from vlmrt.format import manifest as mf
 
     ex = default_bundle if family == "smolvlm" else ivl.exported(ivl.CASES[0], tmp_path_factory)
     fam = SMOLVLM if family == "smolvlm" else INTERNVL

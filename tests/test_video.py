@@ -133,7 +133,7 @@ def test_sampling_equals_transformers_sample_frames():
     from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
     from transformers.video_utils import VideoMetadata
 
-    from vlmrt.manifest import VideoSpec
+    from vlmrt.format.manifest import VideoSpec
 
     for fps, max_frames in ((1.0, 4), (1.0, 64), (2.0, 8), (0.5, 3)):
         proc = SmolVLMVideoProcessor(video_sampling={"fps": fps, "max_frames": max_frames, "video_size": {"longest_edge": 64}})

@@ -16,7 +16,7 @@ from PIL import Image
 from conftest import ASSETS, synthetic
 from web_browser import STATIC, browser, served
 
-from vlmrt.manifest import ImageSpec
+from vlmrt.format.manifest import ImageSpec
 from vlmrt.runtime.image import RESAMPLE, load_image, preprocess, to_rgb
 
 B64 = "b => Uint8Array.from(atob(b), c => c.charCodeAt(0))"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from .manifest import BundleError
+from .format.manifest import BundleError
 from .runtime.conversation import VideoSource
 from .runtime.image import ImageError
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..manifest import load as load_manifest
+from ..format.manifest import load as load_manifest
 from ..progress import Meter
 from ..runtime.sources import FetchLimits
 from ..runtime.url_policy import AddressPolicy
@@ -231,7 +231,7 @@ def ray_error_text(e: BaseException) -> str:
         if not type(x).__module__.startswith("ray") and isinstance(x, (ValueError, OSError, KeyError)):
             return str(x).strip().splitlines()[0] if str(x).strip() else type(x).__name__
         todo += [c for c in (x.__cause__, x.__context__, getattr(x, "cause", None)) if isinstance(c, BaseException)]
-    for line in str(e).splitlines():  # a worker's exception as Ray prints it: "vlmrt.manifest.BundleError: ..."
+    for line in str(e).splitlines():  # a worker's exception as Ray prints it: "vlmrt.format.manifest.BundleError: ..."
         if line.startswith("vlmrt.") and ": " in line:
             return line.split(": ", 1)[1]
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

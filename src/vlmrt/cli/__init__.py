@@ -41,7 +41,7 @@ def _check_utf8(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..manifest import BundleError
+    from ..format.manifest import BundleError
 
     # (CheckpointError and ImageError are ValueErrors: importing them here would load the export and PIL for a
     # text-only run)

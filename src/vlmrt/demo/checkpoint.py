@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..staging import publish, staged
+from ..format.staging import publish, staged
 
 PRESET = "easyvqa"
 

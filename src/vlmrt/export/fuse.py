@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .quantize import set_nodes
+from .cpu.quantize import set_nodes
 
 QDQ_OPSET = 21  # 16-bit QuantizeLinear/DequantizeLinear; ORT's quantizer converts to it anyway
 

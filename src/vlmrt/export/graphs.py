@@ -22,7 +22,7 @@ import onnx
 import torch
 from onnx import external_data_helper
 
-from ..manifest import TensorSpec
+from ..format.manifest import TensorSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -132,7 +132,7 @@ def compute_dtype(precision: str, io_dtype: str) -> str:
 
 
 def export_vision(vision: torch.nn.Module, patches: int, patch_dim: int, io_dtype: str, precision: str, path: Path) -> None:
-    from . import quantize
+    from .cpu import quantize
 
     io = TORCH_DTYPES[io_dtype]
     x = torch.zeros(patches, patch_dim, dtype=io)
@@ -169,7 +169,8 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     past_*, logit_rows; outputs logits, present_*, next_token.
     hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
     token_rows (with gqa_in_place): two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
-    from . import fuse, quantize
+    from . import fuse
+    from .cpu import quantize
 
     if attention == "gqa_in_place":
         return _export_in_place(decoder, ar=ar, max_context=max_context, hidden=hidden, heads=(kv_heads, head_dim),
@@ -221,7 +222,8 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
 def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: tuple[int, int], layers: int,
                      io_dtype: str, precision: str, head: str, path: Path, hessian=None, token_rows: bool = False) -> None:
     """export_decoder's gqa_in_place graph: symbolic AR 1..ar, cache buffers of max_context slots."""
-    from . import fuse, gqa_onnx, quantize
+    from . import fuse, gqa_onnx
+    from .cpu import quantize
 
     dt = TORCH_DTYPES[io_dtype]
     kv_heads, head_dim = heads

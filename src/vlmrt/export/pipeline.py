@@ -16,12 +16,14 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from .. import manifest as mf
-from .. import staging
+from ..format import manifest as mf
+from ..format import staging
 from ..families import Family, FamilyConfig, HostSpec, family_for
 from ..progress import Laps, Progress
-from . import graphs, htp_precisions, qnn_context, quantize
-from . import htp as htp_mod
+from . import graphs
+from .htp import precisions as htp_precisions, qnn_context
+from .cpu import quantize
+from .htp import bundle as htp_mod
 from .chat_template import renders_one_image
 from ..families.checkpoint import Checkpoint, CheckpointError, resolve
 
@@ -45,7 +47,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static graphs with a uint8 KV cache, each QDQ (16-bit activations, 8- or 4-bit weights) or float
-    (fp16 on the HTP) as quant says (export/htp_precisions.py; default w8a16),
+    (fp16 on the HTP) as quant says (export/htp/precisions.py; default w8a16),
     calibrated on `calibration` [(image or None, prompt)] (default: eval.samples.htp_calibration_samples), then compiled by the QNN EP
     into context binaries for soc_model / htp_arch (qnn_context.resolve_target; default a current flagship);
     keep_qdq also keeps the QDQ graphs (what the CPU EP runs); shared_context compiles prefill and decode into one
@@ -57,7 +59,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     place (the default where the graph is one and head_dim a multiple of 16, what the CPU kernel takes), or
     "portable" (the graphs' own attention ops, the host writing the new K/V rows: what static graphs always have).
     lookahead_ar: --target htp: also a static lookahead verify graph of that AR (`--lookahead K-1` at run time):
-    the decode graph at AR = lookahead_ar, with decode's weights, activation and KV encodings (htp_verify.py)."""
+    the decode graph at AR = lookahead_ar, with decode's weights, activation and KV encodings (htp/verify.py)."""
     if attention not in (None, "gqa", "portable"):
         raise ExportError(f"unknown attention {attention!r}; choose gqa or portable")
     if target not in ("cpu", "htp"):
@@ -119,7 +121,7 @@ class Plan:
     cfg: FamilyConfig  # the family's config dataclass
     host: HostSpec
     tok_json: dict
-    prec: dict[str, str]  # graph -> precision (export.quantize.parse)
+    prec: dict[str, str]  # graph -> precision (export.cpu.quantize.parse)
     head: str | None  # lm_head precision if named apart from its graph
     dtype: str  # graph I/O and KV cache: fp32 | fp16
     prefill_ar: int
@@ -223,7 +225,7 @@ def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
     """Hessians.for_weight of the float decoder on the calibration prompts, when a graph's precision is GPTQ's."""
     if not {plan.prec["prefill"], plan.prec["decode"], plan.head} & set(quantize.GPTQ):
         return None
-    from . import calibrate_gptq
+    from .cpu import calibrate_gptq
 
     return calibrate_gptq.prompt_hessians(decoder, embed, plan.tok_json, plan.prompt, p).for_weight
 

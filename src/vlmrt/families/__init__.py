@@ -22,7 +22,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol
 
-from ..manifest import ImageSpec
+from ..format.manifest import ImageSpec
 
 if TYPE_CHECKING:  # (torch only for export: this module is imported without it)
     import torch
@@ -38,7 +38,7 @@ REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl",
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
 # the module names of CausalDecoder that the quantizer and the GPTQ calibration find weights by (HF Llama's:
-# export/quantize.py MIXED_8BIT, export/calibrate_gptq.py), per decoder layer, and the stack's own
+# export/cpu/quantize.py MIXED_8BIT, export/cpu/calibrate_gptq.py), per decoder layer, and the stack's own
 DECODER_LAYER_WEIGHTS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                          "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 DECODER_WEIGHTS = ("norm", "lm_head")

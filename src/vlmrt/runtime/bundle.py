@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import manifest as mf
-from ..manifest_checks import kind_inputs
-from ..verify_record import identity
+from ..format import manifest as mf
+from ..format.checks import kind_inputs
+from ..format.verify_record import identity
 from .sessions import Sessions, _graph_files, agree, check_threads
 from .weights import EmbeddingRows, SharedWeights, release_freed_heap
 

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..manifest import PromptSpec
+from ..format.manifest import PromptSpec
 
 ROLES = ("system", "user", "assistant")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..manifest import DecoderSpec, KVSpec
+from ..format.manifest import DecoderSpec, KVSpec
 from .kv_cache import HEADS, ROWS, KVCache, attention_mask, context_slots
 
 DECODER_KINDS: dict[str, type] = {}

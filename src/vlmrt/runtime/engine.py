@@ -19,7 +19,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from ..manifest import DecoderSpec, KVSpec
+from ..format.manifest import DecoderSpec, KVSpec
 from .decoder_kinds import decoder_kind
 from .kv_cache import KVCache
 from .lookahead import PromptLookup

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..manifest import ImageSpec
+from ..format.manifest import ImageSpec
 from .aa_resize import resize as aa_resize
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..manifest import ImageSpec
+from ..format.manifest import ImageSpec
 from .image import ImageError, _resample, normalize
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..manifest import AttentionLayer, ConvLayer, KVSpec
+from ..format.manifest import AttentionLayer, ConvLayer, KVSpec
 
 
 def attention_mask(pos: int, ar: int, max_context: int, dtype=np.float32, out: np.ndarray | None = None,

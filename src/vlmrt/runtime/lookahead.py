@@ -17,7 +17,7 @@ a few calls only.
 
 from __future__ import annotations
 
-from ..manifest import GraphSpec
+from ..format.manifest import GraphSpec
 
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 MIN_GAIN = 2  # accepted drafts that make a verify call a hit

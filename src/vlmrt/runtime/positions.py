@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..manifest import PositionsSpec
+from ..format.manifest import PositionsSpec
 
 
 def slots(spec: PositionsSpec, ids: list[int], start: int, first: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..manifest import PromptSpec
+from ..format.manifest import PromptSpec
 from .chunks import Chunk, ImageChunk, Prompt, TextChunk
 
 

@@ -10,8 +10,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from .. import manifest as mf
-from ..verify_record import identity
+from ..format import manifest as mf
+from ..format.verify_record import identity
 from .weights import SharedWeights, release_freed_heap
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..manifest import DecoderSpec
+from ..format.manifest import DecoderSpec
 from .kv_cache import KVCache
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(uint8)": np.uint8,

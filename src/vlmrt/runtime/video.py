@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..manifest import ImageSpec, VideoSpec
+from ..format.manifest import ImageSpec, VideoSpec
 from . import aa_resize
 from . import image as img_ops
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import manifest as mf
+from ..format import manifest as mf
 
 
 class SharedWeights:

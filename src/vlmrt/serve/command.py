@@ -121,7 +121,7 @@ def build(a, bundle: str, on_load_error=None):
         import uvicorn  # noqa: F401
     except ImportError:
         raise ValueError("vlmrt serve needs the serve extra: pip install 'vlmrt[serve]'") from None
-    from ..manifest import load as load_manifest
+    from ..format.manifest import load as load_manifest
     from ..runtime.bundle import Bundle
     from ..runtime.sources import FetchLimits
     from ..runtime.url_policy import AddressPolicy

@@ -8,7 +8,7 @@ node_modules/ next to this file) and the bundle's files, in one folder any stati
     OUT/bundle/               manifest.json and the files it lists
     OUT/_headers              the COOP / COEP headers for hosts that read such a file (Netlify, Cloudflare Pages)
 
-The folder is written whole or not at all (vlmrt.staging). A bundle the browser cannot run exactly is refused
+The folder is written whole or not at all (vlmrt.format.staging). A bundle the browser cannot run exactly is refused
 before anything is written (browser_problem, the twin of static/decoder.js browserProblem).
 """
 
@@ -20,8 +20,8 @@ import re
 import shutil
 from pathlib import Path
 
-from ..manifest import Manifest, load
-from ..staging import publish, staged
+from ..format.manifest import Manifest, load
+from ..format.staging import publish, staged
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...manifest import ImageSpec
+from ...format.manifest import ImageSpec
 from .. import processor_image
 from ..decoder import UnsupportedCheckpoint
 from .config import VisionConfig

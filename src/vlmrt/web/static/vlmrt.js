@@ -16,7 +16,7 @@ import { ChatTemplate, parseMessages } from "./prompt.js";
 import { Sampler } from "./sampler.js";
 import { StopStrings } from "./stop_strings.js";
 
-export const SCHEMA_VERSION = 3;  // the manifest version this runtime reads (src/vlmrt/manifest.py)
+export const SCHEMA_VERSION = 3;  // the manifest version this runtime reads (src/vlmrt/format/manifest.py)
 
 export class BundleError extends Error {}
 

@@ -68,7 +68,7 @@ def compile_graphs(folder: Path, graphs: list[str], target: dict, shared: bool =
     import onnx
     import onnxruntime as ort
 
-    from ..runtime.sessions import qnn_devices
+    from ...runtime.sessions import qnn_devices
 
     devs, backend = qnn_devices()
     opts = {"backend_path": backend, "htp_arch": str(target["htp_arch"])}
@@ -121,7 +121,7 @@ def compile_bundle(folder: Path, gspecs: dict, files: list[str], target: dict, k
     are removed. Returns (graph specs, file names, target's QNN fields: qnn_sdk, shared_context)."""
     import dataclasses
 
-    from .. import manifest as mf
+    from ...format import manifest as mf
 
     ctx = compile_graphs(folder, list(gspecs), target, shared, {g: s.qnn_options for g, s in gspecs.items()})
     gspecs = {g: dataclasses.replace(s, context=mf.QnnContext(file=ctx[g]["file"], binary=ctx[g]["binary"]))

@@ -20,10 +20,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .. import manifest as mf
-from ..runtime.weights import release_freed_heap
-from . import fuse, graphs, htp_head, htp_precisions, htp_verify, int4_blocks, onnx_names, qnn_context
-from .htp_calibrate import calibrate, kv_ranges, uint8_encoding
+from ...format import manifest as mf
+from ...runtime.weights import release_freed_heap
+from .. import fuse, graphs, onnx_names
+from . import head as htp_head, precisions as htp_precisions, verify as htp_verify, int4_blocks, qnn_context
+from .calibrate import calibrate, kv_ranges, uint8_encoding
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from .. import manifest as mf
-from ..runtime.kv_cache import attention_mask
-from .htp_calibrate import slot_of
+from ...format import manifest as mf
+from ...runtime.kv_cache import attention_mask
+from .calibrate import slot_of
 
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .bundle_error import BundleError
+from .errors import BundleError
 
 EMBEDDING_DTYPES = ("float32", "float16", "int8")  # DecoderSpec.embedding_dtype
 

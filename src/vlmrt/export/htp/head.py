@@ -17,8 +17,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from . import htp_precisions, onnx_names
-from .htp_calibrate import list_reader
+from . import precisions as htp_precisions
+from .. import onnx_names
+from .calibrate import list_reader
 
 HIDDEN = "hidden"  # the decoder graphs' output and the head graph's input (manifest decoder.hidden_output)
 TAIL = ("Cast", "Identity", "Add", "Reshape", "Squeeze", "Unsqueeze")  # htp_precisions.head_node walks these too

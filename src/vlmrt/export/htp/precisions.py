@@ -18,7 +18,7 @@ Precisions on the HTP:
           KV cache I/O is quantized (uint8, a DequantizeLinear at each cache input and a QuantizeLinear at each
           new-rows output), so that the runtime's cache stays one uint8 buffer whatever graph writes it
   w8a16   16-bit activations, uint8 per-channel weights (QDQ, onnxruntime.quantization's QNN config)
-  w4a16   16-bit activations, int4 block-wise symmetric weights (export/int4_blocks.py), block 32
+  w4a16   16-bit activations, int4 block-wise symmetric weights (export/htp/int4_blocks.py), block 32
   w4a16o  as w4a16 with GGUF Q4_1's per-block offset carried exactly (int4_blocks.offsets_decompose)
 `lm_head` (the decoder's last MatMul / Gemm) follows nothing 4-bit unless named: w8a16 under a 4-bit decoder
 (its largest weight and every logit, as QHexRT keeps its lm head at W8A16); name `lm_head=w4a16` to get 4.
@@ -33,7 +33,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import int4_blocks, onnx_names, quantize
+from . import int4_blocks
+from .. import onnx_names
+from ..cpu import quantize
 
 PRECISIONS = ("fp16", "w8a16", "w4a16", "w4a16o")
 HEADS = ("w8a16", "w4a16", "w4a16o")
@@ -48,7 +50,7 @@ WEIGHTS = {"fp16": "float (fp16 on the HTP)", "w8a16": "uint8 per-channel",
 
 def parse(spec: str | None, untied: bool = False, lookahead: bool = False) -> dict[str, str]:
     """--quant for --target htp -> {vision, prefill, decode, lm_head} (lm_head: the decoder graphs' head), and
-    head: the lm head as its own graph (export/htp_head.py) at that precision, when the spec names it, or
+    head: the lm head as its own graph (export/htp/head.py) at that precision, when the spec names it, or
     DEFAULT_OWN_HEAD when the checkpoint's head is untied (untied), the spec is per graph and names neither
     head= nor lm_head=, and there is no lookahead verify graph (lookahead: it needs every row's logits)."""
     parts = [p for p in (spec or "").split(",") if p.strip()]

@@ -8,7 +8,7 @@ compiles this form for the HTP (checked on its simulator, with `enable_block_qua
 a block-wise Gemm with its bias matched numpy on the de-quantized weights to 0.02 of 37).
 
 * w4a16: symmetric, round to nearest, scale = max |w| / 7 per block (`blockwise`).
-* w4a16o: GGUF Q4_1's rule (w ≈ d·q + m per block, export/quantize_offsets.py's q4_min_max), which the QNN EP
+* w4a16o: GGUF Q4_1's rule (w ≈ d·q + m per block, export/cpu/offsets.py's q4_min_max), which the QNN EP
   cannot take as a zero point (it refuses block-wise DequantizeLinear with one, and -m/d is not an integer).
   `offsets_decompose` rewrites the float graph first, x·W = x·(d(q − 8)) + (x·E)·C with E [K, nb] the block
   indicator and C = m + 8d [nb, N]: the main term is exactly symmetric int4 (scale d, values q − 8), E is exact
@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import quantize_offsets
+from ..cpu import offsets as quantize_offsets
 
 BLOCK = 32
 

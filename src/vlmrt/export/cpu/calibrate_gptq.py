@@ -102,8 +102,8 @@ def prompt_hessians(decoder, embed: np.ndarray, tok_json: dict, spec, p) -> Hess
 
     from tokenizers import Tokenizer
 
-    from ..eval.samples import CALIBRATION_PROMPTS
-    from ..runtime.prompt import text_prompt
+    from ...eval.samples import CALIBRATION_PROMPTS
+    from ...runtime.prompt import text_prompt
 
     p.start(f"GPTQ calibration ({len(CALIBRATION_PROMPTS)} prompts + {TOKENS} generated tokens each)")
     tok = Tokenizer.from_str(json.dumps(tok_json))

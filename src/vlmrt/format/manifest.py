@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .bundle_error import BundleError
-from .manifest_checks import check_decoder
+from .errors import BundleError
+from .checks import check_decoder
 from .typed_json import Malformed, build
 from .verify_record import Record
 
@@ -52,21 +52,25 @@ class GraphSpec:
     """One static ONNX graph."""
 
     file: str | None  # the ONNX graph (QDQ for the HTP target); None in an HTP bundle exported without --keep-qdq
-    precision: str  # weights: one of export.quantize.PRECISIONS ("fp32", "w4a16", "w4a8m", ...)
+    precision: str  # weights: one of export.cpu.quantize.PRECISIONS ("fp32", "w4a16", "w4a8m", ...)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     weights: dict[str, Any] = field(default_factory=dict)  # e.g. {"block_size": 32, "symmetric": true, "lm_head": "w8a16"}
     # written by the export from the graph proto (required in a manifest; defaults only while the export builds one):
     data_files: list[str] = field(default_factory=list)  # the external-data files the graph reads
-    # external initializers the host may map once and share between sessions (runtime/weights.py SharedWeights): [{"name",
-    # "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and prepacked MatMulNBits inputs not listed
+    # external initializers the host may map once and share between sessions (runtime/weights.py SharedWeights):
+    # [{"name", "file", "offset", "length", "dtype" (numpy name), "shape"}]; 4-bit tensors and the prepacked
+    # MatMulNBits inputs are not listed
     mapped_weights: list[dict[str, Any]] = field(default_factory=list)
     prepacked: bool = False  # the graph has MatMulNBits nodes (their CPU kernel computes from ORT's prepacked copy)
-    # MatMulNBits scales / zero points (mapped_weights' form) ORT's x86 int8 kernel keeps after packing but never reads:
-    # the runtime maps them and drops their pages once the session is built (SharedWeights.drop_pages); [] before it
+    # MatMulNBits scales / zero points (mapped_weights' form): ORT's x86 int8-compute kernel copies them into its packed
+    # weights but keeps the originals, which it never reads again; the runtime maps them itself and drops their pages
+    # while the session is built (runtime/weights.py SharedWeights.dropping)
     load_only_weights: list[dict[str, Any]] = field(default_factory=list)
     context: QnnContext | None = None  # the HTP target: what `--device htp` loads (no graph compile at load)
-    qnn_options: dict[str, str] = field(default_factory=dict)  # HTP: QNN EP options it is compiled + loaded with
+    # the HTP target: QNN EP provider options this graph was compiled with and is loaded with (an fp16 graph:
+    # {"enable_htp_fp16_precision": "1"}; export/htp/precisions.py)
+    qnn_options: dict[str, str] = field(default_factory=dict)
     _required = ("data_files", "mapped_weights", "prepacked")
 
     def input(self, name: str) -> TensorSpec:

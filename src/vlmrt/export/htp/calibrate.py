@@ -1,5 +1,5 @@
 """Calibration of the HTP graphs: the float bundle run by the runtime over the calibration samples, each graph's
-calls recorded (export/htp.py quantizes each graph on its own recorded inputs), and the KV rows' ranges that give
+calls recorded (export/htp/bundle.py quantizes each graph on its own recorded inputs), and the KV rows' ranges that give
 the uint8 cache its encodings.
 """
 
@@ -135,9 +135,9 @@ class RowsRecorder(Recorder):
 
 def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
     """Run the float bundle on samples; returns recorders for vision, prefill (hybrid) and decode (kv + generation)."""
-    from ..runtime.bundle import Bundle
-    from ..runtime.weights import release_freed_heap
-    from ..runtime.pipeline import VLM
+    from ...runtime.bundle import Bundle
+    from ...runtime.weights import release_freed_heap
+    from ...runtime.pipeline import VLM
 
     b = Bundle.open(float_bundle)
     m = b.manifest

@@ -13,10 +13,10 @@ Precisions:
          tensor; int8_matmuls), which its 1,000-row tiles run 2x faster than fp32
   w4a8   int4 weights as w4a16, computed in int8 likewise (what llama.cpp's Q4 x Q8 dot products do)
   w4a16o / w4a8o  int4 weights with a float offset per block (GGUF Q4_1's rule: w = d·q + m, min/max per block),
-         on the same symmetric kernels plus the offsets' term (export/quantize_offsets.py); float / int8 compute
+         on the same symmetric kernels plus the offsets' term (export/cpu/offsets.py); float / int8 compute
   w4a16g / w4a8g  int4 weights with uint8 zero points (MatMulNBits' asymmetric form, as fast as the symmetric
-         kernel), chosen by GPTQ on calibration Hessians of the decoder (export/quantize_gptq.py,
-         export/calibrate_gptq.py); float / int8 compute
+         kernel), chosen by GPTQ on calibration Hessians of the decoder (export/cpu/gptq.py,
+         export/cpu/calibrate_gptq.py); float / int8 compute
   w4a16m / w4a8m  the Q4_K_M-style mix: w4a16 / w4a8, but every decoder layer's v_proj and down_proj as w8a8
          (8-bit weights, int8 compute: ORT's CPU kernel for 8-bit weights with float activations is its slow
          path). Sizes, speeds and accuracy of every precision: docs/precisions.md.
@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import quantize_gptq, quantize_offsets
+from . import gptq as quantize_gptq, offsets as quantize_offsets
 
 PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o", "w4a16g", "w4a8g")
 GRAPHS = ("vision", "prefill", "decode", "lm_head")
@@ -43,9 +43,9 @@ WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4, "w8a8": 8, "w4a8": 4, "w4a16m": 4, "
 # time): that is w8a8, and for 4-bit weights w4a8 (measured: docs/precisions.md).
 ACCURACY_LEVEL = {"w8a16": None, "w4a16": None, "w8a8": 4, "w4a8": 4, "w4a16m": None, "w4a8m": 4, "w4a16o": None,
                   "w4a8o": 4, "w4a16g": None, "w4a8g": 4}
-# The block-offset precisions (asymmetric, float offset: export/quantize_offsets.py); the others but GPTQ are symmetric.
+# The block-offset precisions (asymmetric, float offset: export/cpu/offsets.py); the others but GPTQ are symmetric.
 OFFSETS = ("w4a16o", "w4a8o")
-# GPTQ with integer zero points (export/quantize_gptq.py): the decoder only (its calibration runs the decoder).
+# GPTQ with integer zero points (export/cpu/gptq.py): the decoder only (its calibration runs the decoder).
 GPTQ = ("w4a16g", "w4a8g")
 BLOCK_SIZE = 32
 # A plain 4-bit --quant keeps the vision graph at 8 bits (name `vision=w4a16` to get 4): the tower is a small
