@@ -38,7 +38,8 @@ def lines_of(out) -> dict:
 
 def batch(capsys, *argv) -> dict:
     capsys.readouterr()
-    assert cli.main(["batch", *map(str, argv), "--quiet", "--json"]) == 0
+    # --allow-local-urls: the job's URL is on loopback, which a batch refuses by default (docs/batch.md)
+    assert cli.main(["batch", *map(str, argv), "--allow-local-urls", "--quiet", "--json"]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
