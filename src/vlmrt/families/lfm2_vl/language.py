@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import layers
-from ..layers import CachedGQAttention, GatedMLP, RMSNorm
+from ..layers import ATTENTION_KINDS, CachedGQAttention, GatedMLP, RMSNorm
 from .config import Lfm2TextConfig
 
 
@@ -59,8 +59,9 @@ class Lfm2Layer(nn.Module):
         if kind == "conv":
             self.conv = ShortConv(t.hidden, t.conv_kernel, t.conv_bias)
         else:
-            self.self_attn = CachedGQAttention(t.hidden, t.heads, t.kv_heads, t.head_dim, qk_norm=True, eps=t.eps,
-                                               copy_free=copy_free)
+            self.self_attn = CachedGQAttention(t.hidden, t.heads, t.kv_heads, t.head_dim, qk_norm=True, eps=t.eps)
+            # the rows contract's attention body, by name (families/layers.py ATTENTION_KINDS)
+            self.attention = ATTENTION_KINDS["rows_copy_free" if copy_free else "rows_concat"]
         self.ffn_norm = RMSNorm(t.hidden, t.eps)
         self.feed_forward = GatedMLP(t.hidden, t.intermediate, "silu")  # w1 = gate_proj, w3 = up_proj, w2 = down_proj
 
@@ -69,7 +70,7 @@ class Lfm2Layer(nn.Module):
         if self.kind == "conv":
             a, *new = self.conv(y, *state)
         else:
-            a, *new = self.self_attn(y, cos, sin, mask, *state)
+            a, *new = self.self_attn(y, self.attention, (cos, sin), (mask,), *state)
         x = x + a
         return (x + self.feed_forward(self.ffn_norm(x)), *new)
 
