@@ -217,9 +217,11 @@ def test_q4_k_m_style_mix(tmp_path_factory, default_bundle):
         # 2 layers x (int4: q/k fused, o, gate/up fused; int8: v, down) + int4 head
         assert sorted(x for _, x in nbits(graph_path(b, g))) == [4] * 7 + [8] * 4
     mixed, plain = run_eval(b, default_bundle.ckpt), run_eval(bundle("w4a8", tmp_path_factory), default_bundle.ckpt)
-    # measured: mix top-1 0.473, KL 0.100; all-int4 top-1 0.473, KL 0.113.
+    # measured side by side (Intel Xeon with VNNI, session 11): mix top-1 0.473, KL 0.100; all-int4 top-1 0.473, KL 0.113;
+    # (AMD EPYC without AVX-512, session 12: mix 0.366, KL 0.142; all-int4 0.366, KL 0.156: ORT's int8 kernels differ
+    # by CPU, so the floor is the all-int4 bundle measured in the same run, not one CPU's number).
     # Top-1 on this hidden-64 random model is chaotic; the KL is what the two 8-bit projections move.
-    assert mixed["mean_kl"] < 0.95 * plain["mean_kl"] and mixed["top1_agreement"] >= 0.43
+    assert mixed["mean_kl"] < 0.95 * plain["mean_kl"] and mixed["top1_agreement"] >= plain["top1_agreement"]
 
 
 @pytest.mark.parametrize("bits, level", [(4, 4), (4, None), (8, 4)])

@@ -51,8 +51,9 @@ class MRopeDecoder(nn.Module):
         cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)
         hidden = inputs_embeds.shape[1]
         x, new = inputs_embeds, []
+        kind = self.inner.attention  # a rows attention body (families/layers.py ATTENTION_KINDS): rope = (cos, sin)
         for i, layer in enumerate(self.inner.layers):
-            x, k, v = layer(x, cos, sin, attention_mask, past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, kind, (cos, sin), (attention_mask,), past[2 * i], past[2 * i + 1])
             if i < self.levels:  # DeepStack: the image rows get this level's vision features
                 x = x + deepstack[:, i * hidden:(i + 1) * hidden]
             new += [k, v]
