@@ -514,19 +514,26 @@ def test_calibration_recorder_keeps_its_byte_budget():
         def run(self, names, feeds):
             return [np.zeros(2, np.float32), feeds["k"][:1] + 1, -feeds["v"][:1]]
 
+    def mask_at(slot: int, ctx: int) -> np.ndarray:  # a rows step's mask [1, ctx + 1]: slots < slot visible
+        m = np.full((1, ctx + 1), -1e9, np.float32)
+        m[0, :slot] = 0
+        m[0, ctx] = 0
+        return m
+
     kept = []
     for cls, budget in ((Recorder, 1 << 30), (RowsRecorder, 10_000)):
-        rec = cls(Echo(), {"k", "v"}, 64, "position_ids", budget=budget)
+        rec = cls(Echo(), {"k", "v"}, 64, "attention_mask", budget=budget)  # the slot is read from the mask
         for seq in range(3):
             for pos in range(40):  # caches [64, 8] float32, their first pos rows used: 32 bytes a row each
                 past = np.full((64, 8), pos, np.float32)
-                rec.run(None, {"k": past, "v": past, "position_ids": np.array([pos])})
+                rec.run(None, {"k": past, "v": past, "attention_mask": mask_at(pos, 64)})
         assert len(rec.first) == 12 and rec.calls == 120 and rec.bytes <= budget
         kept.append(len(rec.sampled))
     assert kept[0] == 64 and 4 <= kept[1] < 64 and rec.limit < 64
-    small = Recorder(Echo(), {"k", "v"}, 8, "position_ids")
+    small = Recorder(Echo(), {"k", "v"}, 8, "attention_mask")
     for pos in range(4, 2004):  # a full reservoir stays at its limit however many calls follow
-        small.run(None, {"k": np.zeros((1, 1), np.float32), "v": np.zeros((1, 1), np.float32), "position_ids": np.array([pos])})
+        small.run(None, {"k": np.zeros((1, 1), np.float32), "v": np.zeros((1, 1), np.float32),
+                         "attention_mask": mask_at(pos, pos)})
         assert len(small.sampled) <= 8
     assert len(small.sampled) == 8
     assert sum(v.nbytes for f in rec.sampled for v, _ in f.values()) == rec.bytes
