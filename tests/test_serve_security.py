@@ -539,8 +539,10 @@ def test_chat_page_asks_for_the_key_once(keyed, tmp_path):
         pytest.skip(f"{CHROMIUM} is missing (scripts/setup test installs Debian's chromium)")
     asked: list[str] = []
     with sync_api.sync_playwright() as p:
+        # bypass_csp: Playwright's wait_for_function evaluates its condition as a string, which the page's own CSP
+        # (no 'unsafe-eval') refuses; the page's scripts run as served either way
         ctx = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
-                                                   args=CHROMIUM_ARGS)
+                                                   args=CHROMIUM_ARGS, bypass_csp=True)
         try:
             page = ctx.new_page()
 

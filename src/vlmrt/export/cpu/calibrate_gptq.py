@@ -25,7 +25,7 @@ def greedy_sequence(decoder, embed: np.ndarray, ids: list[int], tokens: int) -> 
     rows = [x]
     with torch.no_grad():
         for step in range(tokens):
-            logits, *new = decoder(x, torch.arange(n - len(x), n), mask, *past)
+            logits, *new = decoder(x, torch.arange(n - len(x), n)[None], mask, *past)  # positions [1, ar]
             past = [torch.cat([p, r]) for p, r in zip(past, new)]
             tok = int(logits[-1].argmax())
             x = torch.from_numpy(np.asarray(embed[[tok]], np.float32))
