@@ -67,7 +67,7 @@ class Hessians:
                     mask = torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)
                     kv_dim = self.decoder.layers[0].self_attn.k_proj.out_features
                     past = [torch.zeros(0, kv_dim) for _ in range(2 * len(self.decoder.layers))]
-                    self.decoder(torch.from_numpy(seq), torch.arange(n), mask, *past)
+                    self.decoder(torch.from_numpy(seq), torch.arange(n)[None], mask, *past)  # positions [1, n]
         finally:
             for h in hooks:
                 h.remove()
