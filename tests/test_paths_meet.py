@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Mapping
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from session_hooks import DecoderCallHook
 from vlmrt.format import manifest as mf
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.pipeline import VLM
@@ -77,48 +77,23 @@ def test_answer_closed_mid_way_then_follow_ups_equal_fresh_runs(tiny, ref, mode)
     assert fresh(ref, first, **kw)[0].startswith(partial)
 
 
-class Interrupting(Mapping):
+class Interrupting(DecoderCallHook):
     """A bundle's sessions whose decoder graph calls raise KeyboardInterrupt on the n-th call once armed (Ctrl-C, or
     any failure, in the middle of a prefill)."""
 
     def __init__(self, sessions):
-        self.inner, self.left = sessions, None
+        super().__init__(sessions)
+        self.left = None
 
     def arm(self, n: int) -> None:
         self.left = n
 
-    def _tick(self):
+    def tick(self):
         if self.left is not None:
             self.left -= 1
             if self.left == 0:
                 self.left = None
                 raise KeyboardInterrupt
-
-    def __getitem__(self, name):
-        s = self.inner[name]
-        return s if name == "vision" else _Counted(s, self._tick)
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self):
-        return len(self.inner)
-
-
-class _Counted:
-    def __init__(self, session, tick):
-        self._s, self._tick = session, tick
-
-    def run(self, *a, **k):
-        self._tick()
-        return self._s.run(*a, **k)
-
-    def run_with_iobinding(self, *a, **k):
-        self._tick()
-        return self._s.run_with_iobinding(*a, **k)
-
-    def __getattr__(self, name):
-        return getattr(self._s, name)
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "kv"])

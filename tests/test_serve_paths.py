@@ -10,11 +10,11 @@ import json
 import random
 import threading
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from session_hooks import DecoderCallHook
 from serve_client import (  # noqa: F401  (fixtures: tiny, vlm)
     HOLDER, ask, busy_slots, direct, get, hold_slots, openai, picture, post, read_events, status, stream_request, tiny,
     uri, vlm, wait_cancelled, wait_idle)
@@ -24,12 +24,13 @@ from vlmrt.serve.command import Running
 from vlmrt.serve.scheduler import Scheduler
 
 
-class Gate(Mapping):
+class Gate(DecoderCallHook):
     """A bundle's sessions whose decoder graph calls can be held or made to fail at the n-th call from now: hold(n)
     stops the n-th call until release() (entered is set when it is reached); fail(n) makes it raise."""
 
     def __init__(self, sessions):
-        self.inner, self.left, self.action = sessions, None, None
+        super().__init__(sessions)
+        self.left, self.action = None, None
         self.entered, self.go = threading.Event(), threading.Event()
 
     def hold(self, n: int) -> None:
@@ -54,32 +55,6 @@ class Gate(Mapping):
             raise RuntimeError("an injected decoder failure")
         self.entered.set()
         assert self.go.wait(60), "the test never released the held call"
-
-    def __getitem__(self, name):
-        s = self.inner[name]
-        return s if name == "vision" else _Ticking(s, self.tick)
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self):
-        return len(self.inner)
-
-
-class _Ticking:
-    def __init__(self, session, tick):
-        self._s, self._tick = session, tick
-
-    def run(self, *a, **k):
-        self._tick()
-        return self._s.run(*a, **k)
-
-    def run_with_iobinding(self, *a, **k):
-        self._tick()
-        return self._s.run_with_iobinding(*a, **k)
-
-    def __getattr__(self, name):
-        return getattr(self._s, name)
 
 
 def gated_server(bundle, slots: int):
