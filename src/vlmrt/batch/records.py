@@ -161,19 +161,14 @@ def resolve(src: str, base: Path) -> str:
 
 
 def _resolve_part(part: dict, base: Path) -> None:
-    if part.get("type") == "image_url":
-        u = part["image_url"]
+    kind = part.get("type")
+    if kind in ("image_url", "video_url"):
+        u = part[kind]
         if isinstance(u, dict):
             u["url"] = resolve(u["url"], base)
         else:
-            part["image_url"] = resolve(u, base)
-    elif part.get("type") == "video_url":
-        u = part["video_url"]
-        if isinstance(u, dict):
-            u["url"] = resolve(u["url"], base)
-        else:
-            part["video_url"] = resolve(u, base)
-    elif part.get("type") in ("image", "video"):
+            part[kind] = resolve(u, base)
+    elif kind in ("image", "video"):
         for k in ("image", "video", "url", "path"):
             if isinstance(part.get(k), str):
                 part[k] = resolve(part[k], base)

@@ -101,6 +101,9 @@ def _stop(v) -> list[str] | None:
     return stops
 
 
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # content part type -> its kind in the cache key
+
+
 def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list of {role, content} objects")
@@ -118,20 +121,13 @@ def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
                 kind = p.get("type") if isinstance(p, dict) else None
                 if kind == "text":
                     kparts.append(("text", p.get("text")))
-                elif kind == "image_url":
-                    u = p.get("image_url")
+                elif kind in MEDIA_PARTS:
+                    u = p.get(kind)
                     url = u.get("url") if isinstance(u, dict) else None
                     if not isinstance(url, str) or not url:
-                        raise bad_request(f"{where}, part {j + 1}: image_url needs {{\"url\": ...}}", "invalid_content_part")
-                    urls.append(url)
-                    kparts.append(("image", hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()))
-                elif kind == "video_url":
-                    u = p.get("video_url")
-                    url = u.get("url") if isinstance(u, dict) else None
-                    if not isinstance(url, str) or not url:
-                        raise bad_request(f"{where}, part {j + 1}: video_url needs {{\"url\": ...}}", "invalid_content_part")
-                    video_urls.append(url)
-                    kparts.append(("video", hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()))
+                        raise bad_request(f"{where}, part {j + 1}: {kind} needs {{\"url\": ...}}", "invalid_content_part")
+                    (urls if kind == "image_url" else video_urls).append(url)
+                    kparts.append((MEDIA_PARTS[kind], hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()))
                 else:
                     raise bad_request(f"{where}, part {j + 1}: unknown content part type {kind!r} (text, image_url or "
                                       "video_url)", "invalid_content_part")
