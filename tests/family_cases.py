@@ -53,6 +53,45 @@ def exported(case: Case, tmp_path_factory) -> Exported:
 
 
 @dataclass(frozen=True)
+class Lfm2Case:
+    """An LFM2-VL checkpoint shape: its layer_types (conv / full_attention), the decoder kind the export takes
+    (attention gqa: gqa_in_place, portable: rows_dynamic; context_step 0: rows_static), prefill AR (blocks that cut
+    the conv windows), tied head, and the checkpoint's other options."""
+
+    name: str
+    layer_types: tuple[str, ...]
+    prefill_ar: int
+    attention: str | None = None
+    context_step: int | None = None
+    tie: bool = True
+    options: tuple = ()
+
+
+LFM2_CASES = [
+    # two conv layers in a row, a conv layer last; the CPU default kind (GroupQueryAttention beside the conv rows)
+    Lfm2Case("lfm2-conv-attn-conv-conv-gqa", ("conv", "full_attention", "conv", "conv"), prefill_ar=8),
+    # attention first and last, conv biases, an untied head; rows_dynamic
+    Lfm2Case("lfm2-attn-conv-conv-attn-conv-rows", ("full_attention", "conv", "conv", "full_attention", "conv"),
+             prefill_ar=5, attention="portable", tie=False, options=(("conv_bias", True),)),
+    # LFM2's adjusted FFN width; static graphs (rows_static: a padded last block)
+    Lfm2Case("lfm2-conv-conv-attn-static", ("conv", "conv", "full_attention"), prefill_ar=16, context_step=0,
+             options=(("auto_adjust_ff", True), ("intermediate", 192))),
+]
+
+
+def lfm2_exported(case: Lfm2Case, tmp_path_factory) -> Exported:
+    """An LFM2-VL case's checkpoint, exported once per test session."""
+    from fixtures_lfm2_vl import LFM2_VL, make_lfm2_vl_checkpoint
+
+    def make(folder):
+        return make_lfm2_vl_checkpoint(folder, layer_types=case.layer_types, tie_word_embeddings=case.tie,
+                                       seed=LFM2_CASES.index(case), **dict(case.options))
+
+    return export_once(case, tmp_path_factory, make, LFM2_VL, prefill_ar=case.prefill_ar, attention=case.attention,
+                       context_step=case.context_step)
+
+
+@dataclass(frozen=True)
 class FamilyCases:
     """What the shared runner needs of one family."""
 
@@ -66,6 +105,7 @@ class FamilyCases:
 FAMILIES = {
     "smolvlm": FamilyCases(conftest.CASES, conftest.exported, eos_stops={"untied-split": 46}),
     "internvl": FamilyCases(CASES, exported),
+    "lfm2_vl": FamilyCases(LFM2_CASES, lfm2_exported),
 }
 
 

@@ -24,6 +24,10 @@ def hf_run(ex, image_path, prompt: str, n: int, ignore_eos: bool = True):
     if key not in _HF_RUNS:
         model, proc = ex.hf()
         im = Image.open(image_path) if image_path else None
+        if im is not None and ex.family.rgb:  # transformers' own conversion (transparency onto white)
+            from transformers.image_transforms import convert_to_rgb
+
+            im = Image.fromarray(convert_to_rgb(im, return_numpy=True))
         _HF_RUNS[key] = oracle.generate(ex.family, ex.ckpt, im, prompt, n, ignore_eos=ignore_eos, model=model,
                                         processor=proc)
     return _HF_RUNS[key]

@@ -240,3 +240,29 @@ def hf_generate(model, processor, images: list, prompt: str, max_new_tokens: int
         out = model.generate(**inputs, generation_config=cfg, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
     n = inputs["input_ids"].shape[1]
     return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+
+
+def model_pixels(tiles) -> dict:
+    """Lfm2VlForConditionalGeneration's image keywords from vlmrt's naflex_tiles (oracle.OracleFamily.model_pixels):
+    the padded patch rows, their grids, the mask of the real rows."""
+    import numpy as np
+    import torch
+
+    n = tiles.patch_grids.prod(1)
+    mask = np.arange(tiles.pixels.shape[1])[None] < n[:, None]
+    return {"pixel_values": torch.from_numpy(tiles.pixels), "spatial_shapes": torch.from_numpy(tiles.patch_grids),
+            "pixel_attention_mask": torch.from_numpy(mask)}
+
+
+def _oracle():
+    from oracle import OracleFamily
+
+    return OracleFamily(
+        model="transformers.models.lfm2_vl:Lfm2VlForConditionalGeneration",
+        processor="transformers.models.lfm2_vl:Lfm2VlProcessor",
+        image_processor="transformers.models.lfm2_vl.image_processing_lfm2_vl:Lfm2VlImageProcessor",
+        seq_len_key="", nested_images=True, pixel_batch_dim=False,
+        make_processor="fixtures_lfm2_vl:hf_processor", model_pixels="fixtures_lfm2_vl:model_pixels", rgb=True)
+
+
+LFM2_VL = _oracle()

@@ -25,6 +25,24 @@ class OracleFamily:
     pixel_batch_dim: bool  # pixel_values come as [1, tiles, 3, S, S] (SmolVLM) or [tiles, 3, S, S] (InternVL)
     # the processor's own apply_chat_template reads video_processor.num_frames (SmolVLM): use ProcessorMixin's
     mixin_chat_template: bool = False
+    # "module:function" (ckpt) -> the processor, for a family whose processor is built otherwise (LFM2-VL's
+    # torchvision image processor, its max_num_patches left out); None: `processor` below
+    make_processor: str | None = None
+    # "module:function" (vlmrt's image.Tiles) -> the model's image keywords, for a family that takes more than
+    # pixel_values (LFM2-VL: spatial_shapes, pixel_attention_mask); None: pixel_values alone
+    model_pixels: str | None = None
+    # the image processor takes RGB images only (LFM2-VL's torchvision one): images converted first with
+    # transformers' convert_to_rgb (transparency composited onto white)
+    rgb: bool = False
+
+
+def model_image_inputs(fam: "OracleFamily", tiles) -> dict:
+    """The model's image keywords from vlmrt's own tiles (the first-logits check feeds them to the model)."""
+    import torch
+
+    if fam.model_pixels:
+        return _import(fam.model_pixels)(tiles)
+    return {"pixel_values": torch.from_numpy(tiles.pixels[None] if fam.pixel_batch_dim else tiles.pixels)}
 
 
 def _import(path: str):
@@ -66,6 +84,8 @@ def processor(fam: OracleFamily, ckpt: Path):
     """The family's processor over its PIL image processor + the checkpoint's tokenizer, no video processor."""
     from transformers import AutoTokenizer
 
+    if fam.make_processor:
+        return _import(fam.make_processor)(ckpt)
     ckpt = Path(ckpt)
     pre = json.loads((ckpt / "preprocessor_config.json").read_text())
     pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
@@ -120,7 +140,7 @@ def generate(fam: OracleFamily, ckpt: Path, image, prompt: str, max_new_tokens: 
         pixel_values = inputs["pixel_values"].to(torch.float32).numpy()
     else:
         inputs = processor(text=[text], return_tensors="pt")
-        size = model.config.vision_config.image_size
+        size = getattr(model.config.vision_config, "image_size", 0)  # (NaFlex towers have none)
         tile = size[0] if isinstance(size, (list, tuple)) else size
         pixel_values = np.zeros(((1,) if fam.pixel_batch_dim else ()) + (0, 3, tile, tile), dtype=np.float32)
     prompt_ids = inputs["input_ids"][0].tolist()

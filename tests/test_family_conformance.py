@@ -12,6 +12,7 @@ import pytest
 
 from conftest import IMAGES, image_file
 from family_cases import FAMILIES, all_cases
+import oracle
 from family_runner import cli_json, hf_run
 from vlmrt import families
 from vlmrt.runtime import image as img_ops
@@ -106,9 +107,8 @@ def test_first_logits_close_to_transformers(case):
     tiles = img_ops.preprocess(img_ops.load_image(image_file("chelsea.png", None)), vlm.manifest.image)
     p = vlm.prompt(PROMPT, [image_file("chelsea.png", None)])
     ids, embeds = p.ids, vlm.embed_prompt(p)
-    pixels = torch.from_numpy(tiles.pixels[None] if case.family.pixel_batch_dim else tiles.pixels)
     with torch.no_grad():
-        ref = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0, -1].numpy()
+        ref = model(input_ids=torch.tensor([ids]), **oracle.model_image_inputs(case.family, tiles)).logits[0, -1].numpy()
     for mode in ("kv", "hybrid"):
         vlm.reset()
         got = vlm.engine.prefill(embeds, mode)

@@ -75,7 +75,7 @@ def test_decoder_must_be_the_causal_decoder_with_hf_llama_names():
         pass
 
     with pytest.raises(FamilyContractError, match="family smolvlm: load_weights gave a OwnDecoder decoder; the exporter "
-                                                  "traces, quantizes and calibrates layers.CausalDecoder only"):
+                                                  "traces, quantizes and calibrates a families.DecoderModule only"):
         with_weights(lambda c: (modules(c)[0], OwnDecoder(), modules(c)[2])).weights(cfg, {})
 
     def renamed(c):  # the MLP under another name: the quantizer's mixed precisions would find no down_proj

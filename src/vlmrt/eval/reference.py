@@ -18,13 +18,12 @@ from ..runtime.bundle import Bundle
 
 
 class TorchVision:
-    def __init__(self, module, out_name: str):
-        self.module, self.out_name = module, out_name
+    def __init__(self, module, m: Manifest):
+        self.module, self.inputs = module, [m.vision.patches_input, *m.vision.extra_inputs.values()]
 
     def run(self, names, feeds):
-        (x,) = feeds.values()
         with torch.no_grad():
-            return [self.module(torch.from_numpy(np.asarray(x, np.float32))).numpy()]
+            return [self.module(*(torch.from_numpy(np.asarray(feeds[n], np.float32)) for n in self.inputs)).numpy()]
 
 
 # the torch attention kind (families/layers.py ATTENTION_KINDS) that computes what each decoder kind's graph does
@@ -67,5 +66,5 @@ def torch_bundle(ckpt_path: Path, m: Manifest, tokenizer) -> Bundle:
     family = family_for(ckpt.config)
     vision, decoder, embed = family.weights(family.config(ckpt.config), ckpt.tensors())
     dec = TorchDecoder(decoder.float(), m)
-    sessions = {"vision": TorchVision(vision.float(), m.vision.embeds_output), "prefill": dec, "decode": dec}
+    sessions = {"vision": TorchVision(vision.float(), m), "prefill": dec, "decode": dec}
     return Bundle(Path(ckpt_path), m, sessions, tokenizer, embed.numpy().astype(np.float32))

@@ -17,6 +17,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import onnx
 import torch
@@ -32,14 +33,35 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 KV_OUTPUT_PREFIX = {"rows_copy_free": "new", "rows_concat": "new", "gqa_in_place": "present"}
 
 
-def kv_names(layers: int, attention: str = "rows_copy_free") -> tuple[list[str], list[str]]:
-    """The cache inputs and outputs of a decoder graph of the attention kind."""
+def kv_names(layers: int | tuple[str, ...], attention: str = "rows_copy_free") -> tuple[list[str], list[str]]:
+    """The state inputs and outputs of a decoder graph of the attention kind, per layer in order: an attention layer's
+    past_key_i, past_value_i -> new_/present_key_i, ..._value_i; a conv layer's past_conv_i -> new_conv_i.
+    layers: the decoder's layer_kinds (an int: that many attention layers)."""
+    kinds = ("attention",) * layers if isinstance(layers, int) else layers
     ins, outs = [], []
     out = KV_OUTPUT_PREFIX[attention]
-    for i in range(layers):
-        ins += [f"past_key_{i}", f"past_value_{i}"]
-        outs += [f"{out}_key_{i}", f"{out}_value_{i}"]
+    for i, kind in enumerate(kinds):
+        if kind == "conv":
+            ins, outs = ins + [f"past_conv_{i}"], outs + [f"new_conv_{i}"]
+        else:
+            ins += [f"past_key_{i}", f"past_value_{i}"]
+            outs += [f"{out}_key_{i}", f"{out}_value_{i}"]
     return ins, outs
+
+
+def _state(decoder, attention_state: Callable, dt) -> tuple[list[torch.Tensor], list]:
+    """Example state tensors per layer (attention: attention_state() -> (tensor, dims), two of them; conv: its window
+    [width, channels], static) and their dynamic dims."""
+    past, dims = [], []
+    width, channels = decoder.conv_state
+    for kind in decoder.layer_kinds:
+        if kind == "conv":
+            past, dims = past + [torch.zeros(width, channels, dtype=dt)], dims + [None]
+        else:  # two tensors: the exporter folds one tensor passed twice into one input
+            for _ in range(2):
+                t, d = attention_state()
+                past, dims = past + [t], dims + [d]
+    return past, dims
 
 
 @contextlib.contextmanager
@@ -131,13 +153,16 @@ def compute_dtype(precision: str, io_dtype: str) -> str:
     return precision if precision in TORCH_DTYPES else io_dtype
 
 
-def export_vision(vision: torch.nn.Module, patches: int, patch_dim: int, io_dtype: str, precision: str, path: Path) -> None:
+def export_vision(vision: torch.nn.Module, patches: int, patch_dim: int, io_dtype: str, precision: str, path: Path,
+                  extra: dict[str, tuple[int, ...]] | None = None) -> None:
+    """extra: the module's inputs after the patch rows, {graph input name: shape} (families.vision_extra_inputs)."""
     from .cpu import quantize
 
     io = TORCH_DTYPES[io_dtype]
     x = torch.zeros(patches, patch_dim, dtype=io)
+    more = [torch.zeros(shape, dtype=io) for shape in (extra or {}).values()]
     module = CastIO(copy.deepcopy(vision), TORCH_DTYPES[compute_dtype(precision, io_dtype)], io)
-    export_graph(module, (x,), ["pixel_patches"], ["image_embeds"], path)
+    export_graph(module, (x, *more), ["pixel_patches", *(extra or {})], ["image_embeds"], path)
     if precision in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
             rewrite(path, quantize.quantize_vision(onnx.load(str(path)), precision))
@@ -183,20 +208,19 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     embeds = torch.zeros(ar, hidden, dtype=dt)
     positions = torch.arange(ar, dtype=torch.int64)[None]  # [rope rows = 1, ar]
     mask = torch.zeros(ar, max_context + ar, dtype=dt)
-    past = [torch.zeros(max_context, kv_heads * head_dim, dtype=dt) for _ in range(2 * layers)]
-    kin, kout = kv_names(layers, attention)
+    ctx = torch.export.Dim("ctx", min=2, max=max_context) if dynamic_context else None
+    past, past_dims = _state(decoder, lambda: (torch.zeros(max_context, kv_heads * head_dim, dtype=dt), {0: ctx}), dt)
+    kin, kout = kv_names(decoder.layer_kinds, attention)
     extra, extra_names = ([torch.arange(ar, dtype=torch.int64)], ["logit_rows"]) if dynamic_ar else ([], [])
     dynamic = None
     if dynamic_context:
-        ctx = torch.export.Dim("ctx", min=2, max=max_context)
         n = torch.export.Dim("ar", min=1, max=ar) if dynamic_ar else None
         rows = {0: n} if dynamic_ar else None
         pos_dims = {1: n} if dynamic_ar else None
         # CastIO.forward(*args): one varargs entry
         total = torch.export.Dim.AUTO if dynamic_ar else ctx + ar  # ctx + ar: the exporter derives it
         logit_rows = [{0: torch.export.Dim("rows", min=1, max=ar)}] if dynamic_ar else []
-        dynamic = ((rows, pos_dims, {0: n, 1: total} if dynamic_ar else {1: total}, *[{0: ctx}] * (2 * layers),
-                    *logit_rows),)
+        dynamic = ((rows, pos_dims, {0: n, 1: total} if dynamic_ar else {1: total}, *past_dims, *logit_rows),)
     export_graph(
         module, (embeds, positions, mask, *past, *extra),
         ["inputs_embeds", "position_ids", "attention_mask", *kin, *extra_names], ["logits", *kout], path, dynamic,
@@ -232,15 +256,15 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
     embeds = torch.zeros(ar, hidden, dtype=dt)
     positions = torch.arange(ar, dtype=torch.int64)[None]  # [1, ar]: GroupQueryAttention's position_ids
     seqlens, total = torch.tensor([ar - 1], dtype=torch.int32), torch.tensor(ar, dtype=torch.int32)
-    past = [torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt) for _ in range(2 * layers)]
-    kin, kout = kv_names(layers, "gqa_in_place")
+    past, past_dims = _state(decoder, lambda: (torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt), None), dt)
+    kin, kout = kv_names(decoder.layer_kinds, "gqa_in_place")
     n = torch.export.Dim("ar", min=1, max=ar)
     extra, extra_names, extra_dims = [], [], []
     if token_rows:  # [ar, hidden] int8, [ar] float32
         module = TokenRows(module)
         extra, extra_names = [torch.zeros(ar, hidden, dtype=torch.int8), torch.zeros(ar)], ["token_rows", "token_scales"]
         extra_dims = [{0: n}, {0: n}]
-    dynamic = (({0: n}, {1: n}, None, None, *[None] * (2 * layers), {0: torch.export.Dim("rows", min=1, max=ar)},
+    dynamic = (({0: n}, {1: n}, None, None, *past_dims, {0: torch.export.Dim("rows", min=1, max=ar)},
                 *extra_dims),)
     export_graph(module, (embeds, positions, seqlens, total, *past, torch.arange(ar, dtype=torch.int64), *extra),
                  ["inputs_embeds", "position_ids", "seqlens_k", "total_sequence_length", *kin, "logit_rows",

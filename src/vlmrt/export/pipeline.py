@@ -18,7 +18,7 @@ import numpy as np
 from .. import __version__
 from ..format import manifest as mf
 from ..format import staging
-from ..families import Family, FamilyConfig, HostSpec, family_for
+from ..families import Family, FamilyConfig, HostSpec, family_for, vision_extra_inputs
 from ..progress import Laps, Progress
 from . import graphs
 from .htp import precisions as htp_precisions, qnn_context
@@ -235,7 +235,8 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
     hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
     p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
-    graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"], tmp / "vision.onnx")
+    graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"],
+                         tmp / "vision.onnx", vision_extra_inputs(vision))
     p.done()
     decoder_graphs = []
     verify = plan.htp["lookahead_ar"] if plan.htp else 0
@@ -305,8 +306,9 @@ def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
 
 
 def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embed_dtype: str,
-              scale_file: str | None) -> mf.Manifest:
-    """The manifest of the files in tmp (all of them: a file it does not list is an error)."""
+              scale_file: str | None, state: tuple, extra_inputs: dict) -> mf.Manifest:
+    """The manifest of the files in tmp (all of them: a file it does not list is an error). state: the decoder's
+    (layer_kinds, conv_state); extra_inputs: the vision graph's inputs after the patch rows, by role."""
     t, host = plan.cfg.text, plan.host
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
@@ -324,23 +326,33 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
         prompt=plan.prompt,
         special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=plan.ckpt.eos_ids(plan.tok_json),
                                         pad_token_id=plan.ckpt.pad_id(t.vocab)),
-        kv=mf.KVSpec(max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype], layers=_cache_layers(plan)),
+        kv=mf.KVSpec(max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype], layers=_cache_layers(plan, *state)),
         decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
                                embeds_input="inputs_embeds", positions=mf.PositionsSpec(input="position_ids"),
                                logits_output="logits", kind=_decoder_kind(plan),
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file),
-        vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds"),
+        vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds", tile_inputs=host.tile_inputs,
+                             extra_inputs={role: role for role in extra_inputs}, params=host.tile_params or {}),
         generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
         files=mf.list_files(tmp, files),
     )
 
 
-def _cache_layers(plan: Plan) -> list[mf.AttentionLayer]:
-    """One attention layer per decoder layer (today's families), its tensor names graphs.kv_names'."""
+def _cache_layers(plan: Plan, kinds: tuple[str, ...], conv_state: tuple[int, int]) -> list[mf.AttentionLayer | mf.ConvLayer]:
+    """One entry per decoder layer by its cache kind (the decoder's layer_kinds), its tensor names graphs.kv_names'."""
     t = plan.cfg.text
-    out = graphs.KV_OUTPUT_PREFIX[plan.attention]
-    return mf.attention_layers(t.layers, t.kv_heads, t.head_dim, key_output=f"{out}_key_{{layer}}",
-                               value_output=f"{out}_value_{{layer}}")
+    ins, outs = graphs.kv_names(kinds, plan.attention)
+    layers, at = [], 0
+    for kind in kinds:
+        if kind == "conv":
+            layers.append(mf.ConvLayer("conv", channels=conv_state[1], width=conv_state[0], state_input=ins[at],
+                                       state_output=outs[at]))
+            at += 1
+        else:
+            layers.append(mf.AttentionLayer("attention", t.kv_heads, t.head_dim, ins[at], ins[at + 1], outs[at],
+                                            outs[at + 1]))
+            at += 2
+    return layers
 
 
 def _decoder_kind(plan: Plan) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
@@ -373,6 +385,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     note = "from --max-seq-len" if max_seq_len is not None else plan.family.max_context(plan.cfg, plan.host)[1]
     p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note})")
 
+    state, extra_inputs = (decoder.layer_kinds, decoder.conv_state), vision_extra_inputs(vision)
     with staging.staged(out) as tmp:
         hessian = _gptq_hessians(plan, decoder, embed.numpy(), p)
         decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian)
@@ -380,7 +393,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
         gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
         p.start("manifest")
-        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file)
+        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, state, extra_inputs)
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back
         p.done()

@@ -9,8 +9,8 @@ does (it reads the manifest the exporter wrote from them).
 
 What the exporter relies on is checked where a family is looked up (`family_for`: the module's FAMILY agrees with
 REGISTRY) and when the export starts (the accessors), each in one line naming the family, before any graph is
-traced: the decoder is a `layers.CausalDecoder` (the one decoder the graphs, the quantizer and the calibration
-know) with the HF-Llama module names the quantizer matches, the vision module maps one tile to `tokens_per_tile`
+traced: the decoder is a `DecoderModule` (layers.CausalDecoder, or a family's own with its step contract: a cache
+kind per layer, attention or conv) with the HF-Llama module names the quantizer matches, the vision module maps one tile to `tokens_per_tile`
 rows of the decoder's width, the embedding table is [vocab, hidden], and the host ops the family names exist in
 the runtime. What a new family provides: docs/adding-a-family.md.
 """
@@ -29,18 +29,23 @@ if TYPE_CHECKING:  # (torch only for export: this module is imported without it)
 
     from .checkpoint import Checkpoint
     from .decoder import TextConfig
-    from .layers import CausalDecoder
 
 # config.json model_type -> the family module (vlmrt.families.<name>) whose FAMILY exports it
-REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl"}
+REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl",
+            "lfm2_vl": "lfm2_vl"}
 
 # preprocessor_config.json "resample" (PIL's enum values) -> the runtime's filter names
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
-# the module names of CausalDecoder that the quantizer and the GPTQ calibration find weights by (HF Llama's:
-# export/cpu/quantize.py MIXED_8BIT, export/cpu/calibrate_gptq.py), per decoder layer, and the stack's own
-DECODER_LAYER_WEIGHTS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                         "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# the module names the quantizer and the GPTQ calibration find weights by (HF Llama's: export/cpu/quantize.py
+# MIXED_8BIT, export/cpu/calibrate_gptq.py), per decoder layer by its cache kind (DecoderModule.layer_kinds), and
+# the stack's own
+DECODER_LAYER_WEIGHTS = {
+    "attention": ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    "conv": ("input_layernorm", "conv.in_proj", "conv.out_proj", "post_attention_layernorm", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj"),  # (a gated short convolution in place of attention: LFM2)
+}
 DECODER_WEIGHTS = ("norm", "lm_head")
 
 
@@ -91,6 +96,23 @@ class HostSpec:
     # templates that render no image item (OpenGVLab's originals): (placeholder, text put before the prompt)
     image_in_text_fallback: tuple[str, str] | None = None
     video: dict[str, Any] | None = None  # manifest.VideoSpec fields, for a checkpoint whose processor reads videos
+    # how the vision graph takes a tile: a host op of runtime/tile_inputs.py TILE_INPUTS and its parameters
+    tile_inputs: str = "unfold_patches"
+    tile_params: dict[str, Any] | None = None
+
+
+class DecoderModule(Protocol):
+    """What the exporter, the quantizer, the GPTQ calibration and the float reference rely on in a family's decoder
+    (layers.CausalDecoder; lfm2_vl/language.py Lfm2Decoder): one step over the cache outside the graph, as
+    layers.CausalDecoder's doc says, with conv layers' windows among the state where layer_kinds says so."""
+
+    layers: Any  # nn.ModuleList, one module per decoder layer, with DECODER_LAYER_WEIGHTS[its kind]
+    norm: Any
+    lm_head: Any
+    layer_kinds: tuple[str, ...]  # each layer's cache kind (manifest.CACHE_LAYER_KINDS: "attention" | "conv")
+    conv_state: tuple[int, int]  # (width, channels) of a conv layer's window (only read where a layer is "conv")
+
+    def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> Any: ...
 
 
 class VisionSizes(Protocol):
@@ -100,7 +122,7 @@ class VisionSizes(Protocol):
 class FamilyConfig(Protocol):
     """The parts of a family's config dataclass the exporter reads (checked by `Family.config`)."""
 
-    text: TextConfig  # the decoder's shape, built by families/decoder.py
+    text: TextConfig  # the decoder's shape (families/decoder.py; or a family's own with the fields TEXT_FIELDS names)
     vision: VisionSizes
     patches_per_tile: int  # the vision graph's input rows (one tile)
     tokens_per_tile: int  # its output rows: image tokens per tile
@@ -111,7 +133,7 @@ class Weights(NamedTuple):
     """What `load_weights` builds from a checkpoint's tensors (eval mode, float32)."""
 
     vision: torch.nn.Module  # forward(patches [patches_per_tile, 3*p*p]) -> [tokens_per_tile, text hidden]
-    decoder: CausalDecoder  # families/decoder.py `build` / `load` (weights.text_decoder)
+    decoder: DecoderModule  # layers.CausalDecoder (families/decoder.py `build` / `load`), or a family's own
     embed: torch.Tensor  # the token-embedding table [vocab, hidden] (the host's lookup: embed.npy)
 
 
@@ -134,8 +156,10 @@ class Family:
         from .decoder import TextConfig
 
         cfg = self.config_from_hf(config)
-        if not isinstance(getattr(cfg, "text", None), TextConfig):
-            raise self.fail("config_from_hf must give a config whose .text is a families.decoder.TextConfig")
+        text = getattr(cfg, "text", None)
+        if not isinstance(text, TextConfig) and not all(_positive(getattr(text, f, None)) for f in TEXT_FIELDS):
+            raise self.fail("config_from_hf must give a config whose .text is a families.decoder.TextConfig (or has "
+                            f"positive int {', '.join(TEXT_FIELDS)})")
         for field in ("patches_per_tile", "tokens_per_tile"):
             value = getattr(cfg, field, None)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -150,29 +174,36 @@ class Family:
     def weights(self, cfg: FamilyConfig, tensors: Mapping[str, torch.Tensor]) -> Weights:
         import torch
 
-        from .layers import CausalDecoder
+        from ..format.manifest import CACHE_LAYER_KINDS
 
         vision, decoder, embed = self.load_weights(cfg, tensors)
         t = cfg.text
-        if not isinstance(decoder, CausalDecoder):
+        kinds = getattr(decoder, "layer_kinds", None)
+        if not isinstance(decoder, torch.nn.Module) or not callable(getattr(decoder, "with_options", None)) or \
+                not isinstance(kinds, tuple) or not set(kinds) <= set(CACHE_LAYER_KINDS):
             raise self.fail(f"load_weights gave a {type(decoder).__name__} decoder; the exporter traces, quantizes and "
-                            "calibrates layers.CausalDecoder only (build it with families/decoder.py)")
+                            "calibrates a families.DecoderModule only (layers.CausalDecoder: build it with "
+                            "families/decoder.py)")
         names = {n for n, _ in decoder.named_modules()}
         if "lm_head" in names and "norm" in names:  # (else: named below)
             got = (len(decoder.layers), decoder.norm.weight.shape[0], decoder.lm_head.out_features)
-            if got != (t.layers, t.hidden, t.vocab):
-                raise self.fail(f"the decoder's layers / hidden / vocab {' / '.join(map(str, got))} are not the config's "
-                                f"{t.layers} / {t.hidden} / {t.vocab}")
-        want = [f"layers.{i}.{w}" for i in range(t.layers) for w in DECODER_LAYER_WEIGHTS] + list(DECODER_WEIGHTS)
+            if got != (t.layers, t.hidden, t.vocab) or len(kinds) != t.layers:
+                raise self.fail(f"the decoder's layers / hidden / vocab {' / '.join(map(str, got))} (layer_kinds "
+                                f"{len(kinds)}) are not the config's {t.layers} / {t.hidden} / {t.vocab}")
+        want = [f"layers.{i}.{w}" for i, k in enumerate(kinds) for w in DECODER_LAYER_WEIGHTS[k]] + list(DECODER_WEIGHTS)
         missing = [w for w in want if w not in names]
         if missing:
             raise self.fail(f"the decoder has no module {missing[0]} (the quantizer finds weights by HF Llama's names)")
+        if "conv" in kinds and not (isinstance(getattr(decoder, "conv_state", None), tuple)
+                                    and all(map(_positive, decoder.conv_state))):
+            raise self.fail("a decoder with conv layers must give conv_state = (width, channels), positive ints")
         if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (t.vocab, t.hidden):
             raise self.fail(f"the embedding table must be a [vocab, hidden] = [{t.vocab}, {t.hidden}] tensor, not "
                             f"{tuple(getattr(embed, 'shape', ())) or type(embed).__name__}")
         if not isinstance(vision, torch.nn.Module):
             raise self.fail(f"load_weights gave a {type(vision).__name__} vision tower, not a torch module")
-        got = _output_shape(vision, (cfg.patches_per_tile, 3 * cfg.vision.patch_size**2))
+        extra = vision_extra_inputs(vision)
+        got = _output_shape(vision, (cfg.patches_per_tile, 3 * cfg.vision.patch_size**2), *extra.values())
         if got != (cfg.tokens_per_tile, t.hidden):
             raise self.fail(f"the vision module maps one tile [{cfg.patches_per_tile}, {3 * cfg.vision.patch_size**2}] "
                             f"to {list(got)}, not [tokens_per_tile, hidden] = [{cfg.tokens_per_tile}, {t.hidden}]")
@@ -181,6 +212,7 @@ class Family:
     def host(self, ckpt: Checkpoint, cfg: FamilyConfig, tok_json: dict) -> HostSpec:
         from ..runtime.image import TILING
         from ..runtime.prompt import EXPANSION
+        from ..runtime.tile_inputs import TILE_INPUTS
 
         host = self.host_spec(ckpt, cfg, tok_json)
         if not isinstance(host, HostSpec) or not isinstance(host.image, ImageSpec):
@@ -188,6 +220,9 @@ class Family:
         if host.image.tiling not in TILING:
             raise self.fail(f"tiling {host.image.tiling!r} is not a host op of the runtime ({', '.join(TILING)}; "
                             "runtime/image.py TILING)")
+        if host.tile_inputs not in TILE_INPUTS:
+            raise self.fail(f"tile inputs {host.tile_inputs!r} is not a host op of the runtime ({', '.join(TILE_INPUTS)}; "
+                            "runtime/tile_inputs.py TILE_INPUTS)")
         if host.prompt_expansion not in EXPANSION:
             raise self.fail(f"prompt expansion {host.prompt_expansion!r} is not a host op of the runtime "
                             f"({', '.join(EXPANSION)}; runtime/prompt.py EXPANSION)")
@@ -205,14 +240,29 @@ class Family:
         return tokens, why
 
 
-def _output_shape(module, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The module's output shape for a float32 input of `shape`, worked out on fake tensors (no compute, no memory:
+# the fields of a family's text config the exporter reads (families/decoder.py TextConfig has them all)
+TEXT_FIELDS = ("hidden", "heads", "kv_heads", "head_dim", "layers", "intermediate", "vocab")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def vision_extra_inputs(vision) -> dict[str, tuple[int, ...]]:
+    """The vision module's inputs after the patch rows, by role (manifest VisionSpec.extra_inputs: a NaFlex tower's
+    position weights and key mask), with their shapes: the module's `extra_inputs()`, none for a plain tower."""
+    fn = getattr(vision, "extra_inputs", None)
+    return dict(fn()) if callable(fn) else {}
+
+
+def _output_shape(module, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """The module's output shape for float32 inputs of `shapes`, worked out on fake tensors (no compute, no memory:
     the towers of real checkpoints are hundreds of millions of weights)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        return tuple(module(mode.from_tensor(torch.empty(shape))).shape)
+        return tuple(module(*(mode.from_tensor(torch.empty(s)) for s in shapes)).shape)
 
 
 # what each accessor's function is called with: the arity a Family's functions must take

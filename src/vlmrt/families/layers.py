@@ -276,6 +276,13 @@ class CausalDecoder(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_table(4096)
 
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's cache kind (families.DecoderModule): attention, every one."""
+        return ("attention",) * len(self.layers)
+
+    conv_state = (0, 0)  # (no conv layers)
+
     def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> "CausalDecoder":
         """A new decoder with a copy of these weights, built with other graph options and a rope table of
         rope_positions rows."""

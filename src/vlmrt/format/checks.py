@@ -33,8 +33,6 @@ def check_decoder(m) -> None:
                              "table (embedding_scale_file)")
         if d.positions.rows != 1:  # (GroupQueryAttention rotates by one position per token)
             raise _malformed("decoder kind gqa_in_place takes one row of positions (decoder.positions.rows = 1)")
-        if any(layer.kind != "attention" for layer in m.kv.layers):
-            raise _malformed("decoder kind gqa_in_place holds attention layers only")
     if k.name in ("rows_dynamic", "rows_static") and k.context_step < 0:
         raise _malformed("decoder.kind.context_step must not be negative")
     if k.name == "rows_dynamic" and k.context_step == 0:
@@ -60,6 +58,8 @@ def kind_inputs(k) -> list[str]:
 def check_io_names(m) -> None:
     """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
     m.graphs["vision"].input(m.vision.patches_input)
+    for name in m.vision.extra_inputs.values():
+        m.graphs["vision"].input(name)
     m.graphs["vision"].output(m.vision.embeds_output)
     d, k = m.decoder, m.decoder.kind
     hidden = getattr(k, "hidden_output", None)

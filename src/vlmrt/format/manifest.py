@@ -321,8 +321,16 @@ class DecoderSpec:
 
 @dataclass
 class VisionSpec:
+    """The vision graph's tensors. `tile_inputs` names the host op that turns one tile into its inputs
+    (runtime/tile_inputs.py TILE_INPUTS: "unfold_patches", the square tiles' patch rows; "naflex_rows", a NaFlex
+    tile's token-major rows + position weights + key mask) with its `params`; `extra_inputs` maps the op's inputs
+    after the patch rows, by role, to the graph's input names."""
+
     patches_input: str
     embeds_output: str
+    tile_inputs: str = "unfold_patches"
+    extra_inputs: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

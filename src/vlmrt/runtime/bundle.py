@@ -10,6 +10,7 @@ import numpy as np
 from ..format import manifest as mf
 from ..format.checks import kind_inputs
 from ..format.verify_record import identity
+from .tile_inputs import tile_op
 from .sessions import Sessions, _graph_files, agree, check_threads
 from .weights import EmbeddingRows, SharedWeights, release_freed_heap
 
@@ -20,8 +21,7 @@ def check_numbers(m: mf.Manifest) -> None:
     tokens per tile for the vision graph. A manifest that loads but disagrees would otherwise fail inside ORT, or
     answer from misplaced rows."""
     v = m.graphs["vision"]
-    side = m.image.tile_size // m.image.patch_size
-    want_in = [side * side, 3 * m.image.patch_size ** 2]
+    want_in = [tile_op(m.vision).patch_rows(m), 3 * m.image.patch_size ** 2]
     have_in = v.input(m.vision.patches_input).shape
     if m.image.tile_size % m.image.patch_size or not agree(have_in, want_in):
         raise mf.BundleError(f"the manifest's image tile_size {m.image.tile_size} and patch_size {m.image.patch_size} "
@@ -51,6 +51,11 @@ def check_numbers(m: mf.Manifest) -> None:
                     raise mf.BundleError(f"the manifest's kv (max_context {kv.max_context}, attention layer {i}: "
                                          f"kv_heads {layer.kv_heads}, head_dim {layer.head_dim}) does not fit "
                                          f"graphs.{name}'s cache input {t} {have}")
+        for i, layer in enumerate(kv.layers):
+            if layer.kind == "conv" and not agree(g.input(layer.state_input).shape, [layer.width, layer.channels]):
+                raise mf.BundleError(f"the manifest's kv.layers[{i}] (conv: width {layer.width}, channels "
+                                     f"{layer.channels}) does not fit graphs.{name}'s input {layer.state_input} "
+                                     f"{g.input(layer.state_input).shape}")
 
 
 @dataclass

@@ -46,9 +46,11 @@ class ImageChunk:
     key: Any  # (content digest, tiling): the image cache's key and the prefix cache's row key
     grid: tuple[int, int, int]  # (rows, cols, tiles) of the tiling, what the expansion was written from
     n_pos: int  # positions the chunk takes (== n_tokens for 1-D RoPE families)
-    pixels: np.ndarray | None = None  # [tiles, c, S, S] to run through the vision graph, or None when embeds are known
+    pixels: np.ndarray | None = None  # [tiles, c, S, S] (NaFlex: [tiles, patches, d]) to run through the vision graph, or None when embeds are known
     embeds: np.ndarray | None = None  # [len(rows), hidden]: the vision graph's rows (from the image cache or encoded)
     label: str = field(default="image")  # what it is, for messages ("image 2", "frame 3 of video 1")
+    tile_tokens: list[int] | None = None  # each tile's image-token count (rows of embeds), in order
+    patch_grids: np.ndarray | None = None  # NaFlex tiles' patch grids [tiles, 2] (the vision tile-inputs op reads)
 
     @property
     def n_tokens(self) -> int:

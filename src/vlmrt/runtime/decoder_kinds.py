@@ -11,7 +11,8 @@
 Every kind takes inputs_embeds and the rope positions [rows, ar] (computed by the host, runtime/positions.py),
 apart from the slots its rows go to; runtime/step.py owns what all kinds share (the step's buffers, the call).
   gqa_in_place  the CPU one-graph decoder: GroupQueryAttention updates the HEADS buffers itself, given the step's
-                end slot (seqlens_k, total_sequence_length); the host writes nothing but the length
+                end slot (seqlens_k, total_sequence_length); the host writes nothing but the length (and a conv
+                layer's rows, which the graph returns as the rows kinds' do)
   rows_dynamic  one graph, symbolic AR and cache length, the rows contract (mask from slots, new rows out)
   rows_static   fixed-AR graphs (prefill / decode / verify), the rows contract, a padded last prompt block
 """
@@ -209,17 +210,34 @@ class GqaInPlace(_SymbolicAR, _Kind):
         return True  # (a plain call would return copies of the whole buffers)
 
     def staging(self, cache: KVCache, ar: int):
-        return None  # the graph writes the buffers
+        return cache.conv_staging(ar) if cache.convs else None  # the graph writes the attention buffers
 
     def bind_cache(self, bind, bind_output, cache: KVCache, ctx: int, staged) -> None:
-        """Each buffer bound as input and output (one OrtValue): the graph updates it in place."""
-        for (name, buf, _), out in zip(cache.inputs(), cache.output_names()):
-            bind_output(out, bind(name, buf))
+        """Each attention buffer bound as input and output (one OrtValue): the graph updates it in place; a conv
+        layer's window as input, its new rows into the staging."""
+        convs = iter(staged or ())
+        for (name, buf, _), out, layer in zip(cache.inputs(), cache.output_names(), _state_layers(cache)):
+            if layer.kind == "conv":
+                bind(name, buf)
+                bind_output(out, next(convs))
+            else:
+                bind_output(out, bind(name, buf))
 
     def take(self, cache: KVCache, staged, outputs: list[np.ndarray], slot: int, ar: int) -> None:
-        # a plain call returns the whole updated buffers: take the step's slots
-        for (_, buf, _), r in zip(cache.inputs(), outputs):
-            buf[..., slot : slot + ar, :] = r[..., slot : slot + ar, :]
+        # a plain call returns the whole updated buffers: take the step's slots (a conv layer's rows: its staging)
+        convs = iter(staged or ())
+        for (_, buf, _), r, layer in zip(cache.inputs(), outputs, _state_layers(cache)):
+            if layer.kind == "conv":
+                next(convs)[...] = r
+            else:
+                buf[..., slot : slot + ar, :] = r[..., slot : slot + ar, :]
 
     def store(self, cache: KVCache, staged, n: int, positions: np.ndarray) -> None:
+        if staged:
+            cache.write_convs(staged, n)
         cache.advance(n, positions)
+
+
+def _state_layers(cache: KVCache) -> list:
+    """The kv.layers entry of each state input (an attention layer's twice: K, V), in cache.inputs() order."""
+    return [layer for layer in cache.spec.layers for _ in layer.inputs]

@@ -214,6 +214,10 @@ class KVCache:
     def output_names(self) -> list[str]:
         return self.spec.state_outputs()
 
+    def conv_staging(self, ar: int) -> list[np.ndarray]:
+        """Per conv layer the buffer its step's rows land in, [ar, channels] (a HEADS kind's only staging)."""
+        return [c.staging(ar) for c in self.convs]
+
     def staging(self, ar: int) -> list[np.ndarray]:
         """The buffers a ROWS step's outputs land in: per attention block [layers, 2, ar, dim], then per conv layer
         [ar, channels] (write's `rows`)."""
@@ -299,7 +303,13 @@ class KVCache:
         else:
             for b, r in zip(blocks, rows):
                 b.data[:, :, pos : pos + n_valid] = r[:, :, :n_valid]
-        for c, r in zip(self.convs, rows[len(blocks):]):
+        self.write_convs(rows[len(blocks):], n_valid)
+        self.length = pos + n_valid
+
+    def write_convs(self, rows: list[np.ndarray], n_valid: int) -> None:
+        """rows: per conv layer its step's rows [ar, channels]; the first n_valid stored at slots length.. (the
+        length is not moved: write / advance move it)."""
+        pos = self.length
+        for c, r in zip(self.convs, rows):
             w = c.spec.width
             c.data[w + pos : w + pos + n_valid] = r[:n_valid]
-        self.length = pos + n_valid

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from . import image as img_ops
+from . import tile_inputs
 from .bundle import Bundle
 from .sessions import Sessions
 from .chunks import Prompt
@@ -150,9 +151,9 @@ class VLM:
         image chunks that still need them run through the vision graph (and kept in the image cache if cache)."""
         for c in prompt.needs_rows(start):
             if c.embeds is None:
-                c.embeds = self.encode_image(c.pixels)
+                c.embeds = self.encode_image(c.pixels, c.patch_grids)
                 if cache:
-                    self.image_cache.put(c.key, CachedImage(c.grid, c.embeds))
+                    self.image_cache.put(c.key, CachedImage(c.grid, c.embeds, c.tile_tokens))
         return prompt.splice(self.engine.embed(prompt.ids[start:]), start)
 
     def prompt_embeds(self, prompt: str, image=None, max_tiles: int | None = None) -> tuple[list[int], np.ndarray]:
@@ -161,20 +162,15 @@ class VLM:
         p = self.prompt(prompt, [] if image is None else [image], max_tiles=max_tiles)
         return p.ids, self.embed_prompt(p)
 
-    def encode_image(self, tiles: np.ndarray) -> np.ndarray:
-        """[tiles, c, S, S] -> [tiles*tokens_per_tile, hidden] through the vision graph, tile by tile."""
-        m = self.manifest
+    def encode_image(self, tiles: np.ndarray, patch_grids: np.ndarray | None = None) -> np.ndarray:
+        """[tiles, c, S, S] (NaFlex: [tiles, patches, d] and their patch grids) -> [the tiles' image tokens, hidden]
+        through the vision graph, tile by tile (the manifest's tile-inputs op: runtime/tile_inputs.py)."""
         sessions, t = self.bundle.sessions, time.perf_counter()
         first = isinstance(sessions, Sessions) and not sessions.loaded("vision")
         sess = sessions["vision"]  # loaded on first use
         if first:
             self.lazy_load_s += time.perf_counter() - t
-        dtype = m.graphs["vision"].input(m.vision.patches_input).dtype
-        out = [
-            sess.run([m.vision.embeds_output], {m.vision.patches_input: img_ops.unfold_patches(t, m.image.patch_size).astype(dtype)})[0]
-            for t in tiles
-        ]
-        return np.concatenate(out).astype(self.engine.dtype, copy=False)
+        return tile_inputs.encode(sess, tiles, patch_grids, self.manifest).astype(self.engine.dtype, copy=False)
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompt: str, image: str | Path | Image.Image | None = None, *, images=(), mode: str | None = None,
@@ -227,10 +223,13 @@ class VLM:
             label = f"image {i + 1}"
             if item is not None:
                 hits += 1
-                images.append(Media(key, item.grid, embeds=item.embeds, label=label))
+                images.append(Media(key, item.grid, embeds=item.embeds, label=label, tile_tokens=item.tile_tokens))
             else:
                 tiles = img_ops.preprocess(s.image, spec)
-                images.append(Media(key, tiles.grid, pixels=tiles.pixels, label=label))
+                tokens = tile_inputs.tile_op(self.manifest.vision).tokens(tiles.patch_grids, len(tiles.pixels),
+                                                                          self.manifest)
+                images.append(Media(key, tiles.grid, pixels=tiles.pixels, label=label, tile_tokens=tokens,
+                                    patch_grids=tiles.patch_grids))
         videos = []
         for j, v in enumerate(conv.videos):
             pieces, frames, clip, h = self._video(v, j, cached, max_frames)

@@ -52,7 +52,8 @@ class PrefixCache:
 @dataclass
 class CachedImage:
     grid: tuple[int, int, int]  # (rows, cols, tiles), what prompt expansion needs
-    embeds: np.ndarray  # [tiles * tokens_per_tile, hidden]
+    embeds: np.ndarray  # [the tiles' image tokens, hidden]
+    tile_tokens: list[int] | None = None  # each tile's image tokens (prompt expansion); None: tokens_per_tile each
 
 
 class ImageCache:

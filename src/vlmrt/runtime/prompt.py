@@ -19,33 +19,31 @@ from ..format.manifest import PromptSpec
 from .chunks import Chunk, ImageChunk, Prompt, TextChunk
 
 
-def grid_markers(rows: int, cols: int, tiles: int, p: PromptSpec) -> str:
+def grid_markers(rows: int, cols: int, tile_tokens: list[int], p: PromptSpec) -> str:
     """SmolVLM / Idefics3: per tile `<fake><row_r_col_c><image>×n`, a newline per grid row,
     then the global tile `\\n<fake><global-img><image>×n<fake>`; a lone global tile when rows == cols == 0."""
     fake, image, glob = p.params["fake_token"], p.params["image_token"], p.params["global_token"]
-    run = image * p.tokens_per_tile
     if rows == 0 and cols == 0:
-        return f"{fake}{glob}{run}{fake}"
+        return f"{fake}{glob}{image * tile_tokens[0]}{fake}"
     text = ""
     for r in range(rows):
         for c in range(cols):
-            text += fake + p.params["tile_marker"].format(row=r + 1, col=c + 1) + run
+            text += fake + p.params["tile_marker"].format(row=r + 1, col=c + 1) + image * tile_tokens[r * cols + c]
         text += "\n"
-    return text + f"\n{fake}{glob}{run}{fake}"
+    return text + f"\n{fake}{glob}{image * tile_tokens[-1]}{fake}"
 
 
-def wrapped_run(rows: int, cols: int, tiles: int, p: PromptSpec) -> str:
-    """InternVL: `<img>` + `<IMG_CONTEXT>` × (tokens per tile × tiles) + `</img>`."""
-    return p.params["start_token"] + p.params["image_token"] * (p.tokens_per_tile * tiles) + p.params["end_token"]
+def wrapped_run(rows: int, cols: int, tile_tokens: list[int], p: PromptSpec) -> str:
+    """InternVL: `<img>` + `<IMG_CONTEXT>` × (every tile's tokens) + `</img>`."""
+    return p.params["start_token"] + p.params["image_token"] * sum(tile_tokens) + p.params["end_token"]
 
 
 def tile_markers(rows: int, cols: int, tile_tokens: list[int], p: PromptSpec) -> str:
     """LFM2-VL (Lfm2VlProcessor._build_image_tokens): `<|image_start|>`, per tile of a rows×cols grid
     `<|img_row_R_col_C|>` + `<image>` × its tokens, then the thumbnail `<|img_thumbnail|>` + `<image>` × its tokens
     when the tiling made one (one tile more than the grid), `<|image_end|>`; a single image (rows == cols == 0) is
-    its `<image>` run alone between start and end. tile_tokens: each tile's image-token count (they differ: a 512²
-    tile has 256, the thumbnail or a single image (h/32)·(w/32)). Not in EXPANSION yet: the expansion ops take
-    (rows, cols, tiles, p) until the prompt chunks carry per-tile token counts."""
+    its `<image>` run alone between start and end. Its tiles' token counts differ: a 512² tile has 256, the
+    thumbnail or a single image (h/32)·(w/32)."""
     image, out = p.params["image_token"], p.params.get("start_token", "")
     if rows * cols == 0:
         return out + image * tile_tokens[0] + p.params.get("end_token", "")
@@ -56,7 +54,8 @@ def tile_markers(rows: int, cols: int, tile_tokens: list[int], p: PromptSpec) ->
     return out + p.params.get("end_token", "")
 
 
-EXPANSION = {"grid_markers": grid_markers, "wrapped_run": wrapped_run}
+# prompt.expansion -> (rows, cols, tile_tokens: each tile's image-token count, PromptSpec) -> the image's text
+EXPANSION = {"grid_markers": grid_markers, "wrapped_run": wrapped_run, "tile_markers": tile_markers}
 
 
 def expansion(p: PromptSpec):
@@ -74,7 +73,13 @@ class Media:
     pixels: np.ndarray | None = None
     embeds: np.ndarray | None = None
     label: str = "image"
-    n_rows: int | None = None  # vision rows it gives; None: tiles × PromptSpec.tokens_per_tile (square tiles)
+    # each tile's image-token count (the vision tile-inputs op's: runtime/tile_inputs.py); None: every tile gives
+    # PromptSpec.tokens_per_tile (square tiles)
+    tile_tokens: list[int] | None = None
+    patch_grids: np.ndarray | None = None  # NaFlex tiles: [tiles, 2] patch rows / columns (image.Tiles.patch_grids)
+
+    def tokens(self, p: PromptSpec) -> list[int]:
+        return self.tile_tokens if self.tile_tokens is not None else [p.tokens_per_tile] * self.grid[2]
 
 
 def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_token_id: int) -> Prompt:
@@ -88,7 +93,7 @@ def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_toke
         if x is None:
             m = next(it)
             a = len(text)
-            text += expand(*m.grid, p)
+            text += expand(m.grid[0], m.grid[1], m.tokens(p), p)
             spans.append((a, len(text), m))
         else:
             text += x
@@ -110,13 +115,14 @@ def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_toke
             last += 1
         run = ids[first:last]
         rows = np.flatnonzero(np.asarray(run, dtype=np.int64) == image_token_id)
-        want = m.n_rows if m.n_rows is not None else m.grid[2] * p.tokens_per_tile
+        want = sum(m.tokens(p))
         if not run or offsets[first][0] != a or offsets[last - 1][1] != b or len(rows) != want:
             raise ValueError(f"{m.label}: its expansion does not tokenize into its own tokens with {want} image tokens "
                              f"(found {len(rows)}); the tokenizer does not keep the image tokens whole")
         if first > at:
             chunks.append(TextChunk(ids[at:first]))
-        chunks.append(ImageChunk(run, rows, m.key, m.grid, len(run), m.pixels, m.embeds, m.label))
+        chunks.append(ImageChunk(run, rows, m.key, m.grid, len(run), m.pixels, m.embeds, m.label, m.tokens(p),
+                                 m.patch_grids))
         at = last
     if at < n:
         chunks.append(TextChunk(ids[at:]))

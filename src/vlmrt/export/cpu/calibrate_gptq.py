@@ -14,19 +14,41 @@ import torch
 TOKENS = 32  # generated tokens per calibration prompt
 
 
+def empty_state(decoder) -> list[torch.Tensor]:
+    """The state of an empty cache, per layer (families.DecoderModule.layer_kinds): attention K and V [0, kv_dim],
+    a conv layer's window [width, channels] of zeros."""
+    state = []
+    for layer, kind in zip(decoder.layers, decoder.layer_kinds):
+        if kind == "conv":
+            state.append(torch.zeros(*decoder.conv_state))
+        else:
+            kv_dim = layer.self_attn.k_proj.out_features
+            state += [torch.zeros(0, kv_dim), torch.zeros(0, kv_dim)]
+    return state
+
+
+def next_state(decoder, past: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The state after a step: the new K/V rows appended, a conv window's last `width` rows kept."""
+    width = decoder.conv_state[0]
+    return [torch.cat([p, r])[-width:] if kind == "conv" else torch.cat([p, r])
+            for p, r, kind in zip(past, new, _state_kinds(decoder))]
+
+
+def _state_kinds(decoder) -> list[str]:
+    return [k for kind in decoder.layer_kinds for k in ([kind] if kind == "conv" else [kind, kind])]
+
+
 def greedy_sequence(decoder, embed: np.ndarray, ids: list[int], tokens: int) -> np.ndarray:
     """Embeddings [len(ids) + tokens, hidden] of the prompt ids and the decoder's greedy continuation."""
-    kv = len(decoder.layers)
     x = torch.from_numpy(np.asarray(embed[ids], np.float32))  # [n, hidden]
     n = len(ids)
     mask = torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)
-    kv_dim = decoder.layers[0].self_attn.k_proj.out_features
-    past = [torch.zeros(0, kv_dim) for _ in range(2 * kv)]
+    past = empty_state(decoder)
     rows = [x]
     with torch.no_grad():
         for step in range(tokens):
             logits, *new = decoder(x, torch.arange(n - len(x), n)[None], mask, *past)  # positions [1, ar]
-            past = [torch.cat([p, r]) for p, r in zip(past, new)]
+            past = next_state(decoder, past, new)
             tok = int(logits[-1].argmax())
             x = torch.from_numpy(np.asarray(embed[[tok]], np.float32))
             rows.append(x)
@@ -65,9 +87,7 @@ class Hessians:
                     self._last = (None, None)
                     n = len(seq)
                     mask = torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)
-                    kv_dim = self.decoder.layers[0].self_attn.k_proj.out_features
-                    past = [torch.zeros(0, kv_dim) for _ in range(2 * len(self.decoder.layers))]
-                    self.decoder(torch.from_numpy(seq), torch.arange(n)[None], mask, *past)  # positions [1, n]
+                    self.decoder(torch.from_numpy(seq), torch.arange(n)[None], mask, *empty_state(self.decoder))
         finally:
             for h in hooks:
                 h.remove()

@@ -12,9 +12,11 @@ An attention layer: GQA with RMSNorm over each head's q and k before RoPE (as Qw
 families/layers.py CachedGQAttention. Each layer: x + op(operator_norm(x)); x + SwiGLU(ffn_norm(x)). Then
 embedding_norm (LFM2's final norm) and the lm head (tied to the embeddings in the released checkpoints).
 
-    forward(inputs_embeds [ar, hidden], position_ids [ar], attention_mask [ar, ctx + ar], *state[, logit_rows [r]])
-      state: per layer in order, attention: past_key_i, past_value_i [ctx, kv_dim]; conv: past_conv_i [W, hidden]
-      -> (logits [ar or r, vocab], per layer in order: new_key_i, new_value_i [ar, kv_dim] | new_conv_i [ar, hidden])
+    forward(inputs_embeds [ar, hidden], position_ids [1, ar], *step (the attention kind's), *state[, logit_rows [r]])
+      state: per layer in order, attention: past_key_i, past_value_i (the kind's: rows [ctx, kv_dim] or
+      GroupQueryAttention's buffers [1, kv_heads, max_context, head_dim]); conv: past_conv_i [W, hidden]
+      -> (logits [ar or r, vocab], per layer in order: the attention kind's outputs | new_conv_i [ar, hidden]
+          [, next_token [r]: gqa_in_place])
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ class ShortConv(nn.Module):
         self.conv_bias = nn.Parameter(torch.zeros(hidden)) if bias else None
         self.out_proj = nn.Linear(hidden, hidden, bias=bias)
 
-    def forward(self, x, past):  # x [ar, hidden], past [L-1, hidden] (the rows of the W slots before the step)
-        ar, hidden = x.shape
+    def forward(self, x, past):  # x [ar, hidden] (or the attention kind's [1, ar, hidden]), past [L-1, hidden]
+        shape, hidden = x.shape, x.shape[-1]
+        x = x.reshape(-1, hidden)
+        ar = x.shape[0]
         b, c, xx = self.in_proj(x).split(hidden, dim=-1)  # [ar, hidden] each (HF's chunk(3) of BCx)
         bx = b * xx  # [ar, hidden]: the conv's input, the state rows
         seq = torch.cat([past, bx], dim=0)  # [L-1 + ar, hidden]
@@ -48,85 +52,86 @@ class ShortConv(nn.Module):
             out = out + seq[k:k + ar] * self.conv_weight[:, k]
         if self.conv_bias is not None:
             out = out + self.conv_bias
-        return self.out_proj(c * out), bx
+        return self.out_proj(c * out).reshape(shape), bx
 
 
 class Lfm2Layer(nn.Module):
-    def __init__(self, kind: str, t: Lfm2TextConfig, copy_free: bool):
+    """operator_norm / ffn_norm / feed_forward under the HF-Llama names the quantizer matches (input_layernorm,
+    post_attention_layernorm, mlp); the operator is `conv` (ShortConv) or `self_attn` (CachedGQAttention)."""
+
+    def __init__(self, kind: str, t: Lfm2TextConfig):
         super().__init__()
         self.kind = kind
-        self.operator_norm = RMSNorm(t.hidden, t.eps)
+        self.input_layernorm = RMSNorm(t.hidden, t.eps)  # operator_norm
         if kind == "conv":
             self.conv = ShortConv(t.hidden, t.conv_kernel, t.conv_bias)
         else:
             self.self_attn = CachedGQAttention(t.hidden, t.heads, t.kv_heads, t.head_dim, qk_norm=True, eps=t.eps)
-            # the rows contract's attention body, by name (families/layers.py ATTENTION_KINDS)
-            self.attention = ATTENTION_KINDS["rows_copy_free" if copy_free else "rows_concat"]
-        self.ffn_norm = RMSNorm(t.hidden, t.eps)
-        self.feed_forward = GatedMLP(t.hidden, t.intermediate, "silu")  # w1 = gate_proj, w3 = up_proj, w2 = down_proj
+        self.post_attention_layernorm = RMSNorm(t.hidden, t.eps)  # ffn_norm
+        self.mlp = GatedMLP(t.hidden, t.intermediate, "silu")  # w1 = gate_proj, w3 = up_proj, w2 = down_proj
 
-    def forward(self, x, cos, sin, mask, *state):
-        y = self.operator_norm(x)
+    def forward(self, x, kind, rope, step, *state):
+        y = self.input_layernorm(x)
         if self.kind == "conv":
             a, *new = self.conv(y, *state)
         else:
-            a, *new = self.self_attn(y, self.attention, (cos, sin), (mask,), *state)
+            a, *new = self.self_attn(y, kind, rope, step, *state)
         x = x + a
-        return (x + self.feed_forward(self.ffn_norm(x)), *new)
+        return (x + self.mlp(self.post_attention_layernorm(x)), *new)
 
 
 class Lfm2Decoder(nn.Module):
-    """The decoder graph's module (module doc). copy_free: the attention layers' CPU form (CachedGQAttention);
+    """The decoder graph's module (module doc), with layers.CausalDecoder's step contract: the attention layers
+    step as the attention kind named (ATTENTION_KINDS) says, the conv layers take their window whatever the kind.
     logit_rows: the graph takes the rows whose logits it returns."""
 
-    def __init__(self, t: Lfm2TextConfig, copy_free: bool = True, logit_rows: bool = False):
+    def __init__(self, t: Lfm2TextConfig, attention: str = "rows_copy_free", logit_rows: bool = False):
         super().__init__()
         self.text, self.logit_rows = t, logit_rows
-        self.layers = nn.ModuleList(Lfm2Layer(kind, t, copy_free) for kind in t.layer_types)
+        self.attention = ATTENTION_KINDS[attention]
+        self.layers = nn.ModuleList(Lfm2Layer(kind, t) for kind in t.layer_types)
         self.norm = RMSNorm(t.hidden, t.eps)  # embedding_norm
         self.lm_head = nn.Linear(t.hidden, t.vocab, bias=False)
         inv_freq, self.rope_scale = t.rope.frequencies(t.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_table(4096)
 
-    def with_options(self, *, copy_free: bool, logit_rows: bool, rope_positions: int) -> "Lfm2Decoder":
-        new = Lfm2Decoder(self.text, copy_free=copy_free, logit_rows=logit_rows)
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's cache kind (manifest.CACHE_LAYER_KINDS): the decoder protocol (families/__init__.py)."""
+        return tuple("conv" if k == "conv" else "attention" for k in self.text.layer_types)
+
+    @property
+    def conv_state(self) -> tuple[int, int]:
+        """(width, channels) of a conv layer's window: the kernel - 1 rows of hidden values."""
+        return self.text.conv_kernel - 1, self.text.hidden
+
+    def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> "Lfm2Decoder":
+        new = Lfm2Decoder(self.text, attention=attention, logit_rows=logit_rows)
         new.load_state_dict(self.state_dict())
         new.rope_table(rope_positions)
         return new.eval()
 
-    def rope_table(self, positions: int) -> None:
-        """cos/sin [positions, head_dim] in fp32, gathered by position in the graph (layers.CausalDecoder's)."""
-        cos, sin = layers.rope_cos_sin(torch.arange(positions), self.inv_freq)
-        if self.rope_scale != 1.0:
-            cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+    rope_table = layers.CausalDecoder.rope_table
 
-    def state_names(self) -> tuple[list[str], list[str]]:
-        """The state inputs and outputs, per layer in order."""
-        ins, outs = [], []
-        for i, kind in enumerate(self.text.layer_types):
-            if kind == "conv":
-                ins, outs = ins + [f"past_conv_{i}"], outs + [f"new_conv_{i}"]
-            else:
-                ins, outs = ins + [f"past_key_{i}", f"past_value_{i}"], outs + [f"new_key_{i}", f"new_value_{i}"]
-        return ins, outs
-
-    def forward(self, inputs_embeds, position_ids, attention_mask, *state):
+    def forward(self, inputs_embeds, position_ids, *rest):
+        kind = self.attention
+        n_step = len(kind.step_inputs)
+        step, state = rest[:n_step], rest[n_step:]
         if self.logit_rows:
             *state, rows = state
-        cos = self.rope_cos[position_ids].to(inputs_embeds.dtype)  # [ar, head_dim]
-        sin = self.rope_sin[position_ids].to(inputs_embeds.dtype)
-        x, new, at = inputs_embeds, [], 0
+        rope = kind.rotary(self, position_ids, inputs_embeds.dtype)
+        x, new, at = kind.enter(inputs_embeds), [], 0
         for layer in self.layers:
             n = 1 if layer.kind == "conv" else 2
-            x, *rows_out = layer(x, cos, sin, attention_mask, *state[at:at + n])
+            x, *rows_out = layer(x, kind, rope, step, *state[at:at + n])
             new += rows_out
             at += n
+        x = kind.leave(x)
         if self.logit_rows:
             x = x.index_select(0, rows)
-        return (self.lm_head(self.norm(x)), *new)
+        logits = self.lm_head(self.norm(x))
+        return (logits, *new, logits.argmax(-1)) if kind.argmax else (logits, *new)
 
 
 def load(t: Lfm2TextConfig, take, prefix: str, lm_head: str | None) -> tuple[Lfm2Decoder, torch.Tensor]:
@@ -136,10 +141,9 @@ def load(t: Lfm2TextConfig, take, prefix: str, lm_head: str | None) -> tuple[Lfm
     sd = {"norm.weight": take(prefix + "embedding_norm.weight"), "lm_head.weight": embed if lm_head is None else take(lm_head)}
     for i, kind in enumerate(t.layer_types):
         src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
-        names = {"operator_norm.weight": "operator_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
-                 "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
-                 "feed_forward.w3.weight": "feed_forward.up_proj.weight",
-                 "feed_forward.w2.weight": "feed_forward.down_proj.weight"}
+        names = {"operator_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                 "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+                 "feed_forward.w2.weight": "mlp.down_proj.weight"}
         if kind == "conv":
             names.update({"conv.in_proj.weight": "conv.in_proj.weight", "conv.out_proj.weight": "conv.out_proj.weight"})
             sd[dst + "conv.conv_weight"] = take(src + "conv.conv.weight")[:, 0, :]

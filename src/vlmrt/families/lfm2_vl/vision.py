@@ -70,11 +70,17 @@ class NaFlexVision(nn.Module):
         super().__init__()
         v = cfg.vision
         self.factor = cfg.downsample_factor
+        self.max_patches, self.side = cfg.max_patches, v.position_side
         self.patch_embedding = nn.Linear(3 * v.patch_size**2, v.hidden)  # a Linear in SigLIP2 too: rows (py, px, c)
         self.position_embedding = nn.Parameter(torch.zeros(v.position_side**2, v.hidden))  # the learned side² table
         self.layers = nn.ModuleList(MaskedViTLayer(v.hidden, v.heads, v.intermediate, v.eps, v.act) for _ in range(v.layers))
         self.post_layernorm = nn.LayerNorm(v.hidden, eps=v.eps)
         self.projector = Projector(cfg)
+
+    def extra_inputs(self) -> dict[str, tuple[int, ...]]:
+        """The graph's inputs after the patch rows, by role (families.vision_extra_inputs; runtime/tile_inputs.py
+        naflex_rows makes them)."""
+        return {"position_weights": (self.max_patches, self.side**2), "key_mask": (self.max_patches,)}
 
     def forward(self, patches, position_weights, key_mask):
         # patches [P, p*p*3]; position_weights [P, side²]; key_mask [P]

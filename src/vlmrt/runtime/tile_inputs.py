@@ -1,0 +1,70 @@
+"""The vision graph's inputs for one tile, and each tile's image-token count: a named host op per way a vision graph
+takes a tile (manifest vision.tile_inputs, its params; the inputs after the patch rows named by vision.extra_inputs).
+
+    op = tile_op(manifest.vision)
+    feeds, n = op.feeds(pixels[t], patch_grids[t] or None, manifest)   # {role: array}, the tile's n image tokens
+    op.tokens(tiles, manifest)                                          # [tokens of each tile] (prompt expansion)
+
+  unfold_patches  square tiles [c, S, S] unfolded into [(S/p)², c·p·p] patch rows (image.unfold_patches); every tile
+                  gives prompt.tokens_per_tile tokens
+  naflex_rows     a NaFlex tile's padded raster rows and patch grid (image.naflex_tiles) -> token-major rows, the
+                  position table's resize weights and the key mask (runtime/naflex.py); a tile of h × w patches gives
+                  (h/f)·(w/f) tokens, the first rows of the graph's output
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from . import naflex
+from .image import unfold_patches
+
+
+@dataclass(frozen=True)
+class TileOp:
+    name: str
+    feeds: Callable  # (tile pixels, patch grid or None, manifest) -> ({role: array}, image tokens of the tile)
+    tokens: Callable  # (patch grids [tiles, 2] or None, tiles, manifest) -> [image tokens per tile]
+    patch_rows: Callable  # manifest -> the vision graph's patch rows per tile
+
+
+def _unfold(pixels, grid, m):
+    return {"patches": unfold_patches(pixels, m.image.patch_size)}, m.prompt.tokens_per_tile
+
+
+def _naflex(pixels, grid, m):
+    p = m.vision.params
+    x, pw, mask, n = naflex.tile_inputs(pixels, grid, p["position_side"], p["downsample_factor"], p["mask_value"])
+    return {"patches": x, "position_weights": pw, "key_mask": mask}, n
+
+
+TILE_INPUTS = {
+    "unfold_patches": TileOp("unfold_patches", _unfold, lambda grids, n, m: [m.prompt.tokens_per_tile] * n,
+                             lambda m: (m.image.tile_size // m.image.patch_size) ** 2),
+    "naflex_rows": TileOp("naflex_rows", _naflex,
+                          lambda grids, n, m: naflex.tile_tokens(grids, m.vision.params["downsample_factor"]),
+                          lambda m: m.image.params["max_num_patches"]),
+}
+
+
+def tile_op(vision) -> TileOp:
+    if vision.tile_inputs not in TILE_INPUTS:
+        raise ValueError(f"this vlmrt has no vision tile-inputs op {vision.tile_inputs!r}; upgrade vlmrt")
+    return TILE_INPUTS[vision.tile_inputs]
+
+
+def encode(session, pixels: np.ndarray, patch_grids: np.ndarray | None, m) -> np.ndarray:
+    """The vision graph over each tile: [sum of the tiles' image tokens, hidden] (a NaFlex tile's padding rows
+    dropped)."""
+    op, v = tile_op(m.vision), m.vision
+    names = {"patches": v.patches_input, **v.extra_inputs}
+    dtypes = {t.name: t.dtype for t in m.graphs["vision"].inputs}
+    out = []
+    for t in range(len(pixels)):
+        feeds, n = op.feeds(pixels[t], None if patch_grids is None else patch_grids[t], m)
+        feeds = {names[role]: a.astype(dtypes[names[role]], copy=False) for role, a in feeds.items()}
+        out.append(session.run([v.embeds_output], feeds)[0][:n])
+    return np.concatenate(out)
