@@ -34,7 +34,7 @@ def with_weights(make):
 
 def test_registered_families_meet_the_contract():
     fams = families.registered()
-    assert [f.name for f in fams] == ["internvl", "smolvlm"]
+    assert [f.name for f in fams] == ["internvl", "lfm2_vl", "smolvlm"]
     for f in fams:
         assert all(families.family_for({"model_type": t}) is f for t in f.model_types)
     cfg = smolvlm.FAMILY.config(CONFIG)

@@ -1,7 +1,8 @@
 """LFM2-VL against transformers on tiny random checkpoints (tests/fixtures_lfm2_vl.py): the vision graph (SigLIP2
-NaFlex + projector, host-made position weights and key mask: runtime/naflex.py) per tile of many sizes; the hybrid
-conv + attention decoder, its conv state per slot beside the K/V rows (tests/lfm2_steps.py: the host's side), in several
-layer patterns, fed in blocks that cut conv windows, with lookahead rejections and a follow-up turn's prefix reuse."""
+NaFlex + projector, host-made position weights and key mask: runtime/naflex.py) per tile of many sizes; the image text;
+the exported bundles (tests/family_cases.py LFM2_CASES, which test_family_conformance.py holds to generate in every
+decoder kind) with images of different sizes in one prompt, lookahead rejections and a follow-up turn's prefix reuse
+leaving the conv and K/V rows plain decoding's."""
 
 from __future__ import annotations
 
@@ -142,194 +143,105 @@ def test_prompt_markers_equal_processor(ckpt, hf):
     assert grids >= 4
 
 
-# --- the decoder: conv state as per-slot rows (tests/lfm2_steps.py is the host until the runtime's cache kinds) -------
+# --- the decoder through the runtime: conv rows per slot beside the K/V rows (family_cases.LFM2_CASES' bundles) ----
+# (24 greedy ids = generate in kv and hybrid modes per layer pattern and decoder kind: test_family_conformance.py)
 
-PATTERNS = {  # layer_types: two conv layers in a row and a conv layer last; attention first and last; conv with biases
-    "conv-attn-conv-conv": dict(layer_types=("conv", "full_attention", "conv", "conv")),
-    "attn-conv-conv-attn-conv": dict(layer_types=("full_attention", "conv", "conv", "full_attention", "conv"), seed=1),
-    "conv-conv-attn-bias": dict(layer_types=("conv", "conv", "full_attention"), conv_bias=True, auto_adjust_ff=True,
-                                intermediate=192, seed=2),
-}
 PROMPT = "What is in the image? Describe the colours."
 
 
-class Decoded:
-    """One pattern's checkpoint, transformers, our modules and a prompt's embeddings."""
+def lfm2_cases():
+    from family_cases import LFM2_CASES
 
-    def __init__(self, folder, pattern: dict):
-        from safetensors.torch import load_file
-
-        from fixtures_lfm2_vl import hf_model, hf_processor, make_lfm2_vl_checkpoint
-        from vlmrt.families import lfm2_vl
-        from vlmrt.families.lfm2_vl import language
-
-        self.ckpt = make_lfm2_vl_checkpoint(folder, **pattern)
-        self.model, self.proc = hf_model(self.ckpt), hf_processor(self.ckpt)
-        self.cfg = lfm2_vl.config_from_hf(json.loads((self.ckpt / "config.json").read_text()))
-        self.cfg.max_patches = json.loads((self.ckpt / "preprocessor_config.json").read_text())["max_num_patches"]
-        tensors = load_file(str(self.ckpt / "model.safetensors"))
-        self.vision = lfm2_vl.load_vision(self.cfg, lambda n: tensors[n].float())
-        self.decoder, embed = language.load(self.cfg.text, lambda n: tensors[n].float(), "model.language_model.", None)
-        self.embed = embed.numpy()
-
-    def run(self, logit_rows: bool = False):
-        dec = self.decoder.with_options(copy_free=True, logit_rows=logit_rows, rope_positions=1024)
-
-        def call(*args):
-            with torch.no_grad():
-                return [t.numpy() for t in dec(*(torch.from_numpy(a) for a in args))]
-
-        return call
-
-    def state(self):
-        from lfm2_steps import SlotState
-
-        t = self.cfg.text
-        return SlotState(t.layer_types, t.hidden, t.kv_dim, 512, t.conv_kernel - 1)
-
-    def embeds(self, ids: list[int], images: list) -> np.ndarray:
-        """The prompt's embeddings: token rows, our vision module's rows over the image-token slots."""
-        rows = []
-        for im in images:
-            inp = self.proc.image_processor(images=[im], return_tensors="np")
-            for k in range(len(inp["pixel_values"])):
-                x, pw, mask, n = naflex.tile_inputs(inp["pixel_values"][k], inp["spatial_shapes"][k],
-                                                    self.cfg.vision.position_side, self.cfg.downsample_factor, MASK)
-                with torch.no_grad():
-                    rows.append(self.vision(torch.from_numpy(x), torch.from_numpy(pw), torch.from_numpy(mask))[:n].numpy())
-        e = self.embed[ids].copy()
-        slots = np.flatnonzero(np.asarray(ids) == self.cfg.image_token_id)
-        if rows:
-            e[slots] = np.concatenate(rows)
-        assert len(slots) == sum(len(r) for r in rows)
-        return e
+    return LFM2_CASES
 
 
-_DECODED: dict[str, Decoded] = {}
+@pytest.fixture(scope="module", params=range(2), ids=["gqa_in_place", "rows_dynamic"])
+def bundle(request, tmp_path_factory):
+    from family_cases import LFM2_CASES, lfm2_exported
+
+    return lfm2_exported(LFM2_CASES[request.param], tmp_path_factory)
 
 
-def decoded_of(name: str, tmp_path_factory) -> Decoded:
-    if name not in _DECODED:
-        _DECODED[name] = Decoded(tmp_path_factory.mktemp("lfm2dec") / name, PATTERNS[name])
-    return _DECODED[name]
+def state(vlm) -> list[np.ndarray]:
+    """Every K/V row and conv row the cache holds (slots 0..length-1)."""
+    c = vlm.engine.cache
+    return [c.stored()] + [x.data[x.spec.width:x.spec.width + c.length] for x in c.convs]
 
 
-@pytest.fixture(scope="module", params=list(PATTERNS), ids=list(PATTERNS))
-def decoded(request, tmp_path_factory):
-    return decoded_of(request.param, tmp_path_factory)
+def assert_same_state(a, b, atol=2e-5):
+    assert a.engine.cache.length == b.engine.cache.length
+    for x, y in zip(state(a), state(b)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
 
-@pytest.fixture(scope="module")
-def first(tmp_path_factory):
-    """The first pattern's (two conv layers in a row, a conv layer last): the state and graph tests use one."""
-    return decoded_of(next(iter(PATTERNS)), tmp_path_factory)
-
-
-def test_decoder_greedy_equals_generate(decoded):
-    """24 greedy ids with an image (several tiles) equal transformers' generate, fed one row per step (kv mode) and in
-    blocks of 5 and 2 rows (hybrid: every block boundary cuts a conv window of 2 rows)."""
+def test_images_of_different_sizes_in_one_prompt_equal_generate(bundle, capsys):
+    """A tiled image (tiles and a thumbnail of other token counts) and a single one in one turn: the prompt ids and
+    24 greedy ids of transformers, in both modes."""
     from fixtures_lfm2_vl import hf_generate
-    from lfm2_steps import greedy
+    from family_runner import cli_json
 
+    model, proc = bundle.hf()
+    images = [tiles_of((150, 220)), tiles_of((40, 40))]
+    ids, want = hf_generate(model, proc, images, PROMPT, 24)
+    paths = []
+    for k, im in enumerate(images):
+        paths += ["--image", str(bundle.tmp / f"im{k}.png")]
+        im.save(paths[-1])
+    for mode in ("kv", "hybrid"):
+        got = cli_json(capsys, bundle.bundle, *paths, "--prompt", PROMPT, "--mode", mode, "--max-new-tokens", 24,
+                       "--ignore-eos")
+        assert got["prompt_tokens"] == len(ids) and got["token_ids"] == want, mode
+
+
+def test_lookahead_rejections_leave_plain_state(bundle):
+    """A lookahead run whose drafts are partly rejected (rows computed and never written) gives plain decoding's ids
+    and leaves every K/V and conv row plain decoding's (to the float rounding of a batched step). The random model
+    copies nothing from its prompt, so the drafter looks up its drafts in the prompt's ids followed by plain
+    decoding's answer with every fourth token wrong (Engine.generate's prompt_ids: only drafting reads them)."""
+    from vlmrt.runtime.pipeline import VLM
+
+    im = str(bundle.tmp / "la.png")
+    tiles_of((96, 40)).save(im)
+    plain, fast = VLM.load(bundle.bundle), VLM.load(bundle.bundle, lookahead=3)
+    p = fast.prompt(PROMPT, [im])
+    embeds = fast.embed_prompt(p)
+    for mode in ("kv", "hybrid"):
+        want = plain(PROMPT, im, max_new_tokens=24, ignore_eos=True, mode=mode).token_ids
+        vocab = fast.manifest.decoder.vocab_size
+        lookup = p.ids + [(t + 1) % vocab if i % 4 == 3 else t for i, t in enumerate(want)]
+        got = list(fast.engine.generate(embeds, mode=mode, max_new_tokens=24, ignore_eos=True, prompt_ids=lookup))
+        g = fast.engine.last
+        assert got == want and g.drafted_tokens > g.accepted_tokens > 0, (mode, g.drafted_tokens, g.accepted_tokens)
+        assert_same_state(fast, plain)
+
+
+def test_follow_up_turn_reuses_conv_rows(bundle):
+    """Turn 2 of a chat keeps the common prefix of turn 1's slots (the image, the prompt; fewer than the cache holds
+    when the answer re-tokenizes otherwise) and feeds the rest: its ids are transformers' on the whole conversation,
+    and its cache (K/V and conv rows) is a fresh run's."""
+    from vlmrt.runtime.pipeline import VLM
+
+    model, proc = bundle.hf()
     im = tiles_of((150, 220))
-    ids, want = hf_generate(decoded.model, decoded.proc, [im], PROMPT, 24)
-    assert len(set(want)) > 4  # not degenerate
-    e = decoded.embeds(ids, [im])
-    for block in (1, 2):
-        assert greedy(decoded.run(), decoded.state(), decoded.embed, e, 24, block=block) == want, block
-    assert greedy(decoded.run(True), decoded.state(), decoded.embed, e, 24, block=5, logit_rows=True) == want
+    path = str(bundle.tmp / "chat.png")
+    im.save(path)
+    vlm, fresh = VLM.load(bundle.bundle), VLM.load(bundle.bundle)
+    turn1 = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": path}},
+                                          {"type": "text", "text": PROMPT}]}]
+    answer = "".join(vlm.chat(turn1, max_new_tokens=16, ignore_eos=True))
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the shapes?"}]
+    got = "".join(vlm.chat(turn2, max_new_tokens=12, ignore_eos=True))
+    r = vlm.result
+    assert r.stats.reused_prompt_tokens > 0 and r.stats.vision_skipped
+    hf = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]},
+          {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+          {"role": "user", "content": [{"type": "text", "text": "And the shapes?"}]}]
+    text = proc.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=[text], images=[[im]], return_tensors="pt")
+    assert r.prompt_ids == inputs["input_ids"][0].tolist()
+    import oracle
 
-
-def test_lookahead_and_prefix_reuse_leave_plain_state(first):
-    """A lookahead run (drafts partly wrong: rejected rows are computed and never written) and a follow-up turn that
-    keeps the first turn's slots both give plain decoding's ids, and leave the state (every K/V and conv row) plain
-    decoding's, to float rounding of a batched call."""
-    from fixtures_lfm2_vl import hf_generate, hf_inputs
-    from lfm2_steps import greedy, lookahead
-
-    im = tiles_of((96, 40))
-    ids, want = hf_generate(first.model, first.proc, [im], PROMPT, 24)
-    e = first.embeds(ids, [im])
-    plain = first.state()
-    assert greedy(first.run(), plain, first.embed, e, 24, block=5) == want
-
-    def drafts(got):  # the right next tokens, then a wrong one: accepted prefixes of 0..3 drafts, then a rejection
-        right = want[len(got):len(got) + len(got) % 4]
-        return right + [(want[len(got) + len(right)] + 1) % first.cfg.text.vocab] if len(got) + len(right) < 24 else right
-
-    la = first.state()
-    got, rejected = lookahead(first.run(True), la, first.embed, e, 24, drafts, block=5)
-    assert got == want and rejected > 3
-    # the state after the last emitted token's step: lookahead has not fed the last id yet, plain decoding neither
-    assert la.length == plain.length
-    for a, b in zip(la.buffers, plain.buffers):
-        np.testing.assert_allclose(a[:la.length], b[:plain.length], rtol=0, atol=2e-5)
-
-    # turn 2: the conversation so far + a new question; the kept slots are the common prefix of the token ids
-    answer = first.proc.tokenizer.decode(want, skip_special_tokens=True)
-    conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]},
-            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-            {"role": "user", "content": [{"type": "text", "text": "And the shapes?"}]}]
-    text = first.proc.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-    inputs = first.proc(text=[text], images=[[im]], return_tensors="pt")
-    ids2 = inputs["input_ids"][0].tolist()
-    with torch.no_grad():
-        out = first.model.generate(**inputs, generation_config=_no_eos(first.model, 12))
-    want2 = out[0, len(ids2):].tolist()
-    cached = ids + want[:-1]  # the slots plain decoding filled: the prompt and every answer token but the last
-    common = next(i for i, (a, b) in enumerate(zip(cached + [None], ids2)) if a != b)
-    # the first turn's image and prompt are reused, and fewer slots than the state holds (the answer re-tokenizes
-    # differently): a rolling conv state would have to be rewound here
-    assert len(ids) <= common < len(cached)
-    plain.length = common
-    e2 = first.embeds(ids2, [im])
-    assert greedy(first.run(), plain, first.embed, e2[common:], 12, block=5, start=common) == want2
-    fresh = first.state()
-    assert greedy(first.run(), fresh, first.embed, e2, 12, block=5) == want2
-    for a, b in zip(plain.buffers, fresh.buffers):
-        np.testing.assert_allclose(a[:fresh.length], b[:fresh.length], rtol=0, atol=2e-5)
-
-
-def _no_eos(model, n: int):
-    import copy
-
-    cfg = copy.deepcopy(model.generation_config)
-    cfg.eos_token_id, cfg.do_sample, cfg.max_new_tokens = None, False, n
-    return cfg
-
-
-def test_decoder_graph_equals_generate(first, tmp_path):
-    """The exported decoder graph (ONNX Runtime, fp32; AR and cache length symbolic, conv windows [2, hidden]) gives
-    transformers' 24 greedy ids in kv mode and in blocks of 5, through the per-slot state host."""
-    import onnxruntime as ort
-
-    from fixtures_lfm2_vl import hf_generate
-    from lfm2_steps import greedy
-    from vlmrt.export.graphs import CastIO, export_graph
-
-    t, ar, max_context = first.cfg.text, 5, 512
-    dec = first.decoder.with_options(copy_free=True, logit_rows=True, rope_positions=max_context + ar)
-    ins, outs = dec.state_names()
-    ctx, n = torch.export.Dim("ctx", min=2, max=max_context), torch.export.Dim("ar", min=1, max=ar)
-    past, dims = [], []
-    for kind in t.layer_types:
-        if kind == "conv":
-            past, dims = past + [torch.zeros(t.conv_kernel - 1, t.hidden)], dims + [None]
-        else:  # two tensors: the exporter folds one tensor passed twice into one input
-            past, dims = past + [torch.zeros(max_context, t.kv_dim), torch.zeros(max_context, t.kv_dim)], dims + [{0: ctx}] * 2
-    args = (torch.zeros(ar, t.hidden), torch.arange(ar), torch.zeros(ar, max_context + ar), *past, torch.arange(ar))
-    dynamic = (({0: n}, {0: n}, {0: n, 1: torch.export.Dim.AUTO}, *dims, {0: torch.export.Dim("rows", min=1, max=ar)}),)
-    path = tmp_path / "decoder.onnx"
-    export_graph(CastIO(dec, torch.float32, torch.float32), args,
-                 ["inputs_embeds", "position_ids", "attention_mask", *ins, "logit_rows"], ["logits", *outs], path, dynamic)
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
-
-    def run(*a):
-        return sess.run(None, dict(zip(names, a)))
-
-    im = tiles_of((150, 220))
-    ids, want = hf_generate(first.model, first.proc, [im], PROMPT, 24)
-    e = first.embeds(ids, [im])
-    for block in (1, ar):
-        assert greedy(run, first.state(), first.embed, e, 24, block=block, logit_rows=True) == want, block
+    assert r.token_ids == oracle.greedy_new_ids(model, inputs, 12, ignore_eos=True)
+    "".join(fresh.chat(turn2, max_new_tokens=12, ignore_eos=True))
+    assert fresh.result.token_ids == r.token_ids and got == fresh.result.text
+    assert_same_state(vlm, fresh)

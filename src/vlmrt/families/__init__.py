@@ -187,9 +187,11 @@ class Family:
         names = {n for n, _ in decoder.named_modules()}
         if "lm_head" in names and "norm" in names:  # (else: named below)
             got = (len(decoder.layers), decoder.norm.weight.shape[0], decoder.lm_head.out_features)
-            if got != (t.layers, t.hidden, t.vocab) or len(kinds) != t.layers:
-                raise self.fail(f"the decoder's layers / hidden / vocab {' / '.join(map(str, got))} (layer_kinds "
-                                f"{len(kinds)}) are not the config's {t.layers} / {t.hidden} / {t.vocab}")
+            if got != (t.layers, t.hidden, t.vocab):
+                raise self.fail(f"the decoder's layers / hidden / vocab {' / '.join(map(str, got))} are not the config's "
+                                f"{t.layers} / {t.hidden} / {t.vocab}")
+        if len(kinds) != t.layers:
+            raise self.fail(f"the decoder's layer_kinds name {len(kinds)} layers, the config {t.layers}")
         want = [f"layers.{i}.{w}" for i, k in enumerate(kinds) for w in DECODER_LAYER_WEIGHTS[k]] + list(DECODER_WEIGHTS)
         missing = [w for w in want if w not in names]
         if missing:
