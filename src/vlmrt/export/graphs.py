@@ -189,9 +189,10 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     (one session, one prepacked copy of the weights) serves the prefill blocks and the 1-token decode steps;
     such a graph also takes logit_rows [r] (CausalDecoder.logit_rows): the logits are [r, vocab], those rows' only
     (the last row for a prefill block or a decode step, all of a lookahead verify step's).
-    attention gqa_in_place (with dynamic_ar): ORT's GroupQueryAttention over cache buffers [1, kv_heads, max_context,
-    head_dim] that the graph updates in place: inputs inputs_embeds, position_ids, seqlens_k, total_sequence_length,
-    past_*, logit_rows; outputs logits, present_*, next_token.
+    attention gqa_in_place (with dynamic_ar): ORT's GroupQueryAttention over cache buffers [B, kv_heads, max_context,
+    head_dim] that the graph updates in place: inputs inputs_embeds, position_ids, seqlens_k [B], total_sequence_length,
+    past_*, logit_rows; outputs logits, present_*, next_token. B sequences of ar / B tokens each (export/batch_dim.py;
+    B = 1 but for the batched decode step).
     hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
     token_rows (with gqa_in_place): two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
     from . import fuse
@@ -246,7 +247,7 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
 def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: tuple[int, int], layers: int,
                      io_dtype: str, precision: str, head: str, path: Path, hessian=None, token_rows: bool = False) -> None:
     """export_decoder's gqa_in_place graph: symbolic AR 1..ar, cache buffers of max_context slots."""
-    from . import fuse, gqa_onnx
+    from . import batch_dim, fuse, gqa_onnx
     from .cpu import quantize
 
     dt = TORCH_DTYPES[io_dtype]
@@ -280,8 +281,16 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
     model = onnx.load(str(path))
     fuse.fuse_rms_norm(model)
     gqa_onnx.pack_qkv(model)
+    if batchable(decoder.layer_kinds):  # B sequences per call: B = len(seqlens_k)
+        batch_dim.add_batch_dim(model, "seqlens_k", "position_ids")
     largest_matmul_first(model)
     rewrite(path, model)
+
+
+def batchable(layer_kinds) -> bool:
+    """Whether the gqa_in_place graph takes a batch (export/batch_dim.py, manifest decoder.kind.batched): attention
+    layers only (a conv layer's window input is one sequence's)."""
+    return all(k == "attention" for k in layer_kinds)
 
 
 def _name_weights(model: onnx.ModelProto) -> int:

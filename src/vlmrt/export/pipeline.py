@@ -329,7 +329,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
         kv=mf.KVSpec(max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype], layers=_cache_layers(plan, *state)),
         decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
                                embeds_input="inputs_embeds", positions=mf.PositionsSpec(input="position_ids"),
-                               logits_output="logits", kind=_decoder_kind(plan),
+                               logits_output="logits", kind=_decoder_kind(plan, state[0]),
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds", tile_inputs=host.tile_inputs,
                              extra_inputs={role: role for role in extra_inputs}, params=host.tile_params or {}),
@@ -355,11 +355,13 @@ def _cache_layers(plan: Plan, kinds: tuple[str, ...], conv_state: tuple[int, int
     return layers
 
 
-def _decoder_kind(plan: Plan) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
-    """The decoder graphs' kind (manifest.DECODER_KINDS) with its tensor names, as the export wrote them."""
+def _decoder_kind(plan: Plan, layer_kinds: tuple[str, ...]) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
+    """The decoder graphs' kind (manifest.DECODER_KINDS) with its tensor names, as the export wrote them (a
+    gqa_in_place graph of attention layers only takes a batch: graphs.batchable)."""
     if plan.attention == "gqa_in_place":
         return mf.GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
                                  logit_rows_input="logit_rows", argmax_output="next_token",
+                                 batched=graphs.batchable(layer_kinds),
                                  **({"token_rows_input": "token_rows", "token_scales_input": "token_scales"}
                                     if plan.token_rows else {}))
     if plan.one_graph:

@@ -270,6 +270,10 @@ class GqaInPlaceKind:
     # straight into the bound input and the host does no multiply (scale 0: the row is not used)
     token_rows_input: str | None = None
     token_scales_input: str | None = None
+    # the graph takes a batch (export/batch_dim.py): B = the length of seqlens_input, the cache buffers
+    # [B, kv_heads, max_context, head_dim], B sequences of ar / B tokens each (positions [1, ar] in sequence order);
+    # one call advances B sequences (runtime/batch_engine.py). False: B is 1 (bundles exported before)
+    batched: bool = False
 
 
 @dataclass

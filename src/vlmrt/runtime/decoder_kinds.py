@@ -83,6 +83,16 @@ class EndSlot:
         return {self.names[0]: self.seqlens, self.names[1]: self.total}
 
 
+class EndSlots(EndSlot):
+    """A batch's step inputs (decoder.kind.batched): seqlens_k [B] int32 = each sequence's step's last slot,
+    total_sequence_length [] int32 = the largest + 1 (runtime/batch_engine.py sets them row by row)."""
+
+    def __init__(self, seqlens: str, total: str, batch: int):
+        super().__init__(seqlens, total, 1)
+        self.seqlens = np.zeros(batch, np.int32)
+        self._seqlens = memoryview(self.seqlens)
+
+
 class _Kind:
     """What the kinds share; each subclass sets `name` and `layout` and decides its graphs' AR and cache reads."""
 
@@ -124,6 +134,11 @@ class _Kind:
 
     def check_positions(self, positions: np.ndarray, slot: int) -> None:
         """Positions the graphs can take for a step at slot (ValueError if not)."""
+
+    def batch_inputs(self, batch: int):
+        """The step inputs of one call that advances `batch` sequences one token each; ValueError where the graph
+        takes one sequence per call (the rows kinds: the NPU's static graphs stay one sequence per call)."""
+        raise ValueError(f"decoder kind {self.name} takes one sequence per call")
 
     def bound_for_short_blocks(self) -> bool:
         """Whether a prompt's short last block (of a symbolic-AR graph) runs as a bound step made for it (else a
@@ -236,6 +251,13 @@ class GqaInPlace(_SymbolicAR, _Kind):
         if staged:
             cache.write_convs(staged, n)
         cache.advance(n, positions)
+
+    def batch_inputs(self, batch: int) -> EndSlots:
+        """The step inputs of one call advancing `batch` sequences by one token each (decoder.kind.batched)."""
+        if not getattr(self.spec, "batched", False):
+            raise ValueError("this bundle's decoder graph takes one sequence per call; re-export it with this vlmrt "
+                             "to decode several sequences in one call")
+        return EndSlots(self.spec.seqlens_input, self.spec.total_length_input, batch)
 
 
 def _state_layers(cache: KVCache) -> list:

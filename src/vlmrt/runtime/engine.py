@@ -29,6 +29,18 @@ from .step import PlainStep, StepBuffers, make_step
 MODES = ("kv", "hybrid")
 
 
+class _Step:
+    """STEP, what Engine.generate yields (and VLM.chat passes on) under a batch (Engine.batch): the sequence has
+    handed its decode step to the batch (or run one prefill block) and waits for the batch's next call
+    (runtime/batch_engine.py: BatchDecoder.run). Never yielded without a batch."""
+
+    def __repr__(self) -> str:
+        return "STEP"
+
+
+STEP = _Step()
+
+
 class Session(Protocol):
     def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
 
@@ -107,9 +119,10 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, sessions: DecoderSessions, config: EngineConfig, embed_table,
-                 embed_scale: np.ndarray | None = None):
+                 embed_scale: np.ndarray | None = None, cache_blocks: list[np.ndarray] | None = None):
         """embed_table: [vocab, hidden] rows by token id (an ndarray, or the bundle's EmbeddingRows: pread);
-        embed_scale: [vocab] when the table is int8 rows."""
+        embed_scale: [vocab] when the table is int8 rows. cache_blocks: this sequence's rows of a batch's cache
+        (KVCache.rows_of; runtime/batch_engine.py), None: a cache of its own."""
         kv, dec = config.kv, config.decoder
         self.kind = kind = decoder_kind(dec, kv)
         kind.check_lookahead(config.lookahead)
@@ -134,7 +147,10 @@ class Engine:
             self._scales = array("f", np.asarray(embed_scale, np.float32).tobytes())  # [vocab], indexed as floats
         self.eos = set(config.eos_ids)
         self.dtype = np.dtype(config.io_dtype)
-        self.cache = KVCache(kv, kind.layout, rope_rows=dec.positions.rows)
+        self.cache = KVCache(kv, kind.layout, rope_rows=dec.positions.rows, blocks=cache_blocks)
+        # a BatchDecoder (runtime/batch_engine.py): generate hands its decode steps to it and yields STEP, and
+        # prefills one block per STEP; None: generate runs its steps itself
+        self.batch = None
         self.kv_requant = config.kv_requant
         self.last = GenerationStats()
         self._steps: dict[tuple, object] = {}  # id(session), ctx, ar, rows -> the step for that shape
@@ -284,6 +300,17 @@ class Engine:
         rows from slot start on and the cache's rows 0..start-1 are kept (start from reusable()). positions
         [rows, n] int64: the rope positions of prompt_embeds' rows (None: one past the other from the kept rows',
         Engine.positions); runtime/positions.py computes a prompt's."""
+        steps = self.prefill_steps(prompt_embeds, mode, start, positions)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, prompt_embeds: np.ndarray, mode: str, start: int = 0,
+                      positions: np.ndarray | None = None):
+        """prefill as a generator: yields STEP after each graph call but the last, returns the last token's logits
+        (a batch interleaves a prompt's blocks with the other sequences' decode steps)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         n = prompt_embeds.shape[0]
@@ -311,12 +338,16 @@ class Engine:
         exact = start + n - n % ar
         if ar > 1:
             for b in range(0, n, ar):
+                if b:
+                    yield STEP
                 logits = self.step("prefill", prompt_embeds[b : b + ar], positions[:, b : b + ar])
             if self.kv_requant and enc.get("prefill") and enc.get("decode"):
                 self.cache.requantize(enc["prefill"], enc["decode"])
                 exact = 0  # the rows are in decode's encoding now, a prefill reads prefill's
         else:
             for i in range(n):
+                if i:
+                    yield STEP
                 logits = self.step("decode", prompt_embeds[i : i + 1], positions[:, i : i + 1])
         self._exact = (mode, exact, self.cache.epoch)
         return logits[-1]
@@ -337,14 +368,19 @@ class Engine:
         """Yield generated token ids (EOS is not yielded). Stats land in self.last when done. start > 0: a prefix
         reuse, prompt_embeds are the rows from slot start on (see prefill). positions: their rope positions (see
         prefill). prompt_ids: the whole prompt's ids (from slot 0), where lookahead looks up drafts; lookahead runs
-        with them and a greedy sampler only."""
+        with them and a greedy sampler only. Under a batch (self.batch) it also yields STEP: after each prefill
+        block but the last, and after handing each decode step to the batch (runtime/batch_engine.py)."""
         sampler = sampler or Sampler(SamplingConfig())
         st = self.last = GenerationStats(prompt_tokens=int(prompt_embeds.shape[0]))
         if max_new_tokens <= 0:
             st.stop_reason = "length"
             return
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_embeds, mode, start, positions)
+        batch = self.batch
+        if batch is None:
+            logits = self.prefill(prompt_embeds, mode, start, positions)
+        else:
+            logits = yield from self.prefill_steps(prompt_embeds, mode, start, positions)
         one_by_one = self._blocks(mode) == 1  # a fresh kv prefill computes generated tokens' rows as decode does
         tokens = [self._pick(sampler, logits[None])]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
         st.prefill_s = time.perf_counter() - t0
@@ -378,7 +414,12 @@ class Engine:
                 st.drafted_tokens += len(drafts)
                 st.accepted_tokens += len(tokens) - 1
             else:
-                logits = self._decode_token(token)
+                if batch is None:
+                    logits = self._decode_token(token)
+                else:  # the batch's next call advances this sequence with the others
+                    batch.submit(self, token)
+                    yield STEP
+                    logits = batch.logits(self)
                 if one_by_one and self._exact[1] == self.cache.length - 1:
                     self._exact = (mode, self.cache.length, self.cache.epoch)
                 tokens = [self._pick(sampler, logits)]

@@ -89,9 +89,11 @@ class AttentionBlock:
     """The buffers of the attention layers of one shape: data [layers, 2 (K, V), *buffer]; `layers` are their
     indices among the cache's attention layers (the order of kv.encodings' lists)."""
 
-    def __init__(self, layers: list[int], specs: list[AttentionLayer], layout: CacheLayout, max_context: int, dtype):
+    def __init__(self, layers: list[int], specs: list[AttentionLayer], layout: CacheLayout, max_context: int, dtype,
+                 data: np.ndarray | None = None):
+        """data: the block's array (a sequence's rows of a batch's block, KVCache.rows_of); None: its own."""
         self.layers, self.specs, self.layout = layers, specs, layout
-        self.data = zeroed((len(layers), 2, *layout.shape(specs[0], max_context)), dtype)
+        self.data = zeroed((len(layers), 2, *layout.shape(specs[0], max_context)), dtype) if data is None else data
         self.by_slot = layout.by_slot(self.data)
 
     def staging(self, ar: int) -> np.ndarray:
@@ -116,7 +118,10 @@ class ConvRows:
 
 
 class KVCache:
-    def __init__(self, spec: KVSpec, layout: CacheLayout = ROWS, dtype=None, rope_rows: int = 1):
+    def __init__(self, spec: KVSpec, layout: CacheLayout = ROWS, dtype=None, rope_rows: int = 1,
+                 blocks: list[np.ndarray] | None = None):
+        """blocks: the attention blocks' arrays (KVCache.rows_of: a sequence's rows of a batch's HEADS blocks);
+        None: allocated here."""
         self.spec, self.layout = spec, layout
         self.dtype = np.dtype(dtype or spec.dtype)
         self.max_context = spec.max_context
@@ -124,8 +129,9 @@ class KVCache:
         shapes: dict[tuple, list[int]] = {}
         for i, layer in enumerate(attention):
             shapes.setdefault(layout.shape(layer, spec.max_context), []).append(i)
-        self.blocks = [AttentionBlock(ix, [attention[i] for i in ix], layout, spec.max_context, self.dtype)
-                       for ix in shapes.values()]
+        self.blocks = [AttentionBlock(ix, [attention[i] for i in ix], layout, spec.max_context, self.dtype,
+                                      None if blocks is None else blocks[j])
+                       for j, ix in enumerate(shapes.values())]
         # attention layer i's K and V buffers (views of its block), in layer order
         at = {i: (b, j) for b in self.blocks for j, i in enumerate(b.layers)}
         self.keys = [at[i][0].data[at[i][1], 0] for i in range(len(attention))]
@@ -153,6 +159,24 @@ class KVCache:
         # is written past the kept length only when reset / rewind lowers the length: they raise _written first
         self._written = 0
         self._tail = {kind: [0.0] * len(attention) for kind in ("key", "value")}
+
+    @staticmethod
+    def batch_blocks(spec: KVSpec, n: int, dtype=None) -> list[np.ndarray]:
+        """The attention blocks of n sequences' HEADS caches, one array per block [layers, 2, n, kv_heads,
+        max_context, head_dim] (zeroed: its own mapping); sequence b's cache is KVCache(..., blocks=rows_of(.., b)),
+        and a batched step binds each layer's [n, kv_heads, max_context, head_dim] whole (runtime/batch_engine.py)."""
+        dtype = np.dtype(dtype or spec.dtype)
+        shapes: dict[tuple, int] = {}
+        for layer in spec.attention():
+            key = HEADS.shape(layer, spec.max_context)
+            shapes[key] = shapes.get(key, 0) + 1
+        return [zeroed((count, 2, n, *shape[1:]), dtype) for shape, count in shapes.items()]
+
+    @staticmethod
+    def rows_of(blocks: list[np.ndarray], b: int) -> list[np.ndarray]:
+        """Sequence b's views [layers, 2, 1, kv_heads, max_context, head_dim] of batch_blocks (each layer's buffer
+        [1, ...] contiguous: what a one-sequence step binds)."""
+        return [x[:, :, b : b + 1] for x in blocks]
 
     @property
     def data(self) -> np.ndarray:

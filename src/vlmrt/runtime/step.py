@@ -111,7 +111,9 @@ class StepBuffers:
 
 
 class BoundStep:
-    def __init__(self, session, kind, cache: KVCache, ctx: int, ar: int, buffers: StepBuffers, head=None):
+    def __init__(self, session, kind, cache: KVCache, ctx: int, ar: int, buffers: StepBuffers, head=None,
+                 inputs=None):
+        """inputs: the kind's step inputs (default kind.step_inputs(ar, ctx, ..); a batch's: decoder_kinds.EndSlots)."""
         import onnxruntime as ort
 
         dec = kind.dec
@@ -122,7 +124,7 @@ class BoundStep:
         self.io = io = session.io_binding()
         ins = {i.name: i for i in session.get_inputs()}
         mask_type = ins.get(getattr(kind.spec, "mask_input", None) or "")
-        self.inputs = kind.step_inputs(ar, ctx, _ORT_DTYPES[mask_type.type] if mask_type else np.float32)
+        self.inputs = inputs or kind.step_inputs(ar, ctx, _ORT_DTYPES[mask_type.type] if mask_type else np.float32)
         self._keep = []  # OrtValues (and through them the arrays) bound to io
 
         def bind(name, arr, output=False):

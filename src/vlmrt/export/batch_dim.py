@@ -1,0 +1,97 @@
+"""A batch of sequences through the one-graph gqa_in_place decoder: B = the length of its seqlens_k input.
+
+The exported graph runs its layers on x [1, ar, hidden] (families/layers.py: gqa_in_place enters with x[None] and
+leaves with x[0]). `add_batch_dim` makes the leading 1 the batch: the enter Unsqueeze becomes a Reshape to
+[B, ar / B, hidden], GroupQueryAttention's position_ids [1, ar] are reshaped to [B, ar / B], the leave Gather becomes
+a Reshape back to [ar, hidden], and the cache buffers' first dimension is symbolic (`batch`). GroupQueryAttention
+already takes B sequences, each with its own seqlens_k[b] (its step's last slot) over its own buffer rows
+[b, kv_heads, max_context, head_dim]; every other node works row by row, so one call advances B sequences of ar / B
+tokens each (the batched decode step: B sequences of one token, ar = B). B = 1 computes what the graph computed
+before, node for node (a Reshape to the Unsqueeze's shape), so the one-sequence engine is unchanged.
+
+    n = add_batch_dim(model, seqlens="seqlens_k", positions="position_ids")   # -> the GroupQueryAttention nodes
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+BATCH = "batch"
+
+
+def add_batch_dim(model: onnx.ModelProto, seqlens: str, positions: str, cache_prefixes=("past_", "present_")) -> int:
+    """Rewrites model in place (see the module doc); returns how many GroupQueryAttention nodes now take the batch.
+    Raises ValueError when the graph is not the gqa_in_place decoder's shape (one Unsqueeze into the layers, one
+    Gather out)."""
+    g = model.graph
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    gqa = [n for n in g.node if n.op_type == "GroupQueryAttention"]
+    if not gqa:
+        raise ValueError("no GroupQueryAttention node: not a gqa_in_place decoder graph")
+    hidden = _hidden(g)
+    inits = {i.name: i for i in g.initializer}
+    # the enter: the one Unsqueeze(axes [0]) whose output the first layer's norm reads
+    enter = [n for n in g.node if n.op_type == "Unsqueeze" and _const(inits, n.input[1]) == [0]
+             and any(c.op_type == "SimplifiedLayerNormalization" for c in consumers.get(n.output[0], []))]
+    # the leave: Gather(x, 0) on axis 0 of the last residual sum
+    leave = [n for n in g.node if n.op_type == "Gather" and _const(inits, n.input[1]) == 0
+             and _attr(n, "axis", 0) == 0 and n.input[0] not in inits]
+    if len(enter) != 1 or len(leave) != 1:
+        raise ValueError(f"expected one enter Unsqueeze and one leave Gather, found {len(enter)} and {len(leave)}")
+    add = [
+        helper.make_node("Shape", [seqlens], ["batch_dim.b"], name="batch_dim.shape"),  # [1] int64: B
+        helper.make_node("Concat", ["batch_dim.b", "batch_dim.minus1", "batch_dim.hidden"], ["batch_dim.x_shape"],
+                         name="batch_dim.x_shape", axis=0),
+        helper.make_node("Concat", ["batch_dim.b", "batch_dim.minus1"], ["batch_dim.p_shape"],
+                         name="batch_dim.p_shape", axis=0),
+        helper.make_node("Reshape", [positions, "batch_dim.p_shape"], ["batch_dim.positions"], name="batch_dim.positions"),
+    ]
+    g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), "batch_dim.minus1"),
+                          numpy_helper.from_array(np.array([hidden], np.int64), "batch_dim.hidden"),
+                          numpy_helper.from_array(np.array([-1, hidden], np.int64), "batch_dim.rows")])
+    e, lv = enter[0], leave[0]
+    e.op_type, e.input[1] = "Reshape", "batch_dim.x_shape"  # [ar, hidden] -> [B, ar / B, hidden]
+    old_index = lv.input[1]
+    lv.op_type = "Reshape"  # [B, ar / B, hidden] -> [ar, hidden]
+    lv.input[1] = "batch_dim.rows"
+    del lv.attribute[:]
+    for n in gqa:
+        n.input[9] = "batch_dim.positions"  # position_ids [B, ar / B]
+    if not any(old_index in n.input for n in g.node):
+        keep = [i for i in g.initializer if i.name != old_index]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    nodes = list(g.node)
+    first = nodes.index(e)
+    del g.node[:]
+    g.node.extend(nodes[:first] + add + nodes[first:])
+    for v in (*g.input, *g.output):
+        if v.name.startswith(cache_prefixes):
+            d = v.type.tensor_type.shape.dim[0]
+            d.Clear()
+            d.dim_param = BATCH
+    seq = next(v for v in g.input if v.name == seqlens)
+    d = seq.type.tensor_type.shape.dim[0]
+    d.Clear()
+    d.dim_param = BATCH
+    return len(gqa)
+
+
+def _hidden(g) -> int:
+    x = g.input[0]  # inputs_embeds [ar, hidden]
+    return x.type.tensor_type.shape.dim[1].dim_value
+
+
+def _const(inits, name):
+    t = inits.get(name)
+    return None if t is None else numpy_helper.to_array(t).tolist()
+
+
+def _attr(node, name, default):
+    a = next((a for a in node.attribute if a.name == name), None)
+    return default if a is None else helper.get_attribute_value(a)

@@ -1,0 +1,122 @@
+"""Continuous batching: one decoder call advances every sequence that waits for a decode step.
+
+    blocks = KVCache.batch_blocks(kv, n)                        # one cache for n sequences [layers, 2, n, ...]
+    engines = [Engine(sessions, config, table, scale, KVCache.rows_of(blocks, b)) for b in range(n)]
+    batch = BatchDecoder(sessions.decode, engines, blocks)       # engine.batch = batch for each
+    gens = [e.generate(...) for e in engines]                   # each yields STEP (and token ids)
+    ... advance each gen until it yields STEP; batch.run(); repeat   (serve/scheduler.py, batch/worker.py: Batcher)
+
+Each sequence is an Engine of its own (its cache, its slots and positions, its prefix reuse, its sampler), whose
+cache is row b of one shared HEADS cache: each layer's buffer [n, kv_heads, max_context, head_dim], sequence b's
+[1, ...] a contiguous view of it, so its prefill blocks (and a lookahead verify step) run as they do alone, bound to
+its own rows. Its decode steps go here instead (Engine.generate under Engine.batch): `submit` takes the token,
+`run` makes one call of the batched graph (decoder.kind.batched, export/batch_dim.py) over the rows 0..k-1 (k: one
+past the last waiting row), each row its sequence's token at its next slot and position (seqlens_k [k]: each
+row's own), and `logits` hands each its row. GroupQueryAttention attends per sequence and every other node works
+row by row, so a row's logits do not depend on the others' (bit for bit on the int8-compute precisions: w4a8 ...;
+docs/server.md#continuous-batching); the MatMulNBits weights are read once per call for all rows.
+
+A row that waits for nothing in a call (a sequence prefilling, idle, or finished) is computed too (cheaper than
+splitting the call): it is fed zeros and writes a junk K/V row at its slot `length`, one past what its cache keeps,
+where its next write lands anyway (a full cache keeps one row less: it is rewound to max_context - 1 first).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .engine import Engine
+from .kv_cache import KVCache
+from .step import _ORT_DTYPES, BoundStep, StepBuffers
+
+
+class BatchDecoder:
+    def __init__(self, session, engines: list[Engine], blocks: list[np.ndarray]):
+        """session: the batched decoder graph's (decoder.kind.batched); engines: the sequences, engine b over
+        KVCache.rows_of(blocks, b); blocks: KVCache.batch_blocks. Sets each engine's batch."""
+        kind = engines[0].kind
+        kind.batch_inputs(1)  # (ValueError for a graph that takes one sequence per call)
+        self.session, self.kind, self.engines, self.blocks = session, kind, engines, blocks
+        self.row = {id(e): b for b, e in enumerate(engines)}
+        self.pending: dict[int, int] = {}  # row -> the token its sequence feeds
+        self._calls: dict[int, BoundStep] = {}  # rows k -> the call over rows 0..k-1
+        self._last: BoundStep | None = None  # the last call (its logits and argmax: the rows' results)
+        self.run_s = 0.0  # time inside graph calls, accumulated
+        self.calls = 0
+        self.rows = 0  # rows that waited, summed over calls (rows / calls: the mean batch)
+        for e in engines:
+            e.batch = self
+
+    def submit(self, engine: Engine, token: int) -> None:
+        """engine's sequence feeds token at its next slot in the next run."""
+        if not 0 <= token < engine._vocab:
+            raise IndexError(f"token id {token} out of range 0..{engine._vocab - 1}")
+        self.pending[self.row[id(engine)]] = token
+
+    def logits(self, engine: Engine) -> np.ndarray:
+        """engine's row of the last run: logits [1, vocab] (a view the next run overwrites); its argmax row is
+        engine's to pick from (Engine._pick)."""
+        b = self.row[id(engine)]
+        step = self._last
+        engine._argmax = step.buffers.argmax_ids[b : b + 1]
+        return step.buffers.logits[b : b + 1]
+
+    def _call(self, k: int) -> BoundStep:
+        step = self._calls.get(k)
+        if step is None:
+            s, kind = self.session, self.kind
+            ins = {i.name: i.type for i in s.get_inputs()}
+            outs = {o.name: o.type for o in s.get_outputs()}
+            dec = kind.dec
+            buffers = StepBuffers(dec, kind, k, _ORT_DTYPES[ins[dec.embeds_input]], _ORT_DTYPES[outs[dec.logits_output]], k)
+            cache = KVCache(self.engines[0].kv_spec, kind.layout, self.engines[0].cache.dtype,
+                            blocks=[x[:, :, :k] for x in self.blocks])  # rows 0..k-1: each layer's [k, ...]
+            step = self._calls[k] = BoundStep(s, kind, cache, kind.kv.max_context, k, buffers,
+                                              inputs=kind.batch_inputs(k))
+        return step
+
+    def run(self) -> None:
+        """One decoder call for the rows submitted since the last run; each of their caches advances one slot.
+        Raises what the call raises (then no sequence advanced; the pending rows are dropped)."""
+        pending, self.pending = self.pending, {}
+        if not pending:
+            return
+        k = max(pending) + 1
+        step = self._call(k)
+        b = step.buffers
+        seqlens, top = step.inputs.seqlens, self.kind.kv.max_context
+        int8 = self.engines[0]._read_row is not None
+        for r in range(k):
+            e = self.engines[r]
+            n = e.cache.length
+            token = pending.get(r)
+            if token is None:  # a row that waits for nothing: zeros, a junk row at slot n (kept rows untouched)
+                if n >= top:
+                    e.cache.rewind(top - 1)
+                    n = top - 1
+                b.embeds[r] = 0
+                if int8:
+                    b.token_scales[r] = 0
+                b.positions[:, r] = 0
+            else:
+                if int8:
+                    e._read_row(token, memoryview(b.token_rows[r]))
+                    b.token_scales[r] = e._scales[token]
+                else:
+                    e.embed_into(token, b.embeds[r])
+                b.positions[:, r] = e.cache.next_position()
+            seqlens[r] = n
+        step.inputs.total[...] = int(seqlens.max()) + 1
+        t = time.perf_counter()
+        step.session.run_with_iobinding(step.io)
+        dt = time.perf_counter() - t
+        self.run_s += dt
+        self.calls += 1
+        self.rows += len(pending)
+        self._last = step
+        for r in pending:
+            e = self.engines[r]
+            self.kind.store(e.cache, None, 1, b.positions[:, r : r + 1])
+            e.run_s += dt
