@@ -324,7 +324,9 @@ def test_in_process_batch_resumes(job, capsys, tmp_path, monkeypatch):
     out.write_bytes(b"".join(ln + b"\n" for ln in lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
     s, err = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out)])
     assert "ended in a partial line" in err and s["answered"] + s["errors"] == 1 and s["skipped"] == total - 1
-    assert _check(job, out)[records.id_key(last["id"])] == last
+    redone = _check(job, out)[records.id_key(last["id"])]
+    # (the answer, not its timings: records finish in any order when they decode together, the last line may be any's)
+    assert {k: v for k, v in redone.items() if k != "stats"} == {k: v for k, v in last.items() if k != "stats"}
     s, _ = _batch(capsys, [job["bundle"], "--input", str(job["src"]), "--output", str(out), "--retry-errors"])
     assert (s["answered"], s["errors"], s["skipped"]) == (0, 2, total - 2)
     _check(job, out)

@@ -28,7 +28,7 @@ from ..progress import Meter
 from ..runtime.sources import FetchLimits
 from ..runtime.url_policy import AddressPolicy
 from . import output as out_file
-from .records import Record, read_records
+from .records import Record, id_key, read_records
 from .worker import Answerer
 
 RAY_HINT = "pip install 'vlmrt[batch]' (ray[data])"
@@ -55,7 +55,7 @@ class Job:
     allow_local_urls: bool = False  # image URLs may reach loopback / private / link-local addresses (else public only)
     image_urls: bool = True  # False: records' http(s) image URLs are their error lines
     options: dict = field(default_factory=dict)  # VLM.chat's generation options
-    batch_size: int = 4  # records per map_batches call (Ray)
+    batch_size: int = 4  # records a worker answers together (decoding together); per map_batches call on Ray
     retry_errors: bool = False
     progress: bool = True
 
@@ -194,13 +194,13 @@ def fetch_limits(job: Job) -> FetchLimits:
 
 def _answerer_kwargs(job: Job, verify: bool) -> dict:
     return dict(bundle=job.bundle, device=job.device, verify=verify, kv_requant=job.kv_requant, lookahead=job.lookahead,
-                options=job.options, fetch=fetch_limits(job))
+                options=job.options, fetch=fetch_limits(job), sequences=job.batch_size)
 
 
 def _answer_here(w: Answerer, asks: list[Record], put) -> None:
-    for r in asks:  # one at a time: each line is written as soon as it is answered
-        res = w({"request": [r.request()]})
-        put(res["key"][0], res["line"][0], res["error"][0])
+    # batch_size at a time (decoding together): each line is written as soon as it is answered
+    for res in w.answers(json.loads(r.request()) for r in asks):
+        put(id_key(res["id"]), json.dumps(res, ensure_ascii=False), "error" in res)
 
 
 def _answer_on_ray(job: Job, ray, asks: list[Record], put) -> int:

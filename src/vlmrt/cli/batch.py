@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
     t.add_argument("--workers", type=int, default=1,
                    help="workers, each loading the bundle once (default 1: in this process; more: Ray Data actors)")
     t.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: a local Ray for the job)")
-    t.add_argument("--batch-size", type=int, default=4, help="records per call of a Ray worker (default 4)")
+    t.add_argument("--batch-size", type=int, default=4,
+                   help="records a worker answers together, decoding together where the bundle's decoder takes a batch "
+                        "(one decoder call per step for all of them); on Ray also the records per call (default 4)")
     t.add_argument("--retry-errors", action="store_true", help="do again the records whose line in OUT is an error")
     t.add_argument("--allow-local-urls", action="store_true",
                    help="let records' image URLs reach loopback, private and link-local addresses (default: public "

@@ -43,6 +43,7 @@ class BatchDecoder:
         self.pending: dict[int, int] = {}  # row -> the token its sequence feeds
         self._calls: dict[int, BoundStep] = {}  # rows k -> the call over rows 0..k-1
         self._last: BoundStep | None = None  # the last call (its logits and argmax: the rows' results)
+        self._ran: set[int] = set()  # the rows it advanced
         self.run_s = 0.0  # time inside graph calls, accumulated
         self.calls = 0
         self.rows = 0  # rows that waited, summed over calls (rows / calls: the mean batch)
@@ -59,6 +60,9 @@ class BatchDecoder:
         """engine's row of the last run: logits [1, vocab] (a view the next run overwrites); its argmax row is
         engine's to pick from (Engine._pick)."""
         b = self.row[id(engine)]
+        if b not in self._ran:
+            raise RuntimeError("the batch has not run since this sequence handed it its step (drive the answers as "
+                               "runtime/batch_engine.py says: BatchDecoder.run after each STEP)")
         step = self._last
         engine._argmax = step.buffers.argmax_ids[b : b + 1]
         return step.buffers.logits[b : b + 1]
@@ -81,6 +85,7 @@ class BatchDecoder:
         """One decoder call for the rows submitted since the last run; each of their caches advances one slot.
         Raises what the call raises (then no sequence advanced; the pending rows are dropped)."""
         pending, self.pending = self.pending, {}
+        self._ran = set()
         if not pending:
             return
         k = max(pending) + 1
@@ -115,8 +120,24 @@ class BatchDecoder:
         self.run_s += dt
         self.calls += 1
         self.rows += len(pending)
-        self._last = step
+        self._last, self._ran = step, set(pending)
         for r in pending:
             e = self.engines[r]
             self.kind.store(e.cache, None, 1, b.positions[:, r : r + 1])
             e.run_s += dt
+
+
+def batched_vlms(bundle, n: int, load_s: float = 0.0, **vlm_options) -> tuple[list, BatchDecoder | None]:
+    """n VLMs over one opened bundle's sessions (a server's slots, a batch job's sequences) and their BatchDecoder:
+    where the decoder graph takes a batch (decoder.kind.batched) and n > 1, their caches are the rows of one cache and
+    their decode steps go through one call per step (their answers yield STEP: drive them as serve/scheduler.py
+    does); else (a graph of one sequence per call: the rows kinds, the NPU's static graphs, or a bundle exported
+    before) each VLM has a cache of its own and runs its own steps, and the batch is None."""
+    from .pipeline import VLM
+
+    m = bundle.manifest
+    if n < 2 or not getattr(m.decoder.kind, "batched", False):
+        return [VLM(bundle, load_s, **vlm_options) for _ in range(n)], None
+    blocks = KVCache.batch_blocks(m.kv, n)
+    vlms = [VLM(bundle, load_s, cache_blocks=KVCache.rows_of(blocks, b), **vlm_options) for b in range(n)]
+    return vlms, BatchDecoder(bundle.sessions["decode"], [v.engine for v in vlms], blocks)

@@ -35,7 +35,7 @@ from .bundle import Bundle
 from .sessions import Sessions
 from .chunks import Prompt
 from .positions import position_op, prompt_positions
-from .engine import MODES, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead
+from .engine import MODES, STEP, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead
 from .lookahead import check_exact
 from . import video as video_ops
 from .conversation import ChatTemplate, Conversation, VideoSource, parse_messages, user_turn
@@ -96,10 +96,11 @@ class Result:
 class VLM:
     def __init__(self, bundle: Bundle, load_s: float = 0.0, kv_requant: bool = True,
                  image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, fetch: FetchLimits = FetchLimits(),
-                 lookahead: int = 0):
+                 lookahead: int = 0, cache_blocks: list[np.ndarray] | None = None):
         """kv_requant: see Engine (HTP bundles in hybrid mode). image_cache_bytes: bound of chat()'s image embedding
         cache. fetch: limits on images fetched from http(s) URLs. lookahead: draft length of lookahead decoding
-        (greedy answers; 0 = off; see Engine)."""
+        (greedy answers; 0 = off; see Engine). cache_blocks: its rows of a batch's cache (runtime/batch_engine.py
+        batched_vlms: then its answers also yield engine.STEP, see Engine.generate)."""
         self.bundle = bundle
         m = bundle.manifest
         self.manifest = m
@@ -114,7 +115,7 @@ class VLM:
         sessions = DecoderSessions(decode=bundle.sessions["decode"], prefill=bundle.sessions.get("prefill"),
                                    verify=verify, head=bundle.sessions.get("head"))
         config = EngineConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
-        self.engine = Engine(sessions, config, bundle.embed_table, bundle.embed_scale)
+        self.engine = Engine(sessions, config, bundle.embed_table, bundle.embed_scale, cache_blocks)
         self.result = Result()
         self.template = ChatTemplate(m.prompt)
         self.prefix = PrefixCache(self.engine.cache)
@@ -365,6 +366,9 @@ class VLM:
         done = False
         try:
             for token in gen:
+                if token is STEP:  # (under a batch: the sequence waits for the batch's next call)
+                    yield STEP
+                    continue
                 if not res.token_ids:
                     st.ttft_s = time.perf_counter() - t0
                 res.token_ids.append(token)

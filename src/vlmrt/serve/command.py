@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
     s.add_argument("--slots", type=int, default=4,
-                   help="concurrent conversations, each with its own KV and prefix cache (default 4)")
+                   help="concurrent conversations, each with its own KV rows and prefix cache; a bundle whose decoder "
+                        "takes a batch decodes them together, one decoder call per step (default 4)")
     s.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
     s.add_argument("--media-dir", default=None,
                    help="a folder image_url paths may name (default: none; only data URIs and http(s) URLs)")

@@ -1,5 +1,5 @@
-"""N slots over one bundle, run by one thread: each slot is a VLM of its own (its own KV cache, prefix cache and image
-cache) over the bundle's shared ORT sessions, so requests never see each other's state.
+"""N slots over one bundle, run by one thread: each slot is a VLM of its own (its own KV cache rows, prefix cache and
+image cache) over the bundle's shared ORT sessions, so requests never see each other's state.
 
     sched = Scheduler(bundle, slots=4, max_queue=16)
     job = Job(messages, key, options, asyncio.get_running_loop())
@@ -7,8 +7,14 @@ cache) over the bundle's shared ORT sessions, so requests never see each other's
     kind, value = await job.events.get()   # ("piece", text) ... then ("done", Finished) | ("error", APIError)
     sched.cancel(job)            # | ("cancelled", None): a client that went away; its slot is free again
 
-The thread interleaves the busy slots one VLM.chat step (one yielded piece) each, round robin; the prefill of a new
-request is one such step. A waiting request goes to the free slot whose last conversation shares the most leading
+Continuous batching (a decoder graph that takes a batch: decoder.kind.batched; runtime/batch_engine.py): the slots'
+caches are the rows of one cache and the thread runs rounds: each busy slot's VLM.chat is advanced until it hands its
+next decode step to the batch (engine.STEP; a new request runs its prompt's first prefill block, then one block per
+round), then one decoder call advances every slot that waits (BatchDecoder.run). A request that fails (a bad image, a
+context overflow, a bug in its own steps) fails alone; a batched call that raises fails the requests it was to
+advance, each with a 500 JSON error (their state is not retried: the call may have written part of their rows).
+A bundle whose graph takes one sequence per call (the rows kinds: the NPU target's static graphs) interleaves the busy
+slots one VLM.chat step (one yielded piece) each, round robin, as before. A waiting request goes to the free slot whose last conversation shares the most leading
 messages with it (so a follow-up question finds its KV rows), else to the least recently used one. Correctness does not
 depend on that choice: the slot's prefix cache keeps only rows whose keys match.
 """
@@ -22,8 +28,9 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
+from ..runtime.batch_engine import batched_vlms
 from ..runtime.conversation import ConversationError
-from ..runtime.engine import ContextOverflow
+from ..runtime.engine import STEP, ContextOverflow
 from ..runtime.image import ImageError
 from ..runtime.pipeline import VLM
 from ..runtime.prefix_cache import common_prefix
@@ -74,6 +81,7 @@ class Slot:
         self.gen = None
         self.history: list = []  # the key of its last conversation, answer included
         self.used = 0.0
+        self.waiting = False  # its answer waits for the batch's next call
 
 
 class Scheduler:
@@ -82,7 +90,8 @@ class Scheduler:
         if slots < 1 or max_queue < 0:
             raise ValueError("--slots must be >= 1 and --queue >= 0")
         self.max_context = bundle.manifest.kv.max_context
-        self.slots = [Slot(i, VLM(bundle, load_s, **vlm_options)) for i in range(slots)]
+        vlms, self.batch = batched_vlms(bundle, slots, load_s, **vlm_options)
+        self.slots = [Slot(i, v) for i, v in enumerate(vlms)]
         self.max_queue = max_queue
         self.waiting: deque[Job] = deque()
         self.counts: Counter = Counter()
@@ -110,8 +119,10 @@ class Scheduler:
             busy = sum(s.job is not None for s in self.slots)
             kv = sum(s.vlm.engine.cache.nbytes for s in self.slots)
             images = sum(s.vlm.image_cache.bytes for s in self.slots)
+            b = self.batch
+            batch = {"batch_calls": b.calls, "batch_rows": b.rows} if b is not None else {}  # rows / calls: mean batch
             return {"slots": len(self.slots), "busy": busy, "queued": len(self.waiting), "kv_cache_bytes": kv,
-                    "image_cache_bytes": images, **self.counts}
+                    "image_cache_bytes": images, "batched": b is not None, **batch, **self.counts}
 
     def close(self) -> None:
         with self._cv:
@@ -134,6 +145,24 @@ class Scheduler:
                     continue
             for s in active:
                 self._advance(s)
+            if self.batch is not None:
+                self._batch_step()
+
+    def _batch_step(self) -> None:
+        """One decoder call for the slots whose answers wait for it; if it raises, they fail (500) and are freed."""
+        waiting = [s for s in self.slots if s.waiting]
+        for s in waiting:
+            s.waiting = False
+        try:
+            self.batch.run()
+        except Exception:
+            log.exception("batched decode step failed (slots %s)", [s.index for s in waiting])
+            for s in waiting:
+                job = s.job
+                if s.gen is not None:
+                    s.gen.close()
+                self._free(s, [], "failed")
+                job.emit("error", internal())
 
     def _assign(self) -> None:
         for job in [j for j in self.waiting if j.cancelled]:
@@ -145,7 +174,9 @@ class Scheduler:
             if not free:
                 return
             job = self.waiting.popleft()
-            s = max(free, key=lambda s: (common_prefix(s.history, job.key), -s.used))
+            # ties: under a batch the lowest row (a batched call computes rows 0..the last waiting one), else the
+            # least recently used slot
+            s = max(free, key=lambda s: (common_prefix(s.history, job.key), -s.index if self.batch else -s.used))
             job.queue_s, job.slot = time.perf_counter() - job.submitted, s.index
             s.job, s.gen, s.history = job, None, []
 
@@ -165,7 +196,12 @@ class Scheduler:
         try:
             if s.gen is None:
                 s.gen = s.vlm.chat(job.messages, **job.options)
-            piece = next(s.gen)
+            for _ in range(4 if self.batch is not None else 1):  # pieces a round (bounded: an answer that never
+                piece = next(s.gen)  # waits for the batch cannot hold the others)
+                if piece is STEP:
+                    s.waiting = True
+                    return
+                job.emit("piece", piece)
         except StopIteration:
             r = s.vlm.result
             st = r.stats
@@ -182,5 +218,3 @@ class Scheduler:
             log.exception("generation failed (slot %d)", s.index)
             job.emit("error", internal())
             self._free(s, [], "failed")
-        else:
-            job.emit("piece", piece)

@@ -1,0 +1,158 @@
+"""Continuous batching (runtime/batch_engine.py) on the tiny exported bundle: sequences that decode together through
+one decoder call per step answer exactly what each answers alone (greedy ids, seeded sampling), with prompts of
+several prefill blocks interleaved with the others' decode steps, sequences that start late and finish early; the
+batch worker (`vlmrt batch`'s Answerer) answers as one VLM does, a failing record alone failing; the graph's batch
+dimension (export/batch_dim.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import CASES, exported
+from vlmrt.batch.worker import Answerer
+from vlmrt.format.manifest import RowsDynamicKind
+from vlmrt.runtime.batch_engine import BatchDecoder, batched_vlms
+from vlmrt.runtime.bundle import Bundle
+from vlmrt.runtime.decoder_kinds import decoder_kind
+from vlmrt.runtime.engine import STEP
+from vlmrt.runtime.kv_cache import KVCache
+from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.sampler import Sampler, SamplingConfig
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return exported(CASES[0], tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    return VLM.load(tiny.bundle)
+
+
+def _prompts(vlm, n):
+    """n prompts of different lengths (1 to 5 prefill blocks of the tiny bundle's AR 8), as embeddings."""
+    rng = np.random.default_rng(0)
+    vocab = vlm.manifest.decoder.vocab_size
+    return [rng.integers(0, vocab - 200, 3 + 9 * i).tolist() for i in range(n)]
+
+
+# (max_new_tokens, sampling, the round it starts at): greedy and seeded sampling, late starts, early ends
+PLAN = [(30, SamplingConfig(), 0), (12, SamplingConfig(temperature=0.9, seed=7), 0), (30, SamplingConfig(), 3),
+        (25, SamplingConfig(temperature=0.8, top_k=20, seed=1), 6), (9, SamplingConfig(), 14)]
+
+
+def test_sequences_decoding_together_answer_as_alone(tiny, alone):
+    e0 = alone.engine
+    prompts = _prompts(alone, len(PLAN))
+    want = [list(e0.generate(e0.embed(p), max_new_tokens=n, sampler=Sampler(s), ignore_eos=True))
+            for p, (n, s, _) in zip(prompts, PLAN)]
+    vlms, batch = batched_vlms(Bundle.open(tiny.bundle), len(PLAN))
+    assert isinstance(batch, BatchDecoder)
+    engines = [v.engine for v in vlms]
+    gens, got, sizes = {}, [[] for _ in PLAN], []
+    for rnd in range(200):
+        for i, (p, (n, s, at)) in enumerate(zip(prompts, PLAN)):
+            if at == rnd:
+                gens[i] = engines[i].generate(engines[i].embed(p), max_new_tokens=n, sampler=Sampler(s),
+                                              ignore_eos=True)
+        for i, g in list(gens.items()):
+            for y in g:
+                if y is STEP:
+                    break
+                got[i].append(y)
+            else:
+                del gens[i]
+        sizes.append(len(batch.pending))
+        batch.run()
+        if not gens and rnd > PLAN[-1][2]:
+            break
+    assert got == want
+    assert max(sizes) >= 4 and batch.calls < sum(len(w) for w in want) / 2  # they did decode together
+
+
+def test_a_full_idle_row_keeps_its_rows_but_the_last(tiny, alone):
+    """A row that waits for nothing is computed too: its junk K/V row goes one past what its cache keeps, or for a
+    full cache onto its last slot (which it then no longer keeps)."""
+    vlms, batch = batched_vlms(Bundle.open(tiny.bundle), 2)
+    a, b = (v.engine for v in vlms)
+    top = a.kv_spec.max_context
+    _drive(batch, a.generate(a.embed(_prompts(alone, 1)[0]), max_new_tokens=top, ignore_eos=True))  # fills up
+    kept = a.cache.stored().copy()
+    assert a.cache.length == top
+    _drive(batch, b.generate(b.embed([5, 6, 7]), max_new_tokens=3, ignore_eos=True))
+    assert a.cache.length == top - 1 and np.array_equal(a.cache.stored(), kept[:, :, : top - 1])
+
+
+def _drive(batch, gen) -> list[int]:
+    out = []
+    for y in gen:
+        if y is STEP:
+            batch.run()
+        else:
+            out.append(y)
+    return out
+
+
+def test_a_step_read_before_the_batch_ran_is_refused(tiny):
+    vlms, batch = batched_vlms(Bundle.open(tiny.bundle), 2)
+    e = vlms[0].engine
+    with pytest.raises(RuntimeError, match="the batch has not run"):
+        list(e.generate(e.embed([5, 6, 7]), max_new_tokens=3))
+
+
+def test_batch_worker_answers_as_one_vlm_and_a_bad_record_fails_alone(tiny, alone):
+    opts = {"max_new_tokens": 10}
+    long = "word " * 400  # over the tiny bundle's context (320)
+    requests = [{"id": i, "messages": [{"role": "user", "content": text}]} for i, text in
+                enumerate(["hi", "What is this?", long, "Tell me more about it.", "ok", "a b c d e f g h i j k"])]
+    w = Answerer(str(tiny.bundle), options=opts, sequences=3)
+    assert w.batch is not None
+    lines = {r["id"]: r for r in w.answers(requests)}
+    assert "max context" in lines[2]["error"]
+    for r in requests:
+        if r["id"] != 2:
+            alone.reset()
+            assert lines[r["id"]]["text"] == "".join(alone.chat(r["messages"], **opts)), r["id"]
+            assert lines[r["id"]]["token_ids"] == alone.result.token_ids
+
+
+def test_a_batched_call_that_raises_fails_the_records_it_advanced(tiny, monkeypatch):
+    w = Answerer(str(tiny.bundle), options={"max_new_tokens": 6}, sequences=2)
+    calls = {"n": 0}
+    run = w.batch.run
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("a bad call")
+        run()
+
+    monkeypatch.setattr(w.batch, "run", flaky)
+    lines = list(w.answers([{"id": i, "messages": [{"role": "user", "content": f"q {i}"}]} for i in range(3)]))
+    errors = [r for r in lines if "error" in r]
+    assert len(lines) == 3 and len(errors) == 2
+    assert all(r["error"] == "batched decode step failed: RuntimeError: a bad call" for r in errors)
+    assert "text" in next(r for r in lines if "error" not in r)  # the third record, started after, is answered
+
+
+def test_the_graph_takes_a_batch(tiny):
+    m = onnx.load(str(tiny.bundle / "decoder.onnx"), load_external_data=False)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
+    assert dims["seqlens_k"] == ["batch"] and dims["past_key_0"][0] == "batch"
+    assert Bundle.open(tiny.bundle).manifest.decoder.kind.batched
+    assert batched_vlms(Bundle.open(tiny.bundle), 1)[1] is None  # one sequence: no batch
+
+
+def test_rows_kinds_take_one_sequence_per_call(tiny):
+    """The rows kinds (the NPU target's static graphs, --attention portable) have no batch: their VLMs run alone."""
+    m = Bundle.open(tiny.bundle).manifest
+    rows = dataclasses.replace(m.decoder, kind=RowsDynamicKind("rows_dynamic", "attention_mask", 64, "logit_rows"))
+    with pytest.raises(ValueError, match="one sequence per call"):
+        decoder_kind(rows, m.kv).batch_inputs(2)
+    blocks = KVCache.batch_blocks(m.kv, 3)
+    assert blocks[0].shape[2] == 3 and KVCache.rows_of(blocks, 1)[0].shape[2] == 1

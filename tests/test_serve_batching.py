@@ -1,0 +1,95 @@
+"""`vlmrt serve` with continuous batching (serve/scheduler.py over runtime/batch_engine.py) on the tiny fixture bundle:
+concurrent requests decode together and each gets its solo answer; a request that fails mid-batch fails alone with
+its JSON error while the others' answers do not change; a batched call that raises fails the requests it was to
+advance (500) and the server goes on."""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from serve_client import ask, picture, post, start, status, tiny, uri, vlm, wait_idle  # noqa: F401  (fixtures)
+
+FAIL = "fail after three pieces"
+
+
+@pytest.fixture(scope="module")
+def batched(tiny):
+    r = start(tiny.bundle, "--slots", "4", "--queue", "16")
+    for slot in r.app.state.vlmrt.scheduler.slots:
+        slot.vlm.chat = functools.partial(_maybe_failing, slot.vlm.chat)
+    yield r
+    r.stop()
+
+
+def _maybe_failing(chat, messages, **kw):
+    gen = chat(messages, **kw)
+    return _fails(gen) if messages[-1]["content"] == FAIL else gen
+
+
+def _fails(gen):
+    """A request whose own answer raises mid-way (a bug in its steps), after its decode steps joined the batch."""
+    n = 0
+    try:
+        for piece in gen:
+            yield piece
+            n += isinstance(piece, str) and piece != ""  # (not the STEPs)
+            if n == 3:
+                raise RuntimeError("a bug in this request")
+    finally:
+        gen.close()
+
+
+def _bodies(n):
+    return [{"messages": [ask(f"Describe picture {i}.", uri(picture(i)))], "max_tokens": 16 + 3 * i,
+             "temperature": 0.8 if i % 2 else 0.0, "seed": 100 + i} for i in range(n)]
+
+
+def _text(resp):
+    code, out, _ = resp
+    assert code == 200, out
+    return out["choices"][0]["message"]["content"]
+
+
+def test_requests_decode_together_and_failures_stay_alone(batched):
+    bodies = _bodies(5)
+    solo = [_text(post(batched, b)) for b in bodies]
+    before = status(batched)
+    assert before["batched"]
+    over = {"messages": [{"role": "user", "content": "word " * 400}]}
+    fails = {"messages": [{"role": "user", "content": FAIL}], "max_tokens": 40, "ignore_eos": True}
+    with ThreadPoolExecutor(7) as ex:
+        futures = [ex.submit(post, batched, b) for b in bodies[:2]]
+        bad = [ex.submit(post, batched, over), ex.submit(post, batched, fails)]
+        futures += [ex.submit(post, batched, b) for b in bodies[2:]]
+        together = [_text(f.result()) for f in futures]
+        (c1, o1, _), (c2, o2, _) = (f.result() for f in bad)
+    assert together == solo
+    assert c1 == 400 and o1["error"]["type"] == "exceed_context_size_error"
+    assert c2 == 500 and o2["error"]["code"] == "internal_error"
+    after = wait_idle(batched)
+    calls, rows = after["batch_calls"] - before["batch_calls"], after["batch_rows"] - before["batch_rows"]
+    assert rows / calls > 2  # several answers per decoder call
+
+
+def test_a_batched_call_that_raises_fails_those_it_advanced(batched, monkeypatch):
+    sched = batched.app.state.vlmrt.scheduler
+    run, calls = sched.batch.run, {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("a bad call")
+        run()
+
+    monkeypatch.setattr(sched.batch, "run", flaky)
+    bodies = _bodies(3)
+    with ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda b: post(batched, b), bodies))
+    codes = sorted(c for c, _, _ in outs)
+    assert 500 in codes and all(c in (200, 500) for c in codes)
+    assert all(o["error"]["code"] == "internal_error" for c, o, _ in outs if c == 500)
+    monkeypatch.setattr(sched.batch, "run", run)
+    assert _text(post(batched, bodies[0]))  # the server goes on
