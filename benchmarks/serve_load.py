@@ -10,6 +10,15 @@ questions about their images (data URIs), 16 answer tokens at most, greedy. The 
 and 1 malformed request in 20 (expected: 400); every request must end answered (200) or refused (4xx / 503), anything
 else (a 5xx, a dropped connection, a stream without [DONE]) is counted as lost. RSS: /proc/PID/status VmRSS every 5 s.
 Prints one JSON object; --out FILE writes it too.
+
+--only throughput (continuous batching, docs/server.md): at each --levels N, N clients send one streamed greedy
+text request each of --gen tokens (ignore_eos), --rounds times; aggregate generated tokens/s over the wall time and
+TTFT p50/p95. Servers, restarted per level with N slots (llama-server: -np N), in turn at each level: this tree's
+`vlmrt serve BUNDLE`, each --against NAME=SRC (another vlmrt tree's src folder, e.g. main's before a change, on the
+same bundle or NAME=SRC@BUNDLE) and --llama-server BIN with --gguf (the same weights):
+
+    python benchmarks/serve_load.py B --only throughput --levels 1,4,8,16 --gen 96 --threads 2 \
+        --against before=/tmp/main/src --llama-server /work/peers/bin/llama-server --gguf M.gguf
 """
 
 from __future__ import annotations
@@ -48,9 +57,11 @@ def user(text: str, image: str | None = None) -> dict:
     return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
 
 
-def stream(port: int, messages: list[dict], raw: bytes | None = None, timeout: float = 120) -> dict:
-    """One streamed request: status, ttft_s, total_s, text, vlmrt timings; lost=True when it did not end properly."""
-    body = raw if raw is not None else json.dumps({"messages": messages, "stream": True, "max_tokens": MAX_TOKENS}).encode()
+def stream(port: int, messages: list[dict], raw: bytes | None = None, timeout: float = 120, **fields) -> dict:
+    """One streamed request: status, ttft_s, total_s, text, vlmrt timings; lost=True when it did not end properly.
+    fields: more body fields (max_tokens: MAX_TOKENS unless given)."""
+    body = raw if raw is not None else json.dumps({"messages": messages, "stream": True, "max_tokens": MAX_TOKENS,
+                                                   **fields}).encode()
     t0 = time.perf_counter()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     out = {"status": None, "ttft_s": None, "text": "", "vlmrt": None, "lost": False}
@@ -73,6 +84,10 @@ def stream(port: int, messages: list[dict], raw: bytes | None = None, timeout: f
             ev_ = json.loads(line[6:])
             if ev_.get("vlmrt"):
                 out["vlmrt"] = ev_["vlmrt"]
+            if ev_.get("timings"):  # llama-server's last chunk
+                out["timings"] = ev_["timings"]
+            if ev_.get("usage"):
+                out["usage"] = ev_["usage"]
             delta = ev_["choices"][0]["delta"] if ev_.get("choices") else {}
             if delta.get("content"):
                 if out["ttft_s"] is None:
@@ -197,11 +212,84 @@ def soak(port: int, pid: int, clients: int, duration: float, qs) -> dict:
             "rss_samples": samples}
 
 
-def start_server(bundle: str | None, slots: int, mode: str | None):
+PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
+           "Describe a walk in a forest in autumn.", "What makes a good breakfast? Explain.",
+           "Tell me about the history of paper.", "Describe the life of a honey bee.",
+           "Explain why the sea is salty.", "Write a letter to a friend about a trip to the mountains."]
+
+
+def throughput(port: int, clients: int, gen: int, rounds: int) -> dict:
+    """clients concurrent streamed greedy requests of gen tokens each, rounds times."""
+    results = []
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        with ThreadPoolExecutor(clients) as ex:
+            results += list(ex.map(lambda k: stream(port, [{"role": "user", "content": PROMPTS[(k + r) % len(PROMPTS)]}],
+                                                    max_tokens=gen, ignore_eos=True, temperature=0.0, timeout=600,
+                                                    stream_options={"include_usage": True}),
+                                   range(clients)))
+    wall = time.perf_counter() - t0
+    ok = [x for x in results if x["status"] == 200 and not x["lost"]]
+    tokens = [x["usage"]["completion_tokens"] if x.get("usage") else x["timings"]["predicted_n"] for x in ok]
+    ttft = [x["ttft_s"] for x in ok]
+    return {"clients": clients, "requests": len(results), "ok": len(ok), "tokens": sum(tokens),
+            "wall_s": round(wall, 2), "tokens_per_s": round(sum(tokens) / wall, 1),
+            "ttft_p50_s": round(pct(ttft, 0.5), 3), "ttft_p95_s": round(pct(ttft, 0.95), 3)}
+
+
+def start_llama(binary: str, gguf: str, slots: int, threads: int, ctx_per_slot: int = 1024):
+    """llama-server -np slots on gguf (continuous batching is its default); --no-repack where the CPU needs it."""
+    for extra in ([], ["--no-repack"]):  # (its default build dies on a CPU that reports AMX but faults on it)
+        port = free_port()
+        p = subprocess.Popen([binary, "-m", gguf, "--port", str(port), "-np", str(slots), "-c",
+                              str(ctx_per_slot * slots), "-t", str(threads), "-tb", str(threads), *extra],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
+        if wait_ready(p, port, then_warm=True):
+            return p, port, bool(extra)
+    raise SystemExit("llama-server did not start, with or without --no-repack")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def wait_ready(p, port: int, then_warm: bool = False) -> bool:
+    """Whether the server at port came up (and, then_warm, answered a short request) before its process ended."""
+    for _ in range(1200):
+        if p.poll() is not None:
+            return False
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                if then_warm:
+                    r = stream(port, [{"role": "user", "content": "hi"}], max_tokens=4)
+                    if r["status"] != 200 or r["lost"]:
+                        p.kill()
+                        return False
+                return True
+        except OSError:
+            pass
+        time.sleep(0.1)
+    p.kill()
+    return False
+
+
+def start_server(bundle: str | None, slots: int, mode: str | None, src: str | None = None, threads: int | None = None):
+    """vlmrt serve (this tree's, or the vlmrt at src: another tree's src folder) on a free port."""
     cmd = [sys.executable, "-m", "vlmrt.cli", "serve", *([bundle] if bundle else []), "--port", "0", "--slots",
-           str(slots), "--log-level", "warning", *(["--mode", mode] if mode else [])]
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+           str(slots), "--log-level", "warning", *(["--mode", mode] if mode else []),
+           *(["--threads", str(threads)] if threads else [])]
+    env = {**os.environ, **({"PYTHONPATH": src} if src else {})}
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     line = p.stderr.readline()
+    while line and "serving" not in line:  # (warnings before the banner)
+        line = p.stderr.readline()
     m = re.search(r"127\.0\.0\.1:(\d+)/", line)
     if not m:
         p.kill()
@@ -221,6 +309,41 @@ def start_server(bundle: str | None, slots: int, mode: str | None):
     raise SystemExit("the server did not become ready in 120 s")
 
 
+def throughput_main(a) -> int:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
+           "threads": a.threads, "gen": a.gen, "rounds": a.rounds, "bundle": a.bundle, "gguf": a.gguf,
+           "loadavg_before": open("/proc/loadavg").read().split()[:3], "levels": []}
+    servers = [("vlmrt", None, a.bundle)] + [(n, *(v.split("@", 1) if "@" in v else (v, a.bundle)))
+                                             for n, v in (x.split("=", 1) for x in a.against)]
+    for n in (int(x) for x in a.levels.split(",")):
+        row = {"clients": n}
+        for name, src, bundle in servers:
+            p, port = start_server(bundle, n, a.mode, src, a.threads)
+            try:
+                throughput(port, 1, 8, 1)  # warm up
+                row[name] = throughput(port, n, a.gen, a.rounds)
+            finally:
+                p.terminate()
+                p.wait(30)
+        if a.llama_server:
+            p, port, out["llama_no_repack"] = start_llama(a.llama_server, a.gguf, n, a.threads or 2)
+            try:
+                throughput(port, 1, 8, 1)
+                row["llama-server"] = throughput(port, n, a.gen, a.rounds)
+            finally:
+                p.terminate()
+                p.wait(30)
+        out["levels"].append(row)
+        print(json.dumps(row), file=sys.stderr)
+    out["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle", nargs="?", default=None, help="default: the offline demo model")
@@ -231,10 +354,18 @@ def main(argv=None) -> int:
     ap.add_argument("--followups", type=int, default=10)
     ap.add_argument("--soak", type=float, default=600)
     ap.add_argument("--soak-clients", type=int, default=8)
-    ap.add_argument("--only", choices=["levels", "followups", "soak"], action="append")
+    ap.add_argument("--only", choices=["levels", "followups", "soak", "throughput"], action="append")
+    ap.add_argument("--gen", type=int, default=96, help="throughput: tokens per request")
+    ap.add_argument("--rounds", type=int, default=1, help="throughput: requests per client per level")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--against", action="append", default=[], metavar="NAME=SRC[@BUNDLE]")
+    ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--gguf", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     only = set(a.only or ["levels", "followups"])
+    if only == {"throughput"}:
+        return throughput_main(a)
     qs = questions()
     p, port = start_server(a.bundle, a.slots, a.mode)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
