@@ -39,13 +39,15 @@ def graphs(tmp_path_factory):
         t = cfg.text
         levels = len(cfg.vision.deepstack_layers)
         ar = torch.export.Dim("ar", min=1, max=PREFILL_AR)
-        args = [torch.zeros(PREFILL_AR, t.hidden), torch.zeros(3, PREFILL_AR, dtype=torch.int64),
-                torch.zeros(PREFILL_AR, MAX_CONTEXT + PREFILL_AR)]
-        names, dims = ["inputs_embeds", "position_ids", "attention_mask"], [{0: ar}, {1: ar}, {0: ar, 1: ar + MAX_CONTEXT}]
+        args = [torch.zeros(PREFILL_AR, t.hidden), torch.zeros(3, PREFILL_AR, dtype=torch.int64)]
+        names, dims = ["inputs_embeds", "position_ids"], [{0: ar}, {1: ar}]
         if levels:
             args.append(torch.zeros(PREFILL_AR, levels * t.hidden))
             names.append("deepstack")
             dims.append({0: ar})
+        args.append(torch.zeros(PREFILL_AR, MAX_CONTEXT + PREFILL_AR))
+        names.append("attention_mask")
+        dims.append({0: ar, 1: ar + MAX_CONTEXT})
         kin, kout = kv_names(t.layers)
         args += [torch.zeros(MAX_CONTEXT, t.kv_dim) for _ in kin]
         dims += [None] * len(kin)
