@@ -56,6 +56,16 @@ def peak_rss_mb() -> float:
 
 
 @dataclass
+class DecoderInputs:
+    """A prompt's decoder inputs from a slot on (VLM.decoder_inputs): engine.prefill(x.embeds, mode,
+    positions=x.positions, rows=x.rows)."""
+
+    embeds: np.ndarray  # [n, hidden]
+    positions: np.ndarray  # [rope rows, n] int64
+    rows: np.ndarray | None  # [n, decoder.row_input.width], or None
+
+
+@dataclass
 class RunStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -157,6 +167,19 @@ class VLM:
                     self.image_cache.put(c.key, CachedImage(c.grid, c.embeds, c.tile_tokens))
         return prompt.splice(self.engine.embed(prompt.ids[start:]), start)
 
+    def decoder_inputs(self, prompt: Prompt, start: int = 0, cache: bool = False) -> DecoderInputs:
+        """What the decoder takes for the prompt's slots start..: embeddings (embed_prompt), rope positions
+        (the bundle's positions op) and, where the decoder has one (decoder.row_input), the row input."""
+        embeds = self.embed_prompt(prompt, start, cache)
+        return DecoderInputs(embeds, *self._positions_rows(prompt, start))
+
+    def _positions_rows(self, prompt: Prompt, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(rope positions, row input or None) of the prompt's slots start.. (see decoder_inputs)."""
+        d = self.manifest.decoder
+        positions = prompt_positions(d.positions, prompt, start, self.engine.cache.position_after(start))
+        rows = prompt.row_input(d.hidden_size, d.row_input.width, self.engine.dtype, start) if d.row_input else None
+        return positions, rows
+
     def prompt_embeds(self, prompt: str, image=None, max_tiles: int | None = None) -> tuple[list[int], np.ndarray]:
         """(prompt ids, prompt embeddings [n, hidden]) of one user turn (an image, then the text), without the
         timings and the context check of generate()."""
@@ -164,8 +187,9 @@ class VLM:
         return p.ids, self.embed_prompt(p)
 
     def encode_image(self, tiles: np.ndarray, patch_grids: np.ndarray | None = None) -> np.ndarray:
-        """[tiles, c, S, S] (NaFlex: [tiles, patches, d] and their patch grids) -> [the tiles' image tokens, hidden]
-        through the vision graph, tile by tile (the manifest's tile-inputs op: runtime/tile_inputs.py)."""
+        """[tiles, c, S, S] (NaFlex, native resolution: [tiles, patches, d] and their patch grids) -> [the tiles' image
+        tokens, hidden (+ the row outputs' width)] through the vision graph, tile by tile (the manifest's tile-inputs
+        op: runtime/tile_inputs.py)."""
         sessions, t = self.bundle.sessions, time.perf_counter()
         first = isinstance(sessions, Sessions) and not sessions.loaded("vision")
         sess = sessions["vision"]  # loaded on first use
@@ -360,9 +384,9 @@ class VLM:
         fed = ""  # the decoded text given to cut
         if cached:
             self.prefix.clear()  # the cache's rows change from here on; record() says what they hold at the end
-        positions = prompt_positions(m.decoder.positions, ids, start, self.engine.cache.position_after(start))
+        positions, rows = self._positions_rows(prompt, start)
         gen = self.engine.generate(embeds, mode=mode, max_new_tokens=max_new_tokens, sampler=sampler,
-                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids, positions=positions)
+                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids, positions=positions, rows=rows)
         done = False
         try:
             for token in gen:
