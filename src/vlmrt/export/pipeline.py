@@ -170,17 +170,21 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     if not tok_path.is_file():
         raise ExportError("the checkpoint has no tokenizer.json (a fast tokenizer is required)")
     tok_json = json.loads(tok_path.read_text())
-    budgeted = any(f.name == "max_patches" for f in dataclasses.fields(cfg)) if dataclasses.is_dataclass(cfg) else False
+    # a native-resolution image op's patch budget (image.params.max_patches): the family's config field max_patches,
+    # which host_spec reads (the option) and decides (the option, its default or the processor's own maximum)
+    budgeted = dataclasses.is_dataclass(cfg) and any(f.name == "max_patches" for f in dataclasses.fields(cfg))
     if max_patches is not None:
-        if not budgeted:
-            raise ExportError(f"--max-patches is the patch budget of a native-resolution image op; family "
-                              f"{family.name}'s tiling has none")
         if max_patches < 1:
             raise ExportError("--max-patches must be positive")
-        cfg = dataclasses.replace(cfg, max_patches=max_patches)
+        if budgeted:
+            cfg = dataclasses.replace(cfg, max_patches=max_patches)
     host = family.host(ckpt, cfg, tok_json)
-    if budgeted:  # the budget the family chose (the option, its default or the processor's own maximum)
-        cfg = dataclasses.replace(cfg, max_patches=int(host.image.params["max_patches"]))
+    chosen = host.image.params.get("max_patches")
+    if max_patches is not None and chosen != max_patches:
+        raise ExportError(f"--max-patches is the patch budget of a native-resolution image op; family {family.name}'s "
+                          f"tiling ({host.image.tiling}) has none")
+    if budgeted and chosen is not None:
+        cfg = dataclasses.replace(cfg, max_patches=int(chosen))
     if htp is not None:  # the head's own graph by default where it is untied (htp_precisions.parse)
         htp = {**htp, "precisions": htp_precisions.parse(htp["spec"], untied=not cfg.tie_word_embeddings,
                                                          lookahead=bool(htp["lookahead_ar"]))}

@@ -116,9 +116,9 @@ def _gathered_rope(decoder, positions, dtype):
     """cos/sin [ar, head_dim] of the table rows at the positions: one rope row, positions[0]; several (M-RoPE), each
     frequency's angle from the row decoder.rope_pick assigns it (a one-hot [rows, 1, head_dim]: one term of each sum
     is non-zero, so the gather is exact)."""
-    if decoder.rope_pick is None:
+    pick = getattr(decoder, "rope_pick", None)  # (a family's own decoder may have no M-RoPE at all)
+    if pick is None:
         return decoder.rope_cos[positions[0]].to(dtype), decoder.rope_sin[positions[0]].to(dtype)
-    pick = decoder.rope_pick
     return ((decoder.rope_cos[positions] * pick).sum(0).to(dtype), (decoder.rope_sin[positions] * pick).sum(0).to(dtype))
 
 
@@ -182,7 +182,7 @@ def _copy_free_body(attn, x, rope, step, past_k, past_v):
 def _gqa_rope(decoder, positions, dtype):
     """GroupQueryAttention's rotary: the positions [1, ar] (its position_ids) and the cos/sin caches
     [table rows, head_dim/2] (the table's halves are equal)."""
-    if decoder.rope_pick is not None:
+    if getattr(decoder, "rope_pick", None) is not None:
         raise ValueError("GroupQueryAttention rotates by one position row; an M-RoPE decoder takes a rows kind")
     half = decoder.rope_cos.shape[1] // 2
     return positions, decoder.rope_cos[:, :half].to(dtype), decoder.rope_sin[:, :half].to(dtype)
