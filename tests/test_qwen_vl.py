@@ -142,3 +142,38 @@ def test_planted_faults_change_the_answer(ex, plant, tmp_path, monkeypatch):
     do(monkeypatch)
     vlm = VLM.load(ex.bundle)
     assert vlm(PROMPT, images=images, mode="hybrid", max_new_tokens=STEPS, ignore_eos=True).token_ids != want
+
+
+def test_export_patch_budget_option(tmp_path, capsys):
+    """`vlmrt export --max-patches 64`: the vision graph's rows, the manifest's budget and tokens per tile, said by
+    the export's first line; a budget that is no whole merge block, or --max-patches for a family without one, is
+    one line and no bundle; a run-time --max-patches above the graph's is refused the same way."""
+    from fixtures_qwen import make_full_checkpoint
+    from vlmrt import cli
+    from vlmrt.format import manifest as mf
+
+    ckpt = make_full_checkpoint("qwen2_5_vl", tmp_path / "ckpt", seed=11)
+    capsys.readouterr()
+    assert cli.main(["export", str(ckpt), str(tmp_path / "b64"), "--max-patches", "64", "--prefill-ar", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "patch budget 64 patches (from --max-patches)" in err
+    m = mf.load(tmp_path / "b64")
+    assert m.image.params["max_patches"] == 64 and m.prompt.tokens_per_tile == 16
+    assert m.graphs["vision"].input("pixel_patches").shape == [64, 3 * 2 * 14 * 14]
+    assert cli.main(["export", str(ckpt), str(tmp_path / "bad"), "--max-patches", "66"]) != 0
+    err = capsys.readouterr().err
+    assert "not a multiple of 4" in err and "Traceback" not in err and not (tmp_path / "bad").exists()
+    image = image_file("chelsea.png", None)
+    assert cli.main(["run", str(tmp_path / "b64"), "--image", str(image), "--prompt", "Hi", "--max-patches", "128"]) != 0
+    err = capsys.readouterr().err
+    assert "--max-patches must be between 4 and this bundle's vision graph budget, 64" in err and "Traceback" not in err
+
+
+def test_max_patches_refused_for_a_family_without_a_budget(default_bundle, tmp_path, capsys):
+    from vlmrt import cli
+
+    capsys.readouterr()
+    assert cli.main(["export", str(default_bundle.ckpt), str(tmp_path / "b"), "--max-patches", "64"]) != 0
+    err = capsys.readouterr().err
+    assert "--max-patches is the patch budget of a native-resolution image op" in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()
