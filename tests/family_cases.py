@@ -92,6 +92,32 @@ def lfm2_exported(case: Lfm2Case, tmp_path_factory) -> Exported:
 
 
 @dataclass(frozen=True)
+class QwenCase:
+    """A Qwen-VL checkpoint (tests/fixtures_qwen.py TINY[kind]): Qwen2.5-VL (windows, Qwen2 decoder) or Qwen3-VL
+    (DeepStack, Qwen3 decoder), prefill blocks of prefill_ar."""
+
+    name: str
+    kind: str
+    prefill_ar: int
+    seed: int  # weights whose 24-token answers are not degenerate on the runner's images (measured)
+
+
+QWEN_CASES = [QwenCase("qwen2.5-vl", "qwen2_5_vl", prefill_ar=16, seed=11),
+              QwenCase("qwen3-vl", "qwen3_vl", prefill_ar=16, seed=16)]
+
+
+def qwen_exported(case: QwenCase, tmp_path_factory) -> Exported:
+    """A Qwen-VL case's checkpoint, exported once per test session (its own default patch budget: the processor's
+    max_pixels, 256 patches)."""
+    from fixtures_qwen import make_full_checkpoint, oracle_family
+
+    def make(folder):
+        return make_full_checkpoint(case.kind, folder, seed=case.seed)
+
+    return export_once(case, tmp_path_factory, make, oracle_family(case.kind), prefill_ar=case.prefill_ar)
+
+
+@dataclass(frozen=True)
 class FamilyCases:
     """What the shared runner needs of one family."""
 
@@ -106,6 +132,7 @@ FAMILIES = {
     "smolvlm": FamilyCases(conftest.CASES, conftest.exported, eos_stops={"untied-split": 46}),
     "internvl": FamilyCases(CASES, exported),
     "lfm2_vl": FamilyCases(LFM2_CASES, lfm2_exported),
+    "qwen_vl": FamilyCases(QWEN_CASES, qwen_exported),
 }
 
 

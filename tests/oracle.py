@@ -20,7 +20,7 @@ class OracleFamily:
     model: str  # "module:Class" of the ...ForConditionalGeneration
     processor: str  # "module:Class" of the processor
     image_processor: str  # "module:Class" of the PIL image processor
-    seq_len_key: str  # processor_config.json's image tokens per tile (and the processor's keyword)
+    seq_len_key: str | None  # processor_config.json's image tokens per tile (and the processor's keyword); None: none
     nested_images: bool  # the processor takes one list of images per text (SmolVLM) or a flat list (InternVL)
     pixel_batch_dim: bool  # pixel_values come as [1, tiles, 3, S, S] (SmolVLM) or [tiles, 3, S, S] (InternVL)
     # the processor's own apply_chat_template reads video_processor.num_frames (SmolVLM): use ProcessorMixin's
@@ -34,12 +34,19 @@ class OracleFamily:
     # the image processor takes RGB images only (LFM2-VL's torchvision one): images converted first with
     # transformers' convert_to_rgb (transparency composited onto white)
     rgb: bool = False
+    # native resolution (Qwen-VL): pixel_values are one image's patch rows [patches, c·t·p²] with image_grid_thw, and
+    # the model's M-RoPE reads which prompt tokens are the image's (mm_token_type_ids)
+    native: bool = False
 
 
-def model_image_inputs(fam: "OracleFamily", tiles) -> dict:
-    """The model's image keywords from vlmrt's own tiles (the first-logits check feeds them to the model)."""
+def model_image_inputs(fam: "OracleFamily", tiles, ids: list[int], image_token_id: int) -> dict:
+    """The model's image keywords from vlmrt's own tiles (the first-logits check feeds them to the model) for the
+    prompt ids."""
     import torch
 
+    if fam.native:  # the one tile's patch rows, its grid (t, h, w), the image tokens' mask
+        return {"pixel_values": torch.from_numpy(tiles.pixels[0]), "image_grid_thw": torch.tensor([[1, *tiles.patch_grids[0]]]),
+                "mm_token_type_ids": torch.tensor([[int(t == image_token_id) for t in ids]])}
     if fam.model_pixels:
         return _import(fam.model_pixels)(tiles)
     return {"pixel_values": torch.from_numpy(tiles.pixels[None] if fam.pixel_batch_dim else tiles.pixels)}
@@ -89,11 +96,12 @@ def processor(fam: OracleFamily, ckpt: Path):
     ckpt = Path(ckpt)
     pre = json.loads((ckpt / "preprocessor_config.json").read_text())
     pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
-    seq_len = json.loads((ckpt / "processor_config.json").read_text())[fam.seq_len_key]
+    seq = ({fam.seq_len_key: json.loads((ckpt / "processor_config.json").read_text())[fam.seq_len_key]}
+           if fam.seq_len_key else {})
     chat_template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
     return _no_video_processor_class(fam)(
         image_processor=_import(fam.image_processor)(**pre), tokenizer=AutoTokenizer.from_pretrained(str(ckpt)),
-        video_processor=None, chat_template=chat_template, **{fam.seq_len_key: seq_len},
+        video_processor=None, chat_template=chat_template, **seq,
     )
 
 
@@ -140,6 +148,10 @@ def generate(fam: OracleFamily, ckpt: Path, image, prompt: str, max_new_tokens: 
         pixel_values = inputs["pixel_values"].to(torch.float32).numpy()
     else:
         inputs = processor(text=[text], return_tensors="pt")
+        if fam.native:
+            v = model.config.vision_config
+            return (inputs["input_ids"][0].tolist(), np.zeros((0, 3 * v.temporal_patch_size * v.patch_size**2), np.float32),
+                    greedy_new_ids(model, inputs, max_new_tokens, ignore_eos) if max_new_tokens else [])
         size = getattr(model.config.vision_config, "image_size", 0)  # (NaFlex towers have none)
         tile = size[0] if isinstance(size, (list, tuple)) else size
         pixel_values = np.zeros(((1,) if fam.pixel_batch_dim else ()) + (0, 3, tile, tile), dtype=np.float32)

@@ -34,7 +34,7 @@ def with_weights(make):
 
 def test_registered_families_meet_the_contract():
     fams = families.registered()
-    assert [f.name for f in fams] == ["internvl", "lfm2_vl", "smolvlm"]
+    assert [f.name for f in fams] == ["internvl", "lfm2_vl", "qwen_vl", "smolvlm"]
     for f in fams:
         assert all(families.family_for({"model_type": t}) is f for t in f.model_types)
     cfg = smolvlm.FAMILY.config(CONFIG)
@@ -115,6 +115,7 @@ def host(image_edit=None, **edit) -> families.HostSpec:
 @pytest.mark.parametrize("spec, message", [
     (host({"tiling": "square_grid"}), "tiling 'square_grid' is not a host op of the runtime"),
     (host(prompt_expansion="markers"), "prompt expansion 'markers' is not a host op of the runtime"),
+    (host(positions_op="rope3d"), "positions op 'rope3d' is not a host op of the runtime"),
     (host({"patch_size": 8}), "the host unfolds patches of 8 pixels, the vision tower takes 4"),
     (host(image_token_id=40), "image_token_id 40 is not a token of the 40-token vocabulary"),
     (host(image={"tiling": "longest_edge_grid"}), "host_spec must give a HostSpec whose image is a manifest.ImageSpec"),

@@ -99,7 +99,7 @@ def ours_generate(cfg, tower, dec, embed, ids, images, steps: int, deepstack: bo
     extra = (ds,) if levels else ()
     out = []
     with torch.no_grad():
-        logits, *new = dec(x, torch.from_numpy(pos), mask, *extra, *past)
+        logits, *new = dec(x, torch.from_numpy(pos), *extra, mask, *past)
         first = logits.numpy()
         past = new
         at = mrope.next_position(pos)
@@ -110,7 +110,7 @@ def ours_generate(cfg, tower, dec, embed, ids, images, steps: int, deepstack: bo
             at += 1
             ctx = past[0].shape[0]
             extra = (torch.zeros(1, levels * cfg.text.hidden),) if levels else ()
-            logits, *new = dec(embed[torch.tensor([tok])], step_pos, torch.zeros(1, ctx + 1), *extra, *past)
+            logits, *new = dec(embed[torch.tensor([tok])], step_pos, *extra, torch.zeros(1, ctx + 1), *past)
             past = [torch.cat([p_, r]) for p_, r in zip(past, new)]
     return first, out
 

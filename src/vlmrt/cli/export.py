@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
                    help="gqa: the CPU decoder's attention as ORT's GroupQueryAttention, which updates the KV cache in "
                         "place (the default for the one-graph CPU decoder when head_dim is a multiple of 16); portable: "
                         "the graph's own attention ops and host-written KV rows (what static and HTP graphs use)")
+    e.add_argument("--max-patches", type=int, default=None,
+                   help="native-resolution bundles (Qwen2.5-VL, Qwen3-VL): the vision graph's patch budget (its static "
+                        "rows; an image the processor would make larger is resized to fit; 4 patches = 1 image token). "
+                        "Default: 4096, or the processor's own max_pixels when smaller; the export says which")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(fn=run)
@@ -64,6 +68,6 @@ def run(a) -> int:
                  target=a.target, calibration=calibration, soc_model=a.soc_model,
                  htp_arch=a.htp_arch, keep_qdq=a.keep_qdq, shared_context=a.htp_shared_context,
                  context_step=a.context_step, attention=a.attention, lookahead_ar=a.lookahead_ar, force=a.force,
-                 progress=not a.quiet)
+                 max_patches=a.max_patches, progress=not a.quiet)
     print(out)
     return 0

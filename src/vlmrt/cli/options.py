@@ -33,7 +33,8 @@ def _options(a) -> dict:
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
     return dict(mode=a.mode, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos, max_tiles=a.max_tiles, max_frames=a.max_frames)
+                seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos, max_tiles=a.max_tiles, max_frames=a.max_frames,
+                max_patches=a.max_patches)
 
 
 def _videos(a) -> list:
@@ -73,6 +74,9 @@ def _generation_args(r, threads_help: str = "intra-op threads (default: physical
     r.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
     r.add_argument("--max-tiles", type=int, default=None,
                    help="cap each image's tile count (bundles whose tiling has one, e.g. InternVL)")
+    r.add_argument("--max-patches", type=int, default=None,
+                   help="native-resolution bundles (Qwen2.5-VL, Qwen3-VL): at most this many patches per image (4 per "
+                        "image token), below the bundle's vision graph budget; the image is resized to fit")
     r.add_argument("--max-frames", type=int, default=None,
                    help="sample at most this many frames of a video (default: the checkpoint's, e.g. 64 for SmolVLM2)")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"],

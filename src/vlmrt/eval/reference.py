@@ -18,12 +18,20 @@ from ..runtime.bundle import Bundle
 
 
 class TorchVision:
+    """run(names, feeds) over the vision module: its inputs in the graph's order (the patch rows, then
+    vision.extra_inputs), its outputs (the embeddings, then vision.row_outputs) by name."""
+
     def __init__(self, module, m: Manifest):
-        self.module, self.inputs = module, [m.vision.patches_input, *m.vision.extra_inputs.values()]
+        v = m.vision
+        self.module, self.inputs, self.outputs = module, [v.patches_input, *v.extra_inputs.values()], [
+            v.embeds_output, *v.row_outputs]
 
     def run(self, names, feeds):
+        x = [torch.from_numpy(np.asarray(feeds[n])) for n in self.inputs]
         with torch.no_grad():
-            return [self.module(*(torch.from_numpy(np.asarray(feeds[n], np.float32)) for n in self.inputs)).numpy()]
+            out = self.module(*(t.float() if t.is_floating_point() else t for t in x))
+        by_name = dict(zip(self.outputs, (o.numpy() for o in (out if isinstance(out, tuple) else (out,)))))
+        return [by_name[n] for n in names]
 
 
 # the torch attention kind (families/layers.py ATTENTION_KINDS) that computes what each decoder kind's graph does
@@ -53,8 +61,9 @@ class TorchDecoder:
         embeds = t[d.embeds_input].float()
         if getattr(k, "token_rows_input", None):  # the graph's own addition of the int8 rows (export/graphs.py TokenRows)
             embeds = embeds + t[k.token_rows_input].float() * t[k.token_scales_input][:, None]
+        row_input = [t[d.row_input.input].float()] if d.row_input else []
         with torch.no_grad():
-            out = self.module(embeds, t[d.positions.input], *step, *[t[n].float() for n in self.past], *rows)
+            out = self.module(embeds, t[d.positions.input], *row_input, *step, *[t[n].float() for n in self.past], *rows)
         by_name = dict(zip(self.outs, (o.numpy() for o in out)))
         if getattr(k, "logit_rows_input", None) and not self.module.logit_rows:
             by_name[d.logits_output] = by_name[d.logits_output][feeds[k.logit_rows_input]]  # the graph's rows only

@@ -33,6 +33,9 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 KV_OUTPUT_PREFIX = {"rows_copy_free": "new", "rows_concat": "new", "gqa_in_place": "present"}
 
 
+ROW_INPUT = ["row_input"]  # the decoder graph's per-token row input, where it has one (manifest decoder.row_input)
+
+
 def kv_names(layers: int | tuple[str, ...], attention: str = "rows_copy_free") -> tuple[list[str], list[str]]:
     """The state inputs and outputs of a decoder graph of the attention kind, per layer in order: an attention layer's
     past_key_i, past_value_i -> new_/present_key_i, ..._value_i; a conv layer's past_conv_i -> new_conv_i.
@@ -153,16 +156,18 @@ def compute_dtype(precision: str, io_dtype: str) -> str:
     return precision if precision in TORCH_DTYPES else io_dtype
 
 
-def export_vision(vision: torch.nn.Module, patches: int, patch_dim: int, io_dtype: str, precision: str, path: Path,
-                  extra: dict[str, tuple[int, ...]] | None = None) -> None:
-    """extra: the module's inputs after the patch rows, {graph input name: shape} (families.vision_extra_inputs)."""
+def export_vision(vision: torch.nn.Module, inputs: dict, outputs: list[str], io_dtype: str, precision: str,
+                  path: Path) -> None:
+    """The vision module at the shapes of its example inputs by role (families.vision_examples: "patches" first, the
+    graph input pixel_patches; the others named by role, manifest vision.extra_inputs), float inputs and outputs in
+    the I/O dtype (int64 inputs as they are); outputs: the graph's output names (image_embeds, then row outputs)."""
     from .cpu import quantize
 
     io = TORCH_DTYPES[io_dtype]
-    x = torch.zeros(patches, patch_dim, dtype=io)
-    more = [torch.zeros(shape, dtype=io) for shape in (extra or {}).values()]
+    args = tuple(x.to(io) if x.is_floating_point() else x for x in inputs.values())
+    names = ["pixel_patches" if role == "patches" else role for role in inputs]
     module = CastIO(copy.deepcopy(vision), TORCH_DTYPES[compute_dtype(precision, io_dtype)], io)
-    export_graph(module, (x, *more), ["pixel_patches", *(extra or {})], ["image_embeds"], path)
+    export_graph(module, args, names, outputs, path)
     if precision in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
             rewrite(path, quantize.quantize_vision(onnx.load(str(path)), precision))
@@ -207,7 +212,10 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     decoder = decoder.with_options(attention=attention, logit_rows=dynamic_ar, rope_positions=max_context + ar)
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
-    positions = torch.arange(ar, dtype=torch.int64)[None]  # [rope rows = 1, ar]
+    positions = torch.arange(ar, dtype=torch.int64)[None].repeat(getattr(decoder, "rope_rows", 1), 1)  # [rope rows, ar]
+    # the row input (DeepStack's vision features, CausalDecoder.row_levels): [ar, levels * hidden] after positions
+    levels = getattr(decoder, "row_levels", 0)
+    row = [torch.zeros(ar, levels * hidden, dtype=dt)] if levels else []
     mask = torch.zeros(ar, max_context + ar, dtype=dt)
     ctx = torch.export.Dim("ctx", min=2, max=max_context) if dynamic_context else None
     past, past_dims = _state(decoder, lambda: (torch.zeros(max_context, kv_heads * head_dim, dtype=dt), {0: ctx}), dt)
@@ -221,10 +229,12 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
         # CastIO.forward(*args): one varargs entry
         total = torch.export.Dim.AUTO if dynamic_ar else ctx + ar  # ctx + ar: the exporter derives it
         logit_rows = [{0: torch.export.Dim("rows", min=1, max=ar)}] if dynamic_ar else []
-        dynamic = ((rows, pos_dims, {0: n, 1: total} if dynamic_ar else {1: total}, *past_dims, *logit_rows),)
+        dynamic = ((rows, pos_dims, *[rows] * len(row), {0: n, 1: total} if dynamic_ar else {1: total}, *past_dims,
+                    *logit_rows),)
     export_graph(
-        module, (embeds, positions, mask, *past, *extra),
-        ["inputs_embeds", "position_ids", "attention_mask", *kin, *extra_names], ["logits", *kout], path, dynamic,
+        module, (embeds, positions, *row, mask, *past, *extra),
+        ["inputs_embeds", "position_ids", *ROW_INPUT[: len(row)], "attention_mask", *kin, *extra_names],
+        ["logits", *kout], path, dynamic,
     )
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():

@@ -18,7 +18,7 @@ import numpy as np
 from .. import __version__
 from ..format import manifest as mf
 from ..format import staging
-from ..families import Family, FamilyConfig, HostSpec, family_for, vision_extra_inputs
+from ..families import Family, FamilyConfig, HostSpec, family_for, vision_examples, vision_row_outputs
 from ..progress import Laps, Progress
 from . import graphs
 from .htp import precisions as htp_precisions, qnn_context
@@ -42,7 +42,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
            quant: str | None = None, target: str = "cpu", calibration: list | None = None,
            soc_model: str | None = None, htp_arch: str | None = None, keep_qdq: bool = False, shared_context: bool = False,
            context_step: int | None = None, attention: str | None = None, lookahead_ar: int = 0, force: bool = False,
-           progress: bool = True) -> Path:
+           max_patches: int | None = None, progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
@@ -59,7 +59,9 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     place (the default where the graph is one and head_dim a multiple of 16, what the CPU kernel takes), or
     "portable" (the graphs' own attention ops, the host writing the new K/V rows: what static graphs always have).
     lookahead_ar: --target htp: also a static lookahead verify graph of that AR (`--lookahead K-1` at run time):
-    the decode graph at AR = lookahead_ar, with decode's weights, activation and KV encodings (htp/verify.py)."""
+    the decode graph at AR = lookahead_ar, with decode's weights, activation and KV encodings (htp/verify.py).
+    max_patches: the vision graph's patch budget, for a native-resolution image op (Qwen-VL's smart_resize: an image
+    the processor makes larger is resized to fit; default: the family's, see the export's first line)."""
     if attention not in (None, "gqa", "portable"):
         raise ExportError(f"unknown attention {attention!r}; choose gqa or portable")
     if target not in ("cpu", "htp"):
@@ -94,7 +96,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     p = Progress((9 if target == "htp" else 8) + _uses_gptq(quant) + bool(lookahead_ar), progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
-                       force=force, context_step=context_step, attention=attention,
+                       force=force, context_step=context_step, attention=attention, max_patches=max_patches,
                        htp=dict(precisions=htp_prec, spec=htp_spec, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
                                 shared_context=shared_context, lookahead_ar=lookahead_ar) if target == "htp" else None)
     except qnn_context.TargetError as e:
@@ -156,7 +158,7 @@ def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
 
 
 def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-          context_step: int | None, attention: str | None, htp: dict | None) -> Plan:
+          context_step: int | None, attention: str | None, htp: dict | None, max_patches: int | None = None) -> Plan:
     head = prec.get("lm_head")
     ckpt = Checkpoint.open(resolve(src))
     family = family_for(ckpt.config)
@@ -168,7 +170,21 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     if not tok_path.is_file():
         raise ExportError("the checkpoint has no tokenizer.json (a fast tokenizer is required)")
     tok_json = json.loads(tok_path.read_text())
+    # a native-resolution image op's patch budget (image.params.max_patches): the family's config field max_patches,
+    # which host_spec reads (the option) and decides (the option, its default or the processor's own maximum)
+    budgeted = dataclasses.is_dataclass(cfg) and any(f.name == "max_patches" for f in dataclasses.fields(cfg))
+    if max_patches is not None:
+        if max_patches < 1:
+            raise ExportError("--max-patches must be positive")
+        if budgeted:
+            cfg = dataclasses.replace(cfg, max_patches=max_patches)
     host = family.host(ckpt, cfg, tok_json)
+    chosen = host.image.params.get("max_patches")
+    if max_patches is not None and chosen != max_patches:
+        raise ExportError(f"--max-patches is the patch budget of a native-resolution image op; family {family.name}'s "
+                          f"tiling ({host.image.tiling}) has none")
+    if budgeted and chosen is not None:
+        cfg = dataclasses.replace(cfg, max_patches=int(chosen))
     if htp is not None:  # the head's own graph by default where it is untied (htp_precisions.parse)
         htp = {**htp, "precisions": htp_precisions.parse(htp["spec"], untied=not cfg.tie_word_embeddings,
                                                          lookahead=bool(htp["lookahead_ar"]))}
@@ -203,11 +219,12 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
             raise ExportError("the chat template does not render one image and one text item as expected")
     plan = Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
                 htp, "rows_concat" if htp else "rows_copy_free", prompt)
-    gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0
+    gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0 and host.positions_rows == 1
     if attention == "gqa" and not gqa_fits:
         raise ExportError("--attention gqa needs the one-graph CPU decoder (symbolic cache length, one precision for "
-                          "prefill and decode, --prefill-ar > 1) and a head_dim that is a multiple of 16 "
-                          f"(this one: {cfg.text.head_dim})")
+                          "prefill and decode, --prefill-ar > 1), a head_dim that is a multiple of 16 "
+                          f"(this one: {cfg.text.head_dim}) and one row of rope positions (GroupQueryAttention "
+                          f"rotates by one; this one has {host.positions_rows})")
     if gqa_fits and attention != "portable":
         plan.attention = "gqa_in_place"
     return plan
@@ -234,9 +251,10 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
     """vision.onnx and the decoder graph(s) with their shared data files; returns [(graph name, file stem)].
     hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
-    p.start(f"vision graph (1 tile = {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
-    graphs.export_vision(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2, plan.dtype, prec["vision"],
-                         tmp / "vision.onnx", vision_extra_inputs(vision))
+    budget = "patch budget" if "max_patches" in plan.host.image.params else "1 tile ="
+    p.start(f"vision graph ({budget} {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
+    graphs.export_vision(vision, vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2),
+                         ["image_embeds", *vision_row_outputs(vision)], plan.dtype, prec["vision"], tmp / "vision.onnx")
     p.done()
     decoder_graphs = []
     verify = plan.htp["lookahead_ar"] if plan.htp else 0
@@ -306,9 +324,10 @@ def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
 
 
 def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embed_dtype: str,
-              scale_file: str | None, state: tuple, extra_inputs: dict) -> mf.Manifest:
+              scale_file: str | None, state: tuple, extra_inputs: list, row_outputs: list) -> mf.Manifest:
     """The manifest of the files in tmp (all of them: a file it does not list is an error). state: the decoder's
-    (layer_kinds, conv_state); extra_inputs: the vision graph's inputs after the patch rows, by role."""
+    (layer_kinds, conv_state); extra_inputs: the vision graph's inputs after the patch rows, by role; row_outputs: its
+    outputs after the embeddings (the decoder's row input)."""
     t, host = plan.cfg.text, plan.host
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
@@ -328,14 +347,32 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                         pad_token_id=plan.ckpt.pad_id(t.vocab)),
         kv=mf.KVSpec(max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype], layers=_cache_layers(plan, *state)),
         decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
-                               embeds_input="inputs_embeds", positions=mf.PositionsSpec(input="position_ids"),
+                               embeds_input="inputs_embeds",
+                               positions=mf.PositionsSpec(input="position_ids", rows=host.positions_rows,
+                                                          op=host.positions_op),
                                logits_output="logits", kind=_decoder_kind(plan, state[0]),
-                               embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file),
+                               embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
+                               row_input=_row_input(plan, row_outputs)),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds", tile_inputs=host.tile_inputs,
-                             extra_inputs={role: role for role in extra_inputs}, params=host.tile_params or {}),
+                             extra_inputs={role: role for role in extra_inputs}, params=_tile_params(plan),
+                             row_outputs=list(row_outputs)),
         generate={"default_mode": "hybrid", "modes": ["kv", "hybrid"]},
         files=mf.list_files(tmp, files),
     )
+
+
+def _tile_params(plan: Plan) -> dict:
+    """The tile-inputs op's parameters; an additive mask's value for hidden rows (mask_value) is the HTP's there (a
+    small 16-bit range), else the family's (float32's lowest)."""
+    params = dict(plan.host.tile_params or {})
+    if plan.htp and "mask_value" in params:
+        params["mask_value"] = htp_mod.HTP_MASK_VALUE
+    return params
+
+
+def _row_input(plan: Plan, row_outputs: list[str]) -> mf.RowInputSpec | None:
+    """The decoder's per-token row input: the vision graph's row outputs side by side (DeepStack)."""
+    return mf.RowInputSpec(input=graphs.ROW_INPUT[0], width=len(row_outputs) * plan.cfg.text.hidden) if row_outputs else None
 
 
 def _cache_layers(plan: Plan, kinds: tuple[str, ...], conv_state: tuple[int, int]) -> list[mf.AttentionLayer | mf.ConvLayer]:
@@ -373,7 +410,8 @@ def _decoder_kind(plan: Plan, layer_kinds: tuple[str, ...]) -> mf.GqaInPlaceKind
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
-            quant: str | None, force: bool, context_step: int | None, attention: str | None, htp: dict | None) -> Path:
+            quant: str | None, force: bool, context_step: int | None, attention: str | None, htp: dict | None,
+            max_patches: int | None = None) -> Path:
     import torch
 
     prec = _precisions(quant, dtype)
@@ -381,13 +419,22 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         raise ExportError(f"{out} already exists; pass --force to replace it")
     p.start("reading checkpoint")
     plan = _plan(src, prec, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, context_step=context_step,
-                 attention=attention, htp=htp)
+                 attention=attention, htp=htp, max_patches=max_patches)
     torch.manual_seed(0)
     vision, decoder, embed = plan.family.weights(plan.cfg, plan.ckpt.tensors())
+    row_outputs = vision_row_outputs(vision)
+    rope_rows, levels = getattr(decoder, "rope_rows", 1), getattr(decoder, "row_levels", 0)
+    if rope_rows != plan.host.positions_rows or bool(levels) != bool(row_outputs):
+        raise plan.family.fail(f"the decoder takes {rope_rows} rope rows and {levels} row levels; the host plan gives "
+                               f"{plan.host.positions_rows} rows and the vision graph {len(row_outputs)} row outputs")
     note = "from --max-seq-len" if max_seq_len is not None else plan.family.max_context(plan.cfg, plan.host)[1]
-    p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note})")
+    budget = (f"; patch budget {plan.cfg.patches_per_tile} patches" + (" (from --max-patches)" if max_patches else "")
+              if "max_patches" in plan.host.image.params else "")
+    p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note}{budget})")
 
-    state, extra_inputs = (decoder.layer_kinds, decoder.conv_state), vision_extra_inputs(vision)
+    state = (decoder.layer_kinds, decoder.conv_state)
+    extra_inputs = [r for r in vision_examples(vision, plan.cfg.patches_per_tile, 3 * plan.cfg.vision.patch_size**2)
+                    if r != "patches"]
     with staging.staged(out) as tmp:
         hessian = _gptq_hessians(plan, decoder, embed.numpy(), p)
         decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian)
@@ -395,7 +442,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
         gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
         p.start("manifest")
-        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, state, extra_inputs)
+        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, state, extra_inputs, row_outputs)
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back
         p.done()

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # (torch only for export: this module is imported without it)
 
 # config.json model_type -> the family module (vlmrt.families.<name>) whose FAMILY exports it
 REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl",
-            "lfm2_vl": "lfm2_vl"}
+            "lfm2_vl": "lfm2_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl"}
 
 # preprocessor_config.json "resample" (PIL's enum values) -> the runtime's filter names
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
@@ -99,6 +99,8 @@ class HostSpec:
     # how the vision graph takes a tile: a host op of runtime/tile_inputs.py TILE_INPUTS and its parameters
     tile_inputs: str = "unfold_patches"
     tile_params: dict[str, Any] | None = None
+    positions_op: str = "slots"  # the rope positions' host op (runtime/positions.py POSITION_OPS; "mrope": M-RoPE)
+    positions_rows: int = 1  # its rows (the decoder's rope_rows)
 
 
 class DecoderModule(Protocol):
@@ -204,10 +206,10 @@ class Family:
                             f"{tuple(getattr(embed, 'shape', ())) or type(embed).__name__}")
         if not isinstance(vision, torch.nn.Module):
             raise self.fail(f"load_weights gave a {type(vision).__name__} vision tower, not a torch module")
-        extra = vision_extra_inputs(vision)
-        got = _output_shape(vision, (cfg.patches_per_tile, 3 * cfg.vision.patch_size**2), *extra.values())
+        example = vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2)
+        got = _output_shape(vision, *example.values())
         if got != (cfg.tokens_per_tile, t.hidden):
-            raise self.fail(f"the vision module maps one tile [{cfg.patches_per_tile}, {3 * cfg.vision.patch_size**2}] "
+            raise self.fail(f"the vision module maps one tile {list(example['patches'].shape)} "
                             f"to {list(got)}, not [tokens_per_tile, hidden] = [{cfg.tokens_per_tile}, {t.hidden}]")
         return Weights(vision, decoder, embed)
 
@@ -225,6 +227,11 @@ class Family:
         if host.tile_inputs not in TILE_INPUTS:
             raise self.fail(f"tile inputs {host.tile_inputs!r} is not a host op of the runtime ({', '.join(TILE_INPUTS)}; "
                             "runtime/tile_inputs.py TILE_INPUTS)")
+        from ..runtime.positions import POSITION_OPS
+
+        if host.positions_op not in POSITION_OPS:
+            raise self.fail(f"positions op {host.positions_op!r} is not a host op of the runtime ({', '.join(POSITION_OPS)}; "
+                            "runtime/positions.py POSITION_OPS)")
         if host.prompt_expansion not in EXPANSION:
             raise self.fail(f"prompt expansion {host.prompt_expansion!r} is not a host op of the runtime "
                             f"({', '.join(EXPANSION)}; runtime/prompt.py EXPANSION)")
@@ -257,14 +264,33 @@ def vision_extra_inputs(vision) -> dict[str, tuple[int, ...]]:
     return dict(fn()) if callable(fn) else {}
 
 
-def _output_shape(module, *shapes: tuple[int, ...]) -> tuple[int, ...]:
-    """The module's output shape for float32 inputs of `shapes`, worked out on fake tensors (no compute, no memory:
-    the towers of real checkpoints are hundreds of millions of weights)."""
+def vision_examples(vision, rows: int, patch_dim: int) -> dict[str, Any]:
+    """The vision module's inputs by role, "patches" first, as tensors of the graph's shapes (what the exporter traces
+    with): the module's `example_inputs(rows)` where it has them (a native-resolution tower: int64 inputs among
+    them, patch rows of its own width), else zero patch rows [rows, patch_dim] and its extra_inputs() in float32."""
+    import torch
+
+    fn = getattr(vision, "example_inputs", None)
+    if callable(fn):
+        return dict(fn(rows))
+    return {"patches": torch.zeros(rows, patch_dim), **{r: torch.zeros(s) for r, s in vision_extra_inputs(vision).items()}}
+
+
+def vision_row_outputs(vision) -> list[str]:
+    """The vision module's outputs after the image-token embeddings, one row per image token each (manifest
+    VisionSpec.row_outputs -> the decoder's row input: Qwen3-VL's DeepStack features); none for a plain tower."""
+    return list(getattr(vision, "row_outputs", ()))
+
+
+def _output_shape(module, *example) -> tuple[int, ...]:
+    """The module's (first) output shape for inputs like `example`, worked out on fake tensors (no compute, no
+    memory: the towers of real checkpoints are hundreds of millions of weights)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        return tuple(module(*(mode.from_tensor(torch.empty(s)) for s in shapes)).shape)
+        out = module(*(mode.from_tensor(x) for x in example))
+        return tuple((out[0] if isinstance(out, tuple) else out).shape)
 
 
 # what each accessor's function is called with: the arity a Family's functions must take

@@ -113,8 +113,13 @@ def register_attention(kind: AttentionKind) -> AttentionKind:
 
 
 def _gathered_rope(decoder, positions, dtype):
-    """cos/sin [ar, head_dim] of the table rows at the positions (one rope row: positions[0])."""
-    return decoder.rope_cos[positions[0]].to(dtype), decoder.rope_sin[positions[0]].to(dtype)
+    """cos/sin [ar, head_dim] of the table rows at the positions: one rope row, positions[0]; several (M-RoPE), each
+    frequency's angle from the row decoder.rope_pick assigns it (a one-hot [rows, 1, head_dim]: one term of each sum
+    is non-zero, so the gather is exact)."""
+    pick = getattr(decoder, "rope_pick", None)  # (a family's own decoder may have no M-RoPE at all)
+    if pick is None:
+        return decoder.rope_cos[positions[0]].to(dtype), decoder.rope_sin[positions[0]].to(dtype)
+    return ((decoder.rope_cos[positions] * pick).sum(0).to(dtype), (decoder.rope_sin[positions] * pick).sum(0).to(dtype))
 
 
 def _rows_qkv(attn, x, rope):
@@ -177,6 +182,8 @@ def _copy_free_body(attn, x, rope, step, past_k, past_v):
 def _gqa_rope(decoder, positions, dtype):
     """GroupQueryAttention's rotary: the positions [1, ar] (its position_ids) and the cos/sin caches
     [table rows, head_dim/2] (the table's halves are equal)."""
+    if getattr(decoder, "rope_pick", None) is not None:
+        raise ValueError("GroupQueryAttention rotates by one position row; an M-RoPE decoder takes a rows kind")
     half = decoder.rope_cos.shape[1] // 2
     return positions, decoder.rope_cos[:, :half].to(dtype), decoder.rope_sin[:, :half].to(dtype)
 
@@ -248,6 +255,10 @@ class CausalDecoder(nn.Module):
                                    [1, kv_heads, max_context, head_dim]; out: the buffers with the step's rows
                                    written in at slots total - ar .. total - 1 (families/gqa.py), then next_token
                                    [r] = each logits row's argmax (the greedy choice, made in the graph)
+    rope_rows: the rope row (0 .. rows-1) of each of the head_dim/2 frequencies (M-RoPE: Qwen2.5-VL / Qwen3-VL's
+    sections, families/qwen_vl/config.py MRope.rows); position_ids is then [rows, ar]. None: one row.
+    row_levels > 0 (Qwen3-VL's DeepStack): the graph takes one more input after position_ids, row_input
+    [ar, row_levels * hidden], whose level i is added to the hidden rows after decoder layer i (zero rows: nothing).
     With logit_rows the graph takes logit_rows [r] (int64 row indices) last and the logits are [r, vocab], those rows'
     only (the LM head is skipped for the rest): a prefill block asks for its last row, a lookahead verify step for
     all (runtime/lookahead.py); without it logits are [ar, vocab]. Both are graph options: `with_options` builds
@@ -256,13 +267,14 @@ class CausalDecoder(nn.Module):
 
     def __init__(self, *, layers, hidden, heads, kv_heads, head_dim, intermediate, eps, act, rope: Rope, vocab,
                  qkv_bias=False, qk_norm=False, attention: str = "rows_copy_free", logit_rows=False,
-                 o_bias=False, mlp_bias=False):
+                 o_bias=False, mlp_bias=False, rope_rows: tuple[int, ...] | None = None, row_levels: int = 0):
         """rope: a rope.Rope (base theta, scaling type). attention: an ATTENTION_KINDS name. o_bias, mlp_bias: biases
         on o_proj and on the MLP's projections (Llama's attention_bias / mlp_bias)."""
         super().__init__()
         self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           intermediate=intermediate, eps=eps, act=act, vocab=vocab,
-                          qkv_bias=qkv_bias, qk_norm=qk_norm, rope=rope, o_bias=o_bias, mlp_bias=mlp_bias)
+                          qkv_bias=qkv_bias, qk_norm=qk_norm, rope=rope, o_bias=o_bias, mlp_bias=mlp_bias,
+                          rope_rows=rope_rows, row_levels=row_levels)
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention kind {attention!r}; one of {', '.join(ATTENTION_KINDS)}")
         self.attention, self.logit_rows = ATTENTION_KINDS[attention], logit_rows
@@ -274,6 +286,15 @@ class CausalDecoder(nn.Module):
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         inv_freq, self.rope_scale = rope.frequencies(head_dim)  # rope_scale: yarn's attention factor on cos/sin
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.row_levels = row_levels
+        self.rope_rows = 1 if rope_rows is None else max(rope_rows) + 1
+        if rope_rows is not None and len(rope_rows) != head_dim // 2:
+            raise ValueError(f"rope_rows names {len(rope_rows)} frequencies, head_dim {head_dim} has {head_dim // 2}")
+        pick = None
+        if rope_rows is not None:  # [rows, 1, head_dim]: the halves of the table are the same frequencies
+            r = torch.tensor(list(rope_rows) * 2)
+            pick = (r[None, None, :] == torch.arange(self.rope_rows)[:, None, None]).float()
+        self.register_buffer("rope_pick", pick, persistent=False)
         self.rope_table(4096)
 
     @property
@@ -303,15 +324,20 @@ class CausalDecoder(nn.Module):
 
     def forward(self, inputs_embeds, position_ids, *rest):
         kind = self.attention
+        if self.row_levels:
+            row_input, *rest = rest  # [ar, row_levels * hidden]
         n_step = len(kind.step_inputs)
         step, past = rest[:n_step], rest[n_step:]
         if self.logit_rows:
             *past, rows = past  # rows [r] int64
         rope = kind.rotary(self, position_ids, inputs_embeds.dtype)
         x = kind.enter(inputs_embeds)
+        hidden = inputs_embeds.shape[-1]
         new = []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, kind, rope, step, past[2 * i], past[2 * i + 1])
+            if i < self.row_levels:  # DeepStack: this level's vision features on the image rows
+                x = x + kind.enter(row_input[:, i * hidden:(i + 1) * hidden])
             new += [k, v]
         x = kind.leave(x)
         if self.logit_rows:

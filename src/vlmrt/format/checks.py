@@ -59,11 +59,13 @@ def kind_inputs(k) -> list[str]:
 
 def check_io_names(m) -> None:
     """Every tensor name the manifest's vision/decoder/kv sections use is an input or output of its graphs."""
-    m.graphs["vision"].input(m.vision.patches_input)
-    for name in m.vision.extra_inputs.values():
-        m.graphs["vision"].input(name)
-    m.graphs["vision"].output(m.vision.embeds_output)
-    d, k = m.decoder, m.decoder.kind
+    v, d, k = m.vision, m.decoder, m.decoder.kind
+    for t in (v.patches_input, *v.extra_inputs.values()):
+        m.graphs["vision"].input(t)
+    for t in (v.embeds_output, *v.row_outputs):
+        m.graphs["vision"].output(t)
+    if bool(v.row_outputs) != (d.row_input is not None) or (d.row_input and d.row_input.width != len(v.row_outputs) * d.hidden_size):
+        raise _malformed("vision.row_outputs and decoder.row_input (width = outputs × hidden_size) go together")
     hidden = getattr(k, "hidden_output", None)
     if "head" in m.graphs:
         m.graphs["head"].input(hidden or "")
@@ -71,7 +73,8 @@ def check_io_names(m) -> None:
     for name, g in m.graphs.items():
         if name in ("vision", "head"):
             continue
-        for t in (d.embeds_input, d.positions.input, *kind_inputs(k), *m.kv.state_inputs()):
+        for t in (d.embeds_input, d.positions.input, *kind_inputs(k), *m.kv.state_inputs(),
+                  *([d.row_input.input] if d.row_input else [])):
             g.input(t)
         for t in (hidden or d.logits_output, *([k.argmax_output] if getattr(k, "argmax_output", None) else []),
                   *m.kv.state_outputs()):

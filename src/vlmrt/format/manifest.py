@@ -321,20 +321,34 @@ class DecoderSpec:
     embedding_dtype: str  # float32 | float16 | int8 (then rows are scaled by embedding_scale_file [vocab])
     kind: GqaInPlaceKind | RowsDynamicKind | RowsStaticKind
     embedding_scale_file: str | None = None
+    row_input: RowInputSpec | None = None  # a per-token row input (VisionSpec.row_outputs); None: the graphs take none
 
 
 @dataclass
 class VisionSpec:
     """The vision graph's tensors. `tile_inputs` names the host op that turns one tile into its inputs
     (runtime/tile_inputs.py TILE_INPUTS: "unfold_patches", the square tiles' patch rows; "naflex_rows", a NaFlex
-    tile's token-major rows + position weights + key mask) with its `params`; `extra_inputs` maps the op's inputs
-    after the patch rows, by role, to the graph's input names."""
+    tile's token-major rows + position weights + key mask; "native_grid", a native-resolution image's patch rows
+    padded to the graph's rows with the 2-D rotary, window order / position interpolation and masks its grid needs)
+    with its `params`; `extra_inputs` maps the op's inputs after the patch rows, by role, to the graph's input names.
+    embeds_output: one row per image token; row_outputs: more outputs of one row per image token (Qwen3-VL's
+    DeepStack features), fed to the decoder's row input (DecoderSpec.row_input) on the image's rows, in order."""
 
     patches_input: str
     embeds_output: str
     tile_inputs: str = "unfold_patches"
     extra_inputs: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
+    row_outputs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RowInputSpec:
+    """A per-token decoder input besides the embeddings: `input` [ar, width], an image token's row the vision graph's
+    row_outputs side by side, zeros for text and generated tokens (Qwen3-VL's DeepStack features)."""
+
+    input: str
+    width: int
 
 
 @dataclass

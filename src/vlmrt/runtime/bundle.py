@@ -21,7 +21,7 @@ def check_numbers(m: mf.Manifest) -> None:
     tokens per tile for the vision graph. A manifest that loads but disagrees would otherwise fail inside ORT, or
     answer from misplaced rows."""
     v = m.graphs["vision"]
-    want_in = [tile_op(m.vision).patch_rows(m), 3 * m.image.patch_size ** 2]
+    want_in = tile_op(m.vision).patch_shape(m)
     have_in = v.input(m.vision.patches_input).shape
     if m.image.tile_size % m.image.patch_size or not agree(have_in, want_in):
         raise mf.BundleError(f"the manifest's image tile_size {m.image.tile_size} and patch_size {m.image.patch_size} "
@@ -35,7 +35,8 @@ def check_numbers(m: mf.Manifest) -> None:
         if name not in m.graphs:
             continue
         g = m.graphs[name]
-        known = {m.decoder.embeds_input, m.decoder.positions.input, *kind_inputs(kind), *kv.state_inputs()}
+        known = {m.decoder.embeds_input, m.decoder.positions.input, *kind_inputs(kind), *kv.state_inputs(),
+                 *([m.decoder.row_input.input] if m.decoder.row_input else [])}
         extra = [t.name for t in g.inputs if t.name not in known]
         if extra:
             raise mf.BundleError(f"graphs.{name} takes inputs that the manifest's decoder and kv do not name: "

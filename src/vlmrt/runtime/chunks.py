@@ -47,7 +47,9 @@ class ImageChunk:
     grid: tuple[int, int, int]  # (rows, cols, tiles) of the tiling, what the expansion was written from
     n_pos: int  # positions the chunk takes (== n_tokens for 1-D RoPE families)
     pixels: np.ndarray | None = None  # [tiles, c, S, S] (NaFlex: [tiles, patches, d]) to run through the vision graph, or None when embeds are known
-    embeds: np.ndarray | None = None  # [len(rows), hidden]: the vision graph's rows (from the image cache or encoded)
+    # [len(rows), hidden (+ row width)]: the vision graph's rows (from the image cache or encoded); with row outputs
+    # (manifest vision.row_outputs) their rows follow the embedding's columns (the decoder's row input, row_input)
+    embeds: np.ndarray | None = None
     label: str = field(default="image")  # what it is, for messages ("image 2", "frame 3 of video 1")
     tile_tokens: list[int] | None = None  # each tile's image-token count (rows of embeds), in order
     patch_grids: np.ndarray | None = None  # NaFlex tiles' patch grids [tiles, 2] (the vision tile-inputs op reads)
@@ -98,6 +100,23 @@ class Prompt:
         if token_embeds.shape[0] != self.n_tokens - start:
             raise ValueError(f"{token_embeds.shape[0]} token embeddings for {self.n_tokens - start} prompt slots")
         out = token_embeds if token_embeds.flags.writeable else token_embeds.copy()
+        for o, c, slots, keep in self._image_slots(start):
+            out[slots[keep] - start] = c.embeds[keep, : out.shape[1]]
+        return out
+
+    def row_input(self, hidden: int, width: int, dtype, start: int = 0) -> np.ndarray:
+        """The decoder's row input [n_tokens - start, width] (manifest decoder.row_input): each image row's columns
+        after the first `hidden` of its embeddings (the vision graph's row outputs), zeros elsewhere."""
+        out = np.zeros((self.n_tokens - start, width), dtype)
+        for o, c, slots, keep in self._image_slots(start):
+            if c.embeds.shape[1] != hidden + width:
+                raise ValueError(f"{c.label}'s rows are {c.embeds.shape[1]} wide, not hidden + row input = {hidden + width}")
+            out[slots[keep] - start] = c.embeds[keep, hidden:]
+        return out
+
+    def _image_slots(self, start: int):
+        """(first slot, chunk, its image slots, which of them are at or after start) of the image chunks with rows
+        from start on, their embeddings checked."""
         for o, c in self.images():
             slots = o + c.rows
             if not len(slots) or slots[-1] < start:
@@ -105,6 +124,4 @@ class Prompt:
             if c.embeds is None or c.embeds.shape[0] != len(c.rows):
                 have = "no embeddings" if c.embeds is None else f"{c.embeds.shape[0]} embeddings"
                 raise ValueError(f"{c.label} has {len(c.rows)} image-token slots but {have}")
-            keep = slots >= start
-            out[slots[keep] - start] = c.embeds[keep]
-        return out
+            yield o, c, slots, slots >= start

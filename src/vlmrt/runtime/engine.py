@@ -203,17 +203,18 @@ class Engine:
                                                     rows_out, self.sessions.head)
         return step
 
-    def _call(self, step, embeds: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
-        """step(embeds, positions) at the cache's next slots, its time and argmax kept; the cache is not written."""
-        logits = step(embeds, positions, self.cache.length)
+    def _call(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray:
+        """step(embeds, positions, rows) at the cache's next slots, its time and argmax kept; the cache is not
+        written. rows: the decoder's row input (decoder.row_input) for these tokens, None: zeros."""
+        logits = step(embeds, positions, self.cache.length, rows) if rows is not None else step(embeds, positions, self.cache.length)
         self.run_s += step.run_s
         self._argmax = step.buffers.argmax_ids
         return logits
 
-    def _run(self, step, embeds: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
+    def _run(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray:
         """_call, then the rows of all n tokens go into the cache; logits of at most n rows."""
         n = embeds.shape[0]
-        logits = self._call(step, embeds, positions)
+        logits = self._call(step, embeds, positions, rows)
         self.kind.store(self.cache, step.staged, n, step.buffers.positions)
         return logits if n == len(logits) else logits[:n]
 
@@ -229,16 +230,18 @@ class Engine:
         """Rope positions [rows, n] of n rows after the cache's kept ones, each one past the previous (text)."""
         return np.broadcast_to(self.cache.next_position() + np.arange(n, dtype=np.int64), (self.dec.positions.rows, n))
 
-    def step(self, purpose: str, embeds: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    def step(self, purpose: str, embeds: np.ndarray, positions: np.ndarray | None = None,
+             rows: np.ndarray | None = None) -> np.ndarray:
         """One graph call ("prefill" or "decode") over embeds [n, hidden] at positions [rows, n] (None: those after
-        the cache's, Engine.positions), written to the cache's next slots. Returns logits [n, vocab] ([1, vocab], the
+        the cache's, Engine.positions), written to the cache's next slots; rows [n, width]: the decoder's row input
+        (decoder.row_input; None: zeros). Returns logits [n, vocab] ([1, vocab], the
         last token's, with logit_rows), possibly a view of a buffer that the next step of the same shape overwrites."""
         n = embeds.shape[0]
         positions = self.positions(n) if positions is None else np.asarray(positions, np.int64)
         if positions.shape != (self.dec.positions.rows, n):
             raise ValueError(f"positions must be [{self.dec.positions.rows}, {n}], not {list(positions.shape)}")
         self.kind.check_positions(positions, self.cache.length)
-        return self._run(self._step_for(purpose, n), embeds, positions)
+        return self._run(self._step_for(purpose, n), embeds, positions, rows)
 
     def step_token(self, token: int) -> np.ndarray:
         """step("decode", embed([token]))[-1], the token's row written straight into the step's input buffer."""
@@ -295,12 +298,13 @@ class Engine:
         return n - n % self._blocks(mode)
 
     def prefill(self, prompt_embeds: np.ndarray, mode: str, start: int = 0,
-                positions: np.ndarray | None = None) -> np.ndarray:
+                positions: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
         """Run the prompt through the decoder; returns the last token's logits. start > 0: prompt_embeds are the
         rows from slot start on and the cache's rows 0..start-1 are kept (start from reusable()). positions
         [rows, n] int64: the rope positions of prompt_embeds' rows (None: one past the other from the kept rows',
-        Engine.positions); runtime/positions.py computes a prompt's."""
-        steps = self.prefill_steps(prompt_embeds, mode, start, positions)
+        Engine.positions); runtime/positions.py computes a prompt's. rows [n, width]: the decoder's row input of
+        prompt_embeds' rows (decoder.row_input: the image rows' vision features; None: zeros), fed block by block."""
+        steps = self.prefill_steps(prompt_embeds, mode, start, positions, rows)
         while True:
             try:
                 next(steps)
@@ -308,7 +312,7 @@ class Engine:
                 return done.value
 
     def prefill_steps(self, prompt_embeds: np.ndarray, mode: str, start: int = 0,
-                      positions: np.ndarray | None = None):
+                      positions: np.ndarray | None = None, rows: np.ndarray | None = None):
         """prefill as a generator: yields STEP after each graph call but the last, returns the last token's logits
         (a batch interleaves a prompt's blocks with the other sequences' decode steps)."""
         if mode not in MODES:
@@ -340,7 +344,8 @@ class Engine:
             for b in range(0, n, ar):
                 if b:
                     yield STEP
-                logits = self.step("prefill", prompt_embeds[b : b + ar], positions[:, b : b + ar])
+                logits = self.step("prefill", prompt_embeds[b : b + ar], positions[:, b : b + ar],
+                                   None if rows is None else rows[b : b + ar])
             if self.kv_requant and enc.get("prefill") and enc.get("decode"):
                 self.cache.requantize(enc["prefill"], enc["decode"])
                 exact = 0  # the rows are in decode's encoding now, a prefill reads prefill's
@@ -348,14 +353,15 @@ class Engine:
             for i in range(n):
                 if i:
                     yield STEP
-                logits = self.step("decode", prompt_embeds[i : i + 1], positions[:, i : i + 1])
+                logits = self.step("decode", prompt_embeds[i : i + 1], positions[:, i : i + 1],
+                                   None if rows is None else rows[i : i + 1])
         self._exact = (mode, exact, self.cache.epoch)
         return logits[-1]
 
     def score(self, prompt_embeds: np.ndarray, tokens: list[int], mode: str = "hybrid",
-              positions: np.ndarray | None = None) -> np.ndarray:
+              positions: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
         """Teacher forcing: logits [len(tokens), vocab], row i predicting tokens[i] after prompt + tokens[:i]."""
-        out = [self.prefill(prompt_embeds, mode, positions=positions).copy()]  # copies: bound steps reuse their logits
+        out = [self.prefill(prompt_embeds, mode, positions=positions, rows=rows).copy()]  # copies: bound steps reuse their logits
         for t in tokens[:-1]:
             if self.cache.length >= self.kv_spec.max_context:
                 break
@@ -364,12 +370,14 @@ class Engine:
 
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
                  sampler: Sampler | None = None, ignore_eos: bool = False, start: int = 0,
-                 prompt_ids: list[int] | None = None, positions: np.ndarray | None = None) -> Iterator[int]:
+                 prompt_ids: list[int] | None = None, positions: np.ndarray | None = None,
+                 rows: np.ndarray | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS is not yielded). Stats land in self.last when done. start > 0: a prefix
         reuse, prompt_embeds are the rows from slot start on (see prefill). positions: their rope positions (see
-        prefill). prompt_ids: the whole prompt's ids (from slot 0), where lookahead looks up drafts; lookahead runs
-        with them and a greedy sampler only. Under a batch (self.batch) it also yields STEP: after each prefill
-        block but the last, and after handing each decode step to the batch (runtime/batch_engine.py)."""
+        prefill); rows: their row input (see prefill). prompt_ids: the whole prompt's ids (from slot 0), where
+        lookahead looks up drafts; lookahead runs with them and a greedy sampler only. Under a batch (self.batch) it
+        also yields STEP: after each prefill block but the last, and after handing each decode step to the batch
+        (runtime/batch_engine.py)."""
         sampler = sampler or Sampler(SamplingConfig())
         st = self.last = GenerationStats(prompt_tokens=int(prompt_embeds.shape[0]))
         if max_new_tokens <= 0:
@@ -378,9 +386,9 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.batch
         if batch is None:
-            logits = self.prefill(prompt_embeds, mode, start, positions)
+            logits = self.prefill(prompt_embeds, mode, start, positions, rows)
         else:
-            logits = yield from self.prefill_steps(prompt_embeds, mode, start, positions)
+            logits = yield from self.prefill_steps(prompt_embeds, mode, start, positions, rows)
         one_by_one = self._blocks(mode) == 1  # a fresh kv prefill computes generated tokens' rows as decode does
         tokens = [self._pick(sampler, logits[None])]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
         st.prefill_s = time.perf_counter() - t0

@@ -305,9 +305,21 @@ def square_tiles(op):
     return tiled
 
 
+def smart_resize(im: Image.Image, spec: ImageSpec) -> Tiles:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL's native resolution (runtime/image_native.py): one tile, its patch rows
+    [1, patches, c·t·p²] in the processor's order under the patch budget; (rows, cols) its token grid (merge
+    blocks), patch_grids its patch grid."""
+    from .image_native import smart_resize_patches
+
+    p = smart_resize_patches(im, spec)
+    merge = int(spec.params["merge"])
+    _, gh, gw = p.grid
+    return Tiles(p.patches[None], gh // merge, gw // merge, np.array([[gh, gw]], np.int64))
+
+
 # image.tiling -> (image, spec) -> Tiles
 TILING = {"longest_edge_grid": square_tiles(longest_edge_grid), "closest_aspect_grid": square_tiles(closest_aspect_grid),
-          "naflex_tiles": naflex_tiles}
+          "naflex_tiles": naflex_tiles, "smart_resize": smart_resize}
 
 
 def normalize(tiles: list[Image.Image], spec: ImageSpec) -> np.ndarray:

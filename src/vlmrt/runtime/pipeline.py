@@ -40,6 +40,7 @@ from .lookahead import check_exact
 from . import video as video_ops
 from .conversation import ChatTemplate, Conversation, VideoSource, parse_messages, user_turn
 from .prefix_cache import CachedImage, ImageCache, PrefixCache
+from .image_native import with_max_patches
 from .prompt import Media, build
 from .sampler import Sampler, SamplingConfig
 from .sources import FetchLimits, read_image
@@ -53,6 +54,16 @@ DEFAULT_IMAGE_CACHE_BYTES = 64 * 1024 * 1024
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+@dataclass
+class DecoderInputs:
+    """A prompt's decoder inputs from a slot on (VLM.decoder_inputs): engine.prefill(x.embeds, mode,
+    positions=x.positions, rows=x.rows)."""
+
+    embeds: np.ndarray  # [n, hidden]
+    positions: np.ndarray  # [rope rows, n] int64
+    rows: np.ndarray | None  # [n, decoder.row_input.width], or None
 
 
 @dataclass
@@ -157,6 +168,19 @@ class VLM:
                     self.image_cache.put(c.key, CachedImage(c.grid, c.embeds, c.tile_tokens))
         return prompt.splice(self.engine.embed(prompt.ids[start:]), start)
 
+    def decoder_inputs(self, prompt: Prompt, start: int = 0, cache: bool = False) -> DecoderInputs:
+        """What the decoder takes for the prompt's slots start..: embeddings (embed_prompt), rope positions
+        (the bundle's positions op) and, where the decoder has one (decoder.row_input), the row input."""
+        embeds = self.embed_prompt(prompt, start, cache)
+        return DecoderInputs(embeds, *self._positions_rows(prompt, start))
+
+    def _positions_rows(self, prompt: Prompt, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(rope positions, row input or None) of the prompt's slots start.. (see decoder_inputs)."""
+        d = self.manifest.decoder
+        positions = prompt_positions(d.positions, prompt, start, self.engine.cache.position_after(start))
+        rows = prompt.row_input(d.hidden_size, d.row_input.width, self.engine.dtype, start) if d.row_input else None
+        return positions, rows
+
     def prompt_embeds(self, prompt: str, image=None, max_tiles: int | None = None) -> tuple[list[int], np.ndarray]:
         """(prompt ids, prompt embeddings [n, hidden]) of one user turn (an image, then the text), without the
         timings and the context check of generate()."""
@@ -164,8 +188,9 @@ class VLM:
         return p.ids, self.embed_prompt(p)
 
     def encode_image(self, tiles: np.ndarray, patch_grids: np.ndarray | None = None) -> np.ndarray:
-        """[tiles, c, S, S] (NaFlex: [tiles, patches, d] and their patch grids) -> [the tiles' image tokens, hidden]
-        through the vision graph, tile by tile (the manifest's tile-inputs op: runtime/tile_inputs.py)."""
+        """[tiles, c, S, S] (NaFlex, native resolution: [tiles, patches, d] and their patch grids) -> [the tiles' image
+        tokens, hidden (+ the row outputs' width)] through the vision graph, tile by tile (the manifest's tile-inputs
+        op: runtime/tile_inputs.py)."""
         sessions, t = self.bundle.sessions, time.perf_counter()
         first = isinstance(sessions, Sessions) and not sessions.loaded("vision")
         sess = sessions["vision"]  # loaded on first use
@@ -177,20 +202,23 @@ class VLM:
     def generate(self, prompt: str, image: str | Path | Image.Image | None = None, *, images=(), mode: str | None = None,
                  max_new_tokens: int = 256, sampling: SamplingConfig | None = None, ignore_eos: bool = False,
                  max_tiles: int | None = None, stop: list[str] | None = None, video=None, fps: float | None = None,
-                 max_frames: int | None = None) -> Iterator[str]:
+                 max_frames: int | None = None, max_patches: int | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are generated; self.result holds text, ids and stats at the end. The prompt is
         one user turn: the video if any (a GIF / WebP / mp4 / webm file, a folder of numbered frames at fps, a URL,
         a data URI or a list of PIL images at fps; docs/video.md), image (and then images: paths, URLs, data URIs or
         PIL images) in order, then the text. max_frames: sample at most this many frames (default: the bundle's).
+        max_patches: a smaller patch budget per image than the bundle's vision graph (native-resolution bundles:
+        the image is resized to fit, as its processor does with max_pixels = patches × patch²).
         Cache-less: nothing is kept from or for other calls."""
         srcs = ([image] if image is not None else []) + list(images)
         videos = [VideoSource(video, fps)] if video is not None else []
         return self._answer(parse_messages(user_turn(prompt, srcs, videos)), False, mode, max_new_tokens,
-                            sampling or SamplingConfig(), ignore_eos, max_tiles, stop, max_frames)
+                            sampling or SamplingConfig(), ignore_eos, max_tiles, stop, max_frames, max_patches)
 
     def chat(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-             ignore_eos: bool = False, max_tiles: int | None = None, max_frames: int | None = None) -> Iterator[str]:
+             ignore_eos: bool = False, max_tiles: int | None = None, max_frames: int | None = None,
+             max_patches: int | None = None) -> Iterator[str]:
         """Answer the next assistant turn of a conversation (OpenAI-style messages: system / user / assistant,
         content a string or parts {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
         {"type": "video_url", "video_url": {"url"}} (or {"type": "video", "video": src, "fps": N})), yielding
@@ -199,7 +227,7 @@ class VLM:
         token for token as a fresh run's. self.result.stats: reused_prompt_tokens, images_cached, vision_skipped."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return self._answer(parse_messages(messages), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
-                            max_frames)
+                            max_frames, max_patches)
 
     def reset(self) -> None:
         """Forget the conversation caches (the KV rows stay allocated: they are the engine's cache)."""
@@ -212,14 +240,14 @@ class VLM:
                 "image_cache_limit": self.image_cache.max_bytes, "images_cached": len(self.image_cache)}
 
     def _media(self, conv: Conversation, cached: bool, max_tiles: int | None,
-               max_frames: int | None = None) -> tuple[list[Media], list[tuple], int]:
+               max_frames: int | None = None, max_patches: int | None = None) -> tuple[list[Media], list[tuple], int]:
         """Each image's Media: its embeddings from the image cache (if cached and there), else its tiles; each
         video's (prompt pieces, one Media per sampled frame, clip); how many images and frames came from the cache."""
-        spec = img_ops.with_max_tiles(self.manifest.image, max_tiles)
+        spec = with_max_patches(img_ops.with_max_tiles(self.manifest.image, max_tiles), max_patches)
         images, hits = [], 0
         for i, src in enumerate(conv.images):
             s = read_image(src, self.fetch)
-            key = (s.digest, max_tiles)
+            key = (s.digest, max_tiles, max_patches)
             item = self.image_cache.get(key) if cached else None
             label = f"image {i + 1}"
             if item is not None:
@@ -313,7 +341,7 @@ class VLM:
         return ContextOverflow(f"{what} is {n} tokens{per} but the bundle's max context is {ctx}; {fix}")
 
     def _answer(self, conv: Conversation, cached: bool, mode, max_new_tokens, sampling, ignore_eos, max_tiles,
-                stop, max_frames=None) -> Iterator[str]:
+                stop, max_frames=None, max_patches=None) -> Iterator[str]:
         m = self.manifest
         mode = mode or m.generate.get("default_mode", "hybrid")
         if mode not in MODES:
@@ -330,7 +358,7 @@ class VLM:
         st.load_s = self.load_s
         t0 = time.perf_counter()
 
-        images, videos, st.images_cached = self._media(conv, cached, max_tiles, max_frames)
+        images, videos, st.images_cached = self._media(conv, cached, max_tiles, max_frames, max_patches)
         media = images + [f for _, frames, _ in videos for f in frames]
         grids = [x.grid for x in media]
         st.images, st.image_tiles = len(media), sum(g[2] for g in grids)
@@ -360,9 +388,9 @@ class VLM:
         fed = ""  # the decoded text given to cut
         if cached:
             self.prefix.clear()  # the cache's rows change from here on; record() says what they hold at the end
-        positions = prompt_positions(m.decoder.positions, ids, start, self.engine.cache.position_after(start))
+        positions, rows = self._positions_rows(prompt, start)
         gen = self.engine.generate(embeds, mode=mode, max_new_tokens=max_new_tokens, sampler=sampler,
-                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids, positions=positions)
+                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids, positions=positions, rows=rows)
         done = False
         try:
             for token in gen:

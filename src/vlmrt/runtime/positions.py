@@ -1,12 +1,17 @@
 """The rope positions of a prompt's rows: the one place that computes them (the decoder graphs take them as an input
 apart from the cache slots, manifest decoder.positions).
 
-A named host op (POSITION_OPS, by decoder.positions.op) turns a prompt's token ids into positions [rows, n] int64
-for its rows from slot `start` on, given the position the first of them follows (the cache's next position:
-KVCache.next_position). Generated tokens need no op: each is one past the largest position before it
-(Engine.positions), in every rope row.
+A named host op (POSITION_OPS, by decoder.positions.op) turns a prompt (its typed chunks, runtime/chunks.py) into
+positions [rows, n] int64 for its rows from slot `start` on, given the position the first of them follows (the
+cache's next position: KVCache.next_position). Generated tokens need no op: each is one past the largest position
+before it (Engine.positions), in every rope row.
   slots  one row, position p at slot p for a fresh prompt (Llama, Qwen2 / Qwen3, SmolVLM, InternVL: an image's rows
          are counted like text)
+  mrope  3 rows (t, h, w), Qwen2-VL's get_rope_index: text takes the running position in every row; an image chunk's
+         image-token rows, its grid's rows × cols tokens in raster order, take (p, p + row, p + col) and the tokens
+         after them continue at p + max(rows, cols) (runtime/mrope.py). The positions of a prompt's part depend on
+         what comes before it only, so they are computed from slot 0 and cut at start (a kept prefix may end inside an
+         image).
 """
 
 from __future__ import annotations
@@ -16,15 +21,29 @@ from typing import Callable
 import numpy as np
 
 from ..format.manifest import PositionsSpec
+from .chunks import Prompt
+from .mrope import mrope_positions
 
 
-def slots(spec: PositionsSpec, ids: list[int], start: int, first: int) -> np.ndarray:
-    """[rows, len(ids) - start]: first, first + 1, ... in every row."""
-    n = len(ids) - start
+def slots(spec: PositionsSpec, prompt: Prompt, start: int, first: int) -> np.ndarray:
+    """[rows, n_tokens - start]: first, first + 1, ... in every row."""
+    n = prompt.n_tokens - start
     return np.broadcast_to(first + np.arange(n, dtype=np.int64), (spec.rows, n))
 
 
-POSITION_OPS: dict[str, Callable[[PositionsSpec, list[int], int, int], np.ndarray]] = {"slots": slots}
+def mrope(spec: PositionsSpec, prompt: Prompt, start: int, first: int) -> np.ndarray:
+    """[3, n_tokens - start]: M-RoPE positions, each image chunk's grid (rows, cols, _) its token grid."""
+    if spec.rows != 3:
+        raise ValueError(f"the mrope positions op gives 3 rows, the bundle's decoder takes {spec.rows}")
+    images = [c for _, c in prompt.images()]
+    if not images:
+        return slots(spec, prompt, start, first)
+    image_id = images[0].ids[int(images[0].rows[0])]
+    grids = [(1, c.grid[0], c.grid[1]) for c in images]  # (t, h, w) in tokens: merge 1
+    return mrope_positions(prompt.ids, grids, image_id, 1)[:, start:]
+
+
+POSITION_OPS: dict[str, Callable[[PositionsSpec, Prompt, int, int], np.ndarray]] = {"slots": slots, "mrope": mrope}
 
 
 def position_op(spec: PositionsSpec):
@@ -35,6 +54,6 @@ def position_op(spec: PositionsSpec):
     return op
 
 
-def prompt_positions(spec: PositionsSpec, ids: list[int], start: int, first: int) -> np.ndarray:
-    """The positions of ids[start:] (the rows a prefill feeds), the first following position `first`."""
-    return position_op(spec)(spec, ids, start, first)
+def prompt_positions(spec: PositionsSpec, prompt: Prompt, start: int, first: int) -> np.ndarray:
+    """The positions of the prompt's slots start.. (the rows a prefill feeds), the first following position `first`."""
+    return position_op(spec)(spec, prompt, start, first)

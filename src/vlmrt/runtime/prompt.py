@@ -34,7 +34,8 @@ def grid_markers(rows: int, cols: int, tile_tokens: list[int], p: PromptSpec) ->
 
 
 def wrapped_run(rows: int, cols: int, tile_tokens: list[int], p: PromptSpec) -> str:
-    """InternVL: `<img>` + `<IMG_CONTEXT>` × (every tile's tokens) + `</img>`."""
+    """InternVL: `<img>` + `<IMG_CONTEXT>` × (every tile's tokens) + `</img>`; Qwen2-VL / Qwen2.5-VL / Qwen3-VL:
+    `<|vision_start|>` + `<|image_pad|>` × the image's tokens (one per merge block) + `<|vision_end|>`."""
     return p.params["start_token"] + p.params["image_token"] * sum(tile_tokens) + p.params["end_token"]
 
 

@@ -74,6 +74,10 @@ class StepBuffers:
             self.token_buf = memoryview(self.token_rows[0])  # where a decode step's row is read to (pread)
             self._token_scale = memoryview(self.token_scales)
         self.ar = ar
+        # decoder.row_input: a per-token row [ar, width] besides the embeddings (image rows' vision features), zero
+        # for text and decode steps; row_dirty: it holds a non-zero row since the last load
+        self.row_input = np.zeros((ar, dec.row_input.width), embeds_dtype) if dec.row_input else None
+        self.row_dirty = False
 
     def token_row(self, scale: float) -> memoryview:
         """A decode step's input as an int8 row: the buffer to read the token's row into (token_rows[0]), its scale
@@ -91,10 +95,17 @@ class StepBuffers:
         else:
             self.positions[:, 0] = p
 
-    def load(self, embeds: np.ndarray, positions: np.ndarray | None) -> None:
+    def load(self, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> None:
         """The step's inputs in place: embeds [n <= ar, hidden] (zero rows after them) and positions [rows, n]
         (padding rows continue from the last one); embeds may be `first`, the buffer's first row, already written
-        (then ar is 1: a decode step, its position set by set_position, positions None)."""
+        (then ar is 1: a decode step, its position set by set_position, positions None). rows [n, width]: the
+        decoder's row input (decoder.row_input; None: zeros)."""
+        if self.row_dirty:
+            self.row_input[...] = 0
+            self.row_dirty = False
+        if rows is not None:
+            self.row_input[: len(rows)] = rows
+            self.row_dirty = True
         if embeds is self.first:  # Engine.step_token wrote the row in place (or the token's int8 row: token_mode)
             self.n = 1
             return
@@ -135,6 +146,8 @@ class BoundStep:
 
         bind(dec.embeds_input, buffers.embeds)
         bind(dec.positions.input, buffers.positions)
+        if dec.row_input:
+            bind(dec.row_input.input, buffers.row_input)
         self.inputs.bind(bind)
         if kind.token_rows_input:
             bind(kind.token_rows_input, buffers.token_rows)
@@ -156,10 +169,11 @@ class BoundStep:
             bind(kind.argmax_output, buffers.argmax, output=True)
         kind.bind_cache(bind, lambda name, arr: bind(name, arr, output=True), cache, ctx, self.staged)
 
-    def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int) -> np.ndarray:
-        """embeds [n <= ar, hidden] at positions [rows, n], going to slots slot.. -> logits (a view of the buffer the
-        next step reuses)."""
-        self.buffers.load(embeds, positions)
+    def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int,
+                 rows: np.ndarray | None = None) -> np.ndarray:
+        """embeds [n <= ar, hidden] at positions [rows, n] (and the row input's rows, None: zeros), going to slots
+        slot.. -> logits (a view of the buffer the next step reuses)."""
+        self.buffers.load(embeds, positions, rows)
         self.inputs.set(slot)
         if self.windows:
             self.cache.load_windows(slot)
@@ -184,13 +198,16 @@ class PlainStep:
         self._out_names = [kind.hidden_output if head is not None else dec.logits_output, *cache.output_names(),
                            *([kind.argmax_output] if kind.argmax_output else [])]
 
-    def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int) -> np.ndarray:
+    def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int,
+                 rows: np.ndarray | None = None) -> np.ndarray:
         b, k, c = self.buffers, self.kind, self.cache
         d = k.dec
-        b.load(embeds, positions)
+        b.load(embeds, positions, rows)
         self.inputs.set(slot)
         c.load_windows(slot)
         feeds = {d.embeds_input: b.embeds, d.positions.input: b.positions, **self.inputs.feeds()}
+        if d.row_input:
+            feeds[d.row_input.input] = b.row_input
         feeds.update(c.feeds(self.ctx))
         if k.logit_rows_input:
             feeds[k.logit_rows_input] = b.logit_rows

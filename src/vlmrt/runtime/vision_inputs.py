@@ -148,3 +148,4 @@ def build_feeds(patches: np.ndarray, grid: tuple[int, int, int], ops: list[str],
         feeds["pos_index"] = np.pad(index, ((0, pad), (0, 0)))
         feeds["pos_weight"] = np.pad(pos_weight, ((0, pad), (0, 0)))
     return VisionFeeds(feeds, n // unit, order)
+

@@ -151,14 +151,16 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
     vlm = VLM(dataclasses.replace(b, sessions=rec))  # the runtime, its graph calls recorded
     fits, longer = {}, {}  # a sample longer than the context is no prompt this bundle can take: left out
     for image, prompt in samples:
-        ids, embeds = vlm.prompt_embeds(prompt, image)  # (once for both modes: the same vision calls; ~6 min at 1B)
+        p = vlm.prompt(prompt, [] if image is None else [image])
+        ids, x = p.ids, vlm.decoder_inputs(p)  # (once for both modes: the same vision calls; ~6 min at 1B)
         kind = "text" if image is None else "image"
         if len(ids) >= m.kv.max_context:
             longer[kind] = min(longer.get(kind, len(ids)), len(ids))
             continue
         fits[kind] = fits.get(kind, 0) + 1
         for mode in ("hybrid", "kv"):
-            for _ in vlm.engine.generate(embeds.copy(), mode=mode, max_new_tokens=tokens, ignore_eos=True):
+            for _ in vlm.engine.generate(x.embeds.copy(), mode=mode, max_new_tokens=tokens, ignore_eos=True,
+                                         positions=x.positions, rows=x.rows):
                 pass
     for kind, n in longer.items():
         if not fits.get(kind):

@@ -39,6 +39,10 @@ class VisionConfig:
         return self.hidden // self.heads
 
     @property
+    def patch_size(self) -> int:  # (the family contract's name)
+        return self.patch
+
+    @property
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch * self.patch * self.patch
 
@@ -98,6 +102,21 @@ class QwenVLConfig:
     image_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
+    # the vision graph's patch budget (rows); 0 until the export chooses it (processing.image_spec: the --max-patches
+    # option, else the default or the processor's own maximum)
+    max_patches: int = 0
+
+    @property
+    def patches_per_tile(self) -> int:
+        """The vision graph's input rows: the patch budget (an image is one tile at native resolution)."""
+        from .processing import DEFAULT_MAX_PATCHES
+
+        return self.max_patches or DEFAULT_MAX_PATCHES
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Its output rows: the most image tokens one image gives."""
+        return self.patches_per_tile // self.vision.merge_unit
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "QwenVLConfig":

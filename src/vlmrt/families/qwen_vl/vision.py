@@ -15,6 +15,7 @@ embedding becomes a MatMul over the host's flattened patches (the processor's ro
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -218,3 +219,20 @@ def load(v: VisionConfig, tensors: dict[str, torch.Tensor], take) -> nn.Module:
         raise UnsupportedCheckpoint(f"checkpoint has vision weights the config does not describe, e.g. "
                                     f"{prefix}{result.unexpected_keys[0]}")
     return tower.eval()
+
+
+class StaticTower(nn.Module):
+    """The tower as the exporter takes it: forward(*inputs in input_names' order) -> embeds, *DeepStack features;
+    `example_inputs(rows)` its inputs by role for a budget of `rows` patches (families.vision_examples), `row_outputs`
+    its outputs after the embeddings (families.vision_row_outputs: the decoder's row input)."""
+
+    def __init__(self, tower: nn.Module, v: VisionConfig):
+        super().__init__()
+        self.tower, self.v = tower, v
+        self.row_outputs = output_names(v)[1:]
+
+    def forward(self, *inputs):
+        return self.tower(*inputs)
+
+    def example_inputs(self, rows: int) -> dict[str, torch.Tensor]:
+        return dict(zip(input_names(self.v), example_inputs(self.v, rows, float(np.finfo(np.float32).min))))
