@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...format import manifest as mf
+
 RECORD_BYTES = 1 << 30  # the most bytes of sampled feeds a Recorder keeps (a 1B decoder's cache: ~70 MB a call)
 
 
@@ -121,8 +123,11 @@ class RowsRecorder(Recorder):
     and V per attention layer, the conv rows per conv layer of kv.layers; the rows themselves are not kept: at
     InternVL3.5-1B's shape they would be ~0.6 GB)."""
 
-    def __init__(self, session, kv_inputs, limit, positions, layers: list, budget: int = RECORD_BYTES):
+    def __init__(self, session, kv_inputs, limit, positions, budget: int = RECORD_BYTES, layers: list | None = None):
+        """layers: the manifest's kv.layers (default: an attention layer per K/V pair of kv_inputs)."""
         super().__init__(session, kv_inputs, limit, positions, budget)
+        if layers is None:
+            layers = [mf.AttentionLayer("attention", 0, 0, "", "", "", "")] * (len(kv_inputs) // 2)
         n = sum(layer.kind == "attention" for layer in layers)
         self.layers = layers
         self.key, self.value = [(np.inf, -np.inf)] * n, [(np.inf, -np.inf)] * n
@@ -155,8 +160,8 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
     pos = m.decoder.kind.mask_input  # (the float bundle's kind: rows_static)
     rec = {
         "vision": Recorder(b.sessions["vision"], set(), limit),
-        "prefill": RowsRecorder(b.sessions["prefill"], kv_in, limit, pos, m.kv.layers),
-        "decode": RowsRecorder(b.sessions["decode"], kv_in, limit, pos, m.kv.layers),
+        "prefill": RowsRecorder(b.sessions["prefill"], kv_in, limit, pos, layers=m.kv.layers),
+        "decode": RowsRecorder(b.sessions["decode"], kv_in, limit, pos, layers=m.kv.layers),
     }
     vlm = VLM(dataclasses.replace(b, sessions=rec))  # the runtime, its graph calls recorded
     fits, longer = {}, {}  # a sample longer than the context is no prompt this bundle can take: left out
