@@ -56,7 +56,8 @@ def test_simulator_equals_the_cpu_ep_on_a_held_in_case(htp):
     """--device htp (the context binaries on the simulator, no CPU fallback): after a held-in prompt's prefill the
     logits and every K/V and conv row are the CPU EP's within a few quantization steps (measured: logits 0.37 (kv) /
     0.28 (hybrid) of ~3, rows within 7 / 4 uint8 steps), and its 8 greedy ids are the CPU EP's in both modes (on this random decoder,
-    whose top logits are close, the sim and the CPU EP part after 0-5 tokens on 7 of the 12 calibration cases tried)."""
+    whose top logits are close, the sim and the CPU EP parted after 0-5 tokens on 8 of 12 calibration cases × modes
+    tried, docs/lfm2-vl.md)."""
     _, b = htp
     cpu, npu = VLM.load(b), VLM.load(b, device="htp")
     on_npu(npu)
