@@ -75,9 +75,6 @@ LFM2_350M_LAYERS = tuple("full_attention" if i in (2, 5, 8, 10, 12, 14) else "co
 
 
 def lfm2_vl_450m(out: Path, depth: tuple[int, int] = (16, 12)) -> None:
-    import torchvision_ops
-
-    torchvision_ops.declare()  # (transformers' LFM2-VL imports torchvision: tests/torchvision_ops.py)
     from fixtures_lfm2_vl import make_lfm2_vl_checkpoint
 
     layers = LFM2_350M_LAYERS[: depth[0]]
@@ -104,6 +101,9 @@ def main() -> None:
     ap.add_argument("--export-args", default="", help="more `vlmrt export` arguments, e.g. \"--target htp --quant ...\"")
     ap.add_argument("--no-run", action="store_true", help="export only")
     a = ap.parse_args()
+    import torchvision_ops
+
+    torchvision_ops.declare()  # transformers imports torchvision where it is installed (tests/torchvision_ops.py)
     work = Path(a.work or f"/tmp/vlmrt-shape-{a.model}")
     ckpt, bundle = work / "ckpt", work / "bundle"
     if not (ckpt / "config.json").exists():
