@@ -1,6 +1,6 @@
 """Export + run timing for random checkpoints with real model shapes, on this machine.
 
-    python benchmarks/model_shapes.py smolvlm-256m|internvl3-1b|internvl3_5-1b [--work DIR] [--image P]
+    python benchmarks/model_shapes.py smolvlm-256m|smolvlm-500m|internvl3-1b|internvl3_5-1b|lfm2-vl-450m [--work DIR] [--image P]
         [--depth TEXT,VISION] [--export-args "--target htp --quant ..."] [--no-run]
 
 Builds the checkpoint with transformers (a test dependency; tests/fixtures*.py), then times
@@ -34,6 +34,18 @@ def smolvlm_256m(out: Path, depth: tuple[int, int] = (30, 12)) -> None:
                             vision_overrides={**vision, "num_hidden_layers": depth[1]})
 
 
+def smolvlm_500m(out: Path, depth: tuple[int, int] = (32, 12)) -> None:
+    # HuggingFaceTB/SmolVLM-500M-Instruct config.json sizes (SmolLM2-360M + the same SigLIP-base tower as 256M)
+    from fixtures import make_smolvlm_checkpoint
+
+    text = dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=depth[0], num_attention_heads=15,
+                num_key_value_heads=5, head_dim=64, vocab_size=49280, rope_theta=100000.0, max_position_embeddings=8192,
+                rms_norm_eps=1e-5)
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=depth[1], num_attention_heads=12, image_size=512, patch_size=16)
+    make_smolvlm_checkpoint(out, tie_word_embeddings=True, tile_size=512, patch_size=16, scale_factor=4, longest_edge_tiles=4,
+                            text_layers=depth[0], vision_layers=depth[1], text_overrides=text, vision_overrides=vision)
+
+
 def internvl3_1b(out: Path, depth: tuple[int, int] = (24, 24)) -> None:
     # OpenGVLab/InternVL3-1B-hf: InternViT-300M-448px + Qwen2.5-0.5B
     from fixtures_internvl import make_internvl_checkpoint
@@ -57,7 +69,26 @@ def internvl3_5_1b(out: Path, depth: tuple[int, int] = (28, 24)) -> None:
                              text_layers=depth[0], vision_layers=depth[1], text_overrides=text, vision_overrides=vision)
 
 
-MODELS = {"smolvlm-256m": smolvlm_256m, "internvl3-1b": internvl3_1b, "internvl3_5-1b": internvl3_5_1b}
+# LiquidAI/LFM2-VL-450M: LFM2-350M (16 layers: attention at 2, 5, 8, 10, 12, 14, gated short convs elsewhere) +
+# SigLIP2 NaFlex base-patch16 (86M) + a 2560-wide projector; 512² tiles of 16 px patches, 64..256 tokens an image
+LFM2_350M_LAYERS = tuple("full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16))
+
+
+def lfm2_vl_450m(out: Path, depth: tuple[int, int] = (16, 12)) -> None:
+    from fixtures_lfm2_vl import make_lfm2_vl_checkpoint
+
+    layers = LFM2_350M_LAYERS[: depth[0]]
+    text = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, vocab_size=65536, norm_eps=1e-5,
+                block_multiple_of=256, max_position_embeddings=128000)
+    vision = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=depth[1])
+    make_lfm2_vl_checkpoint(out, layer_types=layers, tile_size=512, patch_size=16, min_image_tokens=64,
+                            max_image_tokens=256, max_tiles=10, vision_layers=depth[1], position_side=16,
+                            intermediate=6656, auto_adjust_ff=True, projector_hidden=2560, text_overrides=text,
+                            vision_overrides=vision)
+
+
+MODELS = {"smolvlm-256m": smolvlm_256m, "smolvlm-500m": smolvlm_500m, "internvl3-1b": internvl3_1b, "internvl3_5-1b": internvl3_5_1b,
+          "lfm2-vl-450m": lfm2_vl_450m}
 
 
 def main() -> None:
@@ -70,6 +101,9 @@ def main() -> None:
     ap.add_argument("--export-args", default="", help="more `vlmrt export` arguments, e.g. \"--target htp --quant ...\"")
     ap.add_argument("--no-run", action="store_true", help="export only")
     a = ap.parse_args()
+    import torchvision_ops
+
+    torchvision_ops.declare()  # transformers imports torchvision where it is installed (tests/torchvision_ops.py)
     work = Path(a.work or f"/tmp/vlmrt-shape-{a.model}")
     ckpt, bundle = work / "ckpt", work / "bundle"
     if not (ckpt / "config.json").exists():

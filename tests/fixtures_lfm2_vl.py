@@ -122,6 +122,7 @@ def make_lfm2_vl_checkpoint(
     intermediate: int = 128,
     auto_adjust_ff: bool = False,
     seed: int = 0,
+    projector_hidden: int = 96,
     text_overrides: dict | None = None,
     vision_overrides: dict | None = None,
 ) -> Path:
@@ -151,7 +152,7 @@ def make_lfm2_vl_checkpoint(
         num_patches=position_side**2, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, vision_use_head=False,
     )
     vision.update(vision_overrides or {})
-    config = Lfm2VlConfig(text_config=text, vision_config=vision, image_token_id=ids[IMAGE], projector_hidden_size=96,
+    config = Lfm2VlConfig(text_config=text, vision_config=vision, image_token_id=ids[IMAGE], projector_hidden_size=projector_hidden,
                           projector_bias=True, projector_use_layernorm=projector_layernorm, downsample_factor=2,
                           projector_hidden_act="gelu", tie_word_embeddings=tie_word_embeddings)
     config.architectures = ["Lfm2VlForConditionalGeneration"]

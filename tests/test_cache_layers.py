@@ -148,3 +148,19 @@ def test_mixed_layers_through_the_engine_equal_the_full_sequence(one_graph):
     want = greedy(fast, fake, prompt, 12)
     got = list(fast.generate(fast.embed(prompt), mode="kv", max_new_tokens=12, ignore_eos=True, prompt_ids=prompt))
     assert got == want and fast.last.drafted_tokens > 0
+
+
+def test_uint8_conv_rows_clear_and_requantize():
+    """A uint8 cache's conv rows (HTP bundles): the rows before slot 0, a first step's window, hold the reading graph's
+    zero point (clear_unused), and requantize re-expresses the written rows from prefill's encoding into decode's."""
+    spec = KVSpec(max_context=8, dtype="uint8", layers=[LAYERS[1], LAYERS[0]])
+    c = KVCache(spec)
+    enc = {"key": [[0.1, 128]], "value": [[0.1, 120]], "conv": [[0.5, 100]]}
+    c.clear_unused(enc)
+    c.load_windows(0)
+    assert (c.convs[0].window == 100).all()
+    rows = [np.zeros((1, 2, 3, 8), np.uint8), np.full((3, 6), 110, np.uint8)]
+    c.write(rows, 3, np.arange(3)[None])
+    dst = {"key": [[0.1, 128]], "value": [[0.1, 120]], "conv": [[0.25, 90]]}
+    c.requantize(enc, dst)
+    assert (c.convs[0].data[2:5] == 90 + 20).all() and (c.convs[0].data[:2] == 90).all()  # (110-100)*0.5/0.25 + 90

@@ -262,7 +262,8 @@ class KVCache:
         return out
 
     def clear_unused(self, enc: dict) -> None:
-        """Slots length.. of a uint8 cache hold 0 under enc (per layer (scale, zp) of K and V: the encoding of the
+        """Slots length.. of a uint8 cache hold 0 under enc (per layer (scale, zp) of K and V, and of conv rows: the
+        rows before slot 0 of a conv layer, its window's zeros; the encoding of the
         graph that reads them next), i.e. byte zp. Byte 0 (np.zeros, or a stale row) reads back as -zp*scale in
         every dim: a key row whose score q.k/sqrt(d) on a real decoder (large-mean queries) is far above the
         -100 of an HTP mask, and a float (fp16) graph, which does not clip its scores to a calibrated range as a
@@ -278,6 +279,8 @@ class KVCache:
                     buf[n:] = tail[i] = z
                 elif n < end:
                     buf[n:end] = z
+        for c, (_, z) in zip(self.convs, enc.get("conv", ())):  # a conv step reads slots before its own only: the
+            c.data[: c.spec.width] = z  # rows before slot 0 are the ones no step writes
         self._written = n
 
     def requantize(self, src: dict, dst: dict) -> None:
@@ -292,6 +295,9 @@ class KVCache:
                     continue
                 x = (buf[:n].astype(np.float32) - z1) * (s1 / s2)
                 buf[:n] = np.clip(np.rint(x) + z2, 0, 255).astype(np.uint8)
+        for c, (s1, z1), (s2, z2) in zip(self.convs, src.get("conv", ()), dst.get("conv", ())):
+            rows = c.data[c.spec.width : c.spec.width + n]
+            rows[...] = np.clip(np.rint((rows.astype(np.float32) - z1) * (s1 / s2)) + z2, 0, 255).astype(np.uint8)
         self.clear_unused(dst)
 
     def _check_room(self, n_valid: int) -> None:

@@ -38,6 +38,7 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
 
       input x (float) -> [Reshape…] -> Q -> …    becomes   input x (uint8) -> DQ -> [Reshape…] -> Q -> …
       … -> Q -> p -> DQ -> output y              becomes   … -> Q -> output y (uint8)
+    (an output the graph also reads itself, a conv layer's rows, keeps its DQ for those readers: y -> DQ -> …).
     The input keeps the canonical QDQ form (a DequantizeLinear right at the input): with the uint8
     input fed straight into a Reshape, the QNN HTP backend misread the cache (seen on its simulator). outputs maps each output to the input whose
     encoding it must have (rows a graph writes are read back by the same graph): that output's last
@@ -90,8 +91,17 @@ def _cut_kv_edges(model: onnx.ModelProto, inputs: list[str], outputs: dict[str, 
         g.initializer.append(numpy_helper.from_array(np.array(scale, np.float32), f"{name}_kv_scale"))
         g.initializer.append(numpy_helper.from_array(np.array(zp, np.uint8), f"{name}_kv_zero_point"))
         q.input[1], q.input[2] = f"{name}_kv_scale", f"{name}_kv_zero_point"
-        drop.append(dq)
+        users = [n for n in g.node if name in n.input]
+        if users:  # the rows are read inside the graph too (a conv layer's, concatenated after its window): their
+            inner = name + "_kv_inner"  # DequantizeLinear stays, for those readers only
+            for n in users:
+                n.input[:] = [inner if i == name else i for i in n.input]
+            dq.output[0] = inner
+        else:
+            drop.append(dq)
         onnx_names.rename_tensor(g, dq.input[0], name, skip=dq)
+        if users:
+            dq.input[0] = name
         next(v for v in g.output if v.name == name).type.tensor_type.elem_type = onnx.TensorProto.UINT8
     keep = [n for n in g.node if not any(n is d for d in drop)]
     del g.node[:]
@@ -126,26 +136,38 @@ def quantize_graph(src: Path, dst: Path, reader, overrides: dict | None = None) 
         quantize(str(src), str(dst), cfg)
 
 
+def state_edges(m: mf.Manifest) -> list[tuple[str, int, str, str]]:
+    """(encoding kind, its index, cache input, new-rows output) of every state tensor: an attention layer's K and V
+    ("key", "value": the i-th attention layer), a conv layer's rows ("conv": the i-th conv layer)."""
+    out, a, c = [], 0, 0
+    for layer in m.kv.layers:
+        if layer.kind == "conv":
+            out.append(("conv", c, layer.state_input, layer.state_output))
+            c += 1
+        else:
+            out += [("key", a, layer.key_input, layer.key_output), ("value", a, layer.value_input, layer.value_output)]
+            a += 1
+    return out
+
+
 def kv_overrides(enc: dict, m: mf.Manifest) -> dict:
-    """One uint8 encoding per layer for the cache input and the new-rows output of K and V."""
+    """One uint8 encoding per layer for the cache input and the new-rows output of K and V (and a conv layer's rows)."""
     from onnxruntime.quantization import QuantType
 
     out = {}
-    for i, layer in enumerate(m.kv.attention()):
-        for kind, fin, fout in (("key", layer.key_input, layer.key_output), ("value", layer.value_input, layer.value_output)):
-            s, zp = enc[kind][i]
-            for name in (fin, fout):
-                out[name] = [{"quant_type": QuantType.QUInt8, "scale": np.array(s, np.float32), "zero_point": np.array(zp, np.uint8)}]
+    for kind, i, fin, fout in state_edges(m):
+        s, zp = enc[kind][i]
+        for name in (fin, fout):
+            out[name] = [{"quant_type": QuantType.QUInt8, "scale": np.array(s, np.float32), "zero_point": np.array(zp, np.uint8)}]
     return out
 
 
 def _kv_names(m: mf.Manifest, enc: dict):
     """(cache inputs, new-rows output -> its input, cache input -> (scale, zero point))."""
-    layers = m.kv.attention()
-    kin = [n for layer in layers for n in layer.inputs]
-    kout = {fout: fin for layer in layers for fin, fout in zip(layer.inputs, layer.outputs)}
-    want = {fin: tuple(enc[kind][i]) for i, layer in enumerate(layers)
-            for kind, fin in (("key", layer.key_input), ("value", layer.value_input))}
+    edges = state_edges(m)
+    kin = [fin for _, _, fin, _ in edges]
+    kout = {fout: fin for _, _, fin, fout in edges}
+    want = {fin: tuple(enc[kind][i]) for kind, i, fin, _ in edges}
     return kin, kout, want
 
 
@@ -229,7 +251,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         enc = like = None
         if name != "vision":  # (the verify graph reads and writes decode's cache: decode's encoding)
             ranges = kv_ranges(rec["prefill" if name == "prefill" else "decode"])
-            enc = {kind: [uint8_encoding(lo, hi) for lo, hi in ranges[kind]] for kind in ("key", "value")}
+            enc = {kind: [uint8_encoding(lo, hi) for lo, hi in r] for kind, r in ranges.items()}
         if name == "verify":  # the decode graph at AR = verify_ar: decode's encodings everywhere (htp_verify.py)
             like = onnx.load(str(out_dir / "decode.onnx")) if prec["decode"] != "fp16" else None
             rec["verify"] = htp_verify.TiledFeeds(rec["decode"], m.decoder, kind.verify_ar, m.kv.max_context)
@@ -248,9 +270,10 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
             got, blocks = _qdq_graph(full, int4, dst, rec[name], m, enc, like,
                                      as_stored=name in ("decode", "verify") and bool(kind.verify_ar))
         del like, int4
-        if enc is not None:  # the graph's own encodings
-            encodings[name] = {"key": [list(got[layer.key_input]) for layer in m.kv.attention()],
-                               "value": [list(got[layer.value_input]) for layer in m.kv.attention()]}
+        if enc is not None:  # the graph's own encodings, per kind in layer order
+            encodings[name] = {e: [] for e in enc}
+            for e, _, fin, _ in state_edges(m):
+                encodings[name][e].append(list(got[fin]))
         ins, outs = graphs.io_specs(dst)
         weights = {"activations": "float16" if p == "fp16" else "uint16", "weights": htp_precisions.WEIGHTS[p],
                    "blockwise_int4": blocks, "fused_rms_norms": fused,

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...format import manifest as mf
+
 RECORD_BYTES = 1 << 30  # the most bytes of sampled feeds a Recorder keeps (a 1B decoder's cache: ~70 MB a call)
 
 
@@ -105,8 +107,9 @@ def _nbytes(item: dict) -> int:
 
 
 def kv_ranges(rec: "RowsRecorder") -> dict[str, list[tuple[float, float]]]:
-    """Per-layer (min, max) of the K and V rows a graph returned over its calibration calls."""
-    return {"key": list(rec.key), "value": list(rec.value)}
+    """Per-layer (min, max) of the K and V rows (attention layers) and the conv rows (conv layers, where the decoder
+    has any) a graph returned over its calibration calls."""
+    return {"key": list(rec.key), "value": list(rec.value), **({"conv": list(rec.conv)} if rec.conv else {})}
 
 
 def uint8_encoding(lo: float, hi: float) -> tuple[float, int]:
@@ -116,18 +119,30 @@ def uint8_encoding(lo: float, hi: float) -> tuple[float, int]:
 
 
 class RowsRecorder(Recorder):
-    """Also keeps the running per-layer (min, max) of the KV rows every call returns (for the cache encodings; the
-    rows themselves are not kept: at InternVL3.5-1B's shape they would be ~0.6 GB)."""
+    """Also keeps the running per-layer (min, max) of the state rows every call returns (for the cache encodings: K
+    and V per attention layer, the conv rows per conv layer of kv.layers; the rows themselves are not kept: at
+    InternVL3.5-1B's shape they would be ~0.6 GB)."""
 
-    def __init__(self, session, kv_inputs, limit, positions, budget: int = RECORD_BYTES):
+    def __init__(self, session, kv_inputs, limit, positions, budget: int = RECORD_BYTES, layers: list | None = None):
+        """layers: the manifest's kv.layers (default: an attention layer per K/V pair of kv_inputs)."""
         super().__init__(session, kv_inputs, limit, positions, budget)
-        layers = len(kv_inputs) // 2
-        self.key, self.value = [(np.inf, -np.inf)] * layers, [(np.inf, -np.inf)] * layers
+        if layers is None:
+            layers = [mf.AttentionLayer("attention", 0, 0, "", "", "", "")] * (len(kv_inputs) // 2)
+        n = sum(layer.kind == "attention" for layer in layers)
+        self.layers = layers
+        self.key, self.value = [(np.inf, -np.inf)] * n, [(np.inf, -np.inf)] * n
+        self.conv = [(np.inf, -np.inf)] * (len(layers) - n)
 
     def run(self, names, feeds):
         out = super().run(names, feeds)
-        for i in range(len(self.key)):  # outputs: logits (or hidden), then K and V rows per layer (output_names())
-            for store, r in ((self.key, out[1 + 2 * i]), (self.value, out[2 + 2 * i])):
+        at, a, c = 1, 0, 0  # outputs: logits (or hidden), then each layer's state rows (kv.state_outputs() order)
+        for layer in self.layers:
+            if layer.kind == "conv":
+                pairs, c = [(self.conv, c, out[at])], c + 1
+            else:
+                pairs, a = [(self.key, a, out[at]), (self.value, a, out[at + 1])], a + 1
+            at += len(pairs)
+            for store, i, r in pairs:
                 lo, hi = store[i]
                 store[i] = (min(lo, float(r.min())), max(hi, float(r.max())))
         return out
@@ -141,12 +156,12 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
 
     b = Bundle.open(float_bundle)
     m = b.manifest
-    kv_in = set(m.kv.state_inputs())
+    kv_in = {n for layer in m.kv.attention() for n in layer.inputs}  # (cut to their used rows; conv windows whole)
     pos = m.decoder.kind.mask_input  # (the float bundle's kind: rows_static)
     rec = {
         "vision": Recorder(b.sessions["vision"], set(), limit),
-        "prefill": RowsRecorder(b.sessions["prefill"], kv_in, limit, pos),
-        "decode": RowsRecorder(b.sessions["decode"], kv_in, limit, pos),
+        "prefill": RowsRecorder(b.sessions["prefill"], kv_in, limit, pos, layers=m.kv.layers),
+        "decode": RowsRecorder(b.sessions["decode"], kv_in, limit, pos, layers=m.kv.layers),
     }
     vlm = VLM(dataclasses.replace(b, sessions=rec))  # the runtime, its graph calls recorded
     fits, longer = {}, {}  # a sample longer than the context is no prompt this bundle can take: left out

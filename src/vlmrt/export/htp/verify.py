@@ -64,7 +64,7 @@ class TiledFeeds:
 
     def reader(self):
         d, ar = self.dec, self.ar
-        rec = type(self.recorder)(None, self.recorder.kv_inputs, 0, self.recorder.mask)
+        rec = type(self.recorder)(None, self.recorder.kv_inputs, 0, self.recorder.mask, layers=self.recorder.layers)
         for f in self.recorder.feeds:
             slot = slot_of(f[d.kind.mask_input][0])
             positions = f[d.positions.input][0]  # [rows, 1]

@@ -24,7 +24,7 @@ from .vision import NaFlexVision
 MODEL_TYPES = ("lfm2_vl",)
 
 VISION_LAYER_KEYS = {  # under model.vision_tower.encoder.layers.{i}. -> layers.{i}.
-    "layer_norm1": "layer_norm1", "layer_norm2": "layer_norm2", "self_attn.q_proj": "q_proj",
+    "layer_norm1": "norm1", "layer_norm2": "norm2", "self_attn.q_proj": "q_proj",
     "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj", "self_attn.out_proj": "out_proj",
     "mlp.fc1": "fc1", "mlp.fc2": "fc2",
 }

@@ -1,6 +1,7 @@
 """LFM2-VL's vision graph: SigLIP2 NaFlex tower + pixel-unshuffle projector, one static graph for tiles of any size.
 
-Mirrors transformers' Siglip2VisionModel (embeddings, encoder, post_layernorm; no pooling head) and
+Mirrors transformers' Siglip2VisionModel (embeddings, encoder of vit.ViTLayer with its key mask, post_layernorm; no
+pooling head) and
 Lfm2VlMultiModalProjector (pixel unshuffle × f, LayerNorm, Linear, GELU, Linear). The graph takes max_patches rows
 whatever the tile's size; the host (runtime/naflex.py) orders them token-major, pads them and gives the position
 table's resize weights and the key mask, so nothing in the graph depends on the tile's size:
@@ -14,37 +15,8 @@ import torch
 from torch import nn
 
 from ..layers import activation
+from ..vit import ViTLayer
 from .config import Lfm2VlConfig
-
-
-class MaskedViTLayer(nn.Module):
-    """Pre-norm SigLIP block whose attention skips padding keys: scores + key_mask (0 or the mask value) per key.
-    Weight names as SigLIP's (families/layers.py ViTLayer)."""
-
-    def __init__(self, dim: int, heads: int, intermediate: int, eps: float, act: str):
-        super().__init__()
-        self.heads = heads
-        self.layer_norm1 = nn.LayerNorm(dim, eps=eps)
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
-        self.layer_norm2 = nn.LayerNorm(dim, eps=eps)
-        self.fc1 = nn.Linear(dim, intermediate)
-        self.fc2 = nn.Linear(intermediate, dim)
-        self.act = activation(act)
-
-    def forward(self, x, key_mask):  # x [n, dim], key_mask [n]
-        n, dim = x.shape
-        h = self.heads
-        d = dim // h
-        y = self.layer_norm1(x)
-        q = self.q_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
-        k = self.k_proj(y).view(n, h, d).permute(1, 2, 0)  # [h, d, n]
-        v = self.v_proj(y).view(n, h, d).transpose(0, 1)  # [h, n, d]
-        p = torch.softmax(torch.matmul(q, k) * (d**-0.5) + key_mask, dim=-1)  # [h, n, n]
-        x = x + self.out_proj(torch.matmul(p, v).transpose(0, 1).reshape(n, dim))
-        return x + self.fc2(self.act(self.fc1(self.layer_norm2(x))))
 
 
 class Projector(nn.Module):
@@ -73,7 +45,8 @@ class NaFlexVision(nn.Module):
         self.max_patches, self.side = cfg.max_patches, v.position_side
         self.patch_embedding = nn.Linear(3 * v.patch_size**2, v.hidden)  # a Linear in SigLIP2 too: rows (py, px, c)
         self.position_embedding = nn.Parameter(torch.zeros(v.position_side**2, v.hidden))  # the learned side² table
-        self.layers = nn.ModuleList(MaskedViTLayer(v.hidden, v.heads, v.intermediate, v.eps, v.act) for _ in range(v.layers))
+        # SigLIP's options (LayerNorm, q/k/v biases); forward takes the key mask
+        self.layers = nn.ModuleList(ViTLayer(v.hidden, v.heads, v.intermediate, v.eps, v.act) for _ in range(v.layers))
         self.post_layernorm = nn.LayerNorm(v.hidden, eps=v.eps)
         self.projector = Projector(cfg)
 
