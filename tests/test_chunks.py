@@ -6,9 +6,9 @@ import pytest
 from vlmrt.runtime.chunks import ImageChunk, Prompt, TextChunk
 
 
-def image(ids, key, embeds=None, n_pos=None):
+def image(ids, key, embeds=None):
     rows = np.flatnonzero(np.asarray(ids) == 9)
-    return ImageChunk(ids, rows, key, (0, 0, 1), len(ids) if n_pos is None else n_pos, embeds=embeds)
+    return ImageChunk(ids, rows, key, (0, 0, 1), embeds=embeds)
 
 
 def test_splice_puts_each_images_rows_over_its_slots_in_order():
@@ -16,7 +16,7 @@ def test_splice_puts_each_images_rows_over_its_slots_in_order():
     a = -np.arange(4, dtype=np.float32).reshape(2, 2) - 1
     b = -np.arange(2, dtype=np.float32).reshape(1, 2) - 100
     p = Prompt([TextChunk([1]), image([5, 9, 9, 5], "a", a), TextChunk([2, 3]), image([9, 6], "b", b), TextChunk([4])])
-    assert p.ids == [1, 5, 9, 9, 5, 2, 3, 9, 6, 4] and p.n_tokens == p.n_pos == 10
+    assert p.ids == [1, 5, 9, 9, 5, 2, 3, 9, 6, 4] and p.n_tokens == 10
     e = p.splice(table[p.ids])
     assert (e[[2, 3]] == a).all() and (e[7] == b[0]).all()
     keep = [0, 1, 4, 5, 6, 8, 9]
@@ -45,6 +45,6 @@ def test_keys_name_image_rows_by_image_and_row():
 
 def test_token_count_and_position_count_are_apart():
     p = Prompt([TextChunk([1, 2]), image([9, 9, 9], "a"), TextChunk([3])])
-    assert p.n_tokens == p.n_pos == 6
-    q = Prompt([TextChunk([1]), image([9, 9, 9, 9], "a", n_pos=2)])
-    assert q.n_tokens == 5 and q.n_pos == 3 and q.offsets == [0, 1]
+    assert p.n_tokens == 6
+    q = Prompt([TextChunk([1]), image([9, 9, 9, 9], "a")])
+    assert q.n_tokens == 5 and q.offsets == [0, 1]

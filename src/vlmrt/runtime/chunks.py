@@ -1,15 +1,14 @@
-"""A prompt as typed chunks: runs of text token ids and images, each knowing its token count and its position count.
+"""A prompt as typed chunks: runs of text token ids and images, each knowing its token count.
 
-    prompt = Prompt([TextChunk([1, 2, 3]), ImageChunk(ids, rows, key, grid, n_pos), TextChunk([...])])
+    prompt = Prompt([TextChunk([1, 2, 3]), ImageChunk(ids, rows, key, grid), TextChunk([...])])
     prompt.ids            # every token id, image slots holding the image token id
     prompt.keys()         # one key per KV slot (the prefix cache compares them)
     prompt.splice(token_embeds, start)   # the image rows put over their slots: the one splice
 
-As in llama.cpp's mtmd, a chunk's token count (n_tokens: the KV slots and embedding rows it takes) and its position
-count (n_pos: how far it moves the next chunk's position) are kept apart: for today's families they are equal, a
-family with M-RoPE positions (Qwen-VL) gives an image fewer positions than tokens. How a chunk's tokens are
-positioned is the manifest's named position op's (decoder.positions.op, runtime/positions.py), which reads the
-chunks; never a family branch here.
+A chunk's token count (n_tokens) is the KV slots and embedding rows it takes; how its tokens are positioned (and so
+how far it moves the next chunk's position: an M-RoPE image (Qwen-VL) takes fewer positions than tokens) is the
+manifest's named positions op's (decoder.positions.op, runtime/positions.py), which reads the chunks (an image
+chunk's grid); never a family branch here.
 
 A video is not a chunk type: runtime/video.py writes it as text chunks (the intro, a "Frame from MM:SS:" line per
 frame) and one image chunk per frame, so a repeated frame's embeddings come from the image cache like an image's.
@@ -31,10 +30,6 @@ class TextChunk:
     def n_tokens(self) -> int:
         return len(self.ids)
 
-    @property
-    def n_pos(self) -> int:
-        return len(self.ids)
-
 
 @dataclass
 class ImageChunk:
@@ -45,7 +40,6 @@ class ImageChunk:
     rows: np.ndarray  # [len(embeds)] int64 offsets in ids of the image-token slots, in order
     key: Any  # (content digest, tiling): the image cache's key and the prefix cache's row key
     grid: tuple[int, int, int]  # (rows, cols, tiles) of the tiling, what the expansion was written from
-    n_pos: int  # positions the chunk takes (== n_tokens for 1-D RoPE families)
     pixels: np.ndarray | None = None  # [tiles, c, S, S] (NaFlex: [tiles, patches, d]) to run through the vision graph, or None when embeds are known
     # [len(rows), hidden (+ row width)]: the vision graph's rows (from the image cache or encoded); with row outputs
     # (manifest vision.row_outputs) their rows follow the embedding's columns (the decoder's row input, row_input)
@@ -72,10 +66,6 @@ class Prompt:
     @property
     def n_tokens(self) -> int:
         return len(self.ids)
-
-    @property
-    def n_pos(self) -> int:
-        return sum(c.n_pos for c in self.chunks)
 
     def images(self) -> list[tuple[int, ImageChunk]]:
         """(first slot, chunk) of each image chunk, in order."""

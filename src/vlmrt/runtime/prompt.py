@@ -122,7 +122,7 @@ def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_toke
                              f"(found {len(rows)}); the tokenizer does not keep the image tokens whole")
         if first > at:
             chunks.append(TextChunk(ids[at:first]))
-        chunks.append(ImageChunk(run, rows, m.key, m.grid, len(run), m.pixels, m.embeds, m.label, m.tokens(p),
+        chunks.append(ImageChunk(run, rows, m.key, m.grid, m.pixels, m.embeds, m.label, m.tokens(p),
                                  m.patch_grids))
         at = last
     if at < n:
