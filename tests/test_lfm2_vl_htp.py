@@ -43,13 +43,14 @@ def test_conv_rows_are_uint8_state_with_their_encodings(htp):
         for layer in convs:
             assert ins[layer["state_input"]]["dtype"] == outs[layer["state_output"]]["dtype"] == "uint8"
             assert ins[layer["state_input"]]["shape"] == [layer["width"], layer["channels"]]
-    # the CPU EP's simulation of the QDQ bundle tracks the float reference (measured: top-1 0.705, KL 0.044 on this
-    # hidden-64 random decoder; without the conv rows' zero point before slot 0: 0.634 / 0.050)
+    # the CPU EP's simulation of the QDQ bundle tracks the float reference (measured: top-1 0.875, KL 0.0050 on this
+    # hidden-64 random decoder; without the conv rows' zero point before slot 0: 0.777 / 0.0119; with the vision key
+    # mask at float32's lowest instead of the HTP's -100 (export/pipeline.py _tile_params): 0.705 / 0.044)
     from vlmrt.eval import accuracy, samples
 
     v = VLM.load(b)
     r = accuracy.evaluate(v, accuracy.load_reference(ex.ckpt, v), samples.default_samples(), tokens=16)
-    assert r["top1_agreement"] >= 0.68 and r["mean_kl"] < 0.048, r
+    assert r["top1_agreement"] >= 0.84 and r["mean_kl"] < 0.008, r
 
 
 def test_simulator_equals_the_cpu_ep_on_a_held_in_case(htp):
