@@ -24,22 +24,18 @@ import numpy as np
 
 from ..format.manifest import ImageSpec
 from .aa_resize import resize as aa_resize
+from .image_native import smart_resize_patches
+from .pixels import RESAMPLE, ImageError, normalize, resample_filter as _resample  # noqa: F401  (ImageError, RESAMPLE: this module's API)
 
 if TYPE_CHECKING:
     from PIL import Image
 # Pillow is imported where an image is read, not with this module: a text-only run does not load it (cold start)
-RESAMPLE = {"nearest": "NEAREST", "bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS", "box": "BOX",
-            "hamming": "HAMMING"}  # the manifest's names -> PIL's
 MAX_IMAGE_SIZE = 4096  # transformers' SmolVLM/Idefics3 cap on the resized image
 # The largest image file load_image accepts (docs/limits.md): 120 million pixels (a 108 MP phone sensor's
 # 12000×9000 fits; decoded as RGB that is 360 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
 # Checked from the header before any pixel is decoded.
 MAX_IMAGE_PIXELS = 120_000_000
 MAX_IMAGE_BYTES = 100 * 1024 * 1024
-
-
-class ImageError(ValueError):
-    pass
 
 
 @dataclass
@@ -61,14 +57,6 @@ def is_pil_image(x) -> bool:
     """Whether x is a PIL image (without importing Pillow: if it is not loaded, x is none)."""
     pil = sys.modules.get("PIL.Image")
     return pil is not None and isinstance(x, pil.Image)
-
-
-def _resample(name: str):
-    from PIL import Image
-
-    if name not in RESAMPLE:
-        raise ImageError(f"this vlmrt has no resample filter {name!r}; upgrade vlmrt")
-    return Image.Resampling[RESAMPLE[name]]
 
 
 def load_image(path: str | Path) -> Image.Image:
@@ -309,8 +297,6 @@ def smart_resize(im: Image.Image, spec: ImageSpec) -> Tiles:
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL's native resolution (runtime/image_native.py): one tile, its patch rows
     [1, patches, c·t·p²] in the processor's order under the patch budget; (rows, cols) its token grid (merge
     blocks), patch_grids its patch grid."""
-    from .image_native import smart_resize_patches
-
     p = smart_resize_patches(im, spec)
     merge = int(spec.params["merge"])
     _, gh, gw = p.grid
@@ -320,14 +306,6 @@ def smart_resize(im: Image.Image, spec: ImageSpec) -> Tiles:
 # image.tiling -> (image, spec) -> Tiles
 TILING = {"longest_edge_grid": square_tiles(longest_edge_grid), "closest_aspect_grid": square_tiles(closest_aspect_grid),
           "naflex_tiles": naflex_tiles, "smart_resize": smart_resize}
-
-
-def normalize(tiles: list[Image.Image], spec: ImageSpec) -> np.ndarray:
-    """uint8 tiles -> [tiles, 3, H, W] float32: x * rescale (in float64, as transformers) then (x - mean) / std."""
-    x = np.stack([np.asarray(t, dtype=np.uint8) for t in tiles])  # [tiles, H, W, 3]
-    x = (x.astype(np.float64) * spec.rescale_factor).astype(np.float32)
-    x = (x - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
-    return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
 
 
 def with_max_tiles(spec: ImageSpec, max_tiles: int | None) -> ImageSpec:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..format.manifest import ImageSpec
-from .image import ImageError, _resample, normalize
+from .pixels import ImageError, normalize, resample_filter
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -104,7 +104,7 @@ def smart_resize_patches(im: Image.Image, spec: ImageSpec) -> NativePatches:
     h, w, limited = budget_size(im.height, im.width, patch, merge, int(p["min_pixels"]), int(p["max_pixels"]),
                                 int(p["max_patches"]))
     if (h, w) != (im.height, im.width):
-        im = im.resize((w, h), resample=_resample(spec.resample))
+        im = im.resize((w, h), resample=resample_filter(spec.resample))
     x = normalize([im], spec)[0]  # [3, h, w] float32
     return NativePatches(patchify(x, patch, merge, temporal), (1, h // patch, w // patch), (h, w), limited,
                          merge * merge)

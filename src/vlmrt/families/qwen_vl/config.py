@@ -8,6 +8,10 @@ from typing import Any
 from ..decoder import TextConfig, UnsupportedCheckpoint
 from ..rope import Rope
 
+# The vision graph's default patch budget: 4096 patches (1024 image tokens) holds a 1024×768 photo at Qwen2.5-VL's
+# native resolution (4012 patches at 14 px) and 3072 at Qwen3-VL's 16 px; a larger image is resized to fit.
+DEFAULT_MAX_PATCHES = 4096
+
 MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 
 
@@ -109,8 +113,6 @@ class QwenVLConfig:
     @property
     def patches_per_tile(self) -> int:
         """The vision graph's input rows: the patch budget (an image is one tile at native resolution)."""
-        from .processing import DEFAULT_MAX_PATCHES
-
         return self.max_patches or DEFAULT_MAX_PATCHES
 
     @property

@@ -14,13 +14,10 @@ from typing import Any
 from ...format.manifest import ImageSpec
 from .. import processor_image
 from ..decoder import UnsupportedCheckpoint
-from .config import VisionConfig
+from .config import DEFAULT_MAX_PATCHES, VisionConfig
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # the processor's defaults (OPENAI_CLIP_MEAN / STD)
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-# The vision graph's default patch budget: 4096 patches (1024 image tokens) holds a 1024×768 photo at Qwen2.5-VL's
-# native resolution (4012 patches at 14 px) and 3072 at Qwen3-VL's 16 px; a larger image is resized to fit.
-DEFAULT_MAX_PATCHES = 4096
 
 
 def image_spec(pre: dict[str, Any], v: VisionConfig, max_patches: int | None = None) -> ImageSpec:
