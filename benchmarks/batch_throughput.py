@@ -89,11 +89,12 @@ class RssSampler(threading.Thread):
         return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def one(layout: str, src: Path, bundle: list[str], folder: Path) -> dict:
+def one(layout: str, src: Path, bundle: list[str], folder: Path, batch_size: int | None = None) -> dict:
     w, t = (int(x) for x in layout.split("x"))
     out = folder / f"out-{layout}.jsonl"
     cmd = [sys.executable, "-m", "vlmrt.cli", "batch", *bundle, "--input", str(src), "--output", str(out),
-           "--workers", str(w), "--threads", str(t), "--max-new-tokens", "8", "--quiet", "--json"]
+           "--workers", str(w), "--threads", str(t), "--max-new-tokens", "8", "--quiet", "--json",
+           *(["--batch-size", str(batch_size)] if batch_size else [])]
     load0 = os.getloadavg()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = RssSampler(p.pid)
@@ -105,7 +106,7 @@ def one(layout: str, src: Path, bundle: list[str], folder: Path) -> dict:
         raise SystemExit(f"{layout}: vlmrt batch failed: {e.strip()}")
     s = json.loads(o.strip().splitlines()[-1])
     lines = [json.loads(ln) for ln in out.read_text().splitlines()]
-    return {"layout": layout, "workers": w, "threads": t, "summary": s, "loadavg_before": load0,
+    return {"layout": layout, "workers": w, "threads": t, "batch_size": batch_size, "summary": s, "loadavg_before": load0,
             "loadavg_after": os.getloadavg(), "rss_mb": sampler.by_kind(),
             "worker_peak_rss_mb": max(d["stats"]["peak_rss_mb"] for d in lines if "stats" in d),
             "worker_load_s": sorted({round(d["stats"]["load_s"], 3) for d in lines if "stats" in d})}
@@ -137,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--questions", type=int, default=260, help="easy-VQA test questions (stratified; default 260)")
     ap.add_argument("--layouts", default="1x1,1x2,2x1", help="WORKERSxTHREADS, comma-separated (default 1x1,1x2,2x1)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds over the layouts (interleaved)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="vlmrt batch --batch-size: records a worker answers together (default: vlmrt's)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     a = ap.parse_args(argv)
     bundle = [a.bundle] if a.bundle else []
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
         for k in range(a.repeat):
             (folder / str(k)).mkdir()
             for layout in a.layouts.split(","):
-                rows.append(one(layout, src, bundle, folder / str(k)))
+                rows.append(one(layout, src, bundle, folder / str(k), a.batch_size))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     head = (f"`python benchmarks/batch_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}`, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs: {cpu_model()}")

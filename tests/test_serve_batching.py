@@ -70,8 +70,7 @@ def test_requests_decode_together_and_failures_stay_alone(batched):
     assert c1 == 400 and o1["error"]["type"] == "exceed_context_size_error"
     assert c2 == 500 and o2["error"]["code"] == "internal_error"
     after = wait_idle(batched)
-    calls, rows = after["batch_calls"] - before["batch_calls"], after["batch_rows"] - before["batch_rows"]
-    assert rows / calls > 2  # several answers per decoder call
+    assert after["batch_calls"] > before["batch_calls"] and after["batch_widest"] >= 3  # answers decoded together
 
 
 def test_a_batched_call_that_raises_fails_those_it_advanced(batched, monkeypatch):

@@ -74,10 +74,11 @@ class Answerer:
                 del running[i]
                 yield line
             if waiting:
+                rows = set(self.batch.pending) if self.batch is not None else set()  # (VLM i: row i)
                 try:
                     self.batch.run()
                 except Exception as e:
-                    for i in waiting:
+                    for i in sorted(rows):
                         r, gen = running.pop(i)
                         gen.close()
                         yield {"id": r["id"], "error": f"batched decode step failed: {error_text(e)}"}

@@ -47,6 +47,7 @@ class BatchDecoder:
         self.run_s = 0.0  # time inside graph calls, accumulated
         self.calls = 0
         self.rows = 0  # rows that waited, summed over calls (rows / calls: the mean batch)
+        self.widest = 0  # the most rows that waited in one call
         for e in engines:
             e.batch = self
 
@@ -120,6 +121,7 @@ class BatchDecoder:
         self.run_s += dt
         self.calls += 1
         self.rows += len(pending)
+        self.widest = max(self.widest, len(pending))
         self._last, self._ran = step, set(pending)
         for r in pending:
             e = self.engines[r]

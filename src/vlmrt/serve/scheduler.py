@@ -81,7 +81,6 @@ class Slot:
         self.gen = None
         self.history: list = []  # the key of its last conversation, answer included
         self.used = 0.0
-        self.waiting = False  # its answer waits for the batch's next call
 
 
 class Scheduler:
@@ -120,7 +119,7 @@ class Scheduler:
             kv = sum(s.vlm.engine.cache.nbytes for s in self.slots)
             images = sum(s.vlm.image_cache.bytes for s in self.slots)
             b = self.batch
-            batch = {"batch_calls": b.calls, "batch_rows": b.rows} if b is not None else {}  # rows / calls: mean batch
+            batch = {"batch_calls": b.calls, "batch_rows": b.rows, "batch_widest": b.widest} if b is not None else {}
             return {"slots": len(self.slots), "busy": busy, "queued": len(self.waiting), "kv_cache_bytes": kv,
                     "image_cache_bytes": images, "batched": b is not None, **batch, **self.counts}
 
@@ -150,14 +149,12 @@ class Scheduler:
 
     def _batch_step(self) -> None:
         """One decoder call for the slots whose answers wait for it; if it raises, they fail (500) and are freed."""
-        waiting = [s for s in self.slots if s.waiting]
-        for s in waiting:
-            s.waiting = False
+        rows = set(self.batch.pending)  # the slots (slot b: row b) whose decode step the call makes
         try:
             self.batch.run()
         except Exception:
-            log.exception("batched decode step failed (slots %s)", [s.index for s in waiting])
-            for s in waiting:
+            log.exception("batched decode step failed (slots %s)", sorted(rows))
+            for s in (self.slots[b] for b in sorted(rows)):
                 job = s.job
                 if s.gen is not None:
                     s.gen.close()
@@ -198,8 +195,7 @@ class Scheduler:
                 s.gen = s.vlm.chat(job.messages, **job.options)
             for _ in range(4 if self.batch is not None else 1):  # pieces a round (bounded: an answer that never
                 piece = next(s.gen)  # waits for the batch cannot hold the others)
-                if piece is STEP:
-                    s.waiting = True
+                if piece is STEP:  # (it waits for the batch's next call, or ran a prefill block)
                     return
                 job.emit("piece", piece)
         except StopIteration:
