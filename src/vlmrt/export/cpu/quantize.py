@@ -192,7 +192,7 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, 
         node = next(n for n in model.graph.node if n.name == lm)
         w = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == node.input[1]))
         model = weight_only(model, WEIGHT_ONLY_BITS[head], include=[lm], accuracy_level=ACCURACY_LEVEL[head])
-        rescored_head.rescore(model, logits, w)
+        rescored_head.rescore(model, logits, *int8_rows(np.ascontiguousarray(w.T)))
     elif head in WEIGHT_ONLY_BITS:
         model = weight_only(model, WEIGHT_ONLY_BITS[head], include=[lm], accuracy_level=ACCURACY_LEVEL[head])
     wide = mixed_8bit_matmuls(model) if body in MIX_OF else []

@@ -24,18 +24,16 @@ from onnx import helper, numpy_helper
 TOP = 8
 
 
-def rescore(model: onnx.ModelProto, logits: str, w_kn: np.ndarray) -> None:
-    """Rewrite model so that output `logits`, produced by the 4-bit head MatMulNBits over w_kn [K, vocab], is that
-    head's output with its TOP best entries re-scored from w_kn's per-row int8 rows (module doc)."""
-    from .quantize import int8_rows
-
+def rescore(model: onnx.ModelProto, logits: str, rows: np.ndarray, scales: np.ndarray) -> None:
+    """Rewrite model so that output `logits`, produced by the 4-bit head MatMulNBits, is that head's output with its
+    TOP best entries re-scored from the head's weights as per-row int8: rows [vocab, K] int8, scales [vocab] float32
+    (quantize.int8_rows of the weights [vocab, K]; module doc)."""
     g = model.graph
     head = next(n for n in g.node if logits in n.output)
     if head.op_type != "MatMulNBits":
         raise ValueError(f"the lm head producing {logits!r} is a {head.op_type}, not MatMulNBits")
     raw, hidden = f"{logits}_4bit", head.input[0]
     head.output[list(head.output).index(logits)] = raw
-    rows, scales = int8_rows(np.ascontiguousarray(w_kn.T))  # [vocab, K] int8, [vocab] float32
     p = "lm_head_rescore"
     g.initializer.extend([
         numpy_helper.from_array(rows, f"{p}_rows"), numpy_helper.from_array(scales, f"{p}_scales"),
