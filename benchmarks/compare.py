@@ -92,7 +92,9 @@ def export(ckpt: Path, out: Path, quant: str, max_seq_len: int | None, static: b
 def kv_bytes(m: dict, ctx: int) -> int:
     kv = m["kv"]
     item = {"float32": 4, "float16": 2, "uint8": 1}[kv["dtype"]]
-    return 2 * kv["layers"] * ctx * kv["dim"] * item
+    # schema 3: kv.layers lists each layer (an attention layer's K and V rows: kv_heads x head_dim each)
+    dims = sum(layer["kv_heads"] * layer["head_dim"] for layer in kv["layers"] if layer["kind"] == "attention")
+    return 2 * ctx * dims * item
 
 
 def decode_ctx(m: dict, used: int) -> int:

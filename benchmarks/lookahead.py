@@ -2,7 +2,7 @@
 given in the prompt) and open-ended ones, greedy, rounds interleaved, medians. Checks that every lookahead answer has
 the plain answer's token ids.
 
-    python benchmarks/lookahead.py BUNDLE [--k 0,4,8] [--rounds 3] [--max-new-tokens 128] [--threads N]
+    python benchmarks/lookahead.py BUNDLE [--k 0,4,16] [--rounds 3] [--max-new-tokens 160] [--threads N]
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ PROMPTS = {
                            "grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry.",
     "copy: reformat a list": "Rewrite this as a numbered list, one city per line: Paris, London, Berlin, Madrid, Rome, "
                              "Vienna, Prague, Warsaw, Lisbon, Dublin, Athens, Oslo, Helsinki, Budapest.",
+    "copy: a list 3 times": "Repeat this list three times, one item per line: red, orange, yellow, green, blue, purple, "
+                            "pink, brown, black, white.",
+    "copy: comma-separated": "Write this list on one line, separated by commas:\nhammer\nscrewdriver\nwrench\npliers\n"
+                             "saw\ndrill\nchisel\nfile\nclamp\nlevel\nruler\nsandpaper",
+    "copy: numbered 2 times": "Write this list twice as a numbered list: Mercury, Venus, Earth, Mars, Jupiter, Saturn, "
+                              "Uranus, Neptune.",
     "open: story": "Write a short story about a lighthouse keeper.",
     "open: explain": "Explain why the sky is blue.",
 }
@@ -25,9 +31,9 @@ PROMPTS = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")
-    ap.add_argument("--k", default="0,4", help="draft lengths, comma-separated (0 = plain decoding)")
+    ap.add_argument("--k", default="0,16", help="largest draft lengths, comma-separated (0 = plain decoding)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--mode", default="hybrid")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()

@@ -84,16 +84,18 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
         s.run_with_iobinding(io)
     wall = (time.perf_counter() - t) / steps
     events = json.load(open(s.end_profiling()))
-    tot, cnt = collections.Counter(), collections.Counter()
+    tot, cnt, by_node = collections.Counter(), collections.Counter(), collections.Counter()
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             tot[e["args"]["op_name"]] += e["dur"]
             cnt[e["args"]["op_name"]] += 1
+            by_node[e["name"][: -len("_kernel_time")]] += e["dur"]
     calls = steps + 3
     node_ms = sum(tot.values()) / 1000 / calls
     return {"bundle": str(bundle), "graph": graph, "ms_per_call": 1000 * wall, "node_ms_per_call": node_ms,
             "nodes": sum(cnt.values()) // calls,
-            "ops": [(op, d / 1000 / calls, cnt[op] // calls) for op, d in tot.most_common()]}
+            "ops": [(op, d / 1000 / calls, cnt[op] // calls) for op, d in tot.most_common()],
+            "nodes_top": [(n, d / 1000 / calls) for n, d in by_node.most_common(3)]}
 
 
 def host_overhead(bundle: Path, threads: int) -> dict:
@@ -123,6 +125,7 @@ def main() -> None:
               f"generation: {h['decode_tokens_per_s']:.1f} tok/s, host {h['host_ms_per_step']:.3f} ms/step")
         for op, ms, n in p["ops"][: a.top]:
             print(f"  {op:32s} {ms:7.2f} ms {n:5d} nodes {100 * ms / p['node_ms_per_call']:5.1f} %")
+        print("  slowest nodes: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in p["nodes_top"]))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from vlmrt.format.manifest import (
     RowsDynamicKind,
     RowsStaticKind,
 )
+from vlmrt.runtime import lookahead
 from vlmrt.runtime.engine import DecoderSessions, Engine, EngineConfig
 from vlmrt.runtime.kv_cache import HEADS, KVCache
 
@@ -127,7 +128,7 @@ def test_cache_of_mixed_layers_allocates_per_kind():
 
 
 @pytest.mark.parametrize("one_graph", [False, True])
-def test_mixed_layers_through_the_engine_equal_the_full_sequence(one_graph):
+def test_mixed_layers_through_the_engine_equal_the_full_sequence(one_graph, monkeypatch):
     """kv mode, hybrid mode (padded / exact last blocks), a prefix reuse and lookahead drafts over a decoder whose
     layers are attention of two widths and short convolutions: the ids of the no-cache computation, with no engine
     code of its own."""
@@ -143,6 +144,7 @@ def test_mixed_layers_through_the_engine_equal_the_full_sequence(one_graph):
         got = list(engine.generate(engine.embed(prompt)[start:], mode="hybrid", max_new_tokens=8, ignore_eos=True,
                                    start=start))
         assert got == want
+    monkeypatch.setattr(lookahead, "NGRAMS", (3, 2))  # 2-grams: drafts from the fake model's chance copies too
     fast, fake = make(one_graph, lookahead=3)
     prompt = [3, 9, 4, 3, 9, 4, 3, 9]  # copy-heavy: drafts are proposed, some rejected
     want = greedy(fast, fake, prompt, 12)

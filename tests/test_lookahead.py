@@ -6,35 +6,68 @@ import numpy as np
 import pytest
 from test_engine_fake import V, make_engine, reference_greedy
 
+from vlmrt.runtime import lookahead
 from vlmrt.runtime.lookahead import MIN_GAIN, PromptLookup
 from vlmrt.runtime.sampler import Sampler, SamplingConfig
 
 
 def test_prompt_lookup_copies_what_followed_the_latest_ngram():
-    d = PromptLookup(3, [1, 2, 3, 4, 5, 9, 2, 3])
-    assert d.propose(10) == [4, 5, 9]  # "2 3" was followed by 4 5 9
+    d = PromptLookup(3, [1, 2, 3, 4, 5, 9, 1, 2, 3], adapt=False)
+    assert d.propose(10) == [4, 5, 9]  # "1 2 3" was followed by 4 5 9
     assert d.propose(2) == [4, 5]  # no more than the room left
     d.append(7)
-    assert d.propose(10) == []  # "3 7" and "2 3 7" never occurred
-    d = PromptLookup(4, [5, 6, 1, 5, 6, 2, 8, 5, 6])
+    assert d.propose(10) == []  # "2 3 7" never occurred
+    d = PromptLookup(3, [8, 2, 3], adapt=False)
+    assert d.propose(10) == []  # a 2-gram ("2 3") is not enough
+    d = PromptLookup(4, [5, 6, 7, 1, 5, 6, 7, 2, 8, 5, 6, 7], adapt=False)
     assert d.propose(10) == [2, 8, 5, 6]  # the latest occurrence wins
 
 
+def test_prompt_lookup_drafts_from_the_answer():
+    """An answer that repeats itself is drafted from its own earlier tokens: here the prompt holds none of them."""
+    d = PromptLookup(8, [90, 91, 92])
+    answer = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    for t in answer + [10, 11, 12]:  # the answer starts to say itself again
+        d.append(t)
+    assert d.propose(20) == [13, 14, 15, 16]  # START long, from the answer's first saying
+    d.feedback(4, 4)
+    assert d.propose(20) == [13, 14, 15, 16, 17, 18, 19, 10]  # all accepted: twice as long
+
+
+def test_prompt_lookup_adapts_the_draft_length():
+    ids = list(range(40)) * 2
+    d = PromptLookup(16, ids[:43])  # "... 0 1 2" again: the second saying drafts from the first
+    lengths = []
+    for accepted in ("all", "all", "all", "all", 5, 1, "all"):
+        drafts = d.propose(100)
+        lengths.append(len(drafts))
+        assert drafts == ids[43 : 43 + len(drafts)]
+        d.feedback(len(drafts) if accepted == "all" else accepted, len(drafts))
+        if accepted != "all":
+            d.wait = 0
+    # 4, doubled after each call that took all (up to k = 16); after 5 of 16: 8; after 1 (a miss): START
+    assert lengths == [4, 8, 16, 16, 16, 8, 4]
+    assert PromptLookup(16, [1, 2, 3, 4, 1, 2, 3]).propose(3) == [4, 1]  # cut to a power of two (one verify shape)
+    assert PromptLookup(16, [1, 2, 3, 4, 1, 2, 3]).propose(100) == [4, 1, 2, 3]  # past the end: the copy repeats
+    assert PromptLookup(16, [1, 2, 3, 4, 1, 2, 3]).propose(1) == []  # one draft: not worth a verify call
+    assert PromptLookup(3, [1, 2, 3, 4, 5, 9, 1, 2, 3], adapt=False).propose(10) == [4, 5, 9]  # static: k, uncut
+
+
 def test_prompt_lookup_backs_off_after_misses():
-    d = PromptLookup(2, [1, 2, 1, 2, 1, 2])
+    d = PromptLookup(2, [1, 2, 1, 2, 1, 2, 1])
     waits = []
     for i in range(7):
-        assert d.propose(5) == [1, 2]
-        d.feedback(i % MIN_GAIN)  # fewer than MIN_GAIN accepted: a miss
+        assert d.propose(5) == [2, 1]
+        d.feedback(i % MIN_GAIN, 2)  # fewer than MIN_GAIN accepted: a miss
         n = 0
         while d.propose(5) == []:
             n += 1
         waits.append(n)
         d.wait = 0
-    assert waits == [4, 8, 16, 32, 64, 64, 64]
+    assert waits == [8, 16, 32, 64, 64, 64, 64]
     for pause in (32, 16, 8, 4, 2, 1, 0):  # calls that accept MIN_GAIN drafts halve the back-off
-        d.feedback(MIN_GAIN)
-        assert d.pause == pause and d.propose(5) == [1, 2]
+        d.feedback(MIN_GAIN, 2)
+        assert d.pause == pause and d.propose(5) == [2, 1]
 
 
 def prompts():
@@ -57,11 +90,14 @@ def test_lookahead_the_decoder_cannot_verify_is_refused():
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["one-graph", "static-verify"])
-def test_lookahead_greedy_ids_and_cache_equal_plain(static):
+def test_lookahead_greedy_ids_and_cache_equal_plain(static, monkeypatch):
     """Many prompts, k = 1..3, both modes: the same ids as plain decoding and as the full-sequence reference, the
     cache rows equal to a plain run's (to float rounding: a verify step computes them in a batch), and no row beyond
     the cache's length written (rejected drafts' rows are dropped). static: static graphs (the HTP target's) with a
     verify graph of AR 4, every verify call a padded block of 4 rows."""
+    # 2-grams and short pauses: more drafts (the fake model's answers copy by chance only), some accepted
+    monkeypatch.setattr(lookahead, "NGRAMS", (3, 2))
+    monkeypatch.setattr(lookahead, "FIRST_PAUSE", 4)
     kw = dict(verify_ar=4, ar=5) if static else dict(one_graph=True)  # (prefill blocks of 5: told apart)
     drafted = accepted = 0
     for k in (1, 2, 3):
@@ -112,3 +148,42 @@ def test_lookahead_is_off_for_sampling_and_without_prompt_ids():
     fake.calls.clear()
     list(fast.generate(fast.embed(prompt), mode="kv", max_new_tokens=12, ignore_eos=True))
     assert fast.last.drafted_tokens == 0 and set(fake.calls) == {1}
+
+
+class CyclingSession:
+    """The fake decoder's session, its logits replaced: each row's greedy next token is the one after the row's own
+    token in CYCLE (a prompt token leads to CYCLE[0]), so that the answer says CYCLE over and over."""
+
+    CYCLE = [3, 5, 7, 9, 11, 13, 15]
+
+    def __init__(self, fake):
+        self.fake, self.table = fake, None
+
+    def run(self, names, feeds):
+        out = dict(zip(names, self.fake.run(names, feeds)))
+        x = feeds["inputs_embeds"]
+        tokens = np.abs(x[:, None, :] - self.table[None]).sum(-1).argmin(-1)  # each row's token id
+        nxt = [self.CYCLE[(self.CYCLE.index(t) + 1) % len(self.CYCLE)] if t in self.CYCLE else self.CYCLE[0]
+               for t in tokens]
+        logits = np.zeros((len(tokens), V), np.float32)
+        logits[np.arange(len(tokens)), nxt] = 10
+        out["logits"] = logits[feeds["logit_rows"]] if "logit_rows" in feeds else logits
+        return [out[n] for n in names]
+
+
+def test_lookahead_drafts_from_the_answer():
+    """The prompt holds none of the answer's tokens, the answer repeats itself: every draft comes from the answer
+    (the engine appends each emitted token to the drafter), most of them accepted, with plain decoding's ids."""
+    runs = {}
+    for k in (0, 8):
+        holder = {}
+        engine, fake = make_engine(max_context=80, ar=10, one_graph=True, lookahead=k,
+                                   wrap=lambda f: holder.setdefault("s", CyclingSession(f)))
+        holder["s"].table = engine.embed(list(range(V)))
+        prompt = [20, 21, 22]
+        runs[k] = (list(engine.generate(engine.embed(prompt), mode="kv", max_new_tokens=60, ignore_eos=True,
+                                        prompt_ids=prompt)), engine.last, fake.calls)
+    (plain, _, _), (fast, st, calls) = runs[0], runs[8]
+    assert plain == fast == [CyclingSession.CYCLE[i % 7] for i in range(60)]
+    assert st.accepted_tokens >= 40 and st.drafted_tokens - st.accepted_tokens <= 8, st
+    assert max(calls) == 9  # the draft length grew to k

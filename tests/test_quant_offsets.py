@@ -124,31 +124,34 @@ def test_w4a16o_bundle_equals_transformers_on_fake_quantized_weights(tmp_path_fa
 def test_w4a8o_graph_and_accuracy(tmp_path_factory, default_bundle):
     """w4a8o: every decoder projection one symmetric int4 MatMulNBits (int8 compute: its exactness against
     x̂·(d·q + m) is test_offsets_rule_and_graph_are_exact's) with nb block-sum columns, a Split and one Gemm for the
-    offsets; the lm head at 8 bits (a plain spec). The fixture's random Gaussian weights are nowhere near a 4-bit grid:
+    offsets; the lm head at 4 bits with its top logits re-scored (a plain spec: w4a8r, test_rescored_head.py). The
+    fixture's random Gaussian weights are nowhere near a 4-bit grid:
     here the rule is plain asymmetric round-to-nearest, no better than symmetric w4a8 (measured KL, lm head at 4 bits
     too: 0.1126 vs 0.1132) — the gain is on weights that sit on a Q4_1 grid (docs/precisions.md)."""
     b = bundle("w4a8o", tmp_path_factory)
     model = onnx.load(str(graph_path(b, "decode")), load_external_data=False)
     mm = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     bits = lambda n: next(a.i for a in n.attribute if a.name == "bits")  # noqa: E731
-    # 2 layers x (q/k/v fused, o, gate/up fused, down) at 4 bits + the lm head at 8 (a plain spec), int8 compute
-    assert sorted(bits(n) for n in mm) == [4] * 8 + [8]
+    # 2 layers x (q/k/v fused, o, gate/up fused, down) + the lm head (a plain spec: re-scored), all 4 bits, int8 compute
+    assert sorted(bits(n) for n in mm) == [4] * 9
+    assert [n.op_type for n in model.graph.node].count("ScatterElements") == 1
     assert {a.i for n in mm for a in n.attribute if a.name == "accuracy_level"} == {4}
     assert all(len(n.input) == 3 for n in mm)  # no zero points: the symmetric kernel
     # one offsets product per 4-bit MatMulNBits: a Gemm on 2-D activations, MatMul + Add on the in_place graph's 3-D ones
     assert sum(n.name.endswith(("_offsets_gemm", "_offsets_matmul")) for n in model.graph.node) == 8
     m = json.loads((b / "manifest.json").read_text())
-    assert m["graphs"]["decode"]["weights"] == {"block_size": 32, "symmetric": False, "lm_head": "w8a8"}
-    r = run_eval(b, default_bundle.ckpt)  # measured: first-token 0.714, top-1 0.438, KL 0.110 (w4a8: 0.473, KL 0.113)
+    assert m["graphs"]["decode"]["weights"] == {"block_size": 32, "symmetric": False, "lm_head": "w4a8r"}
+    # measured: first-token 0.857, top-1 0.429, KL 0.114 (8-bit head: 0.714, 0.438, 0.110; w4a8: 0.473, KL 0.113)
+    r = run_eval(b, default_bundle.ckpt)
     # without VNNI (AMD EPYC, AVX2, session 12) measured: first-token 0.571, top-1 0.330, KL 0.148 (tests/cpu_isa.py)
     first, top1, kl = (0.6, 0.4, 0.125) if VNNI else (0.55, 0.30, 0.16)
     assert r["first_token_match"] >= first and r["top1_agreement"] >= top1 and r["mean_kl"] < kl
 
 
 def test_parse_offsets_precisions():
-    # a plain spec: vision and lm head at 8 bits
-    assert quantize.parse("w4a8o") == {"vision": "w8a8", "prefill": "w4a8o", "decode": "w4a8o", "lm_head": "w8a8"}
-    assert quantize.parse("w4a16o") == {"vision": "w8a16", "prefill": "w4a16o", "decode": "w4a16o", "lm_head": "w8a8"}
+    # a plain spec: vision at 8 bits, the lm head re-scored 4-bit
+    assert quantize.parse("w4a8o") == {"vision": "w8a8", "prefill": "w4a8o", "decode": "w4a8o", "lm_head": "w4a8r"}
+    assert quantize.parse("w4a16o") == {"vision": "w8a16", "prefill": "w4a16o", "decode": "w4a16o", "lm_head": "w4a16r"}
     assert quantize.parse("decode=w4a8o,lm_head=w8a8")["lm_head"] == "w8a8"
 
 

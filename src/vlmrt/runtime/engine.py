@@ -393,7 +393,8 @@ class Engine:
         tokens = [self._pick(sampler, logits[None])]  # the next tokens to emit: one, or a lookahead step's accepted drafts and one
         st.prefill_s = time.perf_counter() - t0
         greedy = sampler.cfg.temperature == 0
-        drafter = PromptLookup(self.lookahead, prompt_ids) if self.lookahead and greedy and prompt_ids else None
+        drafter = (PromptLookup(self.lookahead, prompt_ids, adapt=not self.kind.verify_ar)  # a static verify: fixed cost
+                   if self.lookahead and greedy and prompt_ids else None)
         while True:
             for token in tokens:
                 if token in self.eos and not ignore_eos:
@@ -418,7 +419,7 @@ class Engine:
                 drafts = next((drafts[:i] for i, d in enumerate(drafts) if d in self.eos), drafts)
             if drafts:
                 tokens = self.verify(token, drafts, sampler)
-                drafter.feedback(len(tokens) - 1)
+                drafter.feedback(len(tokens) - 1, len(drafts))
                 st.drafted_tokens += len(drafts)
                 st.accepted_tokens += len(tokens) - 1
             else:

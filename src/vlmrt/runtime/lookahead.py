@@ -8,25 +8,36 @@ where it occurred before in the prompt or the answer.
     drafter.append(token)             # every token emitted, in order
 
 The engine verifies drafts against the greedy choice of the model at each row, so drafting only decides speed,
-never the output. A verify call costs more than a one-token step (SmolLM2 w4a16 on 2 cores: 31-34 ms for 1 + 1..4
-tokens vs 13 ms; MatMulNBits takes a slower path for more than one row), so it pays from MIN_GAIN accepted drafts
-on. Misses back off: after a call that accepted fewer, drafting pauses for FIRST_PAUSE, then twice as many steps
-each time, up to MAX_PAUSE (a call that accepts MIN_GAIN halves it), so that an answer that copies little pays for
-a few calls only.
+never the output. The drafts are looked up in the prompt and in the answer so far: an answer that repeats itself (a
+list said again, a second verse) is drafted from its own earlier tokens, the latest occurrence first; a copy that
+runs into the sequence's end goes on with what it copied (a period shorter than the draft repeats).
+
+A verify call costs more than a one-token step, and less per row the more rows it has (SmolLM2 w4a16 on 2 cores:
+1 + 1, 2, 4, 8, 16 rows cost 2.3, 2.4, 2.6, 3.2, 4.0 one-token steps: MatMulNBits takes its dequantize-and-GEMM
+path for more than one row; docs/performance.md). So the draft length adapts: it starts at START, doubles after a
+call that accepted every draft (up to k), and falls to the next power of two above what the last call accepted;
+drafts are cut to a power of two (LENGTHS: a few verify shapes, each a bound step with its buffers) and at least
+MIN_DRAFT long (a call that can gain one token costs more than the token). A call pays from MIN_GAIN accepted
+drafts on; misses back off: after a call that accepted fewer, drafting pauses for FIRST_PAUSE, then twice as many
+steps each time, up to MAX_PAUSE (a call that accepts MIN_GAIN halves it), so that an answer that copies little pays
+for a few calls only. adapt=False (a static verify graph, whose calls cost its AR whatever the drafts) drafts k.
 """
 
 from __future__ import annotations
 
 from ..format.manifest import GraphSpec
 
-NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
+NGRAMS = (3,)  # the suffix lengths looked up, longest first (2-grams drafted open answers' coincidences: -8 %)
 MIN_GAIN = 2  # accepted drafts that make a verify call a hit
-FIRST_PAUSE, MAX_PAUSE = 4, 64  # steps without drafting after the first miss, and at most
+FIRST_PAUSE, MAX_PAUSE = 8, 64  # steps without drafting after the first miss, and at most
+START, MIN_DRAFT = 4, 2  # the first draft length, and the shortest draft worth a verify call (adapt=True)
 
 
 class PromptLookup:
-    def __init__(self, k: int, ids: list[int]):
+    def __init__(self, k: int, ids: list[int], adapt: bool = True):
         self.k = k
+        self.adapt = adapt
+        self.length = min(k, START) if adapt else k  # the draft length now
         self.ids: list[int] = []
         self.index: dict[int, dict[tuple, int]] = {n: {} for n in NGRAMS}  # n -> n-gram -> where its follower is
         self.pause = 0  # steps to wait after the next miss
@@ -47,16 +58,26 @@ class PromptLookup:
         if self.wait:
             self.wait -= 1
             return []
-        k = min(self.k, limit)
+        k = min(self.length, limit)
         if k <= 0:
             return []
         for n, where in self.index.items():
             at = where.get(tuple(self.ids[-n:]))
             if at is not None:
-                return self.ids[at : at + k]
+                drafts = self.ids[at : at + k]
+                while len(drafts) < k:  # the copy ran into the sequence's end: what followed it then follows again
+                    drafts += self.ids[at : at + k - len(drafts)]
+                if not self.adapt:
+                    return drafts
+                if len(drafts) < min(MIN_DRAFT, self.k):
+                    return []
+                return drafts[: 1 << (len(drafts).bit_length() - 1)]  # a power of two: few verify shapes
         return []
 
-    def feedback(self, accepted: int) -> None:
+    def feedback(self, accepted: int, drafted: int) -> None:
+        """accepted of drafted drafts the model agreed with: the next draft length and the back-off."""
+        if self.adapt:
+            self.length = min(self.k, 2 * self.length if accepted == drafted else max(START, 1 << accepted.bit_length()))
         if accepted >= MIN_GAIN:
             self.pause //= 2  # a hit halves the back-off: consecutive hits end it, a lone hit among misses does not
         else:

@@ -17,6 +17,8 @@ Precisions:
   w4a16g / w4a8g  int4 weights with uint8 zero points (MatMulNBits' asymmetric form, as fast as the symmetric
          kernel), chosen by GPTQ on calibration Hessians of the decoder (export/cpu/gptq.py,
          export/cpu/calibrate_gptq.py); float / int8 compute
+  w4a16r / w4a8r  (lm head only) the head at 4 bits (as w4a16 / w4a8) with its top 8 logits re-scored from per-row
+         int8 weights in float (export/cpu/rescored_head.py): the 8-bit head's greedy choice at the 4-bit head's speed
   w4a16m / w4a8m  the Q4_K_M-style mix: w4a16 / w4a8, but every decoder layer's v_proj and down_proj as w8a8
          (8-bit weights, int8 compute: ORT's CPU kernel for 8-bit weights with float activations is its slow
          path). Sizes, speeds and accuracy of every precision: docs/precisions.md.
@@ -32,21 +34,24 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from . import gptq as quantize_gptq, offsets as quantize_offsets
+from . import gptq as quantize_gptq, offsets as quantize_offsets, rescored_head
 
-PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o", "w4a16g", "w4a8g")
+PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o", "w4a16g", "w4a8g",
+              "w4a16r", "w4a8r")
 GRAPHS = ("vision", "prefill", "decode", "lm_head")
 WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4, "w8a8": 8, "w4a8": 4, "w4a16m": 4, "w4a8m": 4, "w4a16o": 4, "w4a8o": 4,
-                    "w4a16g": 4, "w4a8g": 4}
+                    "w4a16g": 4, "w4a8g": 4, "w4a16r": 4, "w4a8r": 4}
 # MatMulNBits accuracy_level: None keeps float activations (a16 = "not 8-bit": fp32 on the CPU EP). ORT 1.32's
 # CPU kernel for 8-bit weights is only fast with int8 compute (level 4: activations quantized per block at run
 # time): that is w8a8, and for 4-bit weights w4a8 (measured: docs/precisions.md).
 ACCURACY_LEVEL = {"w8a16": None, "w4a16": None, "w8a8": 4, "w4a8": 4, "w4a16m": None, "w4a8m": 4, "w4a16o": None,
-                  "w4a8o": 4, "w4a16g": None, "w4a8g": 4}
+                  "w4a8o": 4, "w4a16g": None, "w4a8g": 4, "w4a16r": None, "w4a8r": 4}
 # The block-offset precisions (asymmetric, float offset: export/cpu/offsets.py); the others but GPTQ are symmetric.
 OFFSETS = ("w4a16o", "w4a8o")
 # GPTQ with integer zero points (export/cpu/gptq.py): the decoder only (its calibration runs the decoder).
 GPTQ = ("w4a16g", "w4a8g")
+# The lm head at 4 bits with its top candidates re-scored from 8-bit rows (export/cpu/rescored_head.py): lm_head only.
+RESCORED = ("w4a16r", "w4a8r")
 BLOCK_SIZE = 32
 # A plain 4-bit --quant keeps the vision graph at 8 bits (name `vision=w4a16` to get 4): the tower is a small
 # part of the bundle and sees every image token, and int4 RTN there cost the easy-VQA demo model most of its
@@ -56,10 +61,10 @@ BLOCK_SIZE = 32
 # for the fast tower.
 VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8", "w4a16o": "w8a16",
                    "w4a8o": "w8a8", "w4a16g": "w8a16", "w4a8g": "w8a8"}
-# ... and the lm head of a plain block-offset spec at 8 bits (int8 compute, as the body): it is the decoder's largest
-# MatMul and reads every logit; llama.cpp's Q4 GGUFs keep it at 6-8 bits too (SmolLM2's tied embedding is not Q4_1),
-# and at 4 bits it cost the real decoder 0.14 of top-1 (docs/precisions.md). Name `lm_head=w4a8o` to get 4.
-HEAD_OF_PLAIN = {"w4a16o": "w8a8", "w4a8o": "w8a8"}
+# ... and the lm head of a plain block-offset spec at 4 bits with its top candidates re-scored from 8-bit rows
+# (rescored_head.py): at plain 4 bits it cost the real decoder 0.14 of top-1, at 8 bits ~10 % of the decode step
+# (SmolLM2's tied embedding is not Q4_1; docs/precisions.md). Name `lm_head=w8a8` for the 8-bit head.
+HEAD_OF_PLAIN = {"w4a16o": "w4a16r", "w4a8o": "w4a8r"}
 # The mixed 4-bit precisions: which decoder MatMuls get 8 bits (matched on the weight's name, which the exporter
 # keeps from the HF module path: `...layers.N.self_attn.v_proj.weight_kn`), and the 8-bit precision they get.
 # llama.cpp's Q4_K_M raises the same two (attn_v, ffn_down), in about half of the layers; all layers measured better,
@@ -80,6 +85,8 @@ def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
     if "=" not in spec:
         if spec not in PRECISIONS:
             raise QuantError(f"unknown precision {spec!r}; choose one of {', '.join(PRECISIONS)}")
+        if spec in RESCORED:
+            raise QuantError(f"{spec}: the re-scored 4-bit precisions are for the lm head only (lm_head={spec})")
         out = {g: spec for g in GRAPHS if g != "lm_head"}
         out["vision"] = VISION_OF_PLAIN.get(spec, spec)
         if spec in HEAD_OF_PLAIN:
@@ -93,6 +100,10 @@ def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
             if prec not in PRECISIONS:
                 raise QuantError(f"unknown precision {prec!r} for {name}; choose one of {', '.join(PRECISIONS)}")
             out[name] = prec
+        bad = [g for g in ("vision", "prefill", "decode") if out.get(g) in RESCORED]
+        if bad:
+            raise QuantError(f"{bad[0]}={out[bad[0]]}: the re-scored 4-bit precisions are for the lm head only "
+                             f"(lm_head={out[bad[0]]})")
         if out.get("vision") in GPTQ:
             raise QuantError("vision=w4a16g / w4a8g: GPTQ is calibrated on the decoder only; give the vision graph "
                              "another precision (w8a8, w4a8, ...)")
@@ -177,6 +188,11 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, 
         set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[head], exclude=others))
     elif head in GPTQ:
         set_nodes(model.graph, quantize_gptq.gptq_nodes(model, hessian, ACCURACY_LEVEL[head], exclude=others))
+    elif head in RESCORED:
+        node = next(n for n in model.graph.node if n.name == lm)
+        w = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == node.input[1]))
+        model = weight_only(model, WEIGHT_ONLY_BITS[head], include=[lm], accuracy_level=ACCURACY_LEVEL[head])
+        rescored_head.rescore(model, logits, *int8_rows(np.ascontiguousarray(w.T)))
     elif head in WEIGHT_ONLY_BITS:
         model = weight_only(model, WEIGHT_ONLY_BITS[head], include=[lm], accuracy_level=ACCURACY_LEVEL[head])
     wide = mixed_8bit_matmuls(model) if body in MIX_OF else []

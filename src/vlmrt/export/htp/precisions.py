@@ -66,7 +66,7 @@ def parse(spec: str | None, untied: bool = False, lookahead: bool = False) -> di
         raise quantize.QuantError("--target htp: with head=, give the other graphs per graph too "
                                   "(e.g. prefill=w8a16,decode=w4a16o,head=w8a16)")
     prec = quantize.parse(rest or None, default=DEFAULT)
-    if "=" not in rest:  # a plain precision: the HTP's head rule below, not the CPU's (quantize.HEAD_OF_PLAIN: w8a8)
+    if "=" not in rest:  # a plain precision: the HTP's head rule below, not the CPU's (quantize.HEAD_OF_PLAIN: re-scored 4-bit)
         prec.pop("lm_head", None)
     if own:
         prec["head"] = own[0]

@@ -1,0 +1,62 @@
+"""The re-scored 4-bit lm head (lm_head=w4a8r / w4a16r, export/cpu/rescored_head.py): the graph's logits are the
+4-bit head's with its TOP best entries replaced by the per-row int8 rows' dot products in float, checked against
+numpy on a random head; and the precisions' parsing."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from vlmrt.export.cpu import quantize, rescored_head
+
+
+def head_session(w_kn: np.ndarray, head: str | None):
+    """hidden [3, K] -> logits [3, V]: the float head, or quantized as quantize_decoder does for `head`."""
+    import onnxruntime as ort
+
+    g = helper.make_graph([helper.make_node("MatMul", ["hidden", "w"], ["logits"], name="lm")], "g",
+                          [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [3, w_kn.shape[0]])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(w_kn, "w")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    if head is not None:
+        model = quantize.quantize_decoder(model, "fp32", head, "logits")
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), model
+
+
+@pytest.mark.parametrize("head", ["w4a16r", "w4a8r"])
+def test_rescored_head_replaces_the_top_logits_with_int8_rows(head):
+    rng = np.random.default_rng(3)
+    k, v = 64, 500
+    w = rng.standard_normal((k, v)).astype(np.float32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    s, model = head_session(w, head)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulNBits") == 1 and "TopK" in ops and "ScatterElements" in ops
+    (got,) = s.run(None, {"hidden": x})
+    plain4, _ = head_session(w, head.replace("r", ""))  # the same 4-bit head without the re-scoring
+    (raw,) = plain4.run(None, {"hidden": x})
+    rows, scales = quantize.int8_rows(np.ascontiguousarray(w.T))
+    exact = (x @ rows.T.astype(np.float32)) * scales  # [3, V]: every logit from the int8 rows
+    for r in range(3):
+        top = np.argsort(-raw[r], kind="stable")[: rescored_head.TOP]
+        np.testing.assert_allclose(got[r, top], exact[r, top], rtol=1e-5, atol=1e-4)
+        rest = np.setdiff1d(np.arange(v), top)
+        np.testing.assert_array_equal(got[r, rest], raw[r, rest])  # outside the candidates: the 4-bit head's
+        assert got[r].argmax() == top[np.argmax(exact[r, top])]  # the greedy pick: the rows' best candidate
+    assert not np.allclose(got, raw)  # the re-scoring changed logits (4-bit and int8 rows differ)
+    float_logits = x @ w
+    # the re-scored candidates are nearer the float head than the 4-bit head's own values
+    top = np.argsort(-raw, axis=1)[:, : rescored_head.TOP]
+    err = lambda a: np.abs(np.take_along_axis(a - float_logits, top, 1)).mean()  # noqa: E731
+    assert err(got) < 0.3 * err(raw)
+
+
+def test_parse_rescored_precisions():
+    assert quantize.parse("w4a8o")["lm_head"] == "w4a8r" and quantize.parse("w4a16o")["lm_head"] == "w4a16r"
+    assert quantize.parse("decode=w4a8,lm_head=w4a8r")["lm_head"] == "w4a8r"
+    for spec in ("w4a8r", "decode=w4a8r", "vision=w4a16r"):
+        with pytest.raises(quantize.QuantError, match="lm head only"):
+            quantize.parse(spec)
