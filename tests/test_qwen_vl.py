@@ -77,8 +77,9 @@ def test_two_images_at_max_and_min_pixels_equal_transformers(ex, mode, tmp_path)
     assert 20 * 30 < MIN_BLOCKS * f * f <= small.grid[0] * small.grid[1] * f * f
     ar = ex.case.prefill_ar
     assert any(o // ar != (o + c.n_tokens - 1) // ar for o, c in p.images())  # an image straddles a prefill block
-    got = vlm(PROMPT, images=images, mode=mode, max_new_tokens=STEPS, ignore_eos=True).token_ids
-    assert len(set(want)) > 4 and got == want
+    r = vlm(PROMPT, images=images, mode=mode, max_new_tokens=STEPS, ignore_eos=True)
+    assert len(set(want)) > 4 and r.token_ids == want
+    assert r.stats.images_resized == 0  # the processor's own max_pixels decided, not the vision graph's budget
 
 
 def test_follow_up_turn_reuses_the_cache_and_equals_transformers(ex, tmp_path):
@@ -111,6 +112,7 @@ def test_max_patches_at_run_time(ex, tmp_path, capsys):
     want = oracle.greedy_new_ids(model, inputs, 8, ignore_eos=True)
     ex._hf = None  # (the processor changed: reload it for the other tests)
     assert got["prompt_tokens"] == inputs["input_ids"].shape[1] < 64 + 40 and got["token_ids"] == want
+    assert got["stats"]["images_resized"] == 1  # smaller than the bundle's processor makes it: said, not refused
 
 
 _WINDOW_ORDER = vision_inputs.window_order

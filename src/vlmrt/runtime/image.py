@@ -46,6 +46,8 @@ class Tiles:
     rows: int
     cols: int
     patch_grids: np.ndarray | None = None  # NaFlex ops: [tiles, 2] int64, each tile's (patch rows, patch columns)
+    # the image was made smaller than its processor would make it, to fit the vision graph's patch budget
+    resized_to_fit: bool = False
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -300,7 +302,7 @@ def smart_resize(im: Image.Image, spec: ImageSpec) -> Tiles:
     p = smart_resize_patches(im, spec)
     merge = int(spec.params["merge"])
     _, gh, gw = p.grid
-    return Tiles(p.patches[None], gh // merge, gw // merge, np.array([[gh, gw]], np.int64))
+    return Tiles(p.patches[None], gh // merge, gw // merge, np.array([[gh, gw]], np.int64), p.budget_limited)
 
 
 # image.tiling -> (image, spec) -> Tiles

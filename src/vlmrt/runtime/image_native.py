@@ -9,7 +9,7 @@ the processor's order: merge blocks row-major, the merge × merge patches of a b
 The vision graph is static: it takes `max_patches` rows (the **patch budget**, `image.params.max_patches`) and a
 key mask (runtime/vision_inputs.py). An image the processor would make larger than the budget is resized as the
 processor would with `max_pixels = max_patches * patch²` (and, for an aspect ratio so extreme that even that does
-not fit, with its long side cut to fit); `NativePatches.budget_limited` says so.
+not fit, with its long side cut to fit); `NativePatches.budget_limited` says so (a run's `stats.images_resized`, in `--json`).
 
 The manifest selects this op with `image.tiling` = "smart_resize"; its `image.params`: merge, temporal_patch,
 min_pixels, max_pixels (the processor's), max_patches (the graph's budget). `image.tile_size` is patch × merge,

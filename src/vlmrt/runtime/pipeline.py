@@ -85,6 +85,9 @@ class RunStats:
     stop_reason: str = ""  # eos | length | context | stop (a stop string)
     images: int = 0  # images and video frames
     images_cached: int = 0  # images (and video frames) whose embeddings came from the image cache (chat)
+    # images this call made smaller than their processor would, to fit the vision graph's patch budget (native-
+    # resolution families: the image is resized, never refused); one from the image cache is not counted again
+    images_resized: int = 0
     videos: int = 0
     video_frames: int = 0  # frames sampled from the videos (one tile each; counted in images too)
     vision_skipped: bool = False  # images were given and none went through the vision graph
@@ -258,7 +261,7 @@ class VLM:
                 tokens = tile_inputs.tile_op(self.manifest.vision).tokens(tiles.patch_grids, len(tiles.pixels),
                                                                           self.manifest)
                 images.append(Media(key, tiles.grid, pixels=tiles.pixels, label=label, tile_tokens=tokens,
-                                    patch_grids=tiles.patch_grids))
+                                    patch_grids=tiles.patch_grids, resized_to_fit=tiles.resized_to_fit))
         videos = []
         for j, v in enumerate(conv.videos):
             pieces, frames, clip, h = self._video(v, j, cached, max_frames)
@@ -362,6 +365,7 @@ class VLM:
         media = images + [f for _, frames, _ in videos for f in frames]
         grids = [x.grid for x in media]
         st.images, st.image_tiles = len(media), sum(g[2] for g in grids)
+        st.images_resized = sum(m.resized_to_fit for m in images)
         st.videos, st.video_frames = len(videos), sum(len(f) for _, f, _ in videos)
         prompt = self._build(conv, images, videos)
         res.prompt_ids = ids = prompt.ids

@@ -78,6 +78,7 @@ class Media:
     # PromptSpec.tokens_per_tile (square tiles)
     tile_tokens: list[int] | None = None
     patch_grids: np.ndarray | None = None  # NaFlex tiles: [tiles, 2] patch rows / columns (image.Tiles.patch_grids)
+    resized_to_fit: bool = False  # image.Tiles.resized_to_fit: shrunk to fit the vision graph's patch budget
 
     def tokens(self, p: PromptSpec) -> list[int]:
         return self.tile_tokens if self.tile_tokens is not None else [p.tokens_per_tile] * self.grid[2]
