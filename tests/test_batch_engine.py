@@ -98,6 +98,41 @@ def _drive(batch, gen) -> list[int]:
     return out
 
 
+def test_images_of_a_new_prompt_are_encoded_between_the_others_steps(tmp_path_factory):
+    """Under a batch a prompt's images are encoded one per round (a STEP after each but the last), so the others'
+    decode steps go on between them; the answer is the one alone."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    ims = [Image.fromarray(rng.integers(0, 256, (30 + 4 * i, 30, 3), dtype=np.uint8)) for i in range(3)]  # 1 tile each
+    msgs = [{"role": "user", "content": [*({"type": "image", "image": im} for im in ims),
+                                         {"type": "text", "text": "what is it?"}]}]
+    nosplit = exported(CASES[1], tmp_path_factory).bundle  # (one tile per image: three fit its context)
+    want = "".join(VLM.load(nosplit).chat(msgs, max_new_tokens=6))
+    vlms, batch = batched_vlms(Bundle.open(nosplit), 2)
+    other = vlms[1].engine
+    og = other.generate(other.embed([5, 6, 7]), max_new_tokens=200, ignore_eos=True)
+
+    def step_other():  # the other sequence: its token, then its next decode step handed to the batch
+        assert any(y is STEP for y in og)
+
+    step_other()
+    gen, got, rounds = vlms[0].chat(msgs, max_new_tokens=6), [], 0
+    for piece in gen:
+        if piece is STEP:
+            n = other.cache.length
+            batch.run()
+            assert other.cache.length == n + 1  # the other decoded a token in this round
+            rounds += not got
+            step_other()
+        else:
+            got.append(piece)
+    st = vlms[0].result.stats
+    blocks = -(-st.prompt_tokens // vlms[0].manifest.decoder.prefill_ar)
+    assert "".join(got) == want and st.images == 3
+    assert rounds == 2 + blocks - 1  # a round after each image but the last, and after each prefill block but the last
+
+
 def test_a_step_read_before_the_batch_ran_is_refused(tiny):
     vlms, batch = batched_vlms(Bundle.open(tiny.bundle), 2)
     e = vlms[0].engine

@@ -78,8 +78,9 @@ def test_a_batched_call_that_raises_fails_those_it_advanced(batched, monkeypatch
     run, calls = sched.batch.run, {"n": 0}
 
     def flaky():
-        calls["n"] += 1
-        if calls["n"] == 4:
+        calls["n"] += bool(sched.batch.pending)
+        if calls["n"] == 4 and sched.batch.pending:  # the 4th call that advances someone
+            sched.batch.pending.clear()
             raise RuntimeError("a bad call")
         run()
 

@@ -166,10 +166,14 @@ class VLM:
         image chunks that still need them run through the vision graph (and kept in the image cache if cache)."""
         for c in prompt.needs_rows(start):
             if c.embeds is None:
-                c.embeds = self.encode_image(c.pixels, c.patch_grids)
-                if cache:
-                    self.image_cache.put(c.key, CachedImage(c.grid, c.embeds, c.tile_tokens))
+                self._encode_chunk(c, cache)
         return prompt.splice(self.engine.embed(prompt.ids[start:]), start)
+
+    def _encode_chunk(self, c, cache: bool) -> None:
+        """An image chunk's rows through the vision graph (kept in the image cache if cache)."""
+        c.embeds = self.encode_image(c.pixels, c.patch_grids)
+        if cache:
+            self.image_cache.put(c.key, CachedImage(c.grid, c.embeds, c.tile_tokens))
 
     def decoder_inputs(self, prompt: Prompt, start: int = 0, cache: bool = False) -> DecoderInputs:
         """What the decoder takes for the prompt's slots start..: embeddings (embed_prompt), rope positions
@@ -379,11 +383,19 @@ class VLM:
         st.preprocess_s = t1 - t0
 
         # image rows: from the cache, from the vision graph, or none for an image wholly inside the kept prefix
-        lazy0 = self.lazy_load_s
-        encoded = sum(c.embeds is None for c in prompt.needs_rows(start))
+        lazy0, encode_s = self.lazy_load_s, 0.0
+        todo = [c for c in prompt.needs_rows(start) if c.embeds is None]
+        encoded = len(todo)
+        if self.engine.batch is not None:  # under a batch the others' decode steps go on between this prompt's images
+            for c in todo[:-1]:
+                t = time.perf_counter()
+                self._encode_chunk(c, cached)
+                encode_s += time.perf_counter() - t
+                yield STEP
+            t1 = time.perf_counter()
         embeds = self.embed_prompt(prompt, start, cache=cached)
         st.vision_load_s = self.lazy_load_s - lazy0
-        st.vision_s = time.perf_counter() - t1 - st.vision_load_s
+        st.vision_s = encode_s + time.perf_counter() - t1 - st.vision_load_s
         st.vision_skipped = bool(media) and encoded == 0
 
         from tokenizers.decoders import DecodeStream

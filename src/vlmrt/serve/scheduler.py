@@ -144,7 +144,7 @@ class Scheduler:
                     continue
             for s in active:
                 self._advance(s)
-            if self.batch is not None:
+            if self.batch is not None and self.batch.pending:
                 self._batch_step()
 
     def _batch_step(self) -> None:
