@@ -18,6 +18,7 @@ from serve_client import (  # noqa: F401  (fixtures: tiny, server, vlm, client)
     openai,
     HOLDER, TEXT, Running, ask, busy_slots, client, direct, get, picture, post, read_events, request, server, start,
     status, stream_request, tiny, uri, vlm, wait_cancelled, wait_idle)
+from vlmrt.runtime import lookahead
 
 
 # ------------------------------------------------------------------------- the openai client
@@ -137,10 +138,13 @@ def test_fields_that_ask_for_the_default_are_accepted(server, vlm):
     assert out["error"]["param"] == "logprobs" and "log probabilities are not returned" in out["error"]["message"]
 
 
-def test_lookahead_server_answers_as_plain_decoding(tiny, vlm):
+def test_lookahead_server_answers_as_plain_decoding(tiny, vlm, monkeypatch):
     """`vlmrt serve --lookahead 4`: greedy answers (plain and streamed, with an image, and a follow-up) equal plain
     decoding's in process, and drafts were verified (the timings say how many; on this random fixture few are, and
-    none is accepted: test_lookahead*.py cover acceptance)."""
+    none is accepted: test_lookahead*.py cover acceptance). The random fixture's answers repeat no 3-gram, so 2-grams
+    are looked up too (as test_lookahead_bundles does) for drafts to be verified at all."""
+    monkeypatch.setattr(lookahead, "NGRAMS", (3, 2))
+    monkeypatch.setattr(lookahead, "FIRST_PAUSE", 4)
     r = start(tiny.bundle, "--slots", "2", "--lookahead", "4")
     try:
         c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
