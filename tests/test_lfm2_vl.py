@@ -193,13 +193,18 @@ def test_images_of_different_sizes_in_one_prompt_equal_generate(bundle, capsys):
         assert got["prompt_tokens"] == len(ids) and got["token_ids"] == want, mode
 
 
-def test_lookahead_rejections_leave_plain_state(bundle):
+def test_lookahead_rejections_leave_plain_state(bundle, monkeypatch):
     """A lookahead run whose drafts are partly rejected (rows computed and never written) gives plain decoding's ids
     and leaves every K/V and conv row plain decoding's (to the float rounding of a batched step). The random model
     copies nothing from its prompt, so the drafter looks up its drafts in the prompt's ids followed by plain
     decoding's answer with every fourth token wrong (Engine.generate's prompt_ids: only drafting reads them)."""
+    from vlmrt.runtime import lookahead
     from vlmrt.runtime.pipeline import VLM
 
+    # 2-grams too (every 3-gram of the lookup that the answer meets ends just before a wrong token) and a short
+    # back-off, so that the 24 steps verify several partly accepted blocks
+    monkeypatch.setattr(lookahead, "NGRAMS", (3, 2))
+    monkeypatch.setattr(lookahead, "FIRST_PAUSE", 1)
     im = str(bundle.tmp / "la.png")
     tiles_of((96, 40)).save(im)
     plain, fast = VLM.load(bundle.bundle), VLM.load(bundle.bundle, lookahead=3)

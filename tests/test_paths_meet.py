@@ -132,7 +132,7 @@ class Oracle:
     answers: dict[tuple, list[int]] = {}
     vocab = 0
 
-    def __init__(self, k: int, ids: list[int]):
+    def __init__(self, k: int, ids: list[int], adapt: bool = True):
         self.k, self.ids, self.n, self.calls = k, list(ids), len(ids), 0
         self.answer = self.answers.get(tuple(ids))
 
@@ -150,7 +150,7 @@ class Oracle:
             out = out[:j] + [(out[j] + 1) % self.vocab]
         return out
 
-    def feedback(self, accepted: int) -> None:
+    def feedback(self, accepted: int, drafted: int) -> None:
         pass
 
 

@@ -134,11 +134,13 @@ PLANTS = {
 }
 
 
-@pytest.mark.parametrize("plant", list(PLANTS))
-def test_planted_faults_change_the_answer(ex, plant, tmp_path, monkeypatch):
-    kind, do = PLANTS[plant]
-    if kind not in (None, ex.case.kind):
-        pytest.skip(f"{plant}: a {kind} part")
+PLANTED = [(c, plant) for c in QWEN_CASES for plant, (kind, _) in PLANTS.items() if kind in (None, c.kind)]
+
+
+@pytest.mark.parametrize("case,plant", PLANTED, ids=[f"{c.name}-{plant}" for c, plant in PLANTED])
+def test_planted_faults_change_the_answer(case, plant, tmp_path, tmp_path_factory, monkeypatch):
+    ex = qwen_exported(case, tmp_path_factory)
+    do = PLANTS[plant][1]
     images = two_images(tmp_path)
     _, _, want = hf(ex, [user(images, PROMPT)], images)
     do(monkeypatch)

@@ -35,9 +35,12 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, positions: str, cache_pr
         raise ValueError("no GroupQueryAttention node: not a gqa_in_place decoder graph")
     hidden = _hidden(g)
     inits = {i.name: i for i in g.initializer}
-    # the enter: the one Unsqueeze(axes [0]) whose output the first layer's norm reads
-    enter = [n for n in g.node if n.op_type == "Unsqueeze" and _const(inits, n.input[1]) == [0]
-             and any(c.op_type == "SimplifiedLayerNormalization" for c in consumers.get(n.output[0], []))]
+    # the enter: the one Unsqueeze(axes [0]) whose output the first layer's norm reads, or where that norm is not
+    # fused (fp16: its input is Cast first), the Unsqueeze of inputs_embeds itself
+    unsqueeze = [n for n in g.node if n.op_type == "Unsqueeze" and _const(inits, n.input[1]) == [0]]
+    enter = [n for n in unsqueeze
+             if any(c.op_type == "SimplifiedLayerNormalization" for c in consumers.get(n.output[0], []))]
+    enter = enter or [n for n in unsqueeze if n.input[0] == g.input[0].name]
     # the leave: Gather(x, 0) on axis 0 of the last residual sum
     leave = [n for n in g.node if n.op_type == "Gather" and _const(inits, n.input[1]) == 0
              and _attr(n, "axis", 0) == 0 and n.input[0] not in inits]
