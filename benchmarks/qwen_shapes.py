@@ -11,7 +11,8 @@ resized to 1024×768) and prints `vlmrt bench --json` on it. Two depths give per
 
 With --llama-server, the same photo goes instead to llama.cpp's server (mtmd) on GGUFs converted from the same
 checkpoint: --runs streamed OpenAI chat requests (the photo as a data URI, prompt cache off, EOS ignored); TTFT is
-the first content chunk, decode and prompt rates are the server's own `timings`.
+the first content chunk, decode and prompt rates are the server's own `timings`; vision = that TTFT minus the TTFT of a
+text prompt of as many tokens (scaled to the same count).
 """
 
 from __future__ import annotations
@@ -88,11 +89,16 @@ def photo(path: Path) -> Path:
     return path
 
 
-def llama_request(port: int, image: Path, gen_tokens: int) -> dict:
+FILLER = "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. "
+
+
+def llama_request(port: int, image: Path | None, gen_tokens: int, text: str = "Describe this image.") -> dict:
     """One streamed chat request; TTFT at the first content chunk, the server's timings from its last chunk."""
-    url = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                      {"type": "text", "text": "Describe this image."}]}],
+    parts = [{"type": "text", "text": text}]
+    if image:
+        url = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
+        parts.insert(0, {"type": "image_url", "image_url": {"url": url}})
+    body = {"messages": [{"role": "user", "content": parts}],
             "max_tokens": gen_tokens, "temperature": 0, "stream": True, "ignore_eos": True, "cache_prompt": False}
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
@@ -115,7 +121,8 @@ def llama_request(port: int, image: Path, gen_tokens: int) -> dict:
 def llama(a, image: Path, port: int = 8431) -> dict:
     cmd = [a.llama_server, "-m", a.gguf, "--mmproj", a.mmproj, "-t", "2", "-c", "4096", "--host", "127.0.0.1",
            "--port", str(port), "--no-repack", "-np", "1"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(a.gguf).with_suffix(".server.log")
+    server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         for _ in range(600):
             try:
@@ -129,10 +136,17 @@ def llama(a, image: Path, port: int = 8431) -> dict:
                 raise SystemExit(f"llama-server exited with {server.returncode}: {' '.join(cmd)}")
             time.sleep(0.5)
         runs = [llama_request(port, image, a.gen_tokens) for _ in range(a.runs)]
+        # the server's timings hold the image's encoding inside prompt eval: a text prompt of as many tokens,
+        # timed the same way, is the prefill part (vision ≈ the TTFT difference)
+        words = (FILLER * (runs[0]["prompt_tokens"] // 4)).split()
+        text = llama_request(port, None, 2, " ".join(words[: runs[0]["prompt_tokens"] - 24]))
+        fix = runs[0]["prompt_tokens"] / text["prompt_tokens"]
     finally:
         server.terminate()
         server.wait()
-    return {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tokens_per_s")}}
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    return {"runs": runs, "text_prompt": text, "ttft_s": ttft, "vision_s": ttft - text["ttft_s"] * fix,
+            "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs)}
 
 
 def main() -> None:
