@@ -75,6 +75,19 @@ def test_sequences_decoding_together_answer_as_alone(tiny, alone):
     assert max(sizes) >= 4 and batch.calls < sum(len(w) for w in want) / 2  # they did decode together
 
 
+def test_fp16_graph_takes_a_batch_and_answers_as_alone(tiny, tmp_path_factory):
+    """--dtype fp16: its graph's norm is not fused (a Cast first), and the batch dimension still goes in where
+    inputs_embeds enters the layers (export/batch_dim.py); five sequences together answer as each alone."""
+    from vlmrt.export.pipeline import export
+
+    c = tiny.case
+    b16 = export(str(tiny.ckpt), tmp_path_factory.mktemp("fp16") / "b", prefill_ar=c.prefill_ar,
+                 max_seq_len=c.max_seq_len, dtype="fp16", progress=False)
+    alone16 = VLM.load(b16)
+    assert alone16.manifest.decoder.kind.batched
+    test_sequences_decoding_together_answer_as_alone(dataclasses.replace(tiny, bundle=b16), alone16)
+
+
 def test_a_full_idle_row_keeps_its_rows_but_the_last(tiny, alone):
     """A row that waits for nothing is computed too: its junk K/V row goes one past what its cache keeps, or for a
     full cache onto its last slot (which it then no longer keeps)."""
