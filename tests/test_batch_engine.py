@@ -111,18 +111,20 @@ def _drive(batch, gen) -> list[int]:
     return out
 
 
-def test_images_of_a_new_prompt_are_encoded_between_the_others_steps(tmp_path_factory):
-    """Under a batch a prompt's images are encoded one per round (a STEP after each but the last), so the others'
-    decode steps go on between them; the answer is the one alone."""
+@pytest.mark.parametrize("case, sizes", [(1, [(30, 30), (34, 30), (38, 30)]), (0, [(150, 100)])],
+                         ids=["three-one-tile-images", "one-image-of-seven-tiles"])
+def test_images_of_a_new_prompt_are_encoded_between_the_others_steps(case, sizes, tmp_path_factory):
+    """Under a batch a prompt's images are encoded one vision call (one tile) per round (a STEP after each but the
+    last), so the others' decode steps go on between them, a many-tile image included; the answer is the one alone."""
     from PIL import Image
 
     rng = np.random.default_rng(3)
-    ims = [Image.fromarray(rng.integers(0, 256, (30 + 4 * i, 30, 3), dtype=np.uint8)) for i in range(3)]  # 1 tile each
+    ims = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
     msgs = [{"role": "user", "content": [*({"type": "image", "image": im} for im in ims),
                                          {"type": "text", "text": "what is it?"}]}]
-    nosplit = exported(CASES[1], tmp_path_factory).bundle  # (one tile per image: three fit its context)
-    want = "".join(VLM.load(nosplit).chat(msgs, max_new_tokens=6))
-    vlms, batch = batched_vlms(Bundle.open(nosplit), 2)
+    bundle = exported(CASES[case], tmp_path_factory).bundle
+    want = "".join(VLM.load(bundle).chat(msgs, max_new_tokens=6))
+    vlms, batch = batched_vlms(Bundle.open(bundle), 2)
     other = vlms[1].engine
     og = other.generate(other.embed([5, 6, 7]), max_new_tokens=200, ignore_eos=True)
 
@@ -142,8 +144,9 @@ def test_images_of_a_new_prompt_are_encoded_between_the_others_steps(tmp_path_fa
             got.append(piece)
     st = vlms[0].result.stats
     blocks = -(-st.prompt_tokens // vlms[0].manifest.decoder.prefill_ar)
-    assert "".join(got) == want and st.images == 3
-    assert rounds == 2 + blocks - 1  # a round after each image but the last, and after each prefill block but the last
+    assert "".join(got) == want and st.images == len(sizes) and st.image_tiles >= 3
+    # a round after each vision call (tile) but the last, and after each prefill block but the last
+    assert rounds == st.image_tiles - 1 + blocks - 1
 
 
 def test_a_step_read_before_the_batch_ran_is_refused(tiny):

@@ -171,7 +171,17 @@ class VLM:
 
     def _encode_chunk(self, c, cache: bool) -> None:
         """An image chunk's rows through the vision graph (kept in the image cache if cache)."""
-        c.embeds = self.encode_image(c.pixels, c.patch_grids)
+        for _ in self._encode_tiles(c, cache):
+            pass
+
+    def _encode_tiles(self, c, cache: bool) -> Iterator[None]:
+        """_encode_chunk one vision graph call at a time: yields after each tile's call, sets c.embeds after the
+        last (and keeps them in the image cache if cache)."""
+        rows = []
+        for r in tile_inputs.encode_tiles(self._vision(), c.pixels, c.patch_grids, self.manifest):
+            rows.append(r)
+            yield
+        c.embeds = np.concatenate(rows).astype(self.engine.dtype, copy=False)
         if cache:
             self.image_cache.put(c.key, CachedImage(c.grid, c.embeds, c.tile_tokens))
 
@@ -198,12 +208,16 @@ class VLM:
         """[tiles, c, S, S] (NaFlex, native resolution: [tiles, patches, d] and their patch grids) -> [the tiles' image
         tokens, hidden (+ the row outputs' width)] through the vision graph, tile by tile (the manifest's tile-inputs
         op: runtime/tile_inputs.py)."""
+        return tile_inputs.encode(self._vision(), tiles, patch_grids, self.manifest).astype(self.engine.dtype, copy=False)
+
+    def _vision(self):
+        """The vision graph's session, loaded on first use (its load time counted in lazy_load_s)."""
         sessions, t = self.bundle.sessions, time.perf_counter()
         first = isinstance(sessions, Sessions) and not sessions.loaded("vision")
-        sess = sessions["vision"]  # loaded on first use
+        sess = sessions["vision"]
         if first:
             self.lazy_load_s += time.perf_counter() - t
-        return tile_inputs.encode(sess, tiles, patch_grids, self.manifest).astype(self.engine.dtype, copy=False)
+        return sess
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompt: str, image: str | Path | Image.Image | None = None, *, images=(), mode: str | None = None,
@@ -386,13 +400,15 @@ class VLM:
         lazy0, encode_s = self.lazy_load_s, 0.0
         todo = [c for c in prompt.needs_rows(start) if c.embeds is None]
         encoded = len(todo)
-        if self.engine.batch is not None:  # under a batch the others' decode steps go on between this prompt's images
-            for c in todo[:-1]:
-                t = time.perf_counter()
-                self._encode_chunk(c, cached)
-                encode_s += time.perf_counter() - t
-                yield STEP
-            t1 = time.perf_counter()
+        if self.engine.batch is not None:  # under a batch the others' decode steps go on between this prompt's tiles
+            calls = sum(len(c.pixels) for c in todo)
+            for c in todo:
+                for _ in self._encode_tiles(c, cached):
+                    calls -= 1
+                    if calls:  # (after the last call the prompt's first prefill block follows at once)
+                        encode_s += time.perf_counter() - t1
+                        yield STEP
+                        t1 = time.perf_counter()
         embeds = self.embed_prompt(prompt, start, cache=cached)
         st.vision_load_s = self.lazy_load_s - lazy0
         st.vision_s = encode_s + time.perf_counter() - t1 - st.vision_load_s

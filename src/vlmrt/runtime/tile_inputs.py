@@ -22,7 +22,7 @@ takes a tile (manifest vision.tile_inputs, its params; the inputs after the patc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -87,14 +87,18 @@ def tile_op(vision) -> TileOp:
 def encode(session, pixels: np.ndarray, patch_grids: np.ndarray | None, m) -> np.ndarray:
     """The vision graph over each tile: [sum of the tiles' image tokens, hidden (+ the row outputs' width: each
     output's rows side by side, manifest vision.row_outputs)] (a padded tile's padding rows dropped)."""
+    return np.concatenate(list(encode_tiles(session, pixels, patch_grids, m)))
+
+
+def encode_tiles(session, pixels: np.ndarray, patch_grids: np.ndarray | None, m) -> Iterator[np.ndarray]:
+    """encode's rows one tile at a time, one vision graph call each (a caller interleaves other work between tiles:
+    under a batch, the other sequences' decode steps)."""
     op, v = tile_op(m.vision), m.vision
     names = {"patches": v.patches_input, **v.extra_inputs}
     dtypes = {t.name: t.dtype for t in m.graphs["vision"].inputs}
-    out = []
     for t in range(len(pixels)):
         feeds, n = op.feeds(pixels[t], None if patch_grids is None else patch_grids[t], m)
         feeds = {names[role]: a.astype(dtypes[names[role]], copy=False) for role, a in feeds.items()}
         outs = session.run([v.embeds_output, *v.row_outputs], feeds)
         take = slice(None, n) if isinstance(n, (int, np.integer)) else n
-        out.append(np.concatenate([o[take] for o in outs], axis=1) if v.row_outputs else outs[0][take])
-    return np.concatenate(out)
+        yield np.concatenate([o[take] for o in outs], axis=1) if v.row_outputs else outs[0][take]
