@@ -13,11 +13,14 @@ def add_parser(sub) -> None:
                         "room for the default max tiles for InternVL)")
     e.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="graph I/O and KV cache type (default fp32)")
     e.add_argument("--quant", default=None,
-                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8|w4a16m|w4a8m|w4a16o|w4a8o|w4a16g|w4a8g for all graphs (4-bit ones keep the "
+                   help="weight precision: fp32|fp16|w8a16|w4a16|w8a8|w4a8|w4a16m|w4a8m|w4a16o|w4a8o|w4a16og|w4a8og|w4a16g|w4a8g for all graphs (4-bit ones keep the "
                         "vision graph at 8 bits; the m ones also keep each layer's v_proj and down_proj at 8 bits, as Q4_K_M; the o "
                         "ones are 4-bit with a float offset per block, GGUF Q4_1's rule, their lm head 4-bit with its top logits "
-                        "re-scored from 8-bit rows, lm_head=w4a8r / w4a16r). The CPU 4-bit to use: w4a8o (on the real SmolLM2-135M "
-                        "decoder top-1 0.97 / KL 0.02 against fp32, at ~1.15x w4a8's decode step; w4a8: ~0.7, KL ~0.4); w4a16o "
+                        "re-scored from 8-bit rows, lm_head=w4a8r / w4a16r; the og ones the same with the 4-bit values chosen by GPTQ on "
+                        "calibration prompts, minutes more to export; the g ones GPTQ with integer zero points, at w4a8's speed). "
+                        "The CPU 4-bit to use: w4a8o (on the real SmolLM2-135M "
+                        "decoder top-1 0.97 / KL 0.02 against fp32, at ~1.15x w4a8's decode step; w4a8: ~0.7, KL ~0.4), w4a8og "
+                        "for a float-trained checkpoint; w4a16o "
                         "for --lookahead (float activations). Or per graph, e.g. "
                         "vision=fp16,prefill=fp16,decode=w4a16,lm_head=w8a16 (default: --dtype). --target htp: fp16 (the HTP's "
                         "float path), w8a16, w4a16 (int4 block-wise) or w4a16o (int4 block-wise with Q4_1 block offsets), default "

@@ -206,7 +206,7 @@ class Engine:
     def _call(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray:
         """step(embeds, positions, rows) at the cache's next slots, its time and argmax kept; the cache is not
         written. rows: the decoder's row input (decoder.row_input) for these tokens, None: zeros."""
-        logits = step(embeds, positions, self.cache.length, rows) if rows is not None else step(embeds, positions, self.cache.length)
+        logits = step(embeds, positions, self.cache.length, rows)
         self.run_s += step.run_s
         self._argmax = step.buffers.argmax_ids
         return logits

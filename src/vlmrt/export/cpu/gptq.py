@@ -9,9 +9,16 @@ The weights: GPTQ (Frantar et al. 2022), column by column along K with the inver
 inputs, H = Σ xᵀx over calibration activations (`hessians`): each column is rounded to the block's grid and its
 error spread over the columns not yet rounded, so that x·W, not W, stays close. The block's (d, z) are taken from
 the error-updated weights when GPTQ reaches the block. Dampening 1 % of mean(diag H), lazy batches of 128.
+
+The grid is a parameter: `ZERO_POINT` (the rule above) or `OFFSET` (GGUF Q4_1's min/max grid with a float zero
+point, z = −min/d: the block-offset precisions calibrated, `w4a16og` / `w4a8og`, export/cpu/offsets.py). On weights
+that already sit on the OFFSET grid (a Q4_1 GGUF's) every column rounds without error, nothing is spread, and GPTQ
+gives them back as round-to-nearest does: exactly.
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import numpy as np
 import onnx
@@ -23,8 +30,17 @@ BLOCK = 32
 DAMP = 0.01
 
 
-def grid(wb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """wb [N, 32] -> d [N], z [N] (float32; z integral in 0..15): the block's asymmetric grid, 0 on it."""
+def _inverse(d: np.ndarray) -> np.ndarray:
+    return np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+
+
+class Grid(NamedTuple):
+    fit: Callable  # wb [N, 32] -> d [N], z [N] (float32): the block's grid d·(q − z), q in 0..15
+    round: Callable  # (w [N], d [N], z [N]) -> q [N] in 0..15, the nearest grid point
+
+
+def _zero_point_fit(wb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """z integral in 0..15: the block's asymmetric grid with 0 on it."""
     lo = np.minimum(wb.min(1), 0)
     hi = np.maximum(wb.max(1), 0)
     d = ((hi - lo) / np.float32(15)).astype(np.float32)
@@ -32,13 +48,20 @@ def grid(wb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d, z
 
 
-def round_to(w: np.ndarray, d: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """w [N] -> q [N] in 0..15 on the grid d·(q − z)."""
-    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    return np.clip(np.rint(w * inv) + z, 0, 15)
+def _offset_fit(wb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_1's grid: m = min, d = (max − m)/15, as the float z = −m/d (the offset m = −d·z). A constant block gets
+    d = |m| (1 if m = 0), so that its q = 0 gives back m."""
+    lo, hi = wb.min(1), wb.max(1)
+    d = np.where(hi > lo, (hi - lo) / np.float32(15), np.where(lo != 0, np.abs(lo), 1)).astype(np.float32)
+    return d, (-lo / d).astype(np.float32)
 
 
-def gptq(w_kn: np.ndarray, h: np.ndarray | None, batch: int = 128) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+ZERO_POINT = Grid(_zero_point_fit, lambda w, d, z: np.clip(np.rint(w * _inverse(d)) + z, 0, 15))
+OFFSET = Grid(_offset_fit, lambda w, d, z: np.clip(np.floor(w * _inverse(d) + z + np.float32(0.5)), 0, 15))
+
+
+def gptq(w_kn: np.ndarray, h: np.ndarray | None, batch: int = 128,
+         grid: Grid = ZERO_POINT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """w [K, N], h [K, K] (None: round to nearest) -> q [N, nb, 32] uint8, d [N, nb], z [N, nb] (float32)."""
     k, n = w_kn.shape
     nb = -(-k // BLOCK)
@@ -64,8 +87,8 @@ def gptq(w_kn: np.ndarray, h: np.ndarray | None, batch: int = 128) -> tuple[np.n
         for j in range(i2 - i1):
             c = i1 + j
             if c % BLOCK == 0:
-                d[:, c // BLOCK], z[:, c // BLOCK] = grid(w1[:, j:j + BLOCK])
-            qc = round_to(w1[:, j], d[:, c // BLOCK], z[:, c // BLOCK])
+                d[:, c // BLOCK], z[:, c // BLOCK] = grid.fit(w1[:, j:j + BLOCK])
+            qc = grid.round(w1[:, j], d[:, c // BLOCK], z[:, c // BLOCK])
             q[:, c] = qc
             e = (w1[:, j] - d[:, c // BLOCK] * (qc - z[:, c // BLOCK])) / u[c, c]
             w1[:, j:] -= np.outer(e, u[c, i1 + j:i2])

@@ -14,6 +14,11 @@ The block sums S(x) come out of the same MatMulNBits as nb extra output columns 
 on their block and 0 elsewhere (scale 1, q 9 / 8: exact in 4 bits); a Split and one small Gemm
 (S [M, nb] @ C [nb, N] + the symmetric part) finish it. With int8 compute (accuracy_level 4) S is the sum of
 the int8-quantized activations the main term multiplies, so the result is exactly x̂·(d·q + m).
+
+`w4a16og` / `w4a8og`: the same grid and graph, q (and each block's d, m) chosen by GPTQ on the calibration Hessian of
+the weight's input instead of rounding to nearest (`gptq_min_max`, export/cpu/gptq.py's OFFSET grid): on weights
+already on the grid (a Q4_1 GGUF's) every column rounds without error and GPTQ gives them back as the rule does; on
+float-trained weights it keeps x·W, not W, close.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .gptq import OFFSET, gptq
 from .weight_matmuls import rewrite_weight_matmuls
 
 BLOCK = 32
@@ -51,11 +57,11 @@ def pack(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-def offsets_matmul(name: str, x: str, y: str, w_kn: np.ndarray, accuracy_level: int | None, two_d: bool = True):
-    """One constant-weight MatMul x[M, K] @ W[K, N] -> (nodes, initializers) computing x·(d·q + m)."""
-    k, n = w_kn.shape
-    q, d, m = q4_min_max(w_kn)
-    nb = q.shape[1]
+def offsets_matmul(name: str, x: str, y: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, k: int,
+                   accuracy_level: int | None, two_d: bool = True):
+    """One constant-weight MatMul x[M, K] @ W[K, N], W given as q [N, nb, 32], d, m [N, nb] (q4_min_max's), ->
+    (nodes, initializers) computing x·(d·q + m)."""
+    n, nb = d.shape
     ones = np.full((nb, nb, BLOCK), 8, np.uint8)  # the block-sum columns: 1 = 1·(9 − 8) on their block, 0 elsewhere
     ones[np.arange(nb), np.arange(nb)] = 9
     blob = np.concatenate([pack(q), pack(ones)])  # [N + nb, nb, 16]
@@ -81,14 +87,23 @@ def offsets_matmul(name: str, x: str, y: str, w_kn: np.ndarray, accuracy_level: 
     return nodes, inits
 
 
-def offset_nodes(model: onnx.ModelProto, accuracy_level: int | None, exclude: set[str]) -> list:
+def gptq_min_max(w_kn: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q4_min_max's (q, d, m) with the q chosen by GPTQ on the Hessian h [K, K] of the weight's input (the grid of
+    each block taken from the error-updated weights as GPTQ reaches it: gptq.OFFSET)."""
+    q, d, z = gptq(w_kn, h, grid=OFFSET)
+    return q, d, (-d * z).astype(np.float32)
+
+
+def offset_nodes(model: onnx.ModelProto, accuracy_level: int | None, exclude: set[str], hessian=None) -> list:
     """model's nodes with every constant-weight MatMul not in exclude as offsets_matmul (whose initializers are
-    appended to the graph; the caller sets the nodes and drops the weights no node reads: quantize.set_nodes)."""
+    appended to the graph; the caller sets the nodes and drops the weights no node reads: quantize.set_nodes), the
+    blocks rounded to nearest (q4_min_max), or by GPTQ with hessian(weight name) -> H [K, K] (gptq_min_max)."""
     g = model.graph
     ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in [*g.input, *g.value_info, *g.output]}
 
-    def rule(node, _name, w):
-        return offsets_matmul(node.name or node.output[0], node.input[0], node.output[0], w, accuracy_level,
-                              two_d=ranks.get(node.input[0], 2) == 2)  # the exporter's Linear inputs are 2-D
+    def rule(node, name, w):
+        qdm = q4_min_max(w) if hessian is None else gptq_min_max(w, hessian(name))
+        return offsets_matmul(node.name or node.output[0], node.input[0], node.output[0], *qdm, w.shape[0],
+                              accuracy_level, two_d=ranks.get(node.input[0], 2) == 2)  # the exporter's Linear inputs are 2-D
 
-    return rewrite_weight_matmuls(model, exclude, "w4a16o / w4a8o", rule)
+    return rewrite_weight_matmuls(model, exclude, "w4a16o / w4a8o / w4a16og / w4a8og", rule)

@@ -14,6 +14,8 @@ Precisions:
   w4a8   int4 weights as w4a16, computed in int8 likewise (what llama.cpp's Q4 x Q8 dot products do)
   w4a16o / w4a8o  int4 weights with a float offset per block (GGUF Q4_1's rule: w = d·q + m, min/max per block),
          on the same symmetric kernels plus the offsets' term (export/cpu/offsets.py); float / int8 compute
+  w4a16og / w4a8og  the same grid and graph, the 4-bit values chosen by GPTQ on calibration Hessians of the decoder
+         (as w4a8g's): lossless on Q4_1-sourced weights as w4a8o, closer to float on float-trained ones
   w4a16g / w4a8g  int4 weights with uint8 zero points (MatMulNBits' asymmetric form, as fast as the symmetric
          kernel), chosen by GPTQ on calibration Hessians of the decoder (export/cpu/gptq.py,
          export/cpu/calibrate_gptq.py); float / int8 compute
@@ -36,20 +38,21 @@ from onnx import helper, numpy_helper
 
 from . import gptq as quantize_gptq, offsets as quantize_offsets, rescored_head
 
-PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o", "w4a16g", "w4a8g",
-              "w4a16r", "w4a8r")
+PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o", "w4a16og",
+              "w4a8og", "w4a16g", "w4a8g", "w4a16r", "w4a8r")
 GRAPHS = ("vision", "prefill", "decode", "lm_head")
 WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4, "w8a8": 8, "w4a8": 4, "w4a16m": 4, "w4a8m": 4, "w4a16o": 4, "w4a8o": 4,
-                    "w4a16g": 4, "w4a8g": 4, "w4a16r": 4, "w4a8r": 4}
+                    "w4a16og": 4, "w4a8og": 4, "w4a16g": 4, "w4a8g": 4, "w4a16r": 4, "w4a8r": 4}
 # MatMulNBits accuracy_level: None keeps float activations (a16 = "not 8-bit": fp32 on the CPU EP). ORT 1.32's
 # CPU kernel for 8-bit weights is only fast with int8 compute (level 4: activations quantized per block at run
 # time): that is w8a8, and for 4-bit weights w4a8 (measured: docs/precisions.md).
 ACCURACY_LEVEL = {"w8a16": None, "w4a16": None, "w8a8": 4, "w4a8": 4, "w4a16m": None, "w4a8m": 4, "w4a16o": None,
-                  "w4a8o": 4, "w4a16g": None, "w4a8g": 4, "w4a16r": None, "w4a8r": 4}
+                  "w4a8o": 4, "w4a16og": None, "w4a8og": 4, "w4a16g": None, "w4a8g": 4, "w4a16r": None, "w4a8r": 4}
 # The block-offset precisions (asymmetric, float offset: export/cpu/offsets.py); the others but GPTQ are symmetric.
-OFFSETS = ("w4a16o", "w4a8o")
-# GPTQ with integer zero points (export/cpu/gptq.py): the decoder only (its calibration runs the decoder).
-GPTQ = ("w4a16g", "w4a8g")
+OFFSETS = ("w4a16o", "w4a8o", "w4a16og", "w4a8og")
+# GPTQ (export/cpu/gptq.py), with integer zero points or (the og ones) on the block-offset grid: the decoder only
+# (its calibration runs the decoder).
+GPTQ = ("w4a16g", "w4a8g", "w4a16og", "w4a8og")
 # The lm head at 4 bits with its top candidates re-scored from 8-bit rows (export/cpu/rescored_head.py): lm_head only.
 RESCORED = ("w4a16r", "w4a8r")
 BLOCK_SIZE = 32
@@ -60,11 +63,11 @@ BLOCK_SIZE = 32
 # decoder the int8 tower scored 252/260 on easy-VQA vs 253 (docs/performance.md#vision-encode); name `vision=w8a8`
 # for the fast tower.
 VISION_OF_PLAIN = {"w4a16": "w8a16", "w4a8": "w8a8", "w4a16m": "w8a16", "w4a8m": "w8a8", "w4a16o": "w8a16",
-                   "w4a8o": "w8a8", "w4a16g": "w8a16", "w4a8g": "w8a8"}
+                   "w4a8o": "w8a8", "w4a16og": "w8a16", "w4a8og": "w8a8", "w4a16g": "w8a16", "w4a8g": "w8a8"}
 # ... and the lm head of a plain block-offset spec at 4 bits with its top candidates re-scored from 8-bit rows
 # (rescored_head.py): at plain 4 bits it cost the real decoder 0.14 of top-1, at 8 bits ~10 % of the decode step
 # (SmolLM2's tied embedding is not Q4_1; docs/precisions.md). Name `lm_head=w8a8` for the 8-bit head.
-HEAD_OF_PLAIN = {"w4a16o": "w4a16r", "w4a8o": "w4a8r"}
+HEAD_OF_PLAIN = {"w4a16o": "w4a16r", "w4a8o": "w4a8r", "w4a16og": "w4a16r", "w4a8og": "w4a8r"}
 # The mixed 4-bit precisions: which decoder MatMuls get 8 bits (matched on the weight's name, which the exporter
 # keeps from the HF module path: `...layers.N.self_attn.v_proj.weight_kn`), and the 8-bit precision they get.
 # llama.cpp's Q4_K_M raises the same two (attn_v, ffn_down), in about half of the layers; all layers measured better,
@@ -105,7 +108,7 @@ def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
             raise QuantError(f"{bad[0]}={out[bad[0]]}: the re-scored 4-bit precisions are for the lm head only "
                              f"(lm_head={out[bad[0]]})")
         if out.get("vision") in GPTQ:
-            raise QuantError("vision=w4a16g / w4a8g: GPTQ is calibrated on the decoder only; give the vision graph "
+            raise QuantError(f"vision={out['vision']}: GPTQ is calibrated on the decoder only; give the vision graph "
                              "another precision (w8a8, w4a8, ...)")
         for g in ("vision", "prefill", "decode"):
             out.setdefault(g, default)
@@ -185,7 +188,8 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, 
         raise QuantError("cannot find the lm head MatMul in the decoder graph")
     others = {n.name for n in model.graph.node if n.op_type == "MatMul"} - {lm}
     if head in OFFSETS:
-        set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[head], exclude=others))
+        set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[head], exclude=others,
+                                                             hessian=hessian if head in GPTQ else None))
     elif head in GPTQ:
         set_nodes(model.graph, quantize_gptq.gptq_nodes(model, hessian, ACCURACY_LEVEL[head], exclude=others))
     elif head in RESCORED:
@@ -203,7 +207,8 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, 
     if wide:
         model = weight_only(model, 8, include=wide, accuracy_level=ACCURACY_LEVEL[MIX_OF[body]])
     if body in OFFSETS:  # the lm head is no MatMul any more when quantized; exclude it when it stays float
-        set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[body], exclude={lm}))
+        set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[body], exclude={lm},
+                                                             hessian=hessian if body in GPTQ else None))
     elif body in GPTQ:
         set_nodes(model.graph, quantize_gptq.gptq_nodes(model, hessian, ACCURACY_LEVEL[body], exclude={lm}))
     elif body in WEIGHT_ONLY_BITS:  # the 4-bit pass takes the MatMuls still float (MatMulNBits nodes are not MatMuls)
