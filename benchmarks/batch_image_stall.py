@@ -1,0 +1,88 @@
+"""How long a running answer waits while another request's image is encoded under continuous batching.
+
+    python benchmarks/batch_image_stall.py BUNDLE [--image P] [--threads 2] [--tokens 200]
+
+Two sequences over one bundle (runtime/batch_engine.py, driven as serve/scheduler.py drives its slots): sequence A
+decodes a long answer; after A's 10th token, sequence B asks about the image. Prints, as one JSON object, A's
+inter-token gaps before B arrived and while B's image was encoded and prefilled (median, max), B's tiles and the
+time one vision call and the whole image take (the whole image's encode is what A waited in one stretch when a
+round encoded a whole image: the scheduler before tile-by-tile rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from vlmrt.runtime.batch_engine import batched_vlms  # noqa: E402
+from vlmrt.runtime.bundle import Bundle  # noqa: E402
+from vlmrt.runtime.engine import STEP  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bundle")
+    ap.add_argument("--image", default=str(Path(__file__).resolve().parents[1] / "tests/assets/chelsea.png"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=200)
+    a = ap.parse_args()
+    bundle = Bundle.open(a.bundle, threads=a.threads)
+    (va, vb), batch = batched_vlms(bundle, 2)
+    if batch is None:
+        raise SystemExit("this bundle's decoder takes one sequence per call: nothing is batched")
+    ask = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": a.image}},
+                                        {"type": "text", "text": "What is in the image?"}]}]
+    ga = va.chat([{"role": "user", "content": "Write a long story about a lighthouse."}], max_new_tokens=a.tokens,
+                 ignore_eos=True)
+    gb, stamps, b_from, b_first = None, [], None, None
+    while ga is not None or gb is not None:
+        for which in ("a", "b"):
+            g = ga if which == "a" else gb
+            if g is None:
+                continue
+            try:
+                for piece in g:
+                    if piece is STEP:
+                        break
+                    if which == "a":
+                        stamps.append(time.perf_counter())
+                        if len(stamps) == 10:
+                            gb, b_from = vb.chat(ask, max_new_tokens=4), time.perf_counter()
+                    elif b_first is None:
+                        b_first = time.perf_counter()
+                else:
+                    raise StopIteration
+            except StopIteration:
+                if which == "a":
+                    ga = None
+                else:
+                    gb = None
+        batch.run()
+    gaps = [y - x for x, y in zip(stamps, stamps[1:])]
+    before = [g for x, g in zip(stamps[1:], gaps) if x <= b_from]
+    during = [g for x, g in zip(stamps[1:], gaps) if b_from < x <= b_first]
+    st = vb.result.stats
+    p = vb.prompt(ask)
+    chunk = next(c for c in p.chunks if getattr(c, "pixels", None) is not None)
+    t = time.perf_counter()
+    vb.encode_image(chunk.pixels[:1], None if chunk.patch_grids is None else chunk.patch_grids[:1])
+    one = time.perf_counter() - t
+    t = time.perf_counter()
+    vb.encode_image(chunk.pixels, chunk.patch_grids)
+    whole = time.perf_counter() - t
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    print(json.dumps({"bundle": a.bundle, "cpu": cpu, "threads": a.threads, "tiles": st.image_tiles,
+                      "gap_before_ms": {"median": 1e3 * statistics.median(before), "max": 1e3 * max(before)},
+                      "gap_while_b_encodes_ms": {"median": 1e3 * statistics.median(during), "max": 1e3 * max(during),
+                                                 "tokens": len(during)},
+                      "one_vision_call_ms": 1e3 * one, "whole_image_encode_ms": 1e3 * whole,
+                      "b_ttft_s": st.ttft_s}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
