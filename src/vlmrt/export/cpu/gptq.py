@@ -13,7 +13,7 @@ the error-updated weights when GPTQ reaches the block. Dampening 1 % of mean(dia
 The grid is a parameter: `ZERO_POINT` (the rule above) or `OFFSET` (GGUF Q4_1's min/max grid with a float zero
 point, z = −min/d: the block-offset precisions calibrated, `w4a16og` / `w4a8og`, export/cpu/offsets.py). On weights
 that already sit on the OFFSET grid (a Q4_1 GGUF's) every column rounds without error, nothing is spread, and GPTQ
-gives them back as round-to-nearest does: exactly.
+gives them back as round-to-nearest does (to float rounding: max |Δ| 7e-7 on a random grid matrix).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ the int8-quantized activations the main term multiplies, so the result is exactl
 
 `w4a16og` / `w4a8og`: the same grid and graph, q (and each block's d, m) chosen by GPTQ on the calibration Hessian of
 the weight's input instead of rounding to nearest (`gptq_min_max`, export/cpu/gptq.py's OFFSET grid): on weights
-already on the grid (a Q4_1 GGUF's) every column rounds without error and GPTQ gives them back as the rule does; on
+already on the grid (a Q4_1 GGUF's) every column rounds without error and GPTQ gives them back as the rule does (to
+float rounding); on
 float-trained weights it keeps x·W, not W, close.
 """
 
