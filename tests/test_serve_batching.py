@@ -93,3 +93,28 @@ def test_a_batched_call_that_raises_fails_those_it_advanced(batched, monkeypatch
     assert all(o["error"]["code"] == "internal_error" for c, o, _ in outs if c == 500)
     monkeypatch.setattr(sched.batch, "run", run)
     assert _text(post(batched, bodies[0]))  # the server goes on
+
+
+def test_a_failing_request_leaves_the_others_steps_of_its_round(batched):
+    """The failing request holds the last slot, so when it raises, the three before it have already handed their decode
+    steps of that round to the batch: those steps still run (the batched call is not cleared with the failure) and
+    the three answers are their solo answers."""
+    import time
+
+    from serve_client import status
+
+    bodies = [{"messages": [{"role": "user", "content": f"Tell me about the number {i}."}], "max_tokens": 200,
+               "ignore_eos": True} for i in range(3)]
+    solo = [_text(post(batched, b)) for b in bodies]
+    fails = {"messages": [{"role": "user", "content": FAIL}], "max_tokens": 40, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as ex:
+        futures = [ex.submit(post, batched, b) for b in bodies]
+        for _ in range(500):  # bounded: 5 s; the three hold slots 0..2 (the lowest free slot is taken first)
+            if status(batched)["busy"] == 3:
+                break
+            time.sleep(0.01)
+        bad = ex.submit(post, batched, fails)  # slot 3
+        code, out, _ = bad.result()
+        together = [_text(f.result()) for f in futures]
+    assert code == 500 and out["error"]["code"] == "internal_error"
+    assert together == solo
