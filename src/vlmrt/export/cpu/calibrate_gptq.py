@@ -38,6 +38,15 @@ def _state_kinds(decoder) -> list[str]:
     return [k for kind in decoder.layer_kinds for k in ([kind] if kind == "conv" else [kind, kind])]
 
 
+def _step(decoder, x: torch.Tensor, start: int, mask: torch.Tensor, past: list[torch.Tensor]):
+    """decoder on the text rows x [n, hidden] at positions start.. : its rope positions [rows, n] (M-RoPE's rows
+    all the text position), zeros for a row input (DeepStack's image features: none on text), then mask and past."""
+    positions = torch.arange(start, start + len(x))[None].expand(getattr(decoder, "rope_rows", 1), -1)
+    levels = getattr(decoder, "row_levels", 0)
+    rows = [torch.zeros(len(x), levels * x.shape[-1])] if levels else []
+    return decoder(x, positions, *rows, mask, *past)
+
+
 def greedy_sequence(decoder, embed: np.ndarray, ids: list[int], tokens: int) -> np.ndarray:
     """Embeddings [len(ids) + tokens, hidden] of the prompt ids and the decoder's greedy continuation."""
     x = torch.from_numpy(np.asarray(embed[ids], np.float32))  # [n, hidden]
@@ -47,7 +56,7 @@ def greedy_sequence(decoder, embed: np.ndarray, ids: list[int], tokens: int) -> 
     rows = [x]
     with torch.no_grad():
         for step in range(tokens):
-            logits, *new = decoder(x, torch.arange(n - len(x), n)[None], mask, *past)  # positions [1, ar]
+            logits, *new = _step(decoder, x, n - len(x), mask, past)
             past = next_state(decoder, past, new)
             tok = int(logits[-1].argmax())
             x = torch.from_numpy(np.asarray(embed[[tok]], np.float32))
@@ -87,7 +96,7 @@ class Hessians:
                     self._last = (None, None)
                     n = len(seq)
                     mask = torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)
-                    self.decoder(torch.from_numpy(seq), torch.arange(n)[None], mask, *empty_state(self.decoder))
+                    _step(self.decoder, torch.from_numpy(seq), 0, mask, empty_state(self.decoder))
         finally:
             for h in hooks:
                 h.remove()
