@@ -244,7 +244,7 @@ def test_htp_quant_specs_refused(tmp_path_factory, capsys):
     ex = exported(CASES[0], tmp_path_factory)
     for spec, msg in (("decode=w4a8", "decode=w4a8 is not an HTP precision"), ("lm_head=fp16", "lm_head=fp16 is not an HTP head"),
                       ("head=w8a8", "head=w8a8 is not an HTP precision"), ("lm_head=w8a16,head=w8a16", "exclude each other"),
-                      ("vision=fp16", None)):
+                      ("w4a8og", "--target htp: w4a8og is not an HTP precision"), ("vision=fp16", None)):
         args = ["export", str(ex.ckpt), str(tmp_path_factory.mktemp("x") / "b"), "--target", "htp", "--quant", spec]
         if msg is None:  # fp16 needs a soc model (the QNN EP refuses its fp16 flag without one)
             args += ["--htp-arch", "79"]

@@ -65,6 +65,9 @@ def parse(spec: str | None, untied: bool = False, lookahead: bool = False) -> di
     if own and rest and "=" not in rest:
         raise quantize.QuantError("--target htp: with head=, give the other graphs per graph too "
                                   "(e.g. prefill=w8a16,decode=w4a16o,head=w8a16)")
+    if rest and "=" not in rest and rest.strip() not in PRECISIONS:  # (before parse gives it a vision precision)
+        raise quantize.QuantError(f"--target htp: {rest.strip()} is not an HTP precision; choose one of "
+                                  f"{', '.join(PRECISIONS)}")
     prec = quantize.parse(rest or None, default=DEFAULT)
     if "=" not in rest:  # a plain precision: the HTP's head rule below, not the CPU's (quantize.HEAD_OF_PLAIN: re-scored 4-bit)
         prec.pop("lm_head", None)
