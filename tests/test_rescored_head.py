@@ -60,3 +60,36 @@ def test_parse_rescored_precisions():
     for spec in ("w4a8r", "decode=w4a8r", "vision=w4a16r"):
         with pytest.raises(quantize.QuantError, match="lm head only"):
             quantize.parse(spec)
+
+
+@pytest.mark.parametrize("case, tied", [(1, True), (0, False)])
+def test_a_tied_heads_rows_are_the_embedding_tables_bytes(case, tied, tmp_path_factory):
+    """A plain w4a8o export re-scores from the head's per-row int8 weights; under a tied head those are the host's
+    int8 embedding table and its scales, byte for byte: the graph reads them from embed.npy / embed_scale.npy (one copy
+    on disk and in the page cache) and decoder.data does not hold them; an untied head keeps its own rows. Either way
+    the bundle answers as it did with its own copy (the mapping holds the same bytes)."""
+    import json
+
+    from conftest import CASES, exported
+    from vlmrt.export.pipeline import export
+    from vlmrt.runtime.pipeline import VLM
+
+    ex = exported(CASES[case], tmp_path_factory)
+    b = export(str(ex.ckpt), tmp_path_factory.mktemp("tied") / "b", prefill_ar=ex.case.prefill_ar,
+               max_seq_len=ex.case.max_seq_len, quant="w4a8o", progress=False)
+    g = json.loads((b / "manifest.json").read_text())["graphs"]["decode"]
+    rows = {w["name"]: w for w in g["mapped_weights"] if w["name"].startswith("lm_head_rescore_")}
+    table, scale = np.load(b / "embed.npy"), np.load(b / "embed_scale.npy")
+    assert rows["lm_head_rescore_rows"]["shape"] == list(table.shape)
+    if tied:
+        assert (rows["lm_head_rescore_rows"]["file"], rows["lm_head_rescore_scales"]["file"]) == ("embed.npy", "embed_scale.npy")
+        assert {"embed.npy", "embed_scale.npy"} <= set(g["data_files"])
+        assert table.tobytes() not in (b / "decoder.data").read_bytes()  # not a second copy
+    else:
+        assert rows["lm_head_rescore_rows"]["file"] == "decoder.data"
+    w = rows["lm_head_rescore_rows"]
+    mapped = np.fromfile(b / w["file"], np.int8, count=w["length"], offset=w["offset"]).reshape(w["shape"])
+    assert np.array_equal(mapped, table) == tied
+    vlm = VLM.load(b)
+    r = vlm("What is in the image?", max_new_tokens=8, ignore_eos=True)
+    assert len(r.token_ids) == 8

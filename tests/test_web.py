@@ -138,6 +138,26 @@ def test_tiny_bundles_answer_as_python(family, tmp_path_factory, tmp_path):
                 assert got["tokenIds"] == want.token_ids, (image.name, mode)
 
 
+def test_a_tied_w4a16o_bundle_reads_its_head_rows_from_the_embedding_table(tmp_path_factory, tmp_path):
+    """A tied head's re-scored int8 rows live in embed.npy (export/graphs.share_weights' known tensors): the browser
+    hands that file to onnxruntime-web as external data like any data file, and answers as Python does."""
+    need_browser()
+    pytest.importorskip("torch")
+    from conftest import CASES, exported
+    from vlmrt.export.pipeline import export
+
+    ex = exported(CASES[1], tmp_path_factory)  # tied head
+    b = export(str(ex.ckpt), tmp_path_factory.mktemp("w4a16o") / "b", prefill_ar=ex.case.prefill_ar,
+               max_seq_len=ex.case.max_seq_len, quant="w4a16o", progress=False)
+    assert "embed.npy" in mf.load(b).graphs["decode"].data_files
+    site = write_site(b, tmp_path / "site")
+    want = VLM.load(b)("Describe the image.", ASSETS / "chelsea.png", max_new_tokens=8, ignore_eos=True)
+    with served(site) as url, browser(tmp_path / "profile") as ctx:
+        got = _ask(_open(ctx, url), images=[_uri(ASSETS / "chelsea.png")], prompt="Describe the image.", maxNewTokens=8,
+                   ignoreEos=True)
+    assert got["tokenIds"] == want.token_ids
+
+
 # ------------------------------------------------------------------------------------------ the command line
 
 def _refused(capsys, *argv) -> str:

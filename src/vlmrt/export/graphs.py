@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import onnx
 import torch
 from onnx import external_data_helper
@@ -349,13 +350,40 @@ def weight_table(path: Path) -> dict:
     return {"data_files": sorted(files), "mapped_weights": mapped, "prepacked": bool(prepacked), "load_only_weights": kept}
 
 
-def share_weights(folder: Path, graph_files: list[str], data_file: str, min_bytes: int = 1024) -> None:
+def _content_key(raw: bytes, data_type: int, dims) -> str:
+    return hashlib.sha256(raw + repr((data_type, tuple(dims))).encode()).hexdigest()
+
+
+def npy_tensors(folder: Path, files: list[str]) -> dict[str, tuple[str, int, int]]:
+    """The arrays of .npy files in folder as share_weights' known tensors: content key -> (file, data offset,
+    length). (The host's int8 embedding table and its row scales: a tied lm head's re-scored rows are those bytes.)"""
+    known = {}
+    for name in files:
+        path = folder / name
+        if not path.exists():
+            continue
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+            offset = f.tell()
+            raw = f.read()
+        if fortran or offset % 64:  # (np.save aligns the data to 64 bytes; anything else is not mapped in place)
+            continue
+        known[_content_key(raw, onnx.helper.np_dtype_to_tensor_dtype(dtype), shape)] = (name, offset, len(raw))
+    return known
+
+
+def share_weights(folder: Path, graph_files: list[str], data_file: str, min_bytes: int = 1024,
+                  known: dict[str, tuple[str, int, int]] | None = None) -> None:
     """Rewrite the graphs so that all initializers >= min_bytes live once in folder/data_file.
 
     Identical tensors (same bytes, dtype and shape) across graphs are stored once; graphs'
-    own .data files are removed afterwards.
+    own .data files are removed afterwards. known (npy_tensors): tensors already in other files of the folder;
+    an initializer equal to one of them reads it there instead (a tied lm head's re-scored int8 rows: embed.npy).
     """
     folder = Path(folder)
+    known = known or {}
     offsets: dict[str, tuple[int, int]] = {}  # content key -> (offset, length)
     old_data: set[Path] = set()
     with open(folder / data_file, "wb") as out:
@@ -380,19 +408,22 @@ def share_weights(folder: Path, graph_files: list[str], data_file: str, min_byte
                         raw = onnx.numpy_helper.to_array(init).tobytes()
                     if len(raw) < min_bytes:
                         continue
-                key = hashlib.sha256(raw + repr((init.data_type, tuple(init.dims))).encode()).hexdigest()
-                if key not in offsets:
-                    pad = (-out.tell()) % 64  # keep tensors aligned for mmap
-                    out.write(b"\0" * pad)
-                    offsets[key] = (out.tell(), len(raw))
-                    out.write(raw)
-                off, length = offsets[key]
+                key = _content_key(raw, init.data_type, init.dims)
+                if key in known:
+                    location, off, length = known[key]
+                else:
+                    if key not in offsets:
+                        pad = (-out.tell()) % 64  # keep tensors aligned for mmap
+                        out.write(b"\0" * pad)
+                        offsets[key] = (out.tell(), len(raw))
+                        out.write(raw)
+                    location, (off, length) = data_file, offsets[key]
                 init.ClearField("raw_data")
                 for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
                     init.ClearField(f)
                 del init.external_data[:]
                 init.data_location = onnx.TensorProto.EXTERNAL
-                for k, v in (("location", data_file), ("offset", str(off)), ("length", str(length))):
+                for k, v in (("location", location), ("offset", str(off)), ("length", str(length))):
                     init.external_data.add(key=k, value=v)
             onnx.save(model, str(path))
     for p in old_data:

@@ -275,11 +275,17 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
                               token_rows=plan.token_rows)
         decoder_graphs.append((name, stem))
         p.done()
+    return decoder_graphs
+
+
+def _share_weights(tmp: Path, decoder_graphs: list[tuple[str, str]], p: Progress) -> None:
+    """Each graph family's weights once in its data file; a decoder tensor equal to one of the host files' (a tied lm
+    head's re-scored int8 rows and their scales: the int8 embedding table's) is read from that file instead."""
     p.start("sharing weights between graphs")
     graphs.share_weights(tmp, ["vision.onnx"], "vision.data")
-    graphs.share_weights(tmp, [f"{g}.onnx" for g in sorted({stem for _, stem in decoder_graphs})], "decoder.data")
+    graphs.share_weights(tmp, [f"{g}.onnx" for g in sorted({stem for _, stem in decoder_graphs})], "decoder.data",
+                         known=graphs.npy_tensors(tmp, ["embed.npy", "embed_scale.npy"]))
     p.done()
-    return decoder_graphs
 
 
 def _like(graph: str) -> str:
@@ -439,6 +445,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         hessian = _gptq_hessians(plan, decoder, embed.numpy(), p)
         decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian)
         embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
+        _share_weights(tmp, decoder_graphs, p)
         del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
         gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
         p.start("manifest")
