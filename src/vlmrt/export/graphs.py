@@ -362,15 +362,12 @@ def npy_tensors(folder: Path, files: list[str]) -> dict[str, tuple[str, int, int
         path = folder / name
         if not path.exists():
             continue
-        with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read(f)
-            offset = f.tell()
-            raw = f.read()
-        if fortran or offset % 64:  # (np.save aligns the data to 64 bytes; anything else is not mapped in place)
+        arr = np.load(path, mmap_mode="r")  # (the header: shape, dtype, where the data starts)
+        if not arr.flags.c_contiguous or arr.offset % 64:  # (np.save aligns the data to 64 bytes)
             continue
-        known[_content_key(raw, onnx.helper.np_dtype_to_tensor_dtype(dtype), shape)] = (name, offset, len(raw))
+        key = _content_key(arr.tobytes(), onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
+        known[key] = (name, arr.offset, arr.nbytes)
+        del arr
     return known
 
 

@@ -248,7 +248,8 @@ def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
 
 
 def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=None) -> list[tuple[str, str]]:
-    """vision.onnx and the decoder graph(s) with their shared data files; returns [(graph name, file stem)].
+    """vision.onnx and the decoder graph(s), each with its own data (_share_weights gathers them); returns
+    [(graph name, file stem)].
     hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
     budget = "patch budget" if "max_patches" in plan.host.image.params else "1 tile ="
