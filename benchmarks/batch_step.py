@@ -45,7 +45,7 @@ def batched_graph(bundle: Path, out: Path) -> Path:
         if f.name != "decoder.onnx":
             os.link(f.resolve(), out / f.name)  # (ORT refuses external data through a link out of the folder)
     m = onnx.load(str(bundle / "decoder.onnx"), load_external_data=False)
-    add_batch_dim(m, "seqlens_k", "position_ids")
+    add_batch_dim(m, "seqlens_k")
     onnx.save(m, str(out / "decoder.onnx"))
     return out / "decoder.onnx"
 

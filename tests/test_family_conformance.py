@@ -1,8 +1,9 @@
 """The shared runner: every registered family (vlmrt.families.REGISTRY), every one of its tiny checkpoints
 (family_cases.FAMILIES), exported once and held against transformers on the same weights: pixels and prompt ids equal
 the family's processor's, greedy ids equal transformers' generate in both modes (kv, hybrid), with and without an
-image, the EOS stop where transformers stops, the first logits to float32 rounding; streaming, stats and seeded
-sampling on each family's first case. A new family is exercised here by registering it in vlmrt and in
+image, the EOS stop where transformers stops, the first logits to float32 rounding; continuous batching (several
+conversations decoding together answer as each alone); streaming, stats and seeded sampling on each family's first
+case. A new family is exercised here by registering it in vlmrt and in
 family_cases.py (test_every_registered_family_is_tested fails until both are done)."""
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import oracle
 from family_runner import cli_json, hf_run
 from vlmrt import families
 from vlmrt.runtime import image as img_ops
+from vlmrt.runtime.batch_engine import batched_vlms
+from vlmrt.runtime.bundle import Bundle
+from vlmrt.runtime.engine import STEP
 from vlmrt.runtime.pipeline import VLM
 
 pytest.importorskip("transformers")
@@ -116,6 +120,46 @@ def test_first_logits_close_to_transformers(case):
         vlm.reset()
         got = vlm.engine.prefill(x.embeds, mode, positions=x.positions, rows=x.rows)
         assert np.abs(got - ref).max() < 2e-4 * max(1.0, np.abs(ref).max()), mode
+
+
+def test_conversations_decoding_together_answer_as_alone(case, tmp_path):
+    """A family's CPU one-graph decoder (kind gqa_in_place) takes a batch: three conversations (an image, another
+    image, none; greedy and seeded sampling; one starting two rounds late) decode through one decoder call per step,
+    their image encodes and prefill blocks between the others' steps, and each answers what it answers alone."""
+    m = Bundle.open(case.bundle).manifest
+    if m.decoder.kind.name != "gqa_in_place":
+        pytest.skip(f"decoder kind {m.decoder.kind.name}: one sequence per call")
+    if not m.decoder.kind.batched:
+        pytest.skip("this family's decoder graph is not batched yet")
+
+    def user(text, image):
+        parts = [{"type": "image_url", "image_url": {"url": str(image_file(image, tmp_path))}}] if image else []
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+    plan = [(user(PROMPT, "chelsea.png"), dict(max_new_tokens=16), 0),
+            (user("Tell me a story.", None), dict(max_new_tokens=40, temperature=0.9, seed=3), 0),
+            (user("What colour is it?", "tall"), dict(max_new_tokens=16), 2)]
+    alone = VLM.load(case.bundle)
+    want = []
+    for msgs, opts, _ in plan:
+        alone.reset()
+        list(alone.chat(msgs, ignore_eos=True, **opts))
+        want.append(alone.result.token_ids)
+    vlms, batch = batched_vlms(Bundle.open(case.bundle), len(plan))
+    gens, widest = {}, 0
+    for rnd in range(400):
+        for i, (msgs, opts, at) in enumerate(plan):
+            if at == rnd:
+                gens[i] = vlms[i].chat(msgs, ignore_eos=True, **opts)
+        for i, g in list(gens.items()):
+            if next((y for y in g if y is STEP), None) is None:
+                del gens[i]
+        widest = max(widest, len(batch.pending))
+        batch.run()
+        if not gens and rnd > 2:
+            break
+    assert [v.result.token_ids for v in vlms] == want
+    assert widest == len(plan)  # they did decode together
 
 
 def test_streamed_text_equals_decoded_ids(first_case):

@@ -1,5 +1,5 @@
 """What users have, on a Qwen3-VL bundle (family_cases.QWEN_CASES[1]: M-RoPE positions, DeepStack's row input, the
-rows_dynamic CPU kind): `vlmrt run` with several images of different grids and `--lookahead`; `vlmrt chat`; `vlmrt
+gqa_in_place CPU kind): `vlmrt run` with several images of different grids and `--lookahead`; `vlmrt chat`; `vlmrt
 eval --reference` (the torch modules behind the session interface: the tower's host inputs by name, the decoder's
 row input); `vlmrt bench`; `vlmrt batch` with a URL, a data URI, two images and a conversation; `vlmrt serve` with
 two images and a follow-up. Each answer equals transformers' or the in-process VLM's (itself held to transformers by

@@ -2,14 +2,16 @@
 
 The exported graph runs its layers on x [1, ar, hidden] (families/layers.py: gqa_in_place enters with x[None] and
 leaves with x[0]). `add_batch_dim` makes the leading 1 the batch: the enter Unsqueeze becomes a Reshape to
-[B, ar / B, hidden], GroupQueryAttention's position_ids [1, ar] are reshaped to [B, ar / B], the leave Gather becomes
-a Reshape back to [ar, hidden], and the cache buffers' first dimension is symbolic (`batch`). GroupQueryAttention
+[B, ar / B, hidden], GroupQueryAttention's position_ids [1, ar] (the graph's position input, or with M-RoPE the
+token indices into the step's own rotary table: families/layers.py _gqa_rope) are reshaped to [B, ar / B], the leave
+Gather becomes a Reshape back to [ar, hidden], and the cache buffers' first dimension is symbolic (`batch`).
+GroupQueryAttention
 already takes B sequences, each with its own seqlens_k[b] (its step's last slot) over its own buffer rows
 [b, kv_heads, max_context, head_dim]; every other node works row by row, so one call advances B sequences of ar / B
 tokens each (the batched decode step: B sequences of one token, ar = B). B = 1 computes what the graph computed
 before, node for node (a Reshape to the Unsqueeze's shape), so the one-sequence engine is unchanged.
 
-    n = add_batch_dim(model, seqlens="seqlens_k", positions="position_ids")   # -> the GroupQueryAttention nodes
+    n = add_batch_dim(model, seqlens="seqlens_k")   # -> the GroupQueryAttention nodes
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from onnx import helper, numpy_helper
 BATCH = "batch"
 
 
-def add_batch_dim(model: onnx.ModelProto, seqlens: str, positions: str, cache_prefixes=("past_", "present_")) -> int:
+def add_batch_dim(model: onnx.ModelProto, seqlens: str, cache_prefixes=("past_", "present_")) -> int:
     """Rewrites model in place (see the module doc); returns how many GroupQueryAttention nodes now take the batch.
     Raises ValueError when the graph is not the gqa_in_place decoder's shape (one Unsqueeze into the layers, one
     Gather out)."""
@@ -46,6 +48,13 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, positions: str, cache_pr
              and _attr(n, "axis", 0) == 0 and n.input[0] not in inits]
     if len(enter) != 1 or len(leave) != 1:
         raise ValueError(f"expected one enter Unsqueeze and one leave Gather, found {len(enter)} and {len(leave)}")
+    # rows added to the hidden rows inside the stack (DeepStack's row input after a layer): [ar, hidden] -> [1, ...]
+    rows_in = [n for n in unsqueeze if n is not enter[0] and consumers.get(n.output[0])
+               and all(c.op_type == "Add" for c in consumers[n.output[0]])]
+    positions = {n.input[9] for n in gqa}
+    if len(positions) != 1:
+        raise ValueError(f"the GroupQueryAttention nodes read {len(positions)} position_ids tensors, not one")
+    (positions,) = positions
     add = [
         helper.make_node("Shape", [seqlens], ["batch_dim.b"], name="batch_dim.shape"),  # [1] int64: B
         helper.make_node("Concat", ["batch_dim.b", "batch_dim.minus1", "batch_dim.hidden"], ["batch_dim.x_shape"],
@@ -57,8 +66,10 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, positions: str, cache_pr
     g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), "batch_dim.minus1"),
                           numpy_helper.from_array(np.array([hidden], np.int64), "batch_dim.hidden"),
                           numpy_helper.from_array(np.array([-1, hidden], np.int64), "batch_dim.rows")])
-    e, lv = enter[0], leave[0]
-    e.op_type, e.input[1] = "Reshape", "batch_dim.x_shape"  # [ar, hidden] -> [B, ar / B, hidden]
+    lv = leave[0]
+    for n in (enter[0], *rows_in):
+        n.op_type, n.input[1] = "Reshape", "batch_dim.x_shape"  # [ar, hidden] -> [B, ar / B, hidden]
+    _keep_batch_in_head_splits(g, inits)
     old_index = lv.input[1]
     lv.op_type = "Reshape"  # [B, ar / B, hidden] -> [ar, hidden]
     lv.input[1] = "batch_dim.rows"
@@ -70,9 +81,8 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, positions: str, cache_pr
         del g.initializer[:]
         g.initializer.extend(keep)
     nodes = list(g.node)
-    first = nodes.index(e)
     del g.node[:]
-    g.node.extend(nodes[:first] + add + nodes[first:])
+    g.node.extend(add + nodes)  # (they read seqlens_k and constants only)
     for v in (*g.input, *g.output):
         if v.name.startswith(cache_prefixes):
             d = v.type.tensor_type.shape.dim[0]
@@ -83,6 +93,29 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, positions: str, cache_pr
     d.Clear()
     d.dim_param = BATCH
     return len(gqa)
+
+
+def _keep_batch_in_head_splits(g, inits) -> None:
+    """A Reshape inside the stack to a constant [1, -1, ...] (Qwen3's q / k norms per head: [1, ar, heads, d] and
+    back) copies dims 0 and 1 instead ([0, 0, ...]: ONNX Reshape's 0), so B sequences of ar / B rows stay that."""
+    old = set()
+    for n in g.node:
+        shape = _const(inits, n.input[1]) if n.op_type == "Reshape" and len(n.input) > 1 else None
+        if isinstance(shape, list) and len(shape) >= 3 and shape[:2] == [1, -1]:
+            name = f"batch_dim.{n.input[1]}"
+            if name not in inits:
+                inits[name] = numpy_helper.from_array(np.array([0, 0, *shape[2:]], np.int64), name)
+                g.initializer.append(inits[name])
+            old.add(n.input[1])
+            n.input[1] = name
+            keep = [a for a in n.attribute if a.name != "allowzero"]  # (the exporter's allowzero=1: 0 a real size)
+            del n.attribute[:]
+            n.attribute.extend(keep)
+    unused = old - {i for n in g.node for i in n.input}
+    if unused:
+        keep = [i for i in g.initializer if i.name not in unused]
+        del g.initializer[:]
+        g.initializer.extend(keep)
 
 
 def _hidden(g) -> int:

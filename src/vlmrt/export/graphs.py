@@ -266,7 +266,10 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
     decoder = decoder.with_options(attention="gqa_in_place", logit_rows=True, rope_positions=max_context)
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     embeds = torch.zeros(ar, hidden, dtype=dt)
-    positions = torch.arange(ar, dtype=torch.int64)[None]  # [1, ar]: GroupQueryAttention's position_ids
+    # [rope rows, ar]: one row is GroupQueryAttention's position_ids; M-RoPE's rows are gathered first (layers._gqa_rope)
+    positions = torch.arange(ar, dtype=torch.int64)[None].repeat(getattr(decoder, "rope_rows", 1), 1)
+    levels = getattr(decoder, "row_levels", 0)  # DeepStack's row input [ar, levels * hidden] after positions
+    row = [torch.zeros(ar, levels * hidden, dtype=dt)] if levels else []
     seqlens, total = torch.tensor([ar - 1], dtype=torch.int32), torch.tensor(ar, dtype=torch.int32)
     past, past_dims = _state(decoder, lambda: (torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt), None), dt)
     kin, kout = kv_names(decoder.layer_kinds, "gqa_in_place")
@@ -276,11 +279,11 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
         module = TokenRows(module)
         extra, extra_names = [torch.zeros(ar, hidden, dtype=torch.int8), torch.zeros(ar)], ["token_rows", "token_scales"]
         extra_dims = [{0: n}, {0: n}]
-    dynamic = (({0: n}, {1: n}, None, None, *past_dims, {0: torch.export.Dim("rows", min=1, max=ar)},
-                *extra_dims),)
-    export_graph(module, (embeds, positions, seqlens, total, *past, torch.arange(ar, dtype=torch.int64), *extra),
-                 ["inputs_embeds", "position_ids", "seqlens_k", "total_sequence_length", *kin, "logit_rows",
-                  *extra_names],
+    dynamic = (({0: n}, {1: n}, *[{0: n}] * len(row), None, None, *past_dims,
+                {0: torch.export.Dim("rows", min=1, max=ar)}, *extra_dims),)
+    export_graph(module, (embeds, positions, *row, seqlens, total, *past, torch.arange(ar, dtype=torch.int64), *extra),
+                 ["inputs_embeds", "position_ids", *ROW_INPUT[: len(row)], "seqlens_k", "total_sequence_length", *kin,
+                  "logit_rows", *extra_names],
                  ["logits", *kout, "next_token"], path,
                  dynamic, gqa_onnx.TABLE)
     model = onnx.load(str(path))
@@ -293,7 +296,7 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
     fuse.fuse_rms_norm(model)
     gqa_onnx.pack_qkv(model)
     if batchable(decoder.layer_kinds):  # B sequences per call: B = len(seqlens_k)
-        batch_dim.add_batch_dim(model, "seqlens_k", "position_ids")
+        batch_dim.add_batch_dim(model, "seqlens_k")
     largest_matmul_first(model)
     rewrite(path, model)
 

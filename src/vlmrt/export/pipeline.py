@@ -219,12 +219,11 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
             raise ExportError("the chat template does not render one image and one text item as expected")
     plan = Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
                 htp, "rows_concat" if htp else "rows_copy_free", prompt)
-    gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0 and host.positions_rows == 1
+    gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0
     if attention == "gqa" and not gqa_fits:
         raise ExportError("--attention gqa needs the one-graph CPU decoder (symbolic cache length, one precision for "
-                          "prefill and decode, --prefill-ar > 1), a head_dim that is a multiple of 16 "
-                          f"(this one: {cfg.text.head_dim}) and one row of rope positions (GroupQueryAttention "
-                          f"rotates by one; this one has {host.positions_rows})")
+                          "prefill and decode, --prefill-ar > 1) and a head_dim that is a multiple of 16 "
+                          f"(this one: {cfg.text.head_dim})")
     if gqa_fits and attention != "portable":
         plan.attention = "gqa_in_place"
     return plan

@@ -6,9 +6,9 @@ rope positions as an input [rows, ar] computed by the host, apart from the cache
   rows_copy_free / rows_concat  the rows contract: the cache is an input [ctx, kv_dim] per layer (rows by slot),
       the graph attends over it and the step's rows under a host-built additive mask (from slots) and returns only
       the new rows, which runtime/kv_cache.py writes back (copy-free for the CPU, concat for the HTP's float graphs)
-  gqa_in_place  one ORT GroupQueryAttention (families/gqa.py) per layer that applies RoPE at the positions and
-      writes the new rows into the cache buffers [1, kv_heads, max_context, d] itself, given the step's end slot
-      instead of a mask
+  gqa_in_place  one ORT GroupQueryAttention (families/gqa.py) per layer that applies RoPE at the positions (M-RoPE's
+      rows gathered first into a table of the step's own, _gqa_rope) and writes the new rows into the cache buffers
+      [1, kv_heads, max_context, d] itself, given the step's end slot instead of a mask
 tests/test_kv_contract.py holds graph and host together.
 """
 
@@ -180,12 +180,19 @@ def _copy_free_body(attn, x, rope, step, past_k, past_v):
 
 
 def _gqa_rope(decoder, positions, dtype):
-    """GroupQueryAttention's rotary: the positions [1, ar] (its position_ids) and the cos/sin caches
-    [table rows, head_dim/2] (the table's halves are equal)."""
-    if getattr(decoder, "rope_pick", None) is not None:
-        raise ValueError("GroupQueryAttention rotates by one position row; an M-RoPE decoder takes a rows kind")
+    """GroupQueryAttention's rotary: its position_ids [1, ar] and cos/sin caches [rows, head_dim/2] (the table's
+    halves are equal). One rope row: the positions themselves over the whole table. Several (M-RoPE): the op rotates
+    each token by one position, so the graph gathers each token's angles first (_gathered_rope) into a table of the
+    step's own, token i at row i, and the op's position_ids are 0..ar-1 (which is also what ORT reads on a step at
+    slot 0, its "first prompt": any positions then); the table is padded with zero rows to ar + the table length
+    (the op wants as many rows as the step's total length)."""
     half = decoder.rope_cos.shape[1] // 2
-    return positions, decoder.rope_cos[:, :half].to(dtype), decoder.rope_sin[:, :half].to(dtype)
+    if getattr(decoder, "rope_pick", None) is None:
+        return positions, decoder.rope_cos[:, :half].to(dtype), decoder.rope_sin[:, :half].to(dtype)
+    cos, sin = _gathered_rope(decoder, positions, dtype)  # [ar, head_dim]
+    pad = torch.zeros(decoder.rope_cos.shape[0], half, dtype=dtype)  # [max_context, head_dim/2]
+    ids = torch.arange(positions.shape[1], dtype=torch.int64).unsqueeze(0)  # [1, ar]: token i -> row i
+    return ids, torch.cat([cos[:, :half], pad]), torch.cat([sin[:, :half], pad])
 
 
 def _gqa_body(attn, x, rope, step, past_k, past_v):

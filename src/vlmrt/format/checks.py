@@ -33,8 +33,6 @@ def check_decoder(m) -> None:
         if bool(k.token_rows_input) != bool(k.token_scales_input) or (k.token_rows_input and not d.embedding_scale_file):
             raise _malformed("decoder.kind.token_rows_input and token_scales_input go together, with an int8 embedding "
                              "table (embedding_scale_file)")
-        if d.positions.rows != 1:  # (GroupQueryAttention rotates by one position per token)
-            raise _malformed("decoder kind gqa_in_place takes one row of positions (decoder.positions.rows = 1)")
     if k.name in ("rows_dynamic", "rows_static") and k.context_step < 0:
         raise _malformed("decoder.kind.context_step must not be negative")
     if k.name == "rows_dynamic" and k.context_step == 0:

@@ -215,9 +215,10 @@ class GqaInPlace(_SymbolicAR, _Kind):
         return EndSlot(self.spec.seqlens_input, self.spec.total_length_input, ar)
 
     def check_positions(self, positions: np.ndarray, slot: int) -> None:
-        # ORT's GroupQueryAttention rotates a step at slot 0 (its "first prompt") by positions[0] + i, whatever the rest
-        n = positions.shape[1]
-        if slot == 0 and n > 1 and not np.array_equal(positions[0], positions[0, 0] + np.arange(n)):
+        # ORT's GroupQueryAttention rotates a step at slot 0 (its "first prompt") by positions[0] + i, whatever the
+        # rest; several rope rows (M-RoPE) are gathered in the graph, whose op positions are 0..ar-1 (layers._gqa_rope)
+        rows, n = positions.shape
+        if rows == 1 and slot == 0 and n > 1 and not np.array_equal(positions[0], positions[0, 0] + np.arange(n)):
             raise ValueError("decoder kind gqa_in_place takes consecutive positions in a step at slot 0 "
                              "(GroupQueryAttention's first prompt); re-export with --attention portable")
 
