@@ -100,6 +100,15 @@ def test_lfm2_conv_layers_decode_together_and_answer_as_alone(lfm2):
     test_sequences_decoding_together_answer_as_alone(lfm2, VLM.load(lfm2.bundle))
 
 
+def test_qk_norm_views_take_the_batch(tmp_path_factory):
+    """A Qwen3 decoder's per-head q/k norms are views the exporter bakes as [1, -1, heads, head_dim]: batch_dim makes
+    them keep the batch (InternVL3.5's case, as LFM2's attention layers); five sequences answer as each alone."""
+    from family_cases import CASES as INTERNVL, exported as internvl_exported
+
+    ex = internvl_exported(next(c for c in INTERNVL if c.decoder == "qwen3"), tmp_path_factory)
+    test_sequences_decoding_together_answer_as_alone(ex, VLM.load(ex.bundle))
+
+
 def test_lfm2_idle_rows_keep_their_conv_rows(lfm2):
     """A row that waits for nothing in a call (here: b, after its answer) gets zero windows and its conv rows out
     are dropped: its kept conv rows and length stay as they were."""
