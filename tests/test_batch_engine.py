@@ -75,6 +75,51 @@ def test_sequences_decoding_together_answer_as_alone(tiny, alone):
     assert max(sizes) >= 4 and batch.calls < sum(len(w) for w in want) / 2  # they did decode together
 
 
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    """LFM2-VL's gqa_in_place case: conv layers (two in a row, one last) beside a GroupQueryAttention layer."""
+    from family_cases import LFM2_CASES, lfm2_exported
+
+    return lfm2_exported(next(c for c in LFM2_CASES if c.name == "lfm2-conv-attn-conv-conv-gqa"), tmp_path_factory)
+
+
+def test_lfm2_conv_layers_decode_together_and_answer_as_alone(lfm2):
+    """An LFM2 bundle's graph takes a batch (its conv windows [B, width, channels] and rows [B, ar / B, channels],
+    each sequence's window loaded from its own rows, its rows stored by it after the call); five sequences together
+    (greedy and seeded sampling, late starts, early ends) answer as each alone."""
+    m = Bundle.open(lfm2.bundle).manifest
+    assert m.decoder.kind.batched and {layer.kind for layer in m.kv.layers} == {"conv", "attention"}
+    g = onnx.load(str(lfm2.bundle / "decoder.onnx"), load_external_data=False).graph
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*g.input, *g.output)}
+    width, channels = m.kv.layers[0].width, m.kv.layers[0].channels
+    assert dims["past_conv_0"] == ["batch", width, channels] and dims["new_conv_3"] == ["batch", "ar / batch", channels]
+    # no view inside the layers keeps a baked sequence count of 1 (the q/k norms' [1, -1, h, d]: batch_dim)
+    inits = {i.name: onnx.numpy_helper.to_array(i).tolist() for i in g.initializer if i.data_type == onnx.TensorProto.INT64}
+    shapes = [inits[n.input[1]] for n in g.node if n.op_type == "Reshape" and n.input[1] in inits]
+    assert shapes and not [s for s in shapes if len(s) > 2 and s[0] == 1]
+    test_sequences_decoding_together_answer_as_alone(lfm2, VLM.load(lfm2.bundle))
+
+
+def test_qk_norm_views_take_the_batch(tmp_path_factory):
+    """A Qwen3 decoder's per-head q/k norms are views the exporter bakes as [1, -1, heads, head_dim]: batch_dim makes
+    them keep the batch (InternVL3.5's case, as LFM2's attention layers); five sequences answer as each alone."""
+    from family_cases import CASES as INTERNVL, exported as internvl_exported
+
+    ex = internvl_exported(next(c for c in INTERNVL if c.decoder == "qwen3"), tmp_path_factory)
+    test_sequences_decoding_together_answer_as_alone(ex, VLM.load(ex.bundle))
+
+
+def test_lfm2_idle_rows_keep_their_conv_rows(lfm2):
+    """A row that waits for nothing in a call (here: b, after its answer) gets zero windows and its conv rows out
+    are dropped: its kept conv rows and length stay as they were."""
+    vlms, batch = batched_vlms(Bundle.open(lfm2.bundle), 2)
+    a, b = (v.engine for v in vlms)
+    _drive(batch, b.generate(b.embed([5, 6, 7, 8]), max_new_tokens=4, ignore_eos=True))
+    kept, n = [c.data.copy() for c in b.cache.convs], b.cache.length
+    _drive(batch, a.generate(a.embed([9, 10, 11]), max_new_tokens=5, ignore_eos=True))
+    assert b.cache.length == n and all(np.array_equal(c.data, k) for c, k in zip(b.cache.convs, kept))
+
+
 def test_fp16_graph_takes_a_batch_and_answers_as_alone(tiny, tmp_path_factory):
     """--dtype fp16: its graph's norm is not fused (a Cast first), and the batch dimension still goes in where
     inputs_embeds enters the layers (export/batch_dim.py); five sequences together answer as each alone."""

@@ -129,8 +129,7 @@ def test_conversations_decoding_together_answer_as_alone(case, tmp_path):
     m = Bundle.open(case.bundle).manifest
     if m.decoder.kind.name != "gqa_in_place":
         pytest.skip(f"decoder kind {m.decoder.kind.name}: one sequence per call")
-    if not m.decoder.kind.batched:
-        pytest.skip("this family's decoder graph is not batched yet")
+    assert m.decoder.kind.batched
 
     def user(text, image):
         parts = [{"type": "image_url", "image_url": {"url": str(image_file(image, tmp_path))}}] if image else []

@@ -109,8 +109,6 @@ def test_gqa_needs_the_one_graph_decoder(default_bundle, tmp_path, capsys):
     (lambda m: m["kv"]["layers"][0].update(kv_heads=0), r"kv.layers\[0\]: kv_heads and head_dim must be positive"),
     (lambda m: m["decoder"]["positions"].update(rows=3),  # (a graph of several rows gathers them: layers._gqa_rope)
      r"input 'position_ids' must be \[3, ar\] \(decoder.positions.rows\), not \[1, 'ar'\]"),
-    (lambda m: m["kv"]["layers"].append({"kind": "conv", "channels": 4, "width": 2, "state_input": "c",
-                                         "state_output": "d"}), "decoder.kind.batched takes attention layers only"),
 ])
 def test_unknown_or_inconsistent_decoder_kind_is_refused(default_bundle, tmp_path, change, needle):
     """The tagged unions (decoder.kind, kv.layers[i].kind) name kinds this vlmrt knows, each with its own fields only."""

@@ -118,3 +118,26 @@ def test_a_failing_request_leaves_the_others_steps_of_its_round(batched):
         together = [_text(f.result()) for f in futures]
     assert code == 500 and out["error"]["code"] == "internal_error"
     assert together == solo
+
+
+def test_an_lfm2_bundle_decodes_its_slots_together(tmp_path_factory):
+    """An LFM2-VL bundle (conv layers beside GroupQueryAttention, decoder.kind.batched) served with slots: they share
+    one BatchDecoder, and concurrent requests (an image each, greedy and sampled) get their solo answers."""
+    from family_cases import LFM2_CASES, lfm2_exported
+
+    from vlmrt.runtime.batch_engine import BatchDecoder
+
+    case = next(c for c in LFM2_CASES if c.name == "lfm2-conv-attn-conv-conv-gqa")
+    r = start(lfm2_exported(case, tmp_path_factory).bundle, "--slots", "3", "--queue", "8")
+    try:
+        assert isinstance(r.app.state.vlmrt.scheduler.batch, BatchDecoder)
+        bodies = _bodies(4)
+        solo = [_text(post(r, b)) for b in bodies]
+        before = status(r)
+        with ThreadPoolExecutor(4) as ex:
+            together = [_text(x) for x in ex.map(lambda b: post(r, b), bodies)]
+        after = wait_idle(r)
+        assert together == solo and before["batched"]
+        assert after["batch_calls"] > before["batch_calls"] and after["batch_widest"] >= 2
+    finally:
+        r.stop()

@@ -2,14 +2,17 @@
 
 The exported graph runs its layers on x [1, ar, hidden] (families/layers.py: gqa_in_place enters with x[None] and
 leaves with x[0]). `add_batch_dim` makes the leading 1 the batch: the enter Unsqueeze becomes a Reshape to
-[B, ar / B, hidden], GroupQueryAttention's position_ids [1, ar] (the graph's position input, or with M-RoPE the
-token indices into the step's own rotary table: families/layers.py _gqa_rope) are reshaped to [B, ar / B], the leave
-Gather becomes a Reshape back to [ar, hidden], and the cache buffers' first dimension is symbolic (`batch`).
+[B, ar / B, hidden] (as do rows added inside the stack: DeepStack's), GroupQueryAttention's position_ids [1, ar] (the
+graph's position input, or with M-RoPE the token indices into the step's own rotary table: families/layers.py
+_gqa_rope) are reshaped to [B, ar / B], the leave Gather becomes a Reshape back to [ar, hidden], views baked as
+[1, -1, ...] keep the input's dim 0, and the cache buffers' first dimension is symbolic (`batch`), as are a conv
+layer's (LFM2: its window past_conv_i [B, width, channels] and its rows new_conv_i [B, ar / B, channels]).
 GroupQueryAttention
 already takes B sequences, each with its own seqlens_k[b] (its step's last slot) over its own buffer rows
-[b, kv_heads, max_context, head_dim]; every other node works row by row, so one call advances B sequences of ar / B
-tokens each (the batched decode step: B sequences of one token, ar = B). B = 1 computes what the graph computed
-before, node for node (a Reshape to the Unsqueeze's shape), so the one-sequence engine is unchanged.
+[b, kv_heads, max_context, head_dim]; a conv layer's depthwise Conv runs over each sequence's window and rows; every
+other node works row by row, so one call advances B sequences of ar / B tokens each (the batched decode step: B
+sequences of one token, ar = B). B = 1 computes what the graph computed before, node for node (a Reshape to the
+Unsqueeze's shape), so the one-sequence engine is unchanged.
 
     n = add_batch_dim(model, seqlens="seqlens_k")   # -> the GroupQueryAttention nodes
 """
@@ -23,7 +26,7 @@ from onnx import helper, numpy_helper
 BATCH = "batch"
 
 
-def add_batch_dim(model: onnx.ModelProto, seqlens: str, cache_prefixes=("past_", "present_")) -> int:
+def add_batch_dim(model: onnx.ModelProto, seqlens: str, cache_prefixes=("past_", "present_", "new_conv_")) -> int:
     """Rewrites model in place (see the module doc); returns how many GroupQueryAttention nodes now take the batch.
     Raises ValueError when the graph is not the gqa_in_place decoder's shape (one Unsqueeze into the layers, one
     Gather out)."""
@@ -69,7 +72,6 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, cache_prefixes=("past_",
     lv = leave[0]
     for n in (enter[0], *rows_in):
         n.op_type, n.input[1] = "Reshape", "batch_dim.x_shape"  # [ar, hidden] -> [B, ar / B, hidden]
-    _keep_batch_in_head_splits(g, inits)
     old_index = lv.input[1]
     lv.op_type = "Reshape"  # [B, ar / B, hidden] -> [ar, hidden]
     lv.input[1] = "batch_dim.rows"
@@ -85,9 +87,14 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, cache_prefixes=("past_",
     g.node.extend(add + nodes)  # (they read seqlens_k and constants only)
     for v in (*g.input, *g.output):
         if v.name.startswith(cache_prefixes):
-            d = v.type.tensor_type.shape.dim[0]
-            d.Clear()
-            d.dim_param = BATCH
+            dims = v.type.tensor_type.shape.dim
+            dims[0].Clear()
+            dims[0].dim_param = BATCH
+            if v.name.startswith("new_conv_"):  # a conv layer's rows [B, ar / B, channels]
+                dims[1].Clear()
+                dims[1].dim_param = "ar / batch"
+    _views_keep_batch(g)
+    _drop_batch_hints(g)
     seq = next(v for v in g.input if v.name == seqlens)
     d = seq.type.tensor_type.shape.dim[0]
     d.Clear()
@@ -95,27 +102,40 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, cache_prefixes=("past_",
     return len(gqa)
 
 
-def _keep_batch_in_head_splits(g, inits) -> None:
-    """A Reshape inside the stack to a constant [1, -1, ...] (Qwen3's q / k norms per head: [1, ar, heads, d] and
-    back) copies dims 0 and 1 instead ([0, 0, ...]: ONNX Reshape's 0), so B sequences of ar / B rows stay that."""
-    old = set()
+def _views_keep_batch(g) -> None:
+    """A view of a [1, ar, ...] tensor inside the layers (per-head q/k norms: [1, ar, h*d] <-> [1, ar, h, d]) is a
+    Reshape whose shape the exporter bakes as [1, -1, ...]: it becomes [0, -1, ...] (Reshape's 0 copies the input's
+    dim 0, the batch, with allowzero 0), which for B = 1 is the same shape."""
+    first = {v.name: v.type.tensor_type.shape.dim[0] for v in g.value_info if len(v.type.tensor_type.shape.dim)}
+    inits = {i.name: i for i in g.initializer}
+    replaced = set()
     for n in g.node:
-        shape = _const(inits, n.input[1]) if n.op_type == "Reshape" and len(n.input) > 1 else None
-        if isinstance(shape, list) and len(shape) >= 3 and shape[:2] == [1, -1]:
-            name = f"batch_dim.{n.input[1]}"
-            if name not in inits:
-                inits[name] = numpy_helper.from_array(np.array([0, 0, *shape[2:]], np.int64), name)
-                g.initializer.append(inits[name])
-            old.add(n.input[1])
-            n.input[1] = name
-            keep = [a for a in n.attribute if a.name != "allowzero"]  # (the exporter's allowzero=1: 0 a real size)
-            del n.attribute[:]
-            n.attribute.extend(keep)
-    unused = old - {i for n in g.node for i in n.input}
-    if unused:
-        keep = [i for i in g.initializer if i.name not in unused]
-        del g.initializer[:]
-        g.initializer.extend(keep)
+        shape = _const(inits, n.input[1]) if n.op_type == "Reshape" else None
+        dim = first.get(n.input[0])
+        if not shape or shape[:2] != [1, -1] or 0 in shape or dim is None or dim.dim_value != 1:
+            continue
+        for a in n.attribute:  # (the exporter's allowzero=1: a 0 would be a zero-sized dim)
+            if a.name == "allowzero":
+                a.i = 0
+        name = f"batch_dim.{n.input[1]}"
+        if name not in inits:
+            inits[name] = numpy_helper.from_array(np.array([0, *shape[1:]], np.int64), name)
+            g.initializer.append(inits[name])
+        replaced.add(n.input[1])
+        n.input[1] = name
+    used = {i for n in g.node for i in n.input}
+    keep = [i for i in g.initializer if i.name not in replaced or i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+
+
+def _drop_batch_hints(g) -> None:
+    """The exporter's value_info of the layers' tensors [1, ar, ...] (and derived: a conv's [1, hidden, width + ar])
+    would be stale for B > 1 and ORT would hold a graph output computed from them to the 1 (a conv layer's rows):
+    those whose dim 0 is 1 are dropped, for ORT to infer."""
+    keep = [v for v in g.value_info if not (v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].dim_value == 1)]
+    del g.value_info[:]
+    g.value_info.extend(keep)
 
 
 def _hidden(g) -> int:

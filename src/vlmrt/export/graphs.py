@@ -53,14 +53,14 @@ def kv_names(layers: int | tuple[str, ...], attention: str = "rows_copy_free") -
     return ins, outs
 
 
-def _state(decoder, attention_state: Callable, dt) -> tuple[list[torch.Tensor], list]:
+def _state(decoder, attention_state: Callable, dt, conv_lead: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list]:
     """Example state tensors per layer (attention: attention_state() -> (tensor, dims), two of them; conv: its window
-    [width, channels], static) and their dynamic dims."""
+    [*conv_lead, width, channels], static: gqa_in_place's [1, width, channels]) and their dynamic dims."""
     past, dims = [], []
     width, channels = decoder.conv_state
     for kind in decoder.layer_kinds:
         if kind == "conv":
-            past, dims = past + [torch.zeros(width, channels, dtype=dt)], dims + [None]
+            past, dims = past + [torch.zeros(*conv_lead, width, channels, dtype=dt)], dims + [None]
         else:  # two tensors: the exporter folds one tensor passed twice into one input
             for _ in range(2):
                 t, d = attention_state()
@@ -271,7 +271,8 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
     levels = getattr(decoder, "row_levels", 0)  # DeepStack's row input [ar, levels * hidden] after positions
     row = [torch.zeros(ar, levels * hidden, dtype=dt)] if levels else []
     seqlens, total = torch.tensor([ar - 1], dtype=torch.int32), torch.tensor(ar, dtype=torch.int32)
-    past, past_dims = _state(decoder, lambda: (torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt), None), dt)
+    past, past_dims = _state(decoder, lambda: (torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt), None), dt,
+                             conv_lead=(1,))
     kin, kout = kv_names(decoder.layer_kinds, "gqa_in_place")
     n = torch.export.Dim("ar", min=1, max=ar)
     extra, extra_names, extra_dims = [], [], []
@@ -303,8 +304,9 @@ def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: 
 
 def batchable(layer_kinds) -> bool:
     """Whether the gqa_in_place graph takes a batch (export/batch_dim.py, manifest decoder.kind.batched): attention
-    layers only (a conv layer's window input is one sequence's)."""
-    return all(k == "attention" for k in layer_kinds)
+    layers and conv layers (whose window [1, width, channels] and rows [1, ar, channels] take the batch as the
+    attention buffers do: kv_names' past_* and new_conv_*)."""
+    return all(k in ("attention", "conv") for k in layer_kinds)
 
 
 def _name_weights(model: onnx.ModelProto) -> int:

@@ -400,7 +400,7 @@ def _cache_layers(plan: Plan, kinds: tuple[str, ...], conv_state: tuple[int, int
 
 def _decoder_kind(plan: Plan, layer_kinds: tuple[str, ...]) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
     """The decoder graphs' kind (manifest.DECODER_KINDS) with its tensor names, as the export wrote them (a
-    gqa_in_place graph of attention layers only takes a batch: graphs.batchable)."""
+    gqa_in_place graph of attention and conv layers takes a batch: graphs.batchable)."""
     if plan.attention == "gqa_in_place":
         return mf.GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
                                  logit_rows_input="logit_rows", argmax_output="next_token",

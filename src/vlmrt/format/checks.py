@@ -28,8 +28,6 @@ def check_decoder(m) -> None:
         if layer.kind == "conv" and (layer.channels <= 0 or layer.width <= 0):
             raise _malformed(f"kv.layers[{i}]: channels and width must be positive")
     if k.name == "gqa_in_place":
-        if k.batched and any(layer.kind != "attention" for layer in m.kv.layers):
-            raise _malformed("decoder.kind.batched takes attention layers only (a conv window is one sequence's)")
         if bool(k.token_rows_input) != bool(k.token_scales_input) or (k.token_rows_input and not d.embedding_scale_file):
             raise _malformed("decoder.kind.token_rows_input and token_scales_input go together, with an int8 embedding "
                              "table (embedding_scale_file)")

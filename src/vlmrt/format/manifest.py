@@ -189,7 +189,8 @@ class ConvLayer:
     channels = hidden), of which a step reads a fixed window: state_input [width, channels] = the rows of slots
     slot - width .. slot - 1 before the step (zeros before slot 0), state_output [ar, channels] = the step's own rows,
     which the host writes at the step's slots like K/V rows (so a rewind, a rejected lookahead draft or a padded
-    block needs nothing more). No family exports one yet (LFM2-VL, issue 31)."""
+    block needs nothing more). The decoder kind lays them out: gqa_in_place's are [B, width, channels] and
+    [B, ar / B, channels] (runtime/kv_cache.py HEADS; B = 1 but in a batched call). LFM2-VL's decoder has them."""
 
     kind: str  # "conv"
     channels: int
@@ -271,8 +272,9 @@ class GqaInPlaceKind:
     token_rows_input: str | None = None
     token_scales_input: str | None = None
     # the graph takes a batch (export/batch_dim.py): B = the length of seqlens_input, the cache buffers
-    # [B, kv_heads, max_context, head_dim], B sequences of ar / B tokens each (positions [1, ar] in sequence order);
-    # one call advances B sequences (runtime/batch_engine.py). False: B is 1 (bundles exported before)
+    # [B, kv_heads, max_context, head_dim] (conv windows [B, width, channels]), B sequences of ar / B tokens each
+    # (positions [1, ar] in sequence order); one call advances B sequences (runtime/batch_engine.py). False: B is 1
+    # (bundles exported before)
     batched: bool = False
 
 

@@ -1,24 +1,29 @@
 """Continuous batching: one decoder call advances every sequence that waits for a decode step.
 
-    blocks = KVCache.batch_blocks(kv, n)                        # one cache for n sequences [layers, 2, n, ...]
+    blocks = KVCache.batch_blocks(kv, n)                        # one cache for n sequences [layers, 2, n, ...], ...
     engines = [Engine(sessions, config, table, scale, KVCache.rows_of(blocks, b)) for b in range(n)]
     batch = BatchDecoder(sessions.decode, engines, blocks)       # engine.batch = batch for each
     gens = [e.generate(...) for e in engines]                   # each yields STEP (and token ids)
     ... advance each gen until it yields STEP; batch.run(); repeat   (serve/scheduler.py, batch/worker.py: Batcher)
 
 Each sequence is an Engine of its own (its cache, its slots and positions, its prefix reuse, its sampler), whose
-cache is row b of one shared HEADS cache: each layer's buffer [n, kv_heads, max_context, head_dim], sequence b's
-[1, ...] a contiguous view of it, so its prefill blocks (and a lookahead verify step) run as they do alone, bound to
-its own rows. Its decode steps go here instead (Engine.generate under Engine.batch): `submit` takes the token,
+cache is row b of one shared HEADS cache: each attention layer's buffer [n, kv_heads, max_context, head_dim] and each
+conv layer's window [n, width, channels] (LFM2), sequence b's [1, ...] a contiguous view of each, so its prefill
+blocks (and a lookahead verify step) run as they do alone, bound to its own rows (a conv layer's rows per slot are
+the sequence's own, kv_cache.ConvRows). Its decode steps go here instead (Engine.generate under Engine.batch): `submit` takes the token,
 `run` makes one call of the batched graph (decoder.kind.batched, export/batch_dim.py) over the rows 0..k-1 (k: one
 past the last waiting row), each row its sequence's token at its next slot and position (seqlens_k [k]: each
-row's own), and `logits` hands each its row. GroupQueryAttention attends per sequence and every other node works
-row by row, so a row's logits do not depend on the others' (bit for bit on the int8-compute precisions: w4a8 ...;
-docs/server.md#continuous-batching); the MatMulNBits weights are read once per call for all rows.
+row's own; its conv windows loaded from its rows before slot `length`, ConvRows.load), and `logits` hands each its
+row; after the call each advanced sequence stores its conv rows (out [k, 1, channels]) and moves its length
+(kind.store). GroupQueryAttention attends per sequence, a conv layer's Conv runs over each sequence's window and
+every other node works row by row, so a row's logits do not depend on the others' (bit for bit on the int8-compute
+precisions: w4a8 ...; docs/server.md#continuous-batching); the MatMulNBits weights are read once per call for all
+rows.
 
 A row that waits for nothing in a call (a sequence prefilling, idle, or finished) is computed too (cheaper than
-splitting the call): it is fed zeros and writes a junk K/V row at its slot `length`, one past what its cache keeps,
-where its next write lands anyway (a full cache keeps one row less: it is rewound to max_context - 1 first).
+splitting the call): it is fed zeros (zero conv windows too) and writes a junk K/V row at its slot `length`, one past
+what its cache keeps, where its next write lands anyway (a full cache keeps one row less: it is rewound to
+max_context - 1 first); its conv rows out are dropped.
 """
 
 from __future__ import annotations
@@ -76,8 +81,10 @@ class BatchDecoder:
             outs = {o.name: o.type for o in s.get_outputs()}
             dec = kind.dec
             buffers = StepBuffers(dec, kind, k, _ORT_DTYPES[ins[dec.embeds_input]], _ORT_DTYPES[outs[dec.logits_output]], k)
+            # rows 0..k-1: each attention layer's [k, ...], each conv layer's windows [k, width, channels] (its rows
+            # out: the staging [k, 1, channels]); the conv rows this cache would hold are never written
             cache = KVCache(self.engines[0].kv_spec, kind.layout, self.engines[0].cache.dtype,
-                            blocks=[x[:, :, :k] for x in self.blocks])  # rows 0..k-1: each layer's [k, ...]
+                            blocks=KVCache.rows_of(self.blocks, 0, k))
             step = self._calls[k] = BoundStep(s, kind, cache, kind.kv.max_context, k, buffers,
                                               inputs=kind.batch_inputs(k))
         return step
@@ -106,7 +113,10 @@ class BatchDecoder:
                 if int8:
                     b.token_scales[r] = 0
                 b.positions[:, r] = 0
+                for c in e.cache.convs:  # (its conv rows out are dropped)
+                    c.window[...] = 0
             else:
+                e.cache.load_windows(n)  # its conv windows: the rows before slot n
                 if int8:
                     e._read_row(token, memoryview(b.token_rows[r]))
                     b.token_scales[r] = e._scales[token]
@@ -125,7 +135,7 @@ class BatchDecoder:
         self._last, self._ran = step, set(pending)
         for r in pending:
             e = self.engines[r]
-            self.kind.store(e.cache, None, 1, b.positions[:, r : r + 1])
+            self.kind.store(e.cache, [rows[r] for rows in step.staged or ()], 1, b.positions[:, r : r + 1])
             e.run_s += dt
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from ..format import manifest as mf
 from ..format.checks import kind_inputs
 from ..format.verify_record import identity
+from .decoder_kinds import DECODER_KINDS
 from .tile_inputs import tile_op
 from .sessions import Sessions, _graph_files, agree, check_threads
 from .weights import EmbeddingRows, SharedWeights, release_freed_heap
@@ -52,11 +53,13 @@ def check_numbers(m: mf.Manifest) -> None:
                     raise mf.BundleError(f"the manifest's kv (max_context {kv.max_context}, attention layer {i}: "
                                          f"kv_heads {layer.kv_heads}, head_dim {layer.head_dim}) does not fit "
                                          f"graphs.{name}'s cache input {t} {have}")
+        layout = DECODER_KINDS[kind.name].layout
         for i, layer in enumerate(kv.layers):
-            if layer.kind == "conv" and not agree(g.input(layer.state_input).shape, [layer.width, layer.channels]):
+            if layer.kind == "conv" and not agree(g.input(layer.state_input).shape, list(layout.window(layer))):
                 raise mf.BundleError(f"the manifest's kv.layers[{i}] (conv: width {layer.width}, channels "
                                      f"{layer.channels}) does not fit graphs.{name}'s input {layer.state_input} "
-                                     f"{g.input(layer.state_input).shape}")
+                                     f"{g.input(layer.state_input).shape} (decoder kind {kind.name}'s window: "
+                                     f"{list(layout.window(layer))}; re-export a bundle made before it)")
 
 
 @dataclass

@@ -6,13 +6,17 @@ is built from that list alone, so a family with mixed layers needs no engine cha
              of one shape share one block [layers, 2 (K, V), *buffer] (a step's new rows land in all of them with
              one copy); layers of other widths get a block of their own.
   conv       one row [channels] per slot of a short convolution's input, of which a step reads the `width` rows
-             before its first slot (a window [width, channels], load_windows) and returns its own rows, written at
-             its slots like K/V rows.
+             before its first slot (a window, load_windows: [width, channels], or the layout's [1, width, channels])
+             and returns its own rows ([ar, channels] / [1, ar, channels]), written at its slots like K/V rows.
 How an attention buffer is laid out is the decoder kind's (runtime/decoder_kinds.py): `ROWS` [max_context, kv_dim]
 (the rows contract: a step reads all slots or the prefix `context_slots` gives, masked so that slots < the step's
 first slot are visible and its own rows see each other causally, and returns its new rows; `write` stores the
 first n_valid at the next slots, padding rows dropped) or `HEADS` [1, kv_heads, max_context, head_dim]
-(GroupQueryAttention's buffers, which the graph writes itself: `advance` only moves the length).
+(GroupQueryAttention's buffers, which the graph writes itself: `advance` only moves the length; a conv window
+[1, width, channels], as the gqa_in_place graph's layers take rows: [1, ar, hidden]).
+A batch's cache (batch_blocks, rows_of: runtime/batch_engine.py) is one array per attention block
+[layers, 2, n, kv_heads, max_context, head_dim] and per conv layer a window array [n, width, channels], sequence b's
+cache a KVCache over row b of each.
 Slots are not positions: `positions` [rope rows, max_context] keeps the rope positions each slot's row was computed
 at (runtime/positions.py), so that the next token's position follows the kept rows after a rewind.
 families/layers.py is the graph side; tests/test_kv_contract.py checks both.
@@ -76,13 +80,15 @@ class CacheLayout:
     prefix: bool  # a step reads a buffer's prefix [:ctx] (else the whole buffer)
     # block -> its view [max_context, layers, 2, dim] by slot (a decode step's one-row write), where the host writes
     by_slot: Callable[[np.ndarray], np.ndarray | None]
+    window: Callable[[ConvLayer], tuple]  # a conv layer's window shape (its rows': the same with ar for width)
 
 
 ROWS = CacheLayout("rows", lambda layer, ctx: (ctx, layer.dim), lambda block, n: block[:, :, :n], True,
-                   lambda block: block.transpose(2, 0, 1, 3))
+                   lambda block: block.transpose(2, 0, 1, 3), lambda layer: (layer.width, layer.channels))
 HEADS = CacheLayout("heads", lambda layer, ctx: (1, layer.kv_heads, ctx, layer.head_dim),
                     lambda block, n: block[:, :, 0, :, :n].transpose(0, 1, 3, 2, 4).reshape(*block.shape[:2], n, -1),
-                    False, lambda block: None)  # (the graph writes HEADS buffers itself)
+                    False, lambda block: None,  # (the graph writes HEADS buffers itself)
+                    lambda layer: (1, layer.width, layer.channels))
 
 
 class AttentionBlock:
@@ -103,25 +109,30 @@ class AttentionBlock:
 
 class ConvRows:
     """One conv layer's rows: data [width + max_context, channels], slot s at row width + s (the width rows before
-    slot 0 stay zero), and the window a step reads, [width, channels] (the graph input, load_windows)."""
+    slot 0 stay zero), and the window a step reads (the graph input, load_windows), in the layout's shape:
+    [width, channels], or [1, width, channels] (a batch's call: [n, width, channels], n sequences' windows)."""
 
-    def __init__(self, spec: ConvLayer, max_context: int, dtype):
+    def __init__(self, spec: ConvLayer, layout: CacheLayout, max_context: int, dtype, window: np.ndarray | None = None):
+        """window: the window array (a sequence's row of a batch's window array, KVCache.rows_of); None: its own."""
         self.spec = spec
         self.data = zeroed((spec.width + max_context, spec.channels), dtype)
-        self.window = np.zeros((spec.width, spec.channels), dtype)
+        self.window = np.zeros(layout.window(spec), dtype) if window is None else window
 
     def load(self, slot: int) -> None:
         self.window[...] = self.data[slot : slot + self.spec.width]  # slots slot - width .. slot - 1
 
     def staging(self, ar: int) -> np.ndarray:
-        return np.zeros((ar, self.spec.channels), self.data.dtype)
+        """A step's rows: [ar, channels], or with a window [n, width, channels] [n, ar / n, channels] (each
+        sequence's ar / n rows: a batch's call)."""
+        lead = self.window.shape[:-2]
+        return np.zeros((*lead, ar // (lead[0] if lead else 1), self.spec.channels), self.data.dtype)
 
 
 class KVCache:
     def __init__(self, spec: KVSpec, layout: CacheLayout = ROWS, dtype=None, rope_rows: int = 1,
                  blocks: list[np.ndarray] | None = None):
-        """blocks: the attention blocks' arrays (KVCache.rows_of: a sequence's rows of a batch's HEADS blocks);
-        None: allocated here."""
+        """blocks: the attention blocks' arrays, then the conv windows' (KVCache.rows_of: a sequence's rows of a
+        batch's cache, batch_blocks); None: allocated here."""
         self.spec, self.layout = spec, layout
         self.dtype = np.dtype(dtype or spec.dtype)
         self.max_context = spec.max_context
@@ -132,12 +143,15 @@ class KVCache:
         self.blocks = [AttentionBlock(ix, [attention[i] for i in ix], layout, spec.max_context, self.dtype,
                                       None if blocks is None else blocks[j])
                        for j, ix in enumerate(shapes.values())]
+        convs = [layer for layer in spec.layers if isinstance(layer, ConvLayer)]
+        windows = [None] * len(convs) if blocks is None else blocks[len(shapes):]
+        if len(windows) != len(convs):
+            raise ValueError(f"{len(windows)} conv windows given for {len(convs)} conv layers (KVCache.batch_blocks)")
         # attention layer i's K and V buffers (views of its block), in layer order
         at = {i: (b, j) for b in self.blocks for j, i in enumerate(b.layers)}
         self.keys = [at[i][0].data[at[i][1], 0] for i in range(len(attention))]
         self.values = [at[i][0].data[at[i][1], 1] for i in range(len(attention))]
-        self.convs = [ConvRows(layer, spec.max_context, self.dtype) for layer in spec.layers
-                      if isinstance(layer, ConvLayer)]
+        self.convs = [ConvRows(layer, layout, spec.max_context, self.dtype, w) for layer, w in zip(convs, windows)]
         # the graph inputs, in kv.layers order: (name, buffer, read as a prefix [:ctx]) — attention K / V buffers
         # (ROWS: a prefix), conv windows (whole)
         self._inputs: list[tuple[str, np.ndarray, bool]] = []
@@ -162,21 +176,25 @@ class KVCache:
 
     @staticmethod
     def batch_blocks(spec: KVSpec, n: int, dtype=None) -> list[np.ndarray]:
-        """The attention blocks of n sequences' HEADS caches, one array per block [layers, 2, n, kv_heads,
-        max_context, head_dim] (zeroed: its own mapping); sequence b's cache is KVCache(..., blocks=rows_of(.., b)),
-        and a batched step binds each layer's [n, kv_heads, max_context, head_dim] whole (runtime/batch_engine.py)."""
+        """n sequences' HEADS caches: the attention blocks, one array per block [layers, 2, n, kv_heads, max_context,
+        head_dim] (zeroed: its own mapping), then per conv layer its windows [n, width, channels]; sequence b's cache
+        is KVCache(..., blocks=rows_of(.., b)), and a batched step binds each attention layer's [n, kv_heads,
+        max_context, head_dim] and each conv layer's windows whole (runtime/batch_engine.py)."""
         dtype = np.dtype(dtype or spec.dtype)
         shapes: dict[tuple, int] = {}
         for layer in spec.attention():
             key = HEADS.shape(layer, spec.max_context)
             shapes[key] = shapes.get(key, 0) + 1
-        return [zeroed((count, 2, n, *shape[1:]), dtype) for shape, count in shapes.items()]
+        windows = [np.zeros((n, *HEADS.window(layer)[1:]), dtype) for layer in spec.layers if isinstance(layer, ConvLayer)]
+        return [zeroed((count, 2, n, *shape[1:]), dtype) for shape, count in shapes.items()] + windows
 
     @staticmethod
-    def rows_of(blocks: list[np.ndarray], b: int) -> list[np.ndarray]:
-        """Sequence b's views [layers, 2, 1, kv_heads, max_context, head_dim] of batch_blocks (each layer's buffer
-        [1, ...] contiguous: what a one-sequence step binds)."""
-        return [x[:, :, b : b + 1] for x in blocks]
+    def rows_of(blocks: list[np.ndarray], b: int, stop: int | None = None) -> list[np.ndarray]:
+        """Sequences b..stop-1's views (default: b's) of batch_blocks: the attention blocks' [layers, 2, 1,
+        kv_heads, max_context, head_dim] and the conv windows' [1, width, channels] (each layer's buffer contiguous
+        for one sequence: what a one-sequence step binds)."""
+        stop = b + 1 if stop is None else stop
+        return [x[:, :, b:stop] if x.ndim == 6 else x[b:stop] for x in blocks]  # (conv windows: [n, width, channels])
 
     @property
     def data(self) -> np.ndarray:
@@ -239,7 +257,8 @@ class KVCache:
         return self.spec.state_outputs()
 
     def conv_staging(self, ar: int) -> list[np.ndarray]:
-        """Per conv layer the buffer its step's rows land in, [ar, channels] (a HEADS kind's only staging)."""
+        """Per conv layer the buffer its step's rows land in, in its window's layout (ConvRows.staging: [1, ar,
+        channels] for HEADS; a HEADS kind's only staging)."""
         return [c.staging(ar) for c in self.convs]
 
     def staging(self, ar: int) -> list[np.ndarray]:
@@ -337,9 +356,9 @@ class KVCache:
         self.length = pos + n_valid
 
     def write_convs(self, rows: list[np.ndarray], n_valid: int) -> None:
-        """rows: per conv layer its step's rows [ar, channels]; the first n_valid stored at slots length.. (the
-        length is not moved: write / advance move it)."""
+        """rows: per conv layer its step's rows [ar, channels] (or [1, ar, channels]: one sequence's, whatever the
+        leading 1s); the first n_valid stored at slots length.. (the length is not moved: write / advance move it)."""
         pos = self.length
         for c, r in zip(self.convs, rows):
             w = c.spec.width
-            c.data[w + pos : w + pos + n_valid] = r[:n_valid]
+            c.data[w + pos : w + pos + n_valid] = r.reshape(-1, c.spec.channels)[:n_valid]

@@ -6,7 +6,9 @@ conv of kernel L over time; times C; out_proj. Its state is per slot, like K/V r
 holds the conv input row (B * x) of slot p. A step at slots s .. s+ar-1 takes the W = L - 1 rows of slots s-W .. s-1
 (zeros before slot 0) as past_conv_i [W, hidden] and returns its own ar rows as new_conv_i [ar, hidden], which the host
 writes at slots s.. exactly as it writes K/V rows — so block prefill, lookahead (only accepted rows are written) and
-prefix reuse (the kept slots hold the prefix's rows) need no snapshot of a rolling state.
+prefix reuse (the kept slots hold the prefix's rows) need no snapshot of a rolling state. Under gqa_in_place, whose
+layers run on [1, ar, hidden], they are [1, W, hidden] and [1, ar, hidden]: [B, W, hidden] and [B, ar / B, hidden] in a
+batch of B sequences (export/batch_dim.py; the conv is then a depthwise Conv, no size taken from ar).
 
 An attention layer: GQA with RMSNorm over each head's q and k before RoPE (as Qwen3), the rows contract of
 families/layers.py CachedGQAttention. Each layer: x + op(operator_norm(x)); x + SwiGLU(ffn_norm(x)). Then
@@ -14,14 +16,15 @@ embedding_norm (LFM2's final norm) and the lm head (tied to the embeddings in th
 
     forward(inputs_embeds [ar, hidden], position_ids [1, ar], *step (the attention kind's), *state[, logit_rows [r]])
       state: per layer in order, attention: past_key_i, past_value_i (the kind's: rows [ctx, kv_dim] or
-      GroupQueryAttention's buffers [1, kv_heads, max_context, head_dim]); conv: past_conv_i [W, hidden]
+      GroupQueryAttention's buffers [1, kv_heads, max_context, head_dim]); conv: past_conv_i [W, hidden] ([1, W, hidden])
       -> (logits [ar or r, vocab], per layer in order: the attention kind's outputs | new_conv_i [ar, hidden]
-          [, next_token [r]: gqa_in_place])
+          ([1, ar, hidden])[, next_token [r]: gqa_in_place])
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import layers
@@ -40,9 +43,13 @@ class ShortConv(nn.Module):
         self.conv_bias = nn.Parameter(torch.zeros(hidden)) if bias else None
         self.out_proj = nn.Linear(hidden, hidden, bias=bias)
 
-    def forward(self, x, past):  # x [ar, hidden] (or the attention kind's [1, ar, hidden]), past [L-1, hidden]
-        shape, hidden = x.shape, x.shape[-1]
-        x = x.reshape(-1, hidden)
+    def forward(self, x, past):
+        """x, past in the attention kind's layout: [ar, hidden], [L-1, hidden] (the rows kinds) or [B, s, hidden],
+        [B, L-1, hidden] (gqa_in_place: B sequences of s rows, export/batch_dim.py) -> (out like x, bx: the conv
+        input rows like x, the state rows)."""
+        if x.dim() == 3:
+            return self._batched(x, past)
+        hidden = x.shape[-1]
         ar = x.shape[0]
         b, c, xx = self.in_proj(x).split(hidden, dim=-1)  # [ar, hidden] each (HF's chunk(3) of BCx)
         bx = b * xx  # [ar, hidden]: the conv's input, the state rows
@@ -52,7 +59,18 @@ class ShortConv(nn.Module):
             out = out + seq[k:k + ar] * self.conv_weight[:, k]
         if self.conv_bias is not None:
             out = out + self.conv_bias
-        return self.out_proj(c * out).reshape(shape), bx
+        return self.out_proj(c * out), bx
+
+    def _batched(self, x, past):
+        """x [B, s, hidden], past [B, L-1, hidden]: the same conv as a depthwise Conv over time (HF's nn.Conv1d), with
+        no size taken from s, so the graph is shape-agnostic: export/batch_dim.py's enter Reshape [B, ar / B, hidden]
+        splits the rows into sequences and each sequence's conv reads its own window."""
+        hidden = x.shape[-1]
+        b, c, xx = self.in_proj(x).split(hidden, dim=-1)  # [B, s, hidden] each
+        bx = b * xx  # [B, s, hidden]
+        seq = torch.cat([past, bx], dim=1).transpose(1, 2)  # [B, hidden, L-1 + s]
+        out = F.conv1d(seq, self.conv_weight[:, None, :], self.conv_bias, groups=hidden)  # [B, hidden, s]
+        return self.out_proj(c * out.transpose(1, 2)), bx
 
 
 class Lfm2Layer(nn.Module):
