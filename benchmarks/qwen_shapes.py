@@ -1,6 +1,7 @@
 """Qwen2.5-VL-3B-shaped and Qwen3-VL-2B-shaped bundles at reduced depth, timed on a 1024×768 photo (issue 30 item 6).
 
     python benchmarks/qwen_shapes.py qwen2_5_vl|qwen3_vl --depth TEXT,VISION [--work DIR] [--no-run] [--runs 2]
+        [--attention gqa|portable]
         [--llama-server BIN --gguf TEXT.gguf --mmproj MMPROJ.gguf]
 
 Builds a checkpoint with the released widths, heads, vocabulary (151936, the real Qwen3 tokenizer) and processor
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=None, help="default: the image's tokens + 24")
     ap.add_argument("--no-run", action="store_true", help="build and export only")
+    ap.add_argument("--attention", choices=["gqa", "portable"], default="gqa",
+                    help="the decoder's export --attention (gqa: kind gqa_in_place, the default; portable: rows_dynamic)")
     ap.add_argument("--llama-server", default=None, help="time llama.cpp's server on --gguf/--mmproj instead")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--mmproj", default=None)
@@ -171,12 +174,12 @@ def main() -> None:
         img = photo(work.parent / "qwen-photo-1024x768.png")
         print(json.dumps({"kind": a.kind, "depth": [text, vision], "llama_server": llama(a, img)}))
         return
-    ckpt, bundle = work / "ckpt", work / "w4a8"
+    ckpt, bundle = work / "ckpt", work / ("w4a8" if a.attention == "gqa" else f"w4a8-{a.attention}")
     if not (ckpt / "config.json").exists():
         build(a.kind, ckpt, text, vision)
     if not (bundle / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "vlmrt.cli", "export", str(ckpt), str(bundle), "--quant", "w4a8",
-                        "--max-seq-len", "2048", "--force"], check=True)
+                        "--max-seq-len", "2048", "--attention", a.attention, "--force"], check=True)
     img = photo(work.parent / "qwen-photo-1024x768.png")
     if a.no_run:
         return
@@ -185,7 +188,7 @@ def main() -> None:
     p = subprocess.run([sys.executable, "-m", "vlmrt.cli", "bench", str(bundle), "--image", str(img), "--prompt-tokens",
                         str(n), "--gen-tokens", str(a.gen_tokens), "--runs", str(a.runs), "--json"],
                        check=True, capture_output=True, text=True)
-    print(json.dumps({"kind": a.kind, "depth": [text, vision], **json.loads(p.stdout.strip().splitlines()[-1])}))
+    print(json.dumps({"kind": a.kind, "depth": [text, vision], "attention": a.attention, **json.loads(p.stdout.strip().splitlines()[-1])}))
 
 
 if __name__ == "__main__":
