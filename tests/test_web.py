@@ -94,7 +94,11 @@ def test_demo_answers_are_vlmrt_runs(demo_site, tmp_path):
         page.wait_for_function("document.getElementById('rate').textContent.includes('tokens/s')", timeout=120_000)
         page.wait_for_function("document.getElementById('send').disabled === false", timeout=120_000)
         shown = page.eval_on_selector_all(".turn.assistant span", "e => e.map(x => x.textContent)")
-        assert shown == [vlm("What is 2+2? Answer in words.", None, max_new_tokens=256).text]
+        answer = vlm("What is 2+2? Answer in words.", None, max_new_tokens=256)
+        assert shown == [answer.text]
+        n = len(answer.token_ids)  # the status line: "N tokens, first after S s[, R tokens/s] (prompt ...; stop: ...)"
+        status = page.text_content("#rate")
+        assert status.startswith(f"{n} token{'' if n == 1 else 's'}, first after ") and "stop: " in status, status
         # nothing but the site itself: no CDN, no API
         assert page.requests and all(u.startswith(url + "/") or u.startswith("data:") for u in page.requests)
         assert not any("/v1" in u for u in page.requests)

@@ -125,8 +125,10 @@ $("ask").addEventListener("submit", async (e) => {
     });
     messages.push({ role: "assistant", content: r.text });
     const s = r.stats;
-    $("rate").textContent = `${s.generatedTokens} tokens, first after ${(s.ttftMs / 1000).toFixed(2)} s, ` +
-      `${s.decodeTokensPerS.toFixed(1)} tokens/s (prompt ${s.promptTokens} tokens, ${s.prefillTokensPerS.toFixed(0)} tokens/s; stop: ${s.stopReason})`;
+    const n = s.generatedTokens;  // (one token: no decode step, so no decode rate)
+    $("rate").textContent = `${n} token${n === 1 ? "" : "s"}, first after ${(s.ttftMs / 1000).toFixed(2)} s` +
+      (n > 1 ? `, ${s.decodeTokensPerS.toFixed(1)} tokens/s` : "") +
+      ` (prompt ${s.promptTokens} tokens, ${s.prefillTokensPerS.toFixed(0)} tokens/s; stop: ${s.stopReason})`;
   } catch (err) {
     messages.pop();
     out.textContent = `error: ${err.message}`;
