@@ -94,16 +94,20 @@ def lfm2_exported(case: Lfm2Case, tmp_path_factory) -> Exported:
 @dataclass(frozen=True)
 class QwenCase:
     """A Qwen-VL checkpoint (tests/fixtures_qwen.py TINY[kind]): Qwen2.5-VL (windows, Qwen2 decoder) or Qwen3-VL
-    (DeepStack, Qwen3 decoder), prefill blocks of prefill_ar."""
+    (DeepStack, Qwen3 decoder), prefill blocks of prefill_ar, the decoder kind the export takes (attention None / gqa:
+    gqa_in_place, M-RoPE's rows gathered before the op; portable: rows_dynamic)."""
 
     name: str
     kind: str
     prefill_ar: int
     seed: int  # weights whose 24-token answers are not degenerate on the runner's images (measured)
+    attention: str | None = None
 
 
 QWEN_CASES = [QwenCase("qwen2.5-vl", "qwen2_5_vl", prefill_ar=16, seed=11),
-              QwenCase("qwen3-vl", "qwen3_vl", prefill_ar=16, seed=16)]
+              QwenCase("qwen3-vl", "qwen3_vl", prefill_ar=16, seed=16),
+              # the same weights as the first, on the host-written rows contract
+              QwenCase("qwen2.5-vl-rows", "qwen2_5_vl", prefill_ar=16, seed=11, attention="portable")]
 
 
 def qwen_exported(case: QwenCase, tmp_path_factory) -> Exported:
@@ -114,7 +118,8 @@ def qwen_exported(case: QwenCase, tmp_path_factory) -> Exported:
     def make(folder):
         return make_full_checkpoint(case.kind, folder, seed=case.seed)
 
-    return export_once(case, tmp_path_factory, make, oracle_family(case.kind), prefill_ar=case.prefill_ar)
+    return export_once(case, tmp_path_factory, make, oracle_family(case.kind), prefill_ar=case.prefill_ar,
+                       attention=case.attention)
 
 
 @dataclass(frozen=True)

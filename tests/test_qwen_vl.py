@@ -134,7 +134,7 @@ PLANTS = {
 }
 
 
-PLANTED = [(c, plant) for c in QWEN_CASES for plant, (kind, _) in PLANTS.items() if kind in (None, c.kind)]
+PLANTED = [(c, plant) for c in QWEN_CASES[:2] for plant, (kind, _) in PLANTS.items() if kind in (None, c.kind)]
 
 
 @pytest.mark.parametrize("case,plant", PLANTED, ids=[f"{c.name}-{plant}" for c, plant in PLANTED])
