@@ -7,11 +7,10 @@ graph's position input, or with M-RoPE the token indices into the step's own rot
 _gqa_rope) are reshaped to [B, ar / B], the leave Gather becomes a Reshape back to [ar, hidden], views baked as
 [1, -1, ...] keep the input's dim 0, and the cache buffers' first dimension is symbolic (`batch`), as are a conv
 layer's (LFM2: its window past_conv_i [B, width, channels] and its rows new_conv_i [B, ar / B, channels]).
-GroupQueryAttention
-already takes B sequences, each with its own seqlens_k[b] (its step's last slot) over its own buffer rows
-[b, kv_heads, max_context, head_dim]; a conv layer's depthwise Conv runs over each sequence's window and rows; every
-other node works row by row, so one call advances B sequences of ar / B tokens each (the batched decode step: B
-sequences of one token, ar = B). B = 1 computes what the graph computed before, node for node (a Reshape to the
+GroupQueryAttention already takes B sequences, each with its own seqlens_k[b] (its step's last slot) over its own
+buffer rows [b, kv_heads, max_context, head_dim]; a conv layer's depthwise Conv runs over each sequence's window and
+rows; every other node works row by row, so one call advances B sequences of ar / B tokens each (the batched decode
+step: B sequences of one token, ar = B). B = 1 computes what the graph computed before, node for node (a Reshape to the
 Unsqueeze's shape), so the one-sequence engine is unchanged.
 
     n = add_batch_dim(model, seqlens="seqlens_k")   # -> the GroupQueryAttention nodes
@@ -133,7 +132,11 @@ def _drop_batch_hints(g) -> None:
     """The exporter's value_info of the layers' tensors [1, ar, ...] (and derived: a conv's [1, hidden, width + ar])
     would be stale for B > 1 and ORT would hold a graph output computed from them to the 1 (a conv layer's rows):
     those whose dim 0 is 1 are dropped, for ORT to infer."""
-    keep = [v for v in g.value_info if not (v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].dim_value == 1)]
+    def stale(v):
+        dims = v.type.tensor_type.shape.dim
+        return bool(dims) and dims[0].dim_value == 1
+
+    keep = [v for v in g.value_info if not stale(v)]
     del g.value_info[:]
     g.value_info.extend(keep)
 
