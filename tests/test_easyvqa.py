@@ -220,10 +220,14 @@ def test_altered_cache_is_rebuilt(cache, capsys, monkeypatch, tmp_path):
     rc = cli.main(["run", "--image", str(SAMPLE), "--prompt", "What color is the shape?", "--json"])
     out, err = capsys.readouterr()
     said = [ln for ln in err.splitlines() if ln.startswith("vlmrt")]
+    answer = json.loads(out.strip().splitlines()[-1])
+    build = answer["first_use_build"]  # the rebuild's own figures, beside the answer's stats
     assert rc == 0 and said == [f"vlmrt: the cached default model failed verification (bundle file altered (sha256 "
-                                f"mismatch): {victim}): rebuilding {bundle}"], err
+                                f"mismatch): {victim}): rebuilding {bundle}",
+                                f"vlmrt: built the default model in a process of its own: {build['seconds']:.1f} s, "
+                                f"peak RSS {build['peak_rss_mb']:.0f} MB"], err
     assert default_model.verify_cache(bundle) is None
-    assert ev.normalize_answer(json.loads(out.strip().splitlines()[-1])["text"]) == "green"
+    assert ev.normalize_answer(answer["text"]) == "green"
     # what else fails verification: no manifest, an unreadable one, a file of another size
     (tmp_path / "b").mkdir()
     assert "not a vlmrt bundle" in default_model.verify_cache(tmp_path / "b")

@@ -74,6 +74,20 @@ def test_one_token_answer_reports_no_decode_rate():
     assert "2 tokens, 50.0 tok/s" in chat_repl.summary(two.stats)
 
 
+def test_first_use_build_is_reported_apart():
+    """The default model's first-use build (its own process) is a line of its own after the answer's figures, never
+    their peak RSS (issue 43); without a build the report has no such line."""
+    from vlmrt.demo.default_model import BuildReport
+    from vlmrt.runtime.pipeline import Result, RunStats
+
+    r = Result(stats=RunStats(prompt_tokens=21, generated_tokens=1, stop_reason="eos", peak_rss_mb=716.2))
+    lines = stats_report(r, BuildReport(124.31, 4285.4)).splitlines()
+    assert lines[-2:] == ["peak RSS           716 MB",
+                          "first-use build    124.3 s, peak RSS 4285 MB (the default model, built in a process of its own)"]
+    assert BuildReport(124.31, 4285.44).to_dict() == {"seconds": 124.31, "peak_rss_mb": 4285.4}
+    assert "first-use" not in stats_report(r)
+
+
 def test_bench_json_reports_every_timing(default_bundle):
     """vlmrt bench: min/median/max over the runs (each a fresh load), exactly --gen-tokens tokens, a prompt of
     --prompt-tokens tokens (image included) as closely as whole words allow, peak RSS."""

@@ -75,6 +75,13 @@ def test_two_first_uses_of_the_default_model_both_answer(tmp_path):
     texts = {json.loads(out)["text"] for _, out, _ in results}
     assert len(texts) == 1, texts
     assert any("waiting for another vlmrt process" in err for _, _, err in results), [e for *_, e in results]
+    # the builder reports the answer's own peak RSS, as the one that only waited and loaded does, and the build's
+    # figures apart (the export's peak, ~4.7 GB, was reported as the run's: issue 43)
+    (built,) = [json.loads(out) for _, out, _ in results if "first_use_build" in json.loads(out)]
+    (waited,) = [json.loads(out) for _, out, _ in results if "first_use_build" not in json.loads(out)]
+    build, rss = built["first_use_build"], built["stats"]["peak_rss_mb"]
+    assert abs(rss - waited["stats"]["peak_rss_mb"]) < 0.25 * waited["stats"]["peak_rss_mb"], (built, waited)
+    assert build["peak_rss_mb"] > 3 * rss and build["seconds"] > 5, (built, waited)
     root = tmp_path / "cache"
     # one bundle, no work folders left (beside it: the lock, and verify_record's folder of remembered checks)
     bundles = [p for p in root.iterdir() if p.is_dir() and p.name != "verified"]

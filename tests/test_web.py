@@ -211,6 +211,34 @@ def test_command_errors_are_one_line(default_bundle, tmp_path, capsys, monkeypat
     assert (out / "_headers").read_text().count("Cross-Origin-") == 3
 
 
+def test_missing_packages_are_one_line_before_the_default_models_build(tmp_path, monkeypatch, capsys):
+    """A tree without node_modules (the web package's files copied, its node_modules not): `vlmrt web` on the default
+    model says in one line the command that installs the packages, before the default model's first-use build
+    (~1.5 min) and with nothing written."""
+    from vlmrt.demo import default_model
+    from vlmrt.web import site
+
+    web = tmp_path / "web"
+    web.mkdir()
+    for f in ("package.json", "package-lock.json"):
+        (web / f).write_bytes((site.HERE / f).read_bytes())
+    monkeypatch.setattr(site, "HERE", web)
+    monkeypatch.delenv("VLMRT_WEB_MODULES", raising=False)
+    monkeypatch.setenv("VLMRT_CACHE", str(tmp_path / "cache"))
+    built = []
+    monkeypatch.setattr(default_model, "ensure_bundle", lambda progress=True: built.append(1) or 1 / 0)
+    line = _refused(capsys, "web", "--out", str(tmp_path / "site"))
+    assert line == (f"vlmrt: error: vlmrt web needs the browser runtime's JavaScript packages "
+                    f"(onnxruntime-web/dist/ort.wasm.min.mjs is missing under {web / 'node_modules'}): install them "
+                    f"with: npm ci --prefix {web} --no-audit --no-fund --ignore-scripts")
+    assert built == [] and sorted(p.name for p in tmp_path.iterdir()) == ["web"]
+    # $VLMRT_WEB_MODULES naming a folder without them: the same command, and the variable named
+    monkeypatch.setenv("VLMRT_WEB_MODULES", str(tmp_path / "elsewhere"))
+    line = _refused(capsys, "web", "--out", str(tmp_path / "site"), "--webgpu")
+    assert line.endswith(f"install them with: npm ci --prefix {web} --no-audit --no-fund --ignore-scripts (and unset "
+                         f"$VLMRT_WEB_MODULES, which names that folder)") and built == []
+
+
 def _get(url: str):
     """(status, headers (case-insensitive), body)"""
     try:

@@ -4,7 +4,8 @@ default model, the stats report."""
 from __future__ import annotations
 
 
-def stats_report(r) -> str:
+def stats_report(r, build=None) -> str:
+    """The answer's figures; build: the default model's first-use build (BuildReport), a line of its own."""
     s = r.stats
     lines = [
         f"prompt tokens      {s.prompt_tokens} ({s.images} images, {s.image_tiles} image tiles; "
@@ -22,6 +23,8 @@ def stats_report(r) -> str:
     ]
     if s.drafted_tokens:
         lines.insert(-1, f"lookahead          {s.accepted_tokens} of {s.drafted_tokens} drafted tokens accepted")
+    if build is not None:
+        lines.append(f"first-use build    {build.line()} (the default model, built in a process of its own)")
     return "\n".join(lines)
 
 
@@ -48,11 +51,18 @@ def _videos(a) -> list:
 
 def _bundle_or_default(bundle: str | None) -> str:
     """The given bundle, or the offline default model (exported into the cache on first use)."""
-    if bundle is not None:
-        return bundle
-    from ..demo.default_model import ensure_bundle
+    return _bundle_and_build(bundle)[0]
 
-    return str(ensure_bundle(progress=True))
+
+def _bundle_and_build(bundle: str | None):
+    """(_bundle_or_default's bundle, the figures of the default model's first-use build when this call ran it, else
+    None: demo.default_model.BuildReport). The build runs in a process of its own: this one's peak RSS stays its own."""
+    if bundle is not None:
+        return bundle, None
+    from ..demo.default_model import ensure_bundle_report
+
+    out, build = ensure_bundle_report(progress=True)
+    return str(out), build
 
 
 LOOKAHEAD_HELP = ("lookahead decoding of greedy answers: draft up to N tokens per step by prompt lookup and verify "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
+from .options import _bundle_and_build, _generation_args, _image_arg, _options, _videos, stats_report
 
 
 def add_parser(sub) -> None:
@@ -39,17 +39,23 @@ def run(a) -> int:
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
     if a.htp_arch is not None and a.device != "htp":
         raise ValueError("--htp-arch is for --device htp")
-    vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
+    # the default model's first use builds it in a process of its own: the stats (peak RSS included) stay the answer's,
+    # the build's figures are reported beside them
+    bundle, build = _bundle_and_build(a.bundle)
+    vlm = VLM.load(bundle, device=a.device, threads=a.threads, verify=a.bundle is not None,
                    kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
     # a one-shot run: nothing to reuse, the same as generate()
     gen = vlm.chat(messages, **opts)
     if a.json:
         for _ in gen:
             pass
-        print(json.dumps(vlm.result.to_dict()))
+        out = vlm.result.to_dict()
+        if build is not None:
+            out["first_use_build"] = build.to_dict()
+        print(json.dumps(out))
     else:
         for piece in gen:
             print(piece, end="", flush=True)
         print(flush=True)  # the answer's line ends before the report (stderr) when both go to one pipe
-        print(stats_report(vlm.result), file=sys.stderr)
+        print(stats_report(vlm.result, build), file=sys.stderr)
     return 0

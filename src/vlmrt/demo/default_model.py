@@ -9,13 +9,21 @@ without hashing it again. Builders take a lock file next to the bundle (``easyvq
 second process doing the first use at the same time waits for the first and then uses its bundle. Everything is
 written into work folders next to the target and renamed at the end (vlmrt.format.staging), so an interrupted first use
 leaves no half-written bundle. torch-free until it must export.
+
+The build (assembly + export: ~1.5 min, a peak RSS of ~4.7 GB) runs in a process of its own
+(``python -m vlmrt.demo.default_model OUT``), so that the process that then answers reports its own peak RSS, not the
+export's (ru_maxrss cannot be reset); ensure_bundle_report gives the build's wall time and peak RSS separately.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import os
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..format.verify_record import cache_root
@@ -32,6 +40,19 @@ EXPORT_FORMAT = 5
 
 class DefaultModelError(ValueError):
     """One readable line for the CLI."""
+
+
+@dataclass
+class BuildReport:
+    """The first-use build's own figures: its process's wall time and peak RSS."""
+    seconds: float
+    peak_rss_mb: float
+
+    def to_dict(self) -> dict:
+        return {"seconds": round(self.seconds, 3), "peak_rss_mb": round(self.peak_rss_mb, 1)}
+
+    def line(self) -> str:
+        return f"{self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MB"
 
 
 def weights_digest() -> str:
@@ -86,9 +107,14 @@ def _build_lock(out: Path, progress: bool):
 
 def ensure_bundle(progress: bool = True) -> Path:
     """The default bundle's folder, assembled + exported first if the cache lacks one that verifies."""
+    return ensure_bundle_report(progress)[0]
+
+
+def ensure_bundle_report(progress: bool = True) -> tuple[Path, BuildReport | None]:
+    """As ensure_bundle, with the figures of the build this call ran (None: it found the bundle built)."""
     out = bundle_dir()
     if out.exists() and verify_cache(out) is None:
-        return out
+        return out, None
     missing = missing_export_modules()
     if missing:
         raise DefaultModelError(f"the default model is exported on first use, which needs vlmrt's export extra "
@@ -96,17 +122,66 @@ def ensure_bundle(progress: bool = True) -> Path:
     with _build_lock(out, progress):
         problem = verify_cache(out) if out.exists() else None
         if out.exists() and problem is None:  # built by the process we waited for
-            return out
+            return out, None
         if problem is not None:  # said even without progress: the user's cache was not what it should be
             print(f"vlmrt: the cached default model failed verification ({problem}): rebuilding {out}",
                   file=sys.stderr, flush=True)
         elif progress:
             print(f"vlmrt: first use of the default model (easy-VQA demo): building it into {out}", file=sys.stderr,
                   flush=True)
-        return _build(out, progress)
+        report = _build(out, progress)
+        if progress:
+            print(f"vlmrt: built the default model in a process of its own: {report.line()}", file=sys.stderr,
+                  flush=True)
+        return out, report
 
 
-def _build(out: Path, progress: bool) -> Path:
+def _build(out: Path, progress: bool) -> BuildReport:
+    """Build out in a child process (this module's __main__), under the caller's lock; its figures."""
+    import signal
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])  # the folder holding this vlmrt: the child imports the same one
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with tempfile.TemporaryDirectory(prefix="vlmrt-build-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "vlmrt.demo.default_model", str(out), "--result", str(result)]
+        t0 = time.perf_counter()
+        # its progress goes to stderr; so does anything it prints (stdout stays the answer's: run --json)
+        child = subprocess.Popen(cmd + ([] if progress else ["--quiet"]), env=env, stdin=subprocess.DEVNULL,
+                                 stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL)
+        try:
+            _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage: its peak RSS
+        except BaseException:  # interrupted: the child cleans up its work folders on SIGINT, then we go on raising
+            child.send_signal(signal.SIGINT)
+            child.wait()
+            raise
+        child.returncode = code = os.waitstatus_to_exitcode(status)
+        report = BuildReport(time.perf_counter() - t0, usage.ru_maxrss / 1024.0)  # Linux: KiB
+        said = json.loads(result.read_text()) if result.is_file() else {}
+    if code == 0 and out.is_dir():
+        return report
+    if said.get("error"):
+        raise DefaultModelError(said["error"])
+    if code < 0:
+        name = signal.Signals(-code).name
+        raise DefaultModelError(f"building the default model was stopped by {name}"
+                                + (" (out of memory?)" if name == "SIGKILL" else "") + f" after {report.line()}")
+    raise DefaultModelError(f"building the default model failed in its process (exit status {code}; its error is "
+                            f"above)")
+
+
+def _has_fileno(f) -> bool:
+    try:
+        f.fileno()
+    except (AttributeError, OSError, ValueError):  # pytest's capture, a StringIO
+        return False
+    return True
+
+
+def _build_here(out: Path, progress: bool) -> None:
     from ..export.pipeline import export
     from ..format.staging import staged
     from .checkpoint import build_checkpoint
@@ -118,4 +193,33 @@ def _build(out: Path, progress: bool) -> Path:
             export(str(ckpt), out, max_seq_len=MAX_SEQ_LEN, progress=progress, force=True)
     except GGUFError as e:
         raise DefaultModelError(str(e)) from e
-    return out
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """The build's own process: python -m vlmrt.demo.default_model OUT --result FILE [--quiet]. The caller holds the
+    lock; FILE gets {"error": one line} where the build fails as the CLI would say in one line."""
+    import argparse
+
+    from ..format.errors import BundleError
+
+    ap = argparse.ArgumentParser(prog="python -m vlmrt.demo.default_model",
+                                 description="build the offline default model into OUT (what ensure_bundle runs)")
+    ap.add_argument("out")
+    ap.add_argument("--result", required=True, metavar="FILE")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        _build_here(Path(a.out), progress=not a.quiet)
+    except KeyboardInterrupt:
+        return 130
+    except (BundleError, ValueError, OSError, KeyError) as e:  # what the CLI says in one line
+        if os.environ.get("VLMRT_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        Path(a.result).write_text(json.dumps({"error": msg}))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

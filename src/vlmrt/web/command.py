@@ -23,8 +23,9 @@ def add_parser(sub) -> None:
 
 def run(a) -> int:
     from .server import make_server
-    from .site import write_site
+    from .site import vendor_sources, write_site
 
+    vendor_sources(a.webgpu)  # missing npm packages: said before the default model's first-use build, not after
     server = make_server(a.out, a.port) if a.serve else None  # a taken port fails before the site is written
     try:
         if a.bundle is None:

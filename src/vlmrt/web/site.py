@@ -91,13 +91,21 @@ def browser_problem(m: Manifest) -> str | None:
     return None
 
 
-def _vendor_sources(webgpu: bool) -> list[tuple[Path, str]]:
+def npm_ci() -> str:
+    """The command that installs the browser runtime's packages from package-lock.json (scripts/setup runs it)."""
+    return f"npm ci --prefix {HERE} --no-audit --no-fund --ignore-scripts"
+
+
+def vendor_sources(webgpu: bool = False) -> list[tuple[Path, str]]:
+    """(file under node_modules, name under vendor/) of the packages the site ships; a WebError naming the command
+    that installs them where one is missing."""
     root = node_modules()
     files = VENDOR + (VENDOR_WEBGPU if webgpu else ())
     missing = [f"{pkg}/{f}" for pkg, f, _ in files if not (root / pkg / f).is_file()]
     if missing:
-        raise WebError(f"the browser runtime's JavaScript dependencies are not installed ({missing[0]} missing under "
-                       f"{root}): run scripts/setup, or npm ci --prefix {HERE}")
+        also = " (and unset $VLMRT_WEB_MODULES, which names that folder)" if os.environ.get("VLMRT_WEB_MODULES") else ""
+        raise WebError(f"vlmrt web needs the browser runtime's JavaScript packages ({missing[0]} is missing under "
+                       f"{root}): install them with: {npm_ci()}{also}")
     return [(root / pkg / f, name) for pkg, f, name in files]
 
 
@@ -137,7 +145,7 @@ def write_site(bundle: str | Path, out: str | Path, force: bool = False, webgpu:
     if out.exists() and not force:
         if not out.is_dir() or any(out.iterdir()):
             raise WebError(f"{out} exists; use --force to replace it")
-    sources = _vendor_sources(webgpu)
+    sources = vendor_sources(webgpu)
     with staged(out, "web") as work:
         shutil.copyfile(STATIC / "index.html", work / "index.html")
         for name in RUNTIME_FILES:
