@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 import torchvision_ops
+import vlmrt  # noqa: F401  (before any test imports onnxruntime: vlmrt.TELEMETRY_OFF, so the suite sends nothing)
 
 torchvision_ops.declare()  # before anything imports torchvision (transformers does once it is installed)
 

@@ -56,9 +56,10 @@ class Tiles:
 
 
 def is_pil_image(x) -> bool:
-    """Whether x is a PIL image (without importing Pillow: if it is not loaded, x is none)."""
-    pil = sys.modules.get("PIL.Image")
-    return pil is not None and isinstance(x, pil.Image)
+    """Whether x is a PIL image (without importing Pillow: if it is not loaded, x is none). PIL.Image may be in
+    sys.modules before it is whole (another thread importing it): without its Image class yet, x is none either."""
+    cls = getattr(sys.modules.get("PIL.Image"), "Image", None)
+    return cls is not None and isinstance(x, cls)
 
 
 def load_image(path: str | Path) -> Image.Image:

@@ -17,6 +17,18 @@ from .weights import SharedWeights, release_freed_heap
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 DEVICES = ("cpu", "cuda", "htp")
 _QNN_REGISTERED = False
+_EVENTS_OFF = False
+
+
+def telemetry_off(ort) -> None:
+    """ORT's telemetry events off, unless the environment asks for them (ORT_DISABLE_TELEMETRY=0). vlmrt/__init__.py
+    sets ORT_DISABLE_TELEMETRY, which stops the uploader, but onnxruntime reads it only when it is imported: a
+    program that imported onnxruntime before vlmrt still gets its events turned off here (all but the start-up
+    event, which onnxruntime may have queued already)."""
+    global _EVENTS_OFF
+    if not _EVENTS_OFF and os.environ.get("ORT_DISABLE_TELEMETRY", "1") != "0":
+        ort.disable_telemetry_events()
+        _EVENTS_OFF = True
 
 
 def qnn_devices():
@@ -72,6 +84,7 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
     graph's load_only_weights come from that mapping, whose pages are dropped while the session is built."""
     import onnxruntime as ort
 
+    telemetry_off(ort)
     if device not in DEVICES:
         raise mf.BundleError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     so = ort.SessionOptions()

@@ -127,6 +127,7 @@ def build(a, bundle: str, on_load_error=None):
     from ..runtime.sources import FetchLimits
     from ..runtime.url_policy import AddressPolicy
     from .app import Config, create_app
+    from .media import warm_up
     from .scheduler import Scheduler
 
     sizes_ok = all(math.isfinite(x) for x in (a.max_body_mb, a.image_cache_mb))  # NaN passes the comparisons below
@@ -163,6 +164,7 @@ def build(a, bundle: str, on_load_error=None):
 
         t = time.perf_counter()
         b = Bundle.open(bundle, device=a.device, threads=a.threads, verify=verify)
+        warm_up(video=b.manifest.prompt.video is not None)  # before /health turns 200: nothing to import on first use
         # the slots' VLMs get images already decoded; the policy is theirs too, should a URL ever reach one
         return Scheduler(b, a.slots, a.queue, time.perf_counter() - t, fetch=fetch,
                          image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots), lookahead=a.lookahead)

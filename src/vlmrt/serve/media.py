@@ -6,6 +6,7 @@ server was started with a media folder, a path inside that folder. Every failure
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -13,6 +14,30 @@ from ..runtime.conversation import is_unicode
 from ..runtime.image import ImageError
 from ..runtime.sources import FetchLimits, read_image
 from .errors import bad_request
+
+
+TINY_PNG = ("data:image/png;base64,"  # 1x1, black
+            "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC")
+
+
+def warm_up(video: bool) -> None:
+    """Load what the request path imports on first use, before the server says it is ready (the runtime defers them
+    for a fast cold start). A fresh server's first requests decode their media in several threads at once, and a
+    module one thread is still importing is seen half made by the others: 1 to 6 of the first 16 concurrent image
+    requests answered 500 on every fresh server (`partially initialized module 'PIL.Image'`; tests/
+    test_serve_startup.py). video: the bundle takes videos (then PyAV too, when installed: +16 MB that a server
+    without videos does not load)."""
+    from PIL import Image
+
+    Image.init()  # every format's plugin (Image.open loads the common ones on first use, the others when those fail)
+    read_image(TINY_PNG, FetchLimits(urls=False)).image  # noqa: B018 (decodes: the whole data-URI path once)
+    import http.client  # noqa: F401  (image URLs: sources.fetch_url imports these on first use)
+    import urllib.error  # noqa: F401
+    import urllib.request  # noqa: F401
+
+    if video:
+        with contextlib.suppress(ImportError):  # without PyAV a video file is one 400 naming the extra
+            import av  # noqa: F401
 
 
 def _local(url: str, media_dir: Path | None) -> str:
