@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
+import vlmrt  # noqa: F401,E402  (first: it turns onnxruntime's telemetry off before onnxruntime is imported)
+import onnxruntime as ort  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from vlmrt.export.cpu import quantize  # noqa: E402

@@ -7,7 +7,8 @@ A through run() with feeds, B through I/O binding). Usage: python benchmarks/gqa
 import time
 
 import numpy as np
-import onnxruntime as ort
+import vlmrt  # noqa: F401,E402  (first: it turns onnxruntime's telemetry off before onnxruntime is imported)
+import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh

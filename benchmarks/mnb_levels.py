@@ -5,7 +5,8 @@ import sys
 import time
 
 import numpy as np
-import onnxruntime as ort
+import vlmrt  # noqa: F401,E402  (first: it turns onnxruntime's telemetry off before onnxruntime is imported)
+import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper
 
 
