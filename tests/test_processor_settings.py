@@ -35,6 +35,9 @@ LAYOUTS = {
                                                           "video_processor": VIDEO}},
     "nested-image-legacy-video": {"video_preprocessor_config.json": VIDEO,
                                   "processor_config.json": {"image_seq_len": 4, "image_processor": IMAGE}},
+    # (a processor saved without a video processor writes "video_processor": null)
+    "nested-null-video": {"video_preprocessor_config.json": VIDEO,
+                          "processor_config.json": {"image_processor": IMAGE, "video_processor": None}},
     "image-file-only": {"preprocessor_config.json": IMAGE},  # (the video processor reads the image processor's file)
     "legacy-processor-file-no-nested": {"preprocessor_config.json": IMAGE, "processor_config.json": {"image_seq_len": 9}},
     "none": {},

@@ -74,7 +74,7 @@ class Checkpoint:
 
     def _nested(self, key: str) -> dict[str, Any] | None:
         d = self._processor_file()
-        if key not in d:
+        if d.get(key) is None:  # (absent, or null: transformers then reads the separate files too)
             return None
         if not isinstance(d[key], dict):
             raise CheckpointError(f"{PROCESSOR_FILE}'s {key!r} is not a JSON object")
