@@ -115,3 +115,24 @@ def test_named_tokens_are_the_tokenizers_attributes(layout, tmp_path):
     for name in TOKEN_NAMES:
         assert got.get(name) == getattr(tok, name, None), name
     assert any(got.get(n) for n in TOKEN_NAMES)
+
+
+TEMPLATES = {"processor-key": "P{{ messages }}", "json": "J{{ messages }}", "jinja": "K{{ messages }}"}
+
+
+@pytest.mark.parametrize("files", [("jinja",), ("json",), ("json", "jinja"), ("processor-key", "json", "jinja"),
+                                   ("processor-key",)])
+def test_chat_template_is_the_one_transformers_reads(files, tmp_path):
+    """The processor's chat template where ProcessorMixin.get_processor_dict takes it from: processor_config.json's
+    key, else chat_template.json (over chat_template.jinja: a processor saved by transformers 5 over a snapshot
+    leaves the old json beside the new jinja, and transformers reads the json), else the jinja."""
+    from transformers.processing_utils import ProcessorMixin
+
+    if "processor-key" in files:
+        (tmp_path / "processor_config.json").write_text(json.dumps({"chat_template": TEMPLATES["processor-key"]}))
+    if "json" in files:
+        (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATES["json"]}))
+    if "jinja" in files:
+        (tmp_path / "chat_template.jinja").write_text(TEMPLATES["jinja"])
+    want = ProcessorMixin.get_processor_dict(str(tmp_path))[0]["chat_template"]
+    assert Checkpoint(tmp_path, {}).chat_template() == want == TEMPLATES[files[0]]

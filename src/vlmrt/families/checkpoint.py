@@ -162,12 +162,18 @@ class Checkpoint:
         return out
 
     def chat_template(self) -> str | None:
-        """The processor's chat template (chat_template.json / .jinja), else the tokenizer's."""
+        """The processor's chat template where transformers' ProcessorMixin.get_processor_dict takes it from:
+        processor_config.json's "chat_template" key (an older layout), else chat_template.json (the legacy file wins
+        over chat_template.jinja where both are there, as transformers reads them), else chat_template.jinja; else
+        the tokenizer's."""
+        own = self._processor_file().get("chat_template")
+        if isinstance(own, str) and own:
+            return own
+        ct = self.json("chat_template.json")
+        if isinstance(ct, dict) and ct.get("chat_template"):
+            return ct["chat_template"]
         if (self.path / "chat_template.jinja").is_file():
             return (self.path / "chat_template.jinja").read_text()
-        ct = self.json("chat_template.json")
-        if ct and ct.get("chat_template"):
-            return ct["chat_template"]
         tc = self.json("tokenizer_config.json", {})
         t = tc.get("chat_template")
         if isinstance(t, list):  # named templates
