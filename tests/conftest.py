@@ -128,19 +128,27 @@ class Exported:
 _EXPORTED: dict[str, Exported] = {}
 
 
-def export_once(case, tmp_path_factory, make_checkpoint, family, **export_kw) -> Exported:
-    """case's checkpoint (make_checkpoint(folder) -> folder) built and exported once per test session."""
-    if case.name not in _EXPORTED:
+def export_once(case, tmp_path_factory, make_checkpoint, family, nested: dict | None = None, **export_kw) -> Exported:
+    """case's checkpoint (make_checkpoint(folder) -> folder) built and exported once per test session. nested (stale
+    file edits, family_cases.FamilyCases.stale): the checkpoint's processor saved again as transformers 5 saves it
+    (oracle.save_nested: one processor_config.json with the settings nested, the old files left stale), exported
+    once apart (case.name + "-nested")."""
+    key = case.name if nested is None else case.name + "-nested"
+    if key not in _EXPORTED:
         from vlmrt.export.pipeline import export
 
-        root = tmp_path_factory.mktemp(case.name)
+        root = tmp_path_factory.mktemp(key)
         ckpt = make_checkpoint(root / "ckpt")
+        if nested is not None:
+            import oracle
+
+            oracle.save_nested(family, ckpt, nested)
         bundle = export(str(ckpt), root / "bundle", progress=False, **export_kw)
-        _EXPORTED[case.name] = Exported(case, ckpt, bundle, root, family)
-    return _EXPORTED[case.name]
+        _EXPORTED[key] = Exported(case, ckpt, bundle, root, family)
+    return _EXPORTED[key]
 
 
-def exported(case: Case, tmp_path_factory) -> Exported:
+def exported(case: Case, tmp_path_factory, nested: dict | None = None) -> Exported:
     from fixtures import SMOLVLM, make_smolvlm_checkpoint
 
     def make(folder):
@@ -150,8 +158,8 @@ def exported(case: Case, tmp_path_factory) -> Exported:
             seed=CASES.index(case),  # per case, not per test order (-k / --lf runs see the same weights)
         )
 
-    return export_once(case, tmp_path_factory, make, SMOLVLM, prefill_ar=case.prefill_ar, max_seq_len=case.max_seq_len,
-                       context_step=0 if case.static else None)
+    return export_once(case, tmp_path_factory, make, SMOLVLM, nested, prefill_ar=case.prefill_ar,
+                       max_seq_len=case.max_seq_len, context_step=0 if case.static else None)
 
 
 @pytest.fixture(params=CASES, ids=[c.name for c in CASES])

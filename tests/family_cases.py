@@ -38,7 +38,7 @@ CASES = [
 ]
 
 
-def exported(case: Case, tmp_path_factory) -> Exported:
+def exported(case: Case, tmp_path_factory, nested: dict | None = None) -> Exported:
     """An InternVL case's checkpoint, exported once per test session."""
     from fixtures_internvl import INTERNVL, make_internvl_checkpoint
 
@@ -49,7 +49,7 @@ def exported(case: Case, tmp_path_factory) -> Exported:
             vision_overrides=dict(case.vision_overrides), seed=CASES.index(case) + 3,  # per case, not per test order
         )
 
-    return export_once(case, tmp_path_factory, make, INTERNVL, prefill_ar=case.prefill_ar)
+    return export_once(case, tmp_path_factory, make, INTERNVL, nested, prefill_ar=case.prefill_ar)
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ LFM2_CASES = [
 ]
 
 
-def lfm2_exported(case: Lfm2Case, tmp_path_factory) -> Exported:
+def lfm2_exported(case: Lfm2Case, tmp_path_factory, nested: dict | None = None) -> Exported:
     """An LFM2-VL case's checkpoint, exported once per test session."""
     from fixtures_lfm2_vl import LFM2_VL, make_lfm2_vl_checkpoint
 
@@ -87,8 +87,8 @@ def lfm2_exported(case: Lfm2Case, tmp_path_factory) -> Exported:
         return make_lfm2_vl_checkpoint(folder, layer_types=case.layer_types, tie_word_embeddings=case.tie,
                                        seed=LFM2_CASES.index(case), **dict(case.options))
 
-    return export_once(case, tmp_path_factory, make, LFM2_VL, prefill_ar=case.prefill_ar, attention=case.attention,
-                       context_step=case.context_step)
+    return export_once(case, tmp_path_factory, make, LFM2_VL, nested, prefill_ar=case.prefill_ar,
+                       attention=case.attention, context_step=case.context_step)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ QWEN_CASES = [QwenCase("qwen2.5-vl", "qwen2_5_vl", prefill_ar=16, seed=11),
               QwenCase("qwen2.5-vl-rows", "qwen2_5_vl", prefill_ar=16, seed=11, attention="portable")]
 
 
-def qwen_exported(case: QwenCase, tmp_path_factory) -> Exported:
+def qwen_exported(case: QwenCase, tmp_path_factory, nested: dict | None = None) -> Exported:
     """A Qwen-VL case's checkpoint, exported once per test session (its own default patch budget: the processor's
     max_pixels, 256 patches)."""
     from fixtures_qwen import make_full_checkpoint, oracle_family
@@ -118,7 +118,7 @@ def qwen_exported(case: QwenCase, tmp_path_factory) -> Exported:
     def make(folder):
         return make_full_checkpoint(case.kind, folder, seed=case.seed)
 
-    return export_once(case, tmp_path_factory, make, oracle_family(case.kind), prefill_ar=case.prefill_ar,
+    return export_once(case, tmp_path_factory, make, oracle_family(case.kind), nested, prefill_ar=case.prefill_ar,
                        attention=case.attention)
 
 
@@ -127,18 +127,33 @@ class FamilyCases:
     """What the shared runner needs of one family."""
 
     cases: list  # the family's checkpoint shapes (each with a unique .name)
-    exported: Callable  # (case, tmp_path_factory) -> conftest.Exported, once per session
+    # (case, tmp_path_factory, nested=None) -> conftest.Exported, once per session; nested: the processor saved as
+    # transformers 5 saves it, these stale files left beside it (conftest.export_once)
+    exported: Callable
+    # {old processor file: (its settings) -> edits}: the first case's old files left beside its processor saved
+    # nested, with these edits (which change the test image's prompt): transformers reads the nested settings
+    stale: dict[str, Callable[[dict], dict]]
     # measured: the cases whose text-only answer transformers ends with an EOS within 60 tokens, and at which length
     # (so the EOS stop is really exercised, not only the length stop)
     eos_stops: dict[str, int] = field(default_factory=dict)
 
 
 FAMILIES = {
-    "smolvlm": FamilyCases(conftest.CASES, conftest.exported, eos_stops={"untied-split": 46}),
-    "internvl": FamilyCases(CASES, exported),
-    "lfm2_vl": FamilyCases(LFM2_CASES, lfm2_exported),
-    "qwen_vl": FamilyCases(QWEN_CASES, qwen_exported),
+    # (SmolVLM's: the nested file alone, as save_pretrained leaves a new folder; the others' over stale old files)
+    "smolvlm": FamilyCases(conftest.CASES, conftest.exported, eos_stops={"untied-split": 46}, stale={}),
+    "internvl": FamilyCases(CASES, exported, stale={"preprocessor_config.json": lambda pre: {"max_patches": 1}}),
+    "lfm2_vl": FamilyCases(LFM2_CASES, lfm2_exported,
+                           stale={"preprocessor_config.json": lambda pre: {"do_image_splitting": False}}),
+    "qwen_vl": FamilyCases(QWEN_CASES, qwen_exported,
+                           stale={"preprocessor_config.json": lambda pre: {"max_pixels": pre["max_pixels"] // 4}}),
 }
+
+
+def nested(family: str, tmp_path_factory):
+    """The family's first case with its processor saved as transformers 5 saves it, over stale old files
+    (FamilyCases.stale), exported once per session."""
+    fc = FAMILIES[family]
+    return fc.exported(fc.cases[0], tmp_path_factory, nested=fc.stale)
 
 
 def all_cases() -> list[tuple[str, object]]:

@@ -390,6 +390,7 @@ SMOLVLM = OracleFamily(
     processor="transformers.models.smolvlm.processing_smolvlm:SmolVLMProcessor",
     image_processor="transformers.models.smolvlm.image_processing_pil_smolvlm:SmolVLMImageProcessorPil",
     seq_len_key="image_seq_len", nested_images=True, pixel_batch_dim=True, mixin_chat_template=True,
+    video_processor="transformers.models.smolvlm.video_processing_smolvlm:SmolVLMVideoProcessor",
 )
 load_hf_model = partial(oracle.load_model, SMOLVLM)  # (ckpt) -> SmolVLMForConditionalGeneration, fp32
 hf_processor = partial(oracle.processor, SMOLVLM)  # (ckpt) -> SmolVLMProcessor, no video processor

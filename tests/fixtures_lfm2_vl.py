@@ -212,12 +212,12 @@ def hf_processor(ckpt: Path):
     from transformers.models.lfm2_vl import Lfm2VlProcessor
     from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
 
-    ckpt = Path(ckpt)
-    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
-    pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class", "max_num_patches")}
-    template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
+    from oracle import settings, without_types
+
+    pre, own = settings(ckpt)  # (either layout, as transformers reads it)
+    pre = {k: v for k, v in without_types(pre).items() if k != "max_num_patches"}
     return Lfm2VlProcessor(image_processor=Lfm2VlImageProcessor(**pre), tokenizer=AutoTokenizer.from_pretrained(str(ckpt)),
-                           chat_template=template)
+                           chat_template=own["chat_template"])
 
 
 def hf_inputs(processor, images: list, prompt: str):

@@ -37,6 +37,33 @@ class OracleFamily:
     # native resolution (Qwen-VL): pixel_values are one image's patch rows [patches, c·t·p²] with image_grid_thw, and
     # the model's M-RoPE reads which prompt tokens are the image's (mm_token_type_ids)
     native: bool = False
+    # "module:Class" of the family's video processor (SmolVLM2's), saved with the processor by save_nested
+    video_processor: str | None = None
+
+
+def settings(ckpt: Path) -> tuple[dict, dict]:
+    """(the image processor's settings, the processor's own with its chat template) of a checkpoint, read by
+    transformers' own readers, as its from_pretrained reads them in either layout (ImageProcessingMixin
+    .get_image_processor_dict: processor_config.json's nested "image_processor" first; ProcessorMixin
+    .get_processor_dict: processor_config.json, the chat template files)."""
+    from transformers.image_processing_base import ImageProcessingMixin
+    from transformers.processing_utils import ProcessorMixin
+
+    pre = ImageProcessingMixin.get_image_processor_dict(str(ckpt))[0]
+    own = ProcessorMixin.get_processor_dict(str(ckpt))[0]
+    return dict(pre), dict(own)
+
+
+def video_settings(ckpt: Path) -> dict:
+    """The video processor's settings as transformers reads them (BaseVideoProcessor.get_video_processor_dict)."""
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    return dict(BaseVideoProcessor.get_video_processor_dict(str(ckpt))[0])
+
+
+def without_types(d: dict) -> dict:
+    """Processor settings less the keys that name classes (not constructor arguments)."""
+    return {k: v for k, v in d.items() if k not in ("image_processor_type", "video_processor_type", "processor_class")}
 
 
 def model_image_inputs(fam: "OracleFamily", tiles, ids: list[int], image_token_id: int) -> dict:
@@ -93,16 +120,44 @@ def processor(fam: OracleFamily, ckpt: Path):
 
     if fam.make_processor:
         return _import(fam.make_processor)(ckpt)
-    ckpt = Path(ckpt)
-    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
-    pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
-    seq = ({fam.seq_len_key: json.loads((ckpt / "processor_config.json").read_text())[fam.seq_len_key]}
-           if fam.seq_len_key else {})
-    chat_template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
+    pre, own = settings(ckpt)
+    seq = {fam.seq_len_key: own[fam.seq_len_key]} if fam.seq_len_key else {}
     return _no_video_processor_class(fam)(
-        image_processor=_import(fam.image_processor)(**pre), tokenizer=AutoTokenizer.from_pretrained(str(ckpt)),
-        video_processor=None, chat_template=chat_template, **seq,
+        image_processor=_import(fam.image_processor)(**without_types(pre)),
+        tokenizer=AutoTokenizer.from_pretrained(str(ckpt)), video_processor=None, chat_template=own["chat_template"],
+        **seq,
     )
+
+
+LEGACY_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                "chat_template.json")
+
+
+def save_nested(fam: OracleFamily, ckpt: Path, stale: dict | None = None) -> None:
+    """The checkpoint's processor saved over its separate files as transformers 5 saves it (ProcessorMixin
+    .save_pretrained: one processor_config.json, the image processor's settings (and the video processor's, for a
+    family with one) nested in it; chat_template.jinja; the tokenizer's files). stale: {file: (its old settings) ->
+    edits}: those old files are left beside it, edited (a fine-tuned checkpoint saved over its hub snapshot), which
+    transformers does not read."""
+    ckpt = Path(ckpt)
+    proc = processor(fam, ckpt)
+    if fam.video_processor:
+        proc.video_processor = _import(fam.video_processor)(**without_types(video_settings(ckpt)))
+    old = {name: json.loads((ckpt / name).read_text()) for name in LEGACY_FILES if (ckpt / name).exists()}
+    for name in old:
+        (ckpt / name).unlink()
+    base = _import(fam.processor)
+    if "video_processor" in base.get_attributes() and proc.video_processor is None:
+        # (the oracle's InternVL / Qwen-VL processors have none: saved without one, "video_processor": null)
+        proc.__class__ = type(base.__name__, (base,), {"get_attributes": classmethod(
+            lambda cls: [a for a in base.get_attributes() if a != "video_processor"])})
+    else:
+        proc.__class__ = base  # (saved as the family's processor class, not the NoVideo subclass)
+    proc.save_pretrained(str(ckpt))
+    nested = json.loads((ckpt / "processor_config.json").read_text())
+    assert nested["image_processor"] and bool(fam.video_processor) == bool(nested.get("video_processor")), nested
+    for name, edit in (stale or {}).items():
+        (ckpt / name).write_text(json.dumps({**old[name], **edit(old[name])}, indent=1) + "\n")
 
 
 def greedy_new_ids(model, inputs, max_new_tokens: int, ignore_eos: bool) -> list[int]:

@@ -3,7 +3,8 @@
 the family's processor's, greedy ids equal transformers' generate in both modes (kv, hybrid), with and without an
 image, the EOS stop where transformers stops, the first logits to float32 rounding; continuous batching (several
 conversations decoding together answer as each alone); streaming, stats and seeded sampling on each family's first
-case. A new family is exercised here by registering it in vlmrt and in
+case; the first case with its processor saved as transformers 5 saves it (one processor_config.json, the settings
+nested) read as transformers reads it, and without processor settings refused. A new family is exercised here by registering it in vlmrt and in
 family_cases.py (test_every_registered_family_is_tested fails until both are done)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import IMAGES, image_file
-from family_cases import FAMILIES, all_cases
+from family_cases import FAMILIES, all_cases, nested
 import oracle
 from family_runner import cli_json, hf_run
 from vlmrt import families
@@ -184,3 +185,61 @@ def test_sampling_is_seeded(first_case, capsys):
     a = cli_json(capsys, *args, "--seed", 1)["token_ids"]
     assert a == cli_json(capsys, *args, "--seed", 1)["token_ids"]
     assert a != cli_json(capsys, *args, "--seed", 2)["token_ids"]
+
+
+@pytest.fixture(params=list(FAMILIES))
+def nested_case(request, tmp_path_factory):
+    return nested(request.param, tmp_path_factory)
+
+
+HOST_PLAN = ("image", "prompt", "special_tokens", "video", "vision")
+
+
+def test_nested_processor_config_answers_as_transformers(nested_case, tmp_path_factory, capsys):
+    """The first case's processor saved by transformers 5.24's save_pretrained: one processor_config.json with the
+    image (and video) processor's settings nested in it; SmolVLM's alone, the others' beside their old separate
+    files left with other settings (FamilyCases.stale), which transformers does not read. The export reads the nested
+    ones as transformers does: its host plan is the separate-files export's, and on an image that the stale settings
+    (or the processor's defaults) tile otherwise the pixels, prompt ids and 24 greedy ids equal transformers' (whose
+    processor is built from its own readers: oracle.settings)."""
+    ex = nested_case
+    legacy = FAMILIES[family_of(ex)].exported(ex.case, tmp_path_factory)
+    got, want = ex.manifest(), legacy.manifest()
+    assert {k: got.get(k) for k in HOST_PLAN} == {k: want.get(k) for k in HOST_PLAN}
+    path = image_file("chelsea.png", None)
+    prompt_ids, pixels, want_ids = hf_run(ex, path, PROMPT, 24)
+    vlm = VLM.load(ex.bundle)
+    tiles = img_ops.preprocess(img_ops.load_image(path), vlm.manifest.image)
+    np.testing.assert_array_equal(tiles.pixels, (pixels[None] if ex.family.native else
+                                                 pixels[0] if ex.family.pixel_batch_dim else pixels))
+    assert vlm.prompt(PROMPT, [path]).ids == prompt_ids
+    r = cli_json(capsys, ex.bundle, "--image", path, "--prompt", PROMPT, "--max-new-tokens", 24, "--ignore-eos")
+    assert r["prompt_tokens"] == len(prompt_ids) and len(set(want_ids)) > 4 and r["token_ids"] == want_ids
+
+
+def test_no_processor_settings_is_refused_in_one_line(nested_case, tmp_path, capsys):
+    """A checkpoint with no image processor settings (neither processor_config.json's "image_processor" nor
+    preprocessor_config.json: transformers' from_pretrained makes no processor of it) is refused by `vlmrt export` in
+    one line, exit status 1, nothing written; never exported with the image processor's defaults."""
+    import json
+    import shutil
+
+    from vlmrt import cli
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(nested_case.ckpt, ckpt)
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        (ckpt / name).unlink(missing_ok=True)
+    pc = json.loads((ckpt / "processor_config.json").read_text())
+    del pc["image_processor"]
+    pc.pop("video_processor", None)
+    (ckpt / "processor_config.json").write_text(json.dumps(pc))
+    out = tmp_path / "out" / "bundle"
+    out.parent.mkdir()
+    capsys.readouterr()
+    assert cli.main(["export", str(ckpt), str(out), "--quiet"]) == 1
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vlmrt: error: ") and "no image processor settings" in err[0], err
+    assert "Traceback" not in cap.err + cap.out
+    assert list(out.parent.iterdir()) == []

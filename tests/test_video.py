@@ -50,13 +50,13 @@ def hf_video_processor(ckpt: Path):
     from transformers.models.smolvlm.processing_smolvlm import SmolVLMProcessor
     from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
 
-    drop = ("image_processor_type", "video_processor_type", "processor_class")
-    pre = {k: v for k, v in json.loads((ckpt / "preprocessor_config.json").read_text()).items() if k not in drop}
-    vid = {k: v for k, v in json.loads((ckpt / "video_preprocessor_config.json").read_text()).items() if k not in drop}
-    seq = json.loads((ckpt / "processor_config.json").read_text())["image_seq_len"]
-    template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
-    return SmolVLMProcessor(image_processor=SmolVLMImageProcessorPil(**pre), tokenizer=AutoTokenizer.from_pretrained(str(ckpt)),
-                            video_processor=SmolVLMVideoProcessor(**vid), chat_template=template, image_seq_len=seq)
+    from oracle import settings, video_settings, without_types
+
+    pre, own = settings(ckpt)  # (either layout, as transformers reads it)
+    vid = without_types(video_settings(ckpt))
+    return SmolVLMProcessor(image_processor=SmolVLMImageProcessorPil(**without_types(pre)),
+                            tokenizer=AutoTokenizer.from_pretrained(str(ckpt)), video_processor=SmolVLMVideoProcessor(**vid),
+                            chat_template=own["chat_template"], image_seq_len=own["image_seq_len"])
 
 
 def hf_inputs(ex, src, question=QUESTION):
@@ -78,7 +78,7 @@ _HF: dict = {}
 
 def hf_answer(ex, src, n=24):
     """(prompt ids, pixels [frames, 3, S, S], greedy ids) of transformers, memoized per (case, clip)."""
-    key = (ex.case.name, str(src), n)
+    key = (str(ex.ckpt), str(src), n)
     if key not in _HF:
         inputs = hf_inputs(ex, src)
         ids = inputs["input_ids"][0].tolist()
@@ -126,6 +126,22 @@ def test_greedy_ids_equal_transformers(default_bundle, clips, kind, mode):
     r = vlm(QUESTION, video=str(clips[kind]), mode=mode, max_new_tokens=24, ignore_eos=True)
     assert r.prompt_ids == ids and r.token_ids == want
     assert r.stats.videos == 1 and r.stats.video_frames == r.stats.images == len(frame_pixels(vlm.prompt(video_turn(clips[kind]))))
+
+
+def test_nested_processor_config_takes_videos_as_transformers(tmp_path_factory, clips):
+    """SmolVLM2's processor saved by transformers 5.24's save_pretrained (one processor_config.json, the video
+    processor's settings nested in it, no video_preprocessor_config.json): the bundle takes videos (it does not say
+    "this bundle takes no videos"), sampled and written into the prompt as transformers' processor does: 4 frames of
+    the long clip, prompt ids and greedy ids equal."""
+    from family_cases import nested
+
+    ex = nested("smolvlm", tmp_path_factory)
+    ids, _, want = hf_answer(ex, clips["long"])
+    assert len(set(want)) > 4
+    vlm = VLM.load(ex.bundle)
+    r = vlm(QUESTION, video=str(clips["long"]), max_new_tokens=24, ignore_eos=True)
+    assert r.prompt_ids == ids and r.token_ids == want
+    assert r.stats.videos == 1 and r.stats.video_frames == 4
 
 
 def test_sampling_equals_transformers_sample_frames():

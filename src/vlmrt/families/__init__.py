@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # (torch only for export: this module is imported without it)
 REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl",
             "lfm2_vl": "lfm2_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl"}
 
-# preprocessor_config.json "resample" (PIL's enum values) -> the runtime's filter names
+# the image processor's "resample" (PIL's enum values) -> the runtime's filter names
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
 # the module names the quantizer and the GPTQ calibration find weights by (HF Llama's: export/cpu/quantize.py
@@ -60,20 +60,20 @@ class FamilyContractError(ValueError):
 def resample_name(value) -> str:
     name = PIL_RESAMPLE.get(value) if isinstance(value, int) else str(value).lower()
     if name not in PIL_RESAMPLE.values():
-        raise ValueError(f"preprocessor_config.json resample {value!r} is not one of Pillow's filters "
+        raise ValueError(f"the processor's resample {value!r} is not one of Pillow's filters "
                          f"({', '.join(f'{k} {v}' for k, v in PIL_RESAMPLE.items())})")
     return name
 
 
 def channel_values(value, channels: int = 3) -> list[float]:
-    """preprocessor_config.json image_mean / image_std: a list per channel, or one number for all (transformers
+    """The image processor's image_mean / image_std: a list per channel, or one number for all (transformers
     takes both)."""
     return [float(value)] * channels if isinstance(value, (int, float)) else [float(v) for v in value]
 
 
 def processor_image(pp: dict[str, Any], *, tiling: str, tile_size: int, patch_size: int, params: dict[str, Any],
                     resample: int, mean: list[float], std: list[float]) -> ImageSpec:
-    """The ImageSpec for a preprocessor_config.json `pp`: its resample filter, rescale factor, mean and std read as
+    """The ImageSpec for an image processor's settings `pp` (Checkpoint.image_processor: either layout): its resample filter, rescale factor, mean and std read as
     transformers reads them (resample, mean, std: the family's image processor's defaults), with the family's tiling
     op and its parameters."""
     return ImageSpec(tiling=tiling, tile_size=tile_size, patch_size=patch_size,

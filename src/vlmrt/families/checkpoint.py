@@ -1,4 +1,6 @@
-"""Checkpoint resolution (local folder or hub id) and reading: config, tensors, tokenizer files, templates."""
+"""Checkpoint resolution (local folder or hub id) and reading: config, tensors, tokenizer files, templates, and the
+processor's settings in both layouts transformers reads (`Checkpoint.image_processor`, `.video_processor`,
+`.processor_settings`, `.named_tokens`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,17 @@ class CheckpointError(ValueError):
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
+
+# The processor's files (transformers' PROCESSOR_NAME, IMAGE_PROCESSOR_NAME, VIDEO_PROCESSOR_NAME). transformers 5
+# saves a processor as ONE processor_config.json holding its sub-processors' settings as nested objects
+# ("image_processor", "video_processor") beside its own (image_seq_len ...); before, each sub-processor had a file.
+PROCESSOR_FILE = "processor_config.json"
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+# the sub-processors a processor's own settings never hold (ProcessorMixin.from_args_and_dict pops its attributes)
+SUB_PROCESSORS = ("image_processor", "video_processor", "tokenizer", "feature_extractor")
+# the tokenizer's own special-token attributes (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES): not model-specific
+TOKENIZER_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def resolve(src: str) -> Path:
@@ -50,6 +63,89 @@ class Checkpoint:
         p = self.path / name
         return read_json(p) if p.is_file() else default
 
+    # --- the processor's settings, read where transformers 5.24 reads them ------------------------------------------
+    def _processor_file(self) -> dict[str, Any]:
+        d = self.json(PROCESSOR_FILE, None)
+        if d is None:
+            return {}
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{PROCESSOR_FILE} is not a JSON object")
+        return d
+
+    def _nested(self, key: str) -> dict[str, Any] | None:
+        d = self._processor_file()
+        if d.get(key) is None:  # (absent, or null: transformers then reads the separate files too)
+            return None
+        if not isinstance(d[key], dict):
+            raise CheckpointError(f"{PROCESSOR_FILE}'s {key!r} is not a JSON object")
+        return d[key]
+
+    def _file(self, name: str) -> dict[str, Any] | None:
+        d = self.json(name, None)
+        if d is not None and not isinstance(d, dict):
+            raise CheckpointError(f"{name} is not a JSON object")
+        return d
+
+    def image_processor(self) -> dict[str, Any] | None:
+        """The image processor's settings as transformers reads them (ImageProcessingMixin.get_image_processor_dict,
+        which AutoImageProcessor.from_pretrained and so ProcessorMixin.from_pretrained call): processor_config.json's
+        nested "image_processor" object where it has one, whatever preprocessor_config.json says; else
+        preprocessor_config.json; None where neither is there (transformers raises: no image processor)."""
+        nested = self._nested("image_processor")
+        return nested if nested is not None else self._file(IMAGE_PROCESSOR_FILE)
+
+    def require_image_processor(self, processor: str) -> dict[str, Any]:
+        """image_processor(), refused in one line where the checkpoint has none (transformers' `processor`
+        .from_pretrained raises there too: vlmrt never exports an image processor's defaults in its place)."""
+        pp = self.image_processor()
+        if pp is None:
+            raise CheckpointError(f"{self.path} has no image processor settings ({PROCESSOR_FILE} with an "
+                                  f"\"image_processor\" object, or {IMAGE_PROCESSOR_FILE}): {processor} cannot be "
+                                  f"made without them")
+        return pp
+
+    def video_processor(self) -> dict[str, Any] | None:
+        """The video processor's settings as transformers reads them (BaseVideoProcessor.get_video_processor_dict,
+        called by AutoVideoProcessor.from_pretrained): processor_config.json's nested "video_processor" object, else
+        video_preprocessor_config.json, else preprocessor_config.json (the image processor's file: older releases
+        kept the video settings there); None where none is there."""
+        nested = self._nested("video_processor")
+        if nested is not None:
+            return nested
+        for name in (VIDEO_PROCESSOR_FILE, IMAGE_PROCESSOR_FILE):
+            d = self._file(name)
+            if d is not None:
+                return d
+        return None
+
+    def processor_settings(self) -> dict[str, Any]:
+        """The processor's own settings (image_seq_len ...): processor_config.json's top level without its
+        sub-processors' objects, in both layouts (ProcessorMixin.get_processor_dict, from_args_and_dict); {} where
+        the file is absent (transformers then takes the processor class's defaults)."""
+        return {k: v for k, v in self._processor_file().items() if k not in SUB_PROCESSORS}
+
+    def named_tokens(self) -> dict[str, str]:
+        """The tokenizer's model-specific named tokens (image_token, fake_image_token, start_image_token ...), which
+        the processors read as tokenizer attributes, as transformers 5's PreTrainedTokenizerBase.from_pretrained
+        collects them from tokenizer_config.json: its top-level "*_token" strings, an "extra_special_tokens" object
+        over them (transformers 5 writes that layout), and its "model_specific_special_tokens" object only where
+        neither gives one."""
+        tc = self.json("tokenizer_config.json", {}) or {}
+        if not isinstance(tc, dict):
+            raise CheckpointError("tokenizer_config.json is not a JSON object")
+
+        def text(v):  # a string, or an AddedToken as saved ({"__type": "AddedToken", "content": ...})
+            return v.get("content") if isinstance(v, dict) else v
+
+        out = {k: text(v) for k, v in tc.items()
+               if k.endswith("_token") and k not in TOKENIZER_SPECIALS and isinstance(text(v), str)}
+        extra = tc.get("extra_special_tokens")
+        if isinstance(extra, dict):
+            out.update({k: text(v) for k, v in extra.items() if isinstance(text(v), str)})
+        if not out and isinstance(tc.get("model_specific_special_tokens"), dict):
+            out = {k: text(v) for k, v in tc["model_specific_special_tokens"].items() if isinstance(text(v), str)}
+        return out
+
     def tensors(self) -> dict:
         """All safetensors tensors (memory-mapped by safetensors), as torch tensors."""
         from safetensors.torch import load_file
@@ -66,12 +162,18 @@ class Checkpoint:
         return out
 
     def chat_template(self) -> str | None:
-        """The processor's chat template (chat_template.json / .jinja), else the tokenizer's."""
+        """The processor's chat template where transformers' ProcessorMixin.get_processor_dict takes it from:
+        processor_config.json's "chat_template" key (an older layout), else chat_template.json (the legacy file wins
+        over chat_template.jinja where both are there, as transformers reads them), else chat_template.jinja; else
+        the tokenizer's."""
+        own = self._processor_file().get("chat_template")
+        if isinstance(own, str) and own:
+            return own
+        ct = self.json("chat_template.json")
+        if isinstance(ct, dict) and ct.get("chat_template"):
+            return ct["chat_template"]
         if (self.path / "chat_template.jinja").is_file():
             return (self.path / "chat_template.jinja").read_text()
-        ct = self.json("chat_template.json")
-        if ct and ct.get("chat_template"):
-            return ct["chat_template"]
         tc = self.json("tokenizer_config.json", {})
         t = tc.get("chat_template")
         if isinstance(t, list):  # named templates

@@ -282,19 +282,29 @@ def _token_id(tok_json: dict, token: str) -> int | None:
     return tok_json.get("model", {}).get("vocab", {}).get(token)
 
 
+IMAGE_SEQ_LENGTH = 256  # InternVLProcessor's default image_seq_length
+
+
 def host_spec(ckpt, cfg: InternVLConfig, tok_json: dict) -> HostSpec:
     """Image/prompt parameters: transformers' GotOcr2 image processor (crop_to_patches) and
-    InternVLProcessor (`<img>` + `<IMG_CONTEXT>`×tokens×tiles + `</img>` in place of the template's image)."""
-    pp = ckpt.json("preprocessor_config.json", {}) or {}
-    proc = ckpt.json("processor_config.json", {}) or {}
-    tc = ckpt.json("tokenizer_config.json", {}) or {}
+    InternVLProcessor (`<img>` + `<IMG_CONTEXT>`×tokens×tiles + `</img>` in place of the template's image), read as
+    transformers reads them in either layout (families/checkpoint.py). An -hf checkpoint must have the image
+    processor's settings (transformers makes no InternVLProcessor without them); its image_seq_length is the
+    processor class's default where processor_config.json gives none. The original layout (internvl_chat) is
+    preprocessed by its model card's code, from config.json and constants, never by a processor: its CLIP-style
+    preprocessor_config.json is read where there (its mean, std, resample are the card's) and not required."""
+    original = cfg.layout == "original"
+    pp = (ckpt.image_processor() or {}) if original else ckpt.require_image_processor("InternVLProcessor")
+    proc = {} if original else ckpt.processor_settings()
+    tc = ckpt.named_tokens()
     size = pp.get("size", {})
     tile = size.get("height", cfg.vision.image_size) if isinstance(size, dict) else cfg.vision.image_size
     if tile != cfg.vision.image_size:
         raise UnsupportedCheckpoint(f"processor tile size {tile} differs from the vision tower's {cfg.vision.image_size}")
-    seq = proc.get("image_seq_length", cfg.tokens_per_tile)
+    seq = cfg.tokens_per_tile if original else proc.get("image_seq_length", IMAGE_SEQ_LENGTH)
     if seq != cfg.tokens_per_tile:
-        raise UnsupportedCheckpoint(f"processor image_seq_length {seq} != tokens per tile {cfg.tokens_per_tile}")
+        why = "" if "image_seq_length" in proc else " (InternVLProcessor's default: processor_config.json gives none)"
+        raise UnsupportedCheckpoint(f"processor image_seq_length {seq}{why} != tokens per tile {cfg.tokens_per_tile}")
     # no crop_to_patches read: InternVLProcessor passes crop_to_patches=True to the image processor on every call,
     # over the preprocessor config's value (the released -hf repos ship false, and transformers tiles them)
     max_tiles = pp.get("max_patches", cfg.max_tiles)

@@ -165,21 +165,29 @@ VIDEO_CHAT_TEMPLATE = (
 )
 
 
+# SmolVLMVideoProcessor's class defaults (transformers' video_processing_smolvlm.py), where its settings leave one out
+VIDEO_SIZE = 4 * 364
+VIDEO_FRAME_SIZE = 364
+# SmolVLMProcessor's and Idefics3Processor's image_seq_len default (where processor_config.json gives none)
+IMAGE_SEQ_LEN = 169
+
+
 def video_spec(ckpt, tile: int) -> dict[str, Any] | None:
-    """SmolVLMVideoProcessor's settings: `video_sampling` (fps, max_frames, video_size) of the video processor's
-    config (video_preprocessor_config.json, else preprocessor_config.json); None for checkpoints without one
-    (SmolVLM 1, Idefics3), whose bundles refuse videos."""
-    vp = ckpt.json("video_preprocessor_config.json", {}) or {}
-    if not vp.get("video_sampling"):
-        vp = ckpt.json("preprocessor_config.json", {}) or {}
-    sampling = vp.get("video_sampling")
-    if not sampling:
+    """SmolVLMVideoProcessor's settings (Checkpoint.video_processor: processor_config.json's "video_processor", else
+    video_preprocessor_config.json, else preprocessor_config.json, as transformers reads them) as the manifest's
+    video spec: how many frames (video_sampling's fps / max_frames, which its __init__ takes over the fps /
+    num_frames keys), their size (size over video_sampling's video_size), the frame tile (max_image_size). None where
+    the settings say no sampling (SmolVLM 1, Idefics3: an image processor's settings), whose bundles refuse videos."""
+    vp = ckpt.video_processor() or {}
+    sampling = vp.get("video_sampling") or {}
+    fps, frames = sampling.get("fps", vp.get("fps")), sampling.get("max_frames", vp.get("num_frames"))
+    if fps is None or frames is None:
         return None
-    size = (vp.get("size") or sampling.get("video_size") or {}).get("longest_edge", 4 * tile)
-    frame = (vp.get("max_image_size") or {}).get("longest_edge", tile)
+    size = (vp.get("size") or sampling.get("video_size") or {}).get("longest_edge", VIDEO_SIZE)
+    frame = (vp.get("max_image_size") or {}).get("longest_edge", VIDEO_FRAME_SIZE)
     if frame != tile:
         raise UnsupportedCheckpoint(f"the video processor's max_image_size {frame} differs from the vision tile {tile}")
-    return {"fps": float(sampling.get("fps", 1)), "max_frames": int(sampling.get("max_frames", 64)), "skip_secs": 1.0,
+    return {"fps": float(fps), "max_frames": int(frames), "skip_secs": 1.0,
             "longest_edge": int(size), "frame_size": int(frame),
             "resample": resample_name(vp["resample"]) if "resample" in vp else "lanczos",
             "placeholder": "<video>", "chat_template": VIDEO_CHAT_TEMPLATE, "intro": VIDEO_INTRO,
@@ -187,19 +195,22 @@ def video_spec(ckpt, tile: int) -> dict[str, Any] | None:
 
 
 def host_spec(ckpt, cfg: SmolVLMConfig, tok_json: dict) -> HostSpec:
-    """Image/prompt/special-token parameters from the checkpoint's processor files.
-
-    Mirrors transformers' SmolVLMImageProcessor (preprocessor_config.json) and SmolVLMProcessor
-    (processor_config.json, tokenizer attributes)."""
-    pp = ckpt.json("preprocessor_config.json", {})
-    proc = ckpt.json("processor_config.json", {})
-    tc = ckpt.json("tokenizer_config.json", {})
+    """Image/prompt/special-token parameters from the checkpoint's processor settings, read as transformers reads
+    them in either layout (families/checkpoint.py): SmolVLMImageProcessor's (required: transformers makes no
+    SmolVLMProcessor without them), SmolVLMProcessor's own (image_seq_len, its class default where absent) and the
+    tokenizer's named tokens (the processor's defaults where absent)."""
+    processor = "SmolVLMProcessor" if ckpt.config.get("model_type") == "smolvlm" else "Idefics3Processor"
+    pp = ckpt.require_image_processor(processor)
+    proc = ckpt.processor_settings()
+    tc = ckpt.named_tokens()
     tile = pp.get("max_image_size", {}).get("longest_edge", cfg.vision.image_size)
     if tile != cfg.vision.image_size:
         raise UnsupportedCheckpoint(f"max_image_size {tile} differs from the vision tower's image_size {cfg.vision.image_size}")
-    seq = proc.get("image_seq_len", cfg.tokens_per_tile)
+    seq = proc.get("image_seq_len", IMAGE_SEQ_LEN)
     if seq != cfg.tokens_per_tile:
-        raise UnsupportedCheckpoint(f"processor image_seq_len {seq} != tokens per tile {cfg.tokens_per_tile} from the config")
+        why = "" if "image_seq_len" in proc else f" ({processor}'s default: processor_config.json gives none)"
+        raise UnsupportedCheckpoint(f"processor image_seq_len {seq}{why} != tokens per tile {cfg.tokens_per_tile} "
+                                    "from the config")
     params = {"longest_edge": pp.get("size", {}).get("longest_edge", 4 * tile), "split": pp.get("do_image_splitting", True)}
     image = processor_image(pp, tiling="longest_edge_grid", tile_size=tile, patch_size=cfg.vision.patch_size,
                             params=params, resample=1, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])  # (lanczos)

@@ -73,12 +73,13 @@ def load_weights(cfg: Lfm2VlConfig, tensors: dict[str, torch.Tensor]) -> Weights
 
 
 def host_spec(ckpt, cfg: Lfm2VlConfig, tok_json: dict) -> HostSpec:
-    """Lfm2VlImageProcessor's settings (preprocessor_config.json, its class defaults where absent) as the
+    """Lfm2VlImageProcessor's settings (required, in either layout: families/checkpoint.py; its class defaults for
+    the keys they leave out) as the
     naflex_tiles op's parameters, the naflex_rows tile inputs (the position table's side, the downsample factor,
     the key mask's value), Lfm2VlProcessor's image text as tile_markers. Fixes cfg.max_patches, the vision graph's
     rows per tile (the processor's max_num_patches): the accessors run config, host, then weights."""
-    pp = ckpt.json("preprocessor_config.json", {}) or {}
-    tc = ckpt.json("tokenizer_config.json", {}) or {}
+    pp = ckpt.require_image_processor("Lfm2VlProcessor")
+    tc = ckpt.named_tokens()
     f = pp.get("downsample_factor", 2)
     patch = pp.get("encoder_patch_size", 16)
     if f != cfg.downsample_factor or patch != cfg.vision.patch_size:

@@ -51,10 +51,12 @@ def _token(tok_json: dict, token_id: int, want: str) -> str:
 
 
 def host_spec(ckpt, cfg: QwenVLConfig, tok_json: dict) -> HostSpec:
-    """Qwen2VLImageProcessor (smart_resize under the patch budget) + Qwen2_5_VLProcessor / Qwen3VLProcessor's image
+    """Qwen2VLImageProcessor (its settings required, in either layout: families/checkpoint.py; smart_resize under the
+    patch budget) + Qwen2_5_VLProcessor / Qwen3VLProcessor's image
     text (wrapped_run: one image token per merge block between the vision markers), its tower's host inputs
     (native_grid) and M-RoPE positions (mrope, 3 rows)."""
-    image = image_spec(ckpt.json("preprocessor_config.json", {}) or {}, cfg.vision, cfg.max_patches or None)
+    processor = "Qwen2_5_VLProcessor" if ckpt.config.get("model_type") == "qwen2_5_vl" else "Qwen3VLProcessor"
+    image = image_spec(ckpt.require_image_processor(processor), cfg.vision, cfg.max_patches or None)
     tokens = {"start_token": _token(tok_json, cfg.vision_start_token_id, TOKENS["start_token"]),
               "image_token": _token(tok_json, cfg.image_token_id, TOKENS["image_token"]),
               "end_token": _token(tok_json, cfg.vision_end_token_id, TOKENS["end_token"])}

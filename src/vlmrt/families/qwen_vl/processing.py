@@ -1,10 +1,11 @@
 """Qwen2.5-VL / Qwen3-VL processor files -> the runtime's image op (runtime/image_native.py "smart_resize") and its
 parameters, and the patch budget the static vision graph is exported for.
 
-preprocessor_config.json comes in two layouts: the hub's Qwen2.5-VL files give `min_pixels` / `max_pixels`,
-transformers 5 (and Qwen3-VL's files) `size: {shortest_edge, longest_edge}`; both mean the same (the processor's
-__init__ maps the first onto the second, and the first wins when both are there). Absent keys take the processor's
-defaults.
+The image processor's settings (preprocessor_config.json, or processor_config.json's "image_processor" as
+transformers 5 saves them: families/checkpoint.py) come in two shapes: the hub's Qwen2.5-VL files give `min_pixels` /
+`max_pixels`, transformers 5 (and Qwen3-VL's files) `size: {shortest_edge, longest_edge}`; both mean the same (the
+processor's __init__ maps the first onto the second, and the first wins when both are there). Absent keys take the
+processor's defaults.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def image_spec(pre: dict[str, Any], v: VisionConfig, max_patches: int | None = N
     """The manifest's ImageSpec for these processor settings and a vision graph of max_patches rows (None:
     DEFAULT_MAX_PATCHES, or fewer when the processor's own max_pixels needs fewer)."""
     if pre.get("do_resize", True) is False:
-        raise UnsupportedCheckpoint("preprocessor_config.json sets do_resize false; vlmrt exports the resizing "
+        raise UnsupportedCheckpoint("the image processor's settings set do_resize false; vlmrt exports the resizing "
                                     "processor only")
     size = dict(pre.get("size") or {})
     min_pixels = int(pre.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
@@ -32,11 +33,11 @@ def image_spec(pre: dict[str, Any], v: VisionConfig, max_patches: int | None = N
     patch, merge = int(pre.get("patch_size", v.patch)), int(pre.get("merge_size", v.merge))
     temporal = int(pre.get("temporal_patch_size", v.temporal_patch))
     if (patch, merge, temporal) != (v.patch, v.merge, v.temporal_patch):
-        raise UnsupportedCheckpoint(f"preprocessor_config.json's patches ({patch} px, merge {merge}, temporal "
+        raise UnsupportedCheckpoint(f"the image processor's patches ({patch} px, merge {merge}, temporal "
                                     f"{temporal}) differ from the vision config's ({v.patch}, {v.merge}, "
                                     f"{v.temporal_patch})")
     if min_pixels > max_pixels:
-        raise UnsupportedCheckpoint(f"preprocessor_config.json has min_pixels {min_pixels} > max_pixels {max_pixels}")
+        raise UnsupportedCheckpoint(f"the image processor's settings have min_pixels {min_pixels} > max_pixels {max_pixels}")
     own = max_pixels // (patch * patch)  # the most patches the processor itself makes (but at extreme aspect ratios)
     budget = max_patches or min(DEFAULT_MAX_PATCHES, own - own % (merge * merge))
     if budget < max(merge * merge, -(-min_pixels // (patch * patch))):
