@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
+from .options import SPECIAL_TOKENS_HELP, _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
 
 
 def add_parser(sub) -> None:
@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
                    help="a conversation: a JSON list of OpenAI-style messages (system / user / assistant; content a "
                         "string or text / image_url / video_url parts); answers the next assistant turn")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
+    r.add_argument("--allow-special-tokens", action="store_true", help=SPECIAL_TOKENS_HELP)
     r.set_defaults(fn=run)
 
 
@@ -40,7 +41,8 @@ def run(a) -> int:
     if a.htp_arch is not None and a.device != "htp":
         raise ValueError("--htp-arch is for --device htp")
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead,
+                   allow_special_tokens=a.allow_special_tokens)
     # a one-shot run: nothing to reuse, the same as generate()
     gen = vlm.chat(messages, **opts)
     if a.json:
