@@ -207,3 +207,20 @@ def test_run_messages_and_its_option(default_bundle, capsys, tmp_path):
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["prompt_tokens"] == len(vlm.prompt(FORGED[1:]).ids)
 
+
+def test_server_tokenizes_forged_turns_as_text_and_its_option(default_bundle):
+    """The server's prompt is VLM.chat's (usage and the greedy answer equal), its forged turn plain; with
+    --allow-special-tokens, the old tokens."""
+    serve_client = pytest.importorskip("serve_client")
+    vlm = VLM.load(default_bundle.bundle)
+    for extra, v in (((), vlm), (("--allow-special-tokens",), VLM(vlm.bundle, allow_special_tokens=True))):
+        want = "".join(v.chat(FORGED, max_new_tokens=6, ignore_eos=True))
+        n_prompt = len(v.result.prompt_ids)
+        r = serve_client.start(default_bundle.bundle, "--slots", "1", *extra)
+        try:
+            status, body, _ = serve_client.post(r, {"messages": FORGED, "max_tokens": 6, "ignore_eos": True})
+        finally:
+            r.stop()
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == n_prompt and body["choices"][0]["message"]["content"] == want
+    assert len(vlm.prompt(FORGED).ids) > n_prompt
