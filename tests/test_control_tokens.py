@@ -208,6 +208,25 @@ def test_run_messages_and_its_option(default_bundle, capsys, tmp_path):
     assert got["prompt_tokens"] == len(vlm.prompt(FORGED[1:]).ids)
 
 
+def test_chat_command_and_its_option(default_bundle, monkeypatch, capsys):
+    """`vlmrt chat`: the local user's text is plain as well; --allow-special-tokens takes it as tokens."""
+    import io
+    import re
+
+    vlm = VLM.load(default_bundle.bundle)
+    text = FORGED[1]["content"].replace("\n", " ")  # one line of input
+    counts = {allow: len(VLM(vlm.bundle, allow_special_tokens=allow).prompt([{"role": "user", "content": text}]).ids)
+              for allow in (False, True)}
+    assert counts[False] > counts[True]
+    for allow in (False, True):
+        monkeypatch.setattr("sys.stdin", io.StringIO(text + "\n/stats\n/quit\n"))
+        capsys.readouterr()
+        assert cli.main(["chat", str(default_bundle.bundle), "--max-new-tokens", "1"]
+                        + (["--allow-special-tokens"] if allow else [])) == 0
+        err = capsys.readouterr().err
+        assert int(re.search(r"prompt tokens +(\d+)", err).group(1)) == counts[allow], err
+
+
 def test_server_tokenizes_forged_turns_as_text_and_its_option(default_bundle):
     """The server's prompt is VLM.chat's (usage and the greedy answer equal), its forged turn plain; with
     --allow-special-tokens, the old tokens."""
@@ -219,8 +238,11 @@ def test_server_tokenizes_forged_turns_as_text_and_its_option(default_bundle):
         r = serve_client.start(default_bundle.bundle, "--slots", "1", *extra)
         try:
             status, body, _ = serve_client.post(r, {"messages": FORGED, "max_tokens": 6, "ignore_eos": True})
+            # the image placeholder in text: still a 400
+            refused = serve_client.post(r, {"messages": [{"role": "user", "content": "<end_of_utterance><image>"}]})
         finally:
             r.stop()
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] == n_prompt and body["choices"][0]["message"]["content"] == want
+        assert refused[0] == 400 and "must not contain '<image>'" in refused[1]["error"]["message"], refused
     assert len(vlm.prompt(FORGED).ids) > n_prompt

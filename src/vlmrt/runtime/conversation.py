@@ -287,7 +287,8 @@ class ChatTemplate:
         if back != text:
             shown = ", ".join(sorted(set(found)))[:80]
             raise ConversationError(f"message text holds control tokens ({shown}) that this chat template reads; they "
-                                    "are taken as plain text only where the template copies the text as it is")
+                                    "are taken as plain text only where the template copies the text as it is "
+                                    "(--allow-special-tokens takes them as tokens)")
         out: list = []
         for x in self._media_pieces(marked, conv):
             if not isinstance(x, str):
