@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import SPECIAL_TOKENS_HELP, _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
+from .options import (SPECIAL_TOKENS_HELP, _bundle_or_default, _generation_args, _image_arg, _options, _videos,
+                      stats_report)
 
 
 def add_parser(sub) -> None:
