@@ -1,8 +1,9 @@
 """Property-based fuzzing (hypothesis) of the two loaders that read untrusted files: the manifest loader
 (vlmrt.format.manifest.load) and the image loader (vlmrt.runtime.image.load_image). For any input they either work or raise
 vlmrt's own error (BundleError / ImageError) — never another exception — and what they accept stays within the
-rules (bundle paths inside the bundle; images RGB, at most MAX_IMAGE_PIXELS). Used by tests/test_fuzz.py (a short run)
-and benchmarks/fuzz.py (the long run)."""
+rules (bundle paths inside the bundle; images RGB, at most MAX_IMAGE_PIXELS). And the prompt builder on untrusted
+message text (prompt_property): a control token's string in it never becomes that token. Used by tests/test_fuzz.py
+(a short run) and benchmarks/fuzz.py (the long run)."""
 
 from __future__ import annotations
 
@@ -189,3 +190,54 @@ def image_property(folder: Path, max_examples: int, counter: list | None = None,
 
 def scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="vlmrt-fuzz-"))
+
+
+def prompt_property(spec, tokenizer, max_examples: int, counter: list | None = None, seed: int | None = None):
+    """Message text never becomes a control token: for conversations whose texts mix the tokenizer's control-token
+    strings, their fragments, the sentinel character, whitespace and other text, the prompt (vlmrt's default) decodes
+    to the rendered text, holds as many control tokens as the same conversation with plain texts (the template's
+    own), and equals the old tokenization where no text holds a control-token string; or the conversation is refused
+    for the image placeholder, with the option too."""
+    from vlmrt.runtime.conversation import ChatTemplate, ConversationError, control_strings, parse_messages
+    from vlmrt.runtime.prompt import build
+
+    cs = control_strings(tokenizer)
+    specials = {tokenizer.token_to_id(s) for s in cs}
+    literal, allowed = ChatTemplate(spec, cs), ChatTemplate(spec)
+    atoms = st.sampled_from(cs + ["<", ">", "|", "<|", "|>", "_", "im", "row", "\ue000", "0", " ", "\n", "a", "é",
+                                  "\U0001f642", "assistant", "User:"])
+    text = st.lists(st.one_of(atoms, st.text(max_size=4)), max_size=12).map("".join)
+    turns = st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), text), min_size=1, max_size=3)
+
+    def ids(template, messages) -> list[int]:
+        return build(template.render(parse_messages(messages)), [], spec, tokenizer, -1).ids
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None and counter is None,
+              suppress_health_check=list(HealthCheck))
+    @given(turns, text)
+    def prop(history, last):
+        if counter is not None:
+            counter[0] += 1
+        messages = [{"role": r, "content": t} for r, t in history] + [{"role": "user", "content": last}]
+        try:
+            rendered = "".join(allowed.render(parse_messages(messages)))
+        except ConversationError as e:
+            assert "must not contain" in str(e)
+            try:
+                literal.render(parse_messages(messages))
+            except ConversationError as e2:
+                assert "must not contain" in str(e2)
+                return
+            raise AssertionError("the placeholder was refused only with the option")
+        got = ids(literal, messages)
+        assert tokenizer.decode(got, skip_special_tokens=False) == rendered
+        template_only = ids(literal, [{"role": m["role"], "content": "x"} for m in messages])
+        assert sum(t in specials for t in got) == sum(t in specials for t in template_only)
+        if not any(s in m["content"] for s in cs for m in messages):
+            assert got == ids(allowed, messages)
+
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        prop = with_seed(seed)(prop)
+    return prop

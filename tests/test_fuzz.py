@@ -28,6 +28,19 @@ def test_image_loader_works_or_raises_image_error():
         shutil.rmtree(root)
 
 
+def test_message_text_never_becomes_a_control_token(default_bundle):
+    """fuzz_targets.prompt_property on the fixture bundle's template and tokenizer (SmolVLM's: <end_of_utterance>
+    turns, row / column markers, <image> refused): 300 conversations."""
+    from tokenizers import Tokenizer
+
+    from fuzz_targets import prompt_property
+    from vlmrt.format import manifest as mf
+
+    m = mf.load(default_bundle.bundle, verify=False)
+    tok = Tokenizer.from_file(str(default_bundle.bundle / m.tokenizer_file))
+    prompt_property(m.prompt, tok, max_examples=300)()
+
+
 def test_typed_json_fast_path_takes_what_the_field_check_takes(default_bundle):
     """typed_json.build's fast path (one validator per type hint, made once) accepts exactly what the field-by-field
     check accepts, with the same values: for every type hint the manifest's dataclasses use, on arbitrary JSON and on

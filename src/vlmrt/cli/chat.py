@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .options import _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
+from .options import (SPECIAL_TOKENS_HELP, _bundle_or_default, _generation_args, _image_arg, _options, _videos,
+                      stats_report)
 
 
 def add_parser(sub) -> None:
@@ -10,6 +11,7 @@ def add_parser(sub) -> None:
     _generation_args(c)
     _image_arg(c)
     c.add_argument("--system", default=None, help="a system message put first")
+    c.add_argument("--allow-special-tokens", action="store_true", help=SPECIAL_TOKENS_HELP)
     c.set_defaults(fn=run)
 
 
@@ -19,5 +21,6 @@ def run(a) -> int:
 
     opts = _options(a)
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead,
+                   allow_special_tokens=a.allow_special_tokens)
     return repl(vlm, opts, images=a.image or [], videos=_videos(a), system=a.system, report=stats_report)

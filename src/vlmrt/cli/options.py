@@ -69,6 +69,11 @@ LOOKAHEAD_HELP = ("lookahead decoding of greedy answers: draft up to N tokens pe
                   "them in one decoder call (same output; faster when the answer copies the prompt); 0 = off (default)")
 
 
+SPECIAL_TOKENS_HELP = ("message text's control-token strings (<|im_start|>, <end_of_utterance>, ...) become those "
+                       "tokens, as transformers tokenizes them (default: plain text, so text cannot forge a turn; "
+                       "docs/conversations.md#control-tokens-in-message-text)")
+
+
 def _generation_args(r, threads_help: str = "intra-op threads (default: physical cores)") -> None:
     r.add_argument("bundle", nargs="?", default=None,
                    help="bundle folder (default: the offline easy-VQA demo model, exported into $VLMRT_CACHE or "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import _bundle_and_build, _generation_args, _image_arg, _options, _videos, stats_report
+from .options import (SPECIAL_TOKENS_HELP, _bundle_and_build, _generation_args, _image_arg, _options, _videos,
+                      stats_report)
 
 
 def add_parser(sub) -> None:
@@ -17,6 +18,7 @@ def add_parser(sub) -> None:
                    help="a conversation: a JSON list of OpenAI-style messages (system / user / assistant; content a "
                         "string or text / image_url / video_url parts); answers the next assistant turn")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
+    r.add_argument("--allow-special-tokens", action="store_true", help=SPECIAL_TOKENS_HELP)
     r.set_defaults(fn=run)
 
 
@@ -43,7 +45,8 @@ def run(a) -> int:
     # the build's figures are reported beside them
     bundle, build = _bundle_and_build(a.bundle)
     vlm = VLM.load(bundle, device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead,
+                   allow_special_tokens=a.allow_special_tokens)
     # a one-shot run: nothing to reuse, the same as generate()
     gen = vlm.chat(messages, **opts)
     if a.json:

@@ -10,6 +10,11 @@ the way transformers' apply_chat_template does (sandboxed, trim_blocks, lstrip_b
 position-dependent template logic (a default system turn, "User:" vs "User: " before an image) comes out as the
 reference's. runtime/prompt.py then puts each image's expansion (its host op) where the rendered placeholder was,
 as the processors do, and tokenizes the whole: the one way every caller builds a prompt.
+
+Message text is the client's: a control token's string in it (`<|im_start|>`, `<end_of_utterance>`, `<row_1_col_1>`:
+the tokenizer's special added tokens, ChatTemplate(literal=...)) comes out of render() as a Literal piece, which
+runtime/prompt.py tokenizes as plain text, so that relayed text cannot forge a turn boundary or an image marker; the
+template's own markers stay tokens (docs/conversations.md#control-tokens-in-message-text).
 """
 
 from __future__ import annotations
@@ -25,6 +30,17 @@ ROLES = ("system", "user", "assistant")
 
 class ConversationError(ValueError):
     pass
+
+
+class Literal(str):
+    """A piece of the rendered prompt that message text supplied and that is a control token's string: tokenized as
+    plain text (special tokens off), not as that token."""
+
+
+def control_strings(tokenizer) -> list[str]:
+    """The strings a tokenizer turns into its special added tokens (what transformers' split_special_tokens=True
+    and tokenizers' encode_special_tokens tokenize as text instead): the control tokens message text may not forge."""
+    return sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content})
 
 
 def template_env():
@@ -161,12 +177,17 @@ def parse_messages(messages) -> Conversation:
 
 
 class ChatTemplate:
-    """A bundle's chat template, compiled once."""
+    """A bundle's chat template, compiled once. literal: control-token strings (control_strings) that message text
+    may hold only as text: render() returns each place message text wrote one as a Literal piece; () renders message
+    text as the template has it (its control-token strings become those tokens: the allow_special_tokens option)."""
 
-    def __init__(self, p: PromptSpec):
+    def __init__(self, p: PromptSpec, literal=()):
         self.p = p
         self._template = self._compile(p.chat_template)
         self._video_template = self._compile(p.video.chat_template) if p.video else None
+        # longest first: the alternation then matches as the tokenizer's added vocabulary does (leftmost-longest)
+        lit = sorted(set(literal), key=lambda t: (-len(t), t))
+        self._literal = re.compile("|".join(re.escape(t) for t in lit)) if lit else None
 
     @staticmethod
     def _compile(source: str):
@@ -175,20 +196,29 @@ class ChatTemplate:
         except Exception as e:  # jinja2 syntax errors
             raise ConversationError(f"cannot compile the bundle's chat template: {e}") from None
 
-    def _template_messages(self, conv: Conversation) -> list[dict]:
+    def _template_messages(self, conv: Conversation, text=lambda t: t) -> list[dict]:
+        """The messages as the template takes them; text(t): each message text as written into them."""
         p, msgs = self.p, []
         if p.system_prompt and conv.messages[0]["role"] != "system":
             msgs.append({"role": "system", "content": [{"type": "text", "text": p.system_prompt}]})
         for m in conv.messages:
             if p.content_format == "string":  # images written into the text, before it (OpenGVLab's model.chat)
                 n = sum(part["type"] == "image" for part in m["content"])
-                text = "\n".join(part["text"] for part in m["content"] if part["type"] == "text")
-                msgs.append({"role": m["role"], "content": (p.image_in_text or "") * n + text})
+                joined = "\n".join(text(part["text"]) for part in m["content"] if part["type"] == "text")
+                msgs.append({"role": m["role"], "content": (p.image_in_text or "") * n + joined})
             else:
                 msgs.append({"role": m["role"], "content": [
-                    {"type": "text", "text": part["text"]} if part["type"] == "text" else {"type": part["type"]}
+                    {"type": "text", "text": text(part["text"])} if part["type"] == "text" else {"type": part["type"]}
                     for part in m["content"]]})
         return msgs
+
+    def _render(self, template, msgs: list[dict]) -> str:
+        try:
+            return template.render(messages=msgs, add_generation_prompt=True, **self.p.template_strings)
+        except ValueError:
+            raise
+        except Exception as e:  # jinja2 undefined / type errors of a template fed content it does not expect
+            raise ConversationError(f"cannot render the chat template: {type(e).__name__}: {e}") from None
 
     def render(self, conv: Conversation) -> list:
         """The rendered conversation as pieces: text, and ("image", i) / ("video", j) where each image's / video's
@@ -203,13 +233,16 @@ class ChatTemplate:
             if p.content_format != "parts":
                 raise ConversationError("this bundle's chat template takes no videos")
             template = self._video_template
-        try:
-            text = template.render(messages=self._template_messages(conv), add_generation_prompt=True,
-                                   **p.template_strings)
-        except ValueError:
-            raise
-        except Exception as e:  # jinja2 undefined / type errors of a template fed content it does not expect
-            raise ConversationError(f"cannot render the chat template: {type(e).__name__}: {e}") from None
+        text = self._render(template, self._template_messages(conv))
+        pieces = self._media_pieces(text, conv)
+        if self._literal is None or not any(self._literal.search(part["text"]) for m in conv.messages
+                                            for part in m["content"] if part["type"] == "text"):
+            return pieces
+        return self._literal_pieces(template, conv, text)
+
+    def _media_pieces(self, text: str, conv: Conversation) -> list:
+        """text split at each image's / video's placeholder, their counts checked against conv's."""
+        p = self.p
         marks = [(p.image_placeholder, "image")] if p.image_placeholder else []
         if p.video:
             marks.append((p.video.placeholder, "video"))
@@ -231,6 +264,42 @@ class ChatTemplate:
         if not p.image_placeholder and conv.images:
             raise ConversationError("this bundle's chat template takes no images")
         return pieces
+
+    def _literal_pieces(self, template, conv: Conversation, text: str) -> list:
+        """The pieces of text (the conversation as rendered) with each control-token string that message text wrote
+        a Literal piece: the template rendered again with each of them replaced by a sentinel, which must give text
+        back when the strings are put back where the sentinels are (a template that reads the strings, testing or
+        splitting the text at them, is refused rather than guessed at)."""
+        mark = "\ue000"
+        while mark in text:  # a sentinel that neither the template nor any message text writes
+            mark += "\ue000"
+        found: list[str] = []
+
+        def sub(t: str) -> str:
+            def one(hit):
+                found.append(hit.group(0))
+                return f"{mark}{len(found) - 1}{mark}"
+            return self._literal.sub(one, t)
+
+        marked = self._render(template, self._template_messages(conv, sub))
+        sentinel = re.compile(f"{mark}(\\d+){mark}")
+        back = sentinel.sub(lambda h: found[int(h.group(1))] if int(h.group(1)) < len(found) else h.group(0), marked)
+        if back != text:
+            shown = ", ".join(sorted(set(found)))[:80]
+            raise ConversationError(f"message text holds control tokens ({shown}) that this chat template reads; they "
+                                    "are taken as plain text only where the template copies the text as it is "
+                                    "(--allow-special-tokens takes them as tokens)")
+        out: list = []
+        for x in self._media_pieces(marked, conv):
+            if not isinstance(x, str):
+                out.append(x)
+                continue
+            at = 0
+            for h in sentinel.finditer(x):
+                out += [x[at:h.start()], Literal(found[int(h.group(1))])]
+                at = h.end()
+            out.append(x[at:])
+        return [x for x in out if not isinstance(x, str) or x]
 
 
 def load_messages(path: str) -> list[dict]:

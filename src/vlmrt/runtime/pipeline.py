@@ -38,7 +38,7 @@ from .positions import position_op, prompt_positions
 from .engine import MODES, STEP, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead
 from .lookahead import check_exact
 from . import video as video_ops
-from .conversation import ChatTemplate, Conversation, VideoSource, parse_messages, user_turn
+from .conversation import ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn
 from .prefix_cache import CachedImage, ImageCache, PrefixCache
 from .image_native import with_max_patches
 from .prompt import Media, build
@@ -110,11 +110,13 @@ class Result:
 class VLM:
     def __init__(self, bundle: Bundle, load_s: float = 0.0, kv_requant: bool = True,
                  image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, fetch: FetchLimits = FetchLimits(),
-                 lookahead: int = 0, cache_blocks: list[np.ndarray] | None = None):
+                 lookahead: int = 0, cache_blocks: list[np.ndarray] | None = None, allow_special_tokens: bool = False):
         """kv_requant: see Engine (HTP bundles in hybrid mode). image_cache_bytes: bound of chat()'s image embedding
         cache. fetch: limits on images fetched from http(s) URLs. lookahead: draft length of lookahead decoding
         (greedy answers; 0 = off; see Engine). cache_blocks: its rows of a batch's cache (runtime/batch_engine.py
-        batched_vlms: then its answers also yield engine.STEP, see Engine.generate)."""
+        batched_vlms: then its answers also yield engine.STEP, see Engine.generate). allow_special_tokens: message
+        text that holds a control token's string (<|im_start|>, <end_of_utterance>, ...) gets that token, as
+        transformers' tokenizers do; by default it is tokenized as plain text (docs/conversations.md)."""
         self.bundle = bundle
         m = bundle.manifest
         self.manifest = m
@@ -131,7 +133,7 @@ class VLM:
         config = EngineConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
         self.engine = Engine(sessions, config, bundle.embed_table, bundle.embed_scale, cache_blocks)
         self.result = Result()
-        self.template = ChatTemplate(m.prompt)
+        self.template = ChatTemplate(m.prompt, () if allow_special_tokens else control_strings(bundle.tokenizer))
         self.prefix = PrefixCache(self.engine.cache)
         self.image_cache = ImageCache(image_cache_bytes)
         self.fetch = fetch

@@ -5,11 +5,14 @@
 There is one way a prompt is built, for every caller (run, chat, serve, batch, eval, bench, calibration): the
 checkpoint's chat template rendered with jinja2 (runtime/conversation.py ChatTemplate), each image placeholder
 replaced by the image's expansion text, the whole text tokenized once (so token boundaries are those of the
-reference processor's), then cut into chunks (runtime/chunks.py) at the expansions' character spans.
+reference processor's), then cut into chunks (runtime/chunks.py) at the expansions' character spans. A Literal
+piece (a control token's string that message text wrote: runtime/conversation.py) is the one exception: the tokens
+the whole text gave it are replaced by its tokens as plain text (special tokens off), those around it kept.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +20,7 @@ import numpy as np
 
 from ..format.manifest import PromptSpec
 from .chunks import Chunk, ImageChunk, Prompt, TextChunk
+from .conversation import Literal
 
 
 def grid_markers(rows: int, cols: int, tile_tokens: list[int], p: PromptSpec) -> str:
@@ -90,7 +94,7 @@ def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_toke
     if sum(x is None for x in pieces) != len(media):
         raise ValueError(f"the prompt has {sum(x is None for x in pieces)} image places for {len(media)} images")
     expand = expansion(p)
-    text, spans, it = "", [], iter(media)
+    text, spans, literal, it = "", [], [], iter(media)
     for x in pieces:
         if x is None:
             m = next(it)
@@ -98,9 +102,13 @@ def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_toke
             text += expand(m.grid[0], m.grid[1], m.tokens(p), p)
             spans.append((a, len(text), m))
         else:
+            if isinstance(x, Literal) and x:
+                literal.append((len(text), len(text) + len(x)))
             text += x
     enc = tokenizer.encode(text, add_special_tokens=p.add_special_tokens)
     ids, offsets = enc.ids, enc.offsets
+    if literal:
+        ids, offsets = as_plain_text(tokenizer, text, ids, offsets, literal)
     n = len(ids)
 
     def in_text(i: int) -> bool:  # tokens the post-processor adds (BOS, ...) have an empty span
@@ -129,6 +137,57 @@ def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_toke
     if at < n:
         chunks.append(TextChunk(ids[at:]))
     return Prompt(chunks)
+
+
+_PLAIN: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, its copy that tokenizes special tokens as text)
+_PLAIN_LOCK = threading.Lock()
+
+
+def plain_tokenizer(tokenizer):
+    """A copy of tokenizer with encode_special_tokens on (what transformers' split_special_tokens=True sets): its
+    special added tokens' strings are tokenized as text. Made on first use (the tokenizer's JSON parsed again:
+    0.5 s for Qwen's 151k-token vocabulary) and kept; the tokenizer itself is shared (a server's slots) and not
+    changed."""
+    with _PLAIN_LOCK:
+        hit = _PLAIN.get(id(tokenizer))
+        if hit is None or hit[0] is not tokenizer:
+            from tokenizers import Tokenizer
+
+            copy = Tokenizer.from_str(tokenizer.to_str())
+            copy.encode_special_tokens = True
+            hit = _PLAIN[id(tokenizer)] = (tokenizer, copy)
+        return hit[1]
+
+
+def as_plain_text(tokenizer, text: str, ids: list[int], offsets: list, literal: list[tuple[int, int]]):
+    """(ids, offsets) of text with the tokens over the literal character spans replaced by those characters'
+    tokens as plain text: each run of tokens that overlaps a span (the control token, and the whitespace an lstrip /
+    rstrip token takes with it) gives way to the plain tokens of the characters it covers; the tokens around it
+    are kept as they are, so text without a literal span tokenizes as it always did."""
+    plain = plain_tokenizer(tokenizer)
+    spans = iter(literal)
+    span = next(spans, None)
+    out_ids, out_offsets, run = [], [], []
+
+    def flush():
+        if run:
+            lo, hi = offsets[run[0]][0], offsets[run[-1]][1]
+            enc = plain.encode(text[lo:hi], add_special_tokens=False)
+            out_ids.extend(enc.ids)
+            out_offsets.extend((a + lo, b + lo) for a, b in enc.offsets)
+            run.clear()
+
+    for i, (a, b) in enumerate(offsets):
+        while span is not None and span[1] <= a:
+            span = next(spans, None)
+        if b > a and span is not None and a < span[1] and b > span[0]:  # in the text, over a literal span
+            run.append(i)
+            continue
+        flush()
+        out_ids.append(ids[i])
+        out_offsets.append((a, b))
+    flush()
+    return out_ids, out_offsets
 
 
 def text_prompt(p: PromptSpec, tokenizer, text: str) -> Prompt:

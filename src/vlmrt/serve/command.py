@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
                    help="let image URLs reach loopback, private and link-local addresses (a trusted network; "
                         "default: public addresses only)")
     g.add_argument("--no-image-urls", action="store_true", help="refuse http(s) image URLs altogether")
+    g.add_argument("--allow-special-tokens", action="store_true",
+                   help="requests' control-token strings (<|im_start|>, <end_of_utterance>, ...) become those tokens, "
+                        "as transformers tokenizes them: a client can then forge turns (default: plain text)")
     g.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
                    help=f"a request body must arrive whole within S seconds, else 408 (default {BODY_TIMEOUT_S:g})")
     g.add_argument("--head-timeout", type=float, default=HEAD_TIMEOUT_S, metavar="S",
@@ -167,7 +170,8 @@ def build(a, bundle: str, on_load_error=None):
         warm_up(video=b.manifest.prompt.video is not None)  # before /health turns 200: nothing to import on first use
         # the slots' VLMs get images already decoded; the policy is theirs too, should a URL ever reach one
         return Scheduler(b, a.slots, a.queue, time.perf_counter() - t, fetch=fetch,
-                         image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots), lookahead=a.lookahead)
+                         image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots), lookahead=a.lookahead,
+                         allow_special_tokens=a.allow_special_tokens)
 
     fetch = FetchLimits(addresses=None if a.allow_local_urls else AddressPolicy(), urls=not a.no_image_urls)
     config = Config(model_id=Path(bundle).name, media_dir=media, max_images=a.max_images,
