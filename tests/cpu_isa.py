@@ -5,7 +5,10 @@ which (session 11: Intel Xeon with VNNI; session 12: AMD EPYC with AVX2 only).""
 
 from __future__ import annotations
 
+import ctypes
 import platform
+
+import numpy as np
 
 
 def int8_vnni() -> bool:
@@ -20,3 +23,81 @@ def int8_vnni() -> bool:
 
 
 VNNI = int8_vnni()
+
+
+class MultiRowRounding:
+    """A decoder session whose calls of more than one logits row compute them a little differently from one-row
+    calls, as ORT's int8-compute MatMulNBits does on a CPU without VNNI (its one-row and multi-row AVX2 kernels round
+    apart: the real SmolLM2-135M w4a8 decoder's logits up to 0.57 apart, tools/avx2_only.c) and its float path does on
+    every CPU (GEMV vs GEMM): each logits row of such a call gets a fixed pattern added, the graph's argmax output
+    following it. by_width: the pattern scaled by the call's rows, so that calls of different widths disagree among
+    themselves too. The pattern is larger than a kernel's rounding so that greedy answers part for sure."""
+
+    def __init__(self, session, scale: float, by_width: bool = False, logits: str = "logits", argmax: str = "next_token"):
+        self._s, self.by_width, self._logits, self._argmax = session, by_width, logits, argmax
+        vocab = next(o.shape[-1] for o in session.get_outputs() if o.name == logits)
+        self.pattern = (np.random.default_rng(43).standard_normal(vocab) * scale).astype(np.float32)
+        self.calls = 0  # calls whose rows it changed
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def _apply(self, logits: np.ndarray, argmax: np.ndarray | None) -> None:
+        rows = logits.shape[0]
+        if rows > 1:
+            logits += self.pattern * (rows if self.by_width else 1)
+            if argmax is not None:
+                argmax[...] = logits.argmax(-1)
+            self.calls += 1
+
+    def io_binding(self):
+        return _Binding(self._s.io_binding())
+
+    def run_with_iobinding(self, io, run_options=None):
+        self._s.run_with_iobinding(io.io, run_options)
+        self._apply(io.view(self._logits), io.view(self._argmax) if self._argmax in io.outputs else None)
+
+    def run(self, names, feeds, run_options=None):
+        names = names or [o.name for o in self._s.get_outputs()]
+        out = self._s.run(names, feeds, run_options)
+        if self._logits in names:
+            self._apply(out[names.index(self._logits)], out[names.index(self._argmax)] if self._argmax in names else None)
+        return out
+
+
+class _Binding:
+    """An IOBinding that remembers its outputs' OrtValues (for MultiRowRounding to change them in place)."""
+
+    def __init__(self, io):
+        self.io, self.outputs = io, {}
+
+    def __getattr__(self, name):
+        return getattr(self.io, name)
+
+    def bind_ortvalue_output(self, name, value):
+        self.outputs[name] = value
+        self.io.bind_ortvalue_output(name, value)
+
+    def view(self, name) -> np.ndarray:
+        v = self.outputs[name]
+        dtype = np.dtype({"tensor(float)": np.float32, "tensor(int64)": np.int64}[v.data_type()])
+        n = int(np.prod(v.shape()))
+        return np.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(v.data_ptr()), dtype).reshape(v.shape())
+
+
+def plant_multi_row_rounding(monkeypatch, scale: float = 0.5, by_width: bool = False) -> list[MultiRowRounding]:
+    """Sessions created from here on (runtime/sessions.make_session) of a graph with logits are MultiRowRounding;
+    returns the list they are added to."""
+    from vlmrt.runtime import sessions
+
+    made, make = [], sessions.make_session
+
+    def planted(*args, **kw):
+        s = make(*args, **kw)
+        if any(o.name == "logits" for o in s.get_outputs()):
+            s = MultiRowRounding(s, scale, by_width)
+            made.append(s)
+        return s
+
+    monkeypatch.setattr(sessions, "make_session", planted)
+    return made
