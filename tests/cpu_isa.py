@@ -1,7 +1,9 @@
 """The int8 dot product this CPU gives ORT's int8-compute kernels (MatMulNBits accuracy_level 4, MatMulInteger):
 with AVX-512 VNNI / AVX-VNNI they sum u8 x s8 products in 32 bits; on AVX2 without VNNI in pairs of 16 bits, which
 saturate, so the *a8* precisions are measurably less exact there. Accuracy floors measured on one kind of CPU say
-which (session 11: Intel Xeon with VNNI; session 12: AMD EPYC with AVX2 only)."""
+which (session 11: Intel Xeon with VNNI; session 12: AMD EPYC with AVX2 only). Read from cpuid as this process sees
+it (numpy's dispatch table, as MLAS dispatches), so that a run under benchmarks/avx2-only (an AVX2-only CPU's cpuid on
+a CPU with more) takes the AVX2 floors; AVX-VNNI (no AVX-512), which numpy does not list, from /proc/cpuinfo."""
 
 from __future__ import annotations
 
@@ -15,10 +17,18 @@ def int8_vnni() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
         return True  # the floors were measured on x86; other CPUs' dot products are 32-bit (ARM's sdot)
     try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+    except ImportError:
+        features = {}
+    if features.get("AVX512VNNI") and features.get("AVX512BW"):
+        return True
+    try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
     except OSError:
         return True
+    if features and not features.get("AVX512F") and "avx512_vnni" in flags:
+        return False  # cpuid hides AVX-512 from this process (benchmarks/avx2-only): MLAS runs its AVX2 kernels
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
@@ -28,7 +38,7 @@ VNNI = int8_vnni()
 class MultiRowRounding:
     """A decoder session whose calls of more than one logits row compute them a little differently from one-row
     calls, as ORT's int8-compute MatMulNBits does on a CPU without VNNI (its one-row and multi-row AVX2 kernels round
-    apart: the real SmolLM2-135M w4a8 decoder's logits up to 0.57 apart, tools/avx2_only.c) and its float path does on
+    apart: the real SmolLM2-135M w4a8 decoder's logits up to 0.57 apart, benchmarks/avx2_only.c) and its float path does on
     every CPU (GEMV vs GEMM): each logits row of such a call gets a fixed pattern added, the graph's argmax output
     following it. by_width: the pattern scaled by the call's rows, so that calls of different widths disagree among
     themselves too. The pattern is larger than a kernel's rounding so that greedy answers part for sure."""
