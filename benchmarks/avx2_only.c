@@ -36,8 +36,11 @@ static void handler(int sig, siginfo_t *si, void *ctx) {
         real_cpuid(leaf, sub, r);
         syscall(SYS_arch_prctl, ARCH_SET_CPUID, 0);
         if (leaf == 7 && sub == 0) {
-            r[1] &= ~((1u << 16) | (1u << 17) | (1u << 21) | (1u << 26) | (1u << 27) | (1u << 28) | (1u << 30) | (1u << 31));
+            r[1] &= ~((1u << 16) | (1u << 17) | (1u << 21) | (1u << 26) | (1u << 27) | (1u << 28) | (1u << 30)
+                      | (1u << 31));  // AVX-512 F, DQ, IFMA, PF, ER, CD, BW, VL
+            // AVX-512 VBMI, VBMI2, VNNI, BITALG, VPOPCNTDQ
             r[2] &= ~((1u << 1) | (1u << 6) | (1u << 11) | (1u << 12) | (1u << 14));
+            // AVX-512 4VNNIW, 4FMAPS, VP2INTERSECT, AMX-BF16, AVX-512 FP16, AMX-TILE, AMX-INT8
             r[3] &= ~((1u << 2) | (1u << 3) | (1u << 8) | (1u << 22) | (1u << 23) | (1u << 24) | (1u << 25));
         } else if (leaf == 7 && sub == 1) {
             r[0] = 0; r[3] = 0;  // AVX-VNNI, AVX512_BF16, AVX-VNNI-INT8, AVX-IFMA ...

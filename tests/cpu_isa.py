@@ -38,12 +38,13 @@ VNNI = int8_vnni()
 class MultiRowRounding:
     """A decoder session whose calls of more than one logits row compute them a little differently from one-row
     calls, as ORT's int8-compute MatMulNBits does on a CPU without VNNI (its one-row and multi-row AVX2 kernels round
-    apart: the real SmolLM2-135M w4a8 decoder's logits up to 0.57 apart, benchmarks/avx2_only.c) and its float path does on
-    every CPU (GEMV vs GEMM): each logits row of such a call gets a fixed pattern added, the graph's argmax output
-    following it. by_width: the pattern scaled by the call's rows, so that calls of different widths disagree among
-    themselves too. The pattern is larger than a kernel's rounding so that greedy answers part for sure."""
+    apart: the real SmolLM2-135M w4a8 decoder's logits up to 0.57 apart, benchmarks/avx2-only) and its float path
+    does on every CPU (GEMV vs GEMM): each logits row of such a call gets a fixed pattern added, the graph's argmax
+    output following it. by_width: the pattern scaled by the call's rows, so that calls of different widths disagree
+    among themselves too. The pattern is larger than a kernel's rounding so that greedy answers part for sure."""
 
-    def __init__(self, session, scale: float, by_width: bool = False, logits: str = "logits", argmax: str = "next_token"):
+    def __init__(self, session, scale: float, by_width: bool = False, logits: str = "logits",
+                 argmax: str = "next_token"):
         self._s, self.by_width, self._logits, self._argmax = session, by_width, logits, argmax
         vocab = next(o.shape[-1] for o in session.get_outputs() if o.name == logits)
         self.pattern = (np.random.default_rng(43).standard_normal(vocab) * scale).astype(np.float32)
@@ -71,7 +72,8 @@ class MultiRowRounding:
         names = names or [o.name for o in self._s.get_outputs()]
         out = self._s.run(names, feeds, run_options)
         if self._logits in names:
-            self._apply(out[names.index(self._logits)], out[names.index(self._argmax)] if self._argmax in names else None)
+            argmax = out[names.index(self._argmax)] if self._argmax in names else None
+            self._apply(out[names.index(self._logits)], argmax)
         return out
 
 
@@ -92,7 +94,8 @@ class _Binding:
         v = self.outputs[name]
         dtype = np.dtype({"tensor(float)": np.float32, "tensor(int64)": np.int64}[v.data_type()])
         n = int(np.prod(v.shape()))
-        return np.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(v.data_ptr()), dtype).reshape(v.shape())
+        memory = (ctypes.c_char * (n * dtype.itemsize)).from_address(v.data_ptr())
+        return np.frombuffer(memory, dtype).reshape(v.shape())
 
 
 def plant_multi_row_rounding(monkeypatch, scale: float = 0.5, by_width: bool = False) -> list[MultiRowRounding]:

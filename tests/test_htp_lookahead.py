@@ -91,7 +91,8 @@ def logits_step(b) -> float:
     """One step of the decode graph's 16-bit logits encoding: the scale of the DequantizeLinear giving its logits."""
     g = onnx.load(str(Path(b) / mf.load(b).graphs["decode"].file), load_external_data=False).graph
     node = next(n for n in g.node if "logits" in n.output)
-    consts = {i.name: i for i in g.initializer} | {n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant"}
+    consts = {i.name: i for i in g.initializer}
+    consts |= {n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant"}
     return float(onnx.numpy_helper.to_array(consts[node.input[1]]))
 
 

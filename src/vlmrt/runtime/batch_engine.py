@@ -16,9 +16,11 @@ past the last waiting row), each row its sequence's token at its next slot and p
 row's own; its conv windows loaded from its rows before slot `length`, ConvRows.load), and `logits` hands each its
 row; after the call each advanced sequence stores its conv rows (out [k, 1, channels]) and moves its length
 (kind.store). GroupQueryAttention attends per sequence, a conv layer's Conv runs over each sequence's window and
-every other node works row by row, so a row's logits do not depend on the others' (bit for bit on the int8-compute
-precisions: w4a8 ...; docs/server.md#continuous-batching); the MatMulNBits weights are read once per call for all
-rows.
+every other node works row by row, so a row's logits do not depend on the others'; the MatMulNBits weights are read
+once per call for all rows. They may depend on the call's width, though: MatMulNBits computes one row by another
+kernel than several (its float path on every CPU, its int8 path on AVX2-only ones), so batched_vlms probes the graph
+at load (probe) and where one-row calls round apart every call runs at least 2 rows (min_rows): a sequence's answer
+is then the same whatever the number of sequences decoding beside it (docs/server.md#continuous-batching).
 
 A row that waits for nothing in a call (a sequence prefilling, idle, or finished) is computed too (cheaper than
 splitting the call): it is fed zeros (zero conv windows too) and writes a junk K/V row at its slot `length`, one past
@@ -152,9 +154,9 @@ class BatchDecoder:
 
         Where int8-compute MatMulNBits (the *a8* precisions) runs its AVX2 kernels (a CPU without AVX-512 VNNI or
         AVX-VNNI) a one-row call takes another path than a multi-row one and rounds differently (SmolLM2-135M w4a8:
-        logits up to 0.5 apart); so does the float path (w4a16) on every CPU (GEMV vs GEMM, ~1e-4); calls of 2 and
-        more rows agree bit for bit (docs/server.md#continuous-batching). A sequence alone through the batch then
-        answers as it does among others."""
+        logits up to 0.57 apart here); so does its float path (w4a16) on every CPU (GEMV vs GEMM: 4e-5); calls of 2
+        and more rows agree bit for bit (docs/server.md#continuous-batching). A sequence alone through the batch then
+        answers as it does among others. A call that raises here raises from batched_vlms (the graph cannot run)."""
         n = len(self.engines)
         vocab = self.engines[0]._vocab
         ids = (vocab // 3, vocab // 2)

@@ -13,12 +13,13 @@ next decode step to the batch (engine.STEP; a new request runs its prompt's firs
 round), then one decoder call advances every slot that waits (BatchDecoder.run). A request that fails (a bad image, a
 context overflow, a bug in its own steps) fails alone; a batched call that raises fails the requests it was to
 advance, each with a 500 JSON error (their state is not retried: the call may have written part of their rows).
+Where the probe at load found one-row calls computing a row apart from multi-row ones (BatchDecoder.probe), every
+batched call runs at least two rows, so an answer does not depend on how many others decode beside it.
 A bundle whose graph takes one sequence per call (the rows kinds: the NPU target's static graphs) interleaves the busy
-slots one VLM.chat step (one yielded piece) each, round robin, as before. Where the probe at load found one-row calls
-computing a row apart from multi-row ones (BatchDecoder.probe), every batched call runs at least two rows, so an
-answer does not depend on how many others decode beside it. A waiting request goes to the free slot whose last conversation shares the most leading
-messages with it (so a follow-up question finds its KV rows), else to the least recently used one. Correctness does not
-depend on that choice: the slot's prefix cache keeps only rows whose keys match.
+slots one VLM.chat step (one yielded piece) each, round robin, as before. A waiting request goes to the free slot whose
+last conversation shares the most leading messages with it (so a follow-up question finds its KV rows), else to the
+least recently used one. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose
+keys match.
 """
 
 from __future__ import annotations
