@@ -165,3 +165,17 @@ def test_answers_do_not_depend_on_the_load_where_one_row_calls_round_apart(tiny)
         assert after["batch_widest"] >= 2  # they did decode together
     finally:
         r.stop()
+
+
+def test_no_batch_padding_leaves_a_request_alone_in_one_row_calls(tiny):
+    """`--no-batch-padding`: the probe's finding is kept but a request alone runs one-row calls (faster where the
+    multi-row path costs more: w4a16), and /health says the answers are no longer independent of the load."""
+    with pytest.MonkeyPatch.context() as mp:
+        plant_multi_row_rounding(mp, scale=0.1)
+        r = start(tiny.bundle, "--slots", "2", "--no-batch-padding")
+    try:
+        h = status(r)
+        assert h["batch_min_rows"] == 1 and h["batch_invariant"] is False
+        assert r.app.state.vlmrt.scheduler.batch.probed["min_rows"] == 2
+    finally:
+        r.stop()

@@ -87,8 +87,9 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, bundle, slots: int, max_queue: int, load_s: float = 0.0, **vlm_options):
-        """vlm_options: VLM keyword arguments (kv_requant, image_cache_bytes per slot, fetch)."""
+    def __init__(self, bundle, slots: int, max_queue: int, load_s: float = 0.0, pad: bool = True, **vlm_options):
+        """pad: the batch's calls as wide as its probe says (False: as wide as their rows, `--no-batch-padding`).
+        vlm_options: VLM keyword arguments (kv_requant, image_cache_bytes per slot, fetch)."""
         if slots < 1 or max_queue < 0:
             raise ValueError("--slots must be >= 1 and --queue >= 0")
         self.max_context = bundle.manifest.kv.max_context
@@ -98,6 +99,10 @@ class Scheduler:
             log.info("batched decoding over %d slots: one-row calls %s multi-row ones (max |logit diff| %.3g)%s", slots,
                      "compute a row as" if not p["one_row_diff"] else "round apart from", p["one_row_diff"],
                      "; a call runs at least %d rows" % p["min_rows"] if p["min_rows"] > 1 else "")
+            if not pad and self.batch.min_rows > 1:
+                self.batch.min_rows = 1
+                log.warning("batched decoding: --no-batch-padding: a request alone runs one-row calls, so its answer "
+                            "can depend on the load")
             if not p["invariant"]:
                 log.warning("batched decoding: a row's logits depend on the other rows' (max |diff| %.3g): answers "
                             "may depend on the load", p["neighbour_diff"])
@@ -130,8 +135,10 @@ class Scheduler:
             kv = sum(s.vlm.engine.cache.nbytes for s in self.slots)
             images = sum(s.vlm.image_cache.bytes for s in self.slots)
             b = self.batch
-            batch = {"batch_calls": b.calls, "batch_rows": b.rows, "batch_widest": b.widest,
-                     "batch_min_rows": b.min_rows, "batch_invariant": b.probed["invariant"]} if b is not None else {}
+            batch = {} if b is None else {
+                "batch_calls": b.calls, "batch_rows": b.rows, "batch_widest": b.widest, "batch_min_rows": b.min_rows,
+                # answers independent of the load: as the probe found, and padded as it said
+                "batch_invariant": b.probed["invariant"] and b.min_rows >= b.probed["min_rows"]}
             return {"slots": len(self.slots), "busy": busy, "queued": len(self.waiting), "kv_cache_bytes": kv,
                     "image_cache_bytes": images, "batched": b is not None, **batch, **self.counts}
 
