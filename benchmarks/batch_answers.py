@@ -96,7 +96,10 @@ def main() -> int:
 def _cpu() -> str:
     """The CPU's model name and the int8 ISA ORT's MLAS sees (cpuid as this process sees it: benchmarks/avx2-only
     hides AVX-512 and VNNI)."""
-    from numpy._core._multiarray_umath import __cpu_features__ as f
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as f
+    except ImportError:  # (numpy 1)
+        from numpy.core._multiarray_umath import __cpu_features__ as f
 
     info = open("/proc/cpuinfo").read()
     name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
