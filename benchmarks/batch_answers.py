@@ -1,11 +1,14 @@
 """Greedy answers of sequences decoding together (runtime/batch_engine.py) vs each alone: how often and where they part.
 
-    python benchmarks/batch_answers.py BUNDLE [--batch 16] [--gen 96] [--threads 2]
+    python benchmarks/batch_answers.py BUNDLE [--batch 16] [--gen 96] [--threads 2] [--min-rows N]
 
 BUNDLE: a bundle whose decoder takes a batch (decoder.kind.batched). --batch chat prompts (text) are answered alone
-(one Engine, one-row decode steps) and then all together (one decoder call per step, every sequence started at
-once), --gen tokens each (ignore_eos). Prints one JSON object: per sequence the first token index where the two
-answers differ (null: identical), and the wall time of both ways.
+(one Engine, one-row decode steps), then each alone through the batch (row 0 of the batched engines, the others idle:
+a server's request sent alone) and then all together (one decoder call per step, every sequence started at once),
+--gen tokens each (ignore_eos). Prints one JSON object: per sequence the first token index where the answer together
+differs from the one-row engine's (first_difference) and from the one alone through the batch
+(first_difference_batch_alone; null: identical), the batch's probe (BatchDecoder.probe) and the wall times.
+--min-rows N overrides the probe's call width (1: every call as wide as its rows, as before the probe).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--gen", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-rows", type=int)
     a = ap.parse_args()
     b = Bundle.open(a.bundle, threads=a.threads, verify=False)
     alone = VLM(b)
@@ -46,6 +50,21 @@ def main() -> int:
     want = [list(e.generate(e.embed(x), max_new_tokens=a.gen, ignore_eos=True)) for x in ids]
     t_alone = time.perf_counter() - t
     vlms, batch = batched_vlms(b, a.batch)
+    if a.min_rows:
+        batch.min_rows = a.min_rows
+    first_e = vlms[0].engine
+    t = time.perf_counter()
+    solo = []
+    for x in ids:
+        out = []
+        for y in first_e.generate(first_e.embed(x), max_new_tokens=a.gen, ignore_eos=True):
+            if y is STEP:
+                batch.run()
+            else:
+                out.append(y)
+        solo.append(out)
+    t_solo = time.perf_counter() - t
+    batch.calls = batch.rows = 0
     gens = [v.engine.generate(v.engine.embed(x), max_new_tokens=a.gen, ignore_eos=True) for v, x in zip(vlms, ids)]
     got = [[] for _ in ids]
     t = time.perf_counter()
@@ -60,12 +79,33 @@ def main() -> int:
                 live.discard(i)
         batch.run()
     t_batch = time.perf_counter() - t
-    first = [next((k for k, (x, y) in enumerate(zip(w, g)) if x != y), None) for w, g in zip(want, got)]
+    def parts(ref):
+        return [next((k for k, (x, y) in enumerate(zip(w, g)) if x != y), None) for w, g in zip(ref, got)]
+
+    first, first_solo = parts(want), parts(solo)
     print(json.dumps({"bundle": a.bundle, "precision": b.manifest.graphs["decode"].precision, "batch": a.batch,
-                      "gen": a.gen, "threads": a.threads, "first_difference": first,
-                      "identical": sum(f is None for f in first), "alone_s": round(t_alone, 2),
+                      "gen": a.gen, "threads": a.threads, "cpu": _cpu(), "probe": batch.probed,
+                      "min_rows": batch.min_rows, "first_difference": first,
+                      "identical": sum(f is None for f in first), "first_difference_batch_alone": first_solo,
+                      "identical_batch_alone": sum(f is None for f in first_solo), "alone_s": round(t_alone, 2),
+                      "batch_alone_s": round(t_solo, 2),
                       "together_s": round(t_batch, 2), "mean_rows_per_call": round(batch.rows / batch.calls, 2)}))
     return 0
+
+
+def _cpu() -> str:
+    """The CPU's model name and the int8 ISA ORT's MLAS sees (cpuid as this process sees it: benchmarks/avx2-only
+    hides AVX-512 and VNNI)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as f
+    except ImportError:  # (numpy 1)
+        from numpy.core._multiarray_umath import __cpu_features__ as f
+
+    info = open("/proc/cpuinfo").read()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    isa = ("AVX-512 VNNI" if f.get("AVX512VNNI") else "AVX-VNNI" if " avx_vnni" in info
+           else "AVX-512" if f.get("AVX512F") else "AVX2")
+    return f"{name} ({isa})"
 
 
 if __name__ == "__main__":

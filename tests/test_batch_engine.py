@@ -13,6 +13,7 @@ import onnx
 import pytest
 
 from conftest import CASES, exported
+from cpu_isa import plant_multi_row_rounding
 from vlmrt.batch.worker import Answerer
 from vlmrt.format.manifest import RowsDynamicKind
 from vlmrt.runtime.batch_engine import BatchDecoder, batched_vlms
@@ -192,6 +193,42 @@ def test_images_of_a_new_prompt_are_encoded_between_the_others_steps(case, sizes
     assert "".join(got) == want and st.images == len(sizes) and st.image_tiles >= 3
     # a round after each vision call (tile) but the last, and after each prefill block but the last
     assert rounds == st.image_tiles - 1 + blocks - 1
+
+
+@pytest.mark.parametrize("by_width", [False, True], ids=["one-row-apart", "every-width-apart"])
+def test_calls_that_round_apart_by_width_are_probed_and_answers_do_not_depend_on_the_load(tiny, monkeypatch, by_width):
+    """A decoder whose one-row calls compute a row differently from its multi-row calls (planted: cpu_isa.py
+    MultiRowRounding, as MLAS's int8 kernels on an AVX2-only CPU) or whose every call width does: the probe at load
+    finds it and pads the calls (min_rows 2: a sequence alone runs with an idle row; every width apart: every call
+    over all rows), so each sequence answers alone (row 0, as a server's lowest free slot) as it does among others,
+    greedy and seeded. Before the probe a sequence alone ran one-row calls and answered otherwise."""
+    planted = plant_multi_row_rounding(monkeypatch, scale=0.1, by_width=by_width)
+    vlms, batch = batched_vlms(Bundle.open(tiny.bundle), 4)
+    engines = [v.engine for v in vlms]
+    prompts = _prompts(vlms[0], 4)
+    plan = [(20, SamplingConfig()), (20, SamplingConfig(temperature=0.9, seed=7)), (24, SamplingConfig()),
+            (16, SamplingConfig(temperature=0.8, top_k=20, seed=1))]
+
+    def gen(i, row):
+        e = engines[row]
+        return e.generate(e.embed(prompts[i]), max_new_tokens=plan[i][0], sampler=Sampler(plan[i][1]), ignore_eos=True)
+
+    alone = [_drive(batch, gen(i, 0)) for i in range(4)]
+    gens, together = {i: gen(i, i) for i in range(4)}, [[] for _ in range(4)]
+    while gens:
+        for i, g in list(gens.items()):
+            for y in g:
+                if y is STEP:
+                    break
+                together[i].append(y)
+            else:
+                del gens[i]
+        batch.run()
+    assert together == alone
+    assert batch.widest == 4 and planted[0].calls > 0
+    p = batch.probed
+    assert p["one_row_diff"] > 0 and p["invariant"] and p["neighbour_diff"] == 0
+    assert (p["multi_row_diff"] > 0, p["min_rows"]) == ((True, 4) if by_width else (False, 2))
 
 
 def test_a_step_read_before_the_batch_ran_is_refused(tiny):

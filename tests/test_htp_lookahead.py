@@ -11,6 +11,8 @@ to the drafter as the ids it looks up (drafting only decides what is verified, n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -85,14 +87,42 @@ def test_verify_graph_in_the_manifest_with_decodes_quantization(tmp_path_factory
             np.testing.assert_array_equal(iv[a], id_[c])
 
 
+def logits_step(b) -> float:
+    """One step of the decode graph's 16-bit logits encoding: the scale of the DequantizeLinear giving its logits."""
+    g = onnx.load(str(Path(b) / mf.load(b).graphs["decode"].file), load_external_data=False).graph
+    node = next(n for n in g.node if "logits" in n.output)
+    consts = {i.name: i for i in g.initializer}
+    consts |= {n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant"}
+    return float(onnx.numpy_helper.to_array(consts[node.input[1]]))
+
+
+def assert_as_plain(run, step: float) -> bool:
+    """A lookahead_runs run on the CPU EP (the QDQ graphs): greedy lookahead ids equal plain decoding's, or part from
+    them at a tie within one step of the logits' 16-bit encoding only (the emitted token's plain-decoding logit at most
+    one step below the best: a verify row's logits are within one step of sequential decode steps' (the verify graph
+    is another graph: a 5-row call), so at a top-2 margin that small either token can come first; measured: none of
+    12 runs parts with a bundle exported and run on AVX-512 VNNI CPUs, 1 of 12 at its 22nd token, one step apart,
+    exported and run with AVX2 only (benchmarks/avx2-only); the rows before a parting within 1 uint8 step of a plain
+    run's (rows of a 5-row call; measured max 1; 2 before the graphs attended to their own rows as stored); no
+    rejected draft's row in the cache. Returns whether the ids are equal."""
+    a, got, st, pc, fc, beyond, gap = run
+    assert not beyond, "a rejected draft's row is in the cache"
+    part = next((i for i, (x, y) in enumerate(zip(a, got)) if x != y), len(a))
+    same = pc.shape[2] - (len(a) - 1) + part  # the prompt's rows and those of the answer's tokens before the parting
+    assert pc.shape == fc.shape and np.abs(pc[:, :, :same] - fc[:, :, :same]).max() <= 1
+    assert gap <= step * 1.001, (part, gap, step)
+    return got == a
+
+
 def test_lookahead_equals_plain_on_the_cpu_ep(tmp_path_factory):
-    """The QDQ graphs on the CPU EP: greedy lookahead ids equal plain decoding's, kv and hybrid mode; drafts are
-    accepted (oracle) and rejected; the cache holds the rows of the emitted tokens only, within 1 uint8 step of a
-    plain run's (rows of a 5-row call; measured max 1; 2 before the graphs attended to their own rows as stored)."""
+    """The QDQ graphs on the CPU EP: greedy lookahead ids are plain decoding's (assert_as_plain: or part from them at a
+    tie within one logits step), kv and hybrid mode; drafts are accepted (oracle) and rejected; the cache holds the
+    rows of the emitted tokens only."""
+    b = bundle("htp", tmp_path_factory)
     drafted = accepted = 0
-    for a, got, st, pc, fc, beyond, _ in lookahead_runs(bundle("htp", tmp_path_factory), "cpu", PROMPTS, ("kv", "hybrid")):
-        assert got == a
-        assert pc.shape == fc.shape and np.abs(pc - fc).max() <= 1 and not beyond, "a rejected draft's row is in the cache"
+    for run in lookahead_runs(b, "cpu", PROMPTS, ("kv", "hybrid")):
+        assert_as_plain(run, logits_step(b))
+        st = run[2]
         drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_tokens
     assert accepted >= 40 and drafted > accepted  # measured: 80 of 84 drafted tokens accepted
 

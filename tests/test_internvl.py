@@ -142,10 +142,10 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
     # vision: 2 layers x (norm1, norm2, q norm, k norm); decoder: 2 layers x (input, post-attention, q, k) + final
     assert {k: g["weights"]["fused_rms_norms"] for k, g in m["graphs"].items()} == {"vision": 8, "prefill": 9, "decode": 9,
                                                                                    "verify": 9}
-    from test_htp_lookahead import PROMPTS, lookahead_runs
+    from test_htp_lookahead import PROMPTS, assert_as_plain, logits_step, lookahead_runs
 
-    for a, got, st, pc, fc, beyond, gap in lookahead_runs(b, "cpu", PROMPTS[:1], ("kv", "hybrid"), tokens=16):
-        assert got == a and np.abs(pc - fc).max() <= 1 and not beyond
+    for run in lookahead_runs(b, "cpu", PROMPTS[:1], ("kv", "hybrid"), tokens=16):
+        assert_as_plain(run, logits_step(b))  # plain decoding's ids, or parted at a tie within one logits step
     v = VLM.load(b)
     r = accuracy.evaluate(v, accuracy.load_reference(ex.ckpt, v), samples.default_samples(), tokens=16)
     assert r["top1_agreement"] >= 0.82 and r["mean_kl"] < 0.012  # measured: top-1 0.862, KL 0.0062
@@ -191,12 +191,12 @@ def test_htp_context_binaries_qwen2_biases(tmp_path_factory):
     # cache (measured: before the graphs attended to their own rows as stored, one answer parted at its 11th token);
     # on the simulator each emitted token within 0.15 of plain decoding's best logit (a 5-row call is not bit for bit
     # a 1-row call on the HTP)
-    from test_htp_lookahead import PROMPTS, lookahead_runs
+    from test_htp_lookahead import PROMPTS, assert_as_plain, logits_step, lookahead_runs
 
     accepted = 0
-    for a, got, st, pc, fc, beyond, gap in lookahead_runs(b, "cpu", PROMPTS[:2], ("hybrid",)):
-        assert got == a and np.abs(pc - fc).max() <= 1 and not beyond
-        accepted += st.accepted_tokens
+    for run in lookahead_runs(b, "cpu", PROMPTS[:2], ("hybrid",)):
+        assert_as_plain(run, logits_step(b))  # plain decoding's ids, or parted at a tie within one logits step
+        accepted += run[2].accepted_tokens
     assert accepted > 0
     for a, got, st, pc, fc, beyond, gap in lookahead_runs(b, "htp", PROMPTS[:1], ("hybrid",), tokens=16):
         assert not beyond and gap < 0.15

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from cpu_isa import plant_multi_row_rounding
 from serve_client import ask, picture, post, start, status, tiny, uri, vlm, wait_idle  # noqa: F401  (fixtures)
 
 FAIL = "fail after three pieces"
@@ -139,5 +140,42 @@ def test_an_lfm2_bundle_decodes_its_slots_together(tmp_path_factory):
         after = wait_idle(r)
         assert together == solo and before["batched"]
         assert after["batch_calls"] > before["batch_calls"] and after["batch_widest"] >= 2
+    finally:
+        r.stop()
+
+
+def test_answers_do_not_depend_on_the_load_where_one_row_calls_round_apart(tiny):
+    """A decoder whose one-row calls compute a row apart from its multi-row calls (planted: cpu_isa.py
+    MultiRowRounding, as MLAS's int8 kernels do on an AVX2-only CPU): the server's probe at load finds it and every
+    batched call runs at least two rows (/health: batch_min_rows 2), so a request's answer sent alone equals its answer
+    among others, greedy and seeded. Before, one sent alone ran one-row calls and answered otherwise."""
+    with pytest.MonkeyPatch.context() as mp:
+        planted = plant_multi_row_rounding(mp, scale=0.1)
+        r = start(tiny.bundle, "--slots", "4", "--queue", "8")
+    try:
+        bodies = [{"messages": [{"role": "user", "content": f"Tell me about the number {i}."}], "max_tokens": 20,
+                   "ignore_eos": True, "temperature": 0.8 if i % 2 else 0.0, "seed": 100 + i} for i in range(4)]
+        solo = [_text(post(r, b)) for b in bodies]
+        before = status(r)
+        with ThreadPoolExecutor(4) as ex:
+            together = [_text(x) for x in ex.map(lambda b: post(r, b), bodies)]
+        after = wait_idle(r)
+        assert together == solo
+        assert before["batch_min_rows"] == 2 and before["batch_invariant"] and planted[0].calls > 0
+        assert after["batch_widest"] >= 2  # they did decode together
+    finally:
+        r.stop()
+
+
+def test_no_batch_padding_leaves_a_request_alone_in_one_row_calls(tiny):
+    """`--no-batch-padding`: the probe's finding is kept but a request alone runs one-row calls (faster where the
+    multi-row path costs more: w4a16), and /health says the answers are no longer independent of the load."""
+    with pytest.MonkeyPatch.context() as mp:
+        plant_multi_row_rounding(mp, scale=0.1)
+        r = start(tiny.bundle, "--slots", "2", "--no-batch-padding")
+    try:
+        h = status(r)
+        assert h["batch_min_rows"] == 1 and h["batch_invariant"] is False
+        assert r.app.state.vlmrt.scheduler.batch.probed["min_rows"] == 2
     finally:
         r.stop()

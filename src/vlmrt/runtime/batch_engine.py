@@ -16,9 +16,11 @@ past the last waiting row), each row its sequence's token at its next slot and p
 row's own; its conv windows loaded from its rows before slot `length`, ConvRows.load), and `logits` hands each its
 row; after the call each advanced sequence stores its conv rows (out [k, 1, channels]) and moves its length
 (kind.store). GroupQueryAttention attends per sequence, a conv layer's Conv runs over each sequence's window and
-every other node works row by row, so a row's logits do not depend on the others' (bit for bit on the int8-compute
-precisions: w4a8 ...; docs/server.md#continuous-batching); the MatMulNBits weights are read once per call for all
-rows.
+every other node works row by row, so a row's logits do not depend on the others'; the MatMulNBits weights are read
+once per call for all rows. They may depend on the call's width, though: MatMulNBits computes one row by another
+kernel than several (its float path on every CPU, its int8 path on AVX2-only ones), so batched_vlms probes the graph
+at load (probe) and where one-row calls round apart every call runs at least 2 rows (min_rows): a sequence's answer
+is then the same whatever the number of sequences decoding beside it (docs/server.md#continuous-batching).
 
 A row that waits for nothing in a call (a sequence prefilling, idle, or finished) is computed too (cheaper than
 splitting the call): it is fed zeros (zero conv windows too) and writes a junk K/V row at its slot `length`, one past
@@ -53,6 +55,10 @@ class BatchDecoder:
         self.calls = 0
         self.rows = 0  # rows that waited, summed over calls (rows / calls: the mean batch)
         self.widest = 0  # the most rows that waited in one call
+        # every call computes at least min_rows rows (padded with idle rows): 2 where the probe found one-row calls
+        # computing a row differently from multi-row ones (probe)
+        self.min_rows = 1
+        self.probed: dict | None = None  # probe()'s findings
         for e in engines:
             e.batch = self
 
@@ -96,7 +102,7 @@ class BatchDecoder:
         self._ran = set()
         if not pending:
             return
-        k = max(pending) + 1
+        k = min(max(max(pending) + 1, self.min_rows), len(self.engines))
         step = self._call(k)
         b = step.buffers
         seqlens, top = step.inputs.seqlens, self.kind.kv.max_context
@@ -138,6 +144,64 @@ class BatchDecoder:
             self.kind.store(e.cache, [rows[r] for rows in step.staged or ()], 1, b.positions[:, r : r + 1])
             e.run_s += dt
 
+    def probe(self) -> dict:
+        """Whether a row's logits depend on how many rows its call computes, on this CPU and this graph's kernels, and
+        the call width that makes them not: min_rows (1: any; 2: calls of 2 rows or more, a sequence alone then padded
+        with an idle row; n: every call over all rows), set here and returned with the findings. Run on fresh
+        caches (they are reset after): every row one step in (so that the probed calls attend over a stored row),
+        then the same tokens (two alternating ids) through calls of widths 1..5, n/2, n - 1 and n and a call of
+        n rows of which only the last waits; each row's logits compared bit for bit with the n-row call's.
+
+        Where int8-compute MatMulNBits (the *a8* precisions) runs its AVX2 kernels (a CPU without AVX-512 VNNI or
+        AVX-VNNI) a one-row call takes another path than a multi-row one and rounds differently (SmolLM2-135M w4a8:
+        logits up to 0.57 apart here); so does its float path (w4a16) on every CPU (GEMV vs GEMM: 4e-5); calls of 2
+        and more rows agree bit for bit (docs/server.md#continuous-batching). A sequence alone through the batch then
+        answers as it does among others. A call that raises here raises from batched_vlms (the graph cannot run)."""
+        n = len(self.engines)
+        vocab = self.engines[0]._vocab
+        ids = (vocab // 3, vocab // 2)
+
+        def call(rows: list[int]) -> dict[int, np.ndarray]:
+            lengths = [e.cache.length for e in self.engines]
+            for r in rows:
+                self.submit(self.engines[r], ids[r % 2])
+            self.run()
+            out = {r: self.logits(self.engines[r]).copy() for r in rows}
+            for e, length in zip(self.engines, lengths):
+                e.cache.rewind(length)
+            return out
+
+        def diff(got: dict[int, np.ndarray]) -> float:
+            return max(float(np.abs(got[r] - ref[r]).max()) if not np.array_equal(got[r], ref[r]) else 0.0
+                       for r in got)
+
+        self.min_rows = 1
+        for e in self.engines:
+            e.cache.reset()
+        try:
+            self.pending = {r: ids[1] for r in range(n)}
+            self.run()  # every cache one row in
+            ref = call(list(range(n)))
+            one = diff(call([0]))
+            widths = sorted({*range(2, min(n, 6)), n // 2, n - 1} - {0, 1, n})
+            multi = max([diff(call(list(range(k)))) for k in widths], default=0.0)
+            alone = diff(call([n - 1]))  # the others idle (fed zeros): does a row depend on its neighbours' data?
+        finally:
+            for e in self.engines:
+                e.cache.reset()
+                e.run_s = 0.0
+            self.pending, self._ran, self._last = {}, set(), None
+            self.run_s, self.calls, self.rows, self.widest = 0.0, 0, 0, 0
+        if alone:  # a row depends on the other rows' data: no call width makes the answers independent of the load
+            self.min_rows = 1
+        elif multi:  # the widths disagree among themselves: every call over every row
+            self.min_rows = n
+        else:
+            self.min_rows = 2 if one else 1
+        self.probed = {"one_row_diff": one, "multi_row_diff": multi, "neighbour_diff": alone,
+                       "min_rows": self.min_rows, "invariant": not alone}
+        return self.probed
+
 
 def batched_vlms(bundle, n: int, load_s: float = 0.0, **vlm_options) -> tuple[list, BatchDecoder | None]:
     """n VLMs over one opened bundle's sessions (a server's slots, a batch job's sequences) and their BatchDecoder:
@@ -152,4 +216,6 @@ def batched_vlms(bundle, n: int, load_s: float = 0.0, **vlm_options) -> tuple[li
         return [VLM(bundle, load_s, **vlm_options) for _ in range(n)], None
     blocks = KVCache.batch_blocks(m.kv, n)
     vlms = [VLM(bundle, load_s, cache_blocks=KVCache.rows_of(blocks, b), **vlm_options) for b in range(n)]
-    return vlms, BatchDecoder(bundle.sessions["decode"], [v.engine for v in vlms], blocks)
+    batch = BatchDecoder(bundle.sessions["decode"], [v.engine for v in vlms], blocks)
+    batch.probe()
+    return vlms, batch

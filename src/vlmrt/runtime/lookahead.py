@@ -87,9 +87,12 @@ class PromptLookup:
 
 def check_exact(decode: GraphSpec, k: int) -> None:
     """ValueError if lookahead (k > 0) could change the answer of the decode graph: with int8 activations (the *a8*
-    precisions, of its linear layers or its lm head) a multi-row call quantizes and accumulates differently from a
-    one-row call (on SmolLM2 w4a8: logits 0.6 apart, answers that part after 12-52 tokens), so a verify step's
-    greedy choice is not the plain decode's. Float activations (fp32, fp16, w*a16) agree to ~5e-5."""
+    precisions, of its linear layers or its lm head) a verify step's rows come out apart from decode steps' (on
+    SmolLM2 w4a8: logits 0.6 apart, answers that part after 12-52 tokens), so a verify step's greedy choice is not the
+    plain decode's: its attention takes GroupQueryAttention's multi-token path (row 0 3e-5 from the decode step, on a
+    CPU where MatMulNBits computes a row the same in a call of any width) and the int8 activation quantization
+    amplifies that (0.2-0.64 by row 4), so no choice of call width (batch_engine.BatchDecoder.probe) makes it exact.
+    Float activations (fp32, fp16, w*a16) agree to ~5e-5."""
     precisions = {decode.precision, str(decode.weights.get("lm_head", ""))}
     inexact = sorted(p for p in precisions if "a8" in p)
     if k and inexact:

@@ -41,6 +41,10 @@ def add_parser(sub) -> None:
     s.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     s.add_argument("--lookahead", type=int, default=0, metavar="N",
                    help="lookahead decoding of greedy answers, up to N drafted tokens per step (default 0: off)")
+    s.add_argument("--no-batch-padding", action="store_true",
+                   help="a request decoding alone runs one-row calls even where they round apart from multi-row ones "
+                        "(w4a16 everywhere, w4a8 on AVX2-only CPUs; docs/server.md#continuous-batching): faster alone "
+                        "(w4a16: 2.6x), but an answer can then depend on the load")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g = s.add_argument_group("security (docs/server.md#security)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -169,7 +173,7 @@ def build(a, bundle: str, on_load_error=None):
         b = Bundle.open(bundle, device=a.device, threads=a.threads, verify=verify)
         warm_up(video=b.manifest.prompt.video is not None)  # before /health turns 200: nothing to import on first use
         # the slots' VLMs get images already decoded; the policy is theirs too, should a URL ever reach one
-        return Scheduler(b, a.slots, a.queue, time.perf_counter() - t, fetch=fetch,
+        return Scheduler(b, a.slots, a.queue, time.perf_counter() - t, pad=not a.no_batch_padding, fetch=fetch,
                          image_cache_bytes=int(a.image_cache_mb * 2**20 / a.slots), lookahead=a.lookahead,
                          allow_special_tokens=a.allow_special_tokens)
 

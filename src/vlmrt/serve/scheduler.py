@@ -13,10 +13,13 @@ next decode step to the batch (engine.STEP; a new request runs its prompt's firs
 round), then one decoder call advances every slot that waits (BatchDecoder.run). A request that fails (a bad image, a
 context overflow, a bug in its own steps) fails alone; a batched call that raises fails the requests it was to
 advance, each with a 500 JSON error (their state is not retried: the call may have written part of their rows).
+Where the probe at load found one-row calls computing a row apart from multi-row ones (BatchDecoder.probe), every
+batched call runs at least two rows, so an answer does not depend on how many others decode beside it.
 A bundle whose graph takes one sequence per call (the rows kinds: the NPU target's static graphs) interleaves the busy
-slots one VLM.chat step (one yielded piece) each, round robin, as before. A waiting request goes to the free slot whose last conversation shares the most leading
-messages with it (so a follow-up question finds its KV rows), else to the least recently used one. Correctness does not
-depend on that choice: the slot's prefix cache keeps only rows whose keys match.
+slots one VLM.chat step (one yielded piece) each, round robin, as before. A waiting request goes to the free slot whose
+last conversation shares the most leading messages with it (so a follow-up question finds its KV rows), else to the
+least recently used one. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose
+keys match.
 """
 
 from __future__ import annotations
@@ -84,12 +87,25 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, bundle, slots: int, max_queue: int, load_s: float = 0.0, **vlm_options):
-        """vlm_options: VLM keyword arguments (kv_requant, image_cache_bytes per slot, fetch)."""
+    def __init__(self, bundle, slots: int, max_queue: int, load_s: float = 0.0, pad: bool = True, **vlm_options):
+        """pad: the batch's calls as wide as its probe says (False: as wide as their rows, `--no-batch-padding`).
+        vlm_options: VLM keyword arguments (kv_requant, image_cache_bytes per slot, fetch)."""
         if slots < 1 or max_queue < 0:
             raise ValueError("--slots must be >= 1 and --queue >= 0")
         self.max_context = bundle.manifest.kv.max_context
         vlms, self.batch = batched_vlms(bundle, slots, load_s, **vlm_options)
+        if self.batch is not None:
+            p = self.batch.probed
+            log.info("batched decoding over %d slots: one-row calls %s multi-row ones (max |logit diff| %.3g)%s", slots,
+                     "compute a row as" if not p["one_row_diff"] else "round apart from", p["one_row_diff"],
+                     "; a call runs at least %d rows" % p["min_rows"] if p["min_rows"] > 1 else "")
+            if not pad and self.batch.min_rows > 1:
+                self.batch.min_rows = 1
+                log.warning("batched decoding: --no-batch-padding: a request alone runs one-row calls, so its answer "
+                            "can depend on the load")
+            if not p["invariant"]:
+                log.warning("batched decoding: a row's logits depend on the other rows' (max |diff| %.3g): answers "
+                            "may depend on the load", p["neighbour_diff"])
         self.slots = [Slot(i, v) for i, v in enumerate(vlms)]
         self.max_queue = max_queue
         self.waiting: deque[Job] = deque()
@@ -119,7 +135,10 @@ class Scheduler:
             kv = sum(s.vlm.engine.cache.nbytes for s in self.slots)
             images = sum(s.vlm.image_cache.bytes for s in self.slots)
             b = self.batch
-            batch = {"batch_calls": b.calls, "batch_rows": b.rows, "batch_widest": b.widest} if b is not None else {}
+            batch = {} if b is None else {
+                "batch_calls": b.calls, "batch_rows": b.rows, "batch_widest": b.widest, "batch_min_rows": b.min_rows,
+                # answers independent of the load: as the probe found, and padded as it said
+                "batch_invariant": b.probed["invariant"] and b.min_rows >= b.probed["min_rows"]}
             return {"slots": len(self.slots), "busy": busy, "queued": len(self.waiting), "kv_cache_bytes": kv,
                     "image_cache_bytes": images, "batched": b is not None, **batch, **self.counts}
 
