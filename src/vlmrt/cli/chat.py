@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .options import _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
+from .options import _bundle_or_default, _fetch, _generation_args, _image_arg, _options, _videos, stats_report
 
 
 def add_parser(sub) -> None:
@@ -17,7 +17,7 @@ def run(a) -> int:
     from ..chat_repl import repl
     from ..runtime.pipeline import VLM
 
-    opts = _options(a)
+    opts, fetch = _options(a), _fetch(a)
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead, fetch=fetch)
     return repl(vlm, opts, images=a.image or [], videos=_videos(a), system=a.system, report=stats_report)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import _bundle_or_default, _generation_args, _image_arg, _options, _videos, stats_report
+from .options import _bundle_or_default, _fetch, _generation_args, _image_arg, _options, _videos, stats_report
 
 
 def add_parser(sub) -> None:
@@ -35,12 +35,12 @@ def run(a) -> int:
         messages = load_messages(a.messages)
     else:
         messages = user_turn(a.prompt, a.image or [], _videos(a))
-    opts = _options(a)
+    opts, fetch = _options(a), _fetch(a)
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
     if a.htp_arch is not None and a.device != "htp":
         raise ValueError("--htp-arch is for --device htp")
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead)
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead, fetch=fetch)
     # a one-shot run: nothing to reuse, the same as generate()
     gen = vlm.chat(messages, **opts)
     if a.json:
