@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # Pillow is imported where an image is read, not with this module: a text-only run does not load it (cold start)
 MAX_IMAGE_SIZE = 4096  # transformers' SmolVLM/Idefics3 cap on the resized image
 # The largest image file load_image accepts (docs/limits.md): 120 million pixels (a 108 MP phone sensor's
-# 12000×9000 fits; decoded as RGB that is 360 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
+# 12000×9000 fits; decoded as RGB that is 480 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
 # Checked from the header before any pixel is decoded.
 MAX_IMAGE_PIXELS = 120_000_000
 MAX_IMAGE_BYTES = 100 * 1024 * 1024
@@ -183,7 +183,7 @@ def decode_image(source: Path | bytes, label: str, spec: ImageSpec | None = None
             if im.size != head.decoded:  # Pillow's rule is the one _draft_scale follows; never guess otherwise
                 raise AssertionError(f"JPEG draft gave {im.size}, expected {head.decoded}")
         im.load()
-        im = ImageOps.exif_transpose(im)
+        ImageOps.exif_transpose(im, in_place=True)  # not a copy: to_rgb makes the one image returned
         if im.width * im.height == 0:
             raise ImageError(f"image {label} has no pixels ({im.width}×{im.height})")
         out = to_rgb(im)
