@@ -1,7 +1,8 @@
 """image_url parts -> decoded RGB images, before a request is queued (so that a slow URL never holds the model).
 
 A url is a data:image/...;base64, URI, an http(s) URL (fetched within runtime.sources' limits) or, only when the
-server was started with a media folder, a path inside that folder. Every failure is a 400 naming the image.
+server was started with a media folder, a path inside that folder. Every failure is a 400 naming the image (a 413 /
+503 over the decoded-pixel budgets: serve/pixel_budget.py).
 """
 
 from __future__ import annotations
