@@ -188,6 +188,63 @@ def image_property(folder: Path, max_examples: int, counter: list | None = None,
     return prop
 
 
+# ---------------------------------------------------------------- decompression amplification
+
+@st.composite
+def huge_headers(draw) -> tuple[str, int, int, int]:
+    """(format, width, height, a decoded-pixel limit below width × height): a few bytes (tests/amplify.py) declaring an
+    image of up to 65535 a side (WebP: 16384) in one of the formats a client can send."""
+    import amplify
+
+    fmt = draw(st.sampled_from(sorted(amplify.FORMATS)))
+    side = 16384 if fmt == "webp" else 65535
+    w, h = draw(st.integers(1, side)), draw(st.integers(1, side))
+    if w * h < 2:
+        w = 2
+    return fmt, w, h, draw(st.integers(1, w * h - 1))
+
+
+def check_amplification(fmt: str, w: int, h: int, limit: int, counter: list | None = None) -> None:
+    """The property: the header gives the declared size without decoding (or the image is refused: over Pillow's own
+    bomb limit, a header the format rejects), and under a smaller pixel limit decode_image refuses it from the header
+    (TooManyPixels) at once: nothing is decoded (a time bound here; the caller bounds the peak RSS of the whole run)."""
+    import time
+
+    import amplify
+
+    if counter is not None:
+        counter[0] += 1
+    data = amplify.FORMATS[fmt](w, h)
+    t = time.perf_counter()
+    try:
+        head = img_ops.probe_image(data, fmt)
+    except img_ops.ImageError as e:  # over vlmrt's 120 MP or Pillow's own limit, or a header its format refuses
+        assert str(e).strip() and time.perf_counter() - t < 1.0
+        return
+    assert head.size == (w, h) and head.pixels == w * h, (fmt, w, h, head)
+    try:
+        img_ops.decode_image(data, fmt, max_pixels=limit)
+    except img_ops.TooManyPixels as e:
+        assert f"{w}×{h}" in str(e)
+    else:
+        raise AssertionError(f"{fmt} {w}×{h} decoded under a limit of {limit} pixels")
+    assert time.perf_counter() - t < 1.0, (fmt, w, h)
+
+
+def amplification_property(max_examples: int, counter: list | None = None, seed: int | None = None):
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None and counter is None,
+              suppress_health_check=list(HealthCheck))
+    @given(huge_headers())
+    def prop(case):
+        check_amplification(*case, counter)
+
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        prop = with_seed(seed)(prop)
+    return prop
+
+
 def scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="vlmrt-fuzz-"))
 

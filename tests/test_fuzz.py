@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from fuzz_targets import image_property, manifest_property, prepare_bundle_copy, scratch
+from fuzz_targets import amplification_property, image_property, manifest_property, prepare_bundle_copy, scratch
 
 
 def test_manifest_loader_works_or_raises_bundle_error(default_bundle):
@@ -39,6 +39,16 @@ def test_message_text_never_becomes_a_control_token(default_bundle):
     m = mf.load(default_bundle.bundle, verify=False)
     tok = Tokenizer.from_file(str(default_bundle.bundle / m.tokenizer_file))
     prompt_property(m.prompt, tok, max_examples=300)()
+
+
+def test_huge_image_headers_are_refused_before_decoding():
+    """Decompression amplification in six formats (tests/amplify.py): any declared size is read from the header and,
+    under a smaller pixel limit, refused without decoding: 300 cases, this process's peak RSS grown by under 100 MB
+    (one decode of the larger ones would allocate GBs)."""
+    import amplify
+
+    _, grown = amplify.peak_growth_mb(amplification_property(max_examples=300))
+    assert grown < 100, f"{grown:.0f} MB"
 
 
 def test_typed_json_fast_path_takes_what_the_field_check_takes(default_bundle):

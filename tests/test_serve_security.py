@@ -633,3 +633,96 @@ def test_slow_image_urls_do_not_hold_up_other_requests(keyed):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+# --- 7. decoded-size amplification (issue 43 item 6; serve/pixel_budget.py) ----------------------------------------
+def _data_uri(data: bytes, kind: str) -> str:
+    import base64
+
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def test_png_bomb_is_a_fast_413_without_memory(plain):
+    """The issue's request: a 14.5 KB PNG of 10900 × 10900 (118.8 MP; decoding it took the server 1.7 GB and ~20 s)
+    is refused from its header under the default 64 MP per request: 413 image_too_large in well under a second, the
+    server's memory (this process's peak RSS) not grown; nothing stays reserved."""
+    import amplify
+
+    body = chat_body(_data_uri(amplify.png(10900, 10900), "png"))
+    t = time.perf_counter()
+    (status, out, _), grown = amplify.peak_growth_mb(lambda: request(plain, "POST", "/v1/chat/completions", body))
+    assert status == 413 and out["error"]["code"] == "image_too_large", out
+    assert "image 1 decodes to 118.8 million pixels (10900×10900); this server decodes at most 64 million" in \
+        out["error"]["message"]
+    assert time.perf_counter() - t < 2.0 and grown < 60, (time.perf_counter() - t, grown)
+    assert request(plain, "GET", "/health")[1]["pixels_in_flight"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["gif", "bmp", "tiff", "webp", "jpeg"])
+def test_huge_headers_of_every_format_are_refused_unread(plain, fmt):
+    """The same class in the other formats a client can send: a few bytes declaring 9000 × 9000 (81 MP) -> 413 from
+    the header, fast, memory not grown (the WebP alone would decode whole: 243 MB, ~3 s). The JPEG is the exception
+    that proves the draft: the fixture's processor resizes it to 192 px, so it is decoded at 1/8 (1125 × 1125, 1.3 MP)
+    and answered, with no more memory."""
+    import amplify
+
+    body = chat_body(_data_uri(amplify.FORMATS[fmt](9000, 9000), fmt))
+    t = time.perf_counter()
+    (status, out, _), grown = amplify.peak_growth_mb(lambda: request(plain, "POST", "/v1/chat/completions", body))
+    if fmt == "jpeg":
+        assert status == 200, out
+    else:
+        assert status == 413 and "decodes to 81 million pixels (9000×9000)" in out["error"]["message"], out
+    assert time.perf_counter() - t < 2.0 and grown < 60, (time.perf_counter() - t, grown)
+
+
+def test_images_each_within_the_budget_but_over_it_together(plain):
+    """Eight 9 MP PNGs (each alone is answered) decode to 72 MP together: 413 naming the total, before any is
+    decoded."""
+    import amplify
+
+    nine = _data_uri(amplify.png(3000, 3000), "png")
+    status, out, _ = request(plain, "POST", "/v1/chat/completions", chat_body(nine))
+    assert status == 200, out
+    status, out, _ = request(plain, "POST", "/v1/chat/completions", chat_body(*[nine] * 8))
+    assert status == 413 and out["error"]["code"] == "image_too_large", out
+    assert "the request's 8 images decode to 72 million pixels" in out["error"]["message"]
+
+
+def test_pixels_in_flight_is_a_retryable_503(tiny):
+    """--max-pixels-in-flight 12 (MP), 2 slots: while a request holding a 9 MP image is answered, another 9 MP request
+    gets 503 pixels_in_flight with Retry-After (not a decode, not an OOM); once the first is gone the retry is
+    answered. Pixels come back after a decode error too; the options are checked."""
+    import amplify
+    from serve_client import HOLD, read_events, stream_request
+
+    nine = _data_uri(amplify.png(3000, 3000), "png")
+    r = start(tiny.bundle, "--slots", "2", "--max-request-pixels", "10", "--max-pixels-in-flight", "12")
+    try:
+        holder = {"messages": [ask("a", nine), {"role": "assistant", "content": "b"},
+                               {"role": "user", "content": HOLD}], "stream": True, "max_tokens": 1000}
+        with stream_request(r, holder) as s:
+            read_events(s, 2)
+            assert request(r, "GET", "/health")[1]["pixels_in_flight"] == 9_000_000
+            status, out, headers = request(r, "POST", "/v1/chat/completions", chat_body(nine))
+            assert status == 503 and out["error"]["code"] == "pixels_in_flight", out
+            assert headers.get("retry-after") == "1" and "retry later" in out["error"]["message"]
+            # small images still pass beside it
+            assert request(r, "POST", "/v1/chat/completions", chat_body(uri(picture(1))))[0] == 200
+        for _ in range(100):  # bounded: 10 s for the cancelled holder to let go
+            if request(r, "GET", "/health")[1]["pixels_in_flight"] == 0:
+                break
+            time.sleep(0.1)
+        assert request(r, "GET", "/health")[1]["pixels_in_flight"] == 0
+        assert request(r, "POST", "/v1/chat/completions", chat_body(nine))[0] == 200
+        status, out, _ = request(r, "POST", "/v1/chat/completions",
+                                 chat_body(_data_uri(amplify.gif(2000, 2000), "gif")))  # in budget, data short
+        assert status == 400 and out["error"]["code"] == "invalid_image", out
+        health = request(r, "GET", "/health")[1]
+        assert health["pixels_in_flight"] == 0 and health["refused_pixels_in_flight"] == 1
+    finally:
+        r.stop()
+    with pytest.raises(SystemExit):
+        start(tiny.bundle, "--max-pixels-in-flight", "lots")
+    with pytest.raises(ValueError, match="--max-request-pixels and --max-pixels-in-flight"):
+        start(tiny.bundle, "--max-request-pixels", "20", "--max-pixels-in-flight", "10")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..format.manifest import load as load_manifest
 from ..progress import Meter
+from ..runtime.image import MAX_IMAGE_PIXELS
 from ..runtime.sources import FetchLimits
 from ..runtime.url_policy import AddressPolicy
 from . import output as out_file
@@ -54,6 +55,7 @@ class Job:
     lookahead: int = 0  # VLM's draft length of lookahead decoding
     allow_local_urls: bool = False  # image URLs may reach loopback / private / link-local addresses (else public only)
     image_urls: bool = True  # False: records' http(s) image URLs are their error lines
+    max_pixels: int = MAX_IMAGE_PIXELS  # decoded pixels of one record's images (--max-pixels; FetchLimits.max_pixels)
     options: dict = field(default_factory=dict)  # VLM.chat's generation options
     batch_size: int = 4  # records a worker answers together (decoding together); per map_batches call on Ray
     retry_errors: bool = False
@@ -189,7 +191,8 @@ def _error_line(r: Record) -> str:
 def fetch_limits(job: Job) -> FetchLimits:
     """How the workers fetch records' image URLs: records may come from others, so by default only public
     addresses (as vlmrt serve; runtime/url_policy.py)."""
-    return FetchLimits(addresses=None if job.allow_local_urls else AddressPolicy(), urls=job.image_urls)
+    return FetchLimits(addresses=None if job.allow_local_urls else AddressPolicy(), urls=job.image_urls,
+                       max_pixels=job.max_pixels)
 
 
 def _answerer_kwargs(job: Job, verify: bool) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .options import _bundle_or_default, _generation_args, _options
+from .options import _bundle_or_default, _fetch, _generation_args, _options
 
 
 def add_parser(sub) -> None:
@@ -36,13 +36,14 @@ def add_parser(sub) -> None:
 def run(a) -> int:
     from ..batch.runner import Job, report, run_batch
 
-    opts = _options(a)
+    opts, max_pixels = _options(a), _fetch(a).max_pixels
     if a.workers < 1:  # before the default model is built
         raise ValueError("--workers must be >= 1")
     job = Job(bundle=_bundle_or_default(a.bundle), input=a.input, output=a.output, prompt=a.prompt, workers=a.workers,
               threads=a.threads, ray_address=a.ray_address, device=a.device, verify=a.bundle is not None,
               kv_requant=not a.no_kv_requant, lookahead=a.lookahead, options=opts, batch_size=a.batch_size, retry_errors=a.retry_errors,
-              progress=not a.quiet, allow_local_urls=a.allow_local_urls, image_urls=not a.no_image_urls)
+              progress=not a.quiet, allow_local_urls=a.allow_local_urls, image_urls=not a.no_image_urls,
+              max_pixels=max_pixels)
     s = run_batch(job)
     report(s)
     if a.json:

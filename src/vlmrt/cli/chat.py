@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .options import (SPECIAL_TOKENS_HELP, _bundle_or_default, _generation_args, _image_arg, _options, _videos,
+from .options import (SPECIAL_TOKENS_HELP, _bundle_or_default, _fetch, _generation_args, _image_arg, _options, _videos,
                       stats_report)
 
 
@@ -19,8 +19,8 @@ def run(a) -> int:
     from ..chat_repl import repl
     from ..runtime.pipeline import VLM
 
-    opts = _options(a)
+    opts, fetch = _options(a), _fetch(a)
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead,
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead, fetch=fetch,
                    allow_special_tokens=a.allow_special_tokens)
     return repl(vlm, opts, images=a.image or [], videos=_videos(a), system=a.system, report=stats_report)

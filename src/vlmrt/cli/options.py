@@ -40,6 +40,19 @@ def _options(a) -> dict:
                 max_patches=a.max_patches)
 
 
+def _fetch(a, **limits):
+    """The image reading limits of run / chat / batch: --max-pixels (FetchLimits.max_pixels)."""
+    import math
+
+    from ..runtime.sources import FetchLimits
+
+    if a.max_pixels is None:
+        return FetchLimits(**limits)
+    if not (math.isfinite(a.max_pixels) and a.max_pixels > 0):
+        raise ValueError("--max-pixels must be a number of millions of pixels > 0")
+    return FetchLimits(max_pixels=max(1, int(a.max_pixels * 1e6)), **limits)
+
+
 def _videos(a) -> list:
     """--video (with --fps for a folder of frames) as the turn's VideoSource."""
     from ..runtime.conversation import VideoSource
@@ -102,6 +115,9 @@ def _generation_args(r, threads_help: str = "intra-op threads (default: physical
                    help="HTP bundles, hybrid mode: reuse prefill's uint8 KV rows as-is in decode (to measure requantization)")
     r.add_argument("--threads", type=int, default=None, help=threads_help)
     r.add_argument("--lookahead", type=int, default=0, metavar="N", help=LOOKAHEAD_HELP)
+    r.add_argument("--max-pixels", type=float, default=None, metavar="MP",
+                   help="decode at most MP million pixels of one prompt's images, together and each (default 120; "
+                        "checked from the headers, before decoding; a large JPEG counts at the size it is decoded to)")
 
 
 def _image_arg(r) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import (SPECIAL_TOKENS_HELP, _bundle_and_build, _generation_args, _image_arg, _options, _videos,
+from .options import (SPECIAL_TOKENS_HELP, _bundle_and_build, _fetch, _generation_args, _image_arg, _options,
+                      _videos,
                       stats_report)
 
 
@@ -37,7 +38,7 @@ def run(a) -> int:
         messages = load_messages(a.messages)
     else:
         messages = user_turn(a.prompt, a.image or [], _videos(a))
-    opts = _options(a)
+    opts, fetch = _options(a), _fetch(a)
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
     if a.htp_arch is not None and a.device != "htp":
         raise ValueError("--htp-arch is for --device htp")
@@ -45,7 +46,7 @@ def run(a) -> int:
     # the build's figures are reported beside them
     bundle, build = _bundle_and_build(a.bundle)
     vlm = VLM.load(bundle, device=a.device, threads=a.threads, verify=a.bundle is not None,
-                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead,
+                   kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead, fetch=fetch,
                    allow_special_tokens=a.allow_special_tokens)
     # a one-shot run: nothing to reuse, the same as generate()
     gen = vlm.chat(messages, **opts)

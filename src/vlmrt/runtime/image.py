@@ -10,10 +10,12 @@ each tile's patch grid.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import numpy as np
 
 from ..format.manifest import ImageSpec
 from .aa_resize import resize as aa_resize
-from .image_native import smart_resize_patches
+from .image_native import budget_size, smart_resize_patches
 from .pixels import RESAMPLE, ImageError, normalize, resample_filter as _resample  # noqa: F401  (ImageError, RESAMPLE: this module's API)
 
 if TYPE_CHECKING:
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 # Pillow is imported where an image is read, not with this module: a text-only run does not load it (cold start)
 MAX_IMAGE_SIZE = 4096  # transformers' SmolVLM/Idefics3 cap on the resized image
 # The largest image file load_image accepts (docs/limits.md): 120 million pixels (a 108 MP phone sensor's
-# 12000×9000 fits; decoded as RGB that is 360 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
+# 12000×9000 fits; decoded as RGB that is 480 MB, Pillow's own bomb limit is 179 MP) and 100 MiB on disk.
 # Checked from the header before any pixel is decoded.
 MAX_IMAGE_PIXELS = 120_000_000
 MAX_IMAGE_BYTES = 100 * 1024 * 1024
@@ -73,26 +75,40 @@ def load_image(path: str | Path) -> Image.Image:
     return decode_image(path, str(path))
 
 
-def decode_image(source: Path | bytes, label: str) -> Image.Image:
-    """An image file or its bytes as RGB, as transformers' `load_image` does: the EXIF orientation applied (phone
-    photos), transparency composited onto white; the first frame of an animation. An image over MAX_IMAGE_PIXELS is
-    refused before its pixels are decoded; anything Pillow cannot decode is one ImageError naming label."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+class TooManyPixels(ImageError):
+    """An image, or a request's images, over a decoded-pixel limit (refused from the headers)."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """What an image's header says, before any pixel is decoded: the size the processor sees (EXIF orientation
+    applied) and what decoding it will allocate (a JPEG the processor shrinks a lot is decoded at 1/2, 1/4 or 1/8 of
+    its size by libjpeg's scaled IDCT: `Image.draft`; see draft_request)."""
+
+    size: tuple[int, int]  # (width, height) the processor decides from: the source's, oriented
+    decoded: tuple[int, int]  # (width, height) as decoded (before orientation): smaller than the stored one if drafted
+    draft: tuple[int, int] | None  # the size asked of Image.draft (stored orientation), or None: decoded whole
+
+    @property
+    def pixels(self) -> int:
+        """Pixels decoded: what the decoded-pixel budgets count."""
+        return self.decoded[0] * self.decoded[1]
+
+
+@contextlib.contextmanager
+def _opened(source: Path | bytes, label: str, max_pixels: int = MAX_IMAGE_PIXELS):
+    """The lazily opened image (Image.open reads the header only); Pillow's failures as one ImageError naming label.
+    Pillow's own bomb limit (2 × its MAX_IMAGE_PIXELS, checked by Image.open) is lifted for this open when max_pixels is
+    over it: vlmrt's limit is checked from the header (read_header) before any pixel is decoded."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
             # Pillow warns on oddities it reads past (a truncated TIFF tag, a bomb under its own limit: ours is checked
-            # below); the result is what matters: an image, or one error line, never a Python warning on stderr
+            # from the header); the result is what matters: an image, or one error line, never a Python warning
             warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
-                if im.width * im.height > MAX_IMAGE_PIXELS:
-                    raise ImageError(f"image {label} is {im.width}×{im.height} pixels; vlmrt reads images up to "
-                                     f"{MAX_IMAGE_PIXELS / 1e6:.0f} million pixels")
-                im.load()
-                im = ImageOps.exif_transpose(im)
-                if im.width * im.height == 0:
-                    raise ImageError(f"image {label} has no pixels ({im.width}×{im.height})")
-                return to_rgb(im)
+            with _open(Image, source, max_pixels) as im:
+                yield im
     except Image.DecompressionBombError as e:  # over Pillow's own limit, refused by Image.open
         raise ImageError(f"image {label} is too large to decode safely: {str(e).split('.')[0]}") from None
     except UnidentifiedImageError:  # its message is "cannot identify image file <_io.BytesIO object at 0x...>"
@@ -100,7 +116,141 @@ def decode_image(source: Path | bytes, label: str) -> Image.Image:
         what = "the file is empty" if empty else "not an image format Pillow reads, or its header is corrupt"
         raise ImageError(f"cannot read image {label}: {what}") from None
     except (OSError, SyntaxError, ValueError, EOFError, struct_error, MemoryError) as e:
+        if isinstance(e, ImageError):
+            raise
         raise ImageError(f"cannot read image {label}: {e or type(e).__name__}") from None
+
+
+def _open(Image, source: Path | bytes, max_pixels: int):
+    fp = io.BytesIO(source) if isinstance(source, bytes) else source
+    bomb = Image.MAX_IMAGE_PIXELS
+    if bomb is None or max_pixels <= 2 * bomb:
+        return Image.open(fp)
+    with _BOMB_LOCK:  # Image.open reads the module's limit: lifted for this call only
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            return Image.open(fp)
+        finally:
+            Image.MAX_IMAGE_PIXELS = bomb
+
+
+_BOMB_LOCK = threading.Lock()
+
+
+def read_header(im: Image.Image, label: str, spec: ImageSpec | None = None,
+                max_pixels: int = MAX_IMAGE_PIXELS) -> Header:
+    """The Header of a lazily opened image: refused (ImageError) over max_pixels; the JPEG draft that spec's processor
+    allows (draft_request)."""
+    width, height = im.size
+    if width * height > max_pixels:
+        raise TooManyPixels(f"image {label} is {width}×{height} pixels; vlmrt reads images up to "
+                         f"{max_pixels / 1e6:g} million pixels")
+    if width * height == 0:
+        raise ImageError(f"image {label} has no pixels ({width}×{height})")
+    if spec is None or im.format != "JPEG" or len(im.tile) != 1:  # only a JPEG decodes smaller
+        return Header((width, height), (width, height), None)
+    # a JPEG's EXIF is read with its header (for a PNG, getexif may decode the image: it is not asked)
+    turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # rotated by 90°: the processor sees height × width
+    size = (height, width) if turned else (width, height)
+    ask = draft_request(spec, *size)
+    if ask is None:
+        return Header(size, (width, height), None)
+    ask = (ask[1], ask[0]) if turned else ask
+    scale = _draft_scale(width, height, ask)
+    if scale == 1:
+        return Header(size, (width, height), None)
+    return Header(size, (-(-width // scale), -(-height // scale)), ask)
+
+
+def _draft_scale(width: int, height: int, ask: tuple[int, int]) -> int:
+    """The scale JpegImageFile.draft picks for a request (its rule: the largest of 8, 4, 2, 1 not over either ratio)."""
+    ratio = min(width // ask[0], height // ask[1])
+    return next(s for s in (8, 4, 2, 1) if ratio >= s)
+
+
+def decode_image(source: Path | bytes, label: str, spec: ImageSpec | None = None,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """An image file or its bytes as RGB, as transformers' `load_image` does: the EXIF orientation applied (phone
+    photos), transparency composited onto white; the first frame of an animation. An image over max_pixels is
+    refused before its pixels are decoded; anything Pillow cannot decode is one ImageError naming label.
+    spec: the bundle's image op; a JPEG that its processor shrinks enough is decoded smaller (draft_request), and the
+    image then carries its source size for the processor's decisions (source_size)."""
+    from PIL import ImageOps
+
+    with _opened(source, label, max_pixels) as im:
+        head = read_header(im, label, spec, max_pixels)
+        if head.draft is not None:
+            im.draft(im.mode, head.draft)
+            if im.size != head.decoded:  # Pillow's rule is the one _draft_scale follows; never guess otherwise
+                raise AssertionError(f"JPEG draft gave {im.size}, expected {head.decoded}")
+        im.load()
+        ImageOps.exif_transpose(im, in_place=True)  # not a copy: to_rgb makes the one image returned
+        if im.width * im.height == 0:
+            raise ImageError(f"image {label} has no pixels ({im.width}×{im.height})")
+        out = to_rgb(im)
+    if head.draft is not None:
+        out.info[SOURCE_SIZE] = head.size
+    return out
+
+
+def probe_image(source: Path | bytes, label: str, spec: ImageSpec | None = None,
+                max_pixels: int = MAX_IMAGE_PIXELS) -> Header:
+    """The Header of an image file or its bytes (no pixel decoded); the same refusals as decode_image's header."""
+    with _opened(source, label, max_pixels) as im:
+        return read_header(im, label, spec, max_pixels)
+
+
+# A JPEG is decoded at a reduced scale (Image.draft: libjpeg's scaled IDCT, 1/2, 1/4 or 1/8) only when all of this
+# holds, so that answers stay those of a whole decode wherever that is cheap (docs/limits.md, "Decoded pixels"):
+DRAFT_MIN_PIXELS = 16_000_000  # the source is over 16 million pixels (a 12 MP phone photo is decoded whole)
+DRAFT_MARGIN = 2  # the reduced image is still >= 2× the processor's largest resize of it on each side
+SOURCE_SIZE = "vlmrt.source_size"  # PIL info key: (width, height) of a drafted image's source
+
+
+def source_size(im: Image.Image) -> tuple[int, int]:
+    """(width, height) the image ops decide from (grid, resized size): the source's, for an image decoded smaller."""
+    w, h = im.info.get(SOURCE_SIZE, im.size)
+    return int(w), int(h)
+
+
+def processor_size(spec: ImageSpec, width: int, height: int) -> tuple[int, int]:
+    """(width, height): the largest size, per side, that spec's image op resizes a width × height source to (the
+    images it resizes from the source itself; later resizes start from those)."""
+    p = spec.params
+    if spec.tiling == "longest_edge_grid":
+        h, w = longest_edge_size(height, width, p["longest_edge"])
+        return w, h
+    if spec.tiling == "closest_aspect_grid":
+        if p["max_tiles"] <= 1:
+            return spec.tile_size, spec.tile_size
+        cols, rows = best_grid(height, width, spec.tile_size, p["min_tiles"], p["max_tiles"])
+        return max(cols, 1) * spec.tile_size, max(rows, 1) * spec.tile_size
+    if spec.tiling == "naflex_tiles":
+        q = {**p, "patch_size": spec.patch_size}
+        h, w = naflex_size(height, width, q)
+        if p.get("split", True) and not p["min_tiles"] == p["max_tiles"] == 1 and naflex_is_large(height, width, q):
+            cols, rows = best_grid(height, width, spec.tile_size, p["min_tiles"], p["max_tiles"],
+                                   naflex_grids(p["min_tiles"], p["max_tiles"]))
+            return max(w, cols * spec.tile_size), max(h, rows * spec.tile_size)
+        return w, h
+    if spec.tiling == "smart_resize":
+        h, w, _ = budget_size(height, width, spec.patch_size, int(p["merge"]), int(p["min_pixels"]),
+                              int(p["max_pixels"]), int(p["max_patches"]))
+        return w, h
+    raise ImageError(f"this vlmrt has no image tiling op {spec.tiling!r}; upgrade vlmrt")
+
+
+def draft_request(spec: ImageSpec, width: int, height: int) -> tuple[int, int] | None:
+    """The smallest (width, height) a JPEG of this (oriented) size may be decoded to for spec's processor, or None:
+    decode it whole (a source of at most DRAFT_MIN_PIXELS, or one whose processor asks for more than half of it)."""
+    if width * height <= DRAFT_MIN_PIXELS:
+        return None
+    try:
+        w, h = processor_size(spec, width, height)
+    except (ImageError, KeyError, ValueError, ZeroDivisionError):  # the image op's own refusal comes later, as before
+        return None
+    ask = (DRAFT_MARGIN * w, DRAFT_MARGIN * h)
+    return ask if width // ask[0] >= 2 and height // ask[1] >= 2 else None
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
@@ -147,7 +297,8 @@ def tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
 def longest_edge_grid(im: Image.Image, spec: ImageSpec) -> tuple[list[Image.Image], int, int]:
     """SmolVLM / Idefics3 tiling: a rows×cols grid of full tiles + one global tile, row-major."""
     tile, resample = spec.tile_size, _resample(spec.resample)
-    h, w = longest_edge_size(im.height, im.width, spec.params["longest_edge"])
+    width, height = source_size(im)
+    h, w = longest_edge_size(height, width, spec.params["longest_edge"])
     im = im.resize((w, h), resample=resample)
     if not spec.params.get("split", True):
         return [im.resize((tile, tile), resample=resample)], 0, 0
@@ -189,7 +340,8 @@ def closest_aspect_grid(im: Image.Image, spec: ImageSpec) -> tuple[list[Image.Im
     tile, resample, p = spec.tile_size, _resample(spec.resample), spec.params
     if p["max_tiles"] <= 1:
         return [im.resize((tile, tile), resample=resample)], 1, 1
-    cols, rows = best_grid(im.height, im.width, tile, p["min_tiles"], p["max_tiles"])
+    width, height = source_size(im)
+    cols, rows = best_grid(height, width, tile, p["min_tiles"], p["max_tiles"])
     big = im.resize((cols * tile, rows * tile), resample=resample)
     tiles = [big.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile)) for r in range(rows) for c in range(cols)]
     if p.get("thumbnail", True) and len(tiles) > 1:
@@ -255,7 +407,7 @@ def naflex_tiles(im: Image.Image, spec: ImageSpec) -> Tiles:
     x = np.asarray(im, dtype=np.uint8)
     if x.ndim != 3 or x.shape[2] != 3:
         raise ImageError(f"naflex_tiles takes an RGB image, not {im.mode}")
-    height, width = x.shape[:2]
+    width, height = source_size(im)
     h, w = naflex_size(height, width, p)
     split = p.get("split", True) and not p["min_tiles"] == p["max_tiles"] == 1
     rows = cols = 1

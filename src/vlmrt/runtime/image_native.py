@@ -101,7 +101,8 @@ def smart_resize_patches(im: Image.Image, spec: ImageSpec) -> NativePatches:
     """One image -> its flattened patches at native resolution under the bundle's patch budget."""
     p = spec.params
     patch, merge, temporal = spec.patch_size, int(p["merge"]), int(p["temporal_patch"])
-    h, w, limited = budget_size(im.height, im.width, patch, merge, int(p["min_pixels"]), int(p["max_pixels"]),
+    width, height = im.info.get("vlmrt.source_size", im.size)  # image.source_size: a JPEG decoded smaller
+    h, w, limited = budget_size(int(height), int(width), patch, merge, int(p["min_pixels"]), int(p["max_pixels"]),
                                 int(p["max_patches"]))
     if (h, w) != (im.height, im.width):
         im = im.resize((w, h), resample=resample_filter(spec.resample))

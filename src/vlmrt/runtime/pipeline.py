@@ -52,6 +52,24 @@ if TYPE_CHECKING:
 DEFAULT_IMAGE_CACHE_BYTES = 64 * 1024 * 1024
 
 
+PIXELS_HINT = "vlmrt run, chat and batch: --max-pixels MP raises it"
+
+
+def check_pixels(sources: list, spec, limit: int) -> None:
+    """The decoded-pixel budget of one prompt (FetchLimits.max_pixels; docs/limits.md): the images to decode, from their
+    headers, each and together at most limit pixels (a JPEG counted at the size it is decoded to); else one
+    ImageError, before any pixel is decoded."""
+    total = 0
+    for s in sources:
+        try:
+            total += s.header(spec, limit).pixels
+        except img_ops.TooManyPixels as e:
+            raise img_ops.TooManyPixels(f"{e} ({PIXELS_HINT})") from None
+    if total > limit:
+        raise img_ops.TooManyPixels(f"the prompt's {len(sources)} images decode to {total / 1e6:.1f} million pixels "
+                                    f"together; vlmrt decodes up to {limit / 1e6:g} million per prompt ({PIXELS_HINT})")
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
@@ -268,16 +286,19 @@ class VLM:
         video's (prompt pieces, one Media per sampled frame, clip); how many images and frames came from the cache."""
         spec = with_max_patches(img_ops.with_max_tiles(self.manifest.image, max_tiles), max_patches)
         images, hits = [], 0
-        for i, src in enumerate(conv.images):
+        found = []  # (source, key, cached item): every image's header is read before any is decoded
+        for src in conv.images:
             s = read_image(src, self.fetch)
             key = (s.digest, max_tiles, max_patches)
-            item = self.image_cache.get(key) if cached else None
+            found.append((s, key, self.image_cache.get(key) if cached else None))
+        check_pixels([s for s, _, item in found if item is None], spec, self.fetch.max_pixels)
+        for i, (s, key, item) in enumerate(found):
             label = f"image {i + 1}"
             if item is not None:
                 hits += 1
                 images.append(Media(key, item.grid, embeds=item.embeds, label=label, tile_tokens=item.tile_tokens))
             else:
-                tiles = img_ops.preprocess(s.image, spec)
+                tiles = img_ops.preprocess(s.decode(spec, self.fetch.max_pixels), spec)
                 tokens = tile_inputs.tile_op(self.manifest.vision).tokens(tiles.patch_grids, len(tiles.pixels),
                                                                           self.manifest)
                 images.append(Media(key, tiles.grid, pixels=tiles.pixels, label=label, tile_tokens=tokens,

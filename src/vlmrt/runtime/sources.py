@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .image import MAX_IMAGE_BYTES, ImageError, decode_image, is_pil_image, to_rgb
+from .image import (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, SOURCE_SIZE, Header, ImageError, decode_image, is_pil_image,
+                    probe_image, to_rgb)
 from .url_policy import AddressPolicy
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class FetchLimits:
     total_s: float = URL_TOTAL_S  # the whole fetch (give or take one read's timeout_s)
     addresses: AddressPolicy | None = None  # which addresses a URL may reach (None: any; see url_policy.py)
     urls: bool = True  # False: http(s) URLs are refused (vlmrt serve --no-image-urls)
+    # decoded pixels of one prompt's images together, and so of each (vlmrt run --max-pixels; docs/limits.md)
+    max_pixels: int = MAX_IMAGE_PIXELS
 
 
 @dataclass
@@ -60,9 +63,21 @@ class SourceImage:
 
     @property
     def image(self) -> Image.Image:
-        """The RGB image, decoded on first use (an image whose embeddings are cached is never decoded)."""
+        """The RGB image, decoded whole on first use (an image whose embeddings are cached is never decoded)."""
+        return self.decode()
+
+    def header(self, spec=None, max_pixels: int = MAX_IMAGE_PIXELS) -> Header:
+        """What decoding it for spec's processor will cost (image.Header; no pixel decoded). An image already
+        decoded (a PIL image given) costs nothing: 0 pixels."""
+        if self._image is not None:
+            return Header(self._image.size, (0, 0), None)
+        return probe_image(self.data, self.label, spec, max_pixels)
+
+    def decode(self, spec=None, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+        """The RGB image, decoded on first use; a JPEG that spec's processor shrinks enough is decoded smaller
+        (image.draft_request)."""
         if self._image is None:
-            self._image = decode_image(self.data, self.label)
+            self._image = decode_image(self.data, self.label, spec, max_pixels)
             self.data = None
         return self._image
 
@@ -82,9 +97,14 @@ def shown(url: str) -> str:
 def read_image(source, limits: FetchLimits = FetchLimits()) -> SourceImage:
     """An image from a path, an http(s) URL, a data URI or a PIL image (see the module docstring)."""
     if is_pil_image(source):
-        im = to_rgb(source)
+        # an RGB image as it is (no copy: it is only read); its pixels hashed a strip at a time (not copied whole)
+        im = source if source.mode == "RGB" and source.info.get("transparency") is None else to_rgb(source)
         h = hashlib.sha256(f"{im.mode}{im.size}".encode())
-        h.update(im.tobytes())
+        if SOURCE_SIZE in im.info:  # decoded smaller than its source (a JPEG draft): the processor's sizes differ
+            h.update(f"{tuple(im.info[SOURCE_SIZE])}".encode())
+        rows = max(1, (1 << 22) // (3 * im.width))
+        for y in range(0, im.height, rows):
+            h.update(im.crop((0, y, im.width, min(y + rows, im.height))).tobytes())
         return SourceImage(h.hexdigest(), "PIL image", _image=im)
     s = str(source)
     if s.startswith("data:"):

@@ -39,8 +39,10 @@ from ..runtime.sources import FetchLimits
 from ..runtime.url_policy import AddressPolicy
 from .access import ApiKeys, Cors, HeadSize, HostCheck, OriginCheck
 from .errors import APIError, internal, unavailable
-from .limits import BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS
+from .limits import (BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS, MAX_PIXELS_IN_FLIGHT,
+                     MAX_REQUEST_PIXELS)
 from .media import load_images, load_videos, with_images
+from .pixel_budget import PixelBudget
 from .request import parse_request
 from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
 from .scheduler import Job, QueueFull, Scheduler
@@ -75,6 +77,9 @@ class Config:
     cors_origins: tuple[str, ...] = ()
     head_timeout_s: float = HEAD_TIMEOUT_S  # the request line and headers (protocol.py)
     max_connections: int = MAX_CONNECTIONS  # uvicorn's limit_concurrency
+    max_request_pixels: int = MAX_REQUEST_PIXELS  # decoded pixels of a request's images (else 413)
+    max_pixels_in_flight: int = MAX_PIXELS_IN_FLIGHT  # of every request between decode and answer (else 503)
+    image_spec: object = None  # the bundle's manifest.image: how small a large JPEG may be decoded (pixel_budget.py)
 
     def middleware(self) -> list[Middleware]:
         """access.py's layers, outermost first."""
@@ -165,6 +170,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 on_load_error(state.error)
 
     fetch_pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="vlmrt-fetch")
+    pixels = PixelBudget(config.max_request_pixels, config.max_pixels_in_flight, config.image_spec)
     decode_pool = None  # the event loop's default executor
 
     @contextlib.asynccontextmanager
@@ -184,7 +190,8 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
     async def health(request: Request):
         if state.scheduler is None:
             return JSONResponse({"status": "error" if state.error else "loading", "error": state.error}, status_code=503)
-        return JSONResponse({"status": "ok", "model": config.model_id, **state.scheduler.status()})
+        return JSONResponse({"status": "ok", "model": config.model_id, **state.scheduler.status(),
+                             "pixels_in_flight": pixels.held, "refused_pixels_in_flight": pixels.refused})
 
     async def models(request: Request):
         meta = {"max_context": state.scheduler.max_context, "slots": len(state.scheduler.slots)} if state.scheduler else {}
@@ -200,23 +207,30 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
         req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
         fetches = any(re.match(r"(?i)https?://", u) for u in req.urls + req.video_urls)  # slow ones on their own threads
         loop = asyncio.get_running_loop()
-        images = await loop.run_in_executor(fetch_pool if fetches else decode_pool, load_images, req.urls,
-                                            config.media_dir, config.fetch)
-        videos = await loop.run_in_executor(fetch_pool if fetches else decode_pool, load_videos, req.video_urls,
-                                            config.media_dir, config.fetch) if req.video_urls else []
-        req.options.setdefault("max_new_tokens", sched.max_context)
-        req.options["mode"] = config.mode
-        job = Job(with_images(req.messages, images, videos), req.key, req.options, asyncio.get_running_loop())
+        held = pixels.hold()  # the decoded pixels of its images, until it is answered (pixel_budget.py)
         try:
-            sched.submit(job)
-        except QueueFull:
-            raise unavailable(f"all {len(sched.slots)} slots are busy and the queue ({sched.max_queue}) is full; "
-                              "retry later", "queue_full") from None
+            images = await loop.run_in_executor(fetch_pool if fetches else decode_pool, load_images, req.urls,
+                                                config.media_dir, config.fetch, held)
+            videos = await loop.run_in_executor(fetch_pool if fetches else decode_pool, load_videos, req.video_urls,
+                                                config.media_dir, config.fetch) if req.video_urls else []
+            req.options.setdefault("max_new_tokens", sched.max_context)
+            req.options["mode"] = config.mode
+            job = Job(with_images(req.messages, images, videos), req.key, req.options, asyncio.get_running_loop())
+            del images
+            try:
+                sched.submit(job)
+            except QueueFull:
+                raise unavailable(f"all {len(sched.slots)} slots are busy and the queue ({sched.max_queue}) is full; "
+                                  "retry later", "queue_full") from None
+        except BaseException:
+            held.release()
+            raise
         watcher = asyncio.ensure_future(_watch(request.receive, sched, job))
 
         def close():
             watcher.cancel()
             sched.cancel(job)  # no-op for a finished job
+            held.release()
 
         owned = True  # until a stream takes the job over
         try:

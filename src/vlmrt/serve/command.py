@@ -16,7 +16,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .limits import BACKLOG, BODY_TIMEOUT_S, HEAD_MAX_BYTES, HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS
+from .limits import (BACKLOG, BODY_TIMEOUT_S, HEAD_MAX_BYTES, HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS,
+                     MAX_PIXELS_IN_FLIGHT, MAX_REQUEST_PIXELS)
 
 
 def add_parser(sub) -> None:
@@ -33,6 +34,13 @@ def add_parser(sub) -> None:
                    help="a folder image_url paths may name (default: none; only data URIs and http(s) URLs)")
     s.add_argument("--max-images", type=int, default=8, help="images per request (default 8)")
     s.add_argument("--max-body-mb", type=float, default=32, help="request body limit in MiB (default 32; over: 413)")
+    s.add_argument("--max-request-pixels", type=float, default=MAX_REQUEST_PIXELS / 1e6, metavar="MP",
+                   help=f"decoded pixels of one request's images together, in millions, read from their headers "
+                        f"before decoding (a large JPEG counts at the size it is decoded to); over: 413 (default "
+                        f"{MAX_REQUEST_PIXELS / 1e6:g}; each image also at most 120)")
+    s.add_argument("--max-pixels-in-flight", type=float, default=MAX_PIXELS_IN_FLIGHT / 1e6, metavar="MP",
+                   help=f"decoded pixels of all requests from their decode to their answer, in millions; a request "
+                        f"that would pass it gets 503 with Retry-After (default {MAX_PIXELS_IN_FLIGHT / 1e6:g})")
     s.add_argument("--image-cache-mb", type=float, default=64, help="image embedding cache, all slots (default 64)")
     s.add_argument("--mode", choices=["kv", "hybrid"], default=None,
                    help="prompt feeding (default: the bundle's, hybrid). A follow-up reuses the KV rows of full "
@@ -144,6 +152,10 @@ def build(a, bundle: str, on_load_error=None):
     if not all(math.isfinite(t) and t > 0 for t in (a.body_timeout, a.head_timeout)) or a.max_connections < 1:
         raise ValueError("--body-timeout and --head-timeout must be finite numbers of seconds > 0, "
                          "--max-connections >= 1")
+    pixels = (a.max_request_pixels, a.max_pixels_in_flight)
+    if not all(math.isfinite(x) and x > 0 for x in pixels) or a.max_request_pixels > a.max_pixels_in_flight:
+        raise ValueError("--max-request-pixels and --max-pixels-in-flight must be numbers of millions of pixels > 0, "
+                         "the first at most the second")
     if a.allow_local_urls and a.no_image_urls:
         raise ValueError("--allow-local-urls and --no-image-urls contradict each other")
     keys = api_keys(a)
@@ -181,7 +193,9 @@ def build(a, bundle: str, on_load_error=None):
     config = Config(model_id=Path(bundle).name, media_dir=media, max_images=a.max_images,
                     max_body=int(a.max_body_mb * 2**20), fetch=fetch, mode=a.mode, body_timeout_s=a.body_timeout,
                     api_keys=keys, host_check=is_loopback(a.host), allowed_hosts=allowed_hosts, cors_origins=origins,
-                    head_timeout_s=a.head_timeout, max_connections=a.max_connections)
+                    head_timeout_s=a.head_timeout, max_connections=a.max_connections,
+                    max_request_pixels=max(1, int(a.max_request_pixels * 1e6)),
+                    max_pixels_in_flight=max(1, int(a.max_pixels_in_flight * 1e6)), image_spec=m.image)
     return create_app(load, config, on_load_error)
 
 

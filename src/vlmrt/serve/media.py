@@ -1,7 +1,8 @@
 """image_url parts -> decoded RGB images, before a request is queued (so that a slow URL never holds the model).
 
 A url is a data:image/...;base64, URI, an http(s) URL (fetched within runtime.sources' limits) or, only when the
-server was started with a media folder, a path inside that folder. Every failure is a 400 naming the image.
+server was started with a media folder, a path inside that folder. Every failure is a 400 naming the image (a 413 /
+503 over the decoded-pixel budgets: serve/pixel_budget.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import re
 from pathlib import Path
 
 from ..runtime.conversation import is_unicode
-from ..runtime.image import ImageError
+from ..runtime.image import ImageError, TooManyPixels
 from ..runtime.sources import FetchLimits, read_image
-from .errors import bad_request
+from .errors import APIError, bad_request
 
 
 TINY_PNG = ("data:image/png;base64,"  # 1x1, black
@@ -56,13 +57,27 @@ def _local(url: str, media_dir: Path | None) -> str:
     return str(p)
 
 
-def load_images(urls: list[str], media_dir: Path | None, limits: FetchLimits):
-    """The decoded images, in order (blocking: fetches URLs; run it in a worker thread)."""
-    out = []
+def load_images(urls: list[str], media_dir: Path | None, limits: FetchLimits, pixels=None):
+    """The decoded images, in order (blocking: fetches URLs; run it in a worker thread). pixels: the request's
+    Reservation of decoded pixels (serve/pixel_budget.py): every image's header is read, the request's pixels
+    reserved (413 / 503 if they cannot be), then the images decoded."""
+    sources, heads = [], []
+    spec = pixels.budget.spec if pixels is not None else None
     for i, url in enumerate(urls):
         src = url if url.startswith("data:") or re.match(r"(?i)https?://", url) else _local(url, media_dir)
         try:
-            out.append(read_image(src, limits).image)
+            sources.append(read_image(src, limits))
+            heads.append(sources[-1].header(spec))
+        except TooManyPixels as e:
+            raise APIError(413, f"image {i + 1}: {e}", "invalid_request_error", "image_too_large") from None
+        except ImageError as e:
+            raise bad_request(f"image {i + 1}: {e}", "invalid_image") from None
+    if pixels is not None and sources:
+        pixels.take([h.pixels for h in heads], [h.size for h in heads])
+    out = []
+    for i, s in enumerate(sources):
+        try:
+            out.append(s.decode(spec))
         except ImageError as e:
             raise bad_request(f"image {i + 1}: {e}", "invalid_image") from None
     return out
