@@ -1,8 +1,9 @@
-"""Property-based fuzzing (hypothesis) of the two loaders that read untrusted files: the manifest loader
-(vlmrt.format.manifest.load) and the image loader (vlmrt.runtime.image.load_image). For any input they either work or raise
-vlmrt's own error (BundleError / ImageError) — never another exception — and what they accept stays within the
-rules (bundle paths inside the bundle; images RGB, at most MAX_IMAGE_PIXELS). Used by tests/test_fuzz.py (a short run)
-and benchmarks/fuzz.py (the long run)."""
+"""Property-based fuzzing (hypothesis) of the loaders that read untrusted files: the manifest loader
+(vlmrt.format.manifest.load), the image loader (vlmrt.runtime.image.load_image) and the video reader
+(vlmrt.runtime.video.read_video on bytes). For any input they either work or raise vlmrt's own error (BundleError /
+ImageError / VideoError) — never another exception — and what they accept stays within the rules (bundle paths inside
+the bundle; images RGB, at most MAX_IMAGE_PIXELS; videos decoded only by the allowed demuxers, every container closed).
+Used by tests/test_fuzz.py (a short run) and benchmarks/fuzz.py (the long run)."""
 
 from __future__ import annotations
 
@@ -189,3 +190,75 @@ def image_property(folder: Path, max_examples: int, counter: list | None = None,
 
 def scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="vlmrt-fuzz-"))
+
+
+# ---------------------------------------------------------------- videos
+
+VIDEO_CORPUS = Path(__file__).resolve().parent / "corpus" / "videos"
+# texts FFmpeg's probing would take as instructions (sockets, other files): loopback addresses and local names only
+FFMPEG_SCRIPTS = [b"v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=x\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\nm=video 5004 RTP/AVP 96\r\n",
+                  b"#EXTM3U\n#EXTINF:1,\nhttp://127.0.0.1:9/a.ts\n", b"ffconcat version 1.0\nfile /etc/hostname\n",
+                  b"rtsp://127.0.0.1:9/x", b"file:/etc/hostname", b"img%03d.png", b"[Script Info]\n"]
+
+
+@st.composite
+def mutated_video(draw) -> bytes:
+    seeds = sorted(p for p in VIDEO_CORPUS.iterdir() if p.stat().st_size < 10000)
+    data = bytearray(draw(st.sampled_from(seeds)).read_bytes())
+    for _ in range(draw(st.integers(0, 8))):
+        if not data:
+            break
+        i = draw(st.integers(0, len(data) - 1))
+        data[i] = draw(st.integers(0, 255))
+    if draw(st.booleans()):
+        data = data[: draw(st.integers(0, len(data)))]
+    return bytes(data)
+
+
+video_inputs = st.one_of(st.binary(max_size=300), mutated_video(), mutated_video(), mutated_video(),
+                         st.sampled_from(FFMPEG_SCRIPTS), st.builds(lambda a, b: a + b, st.sampled_from(FFMPEG_SCRIPTS),
+                                                                     st.binary(max_size=40)))
+
+
+def check_video(data: bytes, counter: list | None = None) -> None:
+    """read_video on data, then every frame it says it has: a clip whose frames decode, or VideoError; FFmpeg opened
+    only with a demuxer of PYAV_FORMATS, and every container closed again."""
+    import av
+    import numpy as np
+
+    from vlmrt.runtime import video as V
+
+    if counter is not None:
+        counter[0] += 1
+    opened, real = [], av.open
+
+    def record(file, *a, **kw):
+        assert kw.get("format") in V.PYAV_FORMATS, f"FFmpeg asked to open {kw.get('format')!r}"
+        c = real(file, *a, **kw)
+        opened.append(c)
+        return c
+
+    av.open = record
+    try:
+        clip = V.read_video(None, data=data, label="fuzz")
+        frames = clip.frames(np.arange(min(clip.total_frames, 16)))
+        assert all(f.mode == "RGB" and f.width * f.height <= V.MAX_FRAME_PIXELS for f in frames)
+    except V.VideoError as e:
+        assert str(e).strip()
+    finally:
+        av.open = real
+    assert all(not c.input_was_opened for c in opened), "a container left open"
+
+
+def video_property(max_examples: int, counter: list | None = None, seed: int | None = None):
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None and counter is None,
+              suppress_health_check=list(HealthCheck))
+    @given(video_inputs)
+    def prop(data):
+        check_video(data, counter)
+
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        prop = with_seed(seed)(prop)
+    return prop

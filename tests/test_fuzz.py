@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from fuzz_targets import image_property, manifest_property, prepare_bundle_copy, scratch
+from fuzz_targets import image_property, manifest_property, prepare_bundle_copy, scratch, video_property
 
 
 def test_manifest_loader_works_or_raises_bundle_error(default_bundle):
@@ -26,6 +26,15 @@ def test_image_loader_works_or_raises_image_error():
         image_property(root, max_examples=400)()
     finally:
         shutil.rmtree(root)
+
+
+def test_video_reader_works_or_raises_video_error():
+    """Mutated and truncated corpus clips, random bytes and FFmpeg's instruction texts (SDP, HLS, concat, ...): a clip
+    whose frames decode or one VideoError; FFmpeg only ever opens them with an allowed demuxer, and closes them."""
+    import pytest
+
+    pytest.importorskip("av")
+    video_property(max_examples=300)()
 
 
 def test_typed_json_fast_path_takes_what_the_field_check_takes(default_bundle):
