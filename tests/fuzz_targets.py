@@ -262,3 +262,68 @@ def video_property(max_examples: int, counter: list | None = None, seed: int | N
 
         prop = with_seed(seed)(prop)
     return prop
+
+
+# ---------------------------------------------------------------- media-folder paths (vlmrt serve --media-dir)
+
+def hostile_media(root: Path) -> Path:
+    """A media folder with a symbolic link loop inside, a link into a loop outside, a dangling link, a file used as a
+    folder, a FIFO, a link to a device, a link out of the folder, a folder and one real file."""
+    import os
+
+    media = root / "media"
+    media.mkdir()
+    (media / "loop1").symlink_to("loop2")
+    (media / "loop2").symlink_to("loop1")
+    (root / "out_a").symlink_to(root / "out_b")
+    (root / "out_b").symlink_to(root / "out_a")
+    (root / "secret").write_bytes(b"outside")
+    (media / "to_outer_loop").symlink_to(root / "out_a")
+    (media / "to_secret").symlink_to(root / "secret")
+    (media / "dangling").symlink_to("nowhere")
+    (media / "afile").write_bytes(b"inside")
+    os.mkfifo(media / "fifo")
+    (media / "zero").symlink_to("/dev/zero")
+    (media / "sub").mkdir()
+    return media
+
+
+MEDIA_PARTS = ["..", ".", "", "loop1", "loop2", "to_outer_loop", "to_secret", "dangling", "afile", "fifo", "zero", "sub",
+               "x" * 300, "\x00", "nowhere", "%2e%2e", "secret", "/", "//", "~", "\\..\\"]
+
+
+def media_paths():
+    parts = st.one_of(st.sampled_from(MEDIA_PARTS), st.text(max_size=12))
+    return st.one_of(st.lists(parts, min_size=1, max_size=30).map("/".join), st.text(max_size=300),
+                     st.sampled_from(PATHISH), st.integers(1, 6000).map(lambda n: "a/" * (n // 2)))
+
+
+def check_media_path(media: Path, url: str, counter: list | None = None) -> None:
+    """The server's media-folder read: the bytes of a regular file inside the folder, or one 400 whose message quotes
+    at most the start of url, never the folder's own path."""
+    from vlmrt.serve.errors import APIError
+    from vlmrt.serve.media import _read_local
+
+    if counter is not None:
+        counter[0] += 1
+    try:
+        data = _read_local(url, media, "image", 1 << 20)
+    except APIError as e:
+        assert e.status == 400 and e.code == "invalid_image" and e.message.strip()
+        assert str(media.parent) not in e.message and len(e.message) < 300, e.message
+        return
+    assert data == b"inside", (url, data)  # the one regular file inside the folder
+
+
+def media_path_property(media: Path, max_examples: int, counter: list | None = None, seed: int | None = None):
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None and counter is None,
+              suppress_health_check=list(HealthCheck))
+    @given(media_paths())
+    def prop(url):
+        check_media_path(media, url, counter)
+
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        prop = with_seed(seed)(prop)
+    return prop

@@ -261,3 +261,23 @@ def test_a_file_that_is_no_image_is_named_plainly(tmp_path, capsys, default_bund
         p = in_process(capsys, "run", default_bundle.bundle, "--image", src, "--prompt", "hi")
         assert_one_line_error(p, "cannot read image", words)
         assert "BytesIO" not in p.stderr and " at 0x" not in p.stderr
+
+
+def test_bad_paths_on_the_command_line(default_bundle, tmp_path, capsys):
+    """A 300-character name, a 5,000-character path and a symbolic link loop given to --image or --video, and a NUL byte
+    in a --messages file's image path: one short `vlmrt: error:` line each (a name too long used to print the OS's
+    error with the whole path, 5,000 characters and more)."""
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    sources = [tmp_path / ("x" * 300 + ".png"), tmp_path / "/".join(["d" * 50] * 100), tmp_path / "loop1",
+               tmp_path / "loop1" / "x.png"]
+    for flag in ("--image", "--video"):
+        for src in sources:
+            p = in_process(capsys, "run", default_bundle.bundle, flag, src, "--prompt", "hi")
+            assert_one_line_error(p, "image" if flag == "--image" else "video")
+            assert len(p.stderr.strip()) < 320, p.stderr[:200]
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a\u0000b.png"}},
+                                                             {"type": "text", "text": "hi"}]}]))
+    p = in_process(capsys, "run", default_bundle.bundle, "--messages", conv)
+    assert_one_line_error(p, "image")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 
-from fuzz_targets import image_property, manifest_property, prepare_bundle_copy, scratch, video_property
+from fuzz_targets import (hostile_media, image_property, manifest_property, media_path_property, prepare_bundle_copy,
+                          scratch, video_property)
 
 
 def test_manifest_loader_works_or_raises_bundle_error(default_bundle):
@@ -35,6 +36,19 @@ def test_video_reader_works_or_raises_video_error():
 
     pytest.importorskip("av")
     video_property(max_examples=300)()
+
+
+def test_media_folder_paths_are_a_file_inside_or_a_400():
+    """The server's media-folder paths (`--media-dir`), built from loops, links out, FIFOs, devices, NUL bytes, long
+    names and random text: the one regular file inside the folder, or a 400 that never names the folder."""
+    import pytest
+
+    pytest.importorskip("starlette")
+    root = scratch()
+    try:
+        media_path_property(hostile_media(root), max_examples=400)()
+    finally:
+        shutil.rmtree(root)
 
 
 def test_typed_json_fast_path_takes_what_the_field_check_takes(default_bundle):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from fuzz_targets import hostile_media
 from http_images import serve_images
 from serve_client import TEXT, ask, openai, picture, post, request, start, tiny, uri  # noqa: F401  (tiny: a fixture)
 from vlmrt import cli
@@ -733,5 +734,40 @@ def test_video_to_a_bundle_without_videos_is_refused_unread(tiny, tmp_path):
             assert out["error"]["code"] == "invalid_content_part" and time.monotonic() - t < 2.0
         code, out, _ = post(r, {"messages": [TEXT], "max_tokens": 2})
         assert code == 200  # the bundle still answers text
+    finally:
+        r.stop()
+
+
+BAD_PATHS = ["a\x00b.png", "x" * 300 + ".png", "/".join(["d" * 50] * 100), "loop1", "loop1/x.png", "to_outer_loop",
+             "to_secret", "dangling", "afile/x.png", "fifo", "zero", "sub", "/dev/zero", "../x.png", "sub/../../x.png",
+             "y" * 255 + "/z.png", "\u202e.png"]
+
+
+def test_bad_media_paths_are_400s_quoting_only_the_clients_path(tiny, tmp_path):
+    """A NUL byte, a 300-character name, a 5,000-character path, symbolic link loops inside and outside the media
+    folder, a dangling link, a file used as a folder, a FIFO (never opened: it would block), a device, a folder, paths
+    leaving the folder: each a 400 `invalid_image` JSON error (they used to be 500s), for image_url and video_url
+    parts, within 2 s, whose message quotes at most the start of what the client sent and never where the media
+    folder is."""
+    media = hostile_media(tmp_path)
+    picture(2).save(media / "sub" / "ok.png")
+    (media / "link_to_ok.png").symlink_to("sub/ok.png")
+    r = start(tiny.bundle, "--slots", "1", "--media-dir", str(media))
+    paths = BAD_PATHS + ([] if os.geteuid() == 0 else ["locked/x.png"])
+    if os.geteuid() != 0:
+        (media / "locked").mkdir(mode=0)
+    try:
+        for kind in ("image_url", "video_url"):
+            for url in paths:
+                t = time.monotonic()
+                code, out, _ = post(r, media_body(kind, url))
+                assert code == 400, (kind, url[:40], code, out)
+                msg = out["error"]["message"]
+                assert out["error"]["code"] == "invalid_image" and time.monotonic() - t < 2.0, (kind, url[:40], out)
+                assert str(tmp_path) not in msg and str(media.resolve()) not in msg and len(msg) < 300, msg
+                assert "Traceback" not in msg
+        for url in ("sub/ok.png", "link_to_ok.png", "sub/../sub/ok.png"):  # paths inside still work, links too
+            code, out, _ = post(r, media_body("image_url", url))
+            assert code == 200, (url, out)
     finally:
         r.stop()
