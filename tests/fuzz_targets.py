@@ -289,7 +289,7 @@ def hostile_media(root: Path) -> Path:
 
 
 MEDIA_PARTS = ["..", ".", "", "loop1", "loop2", "to_outer_loop", "to_secret", "dangling", "afile", "fifo", "zero", "sub",
-               "x" * 300, "\x00", "nowhere", "%2e%2e", "secret", "/", "//", "~", "\\..\\"]
+               "x" * 300, "\x00", "nowhere", "%2e%2e", "secret", "/", "//", "~", "\\..\\", "\x1f\U0001342f" * 40]
 
 
 def media_paths():

@@ -1,5 +1,6 @@
 """Writes the video half of the bad-input corpus (tests/corpus/videos/) and its expected outcomes
-(tests/corpus/videos.json). Run once and commit the output; test_bad_input_corpus.py reads the files, never this.
+(tests/corpus/videos.json). Run once and commit the output; test_bad_input_corpus.py reads the files, never this (the Matroska
+muxer writes a random segment UID: rerunning changes ok.mkv and ok.webm, not what they hold).
 
     .venv/bin/python tests/corpus/make_videos.py
 
@@ -38,6 +39,11 @@ def encoded(fmt: str, codec: str = "mpeg4", frames: int = 12) -> bytes:
     return buf.getvalue()
 
 
+def unknown_codec(avi: bytes) -> bytes:
+    """An AVI whose video codec tag names no decoder: PyAV gives its stream no codec context."""
+    return avi.replace(b"FMP4", b"QQQQ").replace(b"fmp4", b"qqqq")
+
+
 SDP = ("v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=vlmrt corpus\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\n"
        "m=video 5004 RTP/AVP 96\r\na=rtpmap:96 H264/90000\r\n")
 HLS = "#EXTM3U\n#EXT-X-VERSION:3\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\nhttp://127.0.0.1:9/segment0.ts\n#EXT-X-ENDLIST\n"
@@ -64,6 +70,8 @@ def main() -> None:
         "ebml_only.webm": (b"\x1a\x45\xdf\xa3" + b"\x00" * 60, {"expect": "cannot read video", "note": "EBML magic alone"}),
         "riff_avi_only.avi": (b"RIFF\x00\x00\x00\x00AVI " + b"\x00" * 60, {"expect": "cannot read video",
                                                                              "note": "a RIFF AVI header alone"}),
+        "unknown_codec.avi": (unknown_codec(encoded("avi")), {"expect": "is not one this FFmpeg decodes",
+                                                              "note": "ok.avi with its codec tag changed (a 500 before)"}),
         "text.mp4": (b"just some text, not a video\n" * 10, {"expect": NOT_A_VIDEO, "note": ""}),
     }
     expected = {}

@@ -334,6 +334,8 @@ def _pyav_clip(data: bytes, label: str) -> Clip:
             if not streams:
                 raise VideoError(f"cannot read video {label}: it has no video stream")
             s = streams[0]
+            if s.codec_context is None:  # a codec FFmpeg has no decoder for (PyAV's stream then has no width)
+                raise VideoError(f"cannot read video {label}: its video codec is not one this FFmpeg decodes")
             rate = float(s.average_rate) if s.average_rate else 0.0
             total = int(s.frames)
             if total <= 0 and rate > 0 and s.duration and s.time_base:  # webm / mkv: no frame count in the header
@@ -415,7 +417,7 @@ def open_source(source, fps: float | None, limits) -> Clip:
             data = fetch_url(s, limits)
         except ValueError as e:  # ImageError: the fetch's one line
             raise VideoError(str(e).replace("image", "video")) from None
-        return read_video(None, fps, data, s)
+        return read_video(None, fps, data, shown(s))
     if re.match(r"(?i)[a-z][a-z0-9+.-]*://", s):
         raise VideoError(f"video source {s!r}: only file paths, folders, http(s):// URLs and data URIs are supported")
     return read_video(s, fps)

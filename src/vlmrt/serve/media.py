@@ -31,8 +31,9 @@ _OS_WHY = {errno.ENOENT: "not found", errno.ENOTDIR: "not found (a part of the p
 
 
 def _said(url: str) -> str:
-    """A client's path as messages quote it: its repr, at most PATH_SHOWN characters."""
-    return repr(url if len(url) <= PATH_SHOWN else url[:PATH_SHOWN] + "...")
+    """A client's path as messages quote it: its repr (control characters escaped), at most PATH_SHOWN characters."""
+    r = repr(url)
+    return r if len(r) <= PATH_SHOWN else r[:PATH_SHOWN] + "..."
 
 
 def _local(url: str, media_dir: Path | None, kind: str = "image") -> Path:
@@ -51,15 +52,24 @@ def _local(url: str, media_dir: Path | None, kind: str = "image") -> Path:
         raise bad_request(f"{kind} path {_said(url)} is {len(url)} characters; at most {MAX_PATH_CHARS}",
                           "invalid_image")
     root = media_dir.resolve()
-    p = Path(os.path.realpath(root / url))  # a loop or a name too long is left unresolved here: refused when read
+    try:  # strict: a loop, a missing or too long part is an error here (non-strict, a loop was left unresolved and
+        # the rest of the path joined on as text: 'loop/../link_out' then passed the check below and was read)
+        p = Path(os.path.realpath(root / url, strict=True))
+    except OSError as e:
+        raise bad_request(f"{kind} path {_said(url)}: {_os_why(e)}", "invalid_image") from None
     if not p.is_relative_to(root):
         raise bad_request(f"{kind} path {_said(url)} is outside the media folder", "invalid_image")
     return p
 
 
+def _os_why(e: OSError) -> str:
+    return _OS_WHY.get(e.errno, e.strerror or type(e).__name__)
+
+
 def _read_local(url: str, media_dir: Path | None, kind: str, max_bytes: int) -> bytes:
     """The bytes of a regular file in the media folder, at most max_bytes; every failure a 400 quoting url only."""
     p = _local(url, media_dir, kind)
+    root = media_dir.resolve()
 
     def refuse(why: str):
         return bad_request(f"{kind} path {_said(url)}: {why}", "invalid_image")
@@ -76,11 +86,14 @@ def _read_local(url: str, media_dir: Path | None, kind: str, max_bytes: int) -> 
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise refuse("not a regular file")
+            opened = f"/proc/self/fd/{f.fileno()}"  # what was opened, should a link have changed since the check
+            if os.path.exists(opened) and not Path(os.readlink(opened)).is_relative_to(root):
+                raise bad_request(f"{kind} path {_said(url)} is outside the media folder", "invalid_image")
             if st.st_size > max_bytes:
                 raise refuse(f"{st.st_size / 2**20:.0f} MiB; this server reads {kind}s up to {max_bytes >> 20} MiB")
             data = f.read(max_bytes + 1)
     except OSError as e:
-        raise refuse(_OS_WHY.get(e.errno, e.strerror or type(e).__name__)) from None
+        raise refuse(_os_why(e)) from None
     if len(data) > max_bytes:
         raise refuse(f"over {max_bytes >> 20} MiB; this server reads {kind}s up to {max_bytes >> 20} MiB")
     return data
