@@ -1,9 +1,9 @@
-"""The long run of the property-based fuzzing in tests/fuzz_targets.py: the manifest loader and the image loader, each
-for --minutes, in rounds of fresh random seeds (hypothesis), counting the cases tried and the failures (a failure: any
-exception other than vlmrt's own BundleError / ImageError, or an accepted input that breaks the rules). Prints one
+"""The long run of the property-based fuzzing in tests/fuzz_targets.py: the manifest loader, the image loader, the video
+reader and the server's media-folder paths, each for --minutes, in rounds of fresh random seeds (hypothesis), counting the cases tried and the failures (a failure: any
+exception other than vlmrt's own BundleError / ImageError / VideoError / 400, or an accepted input that breaks the rules). Prints one
 JSON object; the figure goes in docs/limits.md.
 
-    .venv/bin/python benchmarks/fuzz.py --minutes 5           # 5 min per loader (10 min in all)
+    .venv/bin/python benchmarks/fuzz.py --minutes 5           # 5 min per loader (20 min in all)
     .venv/bin/python benchmarks/fuzz.py --bundle BUNDLE ...    # fuzz around BUNDLE's manifest (default: the demo model)
 """
 
@@ -58,7 +58,8 @@ def main() -> int:
     ap.add_argument("--examples-per-round", type=int, default=500)
     a = ap.parse_args()
 
-    from fuzz_targets import image_property, manifest_property, prepare_bundle_copy, scratch
+    from fuzz_targets import (hostile_media, image_property, manifest_property, media_path_property, prepare_bundle_copy,
+                              scratch, video_property)
 
     if a.bundle:
         bundle = Path(a.bundle)
@@ -76,7 +77,14 @@ def main() -> int:
                 lambda c, s, n: manifest_property(base, folder, n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
             run("image (vlmrt.runtime.image.load_image)",
                 lambda c, s, n: image_property(root, n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
+            run("video (vlmrt.runtime.video.read_video on bytes)",
+                lambda c, s, n: video_property(n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
         ]
+        (root / "paths").mkdir()
+        media = hostile_media(root / "paths")
+        results.append(run("media-folder path (vlmrt.serve.media._read_local)",
+                           lambda c, s, n: media_path_property(media, n, counter=c, seed=s), a.minutes * 60,
+                           a.examples_per_round))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     import hypothesis

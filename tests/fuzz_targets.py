@@ -1,9 +1,10 @@
-"""Property-based fuzzing (hypothesis) of the two loaders that read untrusted files: the manifest loader
-(vlmrt.format.manifest.load) and the image loader (vlmrt.runtime.image.load_image). For any input they either work or raise
-vlmrt's own error (BundleError / ImageError) — never another exception — and what they accept stays within the
-rules (bundle paths inside the bundle; images RGB, at most MAX_IMAGE_PIXELS). And the prompt builder on untrusted
-message text (prompt_property): a control token's string in it never becomes that token. Used by tests/test_fuzz.py
-(a short run) and benchmarks/fuzz.py (the long run)."""
+"""Property-based fuzzing (hypothesis) of the loaders that read untrusted files: the manifest loader
+(vlmrt.format.manifest.load), the image loader (vlmrt.runtime.image.load_image) and the video reader
+(vlmrt.runtime.video.read_video on bytes). For any input they either work or raise vlmrt's own error (BundleError /
+ImageError / VideoError) — never another exception — and what they accept stays within the rules (bundle paths inside
+the bundle; images RGB, at most MAX_IMAGE_PIXELS; videos decoded only by the allowed demuxers, every container closed).
+And the prompt builder on untrusted message text (prompt_property): a control token's string in it never
+becomes that token. Used by tests/test_fuzz.py (a short run) and benchmarks/fuzz.py (the long run)."""
 
 from __future__ import annotations
 
@@ -292,6 +293,137 @@ def prompt_property(spec, tokenizer, max_examples: int, counter: list | None = N
         assert sum(t in specials for t in got) == sum(t in specials for t in template_only)
         if not any(s in m["content"] for s in cs for m in messages):
             assert got == ids(allowed, messages)
+
+
+# ---------------------------------------------------------------- videos
+
+VIDEO_CORPUS = Path(__file__).resolve().parent / "corpus" / "videos"
+# texts FFmpeg's probing would take as instructions (sockets, other files): loopback addresses and local names only
+FFMPEG_SCRIPTS = [b"v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=x\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\nm=video 5004 RTP/AVP 96\r\n",
+                  b"#EXTM3U\n#EXTINF:1,\nhttp://127.0.0.1:9/a.ts\n", b"ffconcat version 1.0\nfile /etc/hostname\n",
+                  b"rtsp://127.0.0.1:9/x", b"file:/etc/hostname", b"img%03d.png", b"[Script Info]\n"]
+
+
+@st.composite
+def mutated_video(draw) -> bytes:
+    seeds = sorted(p for p in VIDEO_CORPUS.iterdir() if p.stat().st_size < 10000)
+    data = bytearray(draw(st.sampled_from(seeds)).read_bytes())
+    for _ in range(draw(st.integers(0, 8))):
+        if not data:
+            break
+        i = draw(st.integers(0, len(data) - 1))
+        data[i] = draw(st.integers(0, 255))
+    if draw(st.booleans()):
+        data = data[: draw(st.integers(0, len(data)))]
+    return bytes(data)
+
+
+video_inputs = st.one_of(st.binary(max_size=300), mutated_video(), mutated_video(), mutated_video(),
+                         st.sampled_from(FFMPEG_SCRIPTS), st.builds(lambda a, b: a + b, st.sampled_from(FFMPEG_SCRIPTS),
+                                                                     st.binary(max_size=40)))
+
+
+def check_video(data: bytes, counter: list | None = None) -> None:
+    """read_video on data, then every frame it says it has: a clip whose frames decode, or VideoError; FFmpeg opened
+    only with a demuxer of PYAV_FORMATS, and every container closed again."""
+    import av
+    import numpy as np
+
+    from vlmrt.runtime import video as V
+
+    if counter is not None:
+        counter[0] += 1
+    opened, real = [], av.open
+
+    def record(file, *a, **kw):
+        assert kw.get("format") in V.PYAV_FORMATS, f"FFmpeg asked to open {kw.get('format')!r}"
+        c = real(file, *a, **kw)
+        opened.append(c)
+        return c
+
+    av.open = record
+    try:
+        clip = V.read_video(None, data=data, label="fuzz")
+        frames = clip.frames(np.arange(min(clip.total_frames, 16)))
+        assert all(f.mode == "RGB" and f.width * f.height <= V.MAX_FRAME_PIXELS for f in frames)
+    except V.VideoError as e:
+        assert str(e).strip()
+    finally:
+        av.open = real
+    assert all(not c.input_was_opened for c in opened), "a container left open"
+
+
+def video_property(max_examples: int, counter: list | None = None, seed: int | None = None):
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None and counter is None,
+              suppress_health_check=list(HealthCheck))
+    @given(video_inputs)
+    def prop(data):
+        check_video(data, counter)
+
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        prop = with_seed(seed)(prop)
+    return prop
+
+
+# ---------------------------------------------------------------- media-folder paths (vlmrt serve --media-dir)
+
+def hostile_media(root: Path) -> Path:
+    """A media folder with a symbolic link loop inside, a link into a loop outside, a dangling link, a file used as a
+    folder, a FIFO, a link to a device, a link out of the folder, a folder and one real file."""
+    import os
+
+    media = root / "media"
+    media.mkdir()
+    (media / "loop1").symlink_to("loop2")
+    (media / "loop2").symlink_to("loop1")
+    (root / "out_a").symlink_to(root / "out_b")
+    (root / "out_b").symlink_to(root / "out_a")
+    (root / "secret").write_bytes(b"outside")
+    (media / "to_outer_loop").symlink_to(root / "out_a")
+    (media / "to_secret").symlink_to(root / "secret")
+    (media / "dangling").symlink_to("nowhere")
+    (media / "afile").write_bytes(b"inside")
+    os.mkfifo(media / "fifo")
+    (media / "zero").symlink_to("/dev/zero")
+    (media / "sub").mkdir()
+    return media
+
+
+MEDIA_PARTS = ["..", ".", "", "loop1", "loop2", "to_outer_loop", "to_secret", "dangling", "afile", "fifo", "zero", "sub",
+               "x" * 300, "\x00", "nowhere", "%2e%2e", "secret", "/", "//", "~", "\\..\\", "\x1f\U0001342f" * 40]
+
+
+def media_paths():
+    parts = st.one_of(st.sampled_from(MEDIA_PARTS), st.text(max_size=12))
+    return st.one_of(st.lists(parts, min_size=1, max_size=30).map("/".join), st.text(max_size=300),
+                     st.sampled_from(PATHISH), st.integers(1, 6000).map(lambda n: "a/" * (n // 2)))
+
+
+def check_media_path(media: Path, url: str, counter: list | None = None) -> None:
+    """The server's media-folder read: the bytes of a regular file inside the folder, or one 400 whose message quotes
+    at most the start of url, never the folder's own path."""
+    from vlmrt.serve.errors import APIError
+    from vlmrt.serve.media import _read_local
+
+    if counter is not None:
+        counter[0] += 1
+    try:
+        data = _read_local(url, media, "image", 1 << 20)
+    except APIError as e:
+        assert e.status == 400 and e.code == "invalid_image" and e.message.strip()
+        assert str(media.parent) not in e.message and len(e.message) < 300, e.message
+        return
+    assert data == b"inside", (url, data)  # the one regular file inside the folder
+
+
+def media_path_property(media: Path, max_examples: int, counter: list | None = None, seed: int | None = None):
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None and counter is None,
+              suppress_health_check=list(HealthCheck))
+    @given(media_paths())
+    def prop(url):
+        check_media_path(media, url, counter)
 
     if seed is not None:
         from hypothesis import seed as with_seed

@@ -1,4 +1,4 @@
-"""The committed bad-input corpus (tests/corpus/): every image, bundle change and prompt there, with its expected
+"""The committed bad-input corpus (tests/corpus/): every image, video, bundle change and prompt there, with its expected
 outcome — it works, or vlmrt refuses it with one `vlmrt: error:` line holding the expected words."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +17,14 @@ import pytest
 from test_errors import assert_one_line_error, in_process
 from vlmrt.format import manifest as mf
 from vlmrt.runtime import image as img_ops
+from vlmrt.runtime import video as V
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 IMAGES = json.loads((CORPUS / "images.json").read_text())
 BUNDLES = {k: v for k, v in json.loads((CORPUS / "bundles.json").read_text()).items() if not k.startswith("_")}
 PROMPTS = {k: v for k, v in json.loads((CORPUS / "prompts.json").read_text()).items() if not k.startswith("_")}
+VIDEOS = json.loads((CORPUS / "videos.json").read_text())
+NOT_A_VIDEO = "not a video format vlmrt reads"
 
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
@@ -67,6 +71,73 @@ def test_exif_orientations_are_all_different():
     """The corpus images really exercise eight different transforms (the test above would pass on ignored tags)."""
     arrays = [np.asarray(img_ops.load_image(CORPUS / "images" / f"exif_orientation_{o}.jpg")) for o in range(1, 9)]
     assert len({(a.shape, a[0, 0].tobytes(), a[-1, -1].tobytes(), a[0, -1].tobytes()) for a in arrays}) == 8
+
+
+@pytest.fixture
+def containers(monkeypatch):
+    """Every container vlmrt opens through PyAV, with the format it named (av.open recorded)."""
+    av = pytest.importorskip("av")
+    opened = []
+    real = av.open
+
+    def record(file, *a, **kw):
+        c = real(file, *a, **kw)
+        opened.append((kw.get("format"), c))
+        return c
+
+    monkeypatch.setattr(av, "open", record)
+    return opened
+
+
+@pytest.mark.parametrize("name", sorted(VIDEOS))
+def test_video_corpus(name, containers):
+    """Each file read as a video (issue 43): the allowed containers (MP4 / MOV, WebM / MKV, AVI) give their frames; an
+    SDP session, an HLS playlist, a concat script, an MPEG-TS stream or text is refused from its first bytes, before
+    FFmpeg sees it (no av.open at all: FFmpeg's probing would have picked the sdp / hls / concat demuxers, which open
+    sockets and other files); a damaged file of an allowed container is one error; quickly, and every container that
+    was opened is closed again, whichever way the read ended."""
+    case, path = VIDEOS[name], CORPUS / "videos" / name
+    t = time.monotonic()
+    if case["expect"] == "ok":
+        clip = V.read_video(path)
+        frames = clip.frames(np.arange(clip.total_frames))
+        assert clip.total_frames == len(frames) == case["frames"] and clip.fps == 10.0
+        levels = [int(np.asarray(f)[16, 24, 0]) for f in (frames[0], frames[-1])]
+        assert abs(levels[0] - 0) <= 8 and abs(levels[1] - 220) <= 8, levels  # the first and last grey levels
+        assert containers and all(fmt in V.PYAV_FORMATS for fmt, _ in containers)
+    else:
+        with pytest.raises(V.VideoError, match=case["expect"]):
+            clip = V.read_video(path)
+            clip.frames(np.arange(clip.total_frames))
+        if case["expect"] == NOT_A_VIDEO:
+            assert containers == []
+    assert time.monotonic() - t < 5
+    assert all(not c.input_was_opened for _, c in containers), "a container left open"
+
+
+@pytest.mark.parametrize("name", ["stream.sdp", "playlist.m3u8", "list.ffconcat", "truncated.mp4"])
+def test_bad_videos_on_the_command_line(name, default_bundle, capsys):
+    p = in_process(capsys, "run", default_bundle.bundle, "--video", CORPUS / "videos" / name, "--prompt", "hi")
+    assert_one_line_error(p, "cannot read video", VIDEOS[name]["expect"])
+
+
+def test_video_decoding_is_bounded(monkeypatch):
+    """Each decoding pass stops at MAX_DECODE_S seconds and MAX_SOURCE_FRAMES frames, as one error: reading the frames,
+    and counting them (a Matroska file records no frame count)."""
+    mp4, mkv = CORPUS / "videos" / "ok.mp4", CORPUS / "videos" / "ok.mkv"
+    clip = V.read_video(mp4)  # the header only
+    monkeypatch.setattr(V, "MAX_DECODE_S", -1.0)
+    with pytest.raises(V.VideoError, match="not decoded within"):
+        clip.frames(np.array([11]))
+    with pytest.raises(V.VideoError, match="not decoded within"):
+        V.read_video(mkv)
+    monkeypatch.setattr(V, "MAX_DECODE_S", 120.0)
+    monkeypatch.setattr(V, "MAX_SOURCE_FRAMES", 5)
+    with pytest.raises(V.VideoError, match="more than 5 frames"):
+        V.read_video(mkv)
+    monkeypatch.setattr(V, "MAX_FRAME_PIXELS", 48 * 32 - 1)
+    with pytest.raises(V.VideoError, match="48×32 frames"):
+        V.read_video(mp4)
 
 
 def _get(d, dotted):
@@ -190,3 +261,23 @@ def test_a_file_that_is_no_image_is_named_plainly(tmp_path, capsys, default_bund
         p = in_process(capsys, "run", default_bundle.bundle, "--image", src, "--prompt", "hi")
         assert_one_line_error(p, "cannot read image", words)
         assert "BytesIO" not in p.stderr and " at 0x" not in p.stderr
+
+
+def test_bad_paths_on_the_command_line(default_bundle, tmp_path, capsys):
+    """A 300-character name, a 5,000-character path and a symbolic link loop given to --image or --video, and a NUL byte
+    in a --messages file's image path: one short `vlmrt: error:` line each (a name too long used to print the OS's
+    error with the whole path, 5,000 characters and more)."""
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    sources = [tmp_path / ("x" * 300 + ".png"), tmp_path / "/".join(["d" * 50] * 100), tmp_path / "loop1",
+               tmp_path / "loop1" / "x.png"]
+    for flag in ("--image", "--video"):
+        for src in sources:
+            p = in_process(capsys, "run", default_bundle.bundle, flag, src, "--prompt", "hi")
+            assert_one_line_error(p, "image" if flag == "--image" else "video")
+            assert len(p.stderr.strip()) < 320, p.stderr[:200]
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a\u0000b.png"}},
+                                                             {"type": "text", "text": "hi"}]}]))
+    p = in_process(capsys, "run", default_bundle.bundle, "--messages", conv)
+    assert_one_line_error(p, "image")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 
-from fuzz_targets import amplification_property, image_property, manifest_property, prepare_bundle_copy, scratch
+from fuzz_targets import (amplification_property, hostile_media, image_property, manifest_property, media_path_property,
+                          prepare_bundle_copy, scratch, video_property)
 
 
 def test_manifest_loader_works_or_raises_bundle_error(default_bundle):
@@ -49,6 +50,28 @@ def test_huge_image_headers_are_refused_before_decoding():
 
     _, grown = amplify.peak_growth_mb(amplification_property(max_examples=300))
     assert grown < 100, f"{grown:.0f} MB"
+
+
+def test_video_reader_works_or_raises_video_error():
+    """Mutated and truncated corpus clips, random bytes and FFmpeg's instruction texts (SDP, HLS, concat, ...): a clip
+    whose frames decode or one VideoError; FFmpeg only ever opens them with an allowed demuxer, and closes them."""
+    import pytest
+
+    pytest.importorskip("av")
+    video_property(max_examples=300)()
+
+
+def test_media_folder_paths_are_a_file_inside_or_a_400():
+    """The server's media-folder paths (`--media-dir`), built from loops, links out, FIFOs, devices, NUL bytes, long
+    names and random text: the one regular file inside the folder, or a 400 that never names the folder."""
+    import pytest
+
+    pytest.importorskip("starlette")
+    root = scratch()
+    try:
+        media_path_property(hostile_media(root), max_examples=400)()
+    finally:
+        shutil.rmtree(root)
 
 
 def test_typed_json_fast_path_takes_what_the_field_check_takes(default_bundle):

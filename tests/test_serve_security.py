@@ -16,11 +16,13 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from fuzz_targets import hostile_media
 from http_images import serve_images
-from serve_client import TEXT, ask, openai, picture, request, start, tiny, uri  # noqa: F401  (tiny: a fixture)
+from serve_client import TEXT, ask, openai, picture, post, request, start, tiny, uri  # noqa: F401  (tiny: a fixture)
 from vlmrt import cli
 from vlmrt.runtime.image import ImageError
 from vlmrt.runtime.sources import FetchLimits, fetch_url
@@ -726,3 +728,141 @@ def test_pixels_in_flight_is_a_retryable_503(tiny):
         start(tiny.bundle, "--max-pixels-in-flight", "lots")
     with pytest.raises(ValueError, match="--max-request-pixels and --max-pixels-in-flight"):
         start(tiny.bundle, "--max-request-pixels", "20", "--max-pixels-in-flight", "10")
+
+
+# --- 5. video input and media paths (issue 43) ---------------------------------------------------------------------
+VIDEO_CORPUS = Path(__file__).resolve().parent / "corpus" / "videos"
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def fds_settle(limit: int) -> int:
+    """The process's open descriptors once the closed connections' sockets are gone (within 5 s)."""
+    n = open_fds()
+    for _ in range(50):
+        if n <= limit:
+            break
+        time.sleep(0.1)
+        n = open_fds()
+    return n
+
+
+def video_body(url: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": "What happens?"}]}], "max_tokens": 2}
+
+
+def media_body(kind: str, url: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": kind, kind: {"url": url}},
+                                                      {"type": "text", "text": "What is it?"}]}], "max_tokens": 2}
+
+
+def as_data(data: bytes, mime: str = "video/mp4") -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_video_that_ffmpeg_would_take_as_instructions_is_refused_unopened(tiny, tmp_path):
+    """An SDP session (FFmpeg binds UDP sockets for it: 10 s per request, and the sockets leaked), an HLS playlist, a
+    concat script, an image2 pattern, a file:// URL to an SDP, a truncated MP4 and an MP4 header followed by noise, as
+    data URIs and as media-folder paths: each a 400 within 2 s, and after ten rounds of them the server process holds
+    no more descriptors than before. The SDP names 127.0.0.1 only (no test sends traffic off the machine)."""
+    pytest.importorskip("av")
+    media = tmp_path / "media"
+    media.mkdir()
+    for name in ("stream.sdp", "playlist.m3u8", "list.ffconcat", "truncated.mp4", "garbage_after_ftyp.mp4"):
+        (media / name).write_bytes((VIDEO_CORPUS / name).read_bytes())
+    picture(1).save(media / "img001.png")
+    urls = [as_data((VIDEO_CORPUS / n).read_bytes()) for n in ("stream.sdp", "playlist.m3u8", "list.ffconcat",
+                                                               "truncated.mp4", "garbage_after_ftyp.mp4")]
+    urls += [as_data((VIDEO_CORPUS / "stream.sdp").read_bytes(), "application/sdp"), "stream.sdp", "playlist.m3u8",
+             "list.ffconcat", "img%03d.png", "truncated.mp4", "garbage_after_ftyp.mp4", f"file://{media}/stream.sdp",
+             "sdp:/stream.sdp"]
+    r = start(tiny.bundle, "--slots", "1", "--media-dir", str(media))
+    try:
+        def round_(check: bool) -> None:
+            for url in urls:
+                t = time.monotonic()
+                code, out, _ = post(r, video_body(url))
+                took = time.monotonic() - t
+                assert code == 400 and out["error"]["code"] == "invalid_image", (url[:80], out)
+                assert took < 2.0, (url[:80], f"{took:.1f} s")
+                if check and url.endswith(("sdp", "m3u8", "ffconcat")):
+                    assert "not a video format vlmrt reads" in out["error"]["message"] or "only data:" in \
+                        out["error"]["message"], out
+
+        round_(True)  # the worker threads and the first connections exist from here on
+        before = open_fds()
+        for _ in range(10):
+            round_(False)
+        after = fds_settle(before)
+        assert after <= before, f"{after - before} descriptors more after ten rounds"
+    finally:
+        r.stop()
+
+
+def test_video_to_a_bundle_without_videos_is_refused_unread(tiny, tmp_path):
+    """A bundle that takes no videos refuses a video_url part before anything reads it: an SDP data URI, a path that
+    does not exist and a URL all get the bundle's reason, not a decoder's or a fetch's."""
+    import shutil
+
+    b = tmp_path / "no-video"
+    shutil.copytree(tiny.bundle, b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["prompt"]["video"] = None
+    (b / "manifest.json").write_text(json.dumps(m))
+    media = tmp_path / "media"
+    media.mkdir()
+    r = start(b, "--slots", "1", "--media-dir", str(media), "--allow-local-urls")
+    try:
+        for url in (as_data((VIDEO_CORPUS / "stream.sdp").read_bytes()), "no-such-clip.mp4",
+                    "http://127.0.0.1:9/clip.mp4", as_data((VIDEO_CORPUS / "ok.mp4").read_bytes())):
+            t = time.monotonic()
+            code, out, _ = post(r, video_body(url))
+            assert code == 400 and "this bundle takes no videos" in out["error"]["message"], (url[:60], out)
+            assert out["error"]["code"] == "invalid_content_part" and time.monotonic() - t < 2.0
+        code, out, _ = post(r, {"messages": [TEXT], "max_tokens": 2})
+        assert code == 200  # the bundle still answers text
+    finally:
+        r.stop()
+
+
+BAD_PATHS = ["a\x00b.png", "x" * 300 + ".png", "/".join(["d" * 50] * 100), "loop1", "loop1/x.png", "to_outer_loop",
+             "to_secret", "loop1/../to_secret", "dangling", "afile/x.png", "fifo", "zero", "sub", "/dev/zero", "../x.png", "sub/../../x.png",
+             "y" * 255 + "/z.png", "\u202e.png", "../" + "\x1f\U0001342f" * 60]  # the last: 600 characters as a repr
+
+
+def test_bad_media_paths_are_400s_quoting_only_the_clients_path(tiny, tmp_path):
+    """A NUL byte, a 300-character name, a 5,000-character path, symbolic link loops inside and outside the media
+    folder, a dangling link, a file used as a folder, a FIFO (never opened: it would block), a device, a folder, paths
+    leaving the folder (`loop1/../to_secret`, a loop then a link out, used to be read: Python's non-strict realpath
+    leaves a loop unresolved and joins the rest on as text): each a 400 `invalid_image` JSON error (they used to be 500s), for image_url and video_url
+    parts, within 2 s, whose message quotes at most the start of what the client sent and never where the media
+    folder is."""
+    media = hostile_media(tmp_path)
+    picture(2).save(tmp_path / "secret", "PNG")  # outside the folder, an image the server must not read
+    picture(2).save(media / "sub" / "ok.png")
+    (media / "link_to_ok.png").symlink_to("sub/ok.png")
+    r = start(tiny.bundle, "--slots", "1", "--media-dir", str(media))
+    paths = BAD_PATHS + ([] if os.geteuid() == 0 else ["locked/x.png"])
+    if os.geteuid() != 0:
+        (media / "locked").mkdir(mode=0)
+    try:
+        for kind in ("image_url", "video_url"):
+            for url in paths:
+                t = time.monotonic()
+                code, out, _ = post(r, media_body(kind, url))
+                assert code == 400, (kind, url[:40], code, out)
+                msg = out["error"]["message"]
+                assert out["error"]["code"] == "invalid_image" and time.monotonic() - t < 2.0, (kind, url[:40], out)
+                assert str(tmp_path) not in msg and str(media.resolve()) not in msg and len(msg) < 300, msg
+                assert "Traceback" not in msg
+        for url in ("sub/ok.png", "link_to_ok.png", "sub/../sub/ok.png"):  # paths inside still work, links too
+            code, out, _ = post(r, media_body("image_url", url))
+            assert code == 200, (url, out)
+    finally:
+        r.stop()

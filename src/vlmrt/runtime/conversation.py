@@ -56,6 +56,16 @@ def template_env():
     return env
 
 
+def video_refusal(p: PromptSpec) -> str | None:
+    """Why a bundle of this prompt spec takes no videos (None: it takes them), said before a video is read."""
+    if p.video is None:
+        return ("this bundle takes no videos: its checkpoint's processor reads none, or it was exported by an older "
+                "vlmrt (re-export a SmolVLM2 checkpoint)")
+    if p.content_format != "parts":
+        return "this bundle's chat template takes no videos"
+    return None
+
+
 @dataclass
 class VideoSource:
     source: Any  # a path (file or folder of frames), URL, data URI, or a list of PIL images
@@ -227,11 +237,9 @@ class ChatTemplate:
         p = self.p
         template = self._template
         if conv.videos:
-            if p.video is None:
-                raise ConversationError("this bundle takes no videos: its checkpoint's processor reads none, or it was "
-                                        "exported by an older vlmrt (re-export a SmolVLM2 checkpoint)")
-            if p.content_format != "parts":
-                raise ConversationError("this bundle's chat template takes no videos")
+            why = video_refusal(p)
+            if why:
+                raise ConversationError(why)
             template = self._video_template
         text = self._render(template, self._template_messages(conv))
         pieces = self._media_pieces(text, conv)

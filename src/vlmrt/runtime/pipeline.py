@@ -38,7 +38,8 @@ from .positions import position_op, prompt_positions
 from .engine import MODES, STEP, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead
 from .lookahead import check_exact
 from . import video as video_ops
-from .conversation import ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn
+from .conversation import (ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn,
+                           video_refusal)
 from .prefix_cache import CachedImage, ImageCache, PrefixCache
 from .image_native import with_max_patches
 from .prompt import Media, build
@@ -315,9 +316,9 @@ class VLM:
         many frames came from the image cache."""
         m = self.manifest
         spec = m.prompt.video
-        if spec is None:
-            raise video_ops.VideoError("this bundle takes no videos: its checkpoint's processor reads none, or it was "
-                                       "exported by an older vlmrt (re-export a SmolVLM2 checkpoint)")
+        why = video_refusal(m.prompt)  # before the video's bytes are read
+        if why:
+            raise video_ops.VideoError(why)
         if max_frames is not None and max_frames < 1:
             raise video_ops.VideoError("--max-frames must be >= 1")
         clip = video_ops.open_source(v.source, v.fps, self.fetch)

@@ -117,17 +117,19 @@ def read_image(source, limits: FetchLimits = FetchLimits()) -> SourceImage:
     elif re.match(r"(?i)[a-z][a-z0-9+.-]*://", s):
         raise ImageError(f"image source {s!r}: only file paths, http(s):// URLs and data:image URIs are supported")
     else:
-        path = Path(s)
-        if not path.is_file():
-            raise ImageError(f"image not found: {path}")
-        if path.stat().st_size > MAX_IMAGE_BYTES:
-            raise ImageError(f"image {path} is {path.stat().st_size / 2**20:.0f} MiB; vlmrt reads images up to "
-                             f"{MAX_IMAGE_BYTES >> 20} MiB")
+        path, label = Path(s), shown(s)
         try:
+            if not path.is_file():
+                raise ImageError(f"image not found: {label}")
+            size = path.stat().st_size
+            if size > MAX_IMAGE_BYTES:
+                raise ImageError(f"image {label} is {size / 2**20:.0f} MiB; vlmrt reads images up to "
+                                 f"{MAX_IMAGE_BYTES >> 20} MiB")
             data = path.read_bytes()
-        except OSError as e:
-            raise ImageError(f"cannot read image {path}: {e.strerror or e}") from None
-        label = str(path)
+        except ImageError:
+            raise
+        except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission
+            raise ImageError(f"cannot read image {label}: {getattr(e, 'strerror', None) or e}") from None
     return SourceImage(hashlib.sha256(data).hexdigest(), label, data)
 
 

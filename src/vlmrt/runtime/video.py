@@ -13,12 +13,19 @@ rate) and frame i of the clip is the image shown at time i / fps, so uneven dura
 
 Sources: a path or a PIL image sequence for GIF / WebP (Pillow), a folder of numbered frames (fps given), or a video
 file through PyAV (the optional extra vlmrt[video]); bytes of a GIF / WebP / video file (data URIs, http(s)) too.
+
+FFmpeg only ever sees bytes vlmrt has read into memory, and only those of the containers in PYAV_FORMATS: the
+container is named from the file's first bytes (container_format) and opened with that demuxer alone (no format
+probing: FFmpeg's SDP, HLS, concat or image2 demuxers, which open sockets and other files, are never reached), and
+any file the container would open besides the one it was given (io_open) is refused. Every container is closed on
+every path (with), and each decoding pass stops at MAX_DECODE_S seconds and MAX_SOURCE_FRAMES frames.
 """
 
 from __future__ import annotations
 
 import io
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,12 +37,18 @@ import numpy as np
 from ..format.manifest import ImageSpec, VideoSpec
 from . import aa_resize
 from . import image as img_ops
+from .sources import shown
 
 MAX_VIDEO_BYTES = 1024 * 1024 * 1024  # 1 GiB on disk
 MAX_FRAME_PIXELS = 40_000_000  # one frame's width × height (an 8K frame is 33 MP)
 MAX_SOURCE_FRAMES = 100_000  # frames a clip may have (a 1 h video at 25 fps is 90,000)
 FRAME_FILES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 PILLOW_VIDEO = ("GIF", "WEBP", "PNG")  # animated formats Pillow decodes (APNG)
+MAX_DECODE_S = 120.0  # one decoding pass of a video file through PyAV (reading its frame count, or its frames)
+# the containers read through PyAV: FFmpeg demuxer -> what it is called in messages
+PYAV_FORMATS = {"mov": "MP4 / MOV", "matroska": "WebM / MKV", "avi": "AVI"}
+MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot")  # the first box of an MP4 / QuickTime file
+VIDEO_FORMATS_SAID = ", ".join(PYAV_FORMATS.values()) + "; GIF, WebP and PNG animations"
 
 
 class VideoError(ValueError):
@@ -135,24 +148,29 @@ def frame_tile(im, spec: VideoSpec, image: ImageSpec) -> np.ndarray:
 def read_video(source, fps: float | None = None, data: bytes | None = None, label: str | None = None) -> Clip:
     """A clip from a path (file or folder of frames), the file's bytes (data), or a list of PIL images (fps given).
     fps: the rate of a folder's (or a list's) frames; refused for files, whose rate is their own."""
-    label = label or (str(source) if isinstance(source, (str, Path)) else "the video")
+    label = label or (shown(str(source)) if isinstance(source, (str, Path)) else "the video")
     if isinstance(source, list):
         if fps is None:
             raise VideoError(f"{label}: a list of frames needs an fps")
         return _frames_clip(label, [img_ops.to_rgb(im) for im in source], _check_fps(fps, label), lambda x: x)
     if data is None:
         path = Path(source)
-        if path.is_dir():
-            return _folder_clip(path, fps, label)
-        if fps is not None:
-            raise VideoError(f"{label}: --fps is for a folder of frames; a video file has its own rate")
-        if not path.is_file():
-            raise VideoError(f"video not found: {label}")
-        size = path.stat().st_size
-        if size > MAX_VIDEO_BYTES:
-            raise VideoError(f"video {label} is {size / 2**20:.0f} MiB; vlmrt reads videos up to "
-                             f"{MAX_VIDEO_BYTES >> 20} MiB")
-        data = path.read_bytes()
+        try:
+            if path.is_dir():
+                return _folder_clip(path, fps, label)
+            if fps is not None:
+                raise VideoError(f"{label}: --fps is for a folder of frames; a video file has its own rate")
+            if not path.is_file():
+                raise VideoError(f"video not found: {label}")
+            size = path.stat().st_size
+            if size > MAX_VIDEO_BYTES:
+                raise VideoError(f"video {label} is {size / 2**20:.0f} MiB; vlmrt reads videos up to "
+                                 f"{MAX_VIDEO_BYTES >> 20} MiB")
+            data = path.read_bytes()
+        except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission
+            if isinstance(e, VideoError):
+                raise
+            raise VideoError(f"cannot read video {label}: {getattr(e, 'strerror', None) or e}") from None
     elif fps is not None:
         raise VideoError(f"{label}: fps is for a folder of frames; a video file has its own rate")
     if not data:
@@ -249,49 +267,108 @@ def _pillow_clip(data: bytes, label: str) -> Clip | None:
     return Clip(label, n, n * 1000 / total_ms, total_ms / 1000, read)
 
 
+def container_format(data: bytes) -> str | None:
+    """The FFmpeg demuxer of PYAV_FORMATS that data's first bytes name (None: not one of them)."""
+    if len(data) >= 12 and data[4:8] in MP4_BOXES:
+        return "mov"
+    if data[:4] == b"\x1a\x45\xdf\xa3":  # EBML: Matroska, WebM
+        return "matroska"
+    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
+        return "avi"
+    return None
+
+
+def _no_other_files(url: str, flags: int, options: dict):
+    """PyAV's io_open: a container that would open another file or URL (an MP4's data reference, say) is refused."""
+    raise PermissionError(f"the container refers to another file ({url[:60]!r}); vlmrt reads only the file given")
+
+
+def _open(av, data: bytes, fmt: str):
+    """An input container over data, read by the demuxer fmt alone, opening nothing else (io_open refuses what
+    the demuxer would open through the container; the whitelists hold for any context opened inside it)."""
+    options = {"format_whitelist": fmt, "protocol_whitelist": "none"}
+    return av.open(io.BytesIO(data), format=fmt, container_options=options, io_open=_no_other_files)
+
+
+def _why(e: Exception) -> str:
+    """An FFmpeg / OS error as its reason alone (FFmpegError's str holds an errno and the bytes' name, '<none>')."""
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+def _decode(av, data: bytes, fmt: str, label: str, keep: Callable[[int, Any], bool]) -> None:
+    """Decode the first video stream's frames in order, calling keep(i, frame) until it returns False; at most
+    MAX_SOURCE_FRAMES frames of at most MAX_FRAME_PIXELS pixels, within MAX_DECODE_S seconds."""
+    deadline = time.monotonic() + MAX_DECODE_S
+    i = 0
+    with _open(av, data, fmt) as c:
+        for packet in c.demux(video=0):
+            if time.monotonic() > deadline:
+                raise VideoError(f"cannot read video {label}: not decoded within {MAX_DECODE_S:g} s")
+            for frame in packet.decode():
+                if i >= MAX_SOURCE_FRAMES:
+                    raise VideoError(f"{label} has more than {MAX_SOURCE_FRAMES} frames; vlmrt reads at most "
+                                     f"{MAX_SOURCE_FRAMES}")
+                if frame.width * frame.height > MAX_FRAME_PIXELS:
+                    raise VideoError(f"video {label} has {frame.width}×{frame.height} frames; vlmrt reads frames up "
+                                     f"to {MAX_FRAME_PIXELS / 1e6:.0f} million pixels")
+                if not keep(i, frame):
+                    return
+                i += 1
+
+
 def _pyav_clip(data: bytes, label: str) -> Clip:
     """A video file through PyAV (FFmpeg), read as transformers' read_video_pyav: the stream's frame count and average
-    rate, frames decoded in order and those sampled kept."""
+    rate, frames decoded in order and those sampled kept. Only the containers of PYAV_FORMATS (module docstring)."""
+    fmt = container_format(data)
+    if fmt is None:
+        raise VideoError(f"cannot read video {label}: not a video format vlmrt reads ({VIDEO_FORMATS_SAID})")
     try:
         import av
     except ImportError:
         raise VideoError(f"{label} is not a GIF / WebP / PNG animation: reading video files (mp4, webm, ...) needs "
                          "PyAV: pip install 'vlmrt[video]'") from None
+    errors = (av.error.FFmpegError, OSError, ValueError, IndexError, MemoryError)
     try:
-        container = av.open(io.BytesIO(data))
-        streams = container.streams.video
-        if not streams:
-            raise VideoError(f"cannot read video {label}: it has no video stream")
-        s = streams[0]
-        rate = float(s.average_rate) if s.average_rate else 0.0
-        total = int(s.frames)
-        if total <= 0 and rate > 0 and s.duration and s.time_base:  # webm / mkv: no frame count in the header
-            total = int(round(float(s.duration * s.time_base) * rate))
-        if total <= 0 or rate <= 0:
-            total, rate = _count_frames(data)
-        if s.width * s.height > MAX_FRAME_PIXELS:
-            raise VideoError(f"video {label} has {s.width}×{s.height} frames; vlmrt reads frames up to "
+        with _open(av, data, fmt) as container:
+            streams = container.streams.video
+            if not streams:
+                raise VideoError(f"cannot read video {label}: it has no video stream")
+            s = streams[0]
+            if s.codec_context is None:  # a codec FFmpeg has no decoder for (PyAV's stream then has no width)
+                raise VideoError(f"cannot read video {label}: its video codec is not one this FFmpeg decodes")
+            rate = float(s.average_rate) if s.average_rate else 0.0
+            total = int(s.frames)
+            if total <= 0 and rate > 0 and s.duration and s.time_base:  # webm / mkv: no frame count in the header
+                total = int(round(float(s.duration * s.time_base) * rate))
+            width, height = s.width, s.height
+        if width * height > MAX_FRAME_PIXELS:
+            raise VideoError(f"video {label} has {width}×{height} frames; vlmrt reads frames up to "
                              f"{MAX_FRAME_PIXELS / 1e6:.0f} million pixels")
         if total > MAX_SOURCE_FRAMES:
             raise VideoError(f"{label} has {total} frames; vlmrt reads at most {MAX_SOURCE_FRAMES}")
-        container.close()
+        if total <= 0 or rate <= 0:
+            total, rate = _count_frames(av, data, fmt, label)
     except VideoError:
         raise
-    except (av.error.FFmpegError, OSError, ValueError, IndexError, MemoryError) as e:
-        raise VideoError(f"cannot read video {label}: {e or type(e).__name__}") from None
+    except errors as e:
+        raise VideoError(f"cannot read video {label}: {_why(e)}") from None
 
     def read(idx: np.ndarray) -> list:
         want = {int(i) for i in idx}
         got: dict[int, Any] = {}
+        last = max(want)
+
+        def keep(i, frame) -> bool:
+            if i in want:
+                got[i] = frame.to_image().convert("RGB")
+            return i < last
+
         try:
-            with av.open(io.BytesIO(data)) as c:
-                for i, frame in enumerate(c.decode(video=0)):
-                    if i in want:
-                        got[i] = frame.to_image().convert("RGB")
-                    if i >= max(want):
-                        break
-        except (av.error.FFmpegError, OSError, ValueError, MemoryError) as e:
-            raise VideoError(f"cannot read video {label}: {e or type(e).__name__}") from None
+            _decode(av, data, fmt, label, keep)
+        except VideoError:
+            raise
+        except errors as e:
+            raise VideoError(f"cannot read video {label}: {_why(e)}") from None
         missing = sorted(want - got.keys())
         if missing:
             raise VideoError(f"cannot read video {label}: frame {missing[0] + 1} of {total} did not decode "
@@ -301,16 +378,13 @@ def _pyav_clip(data: bytes, label: str) -> Clip:
     return Clip(label, total, rate, total / rate, read)
 
 
-def _count_frames(data: bytes) -> tuple[int, float]:
+def _count_frames(av, data: bytes, fmt: str, label: str) -> tuple[int, float]:
     """Frame count and rate by decoding the whole stream (containers that record neither)."""
-    import av
-
-    with av.open(io.BytesIO(data)) as c:
-        times = [f.time for f in c.decode(video=0) if f.time is not None]
+    times: list[float] = []
+    _decode(av, data, fmt, label, lambda i, f: f.time is None or times.append(f.time) or True)
     if len(times) < 2 or times[-1] <= times[0]:
-        raise VideoError("cannot read the video's frame rate")
-    rate = (len(times) - 1) / (times[-1] - times[0])
-    return len(times), rate
+        raise VideoError(f"cannot read video {label}: cannot read its frame rate")
+    return len(times), (len(times) - 1) / (times[-1] - times[0])
 
 
 _DATA_URI = re.compile(r"data:((?:video|image)/[A-Za-z0-9.+-]+)(;[^,;]*)*?;base64,(.*)", re.S)
@@ -343,7 +417,7 @@ def open_source(source, fps: float | None, limits) -> Clip:
             data = fetch_url(s, limits)
         except ValueError as e:  # ImageError: the fetch's one line
             raise VideoError(str(e).replace("image", "video")) from None
-        return read_video(None, fps, data, s)
+        return read_video(None, fps, data, shown(s))
     if re.match(r"(?i)[a-z][a-z0-9+.-]*://", s):
         raise VideoError(f"video source {s!r}: only file paths, folders, http(s):// URLs and data URIs are supported")
     return read_video(s, fps)

@@ -38,7 +38,7 @@ from starlette.routing import Route
 from ..runtime.sources import FetchLimits
 from ..runtime.url_policy import AddressPolicy
 from .access import ApiKeys, Cors, HeadSize, HostCheck, OriginCheck
-from .errors import APIError, internal, unavailable
+from .errors import APIError, bad_request, internal, unavailable
 from .limits import (BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS, MAX_PIXELS_IN_FLIGHT,
                      MAX_REQUEST_PIXELS)
 from .media import load_images, load_videos, with_images
@@ -205,6 +205,8 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
     async def chat(request: Request):
         sched = ready()
         req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
+        if req.video_urls and sched.no_video:  # before a video's bytes are fetched, read or decoded
+            raise bad_request(sched.no_video, "invalid_content_part")
         fetches = any(re.match(r"(?i)https?://", u) for u in req.urls + req.video_urls)  # slow ones on their own threads
         loop = asyncio.get_running_loop()
         held = pixels.hold()  # the decoded pixels of its images, until it is answered (pixel_budget.py)

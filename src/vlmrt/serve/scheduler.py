@@ -32,7 +32,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
 from ..runtime.batch_engine import batched_vlms
-from ..runtime.conversation import ConversationError
+from ..runtime.conversation import ConversationError, video_refusal
 from ..runtime.engine import STEP, ContextOverflow
 from ..runtime.image import ImageError
 from ..runtime.pipeline import VLM
@@ -93,6 +93,7 @@ class Scheduler:
         if slots < 1 or max_queue < 0:
             raise ValueError("--slots must be >= 1 and --queue >= 0")
         self.max_context = bundle.manifest.kv.max_context
+        self.no_video = video_refusal(bundle.manifest.prompt)  # why the bundle takes no videos (None: it does)
         vlms, self.batch = batched_vlms(bundle, slots, load_s, **vlm_options)
         if self.batch is not None:
             p = self.batch.probed
