@@ -294,6 +294,12 @@ def prompt_property(spec, tokenizer, max_examples: int, counter: list | None = N
         if not any(s in m["content"] for s in cs for m in messages):
             assert got == ids(allowed, messages)
 
+    if seed is not None:
+        from hypothesis import seed as with_seed
+
+        prop = with_seed(seed)(prop)
+    return prop
+
 
 # ---------------------------------------------------------------- videos
 
