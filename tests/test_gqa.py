@@ -104,6 +104,8 @@ def test_gqa_needs_the_one_graph_decoder(default_bundle, tmp_path, capsys):
 @pytest.mark.parametrize("change, needle", [
     (lambda m: m["decoder"]["kind"].update(name="paged"), "bundle decoder kind 'paged' is not known to this vlmrt"),
     (lambda m: m["kv"]["layers"][1].update(kind="ssm"), r"bundle cache layer kind 'ssm' \(kv.layers\[1\]\) is not known"),
+    (lambda m: m["kv"]["layers"][1].update(kind=["gqa_in_place"]), r"kv.layers\[1\].kind must be a string, not list"),
+    (lambda m: m["decoder"]["kind"].update(name={"n": 1}), r"decoder.kind.name must be a string, not dict"),
     (lambda m: m["decoder"]["kind"].update(mask_input="attention_mask"), "decoder.kind has an unknown field 'mask_input'"),
     (lambda m: m["decoder"]["kind"].pop("seqlens_input"), "decoder.kind lacks the field 'seqlens_input'"),
     (lambda m: m["kv"]["layers"][0].update(kv_heads=0), r"kv.layers\[0\]: kv_heads and head_dim must be positive"),

@@ -430,12 +430,20 @@ def from_dict(d: Any) -> Manifest:
     return m
 
 
+def _tag(value, where: str):
+    """A tagged union's tag as read: a string or absent (a list or an object is not one: refused by name, not a
+    TypeError from the kinds' lookup)."""
+    if value is not None and not isinstance(value, str):
+        raise BundleError(f"manifest.json is malformed: {where} must be a string, not {type(value).__name__}")
+    return value
+
+
 def check_kinds(d: dict) -> None:
     """The tagged unions' tags (decoder.kind.name, kv.layers[i].kind) name kinds this vlmrt knows (else: upgrade), and
     each entry is well formed as its kind (Malformed names the field); build then picks the same dataclass."""
     kind = d.get("decoder", {}).get("kind") if isinstance(d.get("decoder"), dict) else None
     if isinstance(kind, dict):
-        name = kind.get("name")
+        name = _tag(kind.get("name"), "decoder.kind.name")
         if name not in DECODER_KINDS:
             raise BundleError(f"bundle decoder kind {str(name)[:40]!r} is not known to this vlmrt "
                               f"({', '.join(DECODER_KINDS)}); upgrade vlmrt")
@@ -443,7 +451,7 @@ def check_kinds(d: dict) -> None:
     layers = d.get("kv", {}).get("layers") if isinstance(d.get("kv"), dict) else None
     for i, layer in enumerate(layers if isinstance(layers, list) else []):
         if isinstance(layer, dict):
-            if layer.get("kind") not in CACHE_LAYER_KINDS:
+            if _tag(layer.get("kind"), f"kv.layers[{i}].kind") not in CACHE_LAYER_KINDS:
                 raise BundleError(f"bundle cache layer kind {str(layer.get('kind'))[:40]!r} (kv.layers[{i}]) is not "
                                   f"known to this vlmrt ({', '.join(CACHE_LAYER_KINDS)}); upgrade vlmrt")
             build(CACHE_LAYER_KINDS[layer["kind"]], layer, f"kv.layers[{i}]")
