@@ -117,20 +117,25 @@ def read_image(source, limits: FetchLimits = FetchLimits()) -> SourceImage:
     elif re.match(r"(?i)[a-z][a-z0-9+.-]*://", s):
         raise ImageError(f"image source {s!r}: only file paths, http(s):// URLs and data:image URIs are supported")
     else:
-        path, label = Path(s), shown(s)
-        try:
-            if not path.is_file():
-                raise ImageError(f"image not found: {label}")
-            size = path.stat().st_size
-            if size > MAX_IMAGE_BYTES:
-                raise ImageError(f"image {label} is {size / 2**20:.0f} MiB; vlmrt reads images up to "
-                                 f"{MAX_IMAGE_BYTES >> 20} MiB")
-            data = path.read_bytes()
-        except ImageError:
-            raise
-        except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission
-            raise ImageError(f"cannot read image {label}: {getattr(e, 'strerror', None) or e}") from None
+        label = shown(s)
+        data = read_file(Path(s), label, "image", MAX_IMAGE_BYTES, ImageError)
     return SourceImage(hashlib.sha256(data).hexdigest(), label, data)
+
+
+def read_file(path: Path, label: str, kind: str, max_bytes: int, error: type[ValueError]) -> bytes:
+    """A local image or video file's bytes, at most max_bytes; every failure (missing, too big, a name too long, a NUL
+    byte, no permission) one `error` naming label."""
+    try:
+        if not path.is_file():
+            raise error(f"{kind} not found: {label}")
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise error(f"{kind} {label} is {size / 2**20:.0f} MiB; vlmrt reads {kind}s up to {max_bytes >> 20} MiB")
+        return path.read_bytes()
+    except error:
+        raise
+    except (OSError, ValueError) as e:
+        raise error(f"cannot read {kind} {label}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def decode_data_uri(uri: str) -> bytes:

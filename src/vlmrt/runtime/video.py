@@ -37,7 +37,7 @@ import numpy as np
 from ..format.manifest import ImageSpec, VideoSpec
 from . import aa_resize
 from . import image as img_ops
-from .sources import shown
+from .sources import read_file, shown
 
 MAX_VIDEO_BYTES = 1024 * 1024 * 1024  # 1 GiB on disk
 MAX_FRAME_PIXELS = 40_000_000  # one frame's width × height (an 8K frame is 33 MP)
@@ -158,19 +158,13 @@ def read_video(source, fps: float | None = None, data: bytes | None = None, labe
         try:
             if path.is_dir():
                 return _folder_clip(path, fps, label)
-            if fps is not None:
-                raise VideoError(f"{label}: --fps is for a folder of frames; a video file has its own rate")
-            if not path.is_file():
-                raise VideoError(f"video not found: {label}")
-            size = path.stat().st_size
-            if size > MAX_VIDEO_BYTES:
-                raise VideoError(f"video {label} is {size / 2**20:.0f} MiB; vlmrt reads videos up to "
-                                 f"{MAX_VIDEO_BYTES >> 20} MiB")
-            data = path.read_bytes()
+        except VideoError:
+            raise
         except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission
-            if isinstance(e, VideoError):
-                raise
             raise VideoError(f"cannot read video {label}: {getattr(e, 'strerror', None) or e}") from None
+        if fps is not None:
+            raise VideoError(f"{label}: --fps is for a folder of frames; a video file has its own rate")
+        data = read_file(path, label, "video", MAX_VIDEO_BYTES, VideoError)
     elif fps is not None:
         raise VideoError(f"{label}: fps is for a folder of frames; a video file has its own rate")
     if not data:
