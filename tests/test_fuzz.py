@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from fuzz_targets import (amplification_property, hostile_media, image_property, manifest_property, media_path_property,
+from fuzz_targets import (hostile_media, image_property, manifest_property, media_path_property,
                           prepare_bundle_copy, scratch, video_property)
 
 
@@ -44,11 +44,19 @@ def test_message_text_never_becomes_a_control_token(default_bundle):
 
 def test_huge_image_headers_are_refused_before_decoding():
     """Decompression amplification in six formats (tests/amplify.py): any declared size is read from the header and,
-    under a smaller pixel limit, refused without decoding: 300 cases, this process's peak RSS grown by under 100 MB
-    (one decode of the larger ones would allocate GBs)."""
-    import amplify
+    under a smaller pixel limit, refused without decoding: 300 cases, the peak RSS of a fresh process running them
+    grown by under 100 MB (one decode of the larger ones would allocate GBs). A fresh process: in the suite's own,
+    after a thousand tests, the same cases measured 189 MB of re-faulted heap (2026-12-07, a full run)."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    _, grown = amplify.peak_growth_mb(amplification_property(max_examples=300))
+    here = Path(__file__).resolve().parent
+    code = ("import amplify, fuzz_targets; "
+            "print(amplify.peak_growth_mb(fuzz_targets.amplification_property(max_examples=300))[1])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    grown = float(r.stdout.split()[-1])
     assert grown < 100, f"{grown:.0f} MB"
 
 

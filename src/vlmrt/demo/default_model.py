@@ -12,7 +12,7 @@ leaves no half-written bundle. torch-free until it must export.
 
 The build (assembly + export: ~1.5 min, a peak RSS of ~4.7 GB) runs in a process of its own
 (``python -m vlmrt.demo.default_model OUT``), so that the process that then answers reports its own peak RSS, not the
-export's (ru_maxrss cannot be reset); ensure_bundle_report gives the build's wall time and peak RSS separately.
+export's (a peak cannot be reset within a process); ensure_bundle_report gives the build's wall time and peak RSS separately.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ class BuildReport:
     def to_dict(self) -> dict:
         return {"seconds": round(self.seconds, 3), "peak_rss_mb": round(self.peak_rss_mb, 1)}
 
-    def line(self) -> str:
-        return f"{self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MB"
+    def line(self) -> str:  # from to_dict's figures, so the line and --json's never round apart
+        d = self.to_dict()
+        return f"{d['seconds']:.1f} s, peak RSS {d['peak_rss_mb']:.0f} MB"
 
 
 def weights_digest() -> str:
@@ -159,8 +160,9 @@ def _build(out: Path, progress: bool) -> BuildReport:
             child.wait()
             raise
         child.returncode = code = os.waitstatus_to_exitcode(status)
-        report = BuildReport(time.perf_counter() - t0, usage.ru_maxrss / 1024.0)  # Linux: KiB
         said = json.loads(result.read_text()) if result.is_file() else {}
+        # the child's own VmHWM (wait4's ru_maxrss would include this process's peak: the kernel carries it over exec)
+        report = BuildReport(time.perf_counter() - t0, said.get("peak_rss_mb") or usage.ru_maxrss / 1024.0)
     if code == 0 and out.is_dir():
         return report
     if said.get("error"):
@@ -210,6 +212,9 @@ def _main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         _build_here(Path(a.out), progress=not a.quiet)
+        from ..runtime.pipeline import peak_rss_mb
+
+        Path(a.result).write_text(json.dumps({"peak_rss_mb": peak_rss_mb()}))
     except KeyboardInterrupt:
         return 130
     except (BundleError, ValueError, OSError, KeyError) as e:  # what the CLI says in one line
