@@ -145,7 +145,12 @@ SEEDS = _seeds()
 
 @st.composite
 def mutated_image(draw) -> bytes:
-    data = bytearray(draw(st.sampled_from(SEEDS)))
+    return _mutated(draw, SEEDS)
+
+
+def _mutated(draw, seeds: list[bytes]) -> bytes:
+    """One of seeds with up to 8 bytes changed, then perhaps truncated."""
+    data = bytearray(draw(st.sampled_from(seeds)))
     for _ in range(draw(st.integers(0, 8))):
         if not data:
             break
@@ -304,6 +309,7 @@ def prompt_property(spec, tokenizer, max_examples: int, counter: list | None = N
 # ---------------------------------------------------------------- videos
 
 VIDEO_CORPUS = Path(__file__).resolve().parent / "corpus" / "videos"
+VIDEO_SEEDS = [p.read_bytes() for p in sorted(VIDEO_CORPUS.iterdir()) if p.stat().st_size < 10000]
 # texts FFmpeg's probing would take as instructions (sockets, other files): loopback addresses and local names only
 FFMPEG_SCRIPTS = [b"v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=x\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\nm=video 5004 RTP/AVP 96\r\n",
                   b"#EXTM3U\n#EXTINF:1,\nhttp://127.0.0.1:9/a.ts\n", b"ffconcat version 1.0\nfile /etc/hostname\n",
@@ -312,16 +318,7 @@ FFMPEG_SCRIPTS = [b"v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=x\r\nc=IN IP4 127.0.0.1
 
 @st.composite
 def mutated_video(draw) -> bytes:
-    seeds = sorted(p for p in VIDEO_CORPUS.iterdir() if p.stat().st_size < 10000)
-    data = bytearray(draw(st.sampled_from(seeds)).read_bytes())
-    for _ in range(draw(st.integers(0, 8))):
-        if not data:
-            break
-        i = draw(st.integers(0, len(data) - 1))
-        data[i] = draw(st.integers(0, 255))
-    if draw(st.booleans()):
-        data = data[: draw(st.integers(0, len(data)))]
-    return bytes(data)
+    return _mutated(draw, VIDEO_SEEDS)
 
 
 video_inputs = st.one_of(st.binary(max_size=300), mutated_video(), mutated_video(), mutated_video(),

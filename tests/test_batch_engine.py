@@ -61,13 +61,7 @@ def test_sequences_decoding_together_answer_as_alone(tiny, alone):
             if at == rnd:
                 gens[i] = engines[i].generate(engines[i].embed(p), max_new_tokens=n, sampler=Sampler(s),
                                               ignore_eos=True)
-        for i, g in list(gens.items()):
-            for y in g:
-                if y is STEP:
-                    break
-                got[i].append(y)
-            else:
-                del gens[i]
+        _advance(gens, got)
         sizes.append(len(batch.pending))
         batch.run()
         if not gens and rnd > PLAN[-1][2]:
@@ -147,6 +141,17 @@ def test_a_full_idle_row_keeps_its_rows_but_the_last(tiny, alone):
     assert a.cache.length == top - 1 and np.array_equal(a.cache.stored(), kept[:, :, : top - 1])
 
 
+def _advance(gens: dict, got: list[list[int]]) -> None:
+    """One round: each generator runs to its next STEP (its ids appended to got[i]); those that end are dropped."""
+    for i, g in list(gens.items()):
+        for y in g:
+            if y is STEP:
+                break
+            got[i].append(y)
+        else:
+            del gens[i]
+
+
 def _drive(batch, gen) -> list[int]:
     out = []
     for y in gen:
@@ -216,13 +221,7 @@ def test_calls_that_round_apart_by_width_are_probed_and_answers_do_not_depend_on
     alone = [_drive(batch, gen(i, 0)) for i in range(4)]
     gens, together = {i: gen(i, i) for i in range(4)}, [[] for _ in range(4)]
     while gens:
-        for i, g in list(gens.items()):
-            for y in g:
-                if y is STEP:
-                    break
-                together[i].append(y)
-            else:
-                del gens[i]
+        _advance(gens, together)
         batch.run()
     assert together == alone
     assert batch.widest == 4 and planted[0].calls > 0
