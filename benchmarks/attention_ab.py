@@ -1,14 +1,12 @@
 """Two exports of one checkpoint (e.g. --attention portable vs gqa) give the same answers? Greedy ids of 5 text
 prompts in both modes (32 tokens, EOS ignored), then teacher-forced logits over the first answer's tokens:
 max |logit A - logit B| per prompt and mode, next to A's own kv-vs-hybrid difference (the float noise floor of one
-bundle). Usage: python benchmarks/attention_ab.py BUNDLE_A BUNDLE_B"""
+bundle). Usage: python -m benchmarks.attention_ab BUNDLE_A BUNDLE_B"""
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-import vlmrt  # noqa: E402
+import vlmrt
 
 PROMPTS = ["Describe the picture in detail.", "What is written here?", "hi", "Write a haiku about the sea.",
            "List five fruits, one per line."]

@@ -1,6 +1,6 @@
 """Greedy answers of sequences decoding together (runtime/batch_engine.py) vs each alone: how often and where they part.
 
-    python benchmarks/batch_answers.py BUNDLE [--batch 16] [--gen 96] [--threads 2] [--min-rows N]
+    python -m benchmarks.batch_answers BUNDLE [--batch 16] [--gen 96] [--threads 2] [--min-rows N]
 
 BUNDLE: a bundle whose decoder takes a batch (decoder.kind.batched). --batch chat prompts (text) are answered alone
 (one Engine, one-row decode steps), then each alone through the batch (row 0 of the batched engines, the others idle:
@@ -17,13 +17,11 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from vlmrt.runtime.batch_engine import batched_vlms  # noqa: E402
-from vlmrt.runtime.bundle import Bundle  # noqa: E402
-from vlmrt.runtime.engine import STEP  # noqa: E402
-from vlmrt.runtime.pipeline import VLM  # noqa: E402
+from vlmrt.runtime.batch_engine import batched_vlms
+from vlmrt.runtime.bundle import Bundle
+from vlmrt.runtime.engine import STEP
+from vlmrt.runtime.pipeline import VLM
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
            "Describe a walk in a forest in autumn.", "What makes a good breakfast? Explain.",

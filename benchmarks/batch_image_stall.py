@@ -1,6 +1,6 @@
 """How long a running answer waits while another request's image is encoded under continuous batching.
 
-    python benchmarks/batch_image_stall.py BUNDLE [--image P] [--threads 2] [--tokens 200]
+    python -m benchmarks.batch_image_stall BUNDLE [--image P] [--threads 2] [--tokens 200]
 
 Two sequences over one bundle (runtime/batch_engine.py, driven as serve/scheduler.py drives its slots): sequence A
 decodes a long answer; after A's 10th token, sequence B asks about the image. Prints, as one JSON object, A's
@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from vlmrt.runtime.batch_engine import batched_vlms  # noqa: E402
-from vlmrt.runtime.bundle import Bundle  # noqa: E402
-from vlmrt.runtime.engine import STEP  # noqa: E402
+from vlmrt.runtime.batch_engine import batched_vlms
+from vlmrt.runtime.bundle import Bundle
+from vlmrt.runtime.engine import STEP
 
 
 def main() -> None:

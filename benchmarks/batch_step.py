@@ -1,6 +1,6 @@
 """One batched decoder call advancing B sequences vs B one-row calls, and whether the batched logits are bit-identical.
 
-    python benchmarks/batch_step.py BUNDLE [--batches 1,2,4,8,16] [--threads 2] [--reps 10] [--steps 24]
+    python -m benchmarks.batch_step BUNDLE [--batches 1,2,4,8,16] [--threads 2] [--reps 10] [--steps 24]
 
 BUNDLE: a gqa_in_place CPU bundle. Its decoder graph is given the batch dimension (export/batch_dim.py; a bundle
 exported since keeps that graph) in a temporary copy; both graphs run with I/O binding over [B, kv_heads, max_context,
@@ -26,11 +26,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import vlmrt  # noqa: F401,E402  (first: it turns onnxruntime's telemetry off before onnxruntime is imported)
-import onnxruntime as ort  # noqa: E402
+import onnxruntime as ort
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from vlmrt.export.batch_dim import add_batch_dim  # noqa: E402
-from vlmrt.runtime.pipeline import VLM  # noqa: E402
+from vlmrt.export.batch_dim import add_batch_dim
+from vlmrt.runtime.pipeline import VLM
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
            "Why is the sky blue?", "Name a famous painter.", "What is 12 times 7?", "Describe a cat in one line.",

@@ -3,7 +3,7 @@ test questions (the demo model, greedy, 8 new tokens at most), each layout a fre
 empty OUT. While each runs, the RSS of every process under it is sampled (the driver, each Ray actor, Ray's own
 processes), and each actor's peak RSS is also read from its answers (stats.peak_rss_mb).
 
-    python benchmarks/batch_throughput.py --questions 260 --layouts 1x1,1x2,2x1 --out benchmarks/results/batch-throughput
+    python -m benchmarks.batch_throughput --questions 260 --layouts 1x1,1x2,2x1 --out benchmarks/results/batch-throughput
 
 A layout WxT is W workers of T threads: W = 1 runs in process (no Ray), W > 1 on a local Ray. Without BUNDLE the
 offline default model is used (built into $VLMRT_CACHE on first use).
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
             for layout in a.layouts.split(","):
                 rows.append(one(layout, src, bundle, folder / str(k), a.batch_size))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    head = (f"`python benchmarks/batch_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}`, "
+    head = (f"`python -m benchmarks.batch_throughput {' '.join(argv if argv is not None else sys.argv[1:])}`, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs: {cpu_model()}")
     md = head + "\n\n" + table(rows) + "\n"
     print(md)

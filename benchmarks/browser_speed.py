@@ -1,7 +1,7 @@
 """The browser runtime (vlmrt web: onnxruntime-web WASM in headless Debian Chromium) beside the Python runtime, on
 one machine, interleaved run by run (the load is whatever the machine carries: say so with the figures).
 
-    python benchmarks/browser_speed.py BUNDLE [BUNDLE ...] [--image P] [--prompt TEXT] [--gen-tokens N] [--runs R]
+    python -m benchmarks.browser_speed BUNDLE [BUNDLE ...] [--image P] [--prompt TEXT] [--gen-tokens N] [--runs R]
         [--threads T] [--ep wasm|webgpu] [--out benchmarks/results/browser-speed.json]
 
 Per bundle: the site is written (vlmrt.web.site) and served on 127.0.0.1; load = page start to ready (first load
@@ -16,14 +16,11 @@ import argparse
 import base64
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def median(xs):

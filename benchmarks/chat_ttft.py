@@ -3,7 +3,7 @@ image embedding cache), measured side by side: each run is a fresh conversation 
 sessions), first question then follow-up, so both sit under the same machine load; the ratio is per run.
 
     python -m vlmrt.demo.smollm2 /tmp/ckpt --vision 256m && vlmrt export /tmp/ckpt /tmp/bundle
-    python benchmarks/chat_ttft.py /tmp/bundle --image tests/assets/chelsea.png --runs 3
+    python -m benchmarks.chat_ttft /tmp/bundle --image tests/assets/chelsea.png --runs 3
 """
 
 from __future__ import annotations

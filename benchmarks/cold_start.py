@@ -7,7 +7,7 @@ PYTHONDONTWRITEBYTECODE set, Python would otherwise compile vlmrt's modules in e
 Medians (min / max) of wall time, of CPU time (user + system: what a loaded machine moves least) and of the
 child's peak RSS, and each row's ratio to llama.cpp's.
 
-    python benchmarks/cold_start.py BUNDLE [--src before=/path/to/old/src --src after=src] [--runs 5]
+    python -m benchmarks.cold_start BUNDLE [--src before=/path/to/old/src --src after=src] [--runs 5]
                                     [--gguf GGUF | --no-llama] [--threads 2]
 """
 import argparse
@@ -68,8 +68,7 @@ def main() -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             print("llama-cpp-python is not installed (not a vlmrt dependency): llama.cpp left out")
         else:
-            sys.path.insert(0, HERE)
-            import compare_gguf
+            from benchmarks import compare_gguf
 
             gguf = a.gguf or str(compare_gguf.find_gguf())
             if compare_gguf.needs_no_repack(gguf):

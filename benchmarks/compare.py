@@ -1,6 +1,6 @@
 """vlmrt side by side with llama.cpp and transformers on the same weights, in one run on one machine.
 
-    python benchmarks/compare.py [--work DIR] [--threads 2] [--prompt-tokens 256] [--gen-tokens 64] [--runs 3]
+    python -m benchmarks.compare [--work DIR] [--threads 2] [--prompt-tokens 256] [--gen-tokens 64] [--runs 3]
                                  [--precisions fp32,w8a16,w4a16,w4a8] [--kv-precisions w4a16,w4a8]
                                  [--image tests/assets/chelsea.png] [--no-image] [--out benchmarks/results]
 
@@ -32,13 +32,11 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import compare_gguf, compare_report
+from vlmrt.runtime.kv_cache import context_slots
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = Path(__file__).resolve().parent / "runners"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "src"))
-import compare_gguf  # noqa: E402
-import compare_report  # noqa: E402
-from vlmrt.runtime.kv_cache import context_slots  # noqa: E402
 
 
 def run_json(cmd: list, env: dict | None = None, stderr_to: Path | None = None) -> dict:

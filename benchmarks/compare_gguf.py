@@ -26,13 +26,15 @@ def needs_no_repack(gguf: Path) -> bool:
     """Whether llama.cpp must load models with `--no-repack` here: a tiny eval in a child process that dies from a
     signal (SIGILL / SIGSEGV: the VM reports AMX but faults on its tile instructions) and passes without the extra
     buffer types. Sets VLMRT_LLAMA_NO_REPACK for the runners (runners/llama_no_repack.py) when so."""
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); import llama_no_repack; from llama_cpp import Llama; "
+    code = ("import sys; import llama_no_repack; from llama_cpp import Llama; "
             "m = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=2, verbose=False); m.eval(m.tokenize(b'Hello there'))")
     runners = str(Path(__file__).resolve().parent / "runners")
 
     def ok(no_repack: str) -> bool:
         env = {**os.environ, "VLMRT_LLAMA_NO_REPACK": no_repack}
-        return subprocess.run([sys.executable, "-c", code, str(gguf), runners], env=env, capture_output=True).returncode == 0
+        # run in runners/ (python -c puts the working directory first on sys.path: llama_no_repack is found there)
+        return subprocess.run([sys.executable, "-c", code, str(Path(gguf).resolve())], env=env, cwd=runners,
+                              capture_output=True).returncode == 0
 
     if ok("0"):
         return False
@@ -43,7 +45,6 @@ def needs_no_repack(gguf: Path) -> bool:
 
 
 def find_gguf() -> Path:
-    sys.path.insert(0, str(ROOT / "src"))
     from vlmrt.demo.smollm2 import find_gguf as f
 
     return f()

@@ -15,7 +15,7 @@ def markdown(res: dict, argv: str) -> str:
         f"{res['date']}, {res['cpu']}, {res['threads']} threads, {res['runs']} runs each, load average at start "
         f"{res['load'][0]:.1f}, at end {res['load_after'][0]:.1f}; memory bandwidth {bw / 1e9:.1f} GB/s "
         f"(read {res['bandwidth']['read_bytes_per_s'] / 1e9:.1f}, copy {res['bandwidth']['copy_bytes_per_s'] / 1e9:.1f}). "
-        f"Command: `python benchmarks/compare.py {argv}`.", ""]
+        f"Command: `python -m benchmarks.compare {argv}`.", ""]
     if res["text"]:
         lines += [
             f"Text: {res['prompt_tokens']} prompt tokens, then exactly {res['gen_tokens']} greedy tokens (min / median / max).", "",

@@ -2,7 +2,7 @@
 loopback port): one request with a 14.5 KB PNG of 10900 x 10900 (1-bit, zlib), then one with eight of them; prints
 each request's status and time and the server's peak RSS (VmHWM) after it. docs/server.md, "Decoded pixels".
 
-    python benchmarks/decode_attack.py BUNDLE [serve options, e.g. --max-images 8]
+    python -m benchmarks.decode_attack BUNDLE [serve options, e.g. --max-images 8]
 """
 import base64, http.client, json, os, socket, struct, subprocess, sys, time, zlib
 

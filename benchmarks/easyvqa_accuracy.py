@@ -1,6 +1,6 @@
 """End-to-end easy-VQA accuracy of the shipped demo model for every precision, target and mode.
 
-    python benchmarks/easyvqa_accuracy.py [--work /tmp/vlmrt-easyvqa] [--limit 260] [--htp-sim-limit 26]
+    python -m benchmarks.easyvqa_accuracy [--work /tmp/vlmrt-easyvqa] [--limit 260] [--htp-sim-limit 26]
 
 Assembles the checkpoint (vlmrt.demo.checkpoint), then scores on the same fixed stratified test
 subset (vlmrt.demo.easyvqa_data.select, 20 questions per answer at 260):
@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from vlmrt.demo import easyvqa_data as ev  # noqa: E402
+from vlmrt.demo import easyvqa_data as ev
 
 MAX_NEW = 8
 

@@ -3,8 +3,8 @@ reader and the server's media-folder paths, each for --minutes, in rounds of fre
 exception other than vlmrt's own BundleError / ImageError / VideoError / 400, or an accepted input that breaks the rules). Prints one
 JSON object; the figure goes in docs/limits.md.
 
-    .venv/bin/python benchmarks/fuzz.py --minutes 5           # 5 min per loader (20 min in all)
-    .venv/bin/python benchmarks/fuzz.py --bundle BUNDLE ...    # fuzz around BUNDLE's manifest (default: the demo model)
+    .venv/bin/python -m benchmarks.fuzz --minutes 5           # 5 min per loader (20 min in all)
+    .venv/bin/python -m benchmarks.fuzz --bundle BUNDLE ...    # fuzz around BUNDLE's manifest (default: the demo model)
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "src"))
 
 
 def cpu_model() -> str:

@@ -1,16 +1,14 @@
 """Greedy token ids of a bundle on a fixed set of prompts and images, both modes, as JSON: run it on a bundle before
 and after a change (the same checkpoint exported by each side) and compare the files to show the change kept the
-answers. Usage: python benchmarks/greedy_ids.py BUNDLE OUT.json [--tokens N]"""
+answers. Usage: python -m benchmarks.greedy_ids BUNDLE OUT.json [--tokens N]"""
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-import vlmrt  # noqa: E402
+import vlmrt
 
 IMAGES = [None, "tests/assets/chelsea.png", "tests/assets/rocket.jpg", "tests/assets/page.png", "tests/assets/camera.png"]
 PROMPTS = ["Describe the picture in detail.", "What is written here?", "hi"]

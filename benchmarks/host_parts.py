@@ -1,15 +1,13 @@
 """The host (Python) work of one decode step, each part timed alone (best of 5 x 2000 calls), on a bundle:
 embedding lookup (into the step's input buffer), in-place inputs, KV write, greedy sampling, and the whole host
-side of a decode step (Engine.step_token with session.run replaced by a no-op). Usage: python benchmarks/host_parts.py BUNDLE"""
+side of a decode step (Engine.step_token with session.run replaced by a no-op). Usage: python -m benchmarks.host_parts BUNDLE"""
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from vlmrt.runtime.kv_cache import KVCache  # noqa: E402
-from vlmrt.runtime.pipeline import VLM  # noqa: E402
-from vlmrt.runtime.sampler import Sampler, SamplingConfig  # noqa: E402
-from vlmrt.runtime.step import make_step  # noqa: E402
+from vlmrt.runtime.kv_cache import KVCache
+from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.sampler import Sampler, SamplingConfig
+from vlmrt.runtime.step import make_step
 
 vlm = VLM.load(sys.argv[1], threads=2, verify=False)
 m, e = vlm.manifest, vlm.engine

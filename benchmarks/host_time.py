@@ -2,17 +2,14 @@
 time.perf_counter) read the calling thread's CPU time instead, and the session runs 1 intra-op thread (on the
 calling thread), so GenerationStats.host_overhead_ms_per_step is the CPU time the host spends per step outside the
 graph call — what `vlmrt bench` reports in wall time, much less moved by other processes. Rounds are interleaved
-across bundles; medians. Usage: python benchmarks/host_time.py BUNDLE [BUNDLE ...] [--rounds 5] [--tokens 64]"""
+across bundles; medians. Usage: python -m benchmarks.host_time BUNDLE [BUNDLE ...] [--rounds 5] [--tokens 64]"""
 import argparse
 import statistics
-import sys
 import time
 import types
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from vlmrt.runtime import engine as engine_mod, step as step_mod  # noqa: E402
-from vlmrt.runtime.pipeline import VLM  # noqa: E402
+from vlmrt.runtime import engine as engine_mod, step as step_mod
+from vlmrt.runtime.pipeline import VLM
 
 clock = types.SimpleNamespace(perf_counter=time.thread_time)
 engine_mod.time = step_mod.time = clock

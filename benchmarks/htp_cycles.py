@@ -1,6 +1,6 @@
 """Cycles per decode step that the QNN EP's HTP profiling reports, per bundle (e.g. one per --htp-arch).
 
-    python benchmarks/htp_cycles.py BUNDLE [BUNDLE ...] [--steps 24] [--level detailed] [--out DIR]
+    python -m benchmarks.htp_cycles BUNDLE [BUNDLE ...] [--steps 24] [--level detailed] [--out DIR]
 
 Each bundle is opened as `vlmrt run --device htp` opens it (runtime/bundle.py Bundle.open, runtime/sessions.py make_session), except that
 its decode graph's session gets two more QNN provider options, profiling_level and profiling_file_path (the QNN EP

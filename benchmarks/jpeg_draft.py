@@ -2,7 +2,7 @@
 image ops and photo-like JPEGs of several sizes, the decoded pixels, the decode time, and the processor's output
 (every tile / patch row, in 0..255 levels) against a whole decode. docs/limits.md, "Decoded pixels", quotes it.
 
-    python benchmarks/jpeg_draft.py [--sizes 6000x4000,8000x6000,12000x9000] [--json OUT]
+    python -m benchmarks.jpeg_draft [--sizes 6000x4000,8000x6000,12000x9000] [--json OUT]
 
 The photo: tests/assets/rocket.jpg upscaled (bicubic) with per-pixel noise (sigma 8 levels) for sensor-like detail,
 saved at JPEG quality 90 (4:2:0).

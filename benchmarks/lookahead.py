@@ -2,7 +2,7 @@
 given in the prompt) and open-ended ones, greedy, rounds interleaved, medians. Checks that every lookahead answer has
 the plain answer's token ids.
 
-    python benchmarks/lookahead.py BUNDLE [--k 0,4,16] [--rounds 3] [--max-new-tokens 160] [--threads N]
+    python -m benchmarks.lookahead BUNDLE [--k 0,4,16] [--rounds 3] [--max-new-tokens 160] [--threads N]
 """
 
 from __future__ import annotations

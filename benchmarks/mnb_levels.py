@@ -1,12 +1,12 @@
 """One MatMulNBits call (M = 1, a decode step's shape) per accuracy_level and block size on this CPU: which kernels
 ORT's CPU EP has. 10 random 4-bit weights of each decoder shape in one graph (the lm head alone), min and median
-per call over 40 runs. Usage: python benchmarks/mnb_levels.py [threads] [levels, e.g. 4,0,1,2,3] [blocks, e.g. 32,64]"""
+per call over 40 runs. Usage: python -m benchmarks.mnb_levels [threads] [levels, e.g. 4,0,1,2,3] [blocks, e.g. 32,64]"""
 import sys
 import time
 
 import numpy as np
 import vlmrt  # noqa: F401,E402  (first: it turns onnxruntime's telemetry off before onnxruntime is imported)
-import onnxruntime as ort  # noqa: E402
+import onnxruntime as ort
 from onnx import TensorProto, helper
 
 

@@ -1,6 +1,6 @@
 """Export + run timing for random checkpoints with real model shapes, on this machine.
 
-    python benchmarks/model_shapes.py smolvlm-256m|smolvlm-500m|internvl3-1b|internvl3_5-1b|lfm2-vl-450m [--work DIR] [--image P]
+    python -m benchmarks.model_shapes smolvlm-256m|smolvlm-500m|internvl3-1b|internvl3_5-1b|lfm2-vl-450m [--work DIR] [--image P]
         [--depth TEXT,VISION] [--export-args "--target htp --quant ..."] [--no-run]
 
 Builds the checkpoint with transformers (a test dependency; tests/fixtures*.py), then times
@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def smolvlm_256m(out: Path, depth: tuple[int, int] = (30, 12)) -> None:

@@ -1,6 +1,6 @@
 """Where a decoder step's time goes: ORT's own per-node profile of one graph, by op type, and the host share.
 
-    python benchmarks/profile_decode.py BUNDLE [BUNDLE ...] [--graph decode|prefill] [--pos 300] [--steps 30] [--threads 2]
+    python -m benchmarks.profile_decode BUNDLE [BUNDLE ...] [--graph decode|prefill] [--pos 300] [--steps 30] [--threads 2]
 
 For each bundle: the graph's node count after ORT's optimizations, ms per call, and the op types that take the
 time (ORT's profiler: kernel time per node, summed per op type). Then a full generation through the runtime
@@ -14,13 +14,11 @@ import argparse
 import collections
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) -> dict:

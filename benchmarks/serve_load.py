@@ -1,8 +1,8 @@
 """`vlmrt serve` under load: requests/s and time to first token at 1, 4 and 16 concurrent clients, the follow-up
 question's TTFT vs the first question's, and a soak (N clients for T seconds, the server's RSS sampled).
 
-    python benchmarks/serve_load.py [BUNDLE] [--slots 4] [--levels 1,4,16] [--duration 20] [--followups 10]
-    python benchmarks/serve_load.py --soak 600 --soak-clients 8 --only soak
+    python -m benchmarks.serve_load [BUNDLE] [--slots 4] [--levels 1,4,16] [--duration 20] [--followups 10]
+    python -m benchmarks.serve_load --soak 600 --soak-clients 8 --only soak
 
 Starts `vlmrt serve` (default: the offline demo model) as a subprocess on a free port and talks to it over loopback
 HTTP like any client: streamed requests (TTFT = the first content chunk's arrival, queueing included), easy-VQA test
@@ -17,7 +17,7 @@ TTFT p50/p95. Servers, restarted per level with N slots (llama-server: -np N), i
 `vlmrt serve BUNDLE`, each --against NAME=SRC (another vlmrt tree's src folder, e.g. main's before a change, on the
 same bundle or NAME=SRC@BUNDLE) and --llama-server BIN with --gguf (the same weights):
 
-    python benchmarks/serve_load.py B --only throughput --levels 1,4,8,16 --gen 96 --threads 2 \
+    python -m benchmarks.serve_load B --only throughput --levels 1,4,8,16 --gen 96 --threads 2 \
         --against before=/tmp/main/src --llama-server /work/peers/bin/llama-server --gguf M.gguf
 """
 

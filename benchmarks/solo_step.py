@@ -2,7 +2,7 @@
 round apart from multi-row ones): its decode step through the batch as a one-row call vs padded with an idle row,
 interleaved, at cache length --pos (the idle row's too: a slot keeping its last conversation).
 
-    python benchmarks/solo_step.py BUNDLE [--slots 8] [--threads 2] [--reps 40] [--pos 100] [--clock wall|thread]
+    python -m benchmarks.solo_step BUNDLE [--slots 8] [--threads 2] [--reps 40] [--pos 100] [--clock wall|thread]
 
 --clock thread with --threads 1 times the calling thread's CPU time (ORT runs a 1-thread session on it): what a step
 costs, much less moved by other processes than wall time on a loaded machine. Prints one JSON object: the probe's
@@ -17,12 +17,10 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from batch_answers import _cpu  # noqa: E402
-from vlmrt.runtime.batch_engine import batched_vlms  # noqa: E402
-from vlmrt.runtime.bundle import Bundle  # noqa: E402
+from benchmarks.batch_answers import _cpu
+from vlmrt.runtime.batch_engine import batched_vlms
+from vlmrt.runtime.bundle import Bundle
 
 
 def main() -> int:

@@ -1,9 +1,8 @@
 """Interleaved A/B of one decoder graph step across bundles, through the runtime engine (I/O binding included):
 min and median over reps. Usage: [G=decode|prefill] [T=threads] [R=reps] [POS=300] [CLOCK=wall|thread]
-python benchmarks/step_ab.py BUNDLE [BUNDLE ...]. CLOCK=thread with T=1 times the calling thread's CPU time (ORT runs a
+python -m benchmarks.step_ab BUNDLE [BUNDLE ...]. CLOCK=thread with T=1 times the calling thread's CPU time (ORT runs a
 1-thread session on it): what a step costs, much less moved by other processes than wall time on a loaded machine."""
 import sys, time, statistics, numpy as np, os
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
 from vlmrt.runtime.pipeline import VLM
 clock = time.thread_time if os.environ.get("CLOCK") == "thread" else time.perf_counter
 graph = os.environ.get("G", "decode"); reps = int(os.environ.get("R", "15")); pos = int(os.environ.get("POS", "300"))

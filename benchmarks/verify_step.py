@@ -2,7 +2,7 @@
 --lookahead-ar K`), on the CPU EP (the QDQ graphs, a --keep-qdq export) or the HTP (--device htp; on x86-64 the
 simulator, whose times are an emulator's, not a device's).
 
-    python benchmarks/verify_step.py BUNDLE [--device cpu|htp] [--reps 50]
+    python -m benchmarks.verify_step BUNDLE [--device cpu|htp] [--reps 50]
 
 Times the engine's step objects (runtime/engine.py: the bound decode step and the bound verify step, as a lookahead
 run calls them) at the position after a short prompt; 3 rounds of `reps` calls each, medians.

@@ -1,6 +1,6 @@
 """Video input on the SmolVLM2-256M shape: frames/s of the vision encode, and what a follow-up question costs.
 
-    python benchmarks/video_encode.py [--work /tmp/vlmrt-video-256m] [--seconds 20] [--json OUT]
+    python -m benchmarks.video_encode [--work /tmp/vlmrt-video-256m] [--seconds 20] [--json OUT]
 
 Builds a random checkpoint with SmolVLM2-256M-Video-Instruct's vision tower (SigLIP 768 wide, 12 layers, 512 px tiles
 of 16 px patches, 64 tokens per tile) and video settings (fps 1, at most 64 frames, frames resized to 512), with a
@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def checkpoint(out: Path) -> None:

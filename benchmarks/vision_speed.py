@@ -1,6 +1,6 @@
 """Vision encode of one photo per vision-graph variant, side by side: time per image and embeddings vs fp32.
 
-    python benchmarks/vision_speed.py CKPT BUNDLE [--image tests/assets/chelsea.png] [--work /tmp/vlmrt-vision]
+    python -m benchmarks.vision_speed CKPT BUNDLE [--image tests/assets/chelsea.png] [--work /tmp/vlmrt-vision]
         [--variants fp32,w8a8,w8a8/basic,w8a8/tiles2,...] [--rounds 3] [--threads 2] [--json OUT]
 
 CKPT is the checkpoint BUNDLE was exported from (its tiling, patch size and I/O names are read from BUNDLE's
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,10 +27,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from vlmrt.format import manifest as mf  # noqa: E402
-from vlmrt.runtime import image as img_ops  # noqa: E402
+from vlmrt.format import manifest as mf
+from vlmrt.runtime import image as img_ops
 
 OPT = {"all": "ORT_ENABLE_ALL", "extended": "ORT_ENABLE_EXTENDED", "basic": "ORT_ENABLE_BASIC", "none": "ORT_DISABLE_ALL"}
 DEFAULT_VARIANTS = "fp32,w8a8,w8a16,fp16,i8dyn,fp32/basic,w8a8/basic,w8a8/extended,w8a8/tiles2"
