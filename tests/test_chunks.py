@@ -8,7 +8,7 @@ from vlmrt.runtime.chunks import ImageChunk, Prompt, TextChunk
 
 def image(ids, key, embeds=None):
     rows = np.flatnonzero(np.asarray(ids) == 9)
-    return ImageChunk(ids, rows, key, (0, 0, 1), embeds=embeds)
+    return ImageChunk(key, (0, 0, 1), embeds=embeds, ids=ids, rows=rows)
 
 
 def test_splice_puts_each_images_rows_over_its_slots_in_order():

@@ -299,6 +299,21 @@ def test_image_cache_is_bounded(default_bundle, tmp_path):
 
 
 # --- 2. image sources ----------------------------------------------------------------------------------------------
+def test_an_image_is_one_record_from_its_tiles_to_the_image_cache(default_bundle):
+    """An image read for a prompt is one ImageChunk: placed in the prompt (its ids those of its slots), given its rows
+    by the vision graph (its pixels dropped then), and kept as it is by the image cache, which a later turn's hit
+    reuses. Guards the fold of Media into ImageChunk (on 6bf0bd2 the cache kept a CachedImage copy and the chunk its
+    pixels)."""
+    vlm = VLM.load(default_bundle.bundle)
+    path = str(image_file("chelsea.png", None))
+    p = vlm.prompt("Hi", [path])
+    (o, c), = p.images()
+    assert c.pixels is not None and c.embeds is None and p.ids[o:o + c.n_tokens] == c.ids and c.label == "image 1"
+    vlm.embed_prompt(p, cache=True)
+    assert vlm.image_cache.get(c.key) is c and c.pixels is None and c.embeds.shape[0] == len(c.rows)
+    assert vlm.image_cache.bytes == c.embeds.nbytes
+
+
 def test_images_by_url_and_data_uri_equal_the_file(default_bundle, tmp_path):
     path = image_file("chelsea.png", None)
     raw = path.read_bytes()

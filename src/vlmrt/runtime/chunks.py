@@ -1,6 +1,6 @@
 """A prompt as typed chunks: runs of text token ids and images, each knowing its token count.
 
-    prompt = Prompt([TextChunk([1, 2, 3]), ImageChunk(ids, rows, key, grid), TextChunk([...])])
+    prompt = Prompt([TextChunk([1, 2, 3]), ImageChunk(key, grid, ids=ids, rows=rows), TextChunk([...])])
     prompt.ids            # every token id, image slots holding the image token id
     prompt.keys()         # one key per KV slot (the prefix cache compares them)
     prompt.splice(token_embeds, start)   # the image rows put over their slots: the one splice
@@ -10,6 +10,10 @@ how far it moves the next chunk's position: an M-RoPE image (Qwen-VL) takes fewe
 manifest's named positions op's (decoder.positions.op, runtime/positions.py), which reads the chunks (an image
 chunk's grid); never a family branch here.
 
+An image has one record, its ImageChunk, from the moment it is read to the image cache: made with its tiles (or the
+embeddings the image cache kept), placed by prompt.build (its expansion's ids and rows written on it), given its
+embeddings by the vision graph, and kept as it is by the image cache (runtime/prefix_cache.py ImageCache).
+
 A video is not a chunk type: runtime/video.py writes it as text chunks (the intro, a "Frame from MM:SS:" line per
 frame) and one image chunk per frame, so a repeated frame's embeddings come from the image cache like an image's.
 """
@@ -17,9 +21,12 @@ frame) and one image chunk per frame, so a repeated frame's embeddings come from
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..format.manifest import PromptSpec
 
 
 @dataclass
@@ -33,24 +40,38 @@ class TextChunk:
 
 @dataclass
 class ImageChunk:
-    """One image (or video frame) as the prompt holds it: its expansion's token ids (markers and image-token slots),
-    the offsets in ids of the slots the vision graph's rows fill, and where those rows come from."""
+    """One image (or video frame): its tiling and where its rows come from (pixels to encode, or embeddings known),
+    and, once prompt.build placed it, its expansion's token ids (markers and image-token slots) and the offsets in
+    ids of the slots the vision graph's rows fill."""
 
-    ids: list[int]  # the expansion's token ids, markers included
-    rows: np.ndarray  # [len(embeds)] int64 offsets in ids of the image-token slots, in order
     key: Any  # (content digest, tiling): the image cache's key and the prefix cache's row key
-    grid: tuple[int, int, int]  # (rows, cols, tiles) of the tiling, what the expansion was written from
+    grid: tuple[int, int, int]  # (rows, cols, tiles) of the tiling, what the expansion is written from
     pixels: np.ndarray | None = None  # [tiles, c, S, S] (NaFlex: [tiles, patches, d]) to run through the vision graph, or None when embeds are known
     # [len(rows), hidden (+ row width)]: the vision graph's rows (from the image cache or encoded); with row outputs
     # (manifest vision.row_outputs) their rows follow the embedding's columns (the decoder's row input, row_input)
     embeds: np.ndarray | None = None
     label: str = field(default="image")  # what it is, for messages ("image 2", "frame 3 of video 1")
-    tile_tokens: list[int] | None = None  # each tile's image-token count (rows of embeds), in order
+    # each tile's image-token count (rows of embeds), in order (the vision tile-inputs op's: runtime/tile_inputs.py);
+    # None until build: every tile gives PromptSpec.tokens_per_tile (square tiles)
+    tile_tokens: list[int] | None = None
     patch_grids: np.ndarray | None = None  # NaFlex tiles' patch grids [tiles, 2] (the vision tile-inputs op reads)
+    resized_to_fit: bool = False  # image.Tiles.resized_to_fit: shrunk to fit the vision graph's patch budget
+    ids: list[int] = field(default_factory=list)  # the expansion's token ids, markers included (written by build)
+    # [len(embeds)] int64 offsets in ids of the image-token slots, in order (written by build)
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def n_tokens(self) -> int:
         return len(self.ids)
+
+    def tokens(self, p: PromptSpec) -> list[int]:
+        """Each tile's image-token count."""
+        return self.tile_tokens if self.tile_tokens is not None else [p.tokens_per_tile] * self.grid[2]
+
+    def reused(self, label: str) -> "ImageChunk":
+        """This image's record for another prompt from its embeddings (an image cache hit): its tiling, rows and
+        label there, not yet placed."""
+        return ImageChunk(self.key, self.grid, embeds=self.embeds, label=label, tile_tokens=self.tile_tokens)
 
 
 Chunk = Union[TextChunk, ImageChunk]

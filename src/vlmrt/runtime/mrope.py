@@ -6,8 +6,10 @@ t = start, h = start + block row, w = start + block column; the text after it co
 so positions run behind cache slots after every image, and a decode step's position is the prompt's largest + 1
 (+ 1 per token since), transformers' `rope_deltas`.
 
-Runs of consecutive image tokens are the images, in order, each holding exactly its grid's token count (the chat
-template puts <|vision_start|> / <|vision_end|> around each, so two images never touch).
+The runtime gives each image's run of image tokens from its prompt chunk (runtime/positions.py: the chunk's offset
+and image-token rows, mrope_rows); mrope_positions finds them in a list of ids instead (runs of consecutive image
+tokens, each holding exactly its grid's token count: the chat template puts <|vision_start|> / <|vision_end|> around
+each, so two images never touch), as transformers' get_rope_index does (tests/test_qwen_language.py holds them equal).
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ def mrope_positions(ids, grids: list[tuple[int, int, int]], image_token_id: int,
     runs = image_runs(ids, image_token_id)
     if len(runs) != len(grids):
         raise ValueError(f"the prompt holds {len(runs)} runs of image tokens for {len(grids)} images")
-    out = np.empty((3, len(ids)), np.int64)
+    return mrope_rows(len(ids), runs, grids, merge, start)
+
+
+def mrope_rows(n: int, runs: list[tuple[int, int]], grids: list[tuple[int, int, int]], merge: int,
+               start: int = 0) -> np.ndarray:
+    """[3, n] int64 positions of n tokens whose images' tokens are the slots runs[i] = (first, end), in order, of the
+    processor's grids (t, h, w) in patches; every other slot is text."""
+    out = np.empty((3, n), np.int64)
     pos, at = start, 0
     for (a, b), (t, h, w) in zip(runs, grids):
         if t != 1:
@@ -45,7 +54,7 @@ def mrope_positions(ids, grids: list[tuple[int, int, int]], image_token_id: int,
         out[2, a:b] = pos + np.tile(np.arange(bw), bh)
         pos += max(bh, bw)
         at = b
-    out[:, at:] = pos + np.arange(len(ids) - at)
+    out[:, at:] = pos + np.arange(n - at)
     return out
 
 

@@ -34,16 +34,16 @@ from . import image as img_ops
 from . import tile_inputs
 from .bundle import Bundle
 from .sessions import Sessions
-from .chunks import Prompt
+from .chunks import ImageChunk, Prompt
 from .positions import position_op, prompt_positions
 from .engine import MODES, STEP, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead
 from .lookahead import check_exact
 from . import video as video_ops
 from .conversation import (ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn,
                            video_refusal)
-from .prefix_cache import CachedImage, ImageCache, PrefixCache
+from .prefix_cache import ImageCache, PrefixCache
 from .image_native import with_max_patches
-from .prompt import Media, build
+from .prompt import build
 from .sampler import Sampler, SamplingConfig
 from .sources import FetchLimits, read_image
 from .stop_strings import StopStrings
@@ -176,17 +176,17 @@ class VLM:
 
     # --- host steps -----------------------------------------------------------------------
     def prompt(self, messages: list[dict] | str, images=(), *, max_tiles: int | None = None,
-               media: list[Media] | None = None) -> Prompt:
+               media: list[ImageChunk] | None = None) -> Prompt:
         """The prompt (typed chunks, runtime/chunks.py) of a conversation, or of one user turn (a str: images in
         order, then the text), built as every call builds it; its images read and tiled, not yet encoded.
-        media: the images' Media already read (VLM.media), to build many prompts over the same images."""
+        media: the images' chunks already read (VLM.media), to build many prompts over the same images."""
         conv = parse_messages(user_turn(messages, list(images)) if isinstance(messages, str) else messages)
         if media is not None:
             return self._build(conv, media)
         images, videos, _ = self._media(conv, False, max_tiles)
         return self._build(conv, images, videos)
 
-    def media(self, images, max_tiles: int | None = None) -> list[Media]:
+    def media(self, images, max_tiles: int | None = None) -> list[ImageChunk]:
         """The images (paths, URLs, data URIs or PIL images) read and tiled, for VLM.prompt(media=...)."""
         return self._media(Conversation([], list(images)), False, max_tiles)[0]
 
@@ -211,8 +211,9 @@ class VLM:
             rows.append(r)
             yield
         c.embeds = np.concatenate(rows).astype(self.engine.dtype, copy=False)
+        c.pixels = None  # (spent: the image cache keeps this record for its rows, not its pixels)
         if cache:
-            self.image_cache.put(c.key, CachedImage(c.grid, c.embeds, c.tile_tokens))
+            self.image_cache.put(c.key, c)
 
     def decoder_inputs(self, prompt: Prompt, start: int = 0, cache: bool = False) -> DecoderInputs:
         """What the decoder takes for the prompt's slots start..: embeddings (embed_prompt), rope positions
@@ -290,9 +291,10 @@ class VLM:
                 "image_cache_limit": self.image_cache.max_bytes, "images_cached": len(self.image_cache)}
 
     def _media(self, conv: Conversation, cached: bool, max_tiles: int | None,
-               max_frames: int | None = None, max_patches: int | None = None) -> tuple[list[Media], list[tuple], int]:
-        """Each image's Media: its embeddings from the image cache (if cached and there), else its tiles; each
-        video's (prompt pieces, one Media per sampled frame, clip); how many images and frames came from the cache."""
+               max_frames: int | None = None,
+               max_patches: int | None = None) -> tuple[list[ImageChunk], list[tuple], int]:
+        """Each image's chunk: its embeddings from the image cache (if cached and there), else its tiles; each
+        video's (prompt pieces, one chunk per sampled frame, clip); how many images and frames came from the cache."""
         spec = with_max_patches(img_ops.with_max_tiles(self.manifest.image, max_tiles), max_patches)
         images, hits = [], 0
         found = []  # (source, key, cached item): every image's header is read before any is decoded
@@ -305,13 +307,13 @@ class VLM:
             label = f"image {i + 1}"
             if item is not None:
                 hits += 1
-                images.append(Media(key, item.grid, embeds=item.embeds, label=label, tile_tokens=item.tile_tokens))
+                images.append(item.reused(label))
             else:
                 tiles = img_ops.preprocess(s.decode(spec, self.fetch.max_pixels), spec)
                 tokens = tile_inputs.tile_op(self.manifest.vision).tokens(tiles.patch_grids, len(tiles.pixels),
                                                                           self.manifest)
-                images.append(Media(key, tiles.grid, pixels=tiles.pixels, label=label, tile_tokens=tokens,
-                                    patch_grids=tiles.patch_grids, resized_to_fit=tiles.resized_to_fit))
+                images.append(ImageChunk(key, tiles.grid, pixels=tiles.pixels, label=label, tile_tokens=tokens,
+                                         patch_grids=tiles.patch_grids, resized_to_fit=tiles.resized_to_fit))
         videos = []
         for j, v in enumerate(conv.videos):
             pieces, frames, clip, h = self._video(v, j, cached, max_frames)
@@ -319,8 +321,9 @@ class VLM:
             hits += h
         return images, videos, hits
 
-    def _video(self, v: VideoSource, j: int, cached: bool, max_frames: int | None) -> tuple[list, list[Media], object, int]:
-        """A video's prompt pieces (its text, None per frame), its sampled frames as one-tile Media, the clip, and how
+    def _video(self, v: VideoSource, j: int, cached: bool,
+               max_frames: int | None) -> tuple[list, list[ImageChunk], object, int]:
+        """A video's prompt pieces (its text, None per frame), its sampled frames as one-tile chunks, the clip, and how
         many frames came from the image cache."""
         m = self.manifest
         spec = m.prompt.video
@@ -338,12 +341,12 @@ class VLM:
             label = f"frame {k + 1} of video {j + 1}"
             if item is not None:
                 hits += 1
-                out.append(Media(key, item.grid, embeds=item.embeds, label=label))
+                out.append(item.reused(label))
             else:
-                out.append(Media(key, (0, 0, 1), pixels=video_ops.frame_tile(im, spec, m.image)[None], label=label))
+                out.append(ImageChunk(key, (0, 0, 1), pixels=video_ops.frame_tile(im, spec, m.image)[None], label=label))
         return video_ops.video_pieces(spec, clip, idx), out, clip, hits
 
-    def _build(self, conv: Conversation, images: list[Media], videos: list = ()) -> Prompt:
+    def _build(self, conv: Conversation, images: list[ImageChunk], videos: list = ()) -> Prompt:
         """The prompt of conv: the rendered template's pieces with each image's and video's text and media."""
         m = self.manifest
         pieces, media = [], []
@@ -358,7 +361,7 @@ class VLM:
                 media += videos[x[1]][1]
         return build(pieces, media, m.prompt, self.bundle.tokenizer, m.special_tokens.image_token_id)
 
-    def _frames_that_fit(self, conv: Conversation, images: list[Media], videos: list) -> int:
+    def _frames_that_fit(self, conv: Conversation, images: list[ImageChunk], videos: list) -> int:
         """The most frames per video (max_frames) whose prompt fits the context, 0 if none: the prompts of fewer
         frames tokenized (their text only: nothing is decoded or encoded)."""
         spec, ctx = self.manifest.prompt.video, self.manifest.kv.max_context
@@ -366,8 +369,8 @@ class VLM:
             alt = []
             for _, _, clip in videos:
                 idx = video_ops.sample_indices(clip, spec, k)
-                alt.append((video_ops.video_pieces(spec, clip, idx), [Media(None, (0, 0, 1), label="frame") for _ in idx],
-                            clip))
+                frames = [ImageChunk(None, (0, 0, 1), label="frame") for _ in idx]
+                alt.append((video_ops.video_pieces(spec, clip, idx), frames, clip))
             if self._build(conv, images, alt).n_tokens < ctx:
                 return k
         return 0

@@ -8,8 +8,9 @@ before it (Engine.positions), in every rope row.
   slots  one row, position p at slot p for a fresh prompt (Llama, Qwen2 / Qwen3, SmolVLM, InternVL: an image's rows
          are counted like text)
   mrope  3 rows (t, h, w), Qwen2-VL's get_rope_index: text takes the running position in every row; an image chunk's
-         image-token rows, its grid's rows × cols tokens in raster order, take (p, p + row, p + col) and the tokens
-         after them continue at p + max(rows, cols) (runtime/mrope.py). The positions of a prompt's part depend on
+         image-token rows (its offset in the prompt + its rows: read from the chunk, the ids not scanned again), its
+         grid's rows × cols tokens in raster order, take (p, p + row, p + col) and the tokens after them continue at
+         p + max(rows, cols) (runtime/mrope.py). The positions of a prompt's part depend on
          what comes before it only, so they are computed from slot 0 and cut at start (a kept prefix may end inside an
          image).
 """
@@ -22,7 +23,7 @@ import numpy as np
 
 from ..format.manifest import PositionsSpec
 from .chunks import Prompt
-from .mrope import mrope_positions
+from .mrope import mrope_rows
 
 
 def slots(spec: PositionsSpec, prompt: Prompt, start: int, first: int) -> np.ndarray:
@@ -35,12 +36,17 @@ def mrope(spec: PositionsSpec, prompt: Prompt, start: int, first: int) -> np.nda
     """[3, n_tokens - start]: M-RoPE positions, each image chunk's grid (rows, cols, _) its token grid."""
     if spec.rows != 3:
         raise ValueError(f"the mrope positions op gives 3 rows, the bundle's decoder takes {spec.rows}")
-    images = [c for _, c in prompt.images()]
+    images = prompt.images()
     if not images:
         return slots(spec, prompt, start, first)
-    image_id = images[0].ids[int(images[0].rows[0])]
-    grids = [(1, c.grid[0], c.grid[1]) for c in images]  # (t, h, w) in tokens: merge 1
-    return mrope_positions(prompt.ids, grids, image_id, 1)[:, start:]
+    runs = []
+    for o, c in images:
+        a, b = o + int(c.rows[0]), o + int(c.rows[-1]) + 1
+        if b - a != len(c.rows):
+            raise ValueError(f"{c.label}'s image tokens are not one run: M-RoPE positions an image's tokens as a grid")
+        runs.append((a, b))
+    grids = [(1, c.grid[0], c.grid[1]) for _, c in images]  # (t, h, w) in tokens: merge 1
+    return mrope_rows(prompt.n_tokens, runs, grids, 1)[:, start:]
 
 
 POSITION_OPS: dict[str, Callable[[PositionsSpec, Prompt, int, int], np.ndarray]] = {"slots": slots, "mrope": mrope}

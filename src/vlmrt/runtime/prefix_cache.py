@@ -6,16 +6,15 @@ PrefixCache  remembers what the engine's KV cache rows stand for: one key per ro
              prompt's keys are compared with them; the engine (Engine.reusable) says how much of the common prefix
              can be kept so that the answer is the one a fresh run gives. The rows themselves stay where they are
              (KVCache.rewind): the prefix cache adds no memory beyond its keys.
-ImageCache   vision-graph embeddings by (content digest, tiling), least recently used dropped first, bounded in bytes.
+ImageCache   encoded images by (content digest, tiling): each image's own record (runtime/chunks.py ImageChunk, its
+             embeddings set, its pixels dropped), least recently used dropped first, bounded in its embeddings' bytes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
-import numpy as np
-
+from .chunks import ImageChunk
 from .kv_cache import KVCache
 
 
@@ -49,13 +48,6 @@ class PrefixCache:
         self.keys, self.epoch = [], -1
 
 
-@dataclass
-class CachedImage:
-    grid: tuple[int, int, int]  # (rows, cols, tiles), what prompt expansion needs
-    embeds: np.ndarray  # [the tiles' image tokens, hidden]
-    tile_tokens: list[int] | None = None  # each tile's image tokens (prompt expansion); None: tokens_per_tile each
-
-
 class ImageCache:
     """Embeddings by key, at most max_bytes of arrays in all (an image larger than that is not kept)."""
 
@@ -64,18 +56,18 @@ class ImageCache:
             raise ValueError("image cache size must be >= 0")
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._items: OrderedDict[tuple, CachedImage] = OrderedDict()
+        self._items: OrderedDict[tuple, ImageChunk] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, key: tuple) -> CachedImage | None:
+    def get(self, key: tuple) -> ImageChunk | None:
         item = self._items.get(key)
         if item is not None:
             self._items.move_to_end(key)
         return item
 
-    def put(self, key: tuple, item: CachedImage) -> None:
+    def put(self, key: tuple, item: ImageChunk) -> None:
         if key in self._items:
             self.bytes -= self._items.pop(key).embeds.nbytes
         if item.embeds.nbytes > self.max_bytes:

@@ -1,11 +1,14 @@
 """Prompt building: the rendered chat template's pieces + each image's expansion (named host ops) -> typed chunks.
 
-    prompt = build(pieces, media, manifest.prompt, tokenizer)   # pieces: the rendered text split at each image
+    # pieces: the rendered text split at each image; images: each image's ImageChunk, in order
+    prompt = build(pieces, images, manifest.prompt, tokenizer, image_token_id)
 
 There is one way a prompt is built, for every caller (run, chat, serve, batch, eval, bench, calibration): the
 checkpoint's chat template rendered with jinja2 (runtime/conversation.py ChatTemplate), each image placeholder
 replaced by the image's expansion text, the whole text tokenized once (so token boundaries are those of the
-reference processor's), then cut into chunks (runtime/chunks.py) at the expansions' character spans. A Literal
+reference processor's), then cut into chunks (runtime/chunks.py) at the expansions' character spans: each image's
+ImageChunk, made when the image was read, is placed there (its ids and rows written on it), the text between becomes
+text chunks. A Literal
 piece (a control token's string that message text wrote: runtime/conversation.py) is the one exception: the tokens
 the whole text gave it are replaced by its tokens as plain text (special tokens off), those around it kept.
 """
@@ -13,8 +16,6 @@ the whole text gave it are replaced by its tokens as plain text (special tokens 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -69,28 +70,10 @@ def expansion(p: PromptSpec):
     return EXPANSION[p.expansion]
 
 
-@dataclass
-class Media:
-    """An image (or video frame) to place in the prompt: its grid, and its pixels or known embeddings."""
-
-    key: Any
-    grid: tuple[int, int, int]
-    pixels: np.ndarray | None = None
-    embeds: np.ndarray | None = None
-    label: str = "image"
-    # each tile's image-token count (the vision tile-inputs op's: runtime/tile_inputs.py); None: every tile gives
-    # PromptSpec.tokens_per_tile (square tiles)
-    tile_tokens: list[int] | None = None
-    patch_grids: np.ndarray | None = None  # NaFlex tiles: [tiles, 2] patch rows / columns (image.Tiles.patch_grids)
-    resized_to_fit: bool = False  # image.Tiles.resized_to_fit: shrunk to fit the vision graph's patch budget
-
-    def tokens(self, p: PromptSpec) -> list[int]:
-        return self.tile_tokens if self.tile_tokens is not None else [p.tokens_per_tile] * self.grid[2]
-
-
-def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_token_id: int) -> Prompt:
+def build(pieces: list, media: list[ImageChunk], p: PromptSpec, tokenizer, image_token_id: int) -> Prompt:
     """The prompt as chunks. pieces: text (str) and, in order, one None per image where the template put it (the
-    text around it may also come from a video's frame lines); media: one per None."""
+    text around it may also come from a video's frame lines); media: each image's chunk, one per None, placed here
+    (its ids, rows and tile_tokens written: the same for every prompt it is placed in)."""
     if sum(x is None for x in pieces) != len(media):
         raise ValueError(f"the prompt has {sum(x is None for x in pieces)} image places for {len(media)} images")
     expand = expansion(p)
@@ -131,8 +114,8 @@ def build(pieces: list, media: list[Media], p: PromptSpec, tokenizer, image_toke
                              f"(found {len(rows)}); the tokenizer does not keep the image tokens whole")
         if first > at:
             chunks.append(TextChunk(ids[at:first]))
-        chunks.append(ImageChunk(run, rows, m.key, m.grid, m.pixels, m.embeds, m.label, m.tokens(p),
-                                 m.patch_grids))
+        m.ids, m.rows, m.tile_tokens = run, rows, m.tokens(p)
+        chunks.append(m)
         at = last
     if at < n:
         chunks.append(TextChunk(ids[at:]))
