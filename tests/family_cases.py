@@ -123,6 +123,15 @@ def qwen_exported(case: QwenCase, tmp_path_factory, nested: dict | None = None) 
 
 
 @dataclass(frozen=True)
+class PathsCase:
+    """The case of a family that test_family_paths.py runs the user commands on (its index in FamilyCases.cases), and
+    what that runner's first image (250×160) tiles into there (`vlmrt bench`'s image_tiles)."""
+
+    case: int
+    bench_tiles: int
+
+
+@dataclass(frozen=True)
 class FamilyCases:
     """What the shared runner needs of one family."""
 
@@ -136,16 +145,32 @@ class FamilyCases:
     # measured: the cases whose text-only answer transformers ends with an EOS within 60 tokens, and at which length
     # (so the EOS stop is really exercised, not only the length stop)
     eos_stops: dict[str, int] = field(default_factory=dict)
+    paths: PathsCase | None = None  # the user commands' case (test_family_paths.py), if the family has one there
+    # (precision, (top-1 floor, mean KL ceiling)) of the paths case exported at that precision against the float
+    # reference (test_family_paths.py; measured values beside each family's)
+    quant_floors: tuple = ()
 
 
 FAMILIES = {
     # (SmolVLM's: the nested file alone, as save_pretrained leaves a new folder; the others' over stale old files)
     "smolvlm": FamilyCases(conftest.CASES, conftest.exported, eos_stops={"untied-split": 46}, stale={}),
     "internvl": FamilyCases(CASES, exported, stale={"preprocessor_config.json": lambda pre: {"max_patches": 1}}),
+    # the CPU precisions quantize the conv layers' projections too (MatMulNBits), GPTQ calibrating through them
+    # (export/cpu/calibrate_gptq.py: conv windows in its state); against the float reference on this hidden-64 random
+    # decoder, measured: w8a16 top-1 0.845, KL 0.0012; w4a16g 0.43, KL 0.10 (its 4-bit blocks of 32 are half a row
+    # here); w4a16og (GPTQ on the block-offset grid) 0.46, KL 0.093
     "lfm2_vl": FamilyCases(LFM2_CASES, lfm2_exported,
-                           stale={"preprocessor_config.json": lambda pre: {"do_image_splitting": False}}),
+                           stale={"preprocessor_config.json": lambda pre: {"do_image_splitting": False}},
+                           paths=PathsCase(0, bench_tiles=7),
+                           quant_floors=(("w8a16", (0.8, 0.003)), ("w4a16g", (0.38, 0.13)), ("w4a16og", (0.42, 0.10)))),
+    # the GPTQ precisions' calibration runs the float decoder on text prompts: M-RoPE's three position rows and
+    # DeepStack's row input (zeros on text) are given as the graphs take them (it raised a shape error on this family
+    # before); measured (AVX-512 VNNI): w4a8g top-1 0.548, KL 0.039; w4a16og 0.512, KL 0.029 (int8 compute varies by
+    # CPU: w4a8g's floor is the looser)
     "qwen_vl": FamilyCases(QWEN_CASES, qwen_exported,
-                           stale={"preprocessor_config.json": lambda pre: {"max_pixels": pre["max_pixels"] // 4}}),
+                           stale={"preprocessor_config.json": lambda pre: {"max_pixels": pre["max_pixels"] // 4}},
+                           paths=PathsCase(1, bench_tiles=1),
+                           quant_floors=(("w4a8g", (0.45, 0.06)), ("w4a16og", (0.47, 0.033)))),
 }
 
 

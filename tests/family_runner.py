@@ -1,6 +1,6 @@
 """What the shared family runner (test_family_conformance.py) and the family test files use to hold a bundle
 against transformers: transformers' answers memoized per checkpoint and request, `vlmrt run --json` in process,
-and transformers' greedy ids for given prompt ids."""
+transformers' greedy ids for given prompt ids, and the path tests' three images of different sizes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 import oracle
@@ -50,3 +51,19 @@ def hf_greedy_from_ids(model, ids, pixels, n):
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=n, generation_config=cfg, **kw)
     return out[0, len(ids):].tolist()
+
+
+def picture(w: int, h: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed + w * h).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def three_images(ex) -> list[str]:
+    """Paths of three random images in ex's folder: 250×160 (Qwen-VL: resized down to the processor's max_pixels;
+    LFM2-VL: a 3×2 grid + thumbnail at the fixture's 64² tiles), 300×90 (wide), 40×40 (small: Qwen-VL scales it up to
+    min_pixels, LFM2-VL gives it one tile)."""
+    out = []
+    for k, (w, h) in enumerate([(250, 160), (300, 90), (40, 40)]):
+        p = ex.tmp / f"p{k}.png"
+        picture(w, h).save(p)
+        out.append(str(p))
+    return out
