@@ -1,4 +1,5 @@
-"""The Starlette app: POST /v1/chat/completions, GET /v1/models, GET /health, GET / (the chat page).
+"""The Starlette app: POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics (Prometheus: metrics.py),
+GET / (the chat page).
 
     app = create_app(load, model_id="easyvqa")   # load() -> Scheduler, run in a thread at startup
     uvicorn.run(app)                              # /health is 503 until load() returns, then 200
@@ -42,6 +43,7 @@ from .errors import APIError, bad_request, internal, unavailable
 from .limits import (BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS, MAX_PIXELS_IN_FLIGHT,
                      MAX_REQUEST_PIXELS)
 from .media import load_images, load_videos, with_images
+from .metrics import CONTENT_TYPE, Counted, Metrics
 from .pixel_budget import PixelBudget
 from .request import parse_request
 from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
@@ -172,6 +174,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
     fetch_pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="vlmrt-fetch")
     pixels = PixelBudget(config.max_request_pixels, config.max_pixels_in_flight, config.image_spec)
     decode_pool = None  # the event loop's default executor
+    metrics = Metrics(state, pixels)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -197,6 +200,9 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
         meta = {"max_context": state.scheduler.max_context, "slots": len(state.scheduler.slots)} if state.scheduler else {}
         return JSONResponse({"object": "list", "data": [{"id": config.model_id, "object": "model", "created": 0,
                                                          "owned_by": "vlmrt", "meta": meta}]})
+
+    async def scrape(request: Request):
+        return Response(metrics.page(), media_type=CONTENT_TYPE)
 
     async def page(request: Request):
         return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"),
@@ -240,7 +246,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             if first[0] == "error":
                 raise first[1]
             if req.stream:
-                stream = EventStream(_events(job, first, new_id(), config.model_id, req.include_usage), close)
+                stream = EventStream(_events(job, first, new_id(), config.model_id, req.include_usage, metrics), close)
                 owned = False
                 return stream
             ev = first
@@ -250,7 +256,9 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 raise ev[1]
             if ev[0] == "cancelled":
                 return _error(APIError(499, "the client closed the request", "invalid_request_error", "cancelled"))
-            return JSONResponse(completion(new_id(), config.model_id, ev[1]))
+            out = completion(new_id(), config.model_id, ev[1])
+            metrics.finished(ev[1], out["choices"][0]["finish_reason"])
+            return JSONResponse(out)
         finally:
             if owned:
                 close()
@@ -268,18 +276,21 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
 
     async def server_error(request: Request, e: Exception):
         log.error("unhandled error on %s %s: %r (traceback below)", request.method, request.url.path, e)
+        metrics.count(request.url.path, 500)  # (sent outside the middleware that counts the others)
         return _error(internal())
 
-    routes = [Route("/", page), Route("/health", health), Route("/v1/models", models),
+    routes = [Route("/", page), Route("/health", health), Route("/metrics", scrape), Route("/v1/models", models),
               Route("/v1/chat/completions", chat, methods=["POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=config.middleware(),
+    metrics.routes = frozenset(r.path for r in routes)  # counted by name; any other path as "other"
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Counted, metrics=metrics)] + config.middleware(),
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.vlmrt = state  # .scheduler once loaded (tests, benchmarks)
     app.state.config = config
+    app.state.metrics = metrics
     return app
 
 
-async def _events(job: Job, first, cid: str, model: str, include_usage: bool):
+async def _events(job: Job, first, cid: str, model: str, include_usage: bool, metrics: Metrics):
     extra = {"usage": None} if include_usage else {}
     yield chunk(cid, model, {"role": "assistant", "content": ""}, **extra)
     kind, value = first
@@ -287,7 +298,9 @@ async def _events(job: Job, first, cid: str, model: str, include_usage: bool):
         yield chunk(cid, model, {"content": value}, **extra)
         kind, value = await job.events.get()
     if kind == "done":
-        yield chunk(cid, model, {}, FINISH.get(value.stop_reason, "stop"), vlmrt=timings(value), **extra)
+        finish = FINISH.get(value.stop_reason, "stop")
+        metrics.finished(value, finish)
+        yield chunk(cid, model, {}, finish, vlmrt=timings(value), **extra)
         if include_usage:
             yield chunk(cid, model, None, usage=usage(value))
         yield DONE
