@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from serve_client import (  # noqa: F401  (fixtures: tiny, vlm)
-    TEXT, ask, direct, openai, picture, request, start, tiny, uri, vlm)
+from serve_client import (  # noqa: F401  (fixtures: tiny, server, client, vlm)
+    TEXT, ask, client, direct, openai, picture, request, server, start, tiny, uri, vlm)
 
 prometheus = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -86,3 +86,88 @@ def test_metrics_after_real_requests(keyed, keyed_client):
     assert grew("vlmrt_scheduler_jobs_total", outcome="refused") == 0  # max_tokens 0 is refused before the queue
     assert one(after, "vlmrt_slots_busy") == 0 and one(after, "vlmrt_queue_depth") == 0
     assert one(after, "vlmrt_image_cache_bytes") > 0
+
+
+# ------------------------------------------------------------------------- POST /v1/responses
+
+
+def post_responses(r, obj):
+    return request(r, "POST", "/v1/responses", json.dumps(obj).encode())
+
+
+def test_responses_plain_image_and_multi_turn(client, vlm):
+    out = client.responses.create(model="m", input="hi", max_output_tokens=8)
+    want = direct(vlm, [TEXT], max_new_tokens=8)
+    assert out.object == "response" and out.output_text == want and out.output[0].role == "assistant"
+    assert out.usage.input_tokens == vlm.result.stats.prompt_tokens
+    assert out.usage.output_tokens == vlm.result.stats.generated_tokens
+    cut = vlm.result.stats.stop_reason in ("length", "context")
+    assert out.status == ("incomplete" if cut else "completed")
+    assert (out.incomplete_details.reason if cut else out.incomplete_details) == ("max_output_tokens" if cut else None)
+
+    image = uri(picture(5))
+    system = {"role": "system", "content": "Answer briefly."}
+    items = [{"role": "user", "content": [{"type": "input_image", "image_url": image},
+                                          {"type": "input_text", "text": "What is in the picture?"}]}]
+    out = client.responses.create(model="m", input=items, instructions="Answer briefly.", max_output_tokens=10,
+                                  temperature=0.8, top_p=0.9, extra_body={"seed": 7})
+    messages = [system, ask("What is in the picture?", image)]
+    assert out.output_text == direct(vlm, messages, max_new_tokens=10, temperature=0.8, top_p=0.9, seed=7)
+    assert out.model_extra["vlmrt"]["images"] == 1
+
+    items += [{"role": "assistant", "content": [{"type": "output_text", "text": out.output_text}]},
+              {"role": "user", "content": "And its colour?"}]
+    follow = client.responses.create(model="m", input=items, instructions="Answer briefly.", max_output_tokens=10)
+    messages += [{"role": "assistant", "content": out.output_text}, {"role": "user", "content": "And its colour?"}]
+    assert follow.output_text == direct(vlm, messages, max_new_tokens=10)
+    assert follow.usage.input_tokens_details.cached_tokens > 0  # the conversation's rows kept on its slot
+
+
+def test_responses_streamed(client, vlm):
+    image = uri(picture(6))
+    want = direct(vlm, [ask("Describe it.", image)], max_new_tokens=12)
+    events = list(client.responses.create(model="m", max_output_tokens=12, stream=True, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": image},
+                                     {"type": "input_text", "text": "Describe it."}]}]))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    end = "response.incomplete" if vlm.result.stats.stop_reason in ("length", "context") else "response.completed"
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"] + ["response.output_text.delta"] * len(deltas)
+                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done", end])
+    assert len(deltas) > 1 and "".join(deltas) == want
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    last = events[-1].response
+    assert last.output_text == want and last.usage.output_tokens == vlm.result.stats.generated_tokens
+    assert events[-4].text == want and events[-2].item.content[0].text == want
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"truncation": "auto"}, "truncation"),
+])
+def test_responses_refusals_name_the_field(server, body, param):
+    status, got, _ = post_responses(server, {"model": "m", "input": "hi", **body})
+    assert status == 400 and got["error"]["param"] == param and got["error"]["code"] == "unsupported_parameter", got
+    assert got["error"]["message"].startswith(param + ":")
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"input": []}, "input must be"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]: input_image needs"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]: unknown"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]: item type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0]: role"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens must be"),
+    ({"input": "hi", "temperature": 9}, "temperature must be"),
+    ({"input": [{"role": "assistant", "content": "hi"}]}, "the last message must be the user's"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "file:///etc/passwd"}]}]},
+     "only data:image URIs"),
+])
+def test_responses_bad_input_is_a_400(server, body, says):
+    status, got, _ = post_responses(server, {"model": "m", **body})
+    assert status == 400 and says in got["error"]["message"], got

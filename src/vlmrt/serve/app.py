@@ -1,5 +1,5 @@
-"""The Starlette app: POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics (Prometheus: metrics.py),
-GET / (the chat page).
+"""The Starlette app: POST /v1/chat/completions, POST /v1/responses (translated into a chat request:
+responses_api.py), GET /v1/models, GET /health, GET /metrics (Prometheus: metrics.py), GET / (the chat page).
 
     app = create_app(load, model_id="easyvqa")   # load() -> Scheduler, run in a thread at startup
     uvicorn.run(app)                              # /health is 503 until load() returns, then 200
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import threading
@@ -45,8 +44,9 @@ from .limits import (BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTI
 from .media import load_images, load_videos, with_images
 from .metrics import CONTENT_TYPE, Counted, Metrics
 from .pixel_budget import PixelBudget
-from .request import parse_request
-from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
+from .request import ChatRequest, parse_body, parse_json, parse_request
+from . import responses_api
+from .responses import chat_stream, completion, new_id
 from .scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger("vlmrt.serve")
@@ -208,9 +208,10 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
         return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"),
                             headers=PAGE_HEADERS)
 
-    async def chat(request: Request):
+    async def answer(request: Request, req: ChatRequest, stream_of, whole_of):
+        """Answer a checked request: its media decoded, queued, then stream_of(events) (an async iterator of the
+        stream's bytes, from _events) or whole_of(Finished) (the JSON answer)."""
         sched = ready()
-        req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
         if req.video_urls and sched.no_video:  # before a video's bytes are fetched, read or decoded
             raise bad_request(sched.no_video, "invalid_content_part")
         fetches = any(re.match(r"(?i)https?://", u) for u in req.urls + req.video_urls)  # slow ones on their own threads
@@ -246,7 +247,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             if first[0] == "error":
                 raise first[1]
             if req.stream:
-                stream = EventStream(_events(job, first, new_id(), config.model_id, req.include_usage, metrics), close)
+                stream = EventStream(stream_of(_events(job, first, metrics)), close)
                 owned = False
                 return stream
             ev = first
@@ -256,12 +257,27 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 raise ev[1]
             if ev[0] == "cancelled":
                 return _error(APIError(499, "the client closed the request", "invalid_request_error", "cancelled"))
-            out = completion(new_id(), config.model_id, ev[1])
-            metrics.finished(ev[1], out["choices"][0]["finish_reason"])
-            return JSONResponse(out)
+            metrics.finished(ev[1])
+            return JSONResponse(whole_of(ev[1]))
         finally:
             if owned:
                 close()
+
+    async def chat(request: Request):
+        ready()
+        req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
+        cid, model = new_id(), config.model_id
+        return await answer(request, req, lambda events: chat_stream(events, cid, model, req.include_usage),
+                            lambda f: completion(cid, model, f))
+
+    async def responses(request: Request):
+        ready()
+        body = parse_json(await read_body(request, config.max_body, config.body_timeout_s))
+        req = parse_body(responses_api.to_chat(body), config.max_images)
+        rid, mid = responses_api.new_ids()
+        model = config.model_id
+        return await answer(request, req, lambda events: responses_api.stream(events, rid, mid, model, body),
+                            lambda f: responses_api.response(rid, mid, model, body, f))
 
     async def api_error(request: Request, e: APIError):
         headers = {503: {"Retry-After": "1"},  # queue full, loading
@@ -280,7 +296,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
         return _error(internal())
 
     routes = [Route("/", page), Route("/health", health), Route("/metrics", scrape), Route("/v1/models", models),
-              Route("/v1/chat/completions", chat, methods=["POST"])]
+              Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/responses", responses, methods=["POST"])]
     metrics.routes = frozenset(r.path for r in routes)  # counted by name; any other path as "other"
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Counted, metrics=metrics)] + config.middleware(),
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
@@ -290,19 +306,15 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
     return app
 
 
-async def _events(job: Job, first, cid: str, model: str, include_usage: bool, metrics: Metrics):
-    extra = {"usage": None} if include_usage else {}
-    yield chunk(cid, model, {"role": "assistant", "content": ""}, **extra)
+async def _events(job: Job, first, metrics: Metrics):
+    """A job's events from its first: ("piece", text) ..., then ("done", Finished) (counted in metrics) or
+    ("error", APIError) (after the first piece: the stream has begun, so the renderer sends it as an event); a
+    cancelled job (its client gone) ends without either."""
     kind, value = first
     while kind == "piece":
-        yield chunk(cid, model, {"content": value}, **extra)
+        yield kind, value
         kind, value = await job.events.get()
     if kind == "done":
-        finish = FINISH.get(value.stop_reason, "stop")
-        metrics.finished(value, finish)
-        yield chunk(cid, model, {}, finish, vlmrt=timings(value), **extra)
-        if include_usage:
-            yield chunk(cid, model, None, usage=usage(value))
-        yield DONE
-    elif kind == "error":  # after the first piece: the stream has begun, so the error is an event
-        yield b"data: " + json.dumps(value.body()).encode() + b"\n\n"
+        metrics.finished(value)
+    if kind in ("done", "error"):
+        yield kind, value

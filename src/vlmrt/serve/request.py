@@ -42,7 +42,7 @@ def _json(raw: bytes):
         raise bad_request(f"the body is not valid JSON: {e}", "invalid_json") from None
 
 
-def _number(body: dict, name: str, kind, lo=None, hi=None, lo_open=False):
+def number(body: dict, name: str, kind, lo=None, hi=None, lo_open=False):
     v = body.get(name)
     if v is None:
         return None
@@ -144,15 +144,25 @@ def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
 
 
 def parse_request(raw: bytes, max_images: int) -> ChatRequest:
+    return parse_body(parse_json(raw), max_images)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body: a JSON object."""
     body = _json(raw)
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
+    return body
+
+
+def parse_body(body: dict, max_images: int) -> ChatRequest:
+    """A chat-completions request (parsed JSON; the Responses API's translated into one: responses_api.py)."""
     messages, urls, key, video_urls = _messages(body.get("messages"))
     if len(urls) > max_images:
         raise bad_request(f"{len(urls)} images; this server takes at most {max_images} per request", "too_many_images")
     if len(video_urls) > MAX_VIDEOS:
         raise bad_request(f"{len(video_urls)} videos; this server takes at most {MAX_VIDEOS} per request", "too_many_images")
-    n = _number(body, "n", int)
+    n = number(body, "n", int)
     if n not in (None, 1):
         raise bad_request("only n = 1 is supported", "invalid_parameter")
     _unsupported(body)
@@ -161,14 +171,14 @@ def parse_request(raw: bytes, max_images: int) -> ChatRequest:
     if not isinstance(stream, bool) or not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
         raise bad_request("stream must be a boolean and stream_options an object ({\"include_usage\": a boolean})",
                           "invalid_parameter")
-    tokens = _number(body, "max_completion_tokens", int, 1)
-    tokens = tokens if tokens is not None else _number(body, "max_tokens", int, 1)
+    tokens = number(body, "max_completion_tokens", int, 1)
+    tokens = tokens if tokens is not None else number(body, "max_tokens", int, 1)
     opts = {
         "max_new_tokens": tokens,
-        "temperature": _number(body, "temperature", float, 0, 2),
-        "top_p": _number(body, "top_p", float, 0, 1, lo_open=True),
-        "top_k": _number(body, "top_k", int, 0),
-        "seed": _number(body, "seed", int, 0, 2**64 - 1),
+        "temperature": number(body, "temperature", float, 0, 2),
+        "top_p": number(body, "top_p", float, 0, 1, lo_open=True),
+        "top_k": number(body, "top_k", int, 0),
+        "seed": number(body, "seed", int, 0, 2**64 - 1),
         "stop": _stop(body.get("stop")),
         "ignore_eos": body.get("ignore_eos"),
     }

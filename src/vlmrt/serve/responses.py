@@ -49,3 +49,19 @@ def chunk(cid: str, model: str, delta: dict | None = None, finish: str | None = 
 
 
 DONE = b"data: [DONE]\n\n"
+
+
+async def chat_stream(events, cid: str, model: str, include_usage: bool):
+    """The chat.completion.chunk events of a stream, from app._events' (kind, value) pairs."""
+    extra = {"usage": None} if include_usage else {}
+    yield chunk(cid, model, {"role": "assistant", "content": ""}, **extra)
+    async for kind, value in events:
+        if kind == "piece":
+            yield chunk(cid, model, {"content": value}, **extra)
+        elif kind == "done":
+            yield chunk(cid, model, {}, FINISH.get(value.stop_reason, "stop"), vlmrt=timings(value), **extra)
+            if include_usage:
+                yield chunk(cid, model, None, usage=usage(value))
+            yield DONE
+        else:  # an error after the first piece: the stream has begun, so the error is an event
+            yield b"data: " + json.dumps(value.body()).encode() + b"\n\n"
