@@ -15,6 +15,8 @@ from serve_client import (  # noqa: F401  (fixtures: tiny, server, client, vlm)
 prometheus = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from vlmrt.runtime.pipeline import VLM  # noqa: E402
+
 KEY = "sk-metrics-test"
 
 
@@ -170,4 +172,191 @@ def test_responses_refusals_name_the_field(server, body, param):
 ])
 def test_responses_bad_input_is_a_400(server, body, says):
     status, got, _ = post_responses(server, {"model": "m", **body})
+    assert status == 400 and says in got["error"]["message"], got
+
+
+# ------------------------------------------------------------------------- tools in chat completions
+
+WEATHER = {"type": "function", "function": {  # short: the tiny bundles' context is 320 tokens
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+
+
+def follow_up(call_id: str, arguments: str = '{"city": "Paris"}') -> list[dict]:
+    """The question, the assistant's call, the tool's result: the next turn's messages."""
+    return [QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": '{"sky": "clear", "c": 21}'}]
+
+
+def scripted(r, text: str) -> None:
+    """Each slot of r answers text (in pieces of 5 characters) after running its real answer (whose decode steps go to
+    the batch as usual): what a model that calls a tool would write, which a random tiny model does not."""
+    for slot in r.app.state.vlmrt.scheduler.slots:
+        chat = slot.vlm.chat
+
+        def run(messages, chat=chat, vlm=slot.vlm, **kw):
+            for piece in chat(messages, **kw):
+                if not isinstance(piece, str):  # the batch's step marker: passed on to the scheduler
+                    yield piece
+            vlm.result.text = text
+            yield from (text[i:i + 5] for i in range(0, len(text), 5))
+
+        slot.vlm.chat = run
+
+
+def qwen3_vl(tmp_path_factory):
+    from family_cases import QWEN_CASES, qwen_exported
+
+    return qwen_exported(next(c for c in QWEN_CASES if c.name == "qwen3-vl"), tmp_path_factory).bundle
+
+
+@pytest.fixture(scope="module")
+def qwen_plain(tmp_path_factory):
+    """The Qwen3-VL tiny bundle (its fixture template has no tool parts: the generic format; its context holds the
+    generic tool turns, which the SmolVLM tiny bundle's 320 tokens of a 480-token vocabulary do not), one slot."""
+    bundle = qwen3_vl(tmp_path_factory)
+    r = start(bundle, "--slots", "1", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen_tools(tmp_path_factory):
+    """The Qwen3-VL tiny bundle with its template's tool parts (tests/tool_templates.py: hermes), one slot."""
+    import shutil
+
+    from tool_templates import QWEN3_VL_TOOLS
+
+    bundle = tmp_path_factory.mktemp("qwen-tools") / "bundle"
+    shutil.copytree(qwen3_vl(tmp_path_factory), bundle)
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["prompt"]["chat_template"] = QWEN3_VL_TOOLS
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    r = start(bundle, "--slots", "1", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
+@pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools"], ids=["generic", "hermes"])
+def test_tools_rendered_then_a_tool_result_in_the_next_turn(served, request):
+    """tools go into the prompt through the checkpoint's template (the answer is VLM.chat's with the same tools);
+    the next turn with the assistant's tool_calls and a tool message is answered, the conversation's rows reused."""
+    r, ref = request.getfixturevalue(served)
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    plain = c.chat.completions.create(model="m", messages=[QUESTION], max_tokens=6)
+    none = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], tool_choice="none", max_tokens=6)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # tool_choice none: the tools are left out
+    out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=6)
+    assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the tools are in the prompt
+    assert out.choices[0].message.content == direct(ref, [QUESTION], max_new_tokens=6, tools=[WEATHER])
+    assert ref.result.stats.prompt_tokens == out.usage.prompt_tokens
+
+    messages = follow_up("call_abc")
+    nxt = c.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=6)
+    assert nxt.choices[0].message.content == direct(ref, messages, max_new_tokens=6, tools=[WEATHER])
+    assert nxt.usage.prompt_tokens == ref.result.stats.prompt_tokens
+    # the turn before kept, as far as whole prefill blocks go (the case's prefill_ar: 16 tokens)
+    assert nxt.usage.prompt_tokens_details.cached_tokens > out.usage.prompt_tokens - 16
+    streamed = list(c.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=6, stream=True))
+    assert "".join(x.choices[0].delta.content or "" for x in streamed if x.choices) == nxt.choices[0].message.content
+
+
+def test_tool_calls_answered_as_openai_answers_them(qwen_tools):
+    """A hermes answer (the template's own <tool_call> format, scripted: a random model does not call tools) comes
+    back as tool_calls with finish_reason tool_calls, whole and streamed as OpenAI streams them (the SDK's
+    accumulated deltas); a plain answer stays content."""
+    r, _ = qwen_tools
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    answer = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice"}}\n</tool_call>')
+    scripted(r, answer)
+    try:
+        out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+        calls = choice.message.tool_calls
+        assert [(t.type, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+            ("function", "get_weather", {"city": "Paris"}), ("function", "get_weather", {"city": "Nice"})]
+        assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+
+        chunks = list(c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4,
+                                                stream=True))
+        deltas = [x.choices[0].delta for x in chunks if x.choices]
+        assert "".join(d.content or "" for d in deltas) == "Let me check.\n"  # sent before the call began
+        assert not any("<tool" in (d.content or "") for d in deltas)
+        got: dict = {}
+        for d in deltas:
+            for t in d.tool_calls or ():
+                e = got.setdefault(t.index, {"id": t.id, "name": "", "arguments": ""})
+                e["name"] += t.function.name or ""
+                e["arguments"] += t.function.arguments or ""
+        assert [(e["name"], json.loads(e["arguments"])) for e in got.values()] == [
+            ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Nice"})]
+        assert all(e["id"].startswith("call_") for e in got.values())
+        assert [x.choices[0].finish_reason for x in chunks if x.choices and x.choices[0].finish_reason] == ["tool_calls"]
+
+        # the follow-up with those calls and their results is answered
+        messages = [QUESTION, choice.message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": t.id, "content": "clear"} for t in calls]
+        scripted(r, "Clear in both.")
+        after = c.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=4)
+        assert after.choices[0].message.content == "Clear in both." and after.choices[0].finish_reason != "tool_calls"
+        assert after.usage.prompt_tokens_details.cached_tokens > 0
+        # a call to a function that was not given is not a tool call: the text comes back as it is
+        wrong = answer.replace("get_weather", "delete_files")
+        scripted(r, wrong)
+        out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4)
+        assert out.choices[0].message.content == wrong and not out.choices[0].message.tool_calls
+        chunks = list(c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4,
+                                                stream=True))
+        assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == wrong
+    finally:
+        for slot in r.app.state.vlmrt.scheduler.slots:
+            del slot.vlm.chat  # the VLM's own again
+
+
+BAD_TOOLS = [
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "colour": 1}}]}, "tools[0].function.colour"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]}, "tools[0].x"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_TOOLS)
+def test_malformed_tools_are_a_400_naming_the_field(server, body, param):
+    status, got, _ = request(server, "POST", "/v1/chat/completions",
+                             json.dumps({"messages": [QUESTION], **body}).encode())
+    assert status == 400 and got["error"]["param"] == param and got["error"]["message"].startswith(param), got
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]},
+     "tools[0].function.strict"),
+])
+def test_grammar_constrained_tool_choices_are_refused(server, body, param):
+    status, got, _ = request(server, "POST", "/v1/chat/completions",
+                             json.dumps({"messages": [QUESTION], **body}).encode())
+    assert status == 400 and got["error"]["code"] == "unsupported_parameter" and got["error"]["param"] == param, got
+    assert "grammar" in got["error"]["message"]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m[2].pop("tool_call_id"), "message 3: a tool message needs tool_call_id"),
+    (lambda m: m[2].update(tool_call_id="call_other"), "is not the id of a tool call"),
+    (lambda m: m[1]["tool_calls"][0]["function"].update(arguments="{oops"), "function.arguments is not valid JSON"),
+    (lambda m: m[1]["tool_calls"][0].update(type="code"), "tool_calls[0] must be"),
+])
+def test_malformed_tool_messages_are_a_400(server, edit, says):
+    messages = follow_up("call_1")
+    edit(messages)
+    status, got, _ = request(server, "POST", "/v1/chat/completions",
+                             json.dumps({"messages": messages, "tools": [WEATHER]}).encode())
     assert status == 400 and says in got["error"]["message"], got

@@ -46,7 +46,7 @@ from .metrics import CONTENT_TYPE, Counted, Metrics
 from .pixel_budget import PixelBudget
 from .request import ChatRequest, parse_body, parse_json, parse_request
 from . import responses_api
-from .responses import chat_stream, completion, new_id
+from .responses import ToolReader, chat_stream, completion, new_id
 from .scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger("vlmrt.serve")
@@ -264,11 +264,17 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 close()
 
     async def chat(request: Request):
-        ready()
+        sched = ready()
         req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
-        cid, model = new_id(), config.model_id
-        return await answer(request, req, lambda events: chat_stream(events, cid, model, req.include_usage),
-                            lambda f: completion(cid, model, f))
+        cid, model, tools = new_id(), config.model_id, None
+        if req.tools:
+            template = sched.slots[0].vlm.template  # (every slot's VLM renders with the bundle's template)
+            if template.tools_refusal():
+                raise APIError(400, f"tools: {template.tools_refusal()}", "invalid_request_error",
+                               "unsupported_parameter", param="tools")
+            tools = ToolReader(template.tool_format, frozenset(t["function"]["name"] for t in req.tools))
+        return await answer(request, req, lambda events: chat_stream(events, cid, model, req.include_usage, tools),
+                            lambda f: completion(cid, model, f, tools))
 
     async def responses(request: Request):
         ready()
