@@ -238,7 +238,25 @@ def qwen_tools(tmp_path_factory):
     r.stop()
 
 
-@pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools"], ids=["generic", "hermes"])
+@pytest.fixture(scope="module")
+def lfm2_tools(tmp_path_factory):
+    """The LFM2-VL tiny bundle (family_cases.LFM2_CASES[0]) with its template's tool parts (pythonic), one slot."""
+    import shutil
+
+    from family_cases import LFM2_CASES, lfm2_exported
+    from tool_templates import LFM2_VL_TOOLS
+
+    bundle = tmp_path_factory.mktemp("lfm2-tools") / "bundle"
+    shutil.copytree(lfm2_exported(LFM2_CASES[0], tmp_path_factory).bundle, bundle)
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["prompt"]["chat_template"] = LFM2_VL_TOOLS
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    r = start(bundle, "--slots", "1", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
+@pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools", "lfm2_tools"], ids=["generic", "hermes", "pythonic"])
 def test_tools_rendered_then_a_tool_result_in_the_next_turn(served, request):
     """tools go into the prompt through the checkpoint's template (the answer is VLM.chat's with the same tools);
     the next turn with the assistant's tool_calls and a tool message is answered, the conversation's rows reused."""
