@@ -189,11 +189,11 @@ def follow_up(call_id: str, arguments: str = '{"city": "Paris"}') -> list[dict]:
         {"role": "tool", "tool_call_id": call_id, "content": '{"sky": "clear", "c": 21}'}]
 
 
-def scripted(r, text: str) -> None:
-    """Each slot of r answers text (in pieces of 5 characters) after running its real answer (whose decode steps go to
-    the batch as usual): what a model that calls a tool would write, which a random tiny model does not."""
-    for slot in r.app.state.vlmrt.scheduler.slots:
-        chat = slot.vlm.chat
+def scripted(r, text: str, own: list) -> None:
+    """Each slot of r answers text (in pieces of 5 characters) after running its real answer (own: the slots' chat
+    methods; the answer's decode steps go to the batch as usual): what a model that calls a tool would write, which a
+    random tiny model does not."""
+    for slot, chat in zip(r.app.state.vlmrt.scheduler.slots, own):
 
         def run(messages, chat=chat, vlm=slot.vlm, **kw):
             for piece in chat(messages, **kw):
@@ -286,9 +286,10 @@ def test_tool_calls_answered_as_openai_answers_them(qwen_tools):
     accumulated deltas); a plain answer stays content."""
     r, _ = qwen_tools
     c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    own = [slot.vlm.chat for slot in r.app.state.vlmrt.scheduler.slots]
     answer = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice"}}\n</tool_call>')
-    scripted(r, answer)
+    scripted(r, answer, own)
     try:
         out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4)
         choice = out.choices[0]
@@ -317,21 +318,21 @@ def test_tool_calls_answered_as_openai_answers_them(qwen_tools):
         # the follow-up with those calls and their results is answered
         messages = [QUESTION, choice.message.model_dump(exclude_none=True)] + [
             {"role": "tool", "tool_call_id": t.id, "content": "clear"} for t in calls]
-        scripted(r, "Clear in both.")
+        scripted(r, "Clear in both.", own)
         after = c.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=4)
         assert after.choices[0].message.content == "Clear in both." and after.choices[0].finish_reason != "tool_calls"
         assert after.usage.prompt_tokens_details.cached_tokens > 0
         # a call to a function that was not given is not a tool call: the text comes back as it is
         wrong = answer.replace("get_weather", "delete_files")
-        scripted(r, wrong)
+        scripted(r, wrong, own)
         out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4)
         assert out.choices[0].message.content == wrong and not out.choices[0].message.tool_calls
         chunks = list(c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4,
                                                 stream=True))
         assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == wrong
     finally:
-        for slot in r.app.state.vlmrt.scheduler.slots:
-            del slot.vlm.chat  # the VLM's own again
+        for slot, chat in zip(r.app.state.vlmrt.scheduler.slots, own):
+            slot.vlm.chat = chat
 
 
 BAD_TOOLS = [
