@@ -308,7 +308,8 @@ class ChatTemplate:
                       "function": {"name": text(c["name"]), "arguments": _strings(c["arguments"], text)}}
                      for c in m.get("tool_calls") or ()]
             parts = m["content"]
-            if calls and not self._renders_calls and self.tool_format is not None:  # the calls written as the model writes them, before its text
+            if calls and not self._renders_calls and self.tool_format is not None:
+                # the calls written as the model writes them, before its text
                 parts = [{"type": "text", "text": self.tool_format.write(
                     [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls])},
                     *parts]

@@ -44,8 +44,8 @@ from .limits import (BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTI
 from .media import load_images, load_videos, with_images
 from .metrics import CONTENT_TYPE, Counted, Metrics
 from .pixel_budget import PixelBudget
-from .request import ChatRequest, parse_body, parse_json, parse_request
 from . import responses_api
+from .request import ChatRequest, parse_body, parse_json, parse_request
 from .responses import ToolReader, chat_stream, completion, new_id
 from .scheduler import Job, QueueFull, Scheduler
 
@@ -302,9 +302,11 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
         return _error(internal())
 
     routes = [Route("/", page), Route("/health", health), Route("/metrics", scrape), Route("/v1/models", models),
-              Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/responses", responses, methods=["POST"])]
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/responses", responses, methods=["POST"])]
     metrics.routes = frozenset(r.path for r in routes)  # counted by name; any other path as "other"
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Counted, metrics=metrics)] + config.middleware(),
+    middleware = [Middleware(Counted, metrics=metrics)] + config.middleware()  # counted outermost: refusals too
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.vlmrt = state  # .scheduler once loaded (tests, benchmarks)
     app.state.config = config

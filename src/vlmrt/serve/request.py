@@ -35,7 +35,7 @@ class ChatRequest:
     video_urls: list[str] = field(default_factory=list)  # the video_url urls, in order
     stream: bool = False
     include_usage: bool = False
-    options: dict = field(default_factory=dict)  # VLM.chat keyword arguments (tools among them, unless tool_choice none)
+    options: dict = field(default_factory=dict)  # VLM.chat keyword arguments (tools, unless tool_choice none)
     tools: list[dict] | None = None  # the functions the answer may call (tool_choice auto); None: a text answer
 
 

@@ -57,7 +57,8 @@ def completion(cid: str, model: str, f: Finished, tools: ToolReader | None = Non
     if tools is not None:
         content, calls = tools.read(f.text)
         if calls:
-            message, finish = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}, "tool_calls"
+            message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+            finish = "tool_calls"
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": usage(f), "vlmrt": timings(f)}
@@ -98,8 +99,9 @@ async def chat_stream(events, cid: str, model: str, include_usage: bool, tools: 
                 if rest and (rest.strip() or not calls):
                     yield chunk(cid, model, {"content": rest}, **extra)
                 for i, c in enumerate(calls):
-                    yield chunk(cid, model, {"tool_calls": [{"index": i, "id": c["id"], "type": "function", "function": {
-                        "name": c["function"]["name"], "arguments": ""}}]}, **extra)
+                    named = {"index": i, "id": c["id"], "type": "function",
+                             "function": {"name": c["function"]["name"], "arguments": ""}}
+                    yield chunk(cid, model, {"tool_calls": [named]}, **extra)
                     yield chunk(cid, model, {"tool_calls": [{"index": i, "function": {
                         "arguments": c["function"]["arguments"]}}]}, **extra)
                 finish = "tool_calls" if calls else finish
