@@ -69,7 +69,7 @@ def test_records_of_a_jsonl_file(tmp_path):
         "line-5": "line 5: a record needs an id (a non-empty string or an integer)",
         "line-6": 'line 6: duplicate id "a" (first on line 1)',
         "d": "a record has either messages or prompt (+ image / video), not both",
-        "e": "the last message must be the user's (the answer is the next assistant turn)",
+        "e": "the last message must be the user's or a tool result (the answer is the next assistant turn)",
         "f": "image must be a path, an http(s) URL or a data URI, or a list of them",
         "line-12": "line 12: a record must be a JSON object",
     }

@@ -19,13 +19,15 @@ template's own markers stay tokens (docs/conversations.md#control-tokens-in-mess
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..format.manifest import PromptSpec
+from .tool_calls import generic_result_text, generic_system_text, tool_format
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class ConversationError(ValueError):
@@ -51,8 +53,14 @@ def template_env():
     def raise_exception(message):
         raise ValueError(f"chat template error: {message}")
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # transformers' own filter (jinja2's would escape <, >, & and ' and sort the keys): tool definitions and
+        # tool-call arguments come out as the checkpoint's template renders them there
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     return env
 
 
@@ -76,11 +84,14 @@ class VideoSource:
 class Conversation:
     """Messages with content as parts: {"type": "text", "text": ...}, {"type": "image", "index": i}, images[i]
     being the image's source (a path, URL, data URI or PIL image), or {"type": "video", "index": j}, videos[j] a
-    VideoSource."""
+    VideoSource. An assistant message may also hold "tool_calls" ([{"id", "name", "arguments": dict}]), a tool
+    message its "tool_call_id" and "name" (the call's function). tools: the functions the answer may call (OpenAI's
+    [{"type": "function", "function": {"name", "description", "parameters"}}]), rendered by the template."""
 
     messages: list[dict[str, Any]]
     images: list[Any] = field(default_factory=list)
     videos: list[VideoSource] = field(default_factory=list)
+    tools: list[dict] | None = None
 
 
 def user_turn(prompt: str, images: list, videos: list = ()) -> list[dict]:
@@ -143,16 +154,60 @@ def _text(text: str, where: str) -> str:
     return text
 
 
-def parse_messages(messages) -> Conversation:
-    """Check and normalize chat messages (OpenAI style); the last one is the user's turn to answer."""
+def _tool_calls(raw, where: str) -> list[dict]:
+    """An assistant message's tool_calls (OpenAI's [{"id", "type": "function", "function": {"name", "arguments":
+    a JSON object as a string (or the object)}}]) -> [{"id", "name", "arguments": dict}]."""
+    if not isinstance(raw, list) or not raw:
+        raise ConversationError(f"{where}: tool_calls must be a non-empty list of calls")
+    out = []
+    for k, c in enumerate(raw):
+        at = f"{where}: tool_calls[{k}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(f, dict):
+            raise ConversationError(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                                    "\"arguments\"}}}}")
+        extra = sorted(set(c) - {"id", "type", "function", "index"}) or sorted(set(f) - {"name", "arguments"})
+        if extra:
+            raise ConversationError(f"{at}: unknown field {extra[0]!r}")
+        if not isinstance(c.get("id"), str) or not c["id"] or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ConversationError(f"{at} needs an id and function.name (non-empty strings)")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except (ValueError, RecursionError):
+                raise ConversationError(f"{at}: function.arguments is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise ConversationError(f"{at}: function.arguments must be a JSON object")
+        out.append({"id": _text(c["id"], at), "name": _text(f["name"], at), "arguments": args})
+    return out
+
+
+def parse_messages(messages, tools: list[dict] | None = None) -> Conversation:
+    """Check and normalize chat messages (OpenAI style); the last one is the user's turn to answer (or a tool
+    message's result, to answer after). tools: as Conversation.tools (checked by the caller: serve/request.py)."""
     if not isinstance(messages, list) or not messages:
         raise ConversationError("messages must be a non-empty list of {role, content} objects")
     out, images, videos = [], [], []
+    calls: dict[str, str] = {}  # the earlier assistant messages' tool call ids -> their function's name
     for i, m in enumerate(messages):
         where = f"message {i + 1}"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ConversationError(f"{where}: needs a role of {', '.join(ROLES)}")
         content = m.get("content")
+        extra = {}
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            extra["tool_calls"] = _tool_calls(m["tool_calls"], where)
+            calls.update((c["id"], c["name"]) for c in extra["tool_calls"])
+            content = "" if content is None else content
+        if m["role"] == "tool":
+            cid = m.get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise ConversationError(f"{where}: a tool message needs tool_call_id (the id of the call it answers)")
+            if cid not in calls:
+                raise ConversationError(f"{where}: tool_call_id {cid[:40]!r} is not the id of a tool call of an "
+                                        "earlier assistant message")
+            extra = {"tool_call_id": cid, "name": calls[cid]}
         if isinstance(content, str):
             parts = [{"type": "text", "text": _text(content, where)}]
         elif isinstance(content, list):
@@ -180,10 +235,11 @@ def parse_messages(messages) -> Conversation:
                                             "video")
         else:
             raise ConversationError(f"{where}: content must be a string or a list of parts")
-        out.append({"role": m["role"], "content": parts})
-    if out[-1]["role"] != "user":
-        raise ConversationError("the last message must be the user's (the answer is the next assistant turn)")
-    return Conversation(out, images, videos)
+        out.append({"role": m["role"], "content": parts, **extra})
+    if out[-1]["role"] not in ("user", "tool"):
+        raise ConversationError("the last message must be the user's or a tool result (the answer is the next "
+                                "assistant turn)")
+    return Conversation(out, images, videos, tools or None)
 
 
 class ChatTemplate:
@@ -194,6 +250,8 @@ class ChatTemplate:
     def __init__(self, p: PromptSpec, literal=()):
         self.p = p
         self._template = self._compile(p.chat_template)
+        self.tool_format = tool_format(p.chat_template)  # runtime/tool_calls.py; None: tools it cannot take
+        self._renders_calls = "tool_calls" in p.chat_template  # else an assistant's calls are written as its text
         self._video_template = self._compile(p.video.chat_template) if p.video else None
         # longest first: the alternation then matches as the tokenizer's added vocabulary does (leftmost-longest)
         lit = sorted(set(literal), key=lambda t: (-len(t), t))
@@ -206,25 +264,81 @@ class ChatTemplate:
         except Exception as e:  # jinja2 syntax errors
             raise ConversationError(f"cannot compile the bundle's chat template: {e}") from None
 
-    def _template_messages(self, conv: Conversation, text=lambda t: t) -> list[dict]:
-        """The messages as the template takes them; text(t): each message text as written into them."""
-        p, msgs = self.p, []
-        if p.system_prompt and conv.messages[0]["role"] != "system":
-            msgs.append({"role": "system", "content": [{"type": "text", "text": p.system_prompt}]})
+    def tools_refusal(self) -> str | None:
+        """Why this template takes no tools (None: it does)."""
+        if self.tool_format is None:
+            return ("this bundle's chat template renders tools in a tool-call format vlmrt does not know "
+                    "(runtime/tool_calls.py lists those it reads)")
+        return None
+
+    def _generic(self, conv: Conversation) -> list[dict]:
+        """conv's messages with the generic tool format's turns (a template with no tool format of its own): the
+        tools described in the system turn, an assistant's calls written as its JSON answer, a tool result a user
+        turn."""
+        fmt, msgs = self.tool_format, []
         for m in conv.messages:
-            if p.content_format == "string":  # images written into the text, before it (OpenGVLab's model.chat)
-                n = sum(part["type"] == "image" for part in m["content"])
-                joined = "\n".join(text(part["text"]) for part in m["content"] if part["type"] == "text")
-                msgs.append({"role": m["role"], "content": (p.image_in_text or "") * n + joined})
+            if m["role"] == "tool":
+                result = "\n".join(part["text"] for part in m["content"] if part["type"] == "text")
+                msgs.append({"role": "user", "content": [{"type": "text", "text": generic_result_text(
+                    m["name"], m["tool_call_id"], result)}]})
+            elif m.get("tool_calls"):
+                msgs.append({"role": "assistant", "content": m["content"] + [
+                    {"type": "text", "text": fmt.write(m["tool_calls"])}]})
             else:
-                msgs.append({"role": m["role"], "content": [
-                    {"type": "text", "text": text(part["text"])} if part["type"] == "text" else {"type": part["type"]}
-                    for part in m["content"]]})
+                msgs.append(m)
+        if conv.tools:
+            described = {"type": "text", "text": generic_system_text(conv.tools)}
+            if msgs[0]["role"] == "system":
+                msgs[0] = {"role": "system", "content": msgs[0]["content"] + [{"type": "text", "text": "\n\n"},
+                                                                               described]}
+            else:
+                msgs.insert(0, {"role": "system", "content": [described]})
         return msgs
 
-    def _render(self, template, msgs: list[dict]) -> str:
+    def _template_messages(self, conv: Conversation, text=lambda t: t) -> list[dict]:
+        """The messages as the template takes them; text(t): each string of the client's (message text, tool
+        definitions, calls and results) as written into them."""
+        p, msgs = self.p, []
+        own = self.tool_format is None or self.tool_format.renders_tools  # (None: the template's own, unknown)
+        messages = conv.messages if own else self._generic(conv)
+        if p.system_prompt and messages[0]["role"] != "system":
+            msgs.append({"role": "system", "content": [{"type": "text", "text": p.system_prompt}]})
+        for m in messages:
+            calls = [{"id": text(c["id"]), "type": "function",
+                      "function": {"name": text(c["name"]), "arguments": _strings(c["arguments"], text)}}
+                     for c in m.get("tool_calls") or ()]
+            parts = m["content"]
+            if calls and not self._renders_calls and self.tool_format is not None:
+                # the calls written as the model writes them, before its text
+                parts = [{"type": "text", "text": self.tool_format.write(
+                    [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls])},
+                    *parts]
+                written = {id(parts[0])}
+            else:
+                written = set()
+
+            def said(part):  # client text through text(); the calls written above are already through it
+                return part["text"] if id(part) in written else text(part["text"])
+
+            if p.content_format == "string":  # images written into the text, before it (OpenGVLab's model.chat)
+                n = sum(part["type"] == "image" for part in parts)
+                joined = "\n".join(said(part) for part in parts if part["type"] == "text")
+                out = {"role": m["role"], "content": (p.image_in_text or "") * n + joined}
+            else:
+                out = {"role": m["role"], "content": [
+                    {"type": "text", "text": said(part)} if part["type"] == "text" else {"type": part["type"]}
+                    for part in parts]}
+            if calls and self._renders_calls:
+                out["tool_calls"] = calls
+            if m["role"] == "tool":
+                out["tool_call_id"], out["name"] = text(m["tool_call_id"]), text(m["name"])
+            msgs.append(out)
+        return msgs
+
+    def _render(self, template, msgs: list[dict], tools: list[dict] | None = None) -> str:
+        extra = {"tools": tools} if tools and self.tool_format is not None and self.tool_format.renders_tools else {}
         try:
-            return template.render(messages=msgs, add_generation_prompt=True, **self.p.template_strings)
+            return template.render(messages=msgs, add_generation_prompt=True, **extra, **self.p.template_strings)
         except ValueError:
             raise
         except Exception as e:  # jinja2 undefined / type errors of a template fed content it does not expect
@@ -241,10 +355,11 @@ class ChatTemplate:
             if why:
                 raise ConversationError(why)
             template = self._video_template
-        text = self._render(template, self._template_messages(conv))
+        if conv.tools and self.tools_refusal():
+            raise ConversationError(self.tools_refusal())
+        text = self._render(template, self._template_messages(conv), conv.tools)
         pieces = self._media_pieces(text, conv)
-        if self._literal is None or not any(self._literal.search(part["text"]) for m in conv.messages
-                                            for part in m["content"] if part["type"] == "text"):
+        if self._literal is None or not any(self._literal.search(t) for t in _client_strings(conv)):
             return pieces
         return self._literal_pieces(template, conv, text)
 
@@ -289,7 +404,7 @@ class ChatTemplate:
                 return f"{mark}{len(found) - 1}{mark}"
             return self._literal.sub(one, t)
 
-        marked = self._render(template, self._template_messages(conv, sub))
+        marked = self._render(template, self._template_messages(conv, sub), _strings(conv.tools, sub))
         sentinel = re.compile(f"{mark}(\\d+){mark}")
         back = sentinel.sub(lambda h: found[int(h.group(1))] if int(h.group(1)) < len(found) else h.group(0), marked)
         if back != text:
@@ -308,6 +423,26 @@ class ChatTemplate:
                 at = h.end()
             out.append(x[at:])
         return [x for x in out if not isinstance(x, str) or x]
+
+
+def _strings(x, f):
+    """x (JSON-like: dicts, lists, strings, numbers) with f applied to every string in it, keys included."""
+    if isinstance(x, str):
+        return f(x)
+    if isinstance(x, list):
+        return [_strings(v, f) for v in x]
+    if isinstance(x, dict):
+        return {_strings(k, f): _strings(v, f) for k, v in x.items()}
+    return x
+
+
+def _client_strings(conv: Conversation):
+    """Every string of the client's that the template writes: message text, tool definitions, calls, call ids."""
+    found: list[str] = []
+    _strings([conv.tools or [], [[m.get("tool_calls") or [], m.get("tool_call_id") or "", m.get("name") or "",
+                                  [part.get("text") or "" for part in m["content"]]] for m in conv.messages]],
+             lambda t: found.append(t) or t)
+    return found
 
 
 def load_messages(path: str) -> list[dict]:

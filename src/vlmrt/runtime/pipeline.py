@@ -269,15 +269,18 @@ class VLM:
     def chat(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
              ignore_eos: bool = False, max_tiles: int | None = None, max_frames: int | None = None,
-             max_patches: int | None = None) -> Iterator[str]:
+             max_patches: int | None = None, tools: list[dict] | None = None) -> Iterator[str]:
         """Answer the next assistant turn of a conversation (OpenAI-style messages: system / user / assistant,
         content a string or parts {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
         {"type": "video_url", "video_url": {"url"}} (or {"type": "video", "video": src, "fps": N})), yielding
         text pieces like generate. KV rows of the previous call's prompt + answer that the new prompt starts with
         are kept, images and video frames already encoded (same pixels) are not encoded again; the answer is the same
-        token for token as a fresh run's. self.result.stats: reused_prompt_tokens, images_cached, vision_skipped."""
+        token for token as a fresh run's. self.result.stats: reused_prompt_tokens, images_cached, vision_skipped.
+        tools: functions the answer may call (OpenAI's [{"type": "function", "function": {...}}]), rendered by the
+        checkpoint's template (or described in a system turn: runtime/tool_calls.py); messages may then hold
+        assistant tool_calls and tool results. The answer is text: self.template.tool_format.parse reads its calls."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return self._answer(parse_messages(messages), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
+        return self._answer(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
                             max_frames, max_patches)
 
     def reset(self) -> None:

@@ -1,4 +1,5 @@
-"""The Starlette app: POST /v1/chat/completions, GET /v1/models, GET /health, GET / (the chat page).
+"""The Starlette app: POST /v1/chat/completions, POST /v1/responses (translated into a chat request:
+responses_api.py), GET /v1/models, GET /health, GET /metrics (Prometheus: metrics.py), GET / (the chat page).
 
     app = create_app(load, model_id="easyvqa")   # load() -> Scheduler, run in a thread at startup
     uvicorn.run(app)                              # /health is 503 until load() returns, then 200
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import threading
@@ -42,9 +42,11 @@ from .errors import APIError, bad_request, internal, unavailable
 from .limits import (BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS, MAX_PIXELS_IN_FLIGHT,
                      MAX_REQUEST_PIXELS)
 from .media import load_images, load_videos, with_images
+from .metrics import CONTENT_TYPE, Counted, Metrics
 from .pixel_budget import PixelBudget
-from .request import parse_request
-from .responses import DONE, FINISH, chunk, completion, new_id, timings, usage
+from . import responses_api
+from .request import ChatRequest, parse_body, parse_json, parse_request
+from .responses import ToolReader, chat_stream, completion, new_id
 from .scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger("vlmrt.serve")
@@ -172,6 +174,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
     fetch_pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="vlmrt-fetch")
     pixels = PixelBudget(config.max_request_pixels, config.max_pixels_in_flight, config.image_spec)
     decode_pool = None  # the event loop's default executor
+    metrics = Metrics(state, pixels)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -198,13 +201,17 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
         return JSONResponse({"object": "list", "data": [{"id": config.model_id, "object": "model", "created": 0,
                                                          "owned_by": "vlmrt", "meta": meta}]})
 
+    async def scrape(request: Request):
+        return Response(metrics.page(), media_type=CONTENT_TYPE)
+
     async def page(request: Request):
         return HTMLResponse(resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8"),
                             headers=PAGE_HEADERS)
 
-    async def chat(request: Request):
+    async def answer(request: Request, req: ChatRequest, stream_of, whole_of):
+        """Answer a checked request: its media decoded, queued, then stream_of(events) (an async iterator of the
+        stream's bytes, from _events) or whole_of(Finished) (the JSON answer)."""
         sched = ready()
-        req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
         if req.video_urls and sched.no_video:  # before a video's bytes are fetched, read or decoded
             raise bad_request(sched.no_video, "invalid_content_part")
         fetches = any(re.match(r"(?i)https?://", u) for u in req.urls + req.video_urls)  # slow ones on their own threads
@@ -240,7 +247,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             if first[0] == "error":
                 raise first[1]
             if req.stream:
-                stream = EventStream(_events(job, first, new_id(), config.model_id, req.include_usage), close)
+                stream = EventStream(stream_of(_events(job, first, metrics)), close)
                 owned = False
                 return stream
             ev = first
@@ -250,10 +257,33 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 raise ev[1]
             if ev[0] == "cancelled":
                 return _error(APIError(499, "the client closed the request", "invalid_request_error", "cancelled"))
-            return JSONResponse(completion(new_id(), config.model_id, ev[1]))
+            metrics.finished(ev[1])
+            return JSONResponse(whole_of(ev[1]))
         finally:
             if owned:
                 close()
+
+    async def chat(request: Request):
+        sched = ready()
+        req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
+        cid, model, tools = new_id(), config.model_id, None
+        if req.tools:
+            template = sched.slots[0].vlm.template  # (every slot's VLM renders with the bundle's template)
+            if template.tools_refusal():
+                raise APIError(400, f"tools: {template.tools_refusal()}", "invalid_request_error",
+                               "unsupported_parameter", param="tools")
+            tools = ToolReader(template.tool_format, frozenset(t["function"]["name"] for t in req.tools))
+        return await answer(request, req, lambda events: chat_stream(events, cid, model, req.include_usage, tools),
+                            lambda f: completion(cid, model, f, tools))
+
+    async def responses(request: Request):
+        ready()
+        body = parse_json(await read_body(request, config.max_body, config.body_timeout_s))
+        req = parse_body(responses_api.to_chat(body), config.max_images)
+        rid, mid = responses_api.new_ids()
+        model = config.model_id
+        return await answer(request, req, lambda events: responses_api.stream(events, rid, mid, model, body),
+                            lambda f: responses_api.response(rid, mid, model, body, f))
 
     async def api_error(request: Request, e: APIError):
         headers = {503: {"Retry-After": "1"},  # queue full, loading
@@ -268,28 +298,31 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
 
     async def server_error(request: Request, e: Exception):
         log.error("unhandled error on %s %s: %r (traceback below)", request.method, request.url.path, e)
+        metrics.count(request.url.path, 500)  # (sent outside the middleware that counts the others)
         return _error(internal())
 
-    routes = [Route("/", page), Route("/health", health), Route("/v1/models", models),
-              Route("/v1/chat/completions", chat, methods=["POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=config.middleware(),
+    routes = [Route("/", page), Route("/health", health), Route("/metrics", scrape), Route("/v1/models", models),
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/responses", responses, methods=["POST"])]
+    metrics.routes = frozenset(r.path for r in routes)  # counted by name; any other path as "other"
+    middleware = [Middleware(Counted, metrics=metrics)] + config.middleware()  # counted outermost: refusals too
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.vlmrt = state  # .scheduler once loaded (tests, benchmarks)
     app.state.config = config
+    app.state.metrics = metrics
     return app
 
 
-async def _events(job: Job, first, cid: str, model: str, include_usage: bool):
-    extra = {"usage": None} if include_usage else {}
-    yield chunk(cid, model, {"role": "assistant", "content": ""}, **extra)
+async def _events(job: Job, first, metrics: Metrics):
+    """A job's events from its first: ("piece", text) ..., then ("done", Finished) (counted in metrics) or
+    ("error", APIError) (after the first piece: the stream has begun, so the renderer sends it as an event); a
+    cancelled job (its client gone) ends without either."""
     kind, value = first
     while kind == "piece":
-        yield chunk(cid, model, {"content": value}, **extra)
+        yield kind, value
         kind, value = await job.events.get()
     if kind == "done":
-        yield chunk(cid, model, {}, FINISH.get(value.stop_reason, "stop"), vlmrt=timings(value), **extra)
-        if include_usage:
-            yield chunk(cid, model, None, usage=usage(value))
-        yield DONE
-    elif kind == "error":  # after the first piece: the stream has begun, so the error is an event
-        yield b"data: " + json.dumps(value.body()).encode() + b"\n\n"
+        metrics.finished(value)
+    if kind in ("done", "error"):
+        yield kind, value

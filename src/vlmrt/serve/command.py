@@ -135,6 +135,7 @@ def build(a, bundle: str, on_load_error=None):
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
+        import prometheus_client  # noqa: F401
     except ImportError:
         raise ValueError("vlmrt serve needs the serve extra: pip install 'vlmrt[serve]'") from None
     from ..format.manifest import load as load_manifest

@@ -184,5 +184,5 @@ def with_images(messages: list[dict], images: list, videos: list = ()) -> list[d
             return {"type": "video", "video": next(vit)}
         return p
 
-    return [{"role": m["role"], "content": [part(p) for p in m["content"]] if isinstance(m["content"], list)
-             else m["content"]} for m in messages]
+    return [{**m, "content": [part(p) for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
+            for m in messages]

@@ -1,11 +1,12 @@
 """An OpenAI chat-completions request body -> a checked ChatRequest (every problem one 400 APIError).
 
-Fields read: messages (system / developer / user / assistant; content a string or text / image_url / video_url parts
-(video_url as vLLM takes it: {"type": "video_url", "video_url": {"url": ...}})), stream,
-stream_options.include_usage, max_completion_tokens / max_tokens, temperature, top_p, seed, stop, n (1 only), and the
-extensions llama.cpp and vLLM also take: top_k, ignore_eos. Fields asking for what vlmrt does not do (logprobs,
-structured output, tools, penalties, logit_bias, audio) are refused (400 unsupported_parameter) unless they ask for
-the default, which is what ignoring them gives; the others (model, user, metadata, store, ...) are ignored.
+Fields read: messages (system / developer / user / assistant / tool; content a string or text / image_url / video_url
+parts (video_url as vLLM takes it: {"type": "video_url", "video_url": {"url": ...}}); an assistant's tool_calls, a
+tool message's tool_call_id), tools and tool_choice (none / auto), stream, stream_options.include_usage,
+max_completion_tokens / max_tokens, temperature, top_p, seed, stop, n (1 only), and the extensions llama.cpp and vLLM
+also take: top_k, ignore_eos. Fields asking for what vlmrt does not do (logprobs, structured output, a required or
+named tool_choice, penalties, logit_bias, audio) are refused (400 unsupported_parameter) unless they ask for the
+default, which is what ignoring them gives; the others (model, user, metadata, store, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from ..runtime.conversation import ConversationError, parse_messages
 from .errors import APIError, bad_request
 
 MAX_STOP = 16
+MAX_TOOLS = 128  # OpenAI's limit
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
+GRAMMAR = "needs grammar-constrained decoding, which this server does not have yet"
 MAX_VIDEOS = 1  # a video is up to the bundle's max frames (64 for SmolVLM2) of images already
 
 
@@ -30,7 +35,8 @@ class ChatRequest:
     video_urls: list[str] = field(default_factory=list)  # the video_url urls, in order
     stream: bool = False
     include_usage: bool = False
-    options: dict = field(default_factory=dict)  # VLM.chat keyword arguments
+    options: dict = field(default_factory=dict)  # VLM.chat keyword arguments (tools, unless tool_choice none)
+    tools: list[dict] | None = None  # the functions the answer may call (tool_choice auto); None: a text answer
 
 
 def _json(raw: bytes):
@@ -42,7 +48,7 @@ def _json(raw: bytes):
         raise bad_request(f"the body is not valid JSON: {e}", "invalid_json") from None
 
 
-def _number(body: dict, name: str, kind, lo=None, hi=None, lo_open=False):
+def number(body: dict, name: str, kind, lo=None, hi=None, lo_open=False):
     v = body.get(name)
     if v is None:
         return None
@@ -71,8 +77,8 @@ UNSUPPORTED = {
     "top_logprobs": (lambda v, b: v in (None, 0), "log probabilities are not returned"),
     "response_format": (lambda v, b: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                         "structured output (json_object, json_schema) is not supported"),
-    "tools": (lambda v, b: not v or b.get("tool_choice") == "none", "tools (function calling) are not supported"),
-    "tool_choice": (lambda v, b: v in (None, "none", "auto"), "tools (function calling) are not supported"),
+    "tool_choice": (lambda v, b: not isinstance(v, dict) and v != "required",
+                    f"a required or named tool_choice {GRAMMAR} (none and auto are taken)"),
     "functions": (lambda v, b: not v, "functions (function calling) are not supported"),
     "function_call": (lambda v, b: v in (None, "none", "auto"), "functions (function calling) are not supported"),
     "frequency_penalty": (lambda v, b: v in (None, 0), "repetition penalties are not supported (only 0)"),
@@ -102,6 +108,53 @@ def _stop(v) -> list[str] | None:
 
 
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # content part type -> its kind in the cache key
+
+
+def _invalid(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", "invalid_request_error", "invalid_parameter", param=param)
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """tools ([{"type": "function", "function": {"name", "description", "parameters", "strict"}}], checked: a
+    malformed one or an unknown field is a 400 naming it) and tool_choice; None when the answer is text (no tools,
+    or tool_choice none)."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise _invalid("tool_choice", "must be \"none\" or \"auto\" (or \"required\" / a named function, which "
+                                      f"this server refuses: it {GRAMMAR})")
+    raw = body.get("tools")
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise _invalid("tools", f"must be a list of at most {MAX_TOOLS} functions")
+    out, names = [], set()
+    for i, t in enumerate(raw):
+        at = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise _invalid(at, "must be {\"type\": \"function\", \"function\": {\"name\", \"description\", "
+                               "\"parameters\"}}")
+        f = t["function"]
+        for extra, where in ((set(t) - {"type", "function"}, at), (set(f) - {"name", "description", "parameters",
+                                                                             "strict"}, at + ".function")):
+            if extra:
+                name = sorted(map(str, extra))[0]
+                raise _invalid(f"{where}.{name[:40]}", "unknown field")
+        name = f.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise _invalid(at + ".function.name", "must be 1 to 64 letters, digits, _ or -")
+        if name in names:
+            raise _invalid(at + ".function.name", f"{name!r} is given twice")
+        names.add(name)
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise _invalid(at + ".function.description", "must be a string")
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise _invalid(at + ".function.parameters", "must be a JSON Schema object")
+        if f.get("strict") not in (None, False):
+            raise APIError(400, f"{at}.function.strict: arguments that follow the schema strictly {GRAMMAR}",
+                           "invalid_request_error", "unsupported_parameter", param=at + ".function.strict")
+        out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters")
+                                                      if f.get(k) is not None}})
+    return None if choice == "none" else out
 
 
 def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
@@ -134,7 +187,9 @@ def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
                 parts.append(p)
         else:
             kparts.append(("text", content))
-        out.append({"role": role, "content": parts})
+        extra = {k: m[k] for k in ("tool_calls", "tool_call_id") if m.get(k) is not None}
+        kparts += [(k, json.dumps(v, sort_keys=True)) for k, v in extra.items()]  # (checked by parse_messages below)
+        out.append({"role": role, "content": parts, **extra})
         key.append((role, tuple(kparts)))
     try:
         parse_messages(out)  # roles, text types, images only in user turns, the last turn the user's
@@ -144,35 +199,47 @@ def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
 
 
 def parse_request(raw: bytes, max_images: int) -> ChatRequest:
+    return parse_body(parse_json(raw), max_images)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body: a JSON object."""
     body = _json(raw)
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
+    return body
+
+
+def parse_body(body: dict, max_images: int) -> ChatRequest:
+    """A chat-completions request (parsed JSON; the Responses API's translated into one: responses_api.py)."""
     messages, urls, key, video_urls = _messages(body.get("messages"))
     if len(urls) > max_images:
         raise bad_request(f"{len(urls)} images; this server takes at most {max_images} per request", "too_many_images")
     if len(video_urls) > MAX_VIDEOS:
         raise bad_request(f"{len(video_urls)} videos; this server takes at most {MAX_VIDEOS} per request", "too_many_images")
-    n = _number(body, "n", int)
+    n = number(body, "n", int)
     if n not in (None, 1):
         raise bad_request("only n = 1 is supported", "invalid_parameter")
     _unsupported(body)
+    tools = _tools(body)
     stream = body.get("stream", False)
     so = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
         raise bad_request("stream must be a boolean and stream_options an object ({\"include_usage\": a boolean})",
                           "invalid_parameter")
-    tokens = _number(body, "max_completion_tokens", int, 1)
-    tokens = tokens if tokens is not None else _number(body, "max_tokens", int, 1)
+    tokens = number(body, "max_completion_tokens", int, 1)
+    tokens = tokens if tokens is not None else number(body, "max_tokens", int, 1)
     opts = {
         "max_new_tokens": tokens,
-        "temperature": _number(body, "temperature", float, 0, 2),
-        "top_p": _number(body, "top_p", float, 0, 1, lo_open=True),
-        "top_k": _number(body, "top_k", int, 0),
-        "seed": _number(body, "seed", int, 0, 2**64 - 1),
+        "temperature": number(body, "temperature", float, 0, 2),
+        "top_p": number(body, "top_p", float, 0, 1, lo_open=True),
+        "top_k": number(body, "top_k", int, 0),
+        "seed": number(body, "seed", int, 0, 2**64 - 1),
         "stop": _stop(body.get("stop")),
         "ignore_eos": body.get("ignore_eos"),
+        "tools": tools,
     }
     if opts["ignore_eos"] is not None and not isinstance(opts["ignore_eos"], bool):
         raise bad_request("ignore_eos must be a boolean", "invalid_parameter")
     return ChatRequest(messages, urls, key, video_urls, stream, bool(so.get("include_usage")),
-                       {k: v for k, v in opts.items() if v is not None})
+                       {k: v for k, v in opts.items() if v is not None}, tools)

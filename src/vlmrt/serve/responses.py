@@ -1,12 +1,16 @@
 """The answer objects: a chat.completion, the chat.completion.chunk events of a stream, usage, and the `vlmrt` field
-(timings: queue wait, time to first token, prefill and decode tokens/s, prompt tokens reused from the slot's cache)."""
+(timings: queue wait, time to first token, prefill and decode tokens/s, prompt tokens reused from the slot's cache);
+with tools, the answer's tool calls read back (ToolReader: the checkpoint's format, runtime/tool_calls.py) as
+`tool_calls` and finish_reason "tool_calls", streamed as OpenAI streams them."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
+from ..runtime.tool_calls import ToolFormat, held_from
 from .scheduler import Finished
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -33,10 +37,30 @@ def timings(f: Finished) -> dict:
             "drafted_tokens": s["drafted_tokens"], "accepted_tokens": s["accepted_tokens"]}
 
 
-def completion(cid: str, model: str, f: Finished) -> dict:
+@dataclass(frozen=True)
+class ToolReader:
+    """How to read an answer's tool calls: the checkpoint's format and the names of the functions given."""
+
+    fmt: ToolFormat
+    names: frozenset[str]
+
+    def read(self, text: str) -> tuple[str, list[dict]]:
+        """(content, calls as OpenAI's tool_calls: id, type, function name and arguments as a JSON string)."""
+        content, calls = self.fmt.parse(text, set(self.names))
+        return content, [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                          "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                         for c in calls]
+
+
+def completion(cid: str, model: str, f: Finished, tools: ToolReader | None = None) -> dict:
+    message, finish = {"role": "assistant", "content": f.text}, FINISH.get(f.stop_reason, "stop")
+    if tools is not None:
+        content, calls = tools.read(f.text)
+        if calls:
+            message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+            finish = "tool_calls"
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text},
-                         "finish_reason": FINISH.get(f.stop_reason, "stop"), "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": usage(f), "vlmrt": timings(f)}
 
 
@@ -49,3 +73,41 @@ def chunk(cid: str, model: str, delta: dict | None = None, finish: str | None = 
 
 
 DONE = b"data: [DONE]\n\n"
+
+
+async def chat_stream(events, cid: str, model: str, include_usage: bool, tools: ToolReader | None = None):
+    """The chat.completion.chunk events of a stream, from app._events' (kind, value) pairs. With tools, text that
+    may begin a tool call is held back (runtime/tool_calls.held_from) and read at the end: each call is a delta with
+    its index, id, type and name, then one with its arguments, as OpenAI streams them; finish_reason tool_calls."""
+    extra = {"usage": None} if include_usage else {}
+    yield chunk(cid, model, {"role": "assistant", "content": ""}, **extra)
+    text, sent = "", 0
+    async for kind, value in events:
+        if kind == "piece" and tools is None:
+            yield chunk(cid, model, {"content": value}, **extra)
+        elif kind == "piece":
+            text += value
+            upto = held_from(tools.fmt, text)
+            if upto > sent:
+                yield chunk(cid, model, {"content": text[sent:upto]}, **extra)
+                sent = upto
+        elif kind == "done":
+            finish = FINISH.get(value.stop_reason, "stop")
+            if tools is not None:
+                content, calls = tools.read(value.text)
+                rest = (content[sent:] if calls else value.text[sent:]) if value.text.startswith(text[:sent]) else ""
+                if rest and (rest.strip() or not calls):
+                    yield chunk(cid, model, {"content": rest}, **extra)
+                for i, c in enumerate(calls):
+                    named = {"index": i, "id": c["id"], "type": "function",
+                             "function": {"name": c["function"]["name"], "arguments": ""}}
+                    yield chunk(cid, model, {"tool_calls": [named]}, **extra)
+                    yield chunk(cid, model, {"tool_calls": [{"index": i, "function": {
+                        "arguments": c["function"]["arguments"]}}]}, **extra)
+                finish = "tool_calls" if calls else finish
+            yield chunk(cid, model, {}, finish, vlmrt=timings(value), **extra)
+            if include_usage:
+                yield chunk(cid, model, None, usage=usage(value))
+            yield DONE
+        else:  # an error after the first piece: the stream has begun, so the error is an event
+            yield b"data: " + json.dumps(value.body()).encode() + b"\n\n"

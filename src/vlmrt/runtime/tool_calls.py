@@ -1,0 +1,223 @@
+"""Tool-call formats: how a checkpoint's chat template asks for tool calls, and how its answers are read back.
+
+    fmt = tool_format(prompt_spec.chat_template)       # the registry entry the template's text names
+    content, calls = fmt.parse(answer_text, {"get_weather"})   # calls: [{"name", "arguments": {...}}], or [] (text)
+    fmt.write(calls)                                   # earlier calls as the model writes them (templates that do
+                                                       # not render an assistant's tool_calls themselves)
+
+The registry, by name (FORMATS), chosen from the template's own text:
+  hermes   the template writes `<tool_call>` (Qwen2.5 / Qwen3 / Qwen3-VL): answers hold `<tool_call>{"name": ...,
+           "arguments": {...}}</tool_call>` blocks, content around them.
+  pythonic the template writes `<|tool_list_start|>` / `<|tool_call_start|>` (LFM2, LFM2-VL):
+           `<|tool_call_start|>[name(arg="v", n=1), ...]<|tool_call_end|>` (Python call syntax, literal arguments)
+           then text; where the markers are special tokens the decoded text lacks them, so a leading `[name(...)]`
+           whose every name is a given tool is read as calls too.
+  generic  a template that does not mention tools (SmolLM2, SmolVLM, the demo model): the tools are described in a
+           system turn (system_text), the answer is a JSON object {"tool_calls": [{"name", "arguments"}]} or plain
+           text, and tool results are given back as a user turn (result_text).
+A template that renders `tools` in a format not in the registry gets none (tool_format returns None: the caller
+refuses tools rather than guess).
+
+Reading is lenient the way vLLM's parsers are: a block that is not valid JSON / call syntax, or that names a
+function that was not given, leaves the whole answer as text (no calls).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+Call = dict  # {"name": str, "arguments": dict}
+
+
+def _call(name, arguments, names: set[str]) -> Call | None:
+    if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
+        return None
+    return {"name": name, "arguments": arguments}
+
+
+def _blocks(text: str, start: str, end: str, read: Callable[[str], list | None]) -> tuple[str, list[Call]]:
+    """content (the text outside the blocks) and the calls read from each start...end block; no calls (the text
+    whole) when a block is unclosed or unreadable."""
+    content, calls, at = [], [], 0
+    while (i := text.find(start, at)) >= 0:
+        j = text.find(end, i + len(start))
+        if j < 0:
+            return text, []
+        got = read(text[i + len(start):j])
+        if got is None:
+            return text, []
+        content.append(text[at:i])
+        calls += got
+        at = j + len(end)
+    content.append(text[at:])
+    return "".join(content), calls
+
+
+# --- hermes ------------------------------------------------------------------------------------------------------
+def _hermes_one(body: str, names: set[str]) -> list[Call] | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some fine-tunes write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    call = _call(obj.get("name"), args, names)
+    return None if call is None else [call]
+
+
+def _hermes_parse(text: str, names: set[str]) -> tuple[str, list[Call]]:
+    return _blocks(text, "<tool_call>", "</tool_call>", lambda b: _hermes_one(b, names))
+
+
+def _hermes_write(calls: list[Call]) -> str:
+    return "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]},
+                                                  ensure_ascii=False) + "\n</tool_call>" for c in calls)
+
+
+# --- pythonic ----------------------------------------------------------------------------------------------------
+PY_START, PY_END = "<|tool_call_start|>", "<|tool_call_end|>"
+
+
+def _pythonic_list(body: str, names: set[str]) -> list[Call] | None:
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+        if len(args) != len(node.keywords):
+            return None
+        call = _call(node.func.id, args, names)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+def _pythonic_parse(text: str, names: set[str]) -> tuple[str, list[Call]]:
+    if PY_START in text:
+        return _blocks(text, PY_START, PY_END, lambda b: _pythonic_list(b, names))
+    stripped = text.lstrip()
+    if stripped.startswith("["):  # the markers were special tokens, dropped from the decoded text
+        for end in [m.end() for m in re.finditer(r"\]", stripped)]:
+            calls = _pythonic_list(stripped[:end], names)
+            if calls:
+                return stripped[end:], calls
+    return text, []
+
+
+def _py_value(v) -> str:
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # a double-quoted literal, as LFM2 writes them
+    if isinstance(v, bool) or v is None:
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_py_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_py_value(str(k))}: {_py_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(v)
+
+
+def _pythonic_write(calls: list[Call]) -> str:
+    body = ", ".join(f"{c['name']}(" + ", ".join(f"{k}={_py_value(v)}" for k, v in c["arguments"].items()) + ")"
+                     for c in calls)
+    return f"{PY_START}[{body}]{PY_END}"
+
+
+# --- generic -----------------------------------------------------------------------------------------------------
+def _generic_parse(text: str, names: set[str]) -> tuple[str, list[Call]]:
+    body = text.strip()
+    if body.startswith("```"):  # a fenced block: ```json ... ```
+        body = re.sub(r"^```[a-zA-Z]*\s*|\s*```$", "", body)
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return text, []
+    raw = obj.get("tool_calls") if isinstance(obj, dict) else None
+    if isinstance(obj, dict) and "tool_call" in obj:
+        raw = [obj["tool_call"]]
+    if not isinstance(raw, list) or not raw:
+        return text, []
+    calls = [_call(c.get("name"), c.get("arguments", {}), names) if isinstance(c, dict) else None for c in raw]
+    return ("", calls) if all(calls) else (text, [])
+
+
+def _generic_write(calls: list[Call]) -> str:
+    return json.dumps({"tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in calls]},
+                      ensure_ascii=False)
+
+
+def generic_system_text(tools: list[dict]) -> str:
+    """The system turn's description of the tools, for a template that has no tool format of its own."""
+    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return ("Functions you can call (with the JSON Schema of their arguments):\n" + listed + "\nTo call them, answer "
+            'only {"tool_calls": [{"name": ..., "arguments": {...}}]}; else answer in text.')
+
+
+def generic_result_text(name: str | None, call_id: str, content: str) -> str:
+    """A tool message's result, as the user turn that gives it back (generic format)."""
+    return f"Result of function {name or '?'} (call {call_id}):\n{content}"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    parse: Callable[[str, set[str]], tuple[str, list[Call]]]  # (answer, tool names) -> (content, calls)
+    write: Callable[[list[Call]], str]  # calls as the model writes them
+    start: str | None  # what begins a call in an answer: a stream holds text back from it (None: generic, below)
+    renders_tools: bool  # the template itself lists the tools and takes tool messages (else: generic's turns)
+
+
+FORMATS = {
+    "hermes": ToolFormat("hermes", _hermes_parse, _hermes_write, "<tool_call>", True),
+    "pythonic": ToolFormat("pythonic", _pythonic_parse, _pythonic_write, PY_START, True),
+    # an answer that begins with "{" (or a ``` fence) may be a call: a stream holds it back until the end
+    "generic": ToolFormat("generic", _generic_parse, _generic_write, None, False),
+}
+
+
+def tool_format(chat_template: str) -> ToolFormat | None:
+    """The format the template's text asks for; None for a template that renders tools in a format vlmrt does not
+    know (tools are then refused)."""
+    if "<tool_call>" in chat_template:
+        return FORMATS["hermes"]
+    if PY_START in chat_template or "<|tool_list_start|>" in chat_template:
+        return FORMATS["pythonic"]
+    if re.search(r"\btools\b", chat_template):
+        return None
+    return FORMATS["generic"]
+
+
+def held_from(fmt: ToolFormat, text: str) -> int:
+    """How much of a streamed answer's text so far may be sent as content: the rest may begin a tool call (a start
+    marker, or its beginning at the end of text; for generic, an answer that begins with "{" or "`")."""
+    if fmt.start is None:
+        lead = text.lstrip()
+        return 0 if not lead or lead[0] in "{`" else len(text)
+    i = text.find(fmt.start)
+    if i >= 0:
+        return i
+    for k in range(min(len(fmt.start) - 1, len(text)), 0, -1):
+        if fmt.start.startswith(text[-k:]):
+            return len(text) - k
+    if fmt.name == "pythonic" and text.lstrip()[:1] in ("", "["):  # a bare call list (markers dropped)
+        return 0
+    return len(text)

@@ -1,0 +1,381 @@
+"""The OpenAI API as its clients use it (issue 49), driven with the official openai SDK against `vlmrt serve` on
+loopback: GET /metrics parsed by prometheus_client's parser after real requests, POST /v1/responses (plain, image,
+streamed, multi-turn, refusals), tools in chat completions (rendered through the checkpoint's template, tool
+messages in the next turn). The tool-call parsers on each template format's real output: tests/test_tool_calls.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serve_client import (  # noqa: F401  (fixtures: tiny, server, client, vlm)
+    TEXT, ask, client, direct, openai, picture, request, server, start, tiny, uri, vlm)
+
+prometheus = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from vlmrt.runtime.pipeline import VLM  # noqa: E402
+
+KEY = "sk-metrics-test"
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny):
+    r = start(tiny.bundle, "--slots", "2", "--queue", "4", "--api-key", KEY)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_client(keyed):
+    return openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def scrape(r) -> dict:
+    """{sample name: {labels as a sorted tuple: value}} of GET /metrics, parsed by prometheus_client."""
+    status, body, headers = request(r, "GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4"), (status, body)
+    out: dict = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def one(m: dict, name: str, **labels) -> float:
+    return m.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+
+# ------------------------------------------------------------------------- GET /metrics
+
+
+def test_metrics_after_real_requests(keyed, keyed_client):
+    before = scrape(keyed)
+    assert request(keyed, "GET", "/metrics")[0] == 401  # behind --api-key like every route but / and /health
+    assert one(before, "vlmrt_model_loaded") == 1 and one(before, "vlmrt_slots") == 2
+    assert one(before, "vlmrt_kv_cache_bytes") > 0
+
+    messages = [ask("What is in the picture?", uri(picture(4)))]
+    a = keyed_client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+    again = keyed_client.chat.completions.create(model="m", messages=messages, max_tokens=8)  # its rows kept
+    chunks = list(keyed_client.chat.completions.create(model="m", messages=[TEXT], max_tokens=5, stream=True,
+                                                       stream_options={"include_usage": True}))
+    b = chunks[-1]
+    with pytest.raises(openai.BadRequestError):
+        keyed_client.chat.completions.create(model="m", messages=[TEXT], max_tokens=0)
+    assert request(keyed, "GET", "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})[0] == 404
+    after = scrape(keyed)
+
+    def grew(name, **labels):
+        return one(after, name, **labels) - one(before, name, **labels)
+
+    route = "/v1/chat/completions"
+    assert grew("vlmrt_requests_total", route=route, status="200") == 3
+    assert grew("vlmrt_requests_total", route=route, status="400") == 1
+    assert grew("vlmrt_requests_total", route="other", status="404") == 1
+    assert grew("vlmrt_requests_total", route="/metrics", status="401") == 1
+    assert grew("vlmrt_requests_total", route="/metrics", status="200") == 1  # the first scrape (counted as it began)
+    assert grew("vlmrt_prompt_tokens_total") == a.usage.prompt_tokens * 2 + b.usage.prompt_tokens
+    assert grew("vlmrt_generated_tokens_total") == (a.usage.completion_tokens + b.usage.completion_tokens
+                                                    + again.usage.completion_tokens)
+    assert grew("vlmrt_cached_prompt_tokens_total") == again.usage.prompt_tokens_details.cached_tokens > 0
+    assert grew("vlmrt_images_total") == 2 and grew("vlmrt_images_cached_total") == 1
+    assert grew("vlmrt_time_to_first_token_seconds_count") == 3
+    assert grew("vlmrt_time_to_first_token_seconds_sum") > 0
+    assert grew("vlmrt_inter_token_latency_seconds_count") == grew("vlmrt_generated_tokens_total") - 3
+    assert grew("vlmrt_scheduler_jobs_total", outcome="completed") == 3
+    assert grew("vlmrt_scheduler_jobs_total", outcome="refused") == 0  # max_tokens 0 is refused before the queue
+    assert one(after, "vlmrt_slots_busy") == 0 and one(after, "vlmrt_queue_depth") == 0
+    assert one(after, "vlmrt_image_cache_bytes") > 0
+
+
+# ------------------------------------------------------------------------- POST /v1/responses
+
+
+def post_responses(r, obj):
+    return request(r, "POST", "/v1/responses", json.dumps(obj).encode())
+
+
+def test_responses_plain_image_and_multi_turn(client, vlm):
+    out = client.responses.create(model="m", input="hi", max_output_tokens=8)
+    want = direct(vlm, [TEXT], max_new_tokens=8)
+    assert out.object == "response" and out.output_text == want and out.output[0].role == "assistant"
+    assert out.usage.input_tokens == vlm.result.stats.prompt_tokens
+    assert out.usage.output_tokens == vlm.result.stats.generated_tokens
+    cut = vlm.result.stats.stop_reason in ("length", "context")
+    assert out.status == ("incomplete" if cut else "completed")
+    assert (out.incomplete_details.reason if cut else out.incomplete_details) == ("max_output_tokens" if cut else None)
+
+    image = uri(picture(5))
+    system = {"role": "system", "content": "Answer briefly."}
+    items = [{"role": "user", "content": [{"type": "input_image", "image_url": image},
+                                          {"type": "input_text", "text": "What is in the picture?"}]}]
+    out = client.responses.create(model="m", input=items, instructions="Answer briefly.", max_output_tokens=10,
+                                  temperature=0.8, top_p=0.9, extra_body={"seed": 7})
+    messages = [system, ask("What is in the picture?", image)]
+    assert out.output_text == direct(vlm, messages, max_new_tokens=10, temperature=0.8, top_p=0.9, seed=7)
+    assert out.model_extra["vlmrt"]["images"] == 1
+
+    items += [{"role": "assistant", "content": [{"type": "output_text", "text": out.output_text}]},
+              {"role": "user", "content": "And its colour?"}]
+    follow = client.responses.create(model="m", input=items, instructions="Answer briefly.", max_output_tokens=10)
+    messages += [{"role": "assistant", "content": out.output_text}, {"role": "user", "content": "And its colour?"}]
+    assert follow.output_text == direct(vlm, messages, max_new_tokens=10)
+    assert follow.usage.input_tokens_details.cached_tokens > 0  # the conversation's rows kept on its slot
+
+
+def test_responses_streamed(client, vlm):
+    image = uri(picture(6))
+    want = direct(vlm, [ask("Describe it.", image)], max_new_tokens=12)
+    events = list(client.responses.create(model="m", max_output_tokens=12, stream=True, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": image},
+                                     {"type": "input_text", "text": "Describe it."}]}]))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    end = "response.incomplete" if vlm.result.stats.stop_reason in ("length", "context") else "response.completed"
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"] + ["response.output_text.delta"] * len(deltas)
+                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done", end])
+    assert len(deltas) > 1 and "".join(deltas) == want
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    last = events[-1].response
+    assert last.output_text == want and last.usage.output_tokens == vlm.result.stats.generated_tokens
+    assert events[-4].text == want and events[-2].item.content[0].text == want
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"truncation": "auto"}, "truncation"),
+])
+def test_responses_refusals_name_the_field(server, body, param):
+    status, got, _ = post_responses(server, {"model": "m", "input": "hi", **body})
+    assert status == 400 and got["error"]["param"] == param and got["error"]["code"] == "unsupported_parameter", got
+    assert got["error"]["message"].startswith(param + ":")
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"input": []}, "input must be"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]: input_image needs"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]: unknown"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]: item type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0]: role"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens must be"),
+    ({"input": "hi", "temperature": 9}, "temperature must be"),
+    ({"input": [{"role": "assistant", "content": "hi"}]}, "the last message must be the user's"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "file:///etc/passwd"}]}]},
+     "only data:image URIs"),
+])
+def test_responses_bad_input_is_a_400(server, body, says):
+    status, got, _ = post_responses(server, {"model": "m", **body})
+    assert status == 400 and says in got["error"]["message"], got
+
+
+# ------------------------------------------------------------------------- tools in chat completions
+
+WEATHER = {"type": "function", "function": {  # short: the tiny bundles' context is 320 tokens
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+
+
+def follow_up(call_id: str, arguments: str = '{"city": "Paris"}') -> list[dict]:
+    """The question, the assistant's call, the tool's result: the next turn's messages."""
+    return [QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": '{"sky": "clear", "c": 21}'}]
+
+
+def scripted(r, text: str, own: list) -> None:
+    """Each slot of r answers text (in pieces of 5 characters) after running its real answer (own: the slots' chat
+    methods; the answer's decode steps go to the batch as usual): what a model that calls a tool would write, which a
+    random tiny model does not."""
+    for slot, chat in zip(r.app.state.vlmrt.scheduler.slots, own):
+
+        def run(messages, chat=chat, vlm=slot.vlm, **kw):
+            for piece in chat(messages, **kw):
+                if not isinstance(piece, str):  # the batch's step marker: passed on to the scheduler
+                    yield piece
+            vlm.result.text = text
+            yield from (text[i:i + 5] for i in range(0, len(text), 5))
+
+        slot.vlm.chat = run
+
+
+def qwen3_vl(tmp_path_factory):
+    from family_cases import QWEN_CASES, qwen_exported
+
+    return qwen_exported(next(c for c in QWEN_CASES if c.name == "qwen3-vl"), tmp_path_factory).bundle
+
+
+@pytest.fixture(scope="module")
+def qwen_plain(tmp_path_factory):
+    """The Qwen3-VL tiny bundle (its fixture template has no tool parts: the generic format; its context holds the
+    generic tool turns, which the SmolVLM tiny bundle's 320 tokens of a 480-token vocabulary do not), one slot."""
+    bundle = qwen3_vl(tmp_path_factory)
+    r = start(bundle, "--slots", "1", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen_tools(tmp_path_factory):
+    """The Qwen3-VL tiny bundle with its template's tool parts (tests/tool_templates.py: hermes), one slot."""
+    import shutil
+
+    from tool_templates import QWEN3_VL_TOOLS
+
+    bundle = tmp_path_factory.mktemp("qwen-tools") / "bundle"
+    shutil.copytree(qwen3_vl(tmp_path_factory), bundle)
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["prompt"]["chat_template"] = QWEN3_VL_TOOLS
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    r = start(bundle, "--slots", "1", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def lfm2_tools(tmp_path_factory):
+    """The LFM2-VL tiny bundle (family_cases.LFM2_CASES[0]) with its template's tool parts (pythonic), one slot."""
+    import shutil
+
+    from family_cases import LFM2_CASES, lfm2_exported
+    from tool_templates import LFM2_VL_TOOLS
+
+    bundle = tmp_path_factory.mktemp("lfm2-tools") / "bundle"
+    shutil.copytree(lfm2_exported(LFM2_CASES[0], tmp_path_factory).bundle, bundle)
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["prompt"]["chat_template"] = LFM2_VL_TOOLS
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    r = start(bundle, "--slots", "1", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
+@pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools", "lfm2_tools"], ids=["generic", "hermes", "pythonic"])
+def test_tools_rendered_then_a_tool_result_in_the_next_turn(served, request):
+    """tools go into the prompt through the checkpoint's template (the answer is VLM.chat's with the same tools);
+    the next turn with the assistant's tool_calls and a tool message is answered, the conversation's rows reused."""
+    r, ref = request.getfixturevalue(served)
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    plain = c.chat.completions.create(model="m", messages=[QUESTION], max_tokens=6)
+    none = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], tool_choice="none", max_tokens=6)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # tool_choice none: the tools are left out
+    out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=6)
+    assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the tools are in the prompt
+    assert out.choices[0].message.content == direct(ref, [QUESTION], max_new_tokens=6, tools=[WEATHER])
+    assert ref.result.stats.prompt_tokens == out.usage.prompt_tokens
+
+    messages = follow_up("call_abc")
+    nxt = c.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=6)
+    assert nxt.choices[0].message.content == direct(ref, messages, max_new_tokens=6, tools=[WEATHER])
+    assert nxt.usage.prompt_tokens == ref.result.stats.prompt_tokens
+    # the turn before kept, as far as whole prefill blocks go (the case's prefill_ar: 16 tokens)
+    assert nxt.usage.prompt_tokens_details.cached_tokens > out.usage.prompt_tokens - 16
+    streamed = list(c.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=6, stream=True))
+    assert "".join(x.choices[0].delta.content or "" for x in streamed if x.choices) == nxt.choices[0].message.content
+
+
+def test_tool_calls_answered_as_openai_answers_them(qwen_tools):
+    """A hermes answer (the template's own <tool_call> format, scripted: a random model does not call tools) comes
+    back as tool_calls with finish_reason tool_calls, whole and streamed as OpenAI streams them (the SDK's
+    accumulated deltas); a plain answer stays content."""
+    r, _ = qwen_tools
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    own = [slot.vlm.chat for slot in r.app.state.vlmrt.scheduler.slots]
+    answer = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice"}}\n</tool_call>')
+    scripted(r, answer, own)
+    try:
+        out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+        calls = choice.message.tool_calls
+        assert [(t.type, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+            ("function", "get_weather", {"city": "Paris"}), ("function", "get_weather", {"city": "Nice"})]
+        assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+
+        chunks = list(c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4,
+                                                stream=True))
+        deltas = [x.choices[0].delta for x in chunks if x.choices]
+        assert "".join(d.content or "" for d in deltas) == "Let me check.\n"  # sent before the call began
+        assert not any("<tool" in (d.content or "") for d in deltas)
+        got: dict = {}
+        for d in deltas:
+            for t in d.tool_calls or ():
+                e = got.setdefault(t.index, {"id": t.id, "name": "", "arguments": ""})
+                e["name"] += t.function.name or ""
+                e["arguments"] += t.function.arguments or ""
+        assert [(e["name"], json.loads(e["arguments"])) for e in got.values()] == [
+            ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Nice"})]
+        assert all(e["id"].startswith("call_") for e in got.values())
+        assert [x.choices[0].finish_reason for x in chunks if x.choices and x.choices[0].finish_reason] == ["tool_calls"]
+
+        # the follow-up with those calls and their results is answered
+        messages = [QUESTION, choice.message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": t.id, "content": "clear"} for t in calls]
+        scripted(r, "Clear in both.", own)
+        after = c.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=4)
+        assert after.choices[0].message.content == "Clear in both." and after.choices[0].finish_reason != "tool_calls"
+        assert after.usage.prompt_tokens_details.cached_tokens > 0
+        # a call to a function that was not given is not a tool call: the text comes back as it is
+        wrong = answer.replace("get_weather", "delete_files")
+        scripted(r, wrong, own)
+        out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4)
+        assert out.choices[0].message.content == wrong and not out.choices[0].message.tool_calls
+        chunks = list(c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4,
+                                                stream=True))
+        assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == wrong
+    finally:
+        for slot, chat in zip(r.app.state.vlmrt.scheduler.slots, own):
+            slot.vlm.chat = chat
+
+
+BAD_TOOLS = [
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "colour": 1}}]}, "tools[0].function.colour"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]}, "tools[0].x"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_TOOLS)
+def test_malformed_tools_are_a_400_naming_the_field(server, body, param):
+    status, got, _ = request(server, "POST", "/v1/chat/completions",
+                             json.dumps({"messages": [QUESTION], **body}).encode())
+    assert status == 400 and got["error"]["param"] == param and got["error"]["message"].startswith(param), got
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]},
+     "tools[0].function.strict"),
+])
+def test_grammar_constrained_tool_choices_are_refused(server, body, param):
+    status, got, _ = request(server, "POST", "/v1/chat/completions",
+                             json.dumps({"messages": [QUESTION], **body}).encode())
+    assert status == 400 and got["error"]["code"] == "unsupported_parameter" and got["error"]["param"] == param, got
+    assert "grammar" in got["error"]["message"]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m[2].pop("tool_call_id"), "message 3: a tool message needs tool_call_id"),
+    (lambda m: m[2].update(tool_call_id="call_other"), "is not the id of a tool call"),
+    (lambda m: m[1]["tool_calls"][0]["function"].update(arguments="{oops"), "function.arguments is not valid JSON"),
+    (lambda m: m[1]["tool_calls"][0].update(type="code"), "tool_calls[0] must be"),
+])
+def test_malformed_tool_messages_are_a_400(server, edit, says):
+    messages = follow_up("call_1")
+    edit(messages)
+    status, got, _ = request(server, "POST", "/v1/chat/completions",
+                             json.dumps({"messages": messages, "tools": [WEATHER]}).encode())
+    assert status == 400 and says in got["error"]["message"], got
