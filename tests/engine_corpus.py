@@ -3,9 +3,9 @@
 prefix, a video and the HTP target on the simulator; tests/test_engine_corpus.py runs the cases again and compares.
 
     python tests/engine_corpus.py signature          # this machine's kernel signature (the record's key)
-    python tests/engine_corpus.py record             # run every case, write this signature's record into CORPUS
-    benchmarks/avx2-only python tests/engine_corpus.py record     # ... as an AVX2-only CPU (another signature)
-    python tests/engine_corpus.py tolerance          # the cross-signature bounds, from two records' dumped logits
+    python tests/engine_corpus.py record --dump A.npz                        # every case; this signature's record
+    benchmarks/avx2-only python tests/engine_corpus.py record --dump B.npz   # ... as an AVX2-only CPU
+    python tests/engine_corpus.py tolerance A.npz B.npz                      # the cross-signature bounds, into CORPUS
 
 (with the repository's sources first: PYTHONPATH=src, the venv's python). Re-record only for a change that is meant to
 change answers, and say why in its commit (docs/testing.md#the-engine-corpus).
@@ -16,6 +16,7 @@ What a case records (CORPUS, keyed by the signature of the kernels ORT picks on 
            ids[:i], the runtime's scoring path, Engine.score as `vlmrt eval` runs it); for the batched cases the sha256
            of the logits rows each sequence's picks were made from in the batched decode calls
   margins  per step the top-1 minus top-2 logit of those logits (where a pick could flip under other rounding)
+  (and per run kind: the first turn's ids, drafts proposed / accepted, the copying prompt's ids; the bundle's digest)
 
 The runtime is reached only through the "runtime" section below (VLM.load / chat, the teacher-forced scoring, the batch
 driver): a refactor that moves these entry points changes that section, keeping what each function returns, and never
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -295,15 +296,15 @@ def user(text: str, image: str | None = None, video: str | None = None) -> list[
 @dataclass(frozen=True)
 class Case:
     """One recorded run. run: "answer" (an image prompt, greedy, teacher-forced), "follow_up" (a second turn reusing
-    the first's cache), "lookahead" (a prompt that copies, --lookahead 4), "video", "batched" (3 conversations at
-    once through the batched path, then each alone through the same batch), "htp" (the simulator)."""
+    the first's cache), "lookahead" (--lookahead 4: an oracle drafter on the image prompt, then a prompt that copies),
+    "video" (SmolVLM2's frames), "batched" (3 conversations at once through the batched path, then each alone through
+    the same batch), "htp" (the QNN HTP simulator, a text prompt)."""
 
     family: str
     case: str
     precision: str
     run: str
     mode: str = "hybrid"
-    tags: tuple = field(default=())
 
     @property
     def id(self) -> str:
