@@ -70,6 +70,18 @@ def test_sequences_decoding_together_answer_as_alone(tiny, alone):
     assert sched.widest >= 4 and sched.calls < sum(len(w) for w in want) / 2  # they did decode together
 
 
+def test_a_sequence_alone_decodes_through_the_batched_call(alone):
+    """VLM.load's scheduler has one row and no other decode path: each decode step of a sequence alone is one call of
+    the batched graph over its row (B = 1), as a round of n rows is one call over them; in kv mode the prompt's rows
+    are one-row steps too, so the rows kept for a follow-up (CacheRow.reusable) grow with each decoded token."""
+    s = alone.scheduler
+    assert s.batched and len(s.rows) == 1 and s.probed is None and s.min_rows == 1
+    calls = s.calls
+    ids = list(s.generate(s.embed([5, 6, 7]), mode="kv", max_new_tokens=8, ignore_eos=True))
+    assert len(ids) == 8 and s.calls - calls == 7 and s.widest == 1
+    assert s.rows[0].reusable("kv", 3 + 7) == 3 + 7
+
+
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
     """LFM2-VL's gqa_in_place case: conv layers (two in a row, one last) beside a GroupQueryAttention layer."""
