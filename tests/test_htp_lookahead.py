@@ -156,10 +156,10 @@ def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
         e.cache.write([np.stack([np.stack([one[f"new_key_{j}"], one[f"new_value_{j}"]]) for j in range(len(m.kv.layers))])],
                       1, np.array([[pos + i]]))
     plain = VLM.load(b, device="htp")
-    got = list(e.generate(embeds, mode="hybrid", max_new_tokens=16, ignore_eos=True,
+    got = list(npu.scheduler.generate(embeds, mode="hybrid", max_new_tokens=16, ignore_eos=True,
                           prompt_ids=oracle(list(plain.scheduler.generate(embeds, mode="hybrid", max_new_tokens=16,
                                                                        ignore_eos=True)), m.decoder.vocab_size) + ids))
-    assert e.last.accepted_tokens > 0
+    assert npu.scheduler.last.accepted_tokens > 0
     scores = plain.row.score(embeds, got, mode="hybrid")  # plain decoding's logits after each prefix of got
     assert all(s.max() - s[t] < 0.15 for s, t in zip(scores, got))
 

@@ -83,7 +83,7 @@ class Scheduler:
                      for b in range(rows)]
         self.seqs: list[Sequence | None] = [None] * rows  # the sequence on each row
         self.last = GenerationStats()  # the last ended sequence's
-        self._calls: dict[int, BoundStep] = {}  # rows k -> the batched call over rows 0..k-1
+        self._calls: dict[int, _BatchCall] = {}  # rows k -> the batched call over rows 0..k-1
         self.run_s = 0.0  # time inside batched calls, accumulated
         self.calls = 0  # batched calls
         self.rows_decoded = 0  # rows that waited, summed over batched calls (/ calls: the mean batch)
