@@ -32,6 +32,7 @@ import platform
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,11 +42,20 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # run as a script: the suite's helpers (conftest, family_cases) importable
     sys.path.insert(0, str(HERE))
 
+# (conftest first: torchvision's op schemas before transformers imports it, vlmrt's telemetry off)
+from conftest import ASSETS, image_file  # noqa: E402
+
 CORPUS = HERE / "data" / "engine_corpus.json"
 STEPS = 24
 THREADS = 2  # every session's intra-op threads, fixed (not the machine's core count)
 PROMPT = "What is in the image? Describe the colours."
 IMAGE = "chelsea.png"
+FOLLOW_UP = "And what is behind it?"
+COPY = "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana."
+HTP_PROMPT = "Describe a red square."
+HTP_STEPS = 8
+MODES = ("kv", "hybrid")
+QUANT = ("w4a16", "w4a8")
 
 
 # --- the machine's kernel signature -------------------------------------------------------------------------------
@@ -180,6 +190,51 @@ def answer(vlm, messages: list[dict], mode: str, n: int = STEPS, **sampling) -> 
     return list(vlm.result.token_ids), vlm.result.stats
 
 
+class Oracle:
+    """A drafter with PromptLookup's interface that knows plain decoding's answer (`answer`): it proposes the true next
+    tokens, every third call with one wrong among them, so that lookahead's verify calls accept several drafts and
+    reject the rest (a random fixture model copies from its prompt by chance only)."""
+
+    answer: list[int] = []
+    vocab = 0
+
+    def __init__(self, k: int, ids: list[int], adapt: bool = True):
+        self.k, self.n, self.calls = k, 0, 0
+
+    def append(self, token) -> None:
+        self.n += 1
+
+    def propose(self, limit: int) -> list[int]:
+        out = self.answer[self.n : self.n + min(self.k, limit)]
+        self.calls += 1
+        if self.calls % 3 == 0 and len(out) > 1:
+            j = self.calls % len(out)
+            out = out[:j] + [(out[j] + 1) % self.vocab]
+        return out
+
+    def feedback(self, accepted: int, drafted: int) -> None:
+        pass
+
+
+@contextmanager
+def oracle_drafts(answer: list[int], vocab: int):
+    """Oracle in place of PromptLookup wherever the runtime imported it, drafting answer."""
+    from vlmrt.runtime import lookahead as lookahead_module
+
+    Oracle.answer, Oracle.vocab = answer, vocab
+    real = lookahead_module.PromptLookup
+    patched = [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("vlmrt.")
+               and getattr(m, "PromptLookup", None) is real]
+    assert patched
+    try:
+        for m in patched:
+            m.PromptLookup = Oracle
+        yield
+    finally:
+        for m in patched:
+            m.PromptLookup = real
+
+
 def teacher_forced(vlm, messages: list[dict], ids: list[int], mode: str) -> np.ndarray:
     """Logits [len(ids), vocab] float32: row i after the prompt (prefilled fresh in mode) and ids[:i], as `vlmrt eval`
     scores (CacheRow.score)."""
@@ -227,8 +282,6 @@ def batched(path: Path, plan: list[tuple[list[dict], dict, int]], only: int | No
 
 # --- the cases ------------------------------------------------------------------------------------------------------
 def user(text: str, image: str | None = None, video: str | None = None) -> list[dict]:
-    from conftest import image_file
-
     parts = []
     if image:
         parts.append({"type": "image_url", "image_url": {"url": str(image_file(image, Path(tempfile.gettempdir())))}})
@@ -261,15 +314,24 @@ def _cases() -> list[Case]:
     out = []
     for family, fc in FAMILIES.items():
         for c in fc.cases:  # every case (decoder kind) of every family, fp32, both modes
-            out += [Case(family, c.name, "fp32", "answer", mode) for mode in ("kv", "hybrid")]
-    quant = {"smolvlm": "untied-split", "internvl": "internvl3-qwen2-untied", "qwen_vl": "qwen3-vl",
-             "lfm2_vl": "lfm2-conv-attn-conv-conv-gqa"}
-    for family, name in quant.items():
-        for precision in ("w4a8",):  # MatMulNBits' int8 path
-            out += [Case(family, name, precision, "answer", mode) for mode in ("kv", "hybrid")]
-    for family, name in quant.items():  # the batched path: each family's gqa_in_place case
-        for precision in ("fp32", "w4a8"):
-            out.append(Case(family, name, precision, "batched"))
+            out += [Case(family, c.name, "fp32", "answer", mode) for mode in MODES]
+    # each family's gqa_in_place case (the CPU default) at MatMulNBits' float path (w4a16) and int8 path (w4a8)
+    first = {family: fc.cases[0].name for family, fc in FAMILIES.items()}
+    for family, name in first.items():
+        for precision in QUANT:
+            out += [Case(family, name, precision, "answer", mode) for mode in MODES]
+    for family, name in first.items():  # the batched path (a one-row call rounds apart from a multi-row one on w4a16)
+        out += [Case(family, name, precision, "batched") for precision in ("fp32", *QUANT)]
+    for family, name in first.items():  # a second turn on the first's cached prefix; lookahead on a prompt that copies
+        out += [Case(family, name, "fp32", run, mode) for run in ("follow_up", "lookahead") for mode in MODES]
+    out += [Case("lfm2_vl", "lfm2-attn-conv-conv-attn-conv-rows", "fp32", "lookahead"),  # rows_dynamic's logit rows
+            Case("qwen_vl", "qwen2.5-vl-rows", "fp32", "lookahead")]
+    out += [Case("smolvlm", first["smolvlm"], "fp32", "video", mode) for mode in MODES]  # SmolVLM2's frames
+    # the HTP target (test_quant.bundle("htp"): static QDQ graphs, uint8 KV, a lookahead verify graph of AR 5): on the
+    # CPU EP (an image prompt, both modes, lookahead) and on the QNN HTP simulator (a text prompt, both modes)
+    out += [Case("smolvlm", first["smolvlm"], "htp", "answer", mode) for mode in MODES]
+    out += [Case("smolvlm", first["smolvlm"], "htp", "lookahead")]
+    out += [Case("smolvlm", first["smolvlm"], "htp", "htp", mode) for mode in MODES]
     return out
 
 
@@ -308,6 +370,40 @@ def _run(c: Case, tmp_path_factory) -> tuple[dict, dict[str, np.ndarray]]:
         vlm = load(path)
         msgs = user(PROMPT, IMAGE)
         ids, _ = answer(vlm, msgs, c.mode)
+        tf = teacher_forced(vlm, msgs, ids, c.mode)
+        return {"ids": ids, "logits": _sha(tf), "margins": margins(tf)}, {"tf": tf}
+    if c.run == "follow_up":  # turn 2 reuses turn 1's cached prefix (chat); its logits teacher-forced fresh
+        vlm = load(path)
+        first = user(PROMPT, IMAGE)
+        ids1, _ = answer(vlm, first, c.mode)
+        msgs = first + [{"role": "assistant", "content": vlm.result.text}] + user(FOLLOW_UP)
+        ids2, stats = answer(vlm, msgs, c.mode)
+        assert stats.reused_prompt_tokens > 0, "the follow-up reused no prefix"
+        tf = teacher_forced(load(path), msgs, ids2, c.mode)
+        return {"ids": ids2, "first_ids": ids1, "logits": _sha(tf), "margins": margins(tf)}, {"tf": tf}
+    if c.run == "lookahead":
+        # the image prompt with an oracle drafter (several drafts accepted per verify call, some rejected), then a
+        # prompt that copies with the prompt-lookup drafter; logits teacher-forced plain
+        plain, fast = load(path), load(path, lookahead=4)
+        msgs = user(PROMPT, IMAGE)
+        want, _ = answer(plain, msgs, c.mode)
+        with oracle_drafts(want, plain.manifest.decoder.vocab_size):
+            ids, stats = answer(fast, msgs, c.mode)
+        copy, copied = answer(fast, user(COPY), c.mode)
+        tf = teacher_forced(plain, msgs, ids, c.mode)
+        return {"ids": ids, "drafted": stats.drafted_tokens, "accepted": stats.accepted_tokens, "copy_ids": copy,
+                "copy_drafted": copied.drafted_tokens, "copy_accepted": copied.accepted_tokens, "logits": _sha(tf),
+                "margins": margins(tf)}, {"tf": tf}
+    if c.run == "video":
+        vlm = load(path)
+        msgs = user("What happens in the video?", video=ASSETS / "no_time_for_that_tiny.gif")
+        ids, _ = answer(vlm, msgs, c.mode)
+        tf = teacher_forced(vlm, msgs, ids, c.mode)
+        return {"ids": ids, "logits": _sha(tf), "margins": margins(tf)}, {"tf": tf}
+    if c.run == "htp":  # the QNN EP's HTP simulator, a text prompt (the vision graph on the simulator is slow)
+        vlm = load(path, device="htp")
+        msgs = user(HTP_PROMPT)
+        ids, _ = answer(vlm, msgs, c.mode, n=HTP_STEPS)
         tf = teacher_forced(vlm, msgs, ids, c.mode)
         return {"ids": ids, "logits": _sha(tf), "margins": margins(tf)}, {"tf": tf}
     if c.run == "batched":
@@ -431,7 +527,11 @@ def record(only: str | None = None, dump: Path | None = None) -> dict:
     entry["cases"] = dict(sorted(entry["cases"].items()))
     CORPUS.parent.mkdir(exist_ok=True)
     CORPUS.write_text(json.dumps(corpus, indent=1, sort_keys=False) + "\n")
-    if dump:
+    if dump:  # (added to the dump already there: a -k record replaces its cases' logits)
+        if dump.exists():
+            with np.load(dump) as old:
+                assert str(old["__signature__"]) == sig, f"{dump} holds another signature's logits"
+                logits = {**{k: old[k] for k in old.files if k != "__signature__"}, **logits}
         np.savez_compressed(dump, __signature__=np.array(sig), **logits)
     print(f"{sig}: {len(entry['cases'])} cases in {CORPUS} ({time.perf_counter() - t0:.0f} s)")
     return corpus
@@ -439,8 +539,6 @@ def record(only: str | None = None, dump: Path | None = None) -> dict:
 
 if __name__ == "__main__":
     import argparse
-
-    import conftest  # noqa: F401  (torchvision's op schemas before transformers imports it; vlmrt's telemetry off)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)

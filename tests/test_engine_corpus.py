@@ -56,3 +56,12 @@ def test_the_comparison_fails_on_one_bit_of_one_logit():
     with pytest.raises(AssertionError, match="ids differ"):
         ec.compare(case, other, CORPUS, "a machine without a record")
     assert ec.compare(case, copy.deepcopy(want), CORPUS, "a machine without a record") == "within"
+
+
+def test_the_recorded_signatures_agree_within_the_tolerance():
+    """Each signature's record held against the others' as a machine without a record is (compare's "within" rule):
+    a case re-recorded on one signature with other answers, and not on the others, fails here."""
+    for sig, entry in CORPUS["signatures"].items():
+        others = {**CORPUS, "signatures": {s: e for s, e in CORPUS["signatures"].items() if s != sig}}
+        for case in ec.CASES:
+            assert ec.compare(case, entry["cases"][case.id], others, sig) == "within"
