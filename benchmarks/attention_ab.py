@@ -23,8 +23,8 @@ print(f"greedy ids: {same}/{2 * len(PROMPTS)} identical")
 for p in PROMPTS[:3]:
     ids = va.prompt(p).ids
     answer = va(p, mode="kv", max_new_tokens=24, ignore_eos=True).token_ids
-    la = {m: va.engine.score(va.engine.embed(ids), answer, mode=m) for m in ("kv", "hybrid")}
+    la = {m: va.row.score(va.scheduler.embed(ids), answer, mode=m) for m in ("kv", "hybrid")}
     for m in ("kv", "hybrid"):
-        lb = vb.engine.score(vb.engine.embed(ids), answer, mode=m)
+        lb = vb.row.score(vb.scheduler.embed(ids), answer, mode=m)
         print(f"logits {m:6s} {p[:24]:24s} max|A-B| {np.abs(la[m] - lb).max():.3g}   "
               f"A kv vs A hybrid {np.abs(la['kv'] - la['hybrid']).max():.3g}")

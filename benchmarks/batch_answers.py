@@ -1,13 +1,13 @@
-"""Greedy answers of sequences decoding together (runtime/batch_engine.py) vs each alone: how often and where they part.
+"""Greedy answers of sequences decoding together (runtime/scheduler.py) vs each alone: how often and where they part.
 
     python -m benchmarks.batch_answers BUNDLE [--batch 16] [--gen 96] [--threads 2] [--min-rows N]
 
 BUNDLE: a bundle whose decoder takes a batch (decoder.kind.batched). --batch chat prompts (text) are answered alone
-(one Engine, one-row decode steps), then each alone through the batch (row 0 of the batched engines, the others idle:
+(a scheduler of one row, one-row decode steps), then each alone through the batch (row 0 of the batch's scheduler, the others idle:
 a server's request sent alone) and then all together (one decoder call per step, every sequence started at once),
 --gen tokens each (ignore_eos). Prints one JSON object: per sequence the first token index where the answer together
 differs from the one-row engine's (first_difference) and from the one alone through the batch
-(first_difference_batch_alone; null: identical), the batch's probe (BatchDecoder.probe) and the wall times.
+(first_difference_batch_alone; null: identical), the batch's probe (Scheduler.probe) and the wall times.
 --min-rows N overrides the probe's call width (1: every call as wide as its rows, as before the probe).
 """
 
@@ -18,10 +18,9 @@ import json
 import sys
 import time
 
-from vlmrt.runtime.batch_engine import batched_vlms
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.engine import STEP
 from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.sequence import Sequence
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
            "Describe a walk in a forest in autumn.", "What makes a good breakfast? Explain.",
@@ -43,51 +42,35 @@ def main() -> int:
     b = Bundle.open(a.bundle, threads=a.threads, verify=False)
     alone = VLM(b)
     ids = [alone.prompt(PROMPTS[i % len(PROMPTS)]).ids for i in range(a.batch)]
-    e = alone.engine
+    e = alone.scheduler
     t = time.perf_counter()
     want = [list(e.generate(e.embed(x), max_new_tokens=a.gen, ignore_eos=True)) for x in ids]
     t_alone = time.perf_counter() - t
-    vlms, batch = batched_vlms(b, a.batch)
+    sched = VLM.slots(b, a.batch)[0].scheduler
     if a.min_rows:
-        batch.min_rows = a.min_rows
-    first_e = vlms[0].engine
+        sched.min_rows = a.min_rows
     t = time.perf_counter()
-    solo = []
-    for x in ids:
-        out = []
-        for y in first_e.generate(first_e.embed(x), max_new_tokens=a.gen, ignore_eos=True):
-            if y is STEP:
-                batch.run()
-            else:
-                out.append(y)
-        solo.append(out)
+    solo = [list(sched.generate(sched.embed(x), max_new_tokens=a.gen, ignore_eos=True, row=0)) for x in ids]
     t_solo = time.perf_counter() - t
-    batch.calls = batch.rows = 0
-    gens = [v.engine.generate(v.engine.embed(x), max_new_tokens=a.gen, ignore_eos=True) for v, x in zip(vlms, ids)]
-    got = [[] for _ in ids]
+    sched.calls = sched.rows_decoded = 0
     t = time.perf_counter()
-    live = set(range(len(ids)))
-    while live:
-        for i in list(live):
-            for y in gens[i]:
-                if y is STEP:
-                    break
-                got[i].append(y)
-            else:
-                live.discard(i)
-        batch.run()
+    seqs = [sched.add(Sequence(sched.embed(x), max_new_tokens=a.gen, ignore_eos=True), i) for i, x in enumerate(ids)]
+    while sched.running:
+        sched.step()
+    got = [s.ids for s in seqs]
     t_batch = time.perf_counter() - t
+
     def parts(ref):
         return [next((k for k, (x, y) in enumerate(zip(w, g)) if x != y), None) for w, g in zip(ref, got)]
 
     first, first_solo = parts(want), parts(solo)
     print(json.dumps({"bundle": a.bundle, "precision": b.manifest.graphs["decode"].precision, "batch": a.batch,
-                      "gen": a.gen, "threads": a.threads, "cpu": _cpu(), "probe": batch.probed,
-                      "min_rows": batch.min_rows, "first_difference": first,
+                      "gen": a.gen, "threads": a.threads, "cpu": _cpu(), "probe": sched.probed,
+                      "min_rows": sched.min_rows, "first_difference": first,
                       "identical": sum(f is None for f in first), "first_difference_batch_alone": first_solo,
                       "identical_batch_alone": sum(f is None for f in first_solo), "alone_s": round(t_alone, 2),
                       "batch_alone_s": round(t_solo, 2),
-                      "together_s": round(t_batch, 2), "mean_rows_per_call": round(batch.rows / batch.calls, 2)}))
+                      "together_s": round(t_batch, 2), "mean_rows_per_call": round(sched.rows_decoded / sched.calls, 2)}))
     return 0
 
 

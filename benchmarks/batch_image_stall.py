@@ -2,7 +2,7 @@
 
     python -m benchmarks.batch_image_stall BUNDLE [--image P] [--threads 2] [--tokens 200]
 
-Two sequences over one bundle (runtime/batch_engine.py, driven as serve/scheduler.py drives its slots): sequence A
+Two sequences over one bundle (runtime/scheduler.py, run by the AnswerLoop that runs serve/scheduler.py's slots): sequence A
 decodes a long answer; after A's 10th token, sequence B asks about the image. Prints, as one JSON object, A's
 inter-token gaps before B arrived and while B's image was encoded and prefilled (median, max), B's tiles and the
 time one vision call and the whole image take (the whole image's encode is what A waited in one stretch when a
@@ -17,9 +17,9 @@ import statistics
 import time
 from pathlib import Path
 
-from vlmrt.runtime.batch_engine import batched_vlms
+from vlmrt.runtime.answers import AnswerLoop
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.engine import STEP
+from vlmrt.runtime.pipeline import VLM
 
 
 def main() -> None:
@@ -30,37 +30,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     a = ap.parse_args()
     bundle = Bundle.open(a.bundle, threads=a.threads)
-    (va, vb), batch = batched_vlms(bundle, 2)
-    if batch is None:
+    va, vb = vlms = VLM.slots(bundle, 2)
+    if not va.scheduler.batched:
         raise SystemExit("this bundle's decoder takes one sequence per call: nothing is batched")
     ask = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": a.image}},
                                         {"type": "text", "text": "What is in the image?"}]}]
-    ga = va.chat([{"role": "user", "content": "Write a long story about a lighthouse."}], max_new_tokens=a.tokens,
-                 ignore_eos=True)
-    gb, stamps, b_from, b_first = None, [], None, None
-    while ga is not None or gb is not None:
-        for which in ("a", "b"):
-            g = ga if which == "a" else gb
-            if g is None:
+    loop = AnswerLoop(vlms)
+    loop.begin(va.chat_answer([{"role": "user", "content": "Write a long story about a lighthouse."}],
+                              max_new_tokens=a.tokens, ignore_eos=True))
+    stamps, b_from, b_first = [], None, None
+    while loop.busy:
+        for slot, kind, _ in loop.round():
+            if kind != "piece":
                 continue
-            try:
-                for piece in g:
-                    if piece is STEP:
-                        break
-                    if which == "a":
-                        stamps.append(time.perf_counter())
-                        if len(stamps) == 10:
-                            gb, b_from = vb.chat(ask, max_new_tokens=4), time.perf_counter()
-                    elif b_first is None:
-                        b_first = time.perf_counter()
-                else:
-                    raise StopIteration
-            except StopIteration:
-                if which == "a":
-                    ga = None
-                else:
-                    gb = None
-        batch.run()
+            if slot == 0:
+                stamps.append(time.perf_counter())
+                if len(stamps) == 10:
+                    loop.begin(vb.chat_answer(ask, max_new_tokens=4))
+                    b_from = time.perf_counter()
+            elif b_first is None:
+                b_first = time.perf_counter()
     gaps = [y - x for x, y in zip(stamps, stamps[1:])]
     before = [g for x, g in zip(stamps[1:], gaps) if x <= b_from]
     during = [g for x, g in zip(stamps[1:], gaps) if b_from < x <= b_first]

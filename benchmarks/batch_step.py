@@ -118,7 +118,7 @@ def main():
         so = ort.SessionOptions()
         so.intra_op_num_threads, so.inter_op_num_threads = a.threads, 1
         batched = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        one = vlm.engine.sessions.decode
+        one = vlm.row.sessions.decode
         hidden = man.decoder.hidden_size
         rng = np.random.default_rng(0)
         res = {"bundle": str(bundle), "threads": a.threads, "cpu": next((ln.split(":", 1)[1].strip() for ln in
@@ -145,7 +145,7 @@ def main():
             res["timing"].append(r)
             print(json.dumps(r), file=sys.stderr)
         # --- identity: teacher-forced decode, batched vs alone
-        e = vlm.engine
+        e = vlm.row
         for B in batches:
             if B == 1:
                 continue

@@ -1,6 +1,6 @@
 """The host (Python) work of one decode step, each part timed alone (best of 5 x 2000 calls), on a bundle:
 embedding lookup (into the step's input buffer), in-place inputs, KV write, greedy sampling, and the whole host
-side of a decode step (Engine.step_token with session.run replaced by a no-op). Usage: python -m benchmarks.host_parts BUNDLE"""
+side of a decode step (CacheRow.step_token with session.run replaced by a no-op). Usage: python -m benchmarks.host_parts BUNDLE"""
 import sys
 import time
 
@@ -10,7 +10,7 @@ from vlmrt.runtime.sampler import Sampler, SamplingConfig
 from vlmrt.runtime.step import make_step
 
 vlm = VLM.load(sys.argv[1], threads=2, verify=False)
-m, e = vlm.manifest, vlm.engine
+m, e = vlm.manifest, vlm.row
 kind = e.kind
 cache = KVCache(m.kv, kind.layout)
 cache.length = 300
@@ -34,7 +34,7 @@ def t(f):
 
 samp = Sampler(SamplingConfig())
 parts = {
-    "embed lookup (int8 row x scale, in place)": lambda: e.embed_into(1234, step.buffers.embeds[0]),
+    "embed lookup (int8 row x scale, in place)": lambda: e.embedding.into(1234, step.buffers.embeds[0]),
     "inputs in place (positions, mask / end slot)": lambda: (step.buffers.load(step.buffers.embeds[:1], pos),
                                                              step.inputs.set(300)),
     "KV store (rows kinds: one copy of 60 rows)": lambda: (kind.store(cache, step.staged, 1, step.buffers.positions),

@@ -1,5 +1,5 @@
-"""Host time per decode step as CPU time, for a loaded machine: the engine's clocks (engine.py / step.py
-time.perf_counter) read the calling thread's CPU time instead, and the session runs 1 intra-op thread (on the
+"""Host time per decode step as CPU time, for a loaded machine: the runtime's clocks (scheduler.py / cache_row.py /
+step.py time.perf_counter) read the calling thread's CPU time instead, and the session runs 1 intra-op thread (on the
 calling thread), so GenerationStats.host_overhead_ms_per_step is the CPU time the host spends per step outside the
 graph call — what `vlmrt bench` reports in wall time, much less moved by other processes. Rounds are interleaved
 across bundles; medians. Usage: python -m benchmarks.host_time BUNDLE [BUNDLE ...] [--rounds 5] [--tokens 64]"""
@@ -8,11 +8,11 @@ import statistics
 import time
 import types
 
-from vlmrt.runtime import engine as engine_mod, step as step_mod
+from vlmrt.runtime import cache_row as row_mod, scheduler as sched_mod, step as step_mod
 from vlmrt.runtime.pipeline import VLM
 
 clock = types.SimpleNamespace(perf_counter=time.thread_time)
-engine_mod.time = step_mod.time = clock
+sched_mod.time = row_mod.time = step_mod.time = clock
 
 ap = argparse.ArgumentParser()
 ap.add_argument("bundles", nargs="+")
@@ -25,7 +25,7 @@ host = {b: [] for b in vlms}
 step = {b: [] for b in vlms}
 for r in range(a.rounds + 1):
     for b, v in vlms.items():
-        e = v.engine
+        e = v.scheduler
         x = e.embed(list(range(1000, 1000 + a.prompt_tokens)))
         for _ in e.generate(x, max_new_tokens=a.tokens, ignore_eos=True):
             pass

@@ -59,7 +59,7 @@ def measure(path: Path, steps: int, level: str, out: Path) -> dict:
     sessions = {n: b.sessions[n] for n in ("prefill", "head") if n in m.graphs}
     vlm = VLM(dataclasses.replace(b, sessions={**sessions, "decode": decode}))
     r = vlm(PROMPT, None, mode="hybrid", max_new_tokens=steps + 1, ignore_eos=True)
-    wall = vlm.engine.last.step_times  # per decode step (engine.GenerationStats)
+    wall = vlm.scheduler.last.step_times  # per decode step (engine.GenerationStats)
     del vlm, decode, sessions, r
     gc.collect()  # the QNN EP writes the profile when the session ends
     cycles, us = profile_events(prof)

@@ -102,7 +102,7 @@ def host_overhead(bundle: Path, threads: int) -> dict:
 
     vlm = VLM.load(bundle, threads=threads, verify=False)
     r = vlm(make_prompt(vlm, None, 256), None, max_new_tokens=64, ignore_eos=True)
-    g = vlm.engine.last
+    g = vlm.scheduler.last
     return {"decode_tokens_per_s": g.decode_tokens_per_s, "host_ms_per_step": g.host_overhead_ms_per_step,
             "ttft_s": r.stats.ttft_s}
 

@@ -1,4 +1,4 @@
-"""What padding a sequence alone to a 2-row call costs (BatchDecoder.min_rows, set by the probe where one-row calls
+"""What padding a sequence alone to a 2-row call costs (Scheduler.min_rows, set by the probe where one-row calls
 round apart from multi-row ones): its decode step through the batch as a one-row call vs padded with an idle row,
 interleaved, at cache length --pos (the idle row's too: a slot keeping its last conversation).
 
@@ -19,8 +19,8 @@ import sys
 import time
 
 from benchmarks.batch_answers import _cpu
-from vlmrt.runtime.batch_engine import batched_vlms
 from vlmrt.runtime.bundle import Bundle
+from vlmrt.runtime.pipeline import VLM
 
 
 def main() -> int:
@@ -34,23 +34,22 @@ def main() -> int:
     a = ap.parse_args()
     clock = time.thread_time if a.clock == "thread" else time.perf_counter
     b = Bundle.open(a.bundle, threads=a.threads, verify=False)
-    vlms, batch = batched_vlms(b, a.slots)
+    sched = VLM.slots(b, a.slots)[0].scheduler
     t = time.perf_counter()
-    probed = dict(batch.probe())  # (again, its calls' shapes warm now: what a probe at load costs past the first call)
+    probed = dict(sched.probe())  # (again, its calls' shapes warm now: what a probe at load costs past the first call)
     probe_s = time.perf_counter() - t
-    e = vlms[0].engine
-    e.cache.length = a.pos  # (rows of zeros: the step's cost does not depend on their values)
-    vlms[1].engine.cache.length = a.pos  # the idle row: a slot keeping its last conversation's rows (prefix reuse)
-    token = e._vocab // 2
+    c = sched.rows[0].cache
+    c.length = a.pos  # (rows of zeros: the step's cost does not depend on their values)
+    sched.rows[1].cache.length = a.pos  # the idle row: a slot keeping its last conversation's rows (prefix reuse)
+    token = sched.embedding.vocab // 2
     times: dict[int, list[float]] = {1: [], 2: []}
     for rep in range(a.reps + 3):
         for rows in (1, 2):
-            batch.min_rows = rows
-            batch.submit(e, token)
+            sched.min_rows = rows
             t = clock()
-            batch.run()
+            sched.batch_call({0: token})
             dt = clock() - t
-            e.cache.rewind(a.pos)
+            c.rewind(a.pos)
             if rep >= 3:  # (warm-up)
                 times[rows].append(dt)
     out = {"bundle": a.bundle, "precision": b.manifest.graphs["decode"].precision, "cpu": _cpu(), "threads": a.threads,

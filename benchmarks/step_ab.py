@@ -1,4 +1,4 @@
-"""Interleaved A/B of one decoder graph step across bundles, through the runtime engine (I/O binding included):
+"""Interleaved A/B of one decoder graph step across bundles, through the runtime's cache row (I/O binding included):
 min and median over reps. Usage: [G=decode|prefill] [T=threads] [R=reps] [POS=300] [CLOCK=wall|thread]
 python -m benchmarks.step_ab BUNDLE [BUNDLE ...]. CLOCK=thread with T=1 times the calling thread's CPU time (ORT runs a
 1-thread session on it): what a step costs, much less moved by other processes than wall time on a loaded machine."""
@@ -9,13 +9,13 @@ graph = os.environ.get("G", "decode"); reps = int(os.environ.get("R", "15")); po
 vlms = {b: VLM.load(b, threads=int(os.environ.get("T", "2")), verify=False) for b in sys.argv[1:]}
 times = {b: [] for b in vlms}
 for b, v in vlms.items():
-    e = v.engine; e.cache.length = pos
+    e = v.row; e.cache.length = pos
     ar = 1 if graph == "decode" else v.manifest.decoder.prefill_ar
     x = np.random.randn(ar, v.manifest.decoder.hidden_size).astype(np.float32) * 0.02
     for _ in range(3): e.cache.length = pos; e.step(graph, x)
 for r in range(reps):
     for b, v in vlms.items():
-        e = v.engine; ar = 1 if graph == "decode" else v.manifest.decoder.prefill_ar
+        e = v.row; ar = 1 if graph == "decode" else v.manifest.decoder.prefill_ar
         x = np.random.randn(ar, v.manifest.decoder.hidden_size).astype(np.float32) * 0.02
         for _ in range(5):
             e.cache.length = pos

@@ -4,7 +4,7 @@ simulator, whose times are an emulator's, not a device's).
 
     python -m benchmarks.verify_step BUNDLE [--device cpu|htp] [--reps 50]
 
-Times the engine's step objects (runtime/engine.py: the bound decode step and the bound verify step, as a lookahead
+Times the engine's step objects (runtime/cache_row.py: the bound decode step and the bound verify step, as a lookahead
 run calls them) at the position after a short prompt; 3 rounds of `reps` calls each, medians.
 """
 
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     a = ap.parse_args()
     v = VLM.load(a.bundle, device=a.device, lookahead=1)
-    e, k = v.engine, v.manifest.decoder.verify_ar
+    e, k = v.row, v.manifest.decoder.verify_ar
     _, embeds = v.prompt_embeds("Repeat this list exactly: apple, banana, cherry.", None)
     e.prefill(embeds, "hybrid")
     pos = e.cache.length

@@ -13,7 +13,7 @@ change answers, and say why in its commit (docs/testing.md#the-engine-corpus).
 What a case records (CORPUS, keyed by the signature of the kernels ORT picks on the machine: `signature()`):
   ids      the greedy ids (24 per answer, EOS ignored), or each sequence's ids
   logits   sha256 of the teacher-forced logits' float32 bytes ([steps, vocab]: row i the logits after the prompt and
-           ids[:i], the runtime's scoring path, Engine.score as `vlmrt eval` runs it); for the batched cases the sha256
+           ids[:i], the runtime's scoring path, CacheRow.score as `vlmrt eval` runs it); for the batched cases the sha256
            of the logits rows each sequence's picks were made from in the batched decode calls
   margins  per step the top-1 minus top-2 logit of those logits (where a pick could flip under other rounding)
   (and per run kind: the first turn's ids, drafts proposed / accepted, the copying prompt's ids; the bundle's digest)
@@ -238,49 +238,47 @@ def oracle_drafts(answer: list[int], vocab: int):
 
 def teacher_forced(vlm, messages: list[dict], ids: list[int], mode: str) -> np.ndarray:
     """Logits [len(ids), vocab] float32: row i after the prompt (prefilled fresh in mode) and ids[:i], as `vlmrt eval`
-    scores (Engine.score)."""
+    scores (CacheRow.score)."""
     p = vlm.prompt(messages)
     x = vlm.decoder_inputs(p)
-    return np.array(vlm.engine.score(x.embeds, ids, mode, positions=x.positions, rows=x.rows), np.float32)
+    return np.array(vlm.row.score(x.embeds, ids, mode, positions=x.positions, rows=x.rows), np.float32)
 
 
 def batched(path: Path, plan: list[tuple[list[dict], dict, int]], only: int | None = None):
-    """The conversations of plan ((messages, chat options, the round it starts)) through one opened bundle's batched
-    VLMs (runtime/batch_engine.py batched_vlms, driven as the server's scheduler drives them), or only plan[only]
-    (the others' rows idle). Returns (whether there was a batch, each conversation's ids, each one's logits rows of
-    its batched decode calls [steps, vocab] (None: no batch))."""
-    from vlmrt.runtime.batch_engine import batched_vlms
+    """The conversations of plan ((messages, chat options, the round it starts)) through one opened bundle's VLMs over
+    one scheduler (VLM.slots, run by the AnswerLoop that runs the server's slots: runtime/answers.py), or only
+    plan[only] (the others' rows idle). Returns (whether there was a batch, each conversation's ids, each one's logits
+    rows of its batched decode calls [steps, vocab] (None: no batch))."""
+    from vlmrt.runtime.answers import AnswerLoop
     from vlmrt.runtime.bundle import Bundle
-    from vlmrt.runtime.engine import STEP
+    from vlmrt.runtime.pipeline import VLM
 
-    vlms, batch = batched_vlms(Bundle.open(path, threads=THREADS), len(plan))
+    vlms = VLM.slots(Bundle.open(path, threads=THREADS), len(plan))
+    sched = vlms[0].scheduler
+    batch = sched.probed is not None  # (several rows of a graph that takes a batch)
     rows: dict[int, list[np.ndarray]] = {i: [] for i in range(len(plan))}
-    if batch is not None:
-        seq = {id(v.engine): i for i, v in enumerate(vlms)}
-        logits = batch.logits
+    if batch:
+        call = sched.batch_call
 
-        def kept(engine):
-            out = logits(engine)
-            rows[seq[id(engine)]].append(np.array(out, np.float32).reshape(-1))
-            return out
+        def kept(pending):
+            step, dt = call(pending)
+            for r in pending:  # (row r: VLM r's sequence; its pick is made from this row)
+                rows[r].append(np.array(step.buffers.logits[r], np.float32).reshape(-1))
+            return step, dt
 
-        batch.logits = kept
-    advance = (lambda g: next((y for y in g if y is STEP), None) is not None) if batch else \
-        (lambda g: next(g, None) is not None)
-    gens = {}
+        sched.batch_call = kept
+    loop = AnswerLoop(vlms)
     for rnd in range(4000):
         for i, (msgs, opts, at) in enumerate(plan):
             if at == rnd and only in (None, i):
-                gens[i] = vlms[i].chat(msgs, ignore_eos=True, **opts)
-        for i, g in list(gens.items()):
-            if not advance(g):
-                del gens[i]
-        if batch:
-            batch.run()
-        if not gens and rnd > max(at for _, _, at in plan):
+                loop.begin(vlms[i].chat_answer(msgs, ignore_eos=True, **opts))
+        for _, kind, value in loop.round():
+            if kind == "error":
+                raise value
+        if not loop.busy and rnd > max(at for _, _, at in plan):
             break
     ids = [list(v.result.token_ids) if only in (None, i) else [] for i, v in enumerate(vlms)]
-    return batch is not None, ids, [np.stack(r) if r else None for r in rows.values()] if batch else None
+    return batch, ids, [np.stack(r) if r else None for r in rows.values()] if batch else None
 
 
 # --- the cases ------------------------------------------------------------------------------------------------------

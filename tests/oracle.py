@@ -236,6 +236,6 @@ def text_equals_transformers(fam: OracleFamily, ckpt: Path, bundle: Path, prompt
         vlm.reset()
         assert vlm(prompt, mode=mode, max_new_tokens=n, ignore_eos=True).token_ids == want, mode
         vlm.reset()
-        got = vlm.engine.score(vlm.engine.embed(ids), want, mode)
+        got = vlm.row.score(vlm.scheduler.embed(ids), want, mode)
         assert np.abs(got - ref).max() < 2e-4 * max(1.0, np.abs(ref).max()), mode
     return prompt_ids + want, ref

@@ -37,28 +37,35 @@ HOLD = "hold this slot"  # the text of a holder request (see hold_slots)
 
 def hold_slots(r: Running) -> None:
     """Make requests that hold their slot by construction: on every slot of r's scheduler, a conversation whose last
-    message is HOLD streams the first two pieces of its real answer and then never finishes on its own: it yields
-    empty pieces (the scheduler thread keeps turning, so the other slots, the queue and cancellations go on) until its
-    client goes away (the cancel closes it). A test that fills the slots with them is not racing their length."""
+    message is HOLD streams the first two pieces of its real answer and then never finishes on its own: its sequence
+    goes on decoding (no EOS, no length; its row rewound each round, so its cache never fills) and its pieces are
+    empty (the scheduler thread keeps turning, so the other slots, the queue and cancellations go on) until its client
+    goes away (the cancel ends it). A test that fills the slots with them is not racing their length."""
     for slot in r.app.state.vlmrt.scheduler.slots:
-        slot.vlm.chat = functools.partial(_maybe_held, slot.vlm.chat)
+        v = slot.vlm
+        v.chat_answer = functools.partial(_maybe_held, v.chat_answer)
+        v.stream = functools.partial(_held_stream, v, v.stream)
 
 
-def _maybe_held(chat, messages, **kw):
-    gen = chat(messages, **kw)
-    return _held(gen) if messages[-1]["content"] == HOLD else gen
+def _maybe_held(chat_answer, messages, **kw):
+    a = chat_answer(messages, **kw)
+    if messages[-1]["content"] == HOLD:
+        a.held, a.max_new_tokens, a.ignore_eos = 0, 1 << 30, True  # (its sequence is made from these)
+    return a
 
 
-def _held(gen):
-    try:
-        for i, piece in enumerate(gen):
+def _held_stream(vlm, stream, a, ids):
+    held = getattr(a, "held", None)
+    if held is None or held < 2:
+        for piece in stream(a, ids):
+            if held is not None:
+                a.held = held = held + 1
             yield piece
-            if i == 1:
-                while True:  # bounded by the client: it is cancelled when the client disconnects
-                    time.sleep(0.02)
-                    yield ""
-    finally:
-        gen.close()
+        return
+    if held == 2:  # from here on: the row stays at this length, the prefix cache records nothing
+        a.held, a.recording, a.hold_at = 3, False, vlm.row.cache.length - len(ids)
+    vlm.row.cache.rewind(a.hold_at)
+    yield ""
 
 
 def start(bundle, *args) -> Running:

@@ -18,7 +18,8 @@ from vlmrt.format.manifest import (
     RowsStaticKind,
 )
 from vlmrt.runtime import lookahead
-from vlmrt.runtime.engine import DecoderSessions, Engine, EngineConfig
+from vlmrt.runtime.cache_row import DecoderConfig, DecoderSessions
+from vlmrt.runtime.scheduler import Scheduler
 from vlmrt.runtime.kv_cache import HEADS, KVCache
 
 H, V = 8, 19
@@ -103,7 +104,7 @@ def make(one_graph: bool, lookahead: int = 0, ctx: int = 32):
     kv = KVSpec(max_context=ctx, dtype="float32", layers=LAYERS)
     sessions = DecoderSessions(decode=fake, prefill=fake, verify=fake if lookahead and not one_graph else None)
     table = rng.standard_normal((V, H)).astype(np.float32)
-    return Engine(sessions, EngineConfig(kv, dec, [0], lookahead=lookahead), table), fake
+    return Scheduler(sessions, DecoderConfig(kv, dec, [0], lookahead=lookahead), table), fake
 
 
 def greedy(engine, fake, prompt, n):
@@ -139,7 +140,7 @@ def test_mixed_layers_through_the_engine_equal_the_full_sequence(one_graph, monk
         for mode in ("kv", "hybrid"):
             assert list(engine.generate(engine.embed(prompt), mode=mode, max_new_tokens=8, ignore_eos=True)) == want
         # a prefix reuse: keep the first 4 rows (a full hybrid block) of the last run, feed the rest
-        start = engine.reusable("hybrid", 4)
+        start = engine.rows[0].reusable("hybrid", 4)
         assert start == (4 if len(prompt) > 4 else 0)
         got = list(engine.generate(engine.embed(prompt)[start:], mode="hybrid", max_new_tokens=8, ignore_eos=True,
                                    start=start))

@@ -224,11 +224,11 @@ def test_chat_reuse_equals_fresh_run(which, mode, sampled, tmp_path_factory, tmp
 
 @pytest.mark.parametrize("mode", ["kv", "hybrid"])
 def test_resumed_prefill_is_bitwise_a_fresh_one(default_bundle, mode, tmp_path):
-    """The rows kept by Engine.reusable are those a fresh prefill computes: the resumed prefill's logits are equal
+    """The rows kept by CacheRow.reusable are those a fresh prefill computes: the resumed prefill's logits are equal
     bit for bit (hybrid mode keeps only full AR blocks; resuming elsewhere is refused)."""
     vlm = VLM.load(default_bundle.bundle)
     ids, embeds = vlm.prompt_embeds("Describe the picture in detail, please.", image_file("chelsea.png", None))
-    e, n = vlm.engine, len(ids)
+    e, n = vlm.row, len(ids)
     fresh = e.prefill(embeds, mode).copy()
     for cut in (n - 20, n - 9):
         e.prefill(embeds[:cut], mode)

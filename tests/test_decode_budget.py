@@ -121,7 +121,7 @@ def test_large_jpeg_is_drafted_and_answers_as_decoded_whole(default_bundle, tmp_
     want = vlm("What is this?", whole, max_new_tokens=12, ignore_eos=True).token_ids
     rows = {}
     for key, im in (("drafted", str(path)), ("whole", whole)):  # a path is drafted; a PIL image is used as it is
-        rows[key] = vlm.engine.score(vlm.embed_prompt(vlm.prompt("What is this?", [im])), want).astype(np.float32)
+        rows[key] = vlm.row.score(vlm.embed_prompt(vlm.prompt("What is this?", [im])), want).astype(np.float32)
     assert np.abs(rows["drafted"] - rows["whole"]).max() < 0.25
     top2 = np.sort(rows["whole"], axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 0.25

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from vlmrt.format.manifest import DecoderSpec, KVSpec, PositionsSpec, RowsDynamicKind, RowsStaticKind, attention_layers
-from vlmrt.runtime.engine import ContextOverflow, DecoderSessions, Engine, EngineConfig
+from vlmrt.runtime.cache_row import ContextOverflow, DecoderConfig, DecoderSessions
+from vlmrt.runtime.scheduler import Scheduler
 from vlmrt.runtime.kv_cache import attention_mask
 from vlmrt.runtime.sampler import Sampler, SamplingConfig
 
@@ -62,7 +63,7 @@ def make_engine(max_context=24, ar=4, seed=0, one_graph=False, context_step=0, w
     table = rng.standard_normal((V, H)).astype(np.float32)
     session = wrap(fake)
     sessions = DecoderSessions(decode=session, prefill=session, verify=session if verify_ar else None)
-    return Engine(sessions, EngineConfig(kv, dec, eos_ids=[0], lookahead=lookahead), table), fake
+    return Scheduler(sessions, DecoderConfig(kv, dec, eos_ids=[0], lookahead=lookahead), table), fake
 
 
 def reference_greedy(engine, fake, prompt_ids, n):
@@ -104,7 +105,7 @@ def test_one_graph_feeds_exact_rows_and_reads_last_logits(n_prompt):
         if mode == "hybrid":
             blocks = [4] * (n_prompt // 4) + ([n_prompt % 4] if n_prompt % 4 else [])
             assert fake.calls[: len(blocks)] == blocks and set(fake.calls[len(blocks):]) == {1}
-    rows = engine.score(engine.embed(prompt), want[:3])
+    rows = engine.rows[0].score(engine.embed(prompt), want[:3])
     assert rows.shape == (3, V) and list(rows.argmax(-1)) == want[:3]
 
 
@@ -211,16 +212,16 @@ def test_positions_apart_from_slots(one_graph, positions):
     for mode in ("kv", "hybrid"):
         got = list(engine.generate(engine.embed(prompt), mode=mode, max_new_tokens=6, ignore_eos=True, positions=pos))
         assert got == want, mode
-        assert engine.cache.length == len(prompt) + 5 and list(engine.cache.positions[0, : engine.cache.length]) == p[:-1]
+        assert engine.rows[0].cache.length == len(prompt) + 5 and list(engine.rows[0].cache.positions[0, : engine.rows[0].cache.length]) == p[:-1]
     # the default (positions None) is slots: a different answer here, the one of plain positions
     plain = list(engine.generate(engine.embed(prompt), mode="kv", max_new_tokens=6, ignore_eos=True))
     assert plain == reference_greedy(engine, fake, prompt, 6)
     # resume after the first 4 rows (kv mode: every row reusable): positions of the rest, from slot 4
     list(engine.generate(engine.embed(prompt), mode="kv", max_new_tokens=1, ignore_eos=True, positions=pos))
-    start = engine.reusable("kv", 4)
-    assert start == 4 and engine.cache.position_after(4) == max(positions[:4]) + 1
+    start = engine.rows[0].reusable("kv", 4)
+    assert start == 4 and engine.rows[0].cache.position_after(4) == max(positions[:4]) + 1
     got = list(engine.generate(engine.embed(prompt)[4:], mode="kv", max_new_tokens=6, ignore_eos=True, start=4,
                                positions=pos[:, 4:]))
     assert got == want
     with pytest.raises(ValueError, match=r"positions must be \[1, 6\]"):
-        engine.prefill(engine.embed(prompt), "kv", positions=np.zeros((2, 6), np.int64))
+        engine.rows[0].prefill(engine.embed(prompt), "kv", positions=np.zeros((2, 6), np.int64))

@@ -18,9 +18,8 @@ import oracle
 from family_runner import cli_json, hf_run
 from vlmrt import families
 from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.batch_engine import batched_vlms
+from vlmrt.runtime.answers import AnswerLoop
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.engine import STEP
 from vlmrt.runtime.pipeline import VLM
 
 pytest.importorskip("transformers")
@@ -119,7 +118,7 @@ def test_first_logits_close_to_transformers(case):
         ref = model(input_ids=torch.tensor([ids]), **oracle.model_image_inputs(case.family, tiles, ids, image)).logits[0, -1].numpy()
     for mode in ("kv", "hybrid"):
         vlm.reset()
-        got = vlm.engine.prefill(x.embeds, mode, positions=x.positions, rows=x.rows)
+        got = vlm.row.prefill(x.embeds, mode, positions=x.positions, rows=x.rows)
         assert np.abs(got - ref).max() < 2e-4 * max(1.0, np.abs(ref).max()), mode
 
 
@@ -128,7 +127,7 @@ def test_conversations_decoding_together_answer_as_alone(case, tmp_path):
     over one opened bundle, as the server's slots run them, answer what each answers alone. A family's CPU one-graph
     decoder (kind gqa_in_place) takes a batch: they decode through one decoder call per step, their image encodes and
     prefill blocks between the others' steps; the rows kinds (one sequence per call) get no batch, and the
-    conversations run interleaved, one piece each per round."""
+    scheduler runs their rows one call each per round."""
     m = Bundle.open(case.bundle).manifest
 
     def user(text, image):
@@ -144,26 +143,20 @@ def test_conversations_decoding_together_answer_as_alone(case, tmp_path):
         alone.reset()
         list(alone.chat(msgs, ignore_eos=True, **opts))
         want.append(alone.result.token_ids)
-    vlms, batch = batched_vlms(Bundle.open(case.bundle), len(plan))
-    assert (batch is not None) == (m.decoder.kind.name == "gqa_in_place") == getattr(m.decoder.kind, "batched", False)
-    # one round: each conversation up to its next decode step handed to the batch, or one piece where there is none
-    advance = (lambda g: next((y for y in g if y is STEP), None) is not None) if batch else \
-        (lambda g: next(g, None) is not None)
-    gens, widest = {}, 0
+    vlms = VLM.slots(Bundle.open(case.bundle), len(plan))
+    sched = vlms[0].scheduler
+    assert sched.batched == (m.decoder.kind.name == "gqa_in_place") == getattr(m.decoder.kind, "batched", False)
+    loop = AnswerLoop(vlms)
     for rnd in range(2000):
         for i, (msgs, opts, at) in enumerate(plan):
             if at == rnd:
-                gens[i] = vlms[i].chat(msgs, ignore_eos=True, **opts)
-        for i, g in list(gens.items()):
-            if not advance(g):
-                del gens[i]
-        if batch:
-            widest = max(widest, len(batch.pending))
-            batch.run()
-        if not gens and rnd > 2:
+                loop.begin(vlms[i].chat_answer(msgs, ignore_eos=True, **opts))
+        for i, kind, value in loop.round():
+            assert kind != "error", value
+        if not loop.busy and rnd > 2:
             break
     assert [v.result.token_ids for v in vlms] == want
-    assert widest == (len(plan) if batch else 0)  # they did decode together
+    assert sched.widest == (len(plan) if sched.batched else 0)  # they did decode together
 
 
 def test_streamed_text_equals_decoded_ids(first_case):

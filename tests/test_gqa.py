@@ -52,9 +52,9 @@ def check_same_answers(gqa_bundle, portable_bundle, layers, tokens=16):
             ra = a(prompt, img, mode=mode, max_new_tokens=tokens, ignore_eos=True)
             rb = b(prompt, img, mode=mode, max_new_tokens=tokens, ignore_eos=True)
             assert ra.token_ids == rb.token_ids, (prompt, mode)
-            np.testing.assert_allclose(a.engine.cache.stored(), b.engine.cache.stored(), rtol=0, atol=1e-4)
+            np.testing.assert_allclose(a.row.cache.stored(), b.row.cache.stored(), rtol=0, atol=1e-4)
     # teacher-forced logits of a hybrid prefill + decode steps
-    e_a, e_b = a.engine, b.engine
+    e_a, e_b = a.row, b.row
     x = np.random.default_rng(0).standard_normal((37, a.manifest.decoder.hidden_size)).astype(np.float32) * 0.5
     la, lb = e_a.score(x, list(range(5, 12))), e_b.score(x, list(range(5, 12)))
     np.testing.assert_allclose(la, lb, rtol=0, atol=2e-4 * max(1.0, float(np.abs(lb).max())))
@@ -163,5 +163,5 @@ def test_packed_qkv_equals_split(tmp_path_factory, tmp_path):
     a, s = VLM.load(b), VLM.load(split, verify=False)
     x = np.random.default_rng(0).standard_normal((21, m["decoder"]["hidden_size"])).astype(np.float32) * 0.5
     for mode in ("kv", "hybrid"):
-        np.testing.assert_array_equal(a.engine.score(x, [5, 9, 2, 7], mode), s.engine.score(x, [5, 9, 2, 7], mode))
-        np.testing.assert_array_equal(a.engine.cache.stored(), s.engine.cache.stored())
+        np.testing.assert_array_equal(a.row.score(x, [5, 9, 2, 7], mode), s.row.score(x, [5, 9, 2, 7], mode))
+        np.testing.assert_array_equal(a.row.cache.stored(), s.row.cache.stored())

@@ -1,5 +1,5 @@
 """The decode loop's host fast paths equal the general ones: the kept mask (StepMask), the token row written in
-place (Engine.embed_into / step_token), the int8 row read into the graph's token_rows input (the graph scales it),
+place (TokenEmbedding.into / CacheRow.step_token), the int8 row read into the graph's token_rows input (the graph scales it),
 the one-row KV write. Greedy ids through them: test_engine_fake.py, test_runtime_speed_paths.py, test_kv_contract.py."""
 
 import numpy as np
@@ -9,7 +9,7 @@ from vlmrt.format import manifest as mf
 from vlmrt.format.manifest import KVSpec, attention_layers
 from vlmrt.runtime.weights import EmbeddingRows
 from vlmrt.runtime.decoder_kinds import StepMask
-from vlmrt.runtime.engine import DecoderSessions, Engine, EngineConfig
+from vlmrt.runtime.embedding import TokenEmbedding
 from vlmrt.runtime.kv_cache import KVCache, attention_mask
 
 from test_engine_fake import make_engine
@@ -40,18 +40,18 @@ def test_token_row_in_place_equals_embed(default_bundle, tmp_path):
               (rng.standard_normal((vocab, hidden)).astype(np.float32), None)]
     for tab, sc in tables:
         for dtype in ("float32", "float16"):
-            e = Engine(DecoderSessions(decode=None), EngineConfig(m.kv, m.decoder, [0], dtype), tab, sc)
+            e = TokenEmbedding(tab, sc, dtype)
             for t in (0, 1, 17, vocab - 1):
                 out = np.empty(hidden, dtype)
-                e.embed_into(t, out)
+                e.into(t, out)
                 np.testing.assert_array_equal(out, e.embed([t])[0])
             with pytest.raises(IndexError):
-                e.embed_into(vocab, out)
+                e.into(vocab, out)
 
 
 def test_int8_row_read_into_equals_row(tmp_path):
     """EmbeddingRows.read_into (a decode step's pread into the bound int8 input) and the ndarray table's reader."""
-    from vlmrt.runtime.engine import _ndarray_reader
+    from vlmrt.runtime.embedding import _ndarray_reader
 
     q = np.random.default_rng(2).integers(-127, 128, (50, 24)).astype(np.int8)
     np.save(tmp_path / "q.npy", q)
@@ -75,9 +75,9 @@ def test_token_rows_step_equals_embeds_step(tmp_path_factory, bind):
     d = vlm.manifest.decoder
     assert d.kind.token_rows_input == "token_rows" and d.kind.token_scales_input == "token_scales"
     if not bind:
-        vlm.engine.sessions.decode = vlm.engine.sessions.prefill = RunOnly(vlm.bundle.sessions["decode"])
-    e = vlm.engine
-    assert e._read_row is not None  # the token path is what step_token takes
+        vlm.row.sessions.decode = vlm.row.sessions.prefill = RunOnly(vlm.bundle.sessions["decode"])
+    e = vlm.row
+    assert e.embedding.int8_rows  # the token path is what step_token takes
     e.prefill(e.embed([3, 5, 7, 11, 2, 9]), "kv")
     for t in (4, 9, 9, 1, 22, 0, 13, vlm.manifest.decoder.vocab_size - 1):
         n = e.cache.length
@@ -91,7 +91,7 @@ def test_token_rows_step_equals_embeds_step(tmp_path_factory, bind):
     with pytest.raises(IndexError):
         e.step_token(d.vocab_size)
     plain = VLM.load(b, verify=False)
-    plain.engine._read_row = None  # the host multiply into inputs_embeds (the graph adds a zero-scaled row)
+    plain.scheduler.embedding.int8_rows = False  # the host multiply into inputs_embeds (the graph adds a zero-scaled row)
     for prompt in ("Describe the picture in detail.", "word " * 40):
         for mode in ("kv", "hybrid"):
             ids = vlm(prompt, None, mode=mode, max_new_tokens=16, ignore_eos=True).token_ids
@@ -99,8 +99,7 @@ def test_token_rows_step_equals_embeds_step(tmp_path_factory, bind):
 
 
 def test_step_token_equals_step_of_embed():
-    a, _ = make_engine(one_graph=True, context_step=8)
-    b, _ = make_engine(one_graph=True, context_step=8)
+    a, b = (make_engine(one_graph=True, context_step=8)[0].rows[0] for _ in range(2))
     ids = [3, 5, 7, 11, 2]
     a.prefill(a.embed(ids), "hybrid")
     b.prefill(b.embed(ids), "hybrid")

@@ -49,22 +49,22 @@ def lookahead_runs(b, device: str, prompts, modes, tokens: int = 24):
     for prompt, image in prompts:
         ids, embeds = plain.prompt_embeds(prompt, image_file(image, None) if image else None)
         for mode in modes:
-            a = list(plain.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True))
+            a = list(plain.scheduler.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True))
             for drafts_from in (oracle(a, vocab) + list(ids), list(ids)):
-                got = list(fast.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True,
+                got = list(fast.scheduler.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True,
                                                 prompt_ids=drafts_from))
-                c, enc = fast.engine.cache, fast.engine.kv_spec.encodings["decode"]
+                c, enc = fast.row.cache, fast.row.kv_spec.encodings["decode"]
                 # the slots past the length hold decode's zero (KVCache.clear_unused: byte zp), never a row (a write
                 # to cache.data from here would break its "clean from" mark: the engine alone writes the cache)
-                st, rows, beyond = fast.engine.last, c.stored().astype(int), any(
+                st, rows, beyond = fast.scheduler.last, c.stored().astype(int), any(
                     (c.data[i, j, c.length:] != enc[kind][i][1]).any()
                     for i in range(len(c.spec.layers)) for j, kind in enumerate(("key", "value")))
                 gap = 0.0
                 if got != a:
-                    scores = plain.engine.score(embeds, got, mode=mode)
+                    scores = plain.row.score(embeds, got, mode=mode)
                     gap = max(float(sc.max() - sc[t]) for sc, t in zip(scores, got))
-                    list(plain.engine.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True))
-                yield a, got, st, plain.engine.cache.stored().astype(int), rows, beyond, gap
+                    list(plain.scheduler.generate(embeds, mode=mode, max_new_tokens=tokens, ignore_eos=True))
+                yield a, got, st, plain.row.cache.stored().astype(int), rows, beyond, gap
 
 
 def test_verify_graph_in_the_manifest_with_decodes_quantization(tmp_path_factory):
@@ -137,7 +137,7 @@ def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
     npu = VLM.load(b, device="htp", lookahead=4)
     on_npu(npu)
     assert npu.bundle.sessions.loaded("verify") and npu.bundle.sessions["verify"]._model_path.endswith("verify_ctx.onnx")
-    m, e = npu.manifest, npu.engine
+    m, e = npu.manifest, npu.row
     ids, embeds = npu.prompt_embeds(PROMPTS[0][0], None)
     e.prefill(embeds, "hybrid")
     pos, ctx, toks = e.cache.length, m.kv.max_context, e.embed([5, 6, 7, 8, 9])
@@ -156,11 +156,11 @@ def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
         e.cache.write([np.stack([np.stack([one[f"new_key_{j}"], one[f"new_value_{j}"]]) for j in range(len(m.kv.layers))])],
                       1, np.array([[pos + i]]))
     plain = VLM.load(b, device="htp")
-    got = list(e.generate(embeds, mode="hybrid", max_new_tokens=16, ignore_eos=True,
-                          prompt_ids=oracle(list(plain.engine.generate(embeds, mode="hybrid", max_new_tokens=16,
+    got = list(npu.scheduler.generate(embeds, mode="hybrid", max_new_tokens=16, ignore_eos=True,
+                          prompt_ids=oracle(list(plain.scheduler.generate(embeds, mode="hybrid", max_new_tokens=16,
                                                                        ignore_eos=True)), m.decoder.vocab_size) + ids))
-    assert e.last.accepted_tokens > 0
-    scores = plain.engine.score(embeds, got, mode="hybrid")  # plain decoding's logits after each prefix of got
+    assert npu.scheduler.last.accepted_tokens > 0
+    scores = plain.row.score(embeds, got, mode="hybrid")  # plain decoding's logits after each prefix of got
     assert all(s.max() - s[t] < 0.15 for s, t in zip(scores, got))
 
 

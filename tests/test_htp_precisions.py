@@ -117,7 +117,7 @@ def test_qhexrt_balance_bundle(tmp_path_factory, default_bundle):
     # logits track the CPU EP's; this random model's best two are 0.082 apart there, and the simulator picks the
     # second (measured 2026-12-01: max abs diff 0.22 of a 5.96 range; hybrid 0.038 of 6.73, the same ids)
     _, e = cpu.prompt_embeds("Describe a red square.", None)
-    lc, ln = cpu.engine.prefill(e, "kv").copy(), npu.engine.prefill(e, "kv").copy()
+    lc, ln = cpu.row.prefill(e, "kv").copy(), npu.row.prefill(e, "kv").copy()
     assert np.abs(lc - ln).max() < 0.06 * (lc.max() - lc.min()) and lc.max() - lc[ln.argmax()] < 0.15
     r = run_eval(b, default_bundle.ckpt)
     sym = run_eval(bundle("htp-w4", tmp_path_factory), default_bundle.ckpt)

@@ -207,8 +207,8 @@ def test_htp_context_binaries_qwen2_biases(tmp_path_factory):
     # implementations round differently, so the greedy ids may part; the logits must track the CPU EP's and the
     # simulator's pick be within 0.15 of the CPU EP's best (measured: max abs diff 0.195 of a 5.39 range, pick 0.024)
     _, e = cpu.prompt_embeds("What is in the image?", img)
-    lc = cpu.engine.prefill(e, "hybrid").copy()
-    ln = npu.engine.prefill(npu.prompt_embeds("What is in the image?", img)[1], "hybrid").copy()
+    lc = cpu.row.prefill(e, "hybrid").copy()
+    ln = npu.row.prefill(npu.prompt_embeds("What is in the image?", img)[1], "hybrid").copy()
     assert np.abs(lc - ln).max() < 0.08 * (lc.max() - lc.min()) and lc.max() - lc[ln.argmax()] < 0.15
     r = accuracy.evaluate(cpu, accuracy.load_reference(ex.ckpt, cpu), samples.default_samples(), tokens=16)
     assert r["top1_agreement"] >= 0.8 and r["mean_kl"] < 0.011  # measured: first-token 1.0, top-1 0.848, KL 0.0054

@@ -164,12 +164,12 @@ def bundle(request, tmp_path_factory):
 
 def state(vlm) -> list[np.ndarray]:
     """Every K/V row and conv row the cache holds (slots 0..length-1)."""
-    c = vlm.engine.cache
+    c = vlm.row.cache
     return [c.stored()] + [x.data[x.spec.width:x.spec.width + c.length] for x in c.convs]
 
 
 def assert_same_state(a, b, atol=2e-5):
-    assert a.engine.cache.length == b.engine.cache.length
+    assert a.row.cache.length == b.row.cache.length
     for x, y in zip(state(a), state(b)):
         np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
@@ -197,7 +197,7 @@ def test_lookahead_rejections_leave_plain_state(bundle, monkeypatch):
     """A lookahead run whose drafts are partly rejected (rows computed and never written) gives plain decoding's ids
     and leaves every K/V and conv row plain decoding's (to the float rounding of a batched step). The random model
     copies nothing from its prompt, so the drafter looks up its drafts in the prompt's ids followed by plain
-    decoding's answer with every fourth token wrong (Engine.generate's prompt_ids: only drafting reads them)."""
+    decoding's answer with every fourth token wrong (Scheduler.generate's prompt_ids: only drafting reads them)."""
     from vlmrt.runtime import lookahead
     from vlmrt.runtime.pipeline import VLM
 
@@ -214,8 +214,8 @@ def test_lookahead_rejections_leave_plain_state(bundle, monkeypatch):
         want = plain(PROMPT, im, max_new_tokens=24, ignore_eos=True, mode=mode).token_ids
         vocab = fast.manifest.decoder.vocab_size
         lookup = p.ids + [(t + 1) % vocab if i % 4 == 3 else t for i, t in enumerate(want)]
-        got = list(fast.engine.generate(embeds, mode=mode, max_new_tokens=24, ignore_eos=True, prompt_ids=lookup))
-        g = fast.engine.last
+        got = list(fast.scheduler.generate(embeds, mode=mode, max_new_tokens=24, ignore_eos=True, prompt_ids=lookup))
+        g = fast.scheduler.last
         assert got == want and g.drafted_tokens > g.accepted_tokens > 0, (mode, g.drafted_tokens, g.accepted_tokens)
         assert_same_state(fast, plain)
 

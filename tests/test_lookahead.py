@@ -107,15 +107,15 @@ def test_lookahead_greedy_ids_and_cache_equal_plain(static, monkeypatch):
             want = reference_greedy(plain, fake, prompt, 16)
             for mode in ("kv", "hybrid"):
                 a = list(plain.generate(plain.embed(prompt), mode=mode, max_new_tokens=16, ignore_eos=True))
-                fast.cache.data[:] = 0  # so that a row written beyond the length shows
+                fast.rows[0].cache.data[:] = 0  # so that a row written beyond the length shows
                 fake.calls.clear()
                 b = list(fast.generate(fast.embed(prompt), mode=mode, max_new_tokens=16, ignore_eos=True,
                                        prompt_ids=prompt))
                 assert a == b == want, (k, mode, prompt)
-                n = fast.cache.length
-                assert n == plain.cache.length == len(prompt) + 15
-                np.testing.assert_allclose(fast.cache.data[:, :, :n], plain.cache.data[:, :, :n], rtol=0, atol=1e-5)
-                assert not fast.cache.data[:, :, n:].any(), "rows beyond the cache length were written"
+                n = fast.rows[0].cache.length
+                assert n == plain.rows[0].cache.length == len(prompt) + 15
+                np.testing.assert_allclose(fast.rows[0].cache.data[:, :, :n], plain.rows[0].cache.data[:, :, :n], rtol=0, atol=1e-5)
+                assert not fast.rows[0].cache.data[:, :, n:].any(), "rows beyond the cache length were written"
                 st = fast.last
                 drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_tokens
                 steps = len(st.step_times)
@@ -136,7 +136,7 @@ def test_lookahead_stops_like_plain_at_eos_length_and_context():
                 a = list(plain.generate(plain.embed(prompt), mode="kv", max_new_tokens=n))
                 b = list(fast.generate(fast.embed(prompt), mode="kv", max_new_tokens=n, prompt_ids=prompt))
                 assert a == b and plain.last.stop_reason == fast.last.stop_reason, (prompt, n)
-                assert plain.cache.length == fast.cache.length
+                assert plain.rows[0].cache.length == fast.rows[0].cache.length
 
 
 def test_lookahead_is_off_for_sampling_and_without_prompt_ids():

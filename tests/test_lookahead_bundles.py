@@ -29,15 +29,15 @@ def check_family(bundle, monkeypatch, tokens=24):
         img = image_file(image, None) if image else None
         for mode in ("kv", "hybrid"):
             for vlm in (plain, fast):
-                vlm.engine.cache.data[:] = 0  # so that a row written beyond the cache length shows
+                vlm.row.cache.data[:] = 0  # so that a row written beyond the cache length shows
             a = plain(prompt, img, mode=mode, max_new_tokens=tokens, ignore_eos=True)
             b = fast(prompt, img, mode=mode, max_new_tokens=tokens, ignore_eos=True)
             assert a.token_ids == b.token_ids, (prompt, mode)
-            pc, fc = plain.engine.cache, fast.engine.cache
+            pc, fc = plain.row.cache, fast.row.cache
             assert pc.length == fc.length
             # rows of a verify step come from a batched call: equal to float rounding (measured max 1e-5 here)
             np.testing.assert_allclose(fc.stored(), pc.stored(), rtol=0, atol=1e-4)
-            if fast.engine.kind.name != "gqa_in_place":  # (its graph writes every row it computes; beyond the
+            if fast.row.kind.name != "gqa_in_place":  # (its graph writes every row it computes; beyond the
                 # length they are stale)
                 assert not fc.data[:, :, fc.length:].any(), "a rejected draft's row is in the cache"
             drafted += b.stats.drafted_tokens

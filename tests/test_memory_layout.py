@@ -92,8 +92,8 @@ def test_load_only_weights_unmapped_after_load(tmp_path_factory, tmp_path):
     assert not other.bundle.shared.own
     assert other("Describe the picture in detail.", None, max_new_tokens=12, ignore_eos=True).token_ids == r.token_ids
     ids = vlm.prompt("hello").ids
-    np.testing.assert_array_equal(vlm.engine.prefill(vlm.engine.embed(ids), "hybrid"),
-                                  other.engine.prefill(other.engine.embed(ids), "hybrid"))
+    np.testing.assert_array_equal(vlm.row.prefill(vlm.scheduler.embed(ids), "hybrid"),
+                                  other.row.prefill(other.scheduler.embed(ids), "hybrid"))
 
 
 def test_scale_pages_dropped_while_the_session_builds(tmp_path):

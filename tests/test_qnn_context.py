@@ -159,8 +159,8 @@ def test_htp_prefill_ar(tmp_path_factory, ar):
         want = cpu("Describe a red square.", None, mode=mode, max_new_tokens=16, ignore_eos=True)
         assert len(want.token_ids) == 16
         embeds = cpu.prompt_embeds("Describe a red square.")[1]
-        lc = cpu.engine.score(embeds, want.token_ids, mode)
-        ln = npu.engine.score(embeds, want.token_ids, mode)
+        lc = cpu.row.score(embeds, want.token_ids, mode)
+        ln = npu.row.score(embeds, want.token_ids, mode)
         top2 = np.sort(lc, axis=-1)[:, -2:]
         close = top2[:, 1] - top2[:, 0] <= TIE
         assert (lc.argmax(-1) == want.token_ids).all()

@@ -50,7 +50,7 @@ def nbits(path) -> list[tuple[str, int]]:
 def run_eval(b, ref, mode="hybrid", **kw) -> dict:
     v = VLM.load(b)
     for k, val in kw.items():
-        setattr(v.engine, k, val)
+        setattr(v.row, k, val)
     return accuracy.evaluate(v, accuracy.load_reference(ref, v), samples.default_samples(), tokens=16, mode=mode)
 
 
@@ -182,7 +182,7 @@ def test_weight_only_bundle_equals_transformers_on_fake_quantized_weights(kind, 
         ref = model(input_ids=seq, pixel_values=pixels).logits[0, len(ids) - 1:].numpy()
     want = seq[0, len(ids):].tolist()
     for mode in ("kv", "hybrid"):
-        got = v.engine.score(embeds, want, mode)
+        got = v.row.score(embeds, want, mode)
         assert len(got) == len(want) == 12
         err = np.abs(got - ref[: len(got)]).max()
         assert err < 1e-3 * np.abs(ref).max(), (mode, err)
@@ -326,10 +326,10 @@ def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory, capsys):
     assert np.abs(e_cpu - e_npu).max() < 0.15 * np.abs(e_cpu).max()  # measured 0.076 of 3.2
     ids = cpu.prompt("Describe a red square.").ids
     for mode in ("kv", "hybrid"):
-        a, h = cpu.engine.prefill(cpu.engine.embed(ids), mode), npu.engine.prefill(npu.engine.embed(ids), mode)
+        a, h = cpu.row.prefill(cpu.scheduler.embed(ids), mode), npu.row.prefill(npu.scheduler.embed(ids), mode)
         assert a.argmax() == h.argmax() and np.abs(a - h).max() < 0.3
         for i in range(2):
-            diff = np.abs(cpu.engine.cache.keys[i][: len(ids)].astype(int) - npu.engine.cache.keys[i][: len(ids)].astype(int))
+            diff = np.abs(cpu.row.cache.keys[i][: len(ids)].astype(int) - npu.row.cache.keys[i][: len(ids)].astype(int))
             assert diff.max() <= 6
     on_npu(npu)
     # `vlmrt run --device htp`: the same greedy ids as the CPU EP's simulation of the same QDQ bundle

@@ -117,7 +117,7 @@ def test_w4a16o_bundle_equals_transformers_on_fake_quantized_weights(tmp_path_fa
         for _ in range(12):
             seq = torch.cat([seq, model(input_ids=seq, pixel_values=pixels).logits[0, -1].argmax().view(1, 1)], 1)
         ref = model(input_ids=seq, pixel_values=pixels).logits[0, len(ids) - 1:].numpy()
-    got = v.engine.score(embeds, seq[0, len(ids):].tolist(), "hybrid")
+    got = v.row.score(embeds, seq[0, len(ids):].tolist(), "hybrid")
     assert len(got) == 12
     assert np.abs(got - ref[:12]).max() < 1e-3 * np.abs(ref).max()
     assert (got.argmax(-1) == ref[:12].argmax(-1)).all()

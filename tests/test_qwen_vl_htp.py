@@ -58,8 +58,8 @@ def test_simulator_equals_the_cpu_ep(htp_bundle):
         assert len(set(want.token_ids)) > 4
         xc, xn = cpu.decoder_inputs(cpu.prompt(PROMPT, [image])), npu.decoder_inputs(npu.prompt(PROMPT, [image]))
         np.testing.assert_array_equal(xc.positions, xn.positions)
-        lc = cpu.engine.score(xc.embeds, want.token_ids, mode, positions=xc.positions, rows=xc.rows)
-        ln = npu.engine.score(xn.embeds, want.token_ids, mode, positions=xn.positions, rows=xn.rows)
+        lc = cpu.row.score(xc.embeds, want.token_ids, mode, positions=xc.positions, rows=xc.rows)
+        ln = npu.row.score(xn.embeds, want.token_ids, mode, positions=xn.positions, rows=xn.rows)
         top2 = np.sort(lc, axis=-1)[:, -2:]
         close = top2[:, 1] - top2[:, 0] <= TIE
         assert (lc.argmax(-1) == want.token_ids).all()

@@ -35,7 +35,7 @@ def _load(bundle, bind: bool):
 def _answer(bundle, bind: bool, mode: str, image=None):
     vlm = _load(bundle, bind)
     r = vlm("Describe the picture in detail.", image, mode=mode, max_new_tokens=12, ignore_eos=True)
-    return r.token_ids, vlm.engine.cache.stored().copy(), vlm.engine.last
+    return r.token_ids, vlm.row.cache.stored().copy(), vlm.scheduler.last
 
 
 @pytest.mark.parametrize("mode", ["kv", "hybrid"])
@@ -59,9 +59,9 @@ def test_bound_steps_do_not_multiply_with_prompt_lengths(default_bundle):
     bound = {}
     for words in range(1, 40, 3):
         bound[words] = vlm("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids
-    kept = vlm.engine._steps
+    kept = vlm.row._steps
     assert all(isinstance(s, BoundStep) for s in kept.values())
-    assert {ar for _, _, ar, _ in kept} <= {1, dec.prefill_ar} and len(vlm.engine._buffers) <= 2
+    assert {ar for _, _, ar, _ in kept} <= {1, dec.prefill_ar} and len(vlm.row._buffers) <= 2
     plain = _load(default_bundle.bundle, False)
     for words, ids in bound.items():
         assert plain("word " * words, None, max_new_tokens=4, ignore_eos=True).token_ids == ids
@@ -73,7 +73,7 @@ def test_score_keeps_rows_with_io_binding(default_bundle):
 
     vlm = _load(default_bundle.bundle, True)
     ids = vlm.prompt("Hello there").ids
-    rows = vlm.engine.score(vlm.engine.embed(ids), [5, 6, 7, 8], mode="hybrid")
+    rows = vlm.row.score(vlm.scheduler.embed(ids), [5, 6, 7, 8], mode="hybrid")
     assert not np.allclose(rows[0], rows[-1])
 
 
@@ -160,10 +160,10 @@ def test_symbolic_context_graphs_equal_static_ones(default_bundle, tmp_path_fact
         rb = b("Describe the picture in detail.", img, mode=mode, max_new_tokens=12, ignore_eos=True)
         assert ra.stats.prompt_tokens > 64  # the prompt spans several context steps
         assert ra.token_ids == rb.token_ids
-        np.testing.assert_allclose(a.engine.cache.stored(), b.engine.cache.stored(), rtol=0, atol=5e-5)
+        np.testing.assert_allclose(a.row.cache.stored(), b.row.cache.stored(), rtol=0, atol=5e-5)
         ids = a.prompt("Hello there").ids
-        la = a.engine.score(a.engine.embed(ids), [5, 6, 7], mode=mode)
-        lb = b.engine.score(b.engine.embed(ids), [5, 6, 7], mode=mode)
+        la = a.row.score(a.scheduler.embed(ids), [5, 6, 7], mode=mode)
+        lb = b.row.score(b.scheduler.embed(ids), [5, 6, 7], mode=mode)
         np.testing.assert_allclose(la, lb, rtol=0, atol=2e-5)
 
 

@@ -228,7 +228,7 @@ def test_body_limit_queue_full_and_bugs(small, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(small.app.state.vlmrt.scheduler.slots[0].vlm, "chat", boom)
+    monkeypatch.setattr(small.app.state.vlmrt.scheduler.slots[0].vlm, "chat_answer", boom)
     code, out, _ = post(small, {"messages": [TEXT]})
     assert code == 500 and out["error"] == {"message": "internal server error (logged by the server)",
                                             "type": "server_error", "code": "internal_error"}

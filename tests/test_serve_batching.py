@@ -1,4 +1,4 @@
-"""`vlmrt serve` with continuous batching (serve/scheduler.py over runtime/batch_engine.py) on the tiny fixture bundle:
+"""`vlmrt serve` with continuous batching (serve/scheduler.py over runtime/answers.py and runtime/scheduler.py) on the tiny fixture bundle:
 concurrent requests decode together and each gets its solo answer; a request that fails mid-batch fails alone with
 its JSON error while the others' answers do not change; a batched call that raises fails the requests it was to
 advance (500) and the server goes on."""
@@ -20,27 +20,26 @@ FAIL = "fail after three pieces"
 def batched(tiny):
     r = start(tiny.bundle, "--slots", "4", "--queue", "16")
     for slot in r.app.state.vlmrt.scheduler.slots:
-        slot.vlm.chat = functools.partial(_maybe_failing, slot.vlm.chat)
+        v = slot.vlm
+        v.chat_answer = functools.partial(_maybe_failing, v.chat_answer)
+        v.stream = functools.partial(_fails, v.stream)
     yield r
     r.stop()
 
 
-def _maybe_failing(chat, messages, **kw):
-    gen = chat(messages, **kw)
-    return _fails(gen) if messages[-1]["content"] == FAIL else gen
+def _maybe_failing(chat_answer, messages, **kw):
+    a = chat_answer(messages, **kw)
+    a.fails = messages[-1]["content"] == FAIL
+    return a
 
 
-def _fails(gen):
+def _fails(stream, a, ids):
     """A request whose own answer raises mid-way (a bug in its steps), after its decode steps joined the batch."""
-    n = 0
-    try:
-        for piece in gen:
-            yield piece
-            n += isinstance(piece, str) and piece != ""  # (not the STEPs)
-            if n == 3:
-                raise RuntimeError("a bug in this request")
-    finally:
-        gen.close()
+    for piece in stream(a, ids):
+        a.pieces = getattr(a, "pieces", 0) + bool(piece)
+        if a.fails and a.pieces == 3:
+            raise RuntimeError("a bug in this request")
+        yield piece
 
 
 def _bodies(n):
@@ -75,24 +74,23 @@ def test_requests_decode_together_and_failures_stay_alone(batched):
 
 
 def test_a_batched_call_that_raises_fails_those_it_advanced(batched, monkeypatch):
-    sched = batched.app.state.vlmrt.scheduler
-    run, calls = sched.batch.run, {"n": 0}
+    decoder = batched.app.state.vlmrt.scheduler.decoder
+    call, calls = decoder.batch_call, {"n": 0}
 
-    def flaky():
-        calls["n"] += bool(sched.batch.pending)
-        if calls["n"] == 4 and sched.batch.pending:  # the 4th call that advances someone
-            sched.batch.pending.clear()
+    def flaky(pending):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the 4th call
             raise RuntimeError("a bad call")
-        run()
+        return call(pending)
 
-    monkeypatch.setattr(sched.batch, "run", flaky)
+    monkeypatch.setattr(decoder, "batch_call", flaky)
     bodies = _bodies(3)
     with ThreadPoolExecutor(3) as ex:
         outs = list(ex.map(lambda b: post(batched, b), bodies))
     codes = sorted(c for c, _, _ in outs)
     assert 500 in codes and all(c in (200, 500) for c in codes)
     assert all(o["error"]["code"] == "internal_error" for c, o, _ in outs if c == 500)
-    monkeypatch.setattr(sched.batch, "run", run)
+    monkeypatch.setattr(decoder, "batch_call", call)
     assert _text(post(batched, bodies[0]))  # the server goes on
 
 
@@ -123,15 +121,13 @@ def test_a_failing_request_leaves_the_others_steps_of_its_round(batched):
 
 def test_an_lfm2_bundle_decodes_its_slots_together(tmp_path_factory):
     """An LFM2-VL bundle (conv layers beside GroupQueryAttention, decoder.kind.batched) served with slots: they share
-    one BatchDecoder, and concurrent requests (an image each, greedy and sampled) get their solo answers."""
+    one scheduler's batched calls, and concurrent requests (an image each, greedy and sampled) get their solo answers."""
     from family_cases import LFM2_CASES, lfm2_exported
-
-    from vlmrt.runtime.batch_engine import BatchDecoder
 
     case = next(c for c in LFM2_CASES if c.name == "lfm2-conv-attn-conv-conv-gqa")
     r = start(lfm2_exported(case, tmp_path_factory).bundle, "--slots", "3", "--queue", "8")
     try:
-        assert isinstance(r.app.state.vlmrt.scheduler.batch, BatchDecoder)
+        assert r.app.state.vlmrt.scheduler.decoder.batched
         bodies = _bodies(4)
         solo = [_text(post(r, b)) for b in bodies]
         before = status(r)
@@ -176,6 +172,6 @@ def test_no_batch_padding_leaves_a_request_alone_in_one_row_calls(tiny):
     try:
         h = status(r)
         assert h["batch_min_rows"] == 1 and h["batch_invariant"] is False
-        assert r.app.state.vlmrt.scheduler.batch.probed["min_rows"] == 2
+        assert r.app.state.vlmrt.scheduler.decoder.probed["min_rows"] == 2
     finally:
         r.stop()

@@ -33,7 +33,7 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
         logits = {}
         for key, v in (("32", v32), ("16", v16)):
             e = v.embed_prompt(v.prompt(PROMPT, [image_file(name, None)]))
-            logits[key] = {m: v.engine.prefill(e, m).astype(np.float32) for m in ("kv", "hybrid")}
+            logits[key] = {m: v.row.prefill(e, m).astype(np.float32) for m in ("kv", "hybrid")}
         for m in ("kv", "hybrid"):
             assert np.abs(logits["32"][m] - logits["16"][m]).max() < 0.05
             assert logits["32"][m].argmax() == logits["16"][m].argmax()
@@ -43,7 +43,7 @@ def test_fp16_bundle_tracks_fp32(default_bundle, tmp_path):
         rows = {}
         for key, v in (("32", v32), ("16", v16)):
             e = v.embed_prompt(v.prompt(PROMPT, [image_file("chelsea.png", None)]))
-            rows[key] = v.engine.score(e, want, mode=m).astype(np.float32)
+            rows[key] = v.row.score(e, want, mode=m).astype(np.float32)
         assert np.abs(rows["32"] - rows["16"]).max() < 0.05
         top2 = np.sort(rows["32"], axis=-1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 0.05

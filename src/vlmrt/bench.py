@@ -59,11 +59,11 @@ def bench(path: str | Path, *, image=None, prompt_tokens: int = 256, gen_tokens:
                                  f"max context ({ctx} tokens)")
             prompt = make_prompt(vlm, image, prompt_tokens)
         r = vlm(prompt, image, mode=mode, max_new_tokens=gen_tokens, ignore_eos=True)
-        s, g = r.stats, vlm.engine.last
+        s, g = r.stats, vlm.scheduler.last
         rows.append({"load_s": load + s.vision_load_s, "preprocess_s": s.preprocess_s, "vision_s": s.vision_s, "ttft_s": s.ttft_s,
                      "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_ms_per_token": s.decode_ms_per_token,
                      "decode_tokens_per_s": s.decode_tokens_per_s,
-                     "host_overhead_ms_per_step": vlm.engine.last.host_overhead_ms_per_step,
+                     "host_overhead_ms_per_step": vlm.scheduler.last.host_overhead_ms_per_step,
                      "accepted_per_draft": g.accepted_tokens / g.drafted_tokens if g.drafted_tokens else 0.0,
                      "prompt_tokens": s.prompt_tokens, "image_tiles": s.image_tiles,
                      "generated_tokens": s.generated_tokens})

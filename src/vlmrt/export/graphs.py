@@ -124,7 +124,7 @@ class CastIO(torch.nn.Module):
 class TokenRows(torch.nn.Module):
     """inner(inputs_embeds + token_rows * token_scales, *rest): an int8 embedding row and its scale as graph inputs
     [ar, hidden] int8, [ar] float32 (the last two), multiplied in float32 and cast to the I/O dtype as the host's
-    Engine.embed does, so a decode step's row goes straight from the table into the bound input (scale 0 for the
+    TokenEmbedding.embed does, so a decode step's row goes straight from the table into the bound input (scale 0 for the
     rows that come in inputs_embeds: prompt blocks, image rows, lookahead drafts)."""
 
     def __init__(self, inner: torch.nn.Module):

@@ -273,7 +273,7 @@ class GqaInPlaceKind:
     token_scales_input: str | None = None
     # the graph takes a batch (export/batch_dim.py): B = the length of seqlens_input, the cache buffers
     # [B, kv_heads, max_context, head_dim] (conv windows [B, width, channels]), B sequences of ar / B tokens each
-    # (positions [1, ar] in sequence order); one call advances B sequences (runtime/batch_engine.py). False: B is 1
+    # (positions [1, ar] in sequence order); one call advances B sequences (runtime/scheduler.py). False: B is 1
     # (bundles exported before)
     batched: bool = False
 

@@ -14,7 +14,7 @@ first slot are visible and its own rows see each other causally, and returns its
 first n_valid at the next slots, padding rows dropped) or `HEADS` [1, kv_heads, max_context, head_dim]
 (GroupQueryAttention's buffers, which the graph writes itself: `advance` only moves the length; a conv window
 [1, width, channels], as the gqa_in_place graph's layers take rows: [1, ar, hidden]).
-A batch's cache (batch_blocks, rows_of: runtime/batch_engine.py) is one array per attention block
+A batch's cache (batch_blocks, rows_of: runtime/scheduler.py) is one array per attention block
 [layers, 2, n, kv_heads, max_context, head_dim] and per conv layer a window array [n, width, channels], sequence b's
 cache a KVCache over row b of each.
 Slots are not positions: `positions` [rope rows, max_context] keeps the rope positions each slot's row was computed
@@ -179,7 +179,7 @@ class KVCache:
         """n sequences' HEADS caches: the attention blocks, one array per block [layers, 2, n, kv_heads, max_context,
         head_dim] (zeroed: its own mapping), then per conv layer its windows [n, width, channels]; sequence b's cache
         is KVCache(..., blocks=rows_of(.., b)), and a batched step binds each attention layer's [n, kv_heads,
-        max_context, head_dim] and each conv layer's windows whole (runtime/batch_engine.py)."""
+        max_context, head_dim] and each conv layer's windows whole (runtime/scheduler.py)."""
         dtype = np.dtype(dtype or spec.dtype)
         shapes: dict[tuple, int] = {}
         for layer in spec.attention():

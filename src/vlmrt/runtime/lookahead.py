@@ -3,7 +3,7 @@ where it occurred before in the prompt or the answer.
 
     drafter = PromptLookup(k=4, ids=prompt_ids)
     drafts = drafter.propose(limit)   # up to min(k, limit) token ids, or [] (no match, or backing off)
-    ...                               # Engine.verify: one decoder call over [token, *drafts]
+    ...                               # CacheRow.verify: one decoder call over [token, *drafts]
     drafter.feedback(accepted)        # how many drafts the model agreed with
     drafter.append(token)             # every token emitted, in order
 
@@ -91,7 +91,7 @@ def check_exact(decode: GraphSpec, k: int) -> None:
     SmolLM2 w4a8: logits 0.6 apart, answers that part after 12-52 tokens), so a verify step's greedy choice is not the
     plain decode's: its attention takes GroupQueryAttention's multi-token path (row 0 3e-5 from the decode step, on a
     CPU where MatMulNBits computes a row the same in a call of any width) and the int8 activation quantization
-    amplifies that (0.2-0.64 by row 4), so no choice of call width (batch_engine.BatchDecoder.probe) makes it exact.
+    amplifies that (0.2-0.64 by row 4), so no choice of call width (Scheduler.probe) makes it exact.
     Float activations (fp32, fp16, w*a16) agree to ~5e-5."""
     precisions = {decode.precision, str(decode.weights.get("lm_head", ""))}
     inexact = sorted(p for p in precisions if "a8" in p)

@@ -36,7 +36,7 @@ from .bundle import Bundle
 from .sessions import Sessions
 from .chunks import ImageChunk, Prompt
 from .positions import position_op, prompt_positions
-from .engine import MODES, STEP, ContextOverflow, DecoderSessions, Engine, EngineConfig, check_lookahead
+from .cache_row import MODES, ContextOverflow, DecoderConfig, DecoderSessions, check_lookahead
 from .lookahead import check_exact
 from . import video as video_ops
 from .conversation import (ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn,
@@ -45,6 +45,8 @@ from .prefix_cache import ImageCache, PrefixCache
 from .image_native import with_max_patches
 from .prompt import build
 from .sampler import Sampler, SamplingConfig
+from .scheduler import Scheduler
+from .sequence import Sequence
 from .sources import FetchLimits, read_image
 from .stop_strings import StopStrings
 
@@ -85,7 +87,7 @@ def peak_rss_mb() -> float:
 
 @dataclass
 class DecoderInputs:
-    """A prompt's decoder inputs from a slot on (VLM.decoder_inputs): engine.prefill(x.embeds, mode,
+    """A prompt's decoder inputs from a slot on (VLM.decoder_inputs): vlm.row.prefill(x.embeds, mode,
     positions=x.positions, rows=x.rows)."""
 
     embeds: np.ndarray  # [n, hidden]
@@ -134,37 +136,87 @@ class Result:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids), "stats": asdict(self.stats)}
 
 
+@dataclass(eq=False)
+class Answer:
+    """One answer in progress (VLM.prepare, encode, admit, stream, finish): its options, prompt, sequence and text."""
+
+    me: int  # VLM._answers when it began
+    slot: int  # its VLM's row of the scheduler (VLM.slot)
+    cached: bool  # chat: prefix and image caches
+    mode: str
+    max_new_tokens: int
+    sampler: Sampler
+    ignore_eos: bool
+    cut: StopStrings
+    res: Result
+    t0: float  # perf_counter at the call
+    prompt: Prompt | None = None
+    keys: list = field(default_factory=list)  # the prompt rows' keys (PrefixCache)
+    start: int = 0  # prompt rows kept from the previous answer
+    media: bool = False  # the prompt has images or video frames
+    seq: Sequence | None = None
+    fed: str = ""  # the decoded text given to cut
+    recording: bool = False  # the prefix cache is to record the row's rows when it is over
+    decode: object = None  # tokenizers' DecodeStream
+
+    def __post_init__(self):
+        from tokenizers.decoders import DecodeStream
+
+        self.decode = DecodeStream(skip_special_tokens=True)
+
+
 class VLM:
     def __init__(self, bundle: Bundle, load_s: float = 0.0, kv_requant: bool = True,
                  image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, fetch: FetchLimits = FetchLimits(),
-                 lookahead: int = 0, cache_blocks: list[np.ndarray] | None = None, allow_special_tokens: bool = False):
-        """kv_requant: see Engine (HTP bundles in hybrid mode). image_cache_bytes: bound of chat()'s image embedding
-        cache. fetch: limits on images fetched from http(s) URLs. lookahead: draft length of lookahead decoding
-        (greedy answers; 0 = off; see Engine). cache_blocks: its rows of a batch's cache (runtime/batch_engine.py
-        batched_vlms: then its answers also yield engine.STEP, see Engine.generate). allow_special_tokens: message
-        text that holds a control token's string (<|im_start|>, <end_of_utterance>, ...) gets that token, as
-        transformers' tokenizers do; by default it is tokenized as plain text (docs/conversations.md)."""
+                 lookahead: int = 0, allow_special_tokens: bool = False, scheduler: Scheduler | None = None,
+                 row: int = 0):
+        """kv_requant: see DecoderConfig (HTP bundles in hybrid mode). image_cache_bytes: bound of chat()'s image
+        embedding cache. fetch: limits on images fetched from http(s) URLs. lookahead: draft length of lookahead
+        decoding (greedy answers; 0 = off; see DecoderConfig). allow_special_tokens: message text that holds a control
+        token's string (<|im_start|>, <end_of_utterance>, ...) gets that token, as transformers' tokenizers do; by
+        default it is tokenized as plain text (docs/conversations.md). scheduler, row: the scheduler its answers run
+        through and its cache row there (VLM.slots: several VLMs over one scheduler); None: a scheduler of its own,
+        of one row (kv_requant and lookahead are the scheduler's)."""
         self.bundle = bundle
         m = bundle.manifest
         self.manifest = m
         self.load_s = load_s
         self.lazy_load_s = 0.0  # seconds spent loading sessions on first use (the vision graph's), accumulated
+        position_op(m.decoder.positions)  # (a bundle naming an op this vlmrt lacks fails at load)
+        self.scheduler = scheduler or self.scheduler_for(bundle, 1, kv_requant, lookahead)
+        self.slot = row
+        self.row = self.scheduler.rows[row]  # its cache rows and the one-sequence calls on them
+        self.result = Result()
+        self.template = ChatTemplate(m.prompt, () if allow_special_tokens else control_strings(bundle.tokenizer))
+        self.prefix = PrefixCache(self.row.cache)
+        self.image_cache = ImageCache(image_cache_bytes)
+        self.fetch = fetch
+        self._answers = 0  # answers begun: one VLM answers one at a time (its KV cache is one conversation's)
+
+    @staticmethod
+    def scheduler_for(bundle: Bundle, rows: int, kv_requant: bool = True, lookahead: int = 0) -> Scheduler:
+        """A scheduler of `rows` cache rows over the bundle's decoder sessions (runtime/scheduler.py)."""
+        m = bundle.manifest
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
         check_lookahead(m.decoder, lookahead)
         check_exact(m.graphs["decode"], lookahead)
-        position_op(m.decoder.positions)  # (a bundle naming an op this vlmrt lacks fails at load)
         # a static bundle's verify graph (the HTP target), loaded only for lookahead
         verify = bundle.sessions["verify"] if lookahead and getattr(m.decoder.kind, "verify_ar", 0) else None
         sessions = DecoderSessions(decode=bundle.sessions["decode"], prefill=bundle.sessions.get("prefill"),
                                    verify=verify, head=bundle.sessions.get("head"))
-        config = EngineConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
-        self.engine = Engine(sessions, config, bundle.embed_table, bundle.embed_scale, cache_blocks)
-        self.result = Result()
-        self.template = ChatTemplate(m.prompt, () if allow_special_tokens else control_strings(bundle.tokenizer))
-        self.prefix = PrefixCache(self.engine.cache)
-        self.image_cache = ImageCache(image_cache_bytes)
-        self.fetch = fetch
-        self._answers = 0  # answers begun: one VLM answers one at a time (its KV cache is one conversation's)
+        config = DecoderConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
+        return Scheduler(sessions, config, bundle.embed_table, bundle.embed_scale, rows)
+
+    @classmethod
+    def slots(cls, bundle: Bundle, n: int, load_s: float = 0.0, kv_requant: bool = True, lookahead: int = 0,
+              **options) -> list["VLM"]:
+        """n VLMs over one opened bundle and one scheduler of n rows (a server's slots, a batch job's sequences),
+        VLM i on row i: their answers decode together, one decoder call per round where the graph takes a batch
+        (runtime/scheduler.py), the call width probed (Scheduler.probe) so that an answer does not depend on the
+        load. options: the other VLM keyword arguments (image_cache_bytes per VLM, fetch, ...)."""
+        sched = cls.scheduler_for(bundle, n, kv_requant, lookahead)
+        sched.probe()
+        return [cls(bundle, load_s, scheduler=sched, row=i, **options) for i in range(n)]
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True,
@@ -196,7 +248,7 @@ class VLM:
         for c in prompt.needs_rows(start):
             if c.embeds is None:
                 self._encode_chunk(c, cache)
-        return prompt.splice(self.engine.embed(prompt.ids[start:]), start)
+        return prompt.splice(self.scheduler.embed(prompt.ids[start:]), start)
 
     def _encode_chunk(self, c, cache: bool) -> None:
         """An image chunk's rows through the vision graph (kept in the image cache if cache)."""
@@ -210,7 +262,7 @@ class VLM:
         for r in tile_inputs.encode_tiles(self._vision(), c.pixels, c.patch_grids, self.manifest):
             rows.append(r)
             yield
-        c.embeds = np.concatenate(rows).astype(self.engine.dtype, copy=False)
+        c.embeds = np.concatenate(rows).astype(self.row.dtype, copy=False)
         c.pixels = None  # (spent: the image cache keeps this record for its rows, not its pixels)
         if cache:
             self.image_cache.put(c.key, c)
@@ -224,8 +276,8 @@ class VLM:
     def _positions_rows(self, prompt: Prompt, start: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(rope positions, row input or None) of the prompt's slots start.. (see decoder_inputs)."""
         d = self.manifest.decoder
-        positions = prompt_positions(d.positions, prompt, start, self.engine.cache.position_after(start))
-        rows = prompt.row_input(d.hidden_size, d.row_input.width, self.engine.dtype, start) if d.row_input else None
+        positions = prompt_positions(d.positions, prompt, start, self.row.cache.position_after(start))
+        rows = prompt.row_input(d.hidden_size, d.row_input.width, self.row.dtype, start) if d.row_input else None
         return positions, rows
 
     def prompt_embeds(self, prompt: str, image=None, max_tiles: int | None = None) -> tuple[list[int], np.ndarray]:
@@ -238,7 +290,7 @@ class VLM:
         """[tiles, c, S, S] (NaFlex, native resolution: [tiles, patches, d] and their patch grids) -> [the tiles' image
         tokens, hidden (+ the row outputs' width)] through the vision graph, tile by tile (the manifest's tile-inputs
         op: runtime/tile_inputs.py)."""
-        return tile_inputs.encode(self._vision(), tiles, patch_grids, self.manifest).astype(self.engine.dtype, copy=False)
+        return tile_inputs.encode(self._vision(), tiles, patch_grids, self.manifest).astype(self.row.dtype, copy=False)
 
     def _vision(self):
         """The vision graph's session, loaded on first use (its load time counted in lazy_load_s)."""
@@ -263,8 +315,9 @@ class VLM:
         Cache-less: nothing is kept from or for other calls."""
         srcs = ([image] if image is not None else []) + list(images)
         videos = [VideoSource(video, fps)] if video is not None else []
-        return self._answer(parse_messages(user_turn(prompt, srcs, videos)), False, mode, max_new_tokens,
-                            sampling or SamplingConfig(), ignore_eos, max_tiles, stop, max_frames, max_patches)
+        return self._run(lambda: self.prepare(
+            parse_messages(user_turn(prompt, srcs, videos)), False, mode, max_new_tokens, sampling or SamplingConfig(),
+            ignore_eos, max_tiles, stop, max_frames, max_patches))
 
     def chat(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
@@ -279,18 +332,30 @@ class VLM:
         tools: functions the answer may call (OpenAI's [{"type": "function", "function": {...}}]), rendered by the
         checkpoint's template (or described in a system turn: runtime/tool_calls.py); messages may then hold
         assistant tool_calls and tool results. The answer is text: self.template.tool_format.parse reads its calls."""
+        return self._run(lambda: self.chat_answer(messages, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
+                                          max_tiles=max_tiles, max_frames=max_frames, max_patches=max_patches,
+                                          tools=tools))
+
+    def chat_answer(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                    stop: list[str] | None = None, ignore_eos: bool = False, max_tiles: int | None = None,
+                    max_frames: int | None = None, max_patches: int | None = None,
+                    tools: list[dict] | None = None) -> "Answer":
+        """chat()'s answer prepared (VLM.prepare), for an AnswerLoop to run with others' (runtime/answers.py: the
+        server's slots, vlmrt batch). Raises on bad input."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return self._answer(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
+        return self.prepare(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
                             max_frames, max_patches)
 
     def reset(self) -> None:
-        """Forget the conversation caches (the KV rows stay allocated: they are the engine's cache)."""
+        """Forget the conversation caches (the KV rows stay allocated: they are its scheduler row's cache)."""
         self.prefix.clear()
         self.image_cache.clear()
 
     def cache_bytes(self) -> dict:
         """Memory held: the KV cache (allocated once, max_context rows) and the image embedding cache (bounded)."""
-        return {"kv_cache": self.engine.cache.nbytes, "image_cache": self.image_cache.bytes,
+        return {"kv_cache": self.row.cache.nbytes, "image_cache": self.image_cache.bytes,
                 "image_cache_limit": self.image_cache.max_bytes, "images_cached": len(self.image_cache)}
 
     def _media(self, conv: Conversation, cached: bool, max_tiles: int | None,
@@ -399,8 +464,32 @@ class VLM:
         per = f" (tiles per image: {', '.join(map(str, tiles))}; {m.prompt.tokens_per_tile} tokens per tile)" if grids else ""
         return ContextOverflow(f"{what} is {n} tokens{per} but the bundle's max context is {ctx}; {fix}")
 
-    def _answer(self, conv: Conversation, cached: bool, mode, max_new_tokens, sampling, ignore_eos, max_tiles,
-                stop, max_frames=None, max_patches=None) -> Iterator[str]:
+    # --- an answer: prepare, encode, then its sequence's ids streamed as text (runtime/answers.py runs them) ---
+    def _run(self, prepare) -> Iterator[str]:
+        """One answer (prepare(): its Answer, made at the first step: generate / chat raise on bad input when
+        iterated) through an AnswerLoop of this VLM alone: the rounds of its scheduler until it ends; a failure raises
+        here."""
+        from .answers import AnswerLoop
+
+        a = prepare()
+        loop = AnswerLoop([self])
+        loop.begin(a)
+        try:
+            while loop.busy:
+                for _, kind, value in loop.round():
+                    if kind == "error":
+                        raise value
+                    if kind == "piece":
+                        yield value
+                        self._still_mine(a.me)  # before the next step writes a KV row another answer may own
+        finally:
+            loop.cancel(self.slot)  # (an answer closed, or failed, before its end: its sequence leaves the row)
+
+    def prepare(self, conv: Conversation, cached: bool, mode, max_new_tokens, sampling, ignore_eos, max_tiles,
+                stop, max_frames=None, max_patches=None) -> "Answer":
+        """An answer's host side up to the vision graph: options checked, images and videos read and tiled (or found
+        in the image cache if cached), the prompt built and checked against the context, the cache rows it may keep
+        (cached: chat's prefix reuse). Raises on bad input; nothing is encoded or decoded yet. self.result is its."""
         m = self.manifest
         mode = mode or m.generate.get("default_mode", "hybrid")
         if mode not in MODES:
@@ -411,11 +500,10 @@ class VLM:
             raise ValueError("max_new_tokens must be >= 1")
         sampler, cut = Sampler(sampling), StopStrings(stop)
         self._answers += 1
-        me = self._answers
         res = self.result = Result()
+        a = Answer(self._answers, self.slot, cached, mode, max_new_tokens, sampler, ignore_eos, cut, res, time.perf_counter())
         st = res.stats
         st.load_s = self.load_s
-        t0 = time.perf_counter()
 
         images, videos, st.images_cached = self._media(conv, cached, max_tiles, max_frames, max_patches)
         media = images + [f for _, frames, _ in videos for f in frames]
@@ -423,79 +511,93 @@ class VLM:
         st.images, st.image_tiles = len(media), sum(g[2] for g in grids)
         st.images_resized = sum(m.resized_to_fit for m in images)
         st.videos, st.video_frames = len(videos), sum(len(f) for _, f, _ in videos)
-        prompt = self._build(conv, images, videos)
+        a.prompt = prompt = self._build(conv, images, videos)
         res.prompt_ids = ids = prompt.ids
         st.prompt_tokens = len(ids)
         if len(ids) >= m.kv.max_context:
             raise self._overflow(prompt, grids, conv, images, videos)
-        keys = prompt.keys()
-        start = self.engine.reusable(mode, min(self.prefix.common(keys), len(ids) - 1)) if cached else 0
-        st.reused_prompt_tokens = start
-        t1 = time.perf_counter()
-        st.preprocess_s = t1 - t0
+        a.keys = prompt.keys()
+        a.start = self.row.reusable(mode, min(self.prefix.common(a.keys), len(ids) - 1)) if cached else 0
+        st.reused_prompt_tokens = a.start
+        a.media = bool(media)
+        st.preprocess_s = time.perf_counter() - a.t0
+        return a
 
-        # image rows: from the cache, from the vision graph, or none for an image wholly inside the kept prefix
+    def encode(self, a: "Answer") -> Iterator[None]:
+        """The answer's image rows (from the image cache, from the vision graph, or none for an image wholly inside
+        the kept prefix), one vision call (one tile) per step: yields after each but the last (so that the others'
+        decode steps go on between them); then its Sequence (a.seq) with the prompt's embeddings, positions and row
+        input, ready to admit."""
+        st = a.res.stats
         lazy0, encode_s = self.lazy_load_s, 0.0
-        todo = [c for c in prompt.needs_rows(start) if c.embeds is None]
-        encoded = len(todo)
-        if self.engine.batch is not None:  # under a batch the others' decode steps go on between this prompt's tiles
-            calls = sum(len(c.pixels) for c in todo)
-            for c in todo:
-                for _ in self._encode_tiles(c, cached):
-                    calls -= 1
-                    if calls:  # (after the last call the prompt's first prefill block follows at once)
-                        encode_s += time.perf_counter() - t1
-                        yield STEP
-                        t1 = time.perf_counter()
-        embeds = self.embed_prompt(prompt, start, cache=cached)
+        todo = [c for c in a.prompt.needs_rows(a.start) if c.embeds is None]
+        calls = sum(len(c.pixels) for c in todo)
+        t1 = time.perf_counter()
+        for c in todo:
+            for _ in self._encode_tiles(c, a.cached):
+                calls -= 1
+                if calls:  # (after the last call the prompt's first prefill block follows at once)
+                    encode_s += time.perf_counter() - t1
+                    yield
+                    t1 = time.perf_counter()
+        embeds = self.embed_prompt(a.prompt, a.start, cache=a.cached)
         st.vision_load_s = self.lazy_load_s - lazy0
         st.vision_s = encode_s + time.perf_counter() - t1 - st.vision_load_s
-        st.vision_skipped = bool(media) and encoded == 0
+        st.vision_skipped = a.media and not todo
+        positions, rows = self._positions_rows(a.prompt, a.start)
+        a.seq = Sequence(embeds, a.mode, a.max_new_tokens, a.sampler, a.ignore_eos, a.start, a.prompt.ids, positions,
+                         rows)
 
-        from tokenizers.decoders import DecodeStream
-
-        stream = DecodeStream(skip_special_tokens=True)
-        fed = ""  # the decoded text given to cut
-        if cached:
+    def admit(self, a: "Answer") -> None:
+        """The answer's sequence onto this VLM's row of its scheduler (an answer of this VLM left unfinished there by
+        a caller that began another leaves it)."""
+        old = self.scheduler.seqs[self.slot]
+        if old is not None:
+            self.scheduler.remove(old)
+        if a.cached:
             self.prefix.clear()  # the cache's rows change from here on; record() says what they hold at the end
-        positions, rows = self._positions_rows(prompt, start)
-        gen = self.engine.generate(embeds, mode=mode, max_new_tokens=max_new_tokens, sampler=sampler,
-                                   ignore_eos=ignore_eos, start=start, prompt_ids=ids, positions=positions, rows=rows)
-        done = False
-        try:
-            for token in gen:
-                if token is STEP:  # (under a batch: the sequence waits for the batch's next call)
-                    yield STEP
-                    continue
-                if not res.token_ids:
-                    st.ttft_s = time.perf_counter() - t0
-                res.token_ids.append(token)
-                piece = stream.step(self.bundle.tokenizer, token)
-                if piece:
-                    fed += piece
-                    out = cut.feed(piece)
-                    if out:
-                        yield out
-                        self._still_mine(me)  # before the next step writes a KV row another answer may own
-                    if cut.stopped:
-                        break
-            done = True
-        finally:
-            gen.close()
-            # else the prefill failed, or another answer has used the rows since: what they hold is not ours to say
-            if cached and (done or res.token_ids) and self._answers == me:
-                self.prefix.record(keys + res.token_ids)
+        self.scheduler.add(a.seq, self.slot)
+        a.recording = a.cached
+
+    def stream(self, a: "Answer", ids: list[int]) -> Iterator[str]:
+        """Text pieces of the answer's new ids (stop strings held back and cut: a.cut.stopped then; later ids are
+        dropped)."""
+        res, tok = a.res, self.bundle.tokenizer
+        for token in ids:
+            if a.cut.stopped:
+                return
+            if not res.token_ids:
+                res.stats.ttft_s = time.perf_counter() - a.t0
+            res.token_ids.append(token)
+            piece = a.decode.step(tok, token)
+            if piece:
+                a.fed += piece
+                out = a.cut.feed(piece)
+                if out:
+                    yield out
+
+    def release(self, a: "Answer", done: bool) -> None:
+        """The answer is over (done: it ended, or a stop string ended it; else it failed or was closed): the prefix
+        cache records what the row's rows hold, where they are still its."""
+        if a.recording and (done or a.res.token_ids) and self._answers == a.me:
+            self.prefix.record(a.keys + a.res.token_ids)
+        a.recording = False
+
+    def finish(self, a: "Answer") -> Iterator[str]:
+        """The answer's last pieces (text DecodeStream held back, stop strings' flush) and its Result's text and stats."""
+        self.release(a, True)
+        res, st, cut = a.res, a.res.stats, a.cut
         # DecodeStream holds back an incomplete UTF-8 sequence; flush what the full decode has beyond it
         full = self.bundle.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        if not cut.stopped and full.startswith(fed) and len(full) > len(fed):
-            out = cut.feed(full[len(fed):])
+        if not cut.stopped and full.startswith(a.fed) and len(full) > len(a.fed):
+            out = cut.feed(full[len(a.fed):])
             if out:
                 yield out
         out = cut.flush()
         if out:
             yield out
-        res.text = cut.text if (cut.stopped or full.startswith(fed)) else full
-        g = self.engine.last
+        res.text = cut.text if (cut.stopped or full.startswith(a.fed)) else full
+        g = a.seq.stats
         st.generated_tokens = len(res.token_ids)
         st.prefill_s = g.prefill_s
         st.prefill_tokens_per_s = g.prefill_tokens_per_s
@@ -503,7 +605,7 @@ class VLM:
         st.drafted_tokens, st.accepted_tokens = g.drafted_tokens, g.accepted_tokens
         st.decode_ms_per_token = 1000 * g.decode_s / max(1, len(res.token_ids) - 1)
         st.stop_reason = "stop" if cut.stopped else g.stop_reason
-        st.total_s = time.perf_counter() - t0
+        st.total_s = time.perf_counter() - a.t0
         st.peak_rss_mb = peak_rss_mb()
 
     def _still_mine(self, me: int) -> None:

@@ -4,7 +4,7 @@ apart from the cache slots, manifest decoder.positions).
 A named host op (POSITION_OPS, by decoder.positions.op) turns a prompt (its typed chunks, runtime/chunks.py) into
 positions [rows, n] int64 for its rows from slot `start` on, given the position the first of them follows (the
 cache's next position: KVCache.next_position). Generated tokens need no op: each is one past the largest position
-before it (Engine.positions), in every rope row.
+before it (CacheRow.positions), in every rope row.
   slots  one row, position p at slot p for a fresh prompt (Llama, Qwen2 / Qwen3, SmolVLM, InternVL: an image's rows
          are counted like text)
   mrope  3 rows (t, h, w), Qwen2-VL's get_rope_index: text takes the running position in every row; an image chunk's

@@ -3,7 +3,7 @@
 PrefixCache  remembers what the engine's KV cache rows stand for: one key per row (runtime/chunks.py Prompt.keys:
              the token id, or for an image token (image digest, tiling, row) — the image token id alone does not
              say which picture it is). A new
-             prompt's keys are compared with them; the engine (Engine.reusable) says how much of the common prefix
+             prompt's keys are compared with them; the cache row (CacheRow.reusable) says how much of the common prefix
              can be kept so that the answer is the one a fresh run gives. The rows themselves stay where they are
              (KVCache.rewind): the prefix cache adds no memory beyond its keys.
 ImageCache   encoded images by (content digest, tiling): each image's own record (runtime/chunks.py ImageChunk, its

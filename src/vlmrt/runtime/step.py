@@ -106,7 +106,7 @@ class StepBuffers:
         if rows is not None:
             self.row_input[: len(rows)] = rows
             self.row_dirty = True
-        if embeds is self.first:  # Engine.step_token wrote the row in place (or the token's int8 row: token_mode)
+        if embeds is self.first:  # CacheRow.step_token wrote the row in place (or the token's int8 row: token_mode)
             self.n = 1
             return
         if self.token_mode:

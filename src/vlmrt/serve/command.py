@@ -169,7 +169,7 @@ def build(a, bundle: str, on_load_error=None):
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
     from ..runtime.sessions import check_threads
-    from ..runtime.engine import check_lookahead
+    from ..runtime.cache_row import check_lookahead
     from ..runtime.lookahead import check_exact
 
     # a missing or unreadable bundle, or a lookahead it cannot verify, fails now, not after the port opens

@@ -7,19 +7,17 @@ image cache) over the bundle's shared ORT sessions, so requests never see each o
     kind, value = await job.events.get()   # ("piece", text) ... then ("done", Finished) | ("error", APIError)
     sched.cancel(job)            # | ("cancelled", None): a client that went away; its slot is free again
 
-Continuous batching (a decoder graph that takes a batch: decoder.kind.batched; runtime/batch_engine.py): the slots'
-caches are the rows of one cache and the thread runs rounds: each busy slot's VLM.chat is advanced until it hands its
-next decode step to the batch (engine.STEP; a new request runs its prompt's first prefill block, then one block per
-round), then one decoder call advances every slot that waits (BatchDecoder.run). A request that fails (a bad image, a
-context overflow, a bug in its own steps) fails alone; a batched call that raises fails the requests it was to
-advance, each with a 500 JSON error (their state is not retried: the call may have written part of their rows).
-Where the probe at load found one-row calls computing a row apart from multi-row ones (BatchDecoder.probe), every
-batched call runs at least two rows, so an answer does not depend on how many others decode beside it.
-A bundle whose graph takes one sequence per call (the rows kinds: the NPU target's static graphs) interleaves the busy
-slots one VLM.chat step (one yielded piece) each, round robin, as before. A waiting request goes to the free slot whose
-last conversation shares the most leading messages with it (so a follow-up question finds its KV rows), else to the
-least recently used one. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose
-keys match.
+The slots' VLMs run through one AnswerLoop over one scheduler (runtime/answers.py, runtime/scheduler.py), the loop
+that `vlmrt batch` and VLM.chat run too: the thread runs rounds: each new request's images are encoded one vision call
+per round, its prompt runs one prefill block per round, and one decoder call advances every slot that decodes (where
+the graph takes a batch: decoder.kind.batched; else one call per slot: the NPU target's static graphs). A request that
+fails (a bad image, a context overflow, a bug in its own steps) fails alone; a batched call that raises fails the
+requests it was to advance, each with a 500 JSON error (their state is not retried: the call may have written part of
+their rows). Where the probe at load found one-row calls computing a row apart from multi-row ones
+(Scheduler.probe), every batched call runs at least two rows, so an answer does not depend on how many others decode
+beside it. A waiting request goes to the free slot whose last conversation shares the most leading messages with it
+(so a follow-up question finds its KV rows), else to the lowest free slot where calls are batched (one computes rows
+0..the last waiting one), the least recently used one where not. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose keys match.
 """
 
 from __future__ import annotations
@@ -31,9 +29,9 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
-from ..runtime.batch_engine import batched_vlms
+from ..runtime.answers import AnswerLoop
+from ..runtime.cache_row import ContextOverflow
 from ..runtime.conversation import ConversationError, video_refusal
-from ..runtime.engine import STEP, ContextOverflow
 from ..runtime.image import ImageError
 from ..runtime.pipeline import VLM
 from ..runtime.prefix_cache import common_prefix
@@ -81,7 +79,7 @@ class Slot:
     def __init__(self, index: int, vlm: VLM):
         self.index, self.vlm = index, vlm
         self.job: Job | None = None
-        self.gen = None
+        self.begun = False  # its job's answer is in the loop
         self.history: list = []  # the key of its last conversation, answer included
         self.used = 0.0
 
@@ -94,14 +92,16 @@ class Scheduler:
             raise ValueError("--slots must be >= 1 and --queue >= 0")
         self.max_context = bundle.manifest.kv.max_context
         self.no_video = video_refusal(bundle.manifest.prompt)  # why the bundle takes no videos (None: it does)
-        vlms, self.batch = batched_vlms(bundle, slots, load_s, **vlm_options)
-        if self.batch is not None:
-            p = self.batch.probed
+        vlms = VLM.slots(bundle, slots, load_s, **vlm_options)
+        self.loop = AnswerLoop(vlms)
+        self.decoder = sched = self.loop.scheduler
+        p = sched.probed
+        if p is not None:
             log.info("batched decoding over %d slots: one-row calls %s multi-row ones (max |logit diff| %.3g)%s", slots,
                      "compute a row as" if not p["one_row_diff"] else "round apart from", p["one_row_diff"],
                      "; a call runs at least %d rows" % p["min_rows"] if p["min_rows"] > 1 else "")
-            if not pad and self.batch.min_rows > 1:
-                self.batch.min_rows = 1
+            if not pad and sched.min_rows > 1:
+                sched.min_rows = 1
                 log.warning("batched decoding: --no-batch-padding: a request alone runs one-row calls, so its answer "
                             "can depend on the load")
             if not p["invariant"]:
@@ -133,15 +133,16 @@ class Scheduler:
     def status(self) -> dict:
         with self._cv:
             busy = sum(s.job is not None for s in self.slots)
-            kv = sum(s.vlm.engine.cache.nbytes for s in self.slots)
+            kv = sum(s.vlm.row.cache.nbytes for s in self.slots)
             images = sum(s.vlm.image_cache.bytes for s in self.slots)
-            b = self.batch
-            batch = {} if b is None else {
-                "batch_calls": b.calls, "batch_rows": b.rows, "batch_widest": b.widest, "batch_min_rows": b.min_rows,
+            d = self.decoder
+            batch = {} if d.probed is None else {
+                "batch_calls": d.calls, "batch_rows": d.rows_decoded, "batch_widest": d.widest,
+                "batch_min_rows": d.min_rows,
                 # answers independent of the load: as the probe found, and padded as it said
-                "batch_invariant": b.probed["invariant"] and b.min_rows >= b.probed["min_rows"]}
+                "batch_invariant": d.probed["invariant"] and d.min_rows >= d.probed["min_rows"]}
             return {"slots": len(self.slots), "busy": busy, "queued": len(self.waiting), "kv_cache_bytes": kv,
-                    "image_cache_bytes": images, "batched": b is not None, **batch, **self.counts}
+                    "image_cache_bytes": images, "batched": d.probed is not None, **batch, **self.counts}
 
     def close(self) -> None:
         with self._cv:
@@ -163,23 +164,16 @@ class Scheduler:
                     self._cv.wait()
                     continue
             for s in active:
-                self._advance(s)
-            if self.batch is not None and self.batch.pending:
-                self._batch_step()
-
-    def _batch_step(self) -> None:
-        """One decoder call for the slots whose answers wait for it; if it raises, they fail (500) and are freed."""
-        rows = set(self.batch.pending)  # the slots (slot b: row b) whose decode step the call makes
-        try:
-            self.batch.run()
-        except Exception:
-            log.exception("batched decode step failed (slots %s)", sorted(rows))
-            for s in (self.slots[b] for b in sorted(rows)):
-                job = s.job
-                if s.gen is not None:
-                    s.gen.close()
-                self._free(s, [], "failed")
-                job.emit("error", internal())
+                self._begin(s)
+            try:
+                events = self.loop.round()
+            except Exception:  # (a bug outside any one answer: every answer in the round fails)
+                log.exception("scheduler round failed")
+                events = [(s.index, "error", None) for s in self.slots if s.job is not None and s.begun]
+                for i, _, _ in events:
+                    self.loop.cancel(i)
+            for i, kind, value in events:
+                self._event(self.slots[i], kind, value)
 
     def _assign(self) -> None:
         for job in [j for j in self.waiting if j.cancelled]:
@@ -191,46 +185,53 @@ class Scheduler:
             if not free:
                 return
             job = self.waiting.popleft()
-            # ties: under a batch the lowest row (a batched call computes rows 0..the last waiting one), else the
-            # least recently used slot
-            s = max(free, key=lambda s: (common_prefix(s.history, job.key), -s.index if self.batch else -s.used))
+            # ties: with batched calls the lowest row (a call computes rows 0..the last waiting one), else the least
+            # recently used slot
+            batched = self.decoder.probed is not None
+            s = max(free, key=lambda s: (common_prefix(s.history, job.key), -s.index if batched else -s.used))
             job.queue_s, job.slot = time.perf_counter() - job.submitted, s.index
-            s.job, s.gen, s.history = job, None, []
+            s.job, s.begun, s.history = job, False, []
 
     def _free(self, s: Slot, history: list, outcome: str) -> None:
         with self._cv:
-            s.job, s.gen, s.history, s.used = None, None, history, time.perf_counter()
+            s.job, s.begun, s.history, s.used = None, False, history, time.perf_counter()
             self.counts[outcome] += 1
 
-    def _advance(self, s: Slot) -> None:
+    def _begin(self, s: Slot) -> None:
+        """A cancelled job leaves its slot; a new one's answer is prepared (bad input: its error) and begun."""
         job = s.job
         if job.cancelled:
-            if s.gen is not None:
-                s.gen.close()  # runs VLM.chat's cleanup: the prefix cache records what the rows hold
+            self.loop.cancel(s.index)  # its sequence leaves the row; the prefix cache records what the rows hold
             self._free(s, [], "cancelled")
             job.emit("cancelled")
             return
+        if s.begun:
+            return
         try:
-            if s.gen is None:
-                s.gen = s.vlm.chat(job.messages, **job.options)
-            for _ in range(4 if self.batch is not None else 1):  # pieces a round (bounded: an answer that never
-                piece = next(s.gen)  # waits for the batch cannot hold the others)
-                if piece is STEP:  # (it waits for the batch's next call, or ran a prefill block)
-                    return
-                job.emit("piece", piece)
-        except StopIteration:
-            r = s.vlm.result
-            st = r.stats
-            job.emit("done", Finished(r.text, st.prompt_tokens, st.generated_tokens, st.stop_reason, asdict(st),
+            self.loop.begin(s.vlm.chat_answer(job.messages, **job.options))
+            s.begun = True
+        except Exception as e:
+            self._event(s, "error", e)
+
+    def _event(self, s: Slot, kind: str, value) -> None:
+        job = s.job
+        if job is None:
+            return
+        if kind == "piece":
+            job.emit("piece", value)
+        elif kind == "done":
+            st = value.stats
+            job.emit("done", Finished(value.text, st.prompt_tokens, st.generated_tokens, st.stop_reason, asdict(st),
                                       job.queue_s, s.index))
-            self._free(s, job.key + [("assistant", (("text", r.text),))], "completed")
-        except ContextOverflow as e:
-            job.emit("error", context_exceeded(s.vlm.result.stats.prompt_tokens, self.max_context, str(e)))
+            self._free(s, job.key + [("assistant", (("text", value.text),))], "completed")
+        elif isinstance(value, ContextOverflow):
+            job.emit("error", context_exceeded(s.vlm.result.stats.prompt_tokens, self.max_context, str(value)))
             self._free(s, [], "refused")
-        except (ConversationError, ImageError, ValueError) as e:
-            job.emit("error", bad_request(str(e)))
+        elif isinstance(value, (ConversationError, ImageError, ValueError)):
+            job.emit("error", bad_request(str(value)))
             self._free(s, [], "refused")
-        except Exception:
-            log.exception("generation failed (slot %d)", s.index)
+        else:
+            if value is not None:
+                log.error("generation failed (slot %d)", s.index, exc_info=value)
             job.emit("error", internal())
             self._free(s, [], "failed")

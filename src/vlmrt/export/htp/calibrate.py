@@ -174,7 +174,7 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
             continue
         fits[kind] = fits.get(kind, 0) + 1
         for mode in ("hybrid", "kv"):
-            for _ in vlm.engine.generate(x.embeds.copy(), mode=mode, max_new_tokens=tokens, ignore_eos=True,
+            for _ in vlm.scheduler.generate(x.embeds.copy(), mode=mode, max_new_tokens=tokens, ignore_eos=True,
                                          positions=x.positions, rows=x.rows):
                 pass
     for kind, n in longer.items():

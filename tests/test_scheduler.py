@@ -1,5 +1,5 @@
-"""Continuous batching (runtime/batch_engine.py) on the tiny exported bundle: sequences that decode together through
-one decoder call per step answer exactly what each answers alone (greedy ids, seeded sampling), with prompts of
+"""The scheduler (runtime/scheduler.py) on the tiny exported bundle: sequences that decode together through one
+decoder call per round answer exactly what each answers alone (greedy ids, seeded sampling), with prompts of
 several prefill blocks interleaved with the others' decode steps, sequences that start late and finish early; the
 batch worker (`vlmrt batch`'s Answerer) answers as one VLM does, a failing record alone failing; the graph's batch
 dimension (export/batch_dim.py)."""
@@ -16,13 +16,13 @@ from conftest import CASES, exported
 from cpu_isa import plant_multi_row_rounding
 from vlmrt.batch.worker import Answerer
 from vlmrt.format.manifest import RowsDynamicKind
-from vlmrt.runtime.batch_engine import BatchDecoder, batched_vlms
+from vlmrt.runtime.answers import AnswerLoop
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.decoder_kinds import decoder_kind
-from vlmrt.runtime.engine import STEP
 from vlmrt.runtime.kv_cache import KVCache
 from vlmrt.runtime.pipeline import VLM
 from vlmrt.runtime.sampler import Sampler, SamplingConfig
+from vlmrt.runtime.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -48,26 +48,38 @@ PLAN = [(30, SamplingConfig(), 0), (12, SamplingConfig(temperature=0.9, seed=7),
 
 
 def test_sequences_decoding_together_answer_as_alone(tiny, alone):
-    e0 = alone.engine
+    s0 = alone.scheduler
     prompts = _prompts(alone, len(PLAN))
-    want = [list(e0.generate(e0.embed(p), max_new_tokens=n, sampler=Sampler(s), ignore_eos=True))
+    want = [list(s0.generate(s0.embed(p), max_new_tokens=n, sampler=Sampler(s), ignore_eos=True))
             for p, (n, s, _) in zip(prompts, PLAN)]
-    vlms, batch = batched_vlms(Bundle.open(tiny.bundle), len(PLAN))
-    assert isinstance(batch, BatchDecoder)
-    engines = [v.engine for v in vlms]
-    gens, got, sizes = {}, [[] for _ in PLAN], []
+    sched = VLM.slots(Bundle.open(tiny.bundle), len(PLAN))[0].scheduler
+    assert sched.batched and sched.probed is not None
+    seqs, got = {}, [[] for _ in PLAN]
     for rnd in range(200):
         for i, (p, (n, s, at)) in enumerate(zip(prompts, PLAN)):
             if at == rnd:
-                gens[i] = engines[i].generate(engines[i].embed(p), max_new_tokens=n, sampler=Sampler(s),
-                                              ignore_eos=True)
-        _advance(gens, got)
-        sizes.append(len(batch.pending))
-        batch.run()
-        if not gens and rnd > PLAN[-1][2]:
+                seqs[i] = sched.add(Sequence(sched.embed(p), max_new_tokens=n, sampler=Sampler(s), ignore_eos=True), i)
+        sched.step()
+        for i, seq in list(seqs.items()):
+            got[i] += seq.take()
+            if seq.done:
+                del seqs[i]
+        if not seqs and rnd > PLAN[-1][2]:
             break
     assert got == want
-    assert max(sizes) >= 4 and batch.calls < sum(len(w) for w in want) / 2  # they did decode together
+    assert sched.widest >= 4 and sched.calls < sum(len(w) for w in want) / 2  # they did decode together
+
+
+def test_a_sequence_alone_decodes_through_the_batched_call(alone):
+    """VLM.load's scheduler has one row and no other decode path: each decode step of a sequence alone is one call of
+    the batched graph over its row (B = 1), as a round of n rows is one call over them; in kv mode the prompt's rows
+    are one-row steps too, so the rows kept for a follow-up (CacheRow.reusable) grow with each decoded token."""
+    s = alone.scheduler
+    assert s.batched and len(s.rows) == 1 and s.probed is None and s.min_rows == 1
+    calls = s.calls
+    ids = list(s.generate(s.embed([5, 6, 7]), mode="kv", max_new_tokens=8, ignore_eos=True))
+    assert len(ids) == 8 and s.calls - calls == 7 and s.widest == 1
+    assert s.rows[0].reusable("kv", 3 + 7) == 3 + 7
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +117,13 @@ def test_qk_norm_views_take_the_batch(tmp_path_factory):
 
 
 def test_lfm2_idle_rows_keep_their_conv_rows(lfm2):
-    """A row that waits for nothing in a call (here: b, after its answer) gets zero windows and its conv rows out
+    """A row that waits for nothing in a call (here: row 1, after its answer) gets zero windows and its conv rows out
     are dropped: its kept conv rows and length stay as they were."""
-    vlms, batch = batched_vlms(Bundle.open(lfm2.bundle), 2)
-    a, b = (v.engine for v in vlms)
-    _drive(batch, b.generate(b.embed([5, 6, 7, 8]), max_new_tokens=4, ignore_eos=True))
+    sched = VLM.slots(Bundle.open(lfm2.bundle), 2)[0].scheduler
+    b = sched.rows[1]
+    list(sched.generate(sched.embed([5, 6, 7, 8]), max_new_tokens=4, ignore_eos=True, row=1))
     kept, n = [c.data.copy() for c in b.cache.convs], b.cache.length
-    _drive(batch, a.generate(a.embed([9, 10, 11]), max_new_tokens=5, ignore_eos=True))
+    list(sched.generate(sched.embed([9, 10, 11]), max_new_tokens=5, ignore_eos=True, row=0))
     assert b.cache.length == n and all(np.array_equal(c.data, k) for c, k in zip(b.cache.convs, kept))
 
 
@@ -131,42 +143,21 @@ def test_fp16_graph_takes_a_batch_and_answers_as_alone(tiny, tmp_path_factory):
 def test_a_full_idle_row_keeps_its_rows_but_the_last(tiny, alone):
     """A row that waits for nothing is computed too: its junk K/V row goes one past what its cache keeps, or for a
     full cache onto its last slot (which it then no longer keeps)."""
-    vlms, batch = batched_vlms(Bundle.open(tiny.bundle), 2)
-    a, b = (v.engine for v in vlms)
+    sched = VLM.slots(Bundle.open(tiny.bundle), 2)[0].scheduler
+    a = sched.rows[0]
     top = a.kv_spec.max_context
-    _drive(batch, a.generate(a.embed(_prompts(alone, 1)[0]), max_new_tokens=top, ignore_eos=True))  # fills up
+    list(sched.generate(sched.embed(_prompts(alone, 1)[0]), max_new_tokens=top, ignore_eos=True, row=0))  # fills up
     kept = a.cache.stored().copy()
     assert a.cache.length == top
-    _drive(batch, b.generate(b.embed([5, 6, 7]), max_new_tokens=3, ignore_eos=True))
+    list(sched.generate(sched.embed([5, 6, 7]), max_new_tokens=3, ignore_eos=True, row=1))
     assert a.cache.length == top - 1 and np.array_equal(a.cache.stored(), kept[:, :, : top - 1])
-
-
-def _advance(gens: dict, got: list[list[int]]) -> None:
-    """One round: each generator runs to its next STEP (its ids appended to got[i]); those that end are dropped."""
-    for i, g in list(gens.items()):
-        for y in g:
-            if y is STEP:
-                break
-            got[i].append(y)
-        else:
-            del gens[i]
-
-
-def _drive(batch, gen) -> list[int]:
-    out = []
-    for y in gen:
-        if y is STEP:
-            batch.run()
-        else:
-            out.append(y)
-    return out
 
 
 @pytest.mark.parametrize("case, sizes", [(1, [(30, 30), (34, 30), (38, 30)]), (0, [(150, 100)])],
                          ids=["three-one-tile-images", "one-image-of-seven-tiles"])
 def test_images_of_a_new_prompt_are_encoded_between_the_others_steps(case, sizes, tmp_path_factory):
-    """Under a batch a prompt's images are encoded one vision call (one tile) per round (a STEP after each but the
-    last), so the others' decode steps go on between them, a many-tile image included; the answer is the one alone."""
+    """In the answer loop a prompt's images are encoded one vision call (one tile) per round, so the others' decode
+    steps go on between them, a many-tile image included; the answer is the one alone."""
     from PIL import Image
 
     rng = np.random.default_rng(3)
@@ -175,28 +166,23 @@ def test_images_of_a_new_prompt_are_encoded_between_the_others_steps(case, sizes
                                          {"type": "text", "text": "what is it?"}]}]
     bundle = exported(CASES[case], tmp_path_factory).bundle
     want = "".join(VLM.load(bundle).chat(msgs, max_new_tokens=6))
-    vlms, batch = batched_vlms(Bundle.open(bundle), 2)
-    other = vlms[1].engine
-    og = other.generate(other.embed([5, 6, 7]), max_new_tokens=200, ignore_eos=True)
-
-    def step_other():  # the other sequence: its token, then its next decode step handed to the batch
-        assert any(y is STEP for y in og)
-
-    step_other()
-    gen, got, rounds = vlms[0].chat(msgs, max_new_tokens=6), [], 0
-    for piece in gen:
-        if piece is STEP:
-            n = other.cache.length
-            batch.run()
-            assert other.cache.length == n + 1  # the other decoded a token in this round
-            rounds += not got
-            step_other()
-        else:
-            got.append(piece)
+    vlms = VLM.slots(Bundle.open(bundle), 2)
+    sched = vlms[0].scheduler
+    other = sched.add(Sequence(sched.embed([5, 6, 7]), max_new_tokens=200, ignore_eos=True), 1)
+    sched.step()  # the other sequence: its prompt, its first token
+    loop = AnswerLoop(vlms)
+    loop.begin(vlms[0].chat_answer(msgs, max_new_tokens=6))
+    got, rounds = [], 0
+    while loop.busy:
+        n = sched.rows[1].cache.length
+        events = loop.round()
+        assert sched.rows[1].cache.length == n + 1 and not other.done  # the other decoded a token in this round
+        got += [v for _, kind, v in events if kind == "piece"]
+        rounds += not got
     st = vlms[0].result.stats
     blocks = -(-st.prompt_tokens // vlms[0].manifest.decoder.prefill_ar)
     assert "".join(got) == want and st.images == len(sizes) and st.image_tiles >= 3
-    # a round after each vision call (tile) but the last, and after each prefill block but the last
+    # a round for each vision call (tile) but the last, and for each prefill block but the last
     assert rounds == st.image_tiles - 1 + blocks - 1
 
 
@@ -208,33 +194,29 @@ def test_calls_that_round_apart_by_width_are_probed_and_answers_do_not_depend_on
     over all rows), so each sequence answers alone (row 0, as a server's lowest free slot) as it does among others,
     greedy and seeded. Before the probe a sequence alone ran one-row calls and answered otherwise."""
     planted = plant_multi_row_rounding(monkeypatch, scale=0.1, by_width=by_width)
-    vlms, batch = batched_vlms(Bundle.open(tiny.bundle), 4)
-    engines = [v.engine for v in vlms]
+    vlms = VLM.slots(Bundle.open(tiny.bundle), 4)
+    sched = vlms[0].scheduler
     prompts = _prompts(vlms[0], 4)
     plan = [(20, SamplingConfig()), (20, SamplingConfig(temperature=0.9, seed=7)), (24, SamplingConfig()),
             (16, SamplingConfig(temperature=0.8, top_k=20, seed=1))]
 
-    def gen(i, row):
-        e = engines[row]
-        return e.generate(e.embed(prompts[i]), max_new_tokens=plan[i][0], sampler=Sampler(plan[i][1]), ignore_eos=True)
+    def seq(i):
+        return Sequence(sched.embed(prompts[i]), max_new_tokens=plan[i][0], sampler=Sampler(plan[i][1]), ignore_eos=True)
 
-    alone = [_drive(batch, gen(i, 0)) for i in range(4)]
-    gens, together = {i: gen(i, i) for i in range(4)}, [[] for _ in range(4)]
-    while gens:
-        _advance(gens, together)
-        batch.run()
-    assert together == alone
-    assert batch.widest == 4 and planted[0].calls > 0
-    p = batch.probed
+    alone = []
+    for i in range(4):
+        s = sched.add(seq(i), 0)
+        while not s.done:
+            sched.step()
+        alone.append(s.ids)
+    together = [sched.add(seq(i), i) for i in range(4)]
+    while sched.running:
+        sched.step()
+    assert [s.ids for s in together] == alone
+    assert sched.widest == 4 and planted[0].calls > 0
+    p = sched.probed
     assert p["one_row_diff"] > 0 and p["invariant"] and p["neighbour_diff"] == 0
     assert (p["multi_row_diff"] > 0, p["min_rows"]) == ((True, 4) if by_width else (False, 2))
-
-
-def test_a_step_read_before_the_batch_ran_is_refused(tiny):
-    vlms, batch = batched_vlms(Bundle.open(tiny.bundle), 2)
-    e = vlms[0].engine
-    with pytest.raises(RuntimeError, match="the batch has not run"):
-        list(e.generate(e.embed([5, 6, 7]), max_new_tokens=3))
 
 
 def test_batch_worker_answers_as_one_vlm_and_a_bad_record_fails_alone(tiny, alone):
@@ -243,7 +225,7 @@ def test_batch_worker_answers_as_one_vlm_and_a_bad_record_fails_alone(tiny, alon
     requests = [{"id": i, "messages": [{"role": "user", "content": text}]} for i, text in
                 enumerate(["hi", "What is this?", long, "Tell me more about it.", "ok", "a b c d e f g h i j k"])]
     w = Answerer(str(tiny.bundle), options=opts, sequences=3)
-    assert w.batch is not None
+    assert w.scheduler.probed is not None
     lines = {r["id"]: r for r in w.answers(requests)}
     assert "max context" in lines[2]["error"]
     for r in requests:
@@ -256,15 +238,15 @@ def test_batch_worker_answers_as_one_vlm_and_a_bad_record_fails_alone(tiny, alon
 def test_a_batched_call_that_raises_fails_the_records_it_advanced(tiny, monkeypatch):
     w = Answerer(str(tiny.bundle), options={"max_new_tokens": 6}, sequences=2)
     calls = {"n": 0}
-    run = w.batch.run
+    call = w.scheduler.batch_call
 
-    def flaky():
+    def flaky(pending):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("a bad call")
-        run()
+        return call(pending)
 
-    monkeypatch.setattr(w.batch, "run", flaky)
+    monkeypatch.setattr(w.scheduler, "batch_call", flaky)
     lines = list(w.answers([{"id": i, "messages": [{"role": "user", "content": f"q {i}"}]} for i in range(3)]))
     errors = [r for r in lines if "error" in r]
     assert len(lines) == 3 and len(errors) == 2
@@ -277,11 +259,13 @@ def test_the_graph_takes_a_batch(tiny):
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
     assert dims["seqlens_k"] == ["batch"] and dims["past_key_0"][0] == "batch"
     assert Bundle.open(tiny.bundle).manifest.decoder.kind.batched
-    assert batched_vlms(Bundle.open(tiny.bundle), 1)[1] is None  # one sequence: no batch
+    one = VLM.slots(Bundle.open(tiny.bundle), 1)[0].scheduler
+    assert one.batched and one.probed is None and one.min_rows == 1  # one row: one-row calls, nothing to probe
 
 
 def test_rows_kinds_take_one_sequence_per_call(tiny):
-    """The rows kinds (the NPU target's static graphs, --attention portable) have no batch: their VLMs run alone."""
+    """The rows kinds (the NPU target's static graphs, --attention portable) have no batch: the scheduler runs their
+    rows one per call (test_family_conformance.py: their conversations through it answer as alone)."""
     m = Bundle.open(tiny.bundle).manifest
     rows = dataclasses.replace(m.decoder, kind=RowsDynamicKind("rows_dynamic", "attention_mask", 64, "logit_rows"))
     with pytest.raises(ValueError, match="one sequence per call"):

@@ -1,0 +1,297 @@
+"""One sequence's cache rows and the decoder calls bound to them: a prompt's blocks, a lookahead verify step, a
+decode step of one row per call (graphs that take one sequence per call), teacher-forced scoring.
+
+    row = CacheRow(DecoderSessions(decode, prefill), DecoderConfig(manifest.kv, manifest.decoder, eos_ids), embedding)
+    logits = row.prefill(embeds, "hybrid", positions=None)   # [vocab], the last prompt token's
+    logits = row.decode_token(token)                         # [rows, vocab] (the last row: the next token's)
+    rows = row.score(embeds, tokens)                         # [len(tokens), vocab]
+
+A row holds no sequence: the scheduler (runtime/scheduler.py) admits a Sequence onto a row, runs its prompt block by
+block (begin, block, end) and its decode steps, batched over rows where the graph takes a batch. The rows stay after
+the sequence retires, so the next one on the same row may keep a prefix of them (reusable: prefix reuse).
+
+Sessions only need `run(output_names, feeds) -> list[np.ndarray]` (onnxruntime.InferenceSession or a fake in tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..format.manifest import DecoderSpec, KVSpec
+from .decoder_kinds import decoder_kind
+from .embedding import TokenEmbedding
+from .kv_cache import KVCache
+from .sampler import Sampler
+from .step import PlainStep, StepBuffers, make_step
+
+MODES = ("kv", "hybrid")
+
+
+class Session(Protocol):
+    def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+
+
+class ContextOverflow(ValueError):
+    pass
+
+
+def check_lookahead(dec: DecoderSpec, k: int) -> None:
+    """A draft length k the decoder can verify (ValueError if not): the symbolic-AR kinds return every row's logits
+    when asked (logit_rows) and take 1 + k tokens; rows_static graphs (the HTP target) verify with their verify graph
+    (decoder.kind.verify_ar), which takes 1 + k tokens."""
+    decoder_kind(dec, None).check_lookahead(k)
+
+
+@dataclass
+class DecoderSessions:
+    """The decoder graphs' sessions (onnxruntime.InferenceSession, or anything with `run`): decode always; prefill
+    for hybrid mode (the same session as decode for the symbolic-AR kinds); verify: a rows_static bundle's lookahead
+    verify graph (decoder.kind.verify_ar); head: the lm head's own graph (decoder.kind.hidden_output)."""
+
+    decode: Session
+    prefill: Session | None = None
+    verify: Session | None = None
+    head: Session | None = None
+
+    def __getitem__(self, graph: str):
+        return getattr(self, graph)
+
+
+@dataclass
+class DecoderConfig:
+    """What the rows and the scheduler are built from, besides the sessions and the embedding table: the manifest's kv
+    and decoder sections and the generation options.
+    kv_requant: in hybrid mode with per-graph uint8 KV encodings (HTP bundles), convert prefill's rows to decode's
+    encoding (False reuses them as they are: to measure what the conversion buys).
+    lookahead: k > 0 drafts up to k tokens per greedy decode step by prompt lookup (runtime/lookahead.py) and
+    verifies them in one decoder call (CacheRow.verify); needs a symbolic-AR kind's logit_rows, or a rows_static
+    bundle's verify session (verify_ar tokens: the drafts, padded). 0: off."""
+
+    kv: KVSpec
+    decoder: DecoderSpec
+    eos_ids: list[int]
+    io_dtype: str = "float32"
+    kv_requant: bool = True
+    lookahead: int = 0
+
+
+class CacheRow:
+    def __init__(self, sessions: DecoderSessions, config: DecoderConfig, embedding: TokenEmbedding,
+                 cache_blocks: list[np.ndarray] | None = None, kind=None):
+        """cache_blocks: this row's views of a batch's cache (KVCache.rows_of), None: a cache of its own. kind: the
+        decoder kind (decoder_kinds.py; default: the config's)."""
+        kv, dec = config.kv, config.decoder
+        self.kind = kind = kind or decoder_kind(dec, kv)
+        self.sessions, self.embedding = sessions, embedding
+        self.kv_spec, self.dec = kv, dec
+        self.dtype = np.dtype(config.io_dtype)
+        self.kv_requant = config.kv_requant
+        self.cache = KVCache(kv, kind.layout, rope_rows=dec.positions.rows, blocks=cache_blocks)
+        self._steps: dict[tuple, object] = {}  # id(session), ctx, ar, rows -> the step for that shape
+        self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
+        self.run_s = 0.0  # time inside graph calls (session.run), accumulated
+        self._argmax = None  # the last step's argmax per logits row (kind.argmax_output; StepBuffers.argmax_ids)
+        self._token_step, self._token_ctx = None, -1  # decode_token's step and the cache prefix it reads
+        # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
+        # that mode computes (see reusable)
+        self._exact: tuple[str, int, int] = ("", 0, -1)
+
+    def embed(self, ids) -> np.ndarray:
+        """Token embeddings [n, hidden] of ids (TokenEmbedding.embed)."""
+        return self.embedding.embed(ids)
+
+    def _step_for(self, purpose: str, n: int, all_rows: bool = False):
+        """The step object for n tokens of purpose ("prefill", "decode", "verify") at the cache's next slot;
+        all_rows: it returns every row's logits (a lookahead verify step)."""
+        kind = self.kind
+        ar = kind.ar(purpose, n)  # a symbolic-AR graph takes exactly the step's tokens; a static one its AR, padded
+        session = self.sessions[kind.graph(purpose)]
+        ctx = kind.context(self.cache.length)
+        rows_out = kind.logits_rows(ar, all_rows)
+        key = (id(session), ctx, ar, rows_out)
+        step = self._steps.get(key)
+        if step is None:
+            if ar not in (1, self.dec.prefill_ar) and not all_rows:
+                # a prompt's short last block, of any length: a step made for it and dropped, rather than one kept
+                # (with its buffers) per block length
+                step = (make_step(session, kind, self.cache, ctx, ar, self.dtype, None, rows_out, self.sessions.head)
+                        if kind.bound_for_short_blocks() else
+                        PlainStep(session, kind, self.cache, ctx, ar, self.dtype, rows_out, self.sessions.head))
+            else:
+                step = self._steps[key] = make_step(session, kind, self.cache, ctx, ar, self.dtype, self._buffers,
+                                                    rows_out, self.sessions.head)
+        return step
+
+    def _call(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray:
+        """step(embeds, positions, rows) at the cache's next slots, its time and argmax kept; the cache is not
+        written. rows: the decoder's row input (decoder.row_input) for these tokens, None: zeros."""
+        logits = step(embeds, positions, self.cache.length, rows)
+        self.run_s += step.run_s
+        self._argmax = step.buffers.argmax_ids
+        return logits
+
+    def _run(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray:
+        """_call, then the rows of all n tokens go into the cache; logits of at most n rows."""
+        n = embeds.shape[0]
+        logits = self._call(step, embeds, positions, rows)
+        self.kind.store(self.cache, step.staged, n, step.buffers.positions)
+        return logits if n == len(logits) else logits[:n]
+
+    def pick(self, sampler: Sampler, logits: np.ndarray, row: int = -1, argmax=None) -> int:
+        """sampler(logits[row]), logits [rows, vocab] being the last step's; a greedy pick reads the graph's argmax of
+        the row where the graph returns one (kind.argmax_output: the same index, first of equal maxima, as
+        np.argmax; no pass over cold logits on the host). argmax: the argmax ids of logits' rows (default: this cache
+        row's last step's; a batched call's: StepBuffers.argmax_ids)."""
+        if self.kind.argmax_output and sampler.cfg.temperature == 0:
+            return (self._argmax if argmax is None else argmax)[row]
+        return sampler(logits[row])
+
+    def positions(self, n: int) -> np.ndarray:
+        """Rope positions [rows, n] of n rows after the cache's kept ones, each one past the previous (text)."""
+        return np.broadcast_to(self.cache.next_position() + np.arange(n, dtype=np.int64), (self.dec.positions.rows, n))
+
+    def step(self, purpose: str, embeds: np.ndarray, positions: np.ndarray | None = None,
+             rows: np.ndarray | None = None) -> np.ndarray:
+        """One graph call ("prefill" or "decode") over embeds [n, hidden] at positions [rows, n] (None: those after
+        the cache's, CacheRow.positions), written to the cache's next slots; rows [n, width]: the decoder's row input
+        (decoder.row_input; None: zeros). Returns logits [n, vocab] ([1, vocab], the last token's, with logit_rows),
+        possibly a view of a buffer that the next step of the same shape overwrites."""
+        n = embeds.shape[0]
+        positions = self.positions(n) if positions is None else np.asarray(positions, np.int64)
+        if positions.shape != (self.dec.positions.rows, n):
+            raise ValueError(f"positions must be [{self.dec.positions.rows}, {n}], not {list(positions.shape)}")
+        self.kind.check_positions(positions, self.cache.length)
+        return self._run(self._step_for(purpose, n), embeds, positions, rows)
+
+    def step_token(self, token: int) -> np.ndarray:
+        """step("decode", embed([token]))[-1], the token's row written straight into the step's input buffer."""
+        return self.decode_token(token)[-1]
+
+    def decode_token(self, token: int) -> np.ndarray:
+        """One decode step of one row (a graph of one sequence per call): logits [rows, vocab] (pick from the last)."""
+        ctx = self.kind.context(self.cache.length)
+        step = self._token_step
+        if ctx != self._token_ctx:  # its binding holds while the cache prefix it reads does (gqa_in_place: always)
+            step = self._token_step = self._step_for("decode", 1)
+            self._token_ctx = ctx
+        b = step.buffers
+        self.embedding.into_step(token, b)
+        b.set_position(self.cache.next_position())
+        return self._run(step, b.first, None)  # a decode step's AR is 1
+
+    def decoded(self, mode: str) -> None:
+        """A decode step's row went into the cache (by decode_token or a batched call): in kv mode it is the row a
+        fresh prefill computes (each prompt row is one AR=1 step at its slot), so the exact prefix grows with it."""
+        m, n, epoch = self._exact
+        if self.blocks(mode) == 1 and n == self.cache.length - 1:
+            self._exact = (mode, self.cache.length, self.cache.epoch)
+
+    def verify(self, token: int, drafts: list[int], sampler: Sampler) -> list[int]:
+        """One decoder call over [token, *drafts] at the cache's next slots, every row's logits: the longest
+        prefix of drafts that the sampler (greedy) picks row by row, then its own pick after them. Only the rows of
+        token and the accepted drafts go into the cache (those a plain decode of the same tokens writes): the rows of
+        rejected drafts (and a static verify graph's padding rows) are dropped, as a padded prefill block's are."""
+        n = 1 + len(drafts)
+        step = self._step_for("verify", n, all_rows=True)
+        logits = self._call(step, self.embedding.embed([token, *drafts]), self.positions(n))  # [n, vocab] (static: [ar, vocab])
+        out = []
+        for i in range(len(logits)):
+            out.append(self.pick(sampler, logits, i))
+            if i == len(drafts) or out[-1] != drafts[i]:
+                break
+        self.kind.store(self.cache, step.staged, len(out), step.buffers.positions)
+        return out
+
+    def blocks(self, mode: str) -> int:
+        """Tokens per prompt step in mode: prefill_ar for hybrid (with a prefill graph), else 1."""
+        return self.dec.prefill_ar if mode == "hybrid" and self.sessions.prefill is not None else 1
+
+    def reusable(self, mode: str, common: int) -> int:
+        """Where a prefill in mode may start keeping the cache's rows before it (prefill(..., start=)), given that
+        the new prompt's first `common` rows are those the cache holds (same ids, images and positions): the largest
+        start <= common from which the rows of a resumed prefill are bit for bit those of a fresh one. Rows count
+        when a fresh prefill computes them the same way: in kv mode every row (each is one AR=1 step at its slot,
+        generated tokens' too); in hybrid mode the full AR blocks of the last prompt (a block starting at a multiple
+        of AR), never a short last block, generated tokens or rows re-encoded for decode (kv_requant)."""
+        m, rows, epoch = self._exact
+        if m != mode or epoch != self.cache.epoch:
+            return 0
+        n = min(common, rows, self.cache.length)
+        return n - n % self.blocks(mode)
+
+    # --- a prompt, block by block (the scheduler runs one block per round) ---
+    def begin(self, prompt_embeds: np.ndarray, mode: str, start: int = 0,
+              positions: np.ndarray | None = None) -> np.ndarray:
+        """Ready the rows for a prompt (prompt_embeds: its rows from slot start on; the rows 0..start-1 are kept, start
+        from reusable()): checks what it is given (ValueError, ContextOverflow), then rewinds or resets the cache.
+        Returns the prompt's rope positions [rows, n] (None given: one past the other from the kept rows')."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        n = prompt_embeds.shape[0]
+        if n == 0:
+            raise ValueError("empty prompt")
+        if start + n >= self.kv_spec.max_context:
+            raise ContextOverflow(
+                f"prompt is {start + n} tokens but the bundle's max context is {self.kv_spec.max_context} "
+                f"(room is needed for at least one new token); re-export with a larger --max-seq-len"
+            )
+        ar = self.blocks(mode)
+        if start and (start % ar or start > self.reusable(mode, start)):
+            raise ValueError(f"cannot resume a {mode} prefill at {start}: not a reusable prefix of the cache")
+        positions_given = positions is not None
+        if positions_given:
+            positions = np.asarray(positions, np.int64)
+            if positions.shape != (self.dec.positions.rows, n):
+                raise ValueError(f"positions must be [{self.dec.positions.rows}, {n}], not {list(positions.shape)}")
+        if start:
+            self.cache.rewind(start)
+        else:
+            self.cache.reset()
+        if not positions_given:
+            positions = self.positions(n)
+        reading = self.kv_spec.encodings.get("prefill" if ar > 1 else "decode")
+        if reading:  # a uint8 cache: the slots the graph reads unwritten hold its zero (KVCache.clear_unused)
+            self.cache.clear_unused(reading)
+        return positions
+
+    def block(self, mode: str, embeds: np.ndarray, positions: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+        """One prompt block (prefill_ar rows in hybrid mode, one in kv mode) through its graph into the cache."""
+        return self.step("prefill" if self.blocks(mode) > 1 else "decode", embeds, positions, rows)
+
+    def end(self, mode: str, start: int, n: int) -> None:
+        """After a prompt's last block (start + n rows kept): its rows in decode's encoding (kv_requant), and how many
+        of them a later prompt may keep (reusable)."""
+        ar, enc = self.blocks(mode), self.kv_spec.encodings
+        exact = start + n - n % ar
+        if ar > 1 and self.kv_requant and enc.get("prefill") and enc.get("decode"):
+            self.cache.requantize(enc["prefill"], enc["decode"])
+            exact = 0  # the rows are in decode's encoding now, a prefill reads prefill's
+        self._exact = (mode, exact, self.cache.epoch)
+
+    def prefill(self, prompt_embeds: np.ndarray, mode: str, start: int = 0,
+                positions: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+        """Run the prompt through the decoder; returns the last token's logits. start > 0: prompt_embeds are the
+        rows from slot start on and the cache's rows 0..start-1 are kept (start from reusable()). positions
+        [rows, n] int64: the rope positions of prompt_embeds' rows (None: one past the other from the kept rows');
+        runtime/positions.py computes a prompt's. rows [n, width]: the decoder's row input of prompt_embeds' rows
+        (decoder.row_input: the image rows' vision features; None: zeros), fed block by block."""
+        positions = self.begin(prompt_embeds, mode, start, positions)
+        n, ar = prompt_embeds.shape[0], self.blocks(mode)
+        for b in range(0, n, ar):
+            logits = self.block(mode, prompt_embeds[b : b + ar], positions[:, b : b + ar],
+                                None if rows is None else rows[b : b + ar])
+        self.end(mode, start, n)
+        return logits[-1]
+
+    def score(self, prompt_embeds: np.ndarray, tokens: list[int], mode: str = "hybrid",
+              positions: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+        """Teacher forcing: logits [len(tokens), vocab], row i predicting tokens[i] after prompt + tokens[:i]."""
+        out = [self.prefill(prompt_embeds, mode, positions=positions, rows=rows).copy()]  # copies: bound steps reuse their logits
+        for t in tokens[:-1]:
+            if self.cache.length >= self.kv_spec.max_context:
+                break
+            out.append(self.step_token(t).copy())
+        return np.stack(out)
