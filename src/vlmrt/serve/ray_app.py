@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import hashlib
+import json
 import logging
 import os
 import shlex
@@ -32,6 +34,8 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+from ray.serve._private.common import ReplicaID
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
@@ -40,9 +44,7 @@ from .scheduler import Job, QueueFull
 
 log = logging.getLogger("vlmrt.serve")
 APP = "vlmrt"
-# Ray's prefix-aware router, named where it is defined: its public name (ray.serve.llm.request_router) imports
-# ray.serve.llm, which needs vLLM or SGLang
-ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+DIGEST = 16  # characters of a message's digest in the text the router matches
 # a replica that died or could not be reached (not an error of the request itself)
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.LocalRayletDiedError)
 
@@ -60,9 +62,38 @@ class Ask:
 
 
 def routing_messages(key: list) -> list[dict]:
-    """The conversation's key (role, ((kind, text | digest), ...)) as the text the router matches prefixes of."""
-    return [{"role": role, "content": f"<{role}>" + "".join(str(v) if kind == "text" else f"<{kind} {v[:16]}>"
-                                                           for kind, v in parts)} for role, parts in key]
+    """The conversation's key (role, ((kind, text | image digest), ...)) as the text the router matches prefixes of: a
+    digest of DIGEST characters per message, so that a match counts whole leading messages, as a slot's reuse does."""
+    return [{"role": role, "content": hashlib.sha256(json.dumps([role, parts]).encode()).hexdigest()[:DIGEST]}
+            for role, parts in key]
+
+
+class ConversationRouter(PrefixCacheAffinityRouter):
+    """Ray's PrefixCacheAffinityRouter (its prefix tree actor shared by every router of the deployment, its
+    bookkeeping of replicas coming and going and of the prompts routed) with the choice made per conversation: a
+    request whose leading messages a replica was sent before (a match of one whole message or more) goes to the
+    least loaded of those replicas, unless its queue is longer than the shortest one by more than
+    imbalanced_threshold; any other request (a new conversation) by load: the shorter queue of two replicas
+    (power of two choices). Ray's own falls back to the replica holding the least text, which takes a burst of new
+    conversations all at once."""
+
+    async def _prefix_match_best_replicas(self, pending_request, candidate_replicas):
+        if pending_request is None or not pending_request.args or not candidate_replicas:
+            return [[]]
+        text = self._extract_text_from_request(pending_request)
+        ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
+        matched, tenants = await self._tree_actor.prefix_match.remote(text, ids)
+        if not tenants or len(matched) < DIGEST:
+            return [[]]  # -> the power of two choices
+
+        def queue(r) -> int:
+            n = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
+            return n or 0
+
+        least = min(queue(r) for r in candidate_replicas)
+        holders = {ReplicaID.from_full_id_str(t) for t in tenants}
+        return [[r for r in candidate_replicas
+                 if r.replica_id in holders and queue(r) - least <= self._imbalanced_threshold]]
 
 
 def _wire(e: APIError) -> tuple:
@@ -229,9 +260,9 @@ def application(a, bundle: str, **model_options):
     opts = dict(max_ongoing_requests=a.slots + a.queue, max_queued_requests=a.queue,
                 ray_actor_options={"num_cpus": a.threads},
                 request_router_config=RequestRouterConfig(
-                    request_router_class=ROUTER,
-                    # follow the prefix while the replicas' queues differ by at most a replica's slots
-                    request_router_kwargs={"imbalanced_threshold": a.slots, "match_rate_threshold": 0.1}))
+                    request_router_class=ConversationRouter,
+                    # a follow-up goes to its replica while its queue is at most a replica's slots longer
+                    request_router_kwargs={"imbalanced_threshold": a.slots}))
     if lo == hi:
         opts["num_replicas"] = lo
     else:
