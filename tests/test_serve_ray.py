@@ -13,6 +13,8 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -82,9 +84,11 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def app(cluster, tiny):
-    """The tiny bundle on 2 replicas behind the proxy, with an API key and short limits."""
-    deploy("vlmrt", "/", tiny.bundle, "--replicas", "2", "--api-key", KEY, "--max-body-mb", "0.25",
-           "--body-timeout", "1.5")
+    """The tiny bundle on 2 replicas behind the proxy, with an API key and short limits: deployed through the builder
+    a Serve config names (import_path vlmrt.serve.ray_app:build)."""
+    built = ray_app.build({"bundle": str(tiny.bundle), "replicas": "2",
+                           "args": " ".join([*SERVED, "--api-key", KEY, "--max-body-mb", "0.25", "--body-timeout", "1.5"])})
+    serve.run(built, name="vlmrt", route_prefix="/", blocking=False)
     wait_for("the app's /health", lambda: request(cluster, "GET", "/health")[0] == 200, 60)
     return cluster
 
@@ -129,6 +133,55 @@ def replica_infos(app: str) -> dict:
                 continue
             out[info["replica"]] = info
     return out
+
+
+def vlmrt(*argv, env=None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import sys; from vlmrt.cli import main; sys.exit(main())", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                            **kw)
+
+
+def test_cli_errors_are_one_line(tiny):
+    """Without Ray Serve installed, --ray says what to install; a bad --replicas is one line; both before any cluster
+    starts."""
+    blocked = subprocess.run([sys.executable, "-c", "import sys; sys.modules['ray'] = None; from vlmrt.cli import "
+                              "main; sys.exit(main())", "serve", str(tiny.bundle), "--ray"],
+                             capture_output=True, text=True, timeout=120)
+    assert blocked.returncode == 1 and blocked.stderr.strip().splitlines() == [
+        "vlmrt: error: vlmrt serve --ray needs the serve-ray extra: pip install 'vlmrt[serve-ray]'"], blocked.stderr
+    for bad in ("3..2", "two"):
+        p = vlmrt("serve", str(tiny.bundle), "--ray", "--replicas", bad)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and err.strip().splitlines() == [
+            f"vlmrt: error: --replicas {bad}: N or MIN..MAX, 1 <= MIN <= MAX"], err
+
+
+def test_cli_serves_on_a_local_cluster_and_stops(tiny):
+    """`vlmrt serve BUNDLE --ray --port P`: its own local Ray cluster, the proxy on 127.0.0.1:P answers a question;
+    SIGTERM stops the application and the cluster (exit 0), the port is free again."""
+    port = ray_app.free_port("127.0.0.1")
+    p = vlmrt("serve", str(tiny.bundle), "--ray", "--port", str(port), "--slots", "1", "--threads", "1",
+              env={"RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        proxy = Proxy(port)
+        wait_for("the proxy's /health", lambda: (request(proxy, "GET", "/health")
+                                                 if _listening(port) else (None,))[0] == 200, 120)
+        status, out, _ = chat(proxy, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, {})
+        assert status == 200 and out["usage"]["completion_tokens"] >= 1, out
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        assert f"serving {tiny.bundle.name} on http://127.0.0.1:{port}/ through Ray Serve" in err
+        assert not _listening(port)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_answers_equal_vlmrt_serve(app, local):

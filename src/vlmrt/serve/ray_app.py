@@ -7,11 +7,12 @@
     serve run vlmrt.serve.ray_app:build bundle=BUNDLE replicas=2 args="--slots 4 --api-key KEY"   # a Serve config
 
 The ingress reads, checks and decodes a request as `vlmrt serve` does, then relays its job to a Model replica through
-a DeploymentHandle; the replica's Scheduler runs it and streams its events back. Ray's PrefixCacheAffinityRouter picks
-the replica: a conversation whose earlier turns one replica served (its text, images by digest, matched in a prefix
-tree shared by the ingress replicas) goes back there while the load is balanced, a new one to the least loaded.
-A replica that dies before the answer's first piece: the job is relayed once more (nothing was sent yet); after it: the
-stream ends with an error event (503 replica_failed), never a retried, duplicated text.
+a DeploymentHandle; the replica's Scheduler runs it and streams its events back. The ConversationRouter (Ray's
+PrefixCacheAffinityRouter, its prefix tree shared by the ingress replicas) picks the replica: a conversation whose
+earlier turns a replica was sent goes back there unless that replica's queue is longer than the shortest by more than
+--slots; a new conversation goes by load (the shorter queue of two). A replica that dies before the answer's first
+piece: the job is relayed once more (nothing was sent yet); after it: the stream ends with an error event (503
+replica_failed), never a retried, duplicated text.
 """
 
 from __future__ import annotations
