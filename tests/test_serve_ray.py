@@ -7,6 +7,7 @@ Everything here fails on main 6bf0bd2 (there is no --ray there)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import logging
@@ -63,9 +64,15 @@ def replicas(app: str) -> int:
     return st.deployments["Model"].replica_states.get("RUNNING", 0) if st else 0
 
 
-def deploy(name: str, route: str, bundle, *extra, **model_options) -> None:
+@contextlib.contextmanager
+def deployed(name: str, route: str, bundle, *extra, **model_options):
+    """An application of its own beside the module's, deleted at the end (its replicas' CPUs freed)."""
     serve.run(ray_app.application(args(bundle, *extra), str(bundle), **model_options), name=name, route_prefix=route,
               blocking=False)
+    try:
+        yield
+    finally:
+        serve.delete(name)
 
 
 @pytest.fixture(scope="module")
@@ -312,64 +319,79 @@ def test_a_replica_killed_mid_answer(cluster, demo):
     is killed (SIGKILL) while it generates. Its generating streams end with an error event (503 replica_failed, no
     [DONE]) after a prefix of their answer; its queued request is relayed to the other replica and answered whole;
     the rest are answered whole; no text is sent twice. Serve starts a new replica; the app answers again."""
-    deploy("faults", "/faults", demo, "--replicas", "2")
-    route = "/faults/"
-    wait_for("2 replicas", lambda: replicas("faults") == 2, 90)
-    wait_for("/faults/health", lambda: request(cluster, "GET", f"{route}health")[0] == 200, 60)
-    streams = [Stream(cluster.port, demo_ask(i), route) for i in range(6)]
-    for s in streams:
-        s.start()
-    wait_for("pieces on every generating stream", lambda: sum(s.pieces() > 0 for s in streams) >= 4, 60)
-    infos = replica_infos("faults")
-    assert len(infos) == 2, infos
-    victim = max(infos.values(), key=lambda i: (i["busy"], i["queued"]))
-    assert victim["busy"] >= 1, infos
-    os.kill(victim["pid"], signal.SIGKILL)
-    for s in streams:
-        s.join(timeout=120)
-        assert not s.is_alive()
-    failed = [s for s in streams if b"data: [DONE]" not in s.data]
-    for s in failed:
-        last = s.events()[-1]
-        assert last["error"]["code"] == "replica_failed" and "incomplete" in last["error"]["message"], s.data[-400:]
-        assert s.pieces() >= 1
-    assert 1 <= len(failed) <= victim["busy"] + victim["queued"], [s.data[-200:] for s in streams]
-    wait_for("a new replica", lambda: replicas("faults") == 2 and victim["replica"] not in replica_infos("faults"),
-             90)
-    with ThreadPoolExecutor(4) as pool:  # greedy: each answer whole again, now
-        again = list(pool.map(lambda i: request(cluster, "POST", f"{route}v1/chat/completions",
-                                                json.dumps(demo_ask(i)).encode()), range(len(streams))))
-    for s, (status, out, _) in zip(streams, again):  # a stream's text is that answer, or a prefix of it
-        assert status == 200, out
-        want = out["choices"][0]["message"]["content"]
-        assert (s.text() == want) if s not in failed else (want.startswith(s.text()) and s.text() != want)
-    serve.delete("faults")
+    with deployed("faults", "/faults", demo, "--replicas", "2"):
+        route = "/faults/"
+        wait_for("2 replicas", lambda: replicas("faults") == 2, 90)
+        wait_for("/faults/health", lambda: request(cluster, "GET", f"{route}health")[0] == 200, 60)
+        streams = [Stream(cluster.port, demo_ask(i), route) for i in range(6)]
+        for s in streams:
+            s.start()
+        wait_for("pieces on every generating stream", lambda: sum(s.pieces() > 0 for s in streams) >= 4, 60)
+        infos = replica_infos("faults")
+        assert len(infos) == 2, infos
+        victim = max(infos.values(), key=lambda i: (i["busy"], i["queued"]))
+        assert victim["busy"] >= 1, infos
+        os.kill(victim["pid"], signal.SIGKILL)
+        for s in streams:
+            s.join(timeout=120)
+            assert not s.is_alive()
+        failed = [s for s in streams if b"data: [DONE]" not in s.data]
+        for s in failed:
+            last = s.events()[-1]
+            assert last["error"]["code"] == "replica_failed" and "incomplete" in last["error"]["message"], s.data[-400:]
+            assert s.pieces() >= 1
+        assert 1 <= len(failed) <= victim["busy"] + victim["queued"], [s.data[-200:] for s in streams]
+        wait_for("a new replica", lambda: replicas("faults") == 2 and victim["replica"] not in replica_infos("faults"),
+                 90)
+        with ThreadPoolExecutor(4) as pool:  # greedy: each answer whole again, now
+            again = list(pool.map(lambda i: request(cluster, "POST", f"{route}v1/chat/completions",
+                                                    json.dumps(demo_ask(i)).encode()), range(len(streams))))
+        for s, (status, out, _) in zip(streams, again):  # a stream's text is that answer, or a prefix of it
+            assert status == 200, out
+            want = out["choices"][0]["message"]["content"]
+            assert (s.text() == want) if s not in failed else (want.startswith(s.text()) and s.text() != want)
+
+
+def test_overload_is_a_503_not_a_hang(cluster, demo):
+    """One replica of 1 slot and a queue of 1 (the router's queue: 1 more): of 6 concurrent answers, at most 3 are
+    taken and answered whole, the others get the 503 queue_full JSON with Retry-After, none hangs."""
+    with deployed("busy", "/busy", demo, "--replicas", "1", "--slots", "1", "--queue", "1"):
+        wait_for("/busy/health", lambda: request(cluster, "GET", "/busy/health")[0] == 200, 90)
+        body = json.dumps({**demo_ask(0), "max_tokens": 40}).encode()
+        t = time.monotonic()
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda _: request(cluster, "POST", "/busy/v1/chat/completions", body), range(6)))
+        refused = [(out, h) for status, out, h in got if status == 503]
+        answered = [out for status, out, _ in got if status == 200]
+        assert 1 <= len(answered) <= 3 and len(answered) + len(refused) == 6, got  # each once: answered or refused
+        assert all(out["usage"]["completion_tokens"] == 40 for out in answered), answered
+        assert all(out["error"]["code"] == "queue_full" and h["retry-after"] == "1" for out, h in refused), refused
+        assert time.monotonic() - t < 60
 
 
 def test_autoscaling_one_two_one(cluster, demo):
     """--replicas 1..2 (a target of 1 ongoing request per replica, short delays): 4 clients keep long answers going
     until a second replica runs; once they stop, the app goes back to one. Every request is answered."""
-    deploy("scale", "/scale", demo, "--replicas", "1..2",
-           autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                               "upscale_delay_s": 0.5, "downscale_delay_s": 2,
-                               "look_back_period_s": 1})
-    wait_for("1 replica", lambda: replicas("scale") == 1, 90)
-    wait_for("/scale/health", lambda: request(cluster, "GET", "/scale/health")[0] == 200, 60)
-    stop, codes = threading.Event(), []
+    with deployed("scale", "/scale", demo, "--replicas", "1..2",
+                  autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                      "upscale_delay_s": 0.5, "downscale_delay_s": 2,
+                                      "look_back_period_s": 1}):
+        wait_for("1 replica", lambda: replicas("scale") == 1, 90)
+        wait_for("/scale/health", lambda: request(cluster, "GET", "/scale/health")[0] == 200, 60)
+        stop, codes = threading.Event(), []
 
-    def client(i: int):
-        while not stop.is_set():
-            s = Stream(cluster.port, demo_ask(i), "/scale/")
-            s.run()
-            codes.append(s.status == 200 and b"data: [DONE]" in s.data)
+        def client(i: int):
+            while not stop.is_set():
+                s = Stream(cluster.port, demo_ask(i), "/scale/")
+                s.run()
+                codes.append(s.status == 200 and b"data: [DONE]" in s.data)
 
-    with ThreadPoolExecutor(4) as pool:
-        for i in range(4):
-            pool.submit(client, i)
-        try:
-            wait_for("a second replica under load", lambda: replicas("scale") == 2, 120)
-        finally:
-            stop.set()
-    wait_for("back to one replica", lambda: replicas("scale") == 1, 90)
-    assert codes and all(codes), codes
-    serve.delete("scale")
+        with ThreadPoolExecutor(4) as pool:
+            for i in range(4):
+                pool.submit(client, i)
+            try:
+                wait_for("a second replica under load", lambda: replicas("scale") == 2, 120)
+            finally:
+                stop.set()
+        wait_for("back to one replica", lambda: replicas("scale") == 1, 90)
+        assert codes and all(codes), codes

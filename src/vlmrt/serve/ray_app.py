@@ -258,7 +258,9 @@ def application(a, bundle: str, **model_options):
     lo, hi = replica_range(a.replicas)
     a = copy.copy(a)
     a.threads = a.threads or 1  # a replica's intra-op threads: one core each unless --threads says more
-    opts = dict(max_ongoing_requests=a.slots + a.queue, max_queued_requests=a.queue,
+    # a replica takes its slots and queue; past them requests wait in the router (at most --queue of them, Serve's
+    # least being 1), then get 503 queue_full
+    opts = dict(max_ongoing_requests=a.slots + a.queue, max_queued_requests=max(1, a.queue),
                 ray_actor_options={"num_cpus": a.threads},
                 request_router_config=RequestRouterConfig(
                     request_router_class=ConversationRouter,
