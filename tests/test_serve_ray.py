@@ -231,6 +231,10 @@ def test_access_layers_and_limits_through_the_proxy(app):
         assert status == 400 and out["error"]["code"] == "invalid_image" and "refused" in out["error"]["message"], out
     status, out, _ = request(app, "POST", "/v1/chat/completions", b"{" + b" " * 300_000 + b"}", AUTH)
     assert status == 413 and out["error"]["code"] == "request_too_large", out
+    video = {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                                         {"type": "text", "text": "What happens?"}]}
+    status, out, _ = chat(app, {"messages": [video], "max_tokens": 2})  # refused before it is read
+    assert status == 400 and out["error"]["code"] == "invalid_content_part", out
     status, out, _ = chat(app, {"messages": "nope"})
     assert status == 400 and out["error"]["type"] == "invalid_request_error", out
     with socket.create_connection(("127.0.0.1", app.port), timeout=30) as s:  # a body that never arrives

@@ -176,7 +176,9 @@ class RemoteScheduler:
 
     def __init__(self, handle, info: dict):
         self.handle = handle.options(stream=True)
-        self.max_context, self.no_video, self.max_queue = info["max_context"], info["no_video"], info["max_queue"]
+        self.max_context, self.max_queue = info["max_context"], info["max_queue"]
+        # a video is opened in the ingress (a Clip reads its frames through its decoder): it does not cross to a replica
+        self.no_video = info["no_video"] or "videos are not served through Ray Serve (vlmrt serve --ray): use vlmrt serve"
         self.slots = [None] * info["slots"]  # a replica's
         self.relays: dict[Job, asyncio.Task] = {}
         self.counts: Counter = Counter()
@@ -223,8 +225,8 @@ class RemoteScheduler:
                     503, f"the replica generating this answer stopped after {pieces} pieces ({type(e).__name__}); "
                          "the answer is incomplete: retry", "unavailable_error", "replica_failed")))
                 return
-            except ray.exceptions.RayError as e:  # a bug on the replica's side
-                log.error("a replica failed a request: %s", str(e).strip().splitlines()[0] if str(e).strip() else e)
+            except Exception as e:  # a bug on the replica's side, or the job would not pickle: never a hang
+                log.error("a relayed request failed: %s", str(e).strip().splitlines()[0] if str(e).strip() else e)
                 job.events.put_nowait(("error", internal()))
                 return
             finally:
