@@ -149,13 +149,16 @@ def vlmrt(*argv, env=None, **kw) -> subprocess.Popen:
 
 
 def test_cli_errors_are_one_line(tiny):
-    """Without Ray Serve installed, --ray says what to install; a bad --replicas is one line; both before any cluster
-    starts."""
+    """Without Ray Serve installed, --ray says what to install; a bad --replicas, or --replicas without --ray, is one
+    line; all before any cluster starts."""
     blocked = subprocess.run([sys.executable, "-c", "import sys; sys.modules['ray'] = None; from vlmrt.cli import "
                               "main; sys.exit(main())", "serve", str(tiny.bundle), "--ray"],
                              capture_output=True, text=True, timeout=120)
     assert blocked.returncode == 1 and blocked.stderr.strip().splitlines() == [
         "vlmrt: error: vlmrt serve --ray needs the serve-ray extra: pip install 'vlmrt[serve-ray]'"], blocked.stderr
+    p = vlmrt("serve", str(tiny.bundle), "--replicas", "2")
+    assert p.wait(timeout=120) == 1 and p.stderr.read().strip() == "vlmrt: error: --replicas and --pin-cores serve on " \
+        "Ray: add --ray"
     for bad in ("3..2", "two"):
         p = vlmrt("serve", str(tiny.bundle), "--ray", "--replicas", bad)
         out, err = p.communicate(timeout=120)

@@ -175,6 +175,8 @@ def prepare(a, bundle: str):
     if not all(math.isfinite(x) and x > 0 for x in pixels) or a.max_request_pixels > a.max_pixels_in_flight:
         raise ValueError("--max-request-pixels and --max-pixels-in-flight must be numbers of millions of pixels > 0, "
                          "the first at most the second")
+    if a.ray is None and (a.replicas != "1" or a.pin_cores):
+        raise ValueError("--replicas and --pin-cores serve on Ray: add --ray")
     if a.allow_local_urls and a.no_image_urls:
         raise ValueError("--allow-local-urls and --no-image-urls contradict each other")
     keys = api_keys(a)
