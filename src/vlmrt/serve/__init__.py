@@ -9,12 +9,13 @@
     media.py      image_url parts -> decoded images (data URIs, http(s) URLs of public addresses, paths under the
                   media folder)
     scheduler.py  N slots (one VLM each: its own KV and prefix cache) over one bundle's sessions, one thread
+    ray_app.py    --ray: the app as a Ray Serve ingress over Model replicas (a Scheduler each), the conversation router
     responses.py  completion objects, stream chunks, usage and the vlmrt timings field
     responses_api.py  POST /v1/responses: the request translated into a chat request; its response and events
     errors.py     APIError: the {"error": {"message", "type", "code"}} answers
     metrics.py    GET /metrics: requests, tokens, latencies, queue and caches in Prometheus' text format
     page.html     the chat page served at / (no build step, no CDN)
 
-Nothing in vlmrt.runtime imports this package; it needs the `serve` extra (starlette, uvicorn,
-prometheus_client).
+Nothing in vlmrt.runtime imports this package; it needs the `serve` extra (starlette, uvicorn, prometheus_client),
+--ray the `serve-ray` extra (ray[serve]).
 """

@@ -54,6 +54,16 @@ def add_parser(sub) -> None:
                         "(w4a16 everywhere, w4a8 on AVX2-only CPUs; docs/server.md#continuous-batching): faster alone "
                         "(w4a16: 2.6x), but an answer can then depend on the load")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r = s.add_argument_group("Ray Serve (docs/server.md#serving-on-ray; pip install 'vlmrt[serve-ray]')")
+    r.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="serve as a Ray Serve application: replicas of the model behind Serve's HTTP proxy on "
+                        "--host/--port, each follow-up routed to the replica holding its conversation; ADDRESS: a "
+                        "cluster to join (ray://HEAD:10001, auto), none: a local cluster on 127.0.0.1")
+    r.add_argument("--replicas", default="1", metavar="N|MIN..MAX",
+                   help="model replicas (each loads the bundle once, runs --slots slots): N, or MIN..MAX to "
+                        "autoscale on ongoing requests, --slots per replica (default 1)")
+    r.add_argument("--pin-cores", action="store_true",
+                   help="pin each replica to its own --threads cores of its node (by its rank there)")
     g = s.add_argument_group("security (docs/server.md#security)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but / and /health (repeatable: any of "
@@ -132,6 +142,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 def build(a, bundle: str, on_load_error=None):
     """The app for parsed arguments a and a bundle folder (checked here, loaded at startup)."""
+    from .app import create_app
+
+    load, config = prepare(a, bundle)
+    return create_app(load, config, on_load_error)
+
+
+def prepare(a, bundle: str):
+    """(load, config) for parsed arguments a and a bundle folder: load() -> the Scheduler over the bundle (run at
+    startup, in a thread), config the app's Config. Bad arguments and an unreadable bundle fail here (ValueError)."""
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -142,7 +161,7 @@ def build(a, bundle: str, on_load_error=None):
     from ..runtime.bundle import Bundle
     from ..runtime.sources import FetchLimits
     from ..runtime.url_policy import AddressPolicy
-    from .app import Config, create_app
+    from .app import Config
     from .media import warm_up
     from .scheduler import Scheduler
 
@@ -157,6 +176,8 @@ def build(a, bundle: str, on_load_error=None):
     if not all(math.isfinite(x) and x > 0 for x in pixels) or a.max_request_pixels > a.max_pixels_in_flight:
         raise ValueError("--max-request-pixels and --max-pixels-in-flight must be numbers of millions of pixels > 0, "
                          "the first at most the second")
+    if a.ray is None and (a.replicas != "1" or a.pin_cores):
+        raise ValueError("--replicas and --pin-cores serve on Ray: add --ray")
     if a.allow_local_urls and a.no_image_urls:
         raise ValueError("--allow-local-urls and --no-image-urls contradict each other")
     keys = api_keys(a)
@@ -197,7 +218,7 @@ def build(a, bundle: str, on_load_error=None):
                     head_timeout_s=a.head_timeout, max_connections=a.max_connections,
                     max_request_pixels=max(1, int(a.max_request_pixels * 1e6)),
                     max_pixels_in_flight=max(1, int(a.max_pixels_in_flight * 1e6)), image_spec=m.image)
-    return create_app(load, config, on_load_error)
+    return load, config
 
 
 def _server(app, log_level: str):
@@ -207,8 +228,10 @@ def _server(app, log_level: str):
 
     config = app.state.config
     protocol = type("Protocol", (Protocol,), {"head_timeout_s": config.head_timeout_s})
+    # loop: asyncio's own, also where uvloop is installed (ray[serve] brings it)
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, ws="none",
-                                         lifespan="on", http=protocol, h11_max_incomplete_event_size=HEAD_MAX_BYTES,
+                                         loop="asyncio", lifespan="on", http=protocol,
+                                         h11_max_incomplete_event_size=HEAD_MAX_BYTES,
                                          limit_concurrency=config.max_connections, timeout_keep_alive=KEEP_ALIVE_S))
 
 
@@ -219,6 +242,12 @@ def run(a) -> int:
         bundle = str(ensure_bundle(progress=True))
     else:
         bundle = a.bundle
+    if a.ray is not None:
+        try:
+            from .ray_app import run_on_ray
+        except ImportError:
+            raise ValueError("vlmrt serve --ray needs the serve-ray extra: pip install 'vlmrt[serve-ray]'") from None
+        return run_on_ray(a, bundle)
     failed: list[str] = []
     server = None
 

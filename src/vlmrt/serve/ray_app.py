@@ -1,0 +1,344 @@
+"""`vlmrt serve --ray`: the server as a Ray Serve application (docs/server.md#serving-on-ray).
+
+    client -> Serve's HTTP proxy -> Ingress (app.py's Starlette app: access layers, limits, media, over a
+              RemoteScheduler) -> Model replicas (each the bundle loaded once under a Scheduler: --slots slots)
+
+    vlmrt serve BUNDLE --ray --replicas 1..4 --slots 4                     # a local Ray cluster on 127.0.0.1
+    serve run vlmrt.serve.ray_app:build bundle=BUNDLE replicas=2 args="--slots 4 --api-key KEY"   # a Serve config
+
+The ingress reads, checks and decodes a request as `vlmrt serve` does, then relays its job to a Model replica through
+a DeploymentHandle; the replica's Scheduler runs it and streams its events back. The ConversationRouter (Ray's
+PrefixCacheAffinityRouter, its prefix tree shared by the ingress replicas) picks the replica: a conversation whose
+earlier turns a replica was sent goes back there unless that replica's queue is longer than the shortest by more than
+--slots; a new conversation goes by load (the shorter queue of two). A replica that dies before the answer's first
+piece: the job is relayed once more (nothing was sent yet); after it: the stream ends with an error event (503
+replica_failed), never a retried, duplicated text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import hashlib
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+from ray.serve._private.common import ReplicaID
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
+
+from .errors import APIError, internal, unavailable
+from .scheduler import Job, QueueFull
+
+log = logging.getLogger("vlmrt.serve")
+APP = "vlmrt"
+DIGEST = 16  # characters of a message's digest in the text the router matches
+# a replica that died or could not be reached (not an error of the request itself)
+REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.LocalRayletDiedError)
+
+
+@dataclass
+class Ask:
+    """One job for a Model replica. messages: the conversation as text with images by digest, in the role / content
+    form the PrefixCacheAffinityRouter reads; payload: VLM.chat's messages, images decoded; key: the slot affinity key
+    (request.py); options: VLM.chat's keyword arguments."""
+
+    messages: list[dict]
+    payload: list[dict]
+    key: list
+    options: dict
+
+
+def routing_messages(key: list) -> list[dict]:
+    """The conversation's key (role, ((kind, text | image digest), ...)) as the text the router matches prefixes of: a
+    digest of DIGEST characters per message, so that a match counts whole leading messages, as a slot's reuse does."""
+    return [{"role": role, "content": hashlib.sha256(json.dumps([role, parts]).encode()).hexdigest()[:DIGEST]}
+            for role, parts in key]
+
+
+class ConversationRouter(PrefixCacheAffinityRouter):
+    """Ray's PrefixCacheAffinityRouter (its prefix tree actor shared by every router of the deployment, its
+    bookkeeping of replicas coming and going and of the prompts routed) with the choice made per conversation: a
+    request whose leading messages a replica was sent before (a match of one whole message or more) goes to the
+    least loaded of those replicas, unless its queue is longer than the shortest one by more than
+    imbalanced_threshold; any other request (a new conversation) by load: the shorter queue of two replicas
+    (power of two choices). Ray's own falls back to the replica holding the least text, which takes a burst of new
+    conversations all at once."""
+
+    async def _prefix_match_best_replicas(self, pending_request, candidate_replicas):
+        if pending_request is None or not pending_request.args or not candidate_replicas:
+            return [[]]
+        text = self._extract_text_from_request(pending_request)
+        ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
+        matched, tenants = await self._tree_actor.prefix_match.remote(text, ids)
+        if not tenants or len(matched) < DIGEST:
+            return [[]]  # -> the power of two choices
+
+        def queue(r) -> int:
+            n = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
+            return n or 0
+
+        least = min(queue(r) for r in candidate_replicas)
+        holders = {ReplicaID.from_full_id_str(t) for t in tenants}
+        return [[r for r in candidate_replicas
+                 if r.replica_id in holders and queue(r) - least <= self._imbalanced_threshold]]
+
+
+def _wire(e: APIError) -> tuple:
+    return e.status, e.message, e.type, e.code, e.extra
+
+
+def _unwire(w: tuple) -> APIError:
+    return APIError(*w[:4], **w[4])
+
+
+def replica_range(text: str) -> tuple[int, int]:
+    """--replicas N or MIN..MAX -> (min, max)."""
+    lo, sep, hi = str(text).partition("..")
+    try:
+        r = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        r = (0, 0)
+    if not 1 <= r[0] <= r[1]:
+        raise ValueError(f"--replicas {text}: N or MIN..MAX, 1 <= MIN <= MAX")
+    return r
+
+
+def pin(rank: int, threads: int) -> list[int]:
+    """Pin this process (every thread) to `threads` cores of the node, the rank-th group of them."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = {cores[(rank * threads + i) % len(cores)] for i in range(threads)}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(mine)
+
+
+class Model:
+    """A replica: the bundle loaded once, a Scheduler over it (its --slots slots and --queue), jobs streamed back."""
+
+    def __init__(self, a, bundle: str):
+        from .command import prepare
+
+        ctx = serve.get_replica_context()
+        self.replica = ctx.replica_id.unique_id
+        self.cores = pin(ctx.rank.local_rank, a.threads) if a.pin_cores else sorted(os.sched_getaffinity(0))
+        load, _ = prepare(a, bundle)
+        self.sched = load()
+
+    async def generate(self, ask: Ask):
+        """("piece", text) ... then ("done", Finished) | ("error", wired APIError) | ("cancelled", None)."""
+        job = Job(ask.payload, ask.key, ask.options, asyncio.get_running_loop())
+        try:
+            self.sched.submit(job)
+        except QueueFull:
+            yield "error", _wire(unavailable(f"the replica's {len(self.sched.slots)} slots are busy and its queue "
+                                             f"({self.sched.max_queue}) is full; retry later", "queue_full"))
+            return
+        try:
+            while True:
+                kind, value = await job.events.get()
+                yield kind, _wire(value) if kind == "error" else value
+                if kind != "piece":
+                    return
+        finally:  # the ingress cancelled it (its client went away) or it ended: a no-op then
+            self.sched.cancel(job)
+
+    def info(self) -> dict:
+        s = self.sched
+        return {"replica": self.replica, "pid": os.getpid(), "cores": self.cores, "max_context": s.max_context,
+                "no_video": s.no_video, "max_queue": s.max_queue, **s.status()}
+
+    def __del__(self):
+        sched = self.__dict__.get("sched")
+        if sched is not None:
+            sched.close()
+
+
+class RemoteScheduler:
+    """The app's scheduler (the Scheduler's submit / cancel / status) over the Model replicas: a submitted job is
+    relayed to the replica the router picks, its events put on the job's queue as a local Scheduler would."""
+
+    def __init__(self, handle, info: dict):
+        self.handle = handle.options(stream=True)
+        self.max_context, self.max_queue = info["max_context"], info["max_queue"]
+        # a video is opened in the ingress (a Clip reads its frames through its decoder): it does not cross to a replica
+        self.no_video = info["no_video"] or "videos are not served through Ray Serve (vlmrt serve --ray): use vlmrt serve"
+        self.slots = [None] * info["slots"]  # a replica's
+        self.relays: dict[Job, asyncio.Task] = {}
+        self.counts: Counter = Counter()
+
+    def submit(self, job: Job) -> None:
+        self.relays[job] = asyncio.ensure_future(self._relay(job))
+
+    def cancel(self, job: Job) -> None:
+        task = self.relays.pop(job, None)
+        if task is not None and not task.done():
+            task.cancel()
+            self.counts["cancelled"] += 1
+
+    def status(self) -> dict:
+        return {"slots": len(self.slots), "busy": sum(not t.done() for t in self.relays.values()), "queued": 0,
+                "ray": True, **self.counts}
+
+    def close(self) -> None:
+        for task in self.relays.values():
+            task.cancel()
+
+    async def _relay(self, job: Job) -> None:
+        ask = Ask(routing_messages(job.key), job.messages, job.key, job.options)
+        for attempt in (1, 2):
+            pieces, gen = 0, self.handle.generate.remote(ask)
+            try:
+                async for kind, value in gen:
+                    job.events.put_nowait((kind, _unwire(value) if kind == "error" else value))
+                    pieces += kind == "piece"
+                self.counts["answered"] += 1
+                return
+            except BackPressureError:
+                self.counts["refused"] += 1
+                job.events.put_nowait(("error", unavailable("every replica's slots and queue are full; retry later",
+                                                            "queue_full")))
+                return
+            except REPLICA_GONE as e:
+                if pieces == 0 and attempt == 1:  # nothing was sent: the job runs again on another replica
+                    self.counts["relayed_again"] += 1
+                    log.warning("a replica stopped before answering (%s): relaying the request again", type(e).__name__)
+                    continue
+                self.counts["replica_failed"] += 1
+                job.events.put_nowait(("error", APIError(
+                    503, f"the replica generating this answer stopped after {pieces} pieces ({type(e).__name__}); "
+                         "the answer is incomplete: retry", "unavailable_error", "replica_failed")))
+                return
+            except Exception as e:  # a bug on the replica's side, or the job would not pickle: never a hang
+                log.error("a relayed request failed: %s", str(e).strip().splitlines()[0] if str(e).strip() else e)
+                job.events.put_nowait(("error", internal()))
+                return
+            finally:
+                gen.cancel()  # the relay was cancelled (its client went away): so is the replica's job
+
+
+@serve.ingress()
+class Ingress:
+    """app.py's Starlette app (the routes, access layers, limits and media handling of `vlmrt serve`) over a
+    RemoteScheduler: what Serve's HTTP proxy sends requests to."""
+
+    def __init__(self, model, a, bundle: str):
+        self.model, self.a, self.bundle = model, a, bundle
+
+    def __serve_build_asgi_app__(self):
+        from .app import create_app
+        from .command import prepare
+
+        _, config = prepare(self.a, self.bundle)
+        handle = self.model
+
+        def load():  # in the app's loader thread: /health is 503 "loading" until a Model replica answers
+            return RemoteScheduler(handle, handle.info.remote().result())
+
+        return create_app(load, config)
+
+
+def application(a, bundle: str, **model_options):
+    """The Serve application for parsed `vlmrt serve` arguments a and a bundle folder; model_options override the
+    Model deployment's options (autoscaling_config's delays, ...)."""
+    lo, hi = replica_range(a.replicas)
+    a = copy.copy(a)
+    a.threads = a.threads or 1  # a replica's intra-op threads: one core each unless --threads says more
+    # a replica takes its slots and queue; past them requests wait in the router (at most --queue of them, Serve's
+    # least being 1), then get 503 queue_full
+    opts = dict(max_ongoing_requests=a.slots + a.queue, max_queued_requests=max(1, a.queue),
+                ray_actor_options={"num_cpus": a.threads},
+                request_router_config=RequestRouterConfig(
+                    request_router_class=ConversationRouter,
+                    # a follow-up goes to its replica while its queue is at most a replica's slots longer
+                    request_router_kwargs={"imbalanced_threshold": a.slots}))
+    if lo == hi:
+        opts["num_replicas"] = lo
+    else:
+        opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": a.slots}
+    opts.update(model_options)
+    model = serve.deployment(Model).options(name="Model", **opts).bind(a, bundle)
+    return serve.deployment(Ingress).options(name="Ingress", num_replicas=1, max_ongoing_requests=a.max_connections,
+                                             ray_actor_options={"num_cpus": 0}).bind(model, a, bundle)
+
+
+def build(args: dict):
+    """The application builder a Serve config names (import_path: vlmrt.serve.ray_app:build): args bundle (a folder),
+    replicas (N or MIN..MAX, default 1) and args (the rest of the `vlmrt serve` arguments as one string)."""
+    from .command import add_parser
+
+    unknown = set(args) - {"bundle", "replicas", "args"}
+    if unknown or "bundle" not in args:
+        raise ValueError(f"vlmrt.serve.ray_app:build takes bundle=DIR [replicas=N|MIN..MAX] [args='--slots 4 ...'] "
+                         f"(got {sorted(args)})")
+    ap = argparse.ArgumentParser(prog="vlmrt")
+    add_parser(ap.add_subparsers())
+    a = ap.parse_args(["serve", str(args["bundle"]), *shlex.split(str(args.get("args", ""))),
+                       "--replicas", str(args.get("replicas", "1")), "--ray"])
+    return application(a, a.bundle)
+
+
+def start_ray(address: str) -> None:
+    """Join the cluster at address, or ("local") start one on 127.0.0.1 (no dashboard)."""
+    quiet = dict(log_to_driver=False, logging_level=logging.ERROR)
+    if ray.is_initialized():
+        return
+    if address != "local":
+        ray.init(address=address, **quiet)
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, **quiet)
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_on_ray(a, bundle: str) -> int:
+    from .command import exposure_warning, prepare
+
+    lo, hi = replica_range(a.replicas)
+    _, config = prepare(a, bundle)  # bad arguments fail before a cluster starts
+    start_ray(a.ray)
+    port = a.port or free_port(a.host)
+    try:
+        serve.start(http_options={"host": a.host, "port": port})
+        print(f"vlmrt: deploying {Path(bundle).name} on Ray Serve ({lo if lo == hi else f'{lo}..{hi}'} replicas x "
+              f"{a.slots} slots) ...", file=sys.stderr, flush=True)
+        serve.run(application(a, bundle), name=APP, route_prefix="/", blocking=False)
+    except Exception as e:  # a replica that could not load the bundle, a port taken on the cluster, ...
+        serve.shutdown()
+        raise ValueError(f"the Serve application did not start: {str(e).strip().splitlines()[0]}") from None
+    print(f"vlmrt: serving {Path(bundle).name} on http://{a.host}:{port}/ through Ray Serve", file=sys.stderr,
+          flush=True)
+    warning = exposure_warning(a.host, config.api_keys)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
