@@ -190,19 +190,24 @@ def follow_up(call_id: str, arguments: str = '{"city": "Paris"}') -> list[dict]:
 
 
 def scripted(r, text: str, own: list) -> None:
-    """Each slot of r answers text (in pieces of 5 characters) after running its real answer (own: the slots' chat
-    methods; the answer's decode steps go to the batch as usual): what a model that calls a tool would write, which a
-    random tiny model does not."""
-    for slot, chat in zip(r.app.state.vlmrt.scheduler.slots, own):
+    """Each slot of r answers text (in pieces of 5 characters) after running its real answer (own: the slots'
+    (stream, finish) methods; the answer's decode steps go to the scheduler as usual): what a model that calls a tool
+    would write, which a random tiny model does not."""
+    for slot, (stream, finish) in zip(r.app.state.vlmrt.scheduler.slots, own):
 
-        def run(messages, chat=chat, vlm=slot.vlm, **kw):
-            for piece in chat(messages, **kw):
-                if not isinstance(piece, str):  # the batch's step marker: passed on to the scheduler
-                    yield piece
+        def quiet(a, ids, stream=stream):
+            for _ in stream(a, ids):  # (the real pieces, dropped)
+                pass
+            return
+            yield
+
+        def done(a, finish=finish, vlm=slot.vlm):
+            for _ in finish(a):
+                pass
             vlm.result.text = text
             yield from (text[i:i + 5] for i in range(0, len(text), 5))
 
-        slot.vlm.chat = run
+        slot.vlm.stream, slot.vlm.finish = quiet, done
 
 
 def qwen3_vl(tmp_path_factory):
@@ -286,7 +291,7 @@ def test_tool_calls_answered_as_openai_answers_them(qwen_tools):
     accumulated deltas); a plain answer stays content."""
     r, _ = qwen_tools
     c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    own = [slot.vlm.chat for slot in r.app.state.vlmrt.scheduler.slots]
+    own = [(slot.vlm.stream, slot.vlm.finish) for slot in r.app.state.vlmrt.scheduler.slots]
     answer = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice"}}\n</tool_call>')
     scripted(r, answer, own)
@@ -331,8 +336,8 @@ def test_tool_calls_answered_as_openai_answers_them(qwen_tools):
                                                 stream=True))
         assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == wrong
     finally:
-        for slot, chat in zip(r.app.state.vlmrt.scheduler.slots, own):
-            slot.vlm.chat = chat
+        for slot, (stream, finish) in zip(r.app.state.vlmrt.scheduler.slots, own):
+            slot.vlm.stream, slot.vlm.finish = stream, finish
 
 
 BAD_TOOLS = [
