@@ -169,3 +169,41 @@ def test_vit_layer_key_mask_hides_padding(opts):
         unmasked = layer(torch.cat([real, pad]))[:5]
     torch.testing.assert_close(masked, alone, rtol=0, atol=1e-6)
     assert (unmasked - alone).abs().max() > 1e-2
+
+
+def test_decoder_protocol_members_are_checked():
+    """The exporter reads a decoder's protocol members as they are (families.DecoderModule's defaults where a decoder
+    has no such part): a value it could not build inputs from is refused before any graph is traced."""
+    cfg = smolvlm.FAMILY.config(CONFIG)
+    v, d, e = modules(cfg)
+    assert (d.rope_rows, d.row_levels, d.layer_kinds) == (1, 0, ("attention", "attention"))  # the defaults
+    d.rope_rows = 0
+    with pytest.raises(FamilyContractError, match="family smolvlm: the decoder's rope_rows 0 must be a positive int"):
+        with_weights(lambda c: (v, d, e)).weights(cfg, {})
+
+
+def test_every_cache_kind_is_exported():
+    """Each cache kind a decoder layer may have (manifest.CACHE_LAYER_KINDS) is registered with the exporter and the
+    GPTQ calibration (export/cache_kinds.py), and its names are the ones the runtime's manifest entry lists."""
+    from vlmrt.export.cache_kinds import CACHE_KINDS, state_names
+    from vlmrt.format.manifest import CACHE_LAYER_KINDS
+
+    assert set(CACHE_KINDS) == set(CACHE_LAYER_KINDS)
+    assert state_names(("conv", "attention"), "present") == (["past_conv_0", "past_key_1", "past_value_1"],
+                                                             ["new_conv_0", "present_key_1", "present_value_1"])
+
+
+def test_vision_tower_must_be_a_vision_module():
+    """The exporter reads a tower's extra inputs, example inputs and row outputs as VisionModule members (defaults: a
+    plain tower's), so a torch module that does not derive from it is refused, whatever its output."""
+    cfg = smolvlm.FAMILY.config(CONFIG)
+
+    class Tower(torch.nn.Module):
+        def forward(self, patches):
+            return torch.zeros(4, 32)
+
+    with pytest.raises(FamilyContractError, match="family smolvlm: load_weights gave a Tower vision tower, not a torch "
+                                                  "module derived from families.VisionModule"):
+        with_weights(lambda c: (Tower(), *modules(c)[1:])).weights(cfg, {})
+    v = modules(cfg)[0]
+    assert (v.extra_inputs(), v.row_outputs, list(families.vision_examples(v, 16, 48))) == ({}, (), ["patches"])

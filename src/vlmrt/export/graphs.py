@@ -17,7 +17,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -25,47 +25,26 @@ import torch
 from onnx import external_data_helper
 
 from ..format.manifest import TensorSpec
+from .cache_kinds import CACHE_KINDS, CacheLayout, batchable, state_names
+from .decoder_inputs import ROW_INPUT, decoder_inputs
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-# what a decoder graph's cache outputs are, by attention kind (families/layers.py ATTENTION_KINDS): the step's new
-# rows (new_key_i) or the whole updated buffers (present_key_i)
-KV_OUTPUT_PREFIX = {"rows_copy_free": "new", "rows_concat": "new", "gqa_in_place": "present"}
+class GraphLayout(NamedTuple):
+    """How a decoder graph of an attention kind (families/layers.py ATTENTION_KINDS) takes its cache.
+    out_prefix: its state outputs are the step's new rows (new_key_i) or the whole updated buffers (present_key_i).
+    in_place: ORT's GroupQueryAttention over cache buffers [B, kv_heads, max_context, head_dim] that the graph updates
+    itself (a symbolic AR, step inputs seqlens_k and total_sequence_length, export/gqa_onnx.py's translation, the
+    weights named and q/k/v packed, a batch dim where the layers take one, the LM head's MatMul first); else the rows
+    contract: the cache [ctx, kv_dim] per layer under an additive attention_mask [ar, ctx + ar]."""
+
+    out_prefix: str
+    in_place: bool
 
 
-ROW_INPUT = ["row_input"]  # the decoder graph's per-token row input, where it has one (manifest decoder.row_input)
-
-
-def kv_names(layers: int | tuple[str, ...], attention: str = "rows_copy_free") -> tuple[list[str], list[str]]:
-    """The state inputs and outputs of a decoder graph of the attention kind, per layer in order: an attention layer's
-    past_key_i, past_value_i -> new_/present_key_i, ..._value_i; a conv layer's past_conv_i -> new_conv_i.
-    layers: the decoder's layer_kinds (an int: that many attention layers)."""
-    kinds = ("attention",) * layers if isinstance(layers, int) else layers
-    ins, outs = [], []
-    out = KV_OUTPUT_PREFIX[attention]
-    for i, kind in enumerate(kinds):
-        if kind == "conv":
-            ins, outs = ins + [f"past_conv_{i}"], outs + [f"new_conv_{i}"]
-        else:
-            ins += [f"past_key_{i}", f"past_value_{i}"]
-            outs += [f"{out}_key_{i}", f"{out}_value_{i}"]
-    return ins, outs
-
-
-def _state(decoder, attention_state: Callable, dt, conv_lead: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list]:
-    """Example state tensors per layer (attention: attention_state() -> (tensor, dims), two of them; conv: its window
-    [*conv_lead, width, channels], static: gqa_in_place's [1, width, channels]) and their dynamic dims."""
-    past, dims = [], []
-    width, channels = decoder.conv_state
-    for kind in decoder.layer_kinds:
-        if kind == "conv":
-            past, dims = past + [torch.zeros(*conv_lead, width, channels, dtype=dt)], dims + [None]
-        else:  # two tensors: the exporter folds one tensor passed twice into one input
-            for _ in range(2):
-                t, d = attention_state()
-                past, dims = past + [t], dims + [d]
-    return past, dims
+ROWS, IN_PLACE = GraphLayout("new", False), GraphLayout("present", True)
+LAYOUTS = {"rows_copy_free": ROWS, "rows_concat": ROWS, "gqa_in_place": IN_PLACE}
 
 
 @contextlib.contextmanager
@@ -183,10 +162,11 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 
 def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden: int, kv_heads: int, head_dim: int,
-                   layers: int, io_dtype: str, precision: str, head: str, path: Path, cpu: bool = True,
-                   dynamic_context: bool = False, dynamic_ar: bool = False, hessian=None, token_rows: bool = False) -> None:
-    """attention: the decoder graph's attention kind (families/layers.py ATTENTION_KINDS); every graph takes
-    inputs_embeds [ar, hidden] and position_ids [1, ar] int64 (the rope positions) first.
+                   io_dtype: str, precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
+                   dynamic_ar: bool = False, hessian=None, token_rows: bool = False) -> None:
+    """A decoder graph (families.DecoderModule) of the attention kind (families/layers.py ATTENTION_KINDS; its
+    GraphLayout: LAYOUTS) at the shapes of its example inputs (export/decoder_inputs.py: inputs_embeds [ar, hidden],
+    position_ids [rope rows, ar], the row input, the step inputs, the state per layer by its cache kind).
     cpu: the graph is for the CPU/CUDA EPs (not a float graph the HTP target quantizes): RMSNorm chains become one
     fused op.
     dynamic_context: the cache inputs are [ctx, kv_dim] and the mask [ar, ctx + ar] for any ctx <= max_context
@@ -195,56 +175,74 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     (one session, one prepacked copy of the weights) serves the prefill blocks and the 1-token decode steps;
     such a graph also takes logit_rows [r] (CausalDecoder.logit_rows): the logits are [r, vocab], those rows' only
     (the last row for a prefill block or a decode step, all of a lookahead verify step's).
-    attention gqa_in_place (with dynamic_ar): ORT's GroupQueryAttention over cache buffers [B, kv_heads, max_context,
-    head_dim] that the graph updates in place: inputs inputs_embeds, position_ids, seqlens_k [B], total_sequence_length,
-    past_*, logit_rows; outputs logits, present_*, next_token. B sequences of ar / B tokens each (export/batch_dim.py;
-    B = 1 but for the batched decode step).
+    attention gqa_in_place (a CPU graph, with dynamic_context and dynamic_ar): ORT's GroupQueryAttention over cache
+    buffers [B, kv_heads, max_context, head_dim] that the graph updates in place: inputs inputs_embeds, position_ids,
+    seqlens_k [B], total_sequence_length, past_*, logit_rows; outputs logits, present_*, next_token. B sequences of
+    ar / B tokens each (export/batch_dim.py; B = 1 but for the batched decode step).
     hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
-    token_rows (with gqa_in_place): two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
-    from . import fuse
+    token_rows: two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
+    from ..families.layers import ATTENTION_KINDS
+    from . import batch_dim, fuse, gqa_onnx
     from .cpu import quantize
 
-    if attention == "gqa_in_place":
-        return _export_in_place(decoder, ar=ar, max_context=max_context, hidden=hidden, heads=(kv_heads, head_dim),
-                                layers=layers, io_dtype=io_dtype, precision=precision, head=head, path=path,
-                                hessian=hessian, token_rows=token_rows)
+    layout = LAYOUTS[attention]
+    if layout.in_place and not (cpu and dynamic_context and dynamic_ar):
+        raise ValueError(f"a {attention} graph is a CPU graph with a symbolic context and AR")
     dt = TORCH_DTYPES[io_dtype]
-    # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context
-    decoder = decoder.with_options(attention=attention, logit_rows=dynamic_ar, rope_positions=max_context + ar)
+    # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context (in place: the
+    # buffers' max_context slots hold the step's rows too)
+    decoder = decoder.with_options(attention=attention, logit_rows=dynamic_ar,
+                                   rope_positions=max_context + (0 if layout.in_place else ar))
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
-    embeds = torch.zeros(ar, hidden, dtype=dt)
-    positions = torch.arange(ar, dtype=torch.int64)[None].repeat(getattr(decoder, "rope_rows", 1), 1)  # [rope rows, ar]
-    # the row input (DeepStack's vision features, CausalDecoder.row_levels): [ar, levels * hidden] after positions
-    levels = getattr(decoder, "row_levels", 0)
-    row = [torch.zeros(ar, levels * hidden, dtype=dt)] if levels else []
-    mask = torch.zeros(ar, max_context + ar, dtype=dt)
-    ctx = torch.export.Dim("ctx", min=2, max=max_context) if dynamic_context else None
-    past, past_dims = _state(decoder, lambda: (torch.zeros(max_context, kv_heads * head_dim, dtype=dt), {0: ctx}), dt)
-    kin, kout = kv_names(decoder.layer_kinds, attention)
-    extra, extra_names = ([torch.arange(ar, dtype=torch.int64)], ["logit_rows"]) if dynamic_ar else ([], [])
-    dynamic = None
-    if dynamic_context:
-        n = torch.export.Dim("ar", min=1, max=ar) if dynamic_ar else None
-        rows = {0: n} if dynamic_ar else None
-        pos_dims = {1: n} if dynamic_ar else None
-        # CastIO.forward(*args): one varargs entry
-        total = torch.export.Dim.AUTO if dynamic_ar else ctx + ar  # ctx + ar: the exporter derives it
-        logit_rows = [{0: torch.export.Dim("rows", min=1, max=ar)}] if dynamic_ar else []
-        dynamic = ((rows, pos_dims, *[rows] * len(row), {0: n, 1: total} if dynamic_ar else {1: total}, *past_dims,
-                    *logit_rows),)
-    export_graph(
-        module, (embeds, positions, *row, mask, *past, *extra),
-        ["inputs_embeds", "position_ids", *ROW_INPUT[: len(row)], "attention_mask", *kin, *extra_names],
-        ["logits", *kout], path, dynamic,
-    )
+    n = torch.export.Dim("ar", min=1, max=ar) if dynamic_ar else None
+    dims = {"inputs_embeds": {0: n}, "position_ids": {1: n}, ROW_INPUT: {0: n}} if dynamic_ar else {}
+    if layout.in_place:
+        step = {"seqlens_k": torch.tensor([ar - 1], dtype=torch.int32),
+                "total_sequence_length": torch.tensor(ar, dtype=torch.int32)}
+        cache = CacheLayout(lambda: (torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt), None), (1,), dt)
+    else:
+        step = {"attention_mask": torch.zeros(ar, max_context + ar, dtype=dt)}
+        ctx = torch.export.Dim("ctx", min=2, max=max_context) if dynamic_context else None
+        cache = CacheLayout(lambda: (torch.zeros(max_context, kv_heads * head_dim, dtype=dt), {0: ctx}), (), dt)
+        # (with a symbolic AR the exporter derives the mask's width; else ctx + ar)
+        if dynamic_context:
+            dims["attention_mask"] = {0: n, 1: torch.export.Dim.AUTO} if dynamic_ar else {1: ctx + ar}
+    state = [ex for kind in decoder.layer_kinds for ex in CACHE_KINDS[kind].examples(decoder, cache)]
+    dims.update(zip(state_names(decoder.layer_kinds)[0], (d for _, d in state)))
+    tail = {}
+    if dynamic_ar:
+        tail["logit_rows"] = torch.arange(ar, dtype=torch.int64)
+        dims["logit_rows"] = {0: torch.export.Dim("rows", min=1, max=ar)}
+    if token_rows:  # [ar, hidden] int8, [ar] float32
+        module = TokenRows(module)
+        tail.update(token_rows=torch.zeros(ar, hidden, dtype=torch.int8), token_scales=torch.zeros(ar))
+        dims.update(token_rows={0: n}, token_scales={0: n})
+    inputs = decoder_inputs(decoder, torch.zeros(ar, hidden, dtype=dt), step=step, state=[t for t, _ in state],
+                            tail=tail)
+    outputs = ["logits", *state_names(decoder.layer_kinds, layout.out_prefix)[1],
+               *(["next_token"] if ATTENTION_KINDS[attention].argmax else [])]
+    # CastIO.forward(*args): the dynamic shapes are one varargs entry
+    dynamic = (tuple(dims.get(name) for name in inputs),) if dynamic_context else None
+    export_graph(module, tuple(inputs.values()), list(inputs), outputs, path, dynamic,
+                 gqa_onnx.TABLE if layout.in_place else None)
+    if layout.in_place:
+        model = onnx.load(str(path))
+        if _name_weights(model):
+            rewrite(path, model)
     if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
             rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits", hessian))
     if cpu:
         model = onnx.load(str(path))
-        if fuse.fuse_rms_norm(model):
+        changed = fuse.fuse_rms_norm(model)
+        if layout.in_place:
+            gqa_onnx.pack_qkv(model)
+            if batchable(decoder.layer_kinds):  # B sequences per call: B = len(seqlens_k)
+                batch_dim.add_batch_dim(model, "seqlens_k")
+            largest_matmul_first(model)
+        if changed or layout.in_place:
             rewrite(path, model)
-    if dynamic_ar:  # the exporter names the mask's derived width s<N>
+    if dynamic_ar and "attention_mask" in inputs:  # the exporter names the mask's derived width s<N>
         model = onnx.load(str(path), load_external_data=False)
         mask = next(i for i in model.graph.input if i.name == "attention_mask")
         width = mask.type.tensor_type.shape.dim[1].dim_param
@@ -253,60 +251,6 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
                 if d.dim_param == width:
                     d.dim_param = "ctx + ar"
         onnx.save(model, str(path))
-
-
-def _export_in_place(decoder, *, ar: int, max_context: int, hidden: int, heads: tuple[int, int], layers: int,
-                     io_dtype: str, precision: str, head: str, path: Path, hessian=None, token_rows: bool = False) -> None:
-    """export_decoder's gqa_in_place graph: symbolic AR 1..ar, cache buffers of max_context slots."""
-    from . import batch_dim, fuse, gqa_onnx
-    from .cpu import quantize
-
-    dt = TORCH_DTYPES[io_dtype]
-    kv_heads, head_dim = heads
-    decoder = decoder.with_options(attention="gqa_in_place", logit_rows=True, rope_positions=max_context)
-    module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
-    embeds = torch.zeros(ar, hidden, dtype=dt)
-    # [rope rows, ar]: one row is GroupQueryAttention's position_ids; M-RoPE's rows are gathered first (layers._gqa_rope)
-    positions = torch.arange(ar, dtype=torch.int64)[None].repeat(getattr(decoder, "rope_rows", 1), 1)
-    levels = getattr(decoder, "row_levels", 0)  # DeepStack's row input [ar, levels * hidden] after positions
-    row = [torch.zeros(ar, levels * hidden, dtype=dt)] if levels else []
-    seqlens, total = torch.tensor([ar - 1], dtype=torch.int32), torch.tensor(ar, dtype=torch.int32)
-    past, past_dims = _state(decoder, lambda: (torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt), None), dt,
-                             conv_lead=(1,))
-    kin, kout = kv_names(decoder.layer_kinds, "gqa_in_place")
-    n = torch.export.Dim("ar", min=1, max=ar)
-    extra, extra_names, extra_dims = [], [], []
-    if token_rows:  # [ar, hidden] int8, [ar] float32
-        module = TokenRows(module)
-        extra, extra_names = [torch.zeros(ar, hidden, dtype=torch.int8), torch.zeros(ar)], ["token_rows", "token_scales"]
-        extra_dims = [{0: n}, {0: n}]
-    dynamic = (({0: n}, {1: n}, *[{0: n}] * len(row), None, None, *past_dims,
-                {0: torch.export.Dim("rows", min=1, max=ar)}, *extra_dims),)
-    export_graph(module, (embeds, positions, *row, seqlens, total, *past, torch.arange(ar, dtype=torch.int64), *extra),
-                 ["inputs_embeds", "position_ids", *ROW_INPUT[: len(row)], "seqlens_k", "total_sequence_length", *kin,
-                  "logit_rows", *extra_names],
-                 ["logits", *kout, "next_token"], path,
-                 dynamic, gqa_onnx.TABLE)
-    model = onnx.load(str(path))
-    if _name_weights(model):
-        rewrite(path, model)
-    if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
-        with _quiet():
-            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits", hessian))
-    model = onnx.load(str(path))
-    fuse.fuse_rms_norm(model)
-    gqa_onnx.pack_qkv(model)
-    if batchable(decoder.layer_kinds):  # B sequences per call: B = len(seqlens_k)
-        batch_dim.add_batch_dim(model, "seqlens_k")
-    largest_matmul_first(model)
-    rewrite(path, model)
-
-
-def batchable(layer_kinds) -> bool:
-    """Whether the gqa_in_place graph takes a batch (export/batch_dim.py, manifest decoder.kind.batched): attention
-    layers and conv layers (whose window [1, width, channels] and rows [1, ar, channels] take the batch as the
-    attention buffers do: kv_names' past_* and new_conv_*)."""
-    return all(k in ("attention", "conv") for k in layer_kinds)
 
 
 def _name_weights(model: onnx.ModelProto) -> int:

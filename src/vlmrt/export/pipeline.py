@@ -20,7 +20,8 @@ from ..format import manifest as mf
 from ..format import staging
 from ..families import Family, FamilyConfig, HostSpec, family_for, vision_examples, vision_row_outputs
 from ..progress import Laps, Progress
-from . import graphs
+from . import cache_kinds, graphs
+from .decoder_inputs import ROW_INPUT
 from .htp import precisions as htp_precisions, qnn_context
 from .cpu import quantize
 from .htp import bundle as htp_mod
@@ -269,7 +270,7 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
         p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[_like(name)]}, lm head {h})")
         stem = "decoder" if plan.one_graph else name
         graphs.export_decoder(decoder, attention=plan.attention, ar=ar, max_context=ctx, hidden=t.hidden,
-                              kv_heads=t.kv_heads, head_dim=t.head_dim, layers=t.layers, io_dtype=plan.dtype,
+                              kv_heads=t.kv_heads, head_dim=t.head_dim, io_dtype=plan.dtype,
                               precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx", cpu=plan.htp is None,
                               dynamic_context=plan.context_step > 0, dynamic_ar=plan.one_graph, hessian=hessian,
                               token_rows=plan.token_rows)
@@ -330,10 +331,11 @@ def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
 
 
 def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embed_dtype: str,
-              scale_file: str | None, state: tuple, extra_inputs: list, row_outputs: list) -> mf.Manifest:
-    """The manifest of the files in tmp (all of them: a file it does not list is an error). state: the decoder's
-    (layer_kinds, conv_state); extra_inputs: the vision graph's inputs after the patch rows, by role; row_outputs: its
-    outputs after the embeddings (the decoder's row input)."""
+              scale_file: str | None, kv_layers: list, batched: bool, extra_inputs: list, row_outputs: list) -> mf.Manifest:
+    """The manifest of the files in tmp (all of them: a file it does not list is an error). kv_layers: the decoder's
+    cache layers (cache_kinds.kv_layers); batched: whether its gqa_in_place graph takes a batch; extra_inputs: the
+    vision graph's inputs after the patch rows, by role; row_outputs: its outputs after the embeddings (the decoder's
+    row input)."""
     t, host = plan.cfg.text, plan.host
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
@@ -351,12 +353,12 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
         prompt=plan.prompt,
         special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=plan.ckpt.eos_ids(plan.tok_json),
                                         pad_token_id=plan.ckpt.pad_id(t.vocab)),
-        kv=mf.KVSpec(max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype], layers=_cache_layers(plan, *state)),
+        kv=mf.KVSpec(max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype], layers=kv_layers),
         decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
                                embeds_input="inputs_embeds",
                                positions=mf.PositionsSpec(input="position_ids", rows=host.positions_rows,
                                                           op=host.positions_op),
-                               logits_output="logits", kind=_decoder_kind(plan, state[0]),
+                               logits_output="logits", kind=_decoder_kind(plan, batched),
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
                                row_input=_row_input(plan, row_outputs)),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds", tile_inputs=host.tile_inputs,
@@ -378,33 +380,16 @@ def _tile_params(plan: Plan) -> dict:
 
 def _row_input(plan: Plan, row_outputs: list[str]) -> mf.RowInputSpec | None:
     """The decoder's per-token row input: the vision graph's row outputs side by side (DeepStack)."""
-    return mf.RowInputSpec(input=graphs.ROW_INPUT[0], width=len(row_outputs) * plan.cfg.text.hidden) if row_outputs else None
+    return mf.RowInputSpec(input=ROW_INPUT, width=len(row_outputs) * plan.cfg.text.hidden) if row_outputs else None
 
 
-def _cache_layers(plan: Plan, kinds: tuple[str, ...], conv_state: tuple[int, int]) -> list[mf.AttentionLayer | mf.ConvLayer]:
-    """One entry per decoder layer by its cache kind (the decoder's layer_kinds), its tensor names graphs.kv_names'."""
-    t = plan.cfg.text
-    ins, outs = graphs.kv_names(kinds, plan.attention)
-    layers, at = [], 0
-    for kind in kinds:
-        if kind == "conv":
-            layers.append(mf.ConvLayer("conv", channels=conv_state[1], width=conv_state[0], state_input=ins[at],
-                                       state_output=outs[at]))
-            at += 1
-        else:
-            layers.append(mf.AttentionLayer("attention", t.kv_heads, t.head_dim, ins[at], ins[at + 1], outs[at],
-                                            outs[at + 1]))
-            at += 2
-    return layers
-
-
-def _decoder_kind(plan: Plan, layer_kinds: tuple[str, ...]) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
-    """The decoder graphs' kind (manifest.DECODER_KINDS) with its tensor names, as the export wrote them (a
-    gqa_in_place graph of attention and conv layers takes a batch: graphs.batchable)."""
+def _decoder_kind(plan: Plan, batched: bool) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
+    """The decoder graphs' kind (manifest.DECODER_KINDS) with its tensor names, as the export wrote them (batched: a
+    gqa_in_place graph whose layers' cache kinds take a batch, cache_kinds.batchable)."""
     if plan.attention == "gqa_in_place":
         return mf.GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
                                  logit_rows_input="logit_rows", argmax_output="next_token",
-                                 batched=graphs.batchable(layer_kinds),
+                                 batched=batched,
                                  **({"token_rows_input": "token_rows", "token_scales_input": "token_scales"}
                                     if plan.token_rows else {}))
     if plan.one_graph:
@@ -429,7 +414,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     torch.manual_seed(0)
     vision, decoder, embed = plan.family.weights(plan.cfg, plan.ckpt.tensors())
     row_outputs = vision_row_outputs(vision)
-    rope_rows, levels = getattr(decoder, "rope_rows", 1), getattr(decoder, "row_levels", 0)
+    rope_rows, levels = decoder.rope_rows, decoder.row_levels  # (families.DecoderModule, checked by Family.weights)
     if rope_rows != plan.host.positions_rows or bool(levels) != bool(row_outputs):
         raise plan.family.fail(f"the decoder takes {rope_rows} rope rows and {levels} row levels; the host plan gives "
                                f"{plan.host.positions_rows} rows and the vision graph {len(row_outputs)} row outputs")
@@ -438,7 +423,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
               if "max_patches" in plan.host.image.params else "")
     p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note}{budget})")
 
-    state = (decoder.layer_kinds, decoder.conv_state)
+    kv = cache_kinds.kv_layers(decoder, plan.cfg.text, graphs.LAYOUTS[plan.attention].out_prefix)
+    batched = cache_kinds.batchable(decoder.layer_kinds)
     extra_inputs = [r for r in vision_examples(vision, plan.cfg.patches_per_tile, 3 * plan.cfg.vision.patch_size**2)
                     if r != "patches"]
     with staging.staged(out) as tmp:
@@ -449,7 +435,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
         del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
         gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
         p.start("manifest")
-        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, state, extra_inputs, row_outputs)
+        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, kv, batched, extra_inputs, row_outputs)
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back
         p.done()

@@ -9,8 +9,9 @@ does (it reads the manifest the exporter wrote from them).
 
 What the exporter relies on is checked where a family is looked up (`family_for`: the module's FAMILY agrees with
 REGISTRY) and when the export starts (the accessors), each in one line naming the family, before any graph is
-traced: the decoder is a `DecoderModule` (layers.CausalDecoder, or a family's own with its step contract: a cache
-kind per layer, attention or conv) with the HF-Llama module names the quantizer matches, the vision module maps one tile to `tokens_per_tile`
+traced: the decoder derives from `DecoderModule` (layers.CausalDecoder, or a family's own with its step contract: a
+cache kind per layer, attention or conv), whose members the exporter reads as they are (defaults where a decoder has
+no such part), with the HF-Llama module names the quantizer matches, the vision module maps one tile to `tokens_per_tile`
 rows of the decoder's width, the embedding table is [vocab, hidden], and the host ops the family names exist in
 the runtime. What a new family provides: docs/adding-a-family.md.
 """
@@ -103,18 +104,54 @@ class HostSpec:
     positions_rows: int = 1  # its rows (the decoder's rope_rows)
 
 
-class DecoderModule(Protocol):
-    """What the exporter, the quantizer, the GPTQ calibration and the float reference rely on in a family's decoder
-    (layers.CausalDecoder; lfm2_vl/language.py Lfm2Decoder): one step over the cache outside the graph, as
-    layers.CausalDecoder's doc says, with conv layers' windows among the state where layer_kinds says so."""
+class DecoderModule:
+    """What the exporter, the quantizer, the GPTQ calibration and the float reference rely on in a family's decoder:
+    the base class of every decoder a family builds (beside torch.nn.Module: layers.CausalDecoder, lfm2_vl/language.py
+    Lfm2Decoder), its members read as they are (no probing), the defaults below where a decoder has no such part.
+    One step over the cache outside the graph, as layers.CausalDecoder's doc says: forward(inputs_embeds [ar, hidden],
+    position_ids [rope_rows, ar], [row_input [ar, row_levels * hidden]], *the attention kind's step inputs, *state
+    per layer (layer_kinds)[, logit_rows [r]]) -> (logits, *new state[, next_token]) (export/decoder_inputs.py builds
+    these inputs for the export and the GPTQ calibration alike). `Family.weights` checks the members."""
 
     layers: Any  # nn.ModuleList, one module per decoder layer, with DECODER_LAYER_WEIGHTS[its kind]
     norm: Any
     lm_head: Any
-    layer_kinds: tuple[str, ...]  # each layer's cache kind (manifest.CACHE_LAYER_KINDS: "attention" | "conv")
-    conv_state: tuple[int, int]  # (width, channels) of a conv layer's window (only read where a layer is "conv")
+    rope_rows: int = 1  # position_ids' rows (M-RoPE: 3; HostSpec.positions_rows must agree)
+    row_levels: int = 0  # DeepStack: a row_input [ar, row_levels * hidden] after position_ids (0: no such input)
+    conv_state: tuple[int, int] = (0, 0)  # (width, channels) of a conv layer's window (read only where a layer is "conv")
+    logit_rows: bool = False  # the graph takes logit_rows last and returns those rows' logits (with_options sets it)
 
-    def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> Any: ...
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's cache kind (manifest.CACHE_LAYER_KINDS: "attention" | "conv"): attention, every one."""
+        return ("attention",) * len(self.layers)
+
+    def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> DecoderModule:
+        """A new decoder with a copy of these weights, built as a graph of the attention kind (layers.ATTENTION_KINDS)
+        with or without the logit_rows input, and a rope table of rope_positions rows."""
+        raise NotImplementedError
+
+
+class VisionModule:
+    """What the exporter relies on in a family's vision tower: the base class of every tower a family builds (beside
+    torch.nn.Module), its members read as they are, with the defaults of a plain tower below. forward(patches
+    [rows, patch_dim], *the extra inputs by role) -> image-token embeddings [tokens, hidden][, *row outputs]."""
+
+    row_outputs: tuple[str, ...] = ()  # outputs after the embeddings, one row per image token each (manifest
+    # VisionSpec.row_outputs -> the decoder's row input: Qwen3-VL's DeepStack features); none for a plain tower
+
+    def extra_inputs(self) -> dict[str, tuple[int, ...]]:
+        """The inputs after the patch rows, by role (manifest VisionSpec.extra_inputs: a NaFlex tower's position
+        weights and key mask), with their shapes; none for a plain tower."""
+        return {}
+
+    def example_inputs(self, rows: int, patch_dim: int) -> dict[str, Any]:
+        """The inputs by role, "patches" first, as tensors of the graph's shapes: zero patch rows [rows, patch_dim] and
+        the extra_inputs() in float32 (a native-resolution tower gives its own: int64 inputs among them, patch rows
+        of its own width)."""
+        import torch
+
+        return {"patches": torch.zeros(rows, patch_dim), **{r: torch.zeros(s) for r, s in self.extra_inputs().items()}}
 
 
 class VisionSizes(Protocol):
@@ -134,7 +171,7 @@ class FamilyConfig(Protocol):
 class Weights(NamedTuple):
     """What `load_weights` builds from a checkpoint's tensors (eval mode, float32)."""
 
-    vision: torch.nn.Module  # forward(patches [patches_per_tile, 3*p*p]) -> [tokens_per_tile, text hidden]
+    vision: VisionModule  # forward(patches [patches_per_tile, 3*p*p]) -> [tokens_per_tile, text hidden]
     decoder: DecoderModule  # layers.CausalDecoder (families/decoder.py `build` / `load`), or a family's own
     embed: torch.Tensor  # the token-embedding table [vocab, hidden] (the host's lookup: embed.npy)
 
@@ -180,12 +217,18 @@ class Family:
 
         vision, decoder, embed = self.load_weights(cfg, tensors)
         t = cfg.text
-        kinds = getattr(decoder, "layer_kinds", None)
-        if not isinstance(decoder, torch.nn.Module) or not callable(getattr(decoder, "with_options", None)) or \
-                not isinstance(kinds, tuple) or not set(kinds) <= set(CACHE_LAYER_KINDS):
+        if not isinstance(decoder, torch.nn.Module) or not isinstance(decoder, DecoderModule) or \
+                type(decoder).with_options is DecoderModule.with_options:
             raise self.fail(f"load_weights gave a {type(decoder).__name__} decoder; the exporter traces, quantizes and "
                             "calibrates a families.DecoderModule only (layers.CausalDecoder: build it with "
-                            "families/decoder.py)")
+                            "families/decoder.py; a decoder of the family's own derives from DecoderModule and "
+                            "gives its with_options)")
+        kinds = decoder.layer_kinds
+        if not isinstance(kinds, tuple) or not set(kinds) <= set(CACHE_LAYER_KINDS):
+            raise self.fail(f"the decoder's layer_kinds {kinds!r} must be a tuple of {', '.join(CACHE_LAYER_KINDS)}")
+        if not _positive(decoder.rope_rows) or not (isinstance(decoder.row_levels, int) and decoder.row_levels >= 0):
+            raise self.fail(f"the decoder's rope_rows {decoder.rope_rows!r} must be a positive int and its row_levels "
+                            f"{decoder.row_levels!r} an int >= 0")
         names = {n for n, _ in decoder.named_modules()}
         if "lm_head" in names and "norm" in names:  # (else: named below)
             got = (len(decoder.layers), decoder.norm.weight.shape[0], decoder.lm_head.out_features)
@@ -198,14 +241,14 @@ class Family:
         missing = [w for w in want if w not in names]
         if missing:
             raise self.fail(f"the decoder has no module {missing[0]} (the quantizer finds weights by HF Llama's names)")
-        if "conv" in kinds and not (isinstance(getattr(decoder, "conv_state", None), tuple)
-                                    and all(map(_positive, decoder.conv_state))):
+        if "conv" in kinds and not (isinstance(decoder.conv_state, tuple) and all(map(_positive, decoder.conv_state))):
             raise self.fail("a decoder with conv layers must give conv_state = (width, channels), positive ints")
         if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (t.vocab, t.hidden):
             raise self.fail(f"the embedding table must be a [vocab, hidden] = [{t.vocab}, {t.hidden}] tensor, not "
                             f"{tuple(getattr(embed, 'shape', ())) or type(embed).__name__}")
-        if not isinstance(vision, torch.nn.Module):
-            raise self.fail(f"load_weights gave a {type(vision).__name__} vision tower, not a torch module")
+        if not isinstance(vision, torch.nn.Module) or not isinstance(vision, VisionModule):
+            raise self.fail(f"load_weights gave a {type(vision).__name__} vision tower, not a torch module derived "
+                            "from families.VisionModule")
         example = vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2)
         got = _output_shape(vision, *example.values())
         if got != (cfg.tokens_per_tile, t.hidden):
@@ -257,29 +300,15 @@ def _positive(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def vision_extra_inputs(vision) -> dict[str, tuple[int, ...]]:
-    """The vision module's inputs after the patch rows, by role (manifest VisionSpec.extra_inputs: a NaFlex tower's
-    position weights and key mask), with their shapes: the module's `extra_inputs()`, none for a plain tower."""
-    fn = getattr(vision, "extra_inputs", None)
-    return dict(fn()) if callable(fn) else {}
-
-
-def vision_examples(vision, rows: int, patch_dim: int) -> dict[str, Any]:
+def vision_examples(vision: VisionModule, rows: int, patch_dim: int) -> dict[str, Any]:
     """The vision module's inputs by role, "patches" first, as tensors of the graph's shapes (what the exporter traces
-    with): the module's `example_inputs(rows)` where it has them (a native-resolution tower: int64 inputs among
-    them, patch rows of its own width), else zero patch rows [rows, patch_dim] and its extra_inputs() in float32."""
-    import torch
-
-    fn = getattr(vision, "example_inputs", None)
-    if callable(fn):
-        return dict(fn(rows))
-    return {"patches": torch.zeros(rows, patch_dim), **{r: torch.zeros(s) for r, s in vision_extra_inputs(vision).items()}}
+    with): its example_inputs (VisionModule's default: zero patch rows and its extra_inputs() in float32)."""
+    return dict(vision.example_inputs(rows, patch_dim))
 
 
-def vision_row_outputs(vision) -> list[str]:
-    """The vision module's outputs after the image-token embeddings, one row per image token each (manifest
-    VisionSpec.row_outputs -> the decoder's row input: Qwen3-VL's DeepStack features); none for a plain tower."""
-    return list(getattr(vision, "row_outputs", ()))
+def vision_row_outputs(vision: VisionModule) -> list[str]:
+    """The vision module's outputs after the image-token embeddings (VisionModule.row_outputs)."""
+    return list(vision.row_outputs)
 
 
 def _output_shape(module, *example) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Family, HostSpec, Weights, layers, processor_image
+from . import Family, HostSpec, VisionModule, Weights, layers, processor_image
 from .decoder import TextConfig, UnsupportedCheckpoint
 from .vit import ViTLayer, ViTOptions, conv_as_matmul_weight, pixel_shuffle
 from .weights import Tensors, layer_keys, text_decoder
@@ -127,7 +127,7 @@ class InternVLConfig:
         )
 
 
-class VisionEncoder(nn.Module):
+class VisionEncoder(nn.Module, VisionModule):
     """One tile -> image-token embeddings in the decoder's space.
 
     forward(patches [patches, 3*p*p]) -> [tokens_per_tile, text_hidden]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gqa  # noqa: F401  (registers torch.ops.vlmrt.group_query_attention)
+from . import DecoderModule, gqa  # noqa: F401  (gqa registers torch.ops.vlmrt.group_query_attention)
 from .rope import Rope
 
 
@@ -116,7 +116,7 @@ def _gathered_rope(decoder, positions, dtype):
     """cos/sin [ar, head_dim] of the table rows at the positions: one rope row, positions[0]; several (M-RoPE), each
     frequency's angle from the row decoder.rope_pick assigns it (a one-hot [rows, 1, head_dim]: one term of each sum
     is non-zero, so the gather is exact)."""
-    pick = getattr(decoder, "rope_pick", None)  # (a family's own decoder may have no M-RoPE at all)
+    pick = decoder.rope_pick  # (None: one rope row; a family's own decoder may have no M-RoPE at all)
     if pick is None:
         return decoder.rope_cos[positions[0]].to(dtype), decoder.rope_sin[positions[0]].to(dtype)
     return ((decoder.rope_cos[positions] * pick).sum(0).to(dtype), (decoder.rope_sin[positions] * pick).sum(0).to(dtype))
@@ -187,7 +187,7 @@ def _gqa_rope(decoder, positions, dtype):
     slot 0, its "first prompt": any positions then); the table is padded with zero rows to ar + the table length
     (the op wants as many rows as the step's total length)."""
     half = decoder.rope_cos.shape[1] // 2
-    if getattr(decoder, "rope_pick", None) is None:
+    if decoder.rope_pick is None:
         return positions, decoder.rope_cos[:, :half].to(dtype), decoder.rope_sin[:, :half].to(dtype)
     cos, sin = _gathered_rope(decoder, positions, dtype)  # [ar, head_dim]
     pad = torch.zeros(decoder.rope_cos.shape[0], half, dtype=dtype)  # [max_context, head_dim/2]
@@ -249,7 +249,7 @@ class DecoderLayer(nn.Module):
         return x, k_new, v_new
 
 
-class CausalDecoder(nn.Module):
+class CausalDecoder(nn.Module, DecoderModule):
     """Decoder stack + final norm + lm head: one static step over `ar` tokens.
 
     forward(inputs_embeds [ar, hidden], position_ids [1, ar] int64 (the rope positions, computed by the host),
@@ -303,13 +303,6 @@ class CausalDecoder(nn.Module):
             pick = (r[None, None, :] == torch.arange(self.rope_rows)[:, None, None]).float()
         self.register_buffer("rope_pick", pick, persistent=False)
         self.rope_table(4096)
-
-    @property
-    def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's cache kind (families.DecoderModule): attention, every one."""
-        return ("attention",) * len(self.layers)
-
-    conv_state = (0, 0)  # (no conv layers)
 
     def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> "CausalDecoder":
         """A new decoder with a copy of these weights, built with other graph options and a rope table of

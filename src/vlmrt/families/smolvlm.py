@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Family, HostSpec, Weights, processor_image, resample_name
+from . import Family, HostSpec, VisionModule, Weights, processor_image, resample_name
 from .decoder import TextConfig, UnsupportedCheckpoint
 from .vit import ViTLayer, conv_as_matmul_weight, pixel_shuffle
 from .weights import Tensors, layer_keys, text_decoder
@@ -81,7 +81,7 @@ def patch_position_ids(num_patches_per_side: int) -> torch.Tensor:
     return (bucket[:, None] * n + bucket[None, :]).reshape(-1)
 
 
-class VisionEncoder(nn.Module):
+class VisionEncoder(nn.Module, VisionModule):
     """One tile -> image-token embeddings in the decoder's space.
 
     forward(patches [patches, 3*p*p]) -> [tokens_per_tile, text_hidden]

@@ -11,40 +11,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..cache_kinds import CACHE_KINDS
+from ..decoder_inputs import decoder_inputs
+
 TOKENS = 32  # generated tokens per calibration prompt
 
 
 def empty_state(decoder) -> list[torch.Tensor]:
-    """The state of an empty cache, per layer (families.DecoderModule.layer_kinds): attention K and V [0, kv_dim],
-    a conv layer's window [width, channels] of zeros."""
-    state = []
-    for layer, kind in zip(decoder.layers, decoder.layer_kinds):
-        if kind == "conv":
-            state.append(torch.zeros(*decoder.conv_state))
-        else:
-            kv_dim = layer.self_attn.k_proj.out_features
-            state += [torch.zeros(0, kv_dim), torch.zeros(0, kv_dim)]
-    return state
+    """The state of an empty cache, per layer by its cache kind (export/cache_kinds.py: attention K and V
+    [0, kv_dim], a conv layer's window [width, channels] of zeros)."""
+    return [t for layer, kind in zip(decoder.layers, decoder.layer_kinds) for t in CACHE_KINDS[kind].empty(decoder, layer)]
 
 
 def next_state(decoder, past: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The state after a step: the new K/V rows appended, a conv window's last `width` rows kept."""
-    width = decoder.conv_state[0]
-    return [torch.cat([p, r])[-width:] if kind == "conv" else torch.cat([p, r])
-            for p, r, kind in zip(past, new, _state_kinds(decoder))]
-
-
-def _state_kinds(decoder) -> list[str]:
-    return [k for kind in decoder.layer_kinds for k in ([kind] if kind == "conv" else [kind, kind])]
+    """The state after a step, per layer by its cache kind (the new K/V rows appended, a conv window's last `width`
+    rows kept)."""
+    out: list[torch.Tensor] = []
+    for kind in decoder.layer_kinds:
+        at, n = len(out), CACHE_KINDS[kind].tensors
+        out += CACHE_KINDS[kind].advance(decoder, past[at:at + n], new[at:at + n])
+    return out
 
 
 def _step(decoder, x: torch.Tensor, start: int, mask: torch.Tensor, past: list[torch.Tensor]):
-    """decoder on the text rows x [n, hidden] at positions start.. : its rope positions [rows, n] (M-RoPE's rows
-    all the text position), zeros for a row input (DeepStack's image features: none on text), then mask and past."""
-    positions = torch.arange(start, start + len(x))[None].expand(getattr(decoder, "rope_rows", 1), -1)
-    levels = getattr(decoder, "row_levels", 0)
-    rows = [torch.zeros(len(x), levels * x.shape[-1])] if levels else []
-    return decoder(x, positions, *rows, mask, *past)
+    """decoder on the text rows x [n, hidden] at positions start.. under mask, after the state past (its inputs:
+    export/decoder_inputs.py, as the export traces it)."""
+    return decoder(*decoder_inputs(decoder, x, start=start, step={"attention_mask": mask}, state=past).values())
 
 
 def greedy_sequence(decoder, embed: np.ndarray, ids: list[int], tokens: int) -> np.ndarray:

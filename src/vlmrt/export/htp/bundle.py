@@ -24,6 +24,7 @@ from ...format import manifest as mf
 from ...runtime.weights import release_freed_heap
 from .. import fuse, graphs, onnx_names
 from . import head as htp_head, precisions as htp_precisions, verify as htp_verify, int4_blocks, qnn_context
+from ..cache_kinds import encoded_edges
 from .calibrate import calibrate, kv_ranges, uint8_encoding
 
 HTP_MASK_VALUE = -100.0  # hidden attention slots: exp(-100) ~ 0, and the mask keeps a small 16-bit range
@@ -137,17 +138,9 @@ def quantize_graph(src: Path, dst: Path, reader, overrides: dict | None = None) 
 
 
 def state_edges(m: mf.Manifest) -> list[tuple[str, int, str, str]]:
-    """(encoding kind, its index, cache input, new-rows output) of every state tensor: an attention layer's K and V
-    ("key", "value": the i-th attention layer), a conv layer's rows ("conv": the i-th conv layer)."""
-    out, a, c = [], 0, 0
-    for layer in m.kv.layers:
-        if layer.kind == "conv":
-            out.append(("conv", c, layer.state_input, layer.state_output))
-            c += 1
-        else:
-            out += [("key", a, layer.key_input, layer.key_output), ("value", a, layer.value_input, layer.value_output)]
-            a += 1
-    return out
+    """(encoding kind, its index, cache input, new-rows output) of every state tensor, by its layer's cache kind
+    (cache_kinds.encoded_edges: an attention layer's "key" and "value", a conv layer's "conv")."""
+    return encoded_edges(m.kv.layers)
 
 
 def kv_overrides(enc: dict, m: mf.Manifest) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ...format import manifest as mf
+from ..cache_kinds import encoded_edges
 
 RECORD_BYTES = 1 << 30  # the most bytes of sampled feeds a Recorder keeps (a 1B decoder's cache: ~70 MB a call)
 
@@ -107,9 +108,9 @@ def _nbytes(item: dict) -> int:
 
 
 def kv_ranges(rec: "RowsRecorder") -> dict[str, list[tuple[float, float]]]:
-    """Per-layer (min, max) of the K and V rows (attention layers) and the conv rows (conv layers, where the decoder
-    has any) a graph returned over its calibration calls."""
-    return {"key": list(rec.key), "value": list(rec.value), **({"conv": list(rec.conv)} if rec.conv else {})}
+    """Per-layer (min, max) of the state rows a graph returned over its calibration calls, by encoding name (the K and
+    V rows of the attention layers; the conv rows of the conv layers, where the decoder has any)."""
+    return {name: list(r) for name, r in rec.ranges.items()}
 
 
 def uint8_encoding(lo: float, hi: float) -> tuple[float, int]:
@@ -128,23 +129,17 @@ class RowsRecorder(Recorder):
         super().__init__(session, kv_inputs, limit, positions, budget)
         if layers is None:
             layers = [mf.AttentionLayer("attention", 0, 0, "", "", "", "")] * (len(kv_inputs) // 2)
-        n = sum(layer.kind == "attention" for layer in layers)
         self.layers = layers
-        self.key, self.value = [(np.inf, -np.inf)] * n, [(np.inf, -np.inf)] * n
-        self.conv = [(np.inf, -np.inf)] * (len(layers) - n)
+        self.edges = encoded_edges(layers)  # (encoding name, its index, ...) per state output, in order
+        self.ranges: dict[str, list[tuple[float, float]]] = {"key": [], "value": []}
+        for name, _, _, _ in self.edges:
+            self.ranges.setdefault(name, []).append((np.inf, -np.inf))
 
     def run(self, names, feeds):
         out = super().run(names, feeds)
-        at, a, c = 1, 0, 0  # outputs: logits (or hidden), then each layer's state rows (kv.state_outputs() order)
-        for layer in self.layers:
-            if layer.kind == "conv":
-                pairs, c = [(self.conv, c, out[at])], c + 1
-            else:
-                pairs, a = [(self.key, a, out[at]), (self.value, a, out[at + 1])], a + 1
-            at += len(pairs)
-            for store, i, r in pairs:
-                lo, hi = store[i]
-                store[i] = (min(lo, float(r.min())), max(hi, float(r.max())))
+        for (name, i, _, _), r in zip(self.edges, out[1:]):  # outputs: logits (or hidden), then the state rows
+            lo, hi = self.ranges[name][i]
+            self.ranges[name][i] = (min(lo, float(r.min())), max(hi, float(r.max())))
         return out
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import layers
+from .. import DecoderModule, layers
 from ..layers import ATTENTION_KINDS, CachedGQAttention, GatedMLP, RMSNorm
 from .config import Lfm2TextConfig
 
@@ -98,7 +98,7 @@ class Lfm2Layer(nn.Module):
         return (x + self.mlp(self.post_attention_layernorm(x)), *new)
 
 
-class Lfm2Decoder(nn.Module):
+class Lfm2Decoder(nn.Module, DecoderModule):
     """The decoder graph's module (module doc), with layers.CausalDecoder's step contract: the attention layers
     step as the attention kind named (ATTENTION_KINDS) says, the conv layers take their window whatever the kind.
     logit_rows: the graph takes the rows whose logits it returns."""
@@ -112,6 +112,7 @@ class Lfm2Decoder(nn.Module):
         self.lm_head = nn.Linear(t.hidden, t.vocab, bias=False)
         inv_freq, self.rope_scale = t.rope.frequencies(t.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("rope_pick", None, persistent=False)  # one rope row (layers._gathered_rope)
         self.rope_table(4096)
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import VisionModule
 from ..layers import activation
 from ..vit import ViTLayer
 from .config import Lfm2VlConfig
@@ -34,7 +35,7 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(self.layer_norm(x))))
 
 
-class NaFlexVision(nn.Module):
+class NaFlexVision(nn.Module, VisionModule):
     """One tile's padded, token-major patch rows -> its image-token embeddings (and garbage rows after them, from
     the padding, which the host drops)."""
 
@@ -51,7 +52,7 @@ class NaFlexVision(nn.Module):
         self.projector = Projector(cfg)
 
     def extra_inputs(self) -> dict[str, tuple[int, ...]]:
-        """The graph's inputs after the patch rows, by role (families.vision_extra_inputs; runtime/tile_inputs.py
+        """The graph's inputs after the patch rows, by role (families.VisionModule; runtime/tile_inputs.py
         naflex_rows makes them)."""
         return {"position_weights": (self.max_patches, self.side**2), "key_mask": (self.max_patches,)}
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import layers
+from .. import VisionModule, layers
 from ..decoder import UnsupportedCheckpoint
 from .config import VisionConfig
 
@@ -221,9 +221,9 @@ def load(v: VisionConfig, tensors: dict[str, torch.Tensor], take) -> nn.Module:
     return tower.eval()
 
 
-class StaticTower(nn.Module):
+class StaticTower(nn.Module, VisionModule):
     """The tower as the exporter takes it: forward(*inputs in input_names' order) -> embeds, *DeepStack features;
-    `example_inputs(rows)` its inputs by role for a budget of `rows` patches (families.vision_examples), `row_outputs`
+    `example_inputs(rows, patch_dim)` its inputs by role for a budget of `rows` patches (families.vision_examples), `row_outputs`
     its outputs after the embeddings (families.vision_row_outputs: the decoder's row input)."""
 
     def __init__(self, tower: nn.Module, v: VisionConfig):
@@ -234,5 +234,6 @@ class StaticTower(nn.Module):
     def forward(self, *inputs):
         return self.tower(*inputs)
 
-    def example_inputs(self, rows: int) -> dict[str, torch.Tensor]:
+    def example_inputs(self, rows: int, patch_dim: int) -> dict[str, torch.Tensor]:
+        """(patch_dim: the host's; this tower's patch rows have their own width, temporal patches included)"""
         return dict(zip(input_names(self.v), example_inputs(self.v, rows, float(np.finfo(np.float32).min))))

@@ -1,0 +1,120 @@
+"""The decoder layers' cache kinds (manifest.CACHE_LAYER_KINDS, each layer's by families.DecoderModule.layer_kinds) as
+the exporter and the GPTQ calibration see them, registered by name: a layer's state tensors in a decoder graph (their
+names and example tensors in the graph's cache layout), its manifest entry (kv.layers), whether a batched graph takes
+it (export/batch_dim.py), its state in the float decoder the GPTQ calibration runs (empty, after a step), and the
+uint8 encodings of its state tensors in an HTP bundle (export/htp: kv.encodings by name). The export and the
+calibrations loop over layers and ask the layer's kind: a new cache kind is one class here, no branch there.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..format import manifest as mf
+
+
+class CacheLayout(NamedTuple):
+    """How a decoder graph takes its cache (export/graphs.py LAYOUTS, by attention kind): attention() -> an example K
+    or V tensor and its dynamic dims, the leading dims of a conv window ([1] for the in-place graphs' batch), the I/O
+    dtype."""
+
+    attention: Callable[[], tuple[torch.Tensor, dict | None]]
+    lead: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class AttentionCache:
+    """K and V per layer: rows [ctx, kv_dim] by slot (the rows kinds) or GroupQueryAttention's buffers."""
+
+    name = "attention"
+    tensors = 2  # its state tensors (inputs, outputs) per layer
+    batchable = True  # (the buffers' first dim is the batch: export/batch_dim.py)
+
+    def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
+        return [f"past_key_{i}", f"past_value_{i}"], [f"{out_prefix}_key_{i}", f"{out_prefix}_value_{i}"]
+
+    def examples(self, decoder, layout: CacheLayout) -> list[tuple[torch.Tensor, dict | None]]:
+        return [layout.attention(), layout.attention()]  # two tensors: the exporter folds one passed twice into one input
+
+    def layer(self, decoder, text, ins: list[str], outs: list[str]) -> mf.AttentionLayer:
+        return mf.AttentionLayer("attention", text.kv_heads, text.head_dim, ins[0], ins[1], outs[0], outs[1])
+
+    def encoded(self, layer: mf.AttentionLayer) -> list[tuple[str, str, str]]:
+        """(encoding name, cache input, the step's output) of each state tensor (kv.encodings[graph][name][i], i:
+        the layer's index among the layers with that name)."""
+        return [("key", layer.key_input, layer.key_output), ("value", layer.value_input, layer.value_output)]
+
+    def empty(self, decoder, layer) -> list[torch.Tensor]:
+        kv_dim = layer.self_attn.k_proj.out_features
+        return [torch.zeros(0, kv_dim), torch.zeros(0, kv_dim)]
+
+    def advance(self, decoder, past: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The new K/V rows appended."""
+        return [torch.cat([p, r]) for p, r in zip(past, new)]
+
+
+class ConvCache:
+    """A conv layer's window (LFM2's short convolution): the last `width` conv-input rows [width, channels]
+    (DecoderModule.conv_state), returned by a step as its own rows new_conv_i (the host writes them by slot)."""
+
+    name = "conv"
+    tensors = 1
+    batchable = True  # (window [B, width, channels], rows [B, ar / B, channels]: export/batch_dim.py)
+
+    def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
+        return [f"past_conv_{i}"], [f"new_conv_{i}"]  # (the step's rows whatever the attention kind's outputs are)
+
+    def examples(self, decoder, layout: CacheLayout) -> list[tuple[torch.Tensor, dict | None]]:
+        return [(torch.zeros(*layout.lead, *decoder.conv_state, dtype=layout.dtype), None)]  # static: the window's size
+
+    def layer(self, decoder, text, ins: list[str], outs: list[str]) -> mf.ConvLayer:
+        width, channels = decoder.conv_state
+        return mf.ConvLayer("conv", channels=channels, width=width, state_input=ins[0], state_output=outs[0])
+
+    def encoded(self, layer: mf.ConvLayer) -> list[tuple[str, str, str]]:
+        return [("conv", layer.state_input, layer.state_output)]
+
+    def empty(self, decoder, layer) -> list[torch.Tensor]:
+        return [torch.zeros(*decoder.conv_state)]
+
+    def advance(self, decoder, past: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The window's last `width` rows kept."""
+        return [torch.cat([past[0], new[0]])[-decoder.conv_state[0]:]]
+
+
+CACHE_KINDS = {k.name: k for k in (AttentionCache(), ConvCache())}
+
+
+def state_names(layer_kinds: tuple[str, ...], out_prefix: str = "new") -> tuple[list[str], list[str]]:
+    """A decoder graph's state inputs and outputs, per layer in order (each by its kind's names)."""
+    ins, outs = [], []
+    for i, kind in enumerate(layer_kinds):
+        a, b = CACHE_KINDS[kind].names(i, out_prefix)
+        ins, outs = ins + a, outs + b
+    return ins, outs
+
+
+def kv_layers(decoder, text, out_prefix: str) -> list:
+    """The manifest's kv.layers: one entry per decoder layer by its cache kind, its tensor names state_names'."""
+    return [CACHE_KINDS[kind].layer(decoder, text, *CACHE_KINDS[kind].names(i, out_prefix))
+            for i, kind in enumerate(decoder.layer_kinds)]
+
+
+def encoded_edges(layers: list) -> list[tuple[str, int, str, str]]:
+    """(encoding name, its index, cache input, the step's output) of every state tensor of the manifest's kv.layers,
+    in order: an attention layer's K and V ("key", "value": the i-th attention layer), a conv layer's rows ("conv":
+    the i-th conv layer)."""
+    out, count = [], {}
+    for layer in layers:
+        for name, fin, fout in CACHE_KINDS[layer.kind].encoded(layer):
+            out.append((name, count.get(name, 0), fin, fout))
+            count[name] = count.get(name, 0) + 1
+    return out
+
+
+def batchable(layer_kinds) -> bool:
+    """Whether a gqa_in_place graph of these layers takes a batch (export/batch_dim.py, manifest
+    decoder.kind.batched): every layer's kind does."""
+    return all(CACHE_KINDS[k].batchable for k in layer_kinds)
