@@ -522,7 +522,7 @@ def test_cli_security_options(tiny, capsys):
 
 
 def test_warning_when_exposed_without_a_key():
-    from vlmrt.serve.command import exposure_warning
+    from vlmrt.serve.prepare import exposure_warning
 
     assert exposure_warning("127.0.0.1", ()) is None and exposure_warning("localhost", ()) is None
     assert exposure_warning("::1", ()) is None and exposure_warning("0.0.0.0", KEYS) is None

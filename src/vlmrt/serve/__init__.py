@@ -1,6 +1,8 @@
 """`vlmrt serve`: an OpenAI-compatible HTTP server over the conversation API (docs/server.md).
 
-    command.py    the `vlmrt serve` arguments and launch (bind, load in the background, uvicorn)
+    command.py    the `vlmrt serve` launch (bind, load in the background, uvicorn; --ray: ray_app.py)
+    arguments.py  its arguments (the CLI's and a Serve config's)
+    prepare.py    what the arguments set up: the bundle checked, the load function, the app's Config, API keys
     app.py        the Starlette app: routes, body limit and deadline, JSON errors, server-sent events
     access.py     who may talk to it: the Host check (DNS rebinding), CORS, the Origin check, API keys
     protocol.py   the HTTP/1.1 connection: uvicorn's h11 protocol with a deadline for each request's head

@@ -133,7 +133,7 @@ class Model:
     """A replica: the bundle loaded once, a Scheduler over it (its --slots slots and --queue), jobs streamed back."""
 
     def __init__(self, a, bundle: str):
-        from .command import prepare
+        from .prepare import prepare
 
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
@@ -243,7 +243,7 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         from .app import create_app
-        from .command import prepare
+        from .prepare import prepare
 
         _, config = prepare(self.a, self.bundle)
         handle = self.model
@@ -281,15 +281,15 @@ def application(a, bundle: str, **model_options):
 def build(args: dict):
     """The application builder a Serve config names (import_path: vlmrt.serve.ray_app:build): args bundle (a folder),
     replicas (N or MIN..MAX, default 1) and args (the rest of the `vlmrt serve` arguments as one string)."""
-    from .command import add_parser
+    from .arguments import add_arguments
 
     unknown = set(args) - {"bundle", "replicas", "args"}
     if unknown or "bundle" not in args:
         raise ValueError(f"vlmrt.serve.ray_app:build takes bundle=DIR [replicas=N|MIN..MAX] [args='--slots 4 ...'] "
                          f"(got {sorted(args)})")
-    ap = argparse.ArgumentParser(prog="vlmrt")
-    add_parser(ap.add_subparsers())
-    a = ap.parse_args(["serve", str(args["bundle"]), *shlex.split(str(args.get("args", ""))),
+    ap = argparse.ArgumentParser(prog="vlmrt serve")
+    add_arguments(ap)
+    a = ap.parse_args([str(args["bundle"]), *shlex.split(str(args.get("args", ""))),
                        "--replicas", str(args.get("replicas", "1")), "--ray"])
     return application(a, a.bundle)
 
@@ -313,7 +313,7 @@ def free_port(host: str) -> int:
 
 
 def run_on_ray(a, bundle: str) -> int:
-    from .command import exposure_warning, prepare
+    from .prepare import exposure_warning, prepare
 
     lo, hi = replica_range(a.replicas)
     _, config = prepare(a, bundle)  # bad arguments fail before a cluster starts
