@@ -67,8 +67,8 @@ def test_simulator_equals_the_cpu_ep_on_a_held_in_case(htp):
         a, h = cpu.engine.prefill(cpu.engine.embed(ids), mode), npu.engine.prefill(npu.engine.embed(ids), mode)
         assert a.argmax() == h.argmax() and np.abs(a - h).max() < 0.5, mode
         n = len(ids)
-        for x, y in zip([cpu.engine.cache.stored()] + [c.data[: c.spec.width + n] for c in cpu.engine.cache.convs],
-                        [npu.engine.cache.stored()] + [c.data[: c.spec.width + n] for c in npu.engine.cache.convs]):
+        for x, y in zip([cpu.engine.cache.stored()] + [c.data[: c.spec.width + n] for c in cpu.engine.cache.states["conv"].rows],
+                        [npu.engine.cache.stored()] + [c.data[: c.spec.width + n] for c in npu.engine.cache.states["conv"].rows]):
             assert np.abs(x.astype(int) - y.astype(int)).max() <= 8, mode
         want = cpu(HELD_IN, max_new_tokens=8, ignore_eos=True, mode=mode).token_ids
         assert npu(HELD_IN, max_new_tokens=8, ignore_eos=True, mode=mode).token_ids == want, mode

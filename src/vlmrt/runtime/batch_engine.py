@@ -119,8 +119,7 @@ class BatchDecoder:
                 if int8:
                     b.token_scales[r] = 0
                 b.positions[:, r] = 0
-                for c in e.cache.convs:  # (its conv rows out are dropped)
-                    c.window[...] = 0
+                e.cache.load_idle()  # (zero conv windows; its conv rows out are dropped)
             else:
                 e.cache.load_windows(n)  # its conv windows: the rows before slot n
                 if int8:
@@ -212,7 +211,7 @@ def batched_vlms(bundle, n: int, load_s: float = 0.0, **vlm_options) -> tuple[li
     from .pipeline import VLM
 
     m = bundle.manifest
-    if n < 2 or not getattr(m.decoder.kind, "batched", False):
+    if n < 2 or not m.decoder.kind.parts().batched:
         return [VLM(bundle, load_s, **vlm_options) for _ in range(n)], None
     blocks = KVCache.batch_blocks(m.kv, n)
     vlms = [VLM(bundle, load_s, cache_blocks=KVCache.rows_of(blocks, b), **vlm_options) for b in range(n)]
