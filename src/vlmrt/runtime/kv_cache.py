@@ -98,12 +98,15 @@ class KVCache:
             n = len(st.staging(1))
             self._parts.append((st, at, at + n))
             at += n
-        self._storing = [(st.store, lo, hi) for st, lo, hi in self._parts if st.stores]
+        # the states that store a step's rows, each with its part of the staging (None: the whole list, no slice)
+        self._storing = [(st.store, None if (lo, hi) == (0, at) else slice(lo, hi)) for st, lo, hi in self._parts
+                         if st.stores]
         self._loading = [s for s in self._states if s.loads_inputs]  # states copied into an input before each call
         # the graph inputs, in kv.layers order: (name, buffer, read as a prefix [:ctx])
         self._inputs = [x[1:] for x in sorted((x for s in self._states for x in s.inputs()), key=lambda x: x[0])]
         self.positions = np.zeros((rope_rows, spec.max_context), np.int64)  # each slot's rope positions
         self._positions = memoryview(self.positions)  # (single items: the decode loop's)
+        self._one_row = rope_rows == 1
         self.length = 0  # number of valid slots (= the next slot)
         self.epoch = 0  # counts resets: rows kept across calls (a prefix reuse) belong to one epoch
         # clear_unused's "clean from" mark: slots >= max(_written, length) were not written since the last clear and
@@ -228,8 +231,8 @@ class KVCache:
             s.take(part, outputs, slot, ar)
 
     def loaders(self) -> list:
-        """What a step calls with its first slot before each call: the states that copy rows into an input."""
-        return [s.load for s in self._loading]
+        """What a step calls with its first slot before each call: each state's copies of rows into an input."""
+        return [f for s in self._loading for f in s.loaders()]
 
     def load_windows(self, slot: int) -> None:
         """The states' inputs the host copies (the conv layers' windows) for a step whose first row goes to slot."""
@@ -241,27 +244,19 @@ class KVCache:
         for s in self._loading:
             s.load_idle()
 
-    def _check_room(self, n_valid: int) -> None:
-        if self.length + n_valid > self.max_context:
-            raise OverflowError(f"KV cache full: {self.length} + {n_valid} > {self.max_context}")
-
-    def keep_positions(self, positions: np.ndarray, n_valid: int) -> None:
-        """positions [rows, >= n_valid]: the rope positions of the rows about to go to slots length.. ."""
-        pos = self.length
-        if n_valid == 1 and self.positions.shape[0] == 1:
-            self._positions[0, pos] = positions[0, 0]
-        else:
-            self.positions[:, pos : pos + n_valid] = positions[:, :n_valid]
-
     def store(self, staged: list[np.ndarray], n_valid: int, positions: np.ndarray) -> None:
         """After a step: the first n_valid rows of its staging (staging()) into each state at slots
         length..length+n_valid-1 (padding rows, a lookahead step's rejected drafts: dropped; what a HEADS graph wrote
         beyond them is stale like any slot beyond the length), their positions [rows, ar] kept, the length moved."""
         pos = self.length
-        self._check_room(n_valid)
-        self.keep_positions(positions, n_valid)
-        for store, lo, hi in self._storing:
-            store(staged[lo:hi], pos, n_valid)
+        if pos + n_valid > self.max_context:
+            raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.max_context}")
+        if n_valid == 1 and self._one_row:  # a decode step's position: one item (no slices)
+            self._positions[0, pos] = positions[0, 0]
+        else:
+            self.positions[:, pos : pos + n_valid] = positions[:, :n_valid]
+        for store, part in self._storing:
+            store(staged if part is None else staged[part], pos, n_valid)
         self.length = pos + n_valid
 
     def clear_unused(self, enc: dict) -> None:

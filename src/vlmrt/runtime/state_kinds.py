@@ -8,7 +8,7 @@ that knows how its state is
               the kind's batch_axis; a sequence's cache is built over its rows of them, `arrays`)
   bound       to a step as the decoder kind's layout says (inputs; bind: a bound step's inputs / outputs; take: a
               plain step's outputs), its outputs landing in `staging(ar)` until `store`
-  loaded      into a graph input before a call (load(slot), where loads_inputs; load_idle: a batch's idle row)
+  loaded      into a graph input before a call (load(slot) / loaders(), where loads_inputs; load_idle: a batch's idle row)
   stored      after a call (store(staged, slot, n): a step's first n rows at slots slot..; padding rows dropped)
   kept        for a prefix of n slots (rewind(n): prefix reuse, a rejected lookahead draft, a reset)
   re-encoded  in a uint8 cache (clear_unused, requantize: per layer (scale, zero point) in kv.encodings)
@@ -281,6 +281,10 @@ class ConvState:
         """The windows for a step whose first row goes to slot."""
         for c in self.rows:
             c.load(slot)
+
+    def loaders(self) -> list:
+        """Each layer's load(slot) (a bound step calls them before each call: one call a layer, no loop around)."""
+        return [c.load for c in self.rows]
 
     def load_idle(self) -> None:
         """A batch's idle row: zero windows (its rows out are dropped)."""

@@ -170,6 +170,19 @@ class Binding:
         self.after_call.append(f)
 
 
+def _chain(hooks: list):
+    """The parts' after-call hooks as one call (None where there are none: the decode loop's usual case)."""
+    if len(hooks) < 2:
+        return hooks[0] if hooks else None
+    hooks = tuple(hooks)
+
+    def each() -> None:
+        for f in hooks:
+            f()
+
+    return each
+
+
 class BoundStep:
     def __init__(self, session, kind, cache: KVCache, ctx: int, ar: int, buffers: StepBuffers, head=None,
                  inputs=None):
@@ -184,7 +197,7 @@ class BoundStep:
         for part in step_parts(kind, state, self.inputs):
             part.bind(binding, buffers)
         self.io, self._keep = binding.io, binding.keep
-        self._before, self._after = tuple(binding.before_call), tuple(binding.after_call)
+        self._before, self._after = tuple(binding.before_call), _chain(binding.after_call)
 
     def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int,
                  rows: np.ndarray | None = None) -> np.ndarray:
@@ -195,8 +208,8 @@ class BoundStep:
             f(slot)
         t = time.perf_counter()
         self.session.run_with_iobinding(self.io)
-        for f in self._after:
-            f()
+        if self._after is not None:
+            self._after()
         self.run_s = time.perf_counter() - t
         return self.buffers.logits
 
