@@ -28,6 +28,7 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
     from vlmrt.runtime.weights import SharedWeights
     from vlmrt.runtime.decoder_kinds import decoder_kind
     from vlmrt.runtime.kv_cache import KVCache
+    from vlmrt.runtime.step import PlainStep
 
     m = mf.load(bundle, verify=False)
     g = m.graphs[graph]
@@ -48,27 +49,22 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
     # the cache the runtime binds for a step at slot pos, as its decoder kind reads it (decoder_kinds.py): the prefix
     # (symbolic "ctx") or the whole cache, with the kind's own inputs (a mask, or the step's end slot)
     ctx = kind.context(pos)
-    feeds = cache.feeds(ctx)
     dtype = g.input(dec.embeds_input).dtype
-    feeds[dec.embeds_input] = (np.random.default_rng(0).standard_normal((ar, dec.hidden_size)) * 0.02).astype(dtype)
-    feeds[dec.positions.input] = np.broadcast_to(np.arange(pos, pos + ar), (dec.positions.rows, ar)).copy()
-    mask = getattr(kind.spec, "mask_input", None)
-    inputs = kind.step_inputs(ar, ctx, g.input(mask).dtype if mask else np.float32)
-    inputs.set(pos)
-    feeds.update(inputs.feeds())
-    if kind.logit_rows_input:
-        feeds[kind.logit_rows_input] = np.array([ar - 1])  # the last row's logits, as the runtime asks
-    if kind.token_rows_input:  # a prompt block's way in (the rows come as inputs_embeds: no int8 row, scale 0)
-        feeds[kind.token_rows_input] = np.zeros((ar, dec.hidden_size), np.int8)
-        feeds[kind.token_scales_input] = np.zeros(ar, np.float32)
+    # the feeds a plain step's parts give (runtime/step_features.py): the kind's own inputs (a mask, or the step's end
+    # slot), logit_rows (the last row's logits, as the runtime asks), token rows (a prompt block's way in: scale 0)
+    step = PlainStep(s, kind, cache, ctx, ar, np.dtype(dtype), kind.logits_rows(ar))
+    step.buffers.load((np.random.default_rng(0).standard_normal((ar, dec.hidden_size)) * 0.02).astype(dtype),
+                      np.broadcast_to(np.arange(pos, pos + ar), (dec.positions.rows, ar)))
+    feeds = {}
+    for part in step.parts:
+        part.feed(feeds, step, pos)
     # bound as the runtime binds them: gqa_in_place, each present KV output is its past buffer (the graph writes the
     # step's rows there; a plain run() would copy the whole buffer into a new present every call)
     io, keep = s.io_binding(), []
     for name, arr in feeds.items():
         keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
         io.bind_ortvalue_input(name, keep[-1])
-    in_place = kind.staging(cache, ar) is None
-    present = dict(zip(cache.output_names(), cache.feeds().values())) if in_place else {}
+    present = dict(zip(cache.output_names(), cache.feeds().values())) if kind.layout.in_place else {}
     for o in s.get_outputs():
         if o.name in present:
             keep.append(ort.OrtValue.ortvalue_from_numpy(present[o.name]))

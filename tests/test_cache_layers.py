@@ -118,7 +118,7 @@ def test_cache_of_mixed_layers_allocates_per_kind():
     c = KVCache(KVSpec(max_context=16, dtype="float32", layers=LAYERS))
     assert [b.layers for b in c.blocks] == [[0, 2], [1]]  # attention layers 0 and 2 (kv_dim 8: kv.layers 0, 4) share
     assert [b.data.shape for b in c.blocks] == [(2, 2, 16, 8), (1, 2, 16, 12)]
-    assert [(x.data.shape, x.window.shape) for x in c.convs] == [((18, 6), (2, 6)), ((19, 6), (3, 6))]
+    assert [(x.data.shape, x.window.shape) for x in c.states["conv"].rows] == [((18, 6), (2, 6)), ((19, 6), (3, 6))]
     assert [n for n, _, _ in c.inputs()] == ["k0", "v0", "c1", "k2", "v2", "c3", "k4", "v4"]
     assert c.output_names() == ["nk0", "nv0", "nc1", "nk2", "nv2", "nc3", "nk4", "nv4"]
     assert c.nbytes == 4 * (2 * 2 * 16 * 8 + 2 * 16 * 12 + 18 * 6 + 19 * 6)  # (the windows: a step's input copy)
@@ -161,9 +161,9 @@ def test_uint8_conv_rows_clear_and_requantize():
     enc = {"key": [[0.1, 128]], "value": [[0.1, 120]], "conv": [[0.5, 100]]}
     c.clear_unused(enc)
     c.load_windows(0)
-    assert (c.convs[0].window == 100).all()
+    assert (c.states["conv"].rows[0].window == 100).all()
     rows = [np.zeros((1, 2, 3, 8), np.uint8), np.full((3, 6), 110, np.uint8)]
-    c.write(rows, 3, np.arange(3)[None])
+    c.store(rows, 3, np.arange(3)[None])
     dst = {"key": [[0.1, 128]], "value": [[0.1, 120]], "conv": [[0.25, 90]]}
     c.requantize(enc, dst)
-    assert (c.convs[0].data[2:5] == 90 + 20).all() and (c.convs[0].data[:2] == 90).all()  # (110-100)*0.5/0.25 + 90
+    assert (c.states["conv"].rows[0].data[2:5] == 90 + 20).all() and (c.states["conv"].rows[0].data[:2] == 90).all()  # (110-100)*0.5/0.25 + 90

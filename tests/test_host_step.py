@@ -8,7 +8,7 @@ import pytest
 from vlmrt.format import manifest as mf
 from vlmrt.format.manifest import KVSpec, attention_layers
 from vlmrt.runtime.weights import EmbeddingRows
-from vlmrt.runtime.decoder_kinds import StepMask
+from vlmrt.runtime.step_features import StepMask
 from vlmrt.runtime.embedding import TokenEmbedding
 from vlmrt.runtime.kv_cache import KVCache, attention_mask
 
@@ -114,10 +114,10 @@ def test_one_row_write_equals_block_write():
     rng = np.random.default_rng(0)
     for p in range(6):
         rows = rng.standard_normal((3, 2, 2, 4)).astype(np.float32)
-        a.write([rows], 1, np.array([[p + 10, p + 11]]))
+        a.store([rows], 1, np.array([[p + 10, p + 11]]))
         b.data[:, :, b.length : b.length + 1] = rows[:, :, :1]
         b.length += 1
     np.testing.assert_array_equal(a.data, b.data)
     assert list(a.positions[0]) == [10, 11, 12, 13, 14, 15] and a.next_position() == 16
     with pytest.raises(OverflowError):
-        a.write([rows], 1, np.zeros((1, 2), np.int64))
+        a.store([rows], 1, np.zeros((1, 2), np.int64))

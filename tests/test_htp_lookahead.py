@@ -153,7 +153,7 @@ def test_verify_graph_on_the_htp_simulator(tmp_path_factory):
         one = call("decode", toks[i : i + 1], pos + i)
         gap = np.abs(one["logits"][0] - verify["logits"][i]).max()
         assert gap == 0 if i == 0 else gap < 0.15, (i, gap)
-        e.cache.write([np.stack([np.stack([one[f"new_key_{j}"], one[f"new_value_{j}"]]) for j in range(len(m.kv.layers))])],
+        e.cache.store([np.stack([np.stack([one[f"new_key_{j}"], one[f"new_value_{j}"]]) for j in range(len(m.kv.layers))])],
                       1, np.array([[pos + i]]))
     plain = VLM.load(b, device="htp")
     got = list(npu.scheduler.generate(embeds, mode="hybrid", max_new_tokens=16, ignore_eos=True,

@@ -54,7 +54,7 @@ def stepped_logits(decoder, x, ar):
             logits, *rows = decoder(torch.from_numpy(block), torch.arange(pos, pos + ar)[None],
                                     torch.from_numpy(attention_mask(pos, ar, CTX)), *past)
         staged = [np.stack([r.numpy() for r in rows]).reshape(LAYERS, 2, ar, -1)]  # [layers, K/V, ar, dim]
-        cache.write(staged, n, np.arange(pos, pos + ar)[None])
+        cache.store(staged, n, np.arange(pos, pos + ar)[None])
         out.append(logits.numpy()[:n])
     assert cache.length == len(x)
     return np.concatenate(out)
@@ -87,7 +87,7 @@ def test_stale_rows_beyond_length_are_ignored(decoder):
 
 def in_place_stepped_logits(decoder, x, blocks, garbage=False):
     """The gqa_in_place contract (families/gqa.py eager): the module writes each block's rows into the KVCache's
-    HEADS buffers itself (PlainStep's copy of its slots stands for ORT's shared buffer); advance only moves the
+    HEADS buffers itself (PlainStep's copy of its slots stands for ORT's shared buffer); store only moves the
     length."""
     spec = KVSpec(max_context=CTX, dtype="float32", layers=attention_layers(LAYERS, KV_HEADS, HEAD_DIM, "k{layer}",
                                                                             "v{layer}", "pk{layer}", "pv{layer}"))
@@ -105,7 +105,7 @@ def in_place_stepped_logits(decoder, x, blocks, garbage=False):
                                            torch.tensor(pos + n, dtype=torch.int32), *past, torch.arange(n))
         for j, p in enumerate(present):
             cache.data[j // 2, j % 2][..., pos : pos + n, :] = p.numpy()[..., pos : pos + n, :]
-        cache.advance(n, np.arange(pos, pos + n)[None])
+        cache.store([], n, np.arange(pos, pos + n)[None])  # (the graph wrote the rows: no staging)
         assert (top.numpy() == logits.numpy().argmax(-1)).all()  # next_token: the greedy choice of each row
         out.append(logits.numpy())
         start += n

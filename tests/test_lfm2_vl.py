@@ -165,7 +165,7 @@ def bundle(request, tmp_path_factory):
 def state(vlm) -> list[np.ndarray]:
     """Every K/V row and conv row the cache holds (slots 0..length-1)."""
     c = vlm.row.cache
-    return [c.stored()] + [x.data[x.spec.width:x.spec.width + c.length] for x in c.convs]
+    return [c.stored()] + [x.data[x.spec.width:x.spec.width + c.length] for x in c.states["conv"].rows]
 
 
 def assert_same_state(a, b, atol=2e-5):

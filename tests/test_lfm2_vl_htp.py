@@ -67,8 +67,8 @@ def test_simulator_equals_the_cpu_ep_on_a_held_in_case(htp):
         a, h = cpu.row.prefill(cpu.scheduler.embed(ids), mode), npu.row.prefill(npu.scheduler.embed(ids), mode)
         assert a.argmax() == h.argmax() and np.abs(a - h).max() < 0.5, mode
         n = len(ids)
-        for x, y in zip([cpu.row.cache.stored()] + [c.data[: c.spec.width + n] for c in cpu.row.cache.convs],
-                        [npu.row.cache.stored()] + [c.data[: c.spec.width + n] for c in npu.row.cache.convs]):
+        for x, y in zip([cpu.row.cache.stored()] + [c.data[: c.spec.width + n] for c in cpu.row.cache.states["conv"].rows],
+                        [npu.row.cache.stored()] + [c.data[: c.spec.width + n] for c in npu.row.cache.states["conv"].rows]):
             assert np.abs(x.astype(int) - y.astype(int)).max() <= 8, mode
         want = cpu(HELD_IN, max_new_tokens=8, ignore_eos=True, mode=mode).token_ids
         assert npu(HELD_IN, max_new_tokens=8, ignore_eos=True, mode=mode).token_ids == want, mode

@@ -425,7 +425,7 @@ def test_unused_slots_clean_after_any_history():
             n = int(rng.integers(1, ar + 1))
             if c.length + n > 40:
                 break
-            c.write([rng.integers(0, 256, (2, 2, ar, 8), dtype=np.uint8)], n, np.zeros((1, ar), np.int64))
+            c.store([rng.integers(0, 256, (2, 2, ar, 8), dtype=np.uint8)], n, np.zeros((1, ar), np.int64))
             if enc is pre and rng.random() < 0.5:
                 c.requantize(pre, dec)
                 enc = dec

@@ -122,9 +122,9 @@ def test_lfm2_idle_rows_keep_their_conv_rows(lfm2):
     sched = VLM.slots(Bundle.open(lfm2.bundle), 2)[0].scheduler
     b = sched.rows[1]
     list(sched.generate(sched.embed([5, 6, 7, 8]), max_new_tokens=4, ignore_eos=True, row=1))
-    kept, n = [c.data.copy() for c in b.cache.convs], b.cache.length
+    kept, n = [c.data.copy() for c in b.cache.states["conv"].rows], b.cache.length
     list(sched.generate(sched.embed([9, 10, 11]), max_new_tokens=5, ignore_eos=True, row=0))
-    assert b.cache.length == n and all(np.array_equal(c.data, k) for c, k in zip(b.cache.convs, kept))
+    assert b.cache.length == n and all(np.array_equal(c.data, k) for c, k in zip(b.cache.states["conv"].rows, kept))
 
 
 def test_fp16_graph_takes_a_batch_and_answers_as_alone(tiny, tmp_path_factory):

@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-from .errors import BundleError
+from .errors import malformed as _malformed
 
 EMBEDDING_DTYPES = ("float32", "float16", "int8")  # DecoderSpec.embedding_dtype
-
-
-def _malformed(what: str) -> BundleError:
-    return BundleError(f"manifest.json is malformed: {what}")
 
 
 def check_decoder(m) -> None:
@@ -23,34 +19,27 @@ def check_decoder(m) -> None:
     if not m.kv.layers:
         raise _malformed("kv.layers is empty")
     for i, layer in enumerate(m.kv.layers):
-        if layer.kind == "attention" and (layer.kv_heads <= 0 or layer.head_dim <= 0):
-            raise _malformed(f"kv.layers[{i}]: kv_heads and head_dim must be positive")
-        if layer.kind == "conv" and (layer.channels <= 0 or layer.width <= 0):
-            raise _malformed(f"kv.layers[{i}]: channels and width must be positive")
-    if k.name == "gqa_in_place":
-        if bool(k.token_rows_input) != bool(k.token_scales_input) or (k.token_rows_input and not d.embedding_scale_file):
-            raise _malformed("decoder.kind.token_rows_input and token_scales_input go together, with an int8 embedding "
-                             "table (embedding_scale_file)")
-    if k.name in ("rows_dynamic", "rows_static") and k.context_step < 0:
-        raise _malformed("decoder.kind.context_step must not be negative")
-    if k.name == "rows_dynamic" and k.context_step == 0:
-        raise _malformed("decoder kind rows_dynamic needs context_step > 0 (symbolic cache length)")
-    verify_ar = k.verify_ar if k.name == "rows_static" else 0
-    hidden = k.hidden_output if k.name == "rows_static" else None
-    if ("verify" in m.graphs) != (verify_ar > 0) or (verify_ar and verify_ar < 2):
+        problem = layer.problem()
+        if problem:
+            raise _malformed(f"kv.layers[{i}]: {problem}")
+    k.check(m)  # the kind's own fields (manifest.py: each kind's check)
+    parts = k.parts()
+    if ("verify" in m.graphs) != (parts.verify_ar > 0) or (parts.verify_ar and parts.verify_ar < 2):
         raise _malformed("graphs.verify and decoder.kind.verify_ar (>= 2, kind rows_static) go together")
-    if ("head" in m.graphs) != bool(hidden):
+    if ("head" in m.graphs) != bool(parts.hidden_output):
         raise _malformed("a head graph and decoder.kind.hidden_output (kind rows_static) go together")
-    if verify_ar and hidden:
+    if parts.verify_ar and parts.hidden_output:
         raise _malformed("a verify graph (decoder.kind.verify_ar) needs every row's logits, which a head graph "
                          "(decoder.kind.hidden_output, one row) does not give")
     check_io_names(m)
 
 
-def kind_inputs(k) -> list[str]:
-    """The decoder kind's own graph inputs (beside embeds, positions and the cache)."""
-    return [n for n in (getattr(k, f, None) for f in ("mask_input", "seqlens_input", "total_length_input",
-                                                      "logit_rows_input", "token_rows_input", "token_scales_input")) if n]
+def decoder_inputs(m) -> list[str]:
+    """Every input a decoder graph (prefill, decode, verify) takes: embeds, positions, the kind's own, the row input,
+    the cache's."""
+    d = m.decoder
+    return [d.embeds_input, d.positions.input, *d.kind.parts().inputs(), *m.kv.state_inputs(),
+            *([d.row_input.input] if d.row_input else [])]
 
 
 def check_io_names(m) -> None:
@@ -62,18 +51,16 @@ def check_io_names(m) -> None:
         m.graphs["vision"].output(t)
     if bool(v.row_outputs) != (d.row_input is not None) or (d.row_input and d.row_input.width != len(v.row_outputs) * d.hidden_size):
         raise _malformed("vision.row_outputs and decoder.row_input (width = outputs × hidden_size) go together")
-    hidden = getattr(k, "hidden_output", None)
+    parts = k.parts()
     if "head" in m.graphs:
-        m.graphs["head"].input(hidden or "")
+        m.graphs["head"].input(parts.hidden_output or "")
         m.graphs["head"].output(d.logits_output)
     for name, g in m.graphs.items():
         if name in ("vision", "head"):
             continue
-        for t in (d.embeds_input, d.positions.input, *kind_inputs(k), *m.kv.state_inputs(),
-                  *([d.row_input.input] if d.row_input else [])):
+        for t in decoder_inputs(m):
             g.input(t)
-        for t in (hidden or d.logits_output, *([k.argmax_output] if getattr(k, "argmax_output", None) else []),
-                  *m.kv.state_outputs()):
+        for t in (*parts.outputs(d.logits_output), *m.kv.state_outputs()):
             g.output(t)
         shape = g.input(d.positions.input).shape
         if len(shape) != 2 or shape[0] != d.positions.rows:

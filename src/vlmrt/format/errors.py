@@ -3,3 +3,8 @@
 
 class BundleError(Exception):
     """A bundle that cannot be used: missing, altered, or of an unknown schema."""
+
+
+def malformed(what: str) -> BundleError:
+    """A manifest that breaks one of its cross-field rules (checks.py, the kinds' own checks in manifest.py)."""
+    return BundleError(f"manifest.json is malformed: {what}")

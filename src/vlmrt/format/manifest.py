@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import BundleError
+from .errors import BundleError, malformed as _malformed
 from .checks import check_decoder
 from .typed_json import Malformed, build
 from .verify_record import Record
@@ -182,6 +182,10 @@ class AttentionLayer:
     def outputs(self) -> tuple[str, ...]:
         return self.key_output, self.value_output
 
+    def problem(self) -> str | None:
+        """What is wrong with this entry's numbers (checks.check_decoder names the entry), or None."""
+        return "kv_heads and head_dim must be positive" if self.kv_heads <= 0 or self.head_dim <= 0 else None
+
 
 @dataclass
 class ConvLayer:
@@ -205,6 +209,10 @@ class ConvLayer:
     @property
     def outputs(self) -> tuple[str, ...]:
         return (self.state_output,)
+
+    def problem(self) -> str | None:
+        """What is wrong with this entry's numbers (checks.check_decoder names the entry), or None."""
+        return "channels and width must be positive" if self.channels <= 0 or self.width <= 0 else None
 
 
 CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer}
@@ -254,6 +262,38 @@ class PositionsSpec:
     params: dict[str, Any] = field(default_factory=dict)  # op-specific
 
 
+@dataclass(frozen=True)
+class KindParts:
+    """A decoder kind's optional parts, each explicit (None / 0 / False: the kind's graphs have none). Each kind says
+    which it has in one place (its `parts()`); the runtime builds its step features from this (runtime/step_features.py)
+    and the checks read it (checks.py), never a kind's own optional fields.
+      step_inputs       the kind's per-step inputs besides embeds, positions and the cache: a mask, or the end slot's two
+      logit_rows_input  [r] int64: the rows whose logits a step returns ([r, vocab])
+      argmax_output     [r] int64: each logits row's argmax (greedy decoding reads it)
+      token_rows_input, token_scales_input  an int8 token row [ar, hidden] and its scale [ar] the graph adds to embeds
+      hidden_output     the decoder's final-norm rows [ar, hidden], mapped to logits by graphs.head (one row)
+      verify_ar         the AR of graphs.verify (a lookahead verify graph; 0: none)
+      batched           one call advances several sequences (export/batch_dim.py)"""
+
+    step_inputs: tuple[str, ...] = ()
+    logit_rows_input: str | None = None
+    argmax_output: str | None = None
+    token_rows_input: str | None = None
+    token_scales_input: str | None = None
+    hidden_output: str | None = None
+    verify_ar: int = 0
+    batched: bool = False
+
+    def inputs(self) -> list[str]:
+        """The kind's own graph inputs (beside embeds, positions, the row input and the cache)."""
+        return [n for n in (*self.step_inputs, self.logit_rows_input, self.token_rows_input, self.token_scales_input)
+                if n]
+
+    def outputs(self, logits_output: str) -> list[str]:
+        """The decoder graphs' outputs beside the cache's: the logits (or the head graph's input), the argmax."""
+        return [self.hidden_output or logits_output, *([self.argmax_output] if self.argmax_output else [])]
+
+
 @dataclass
 class GqaInPlaceKind:
     """The CPU target's one decoder graph: each layer's attention is ORT's GroupQueryAttention over the cache buffers,
@@ -277,6 +317,17 @@ class GqaInPlaceKind:
     # (bundles exported before)
     batched: bool = False
 
+    def parts(self) -> KindParts:
+        return KindParts((self.seqlens_input, self.total_length_input), self.logit_rows_input, self.argmax_output,
+                         self.token_rows_input, self.token_scales_input, batched=self.batched)
+
+    def check(self, m: "Manifest") -> None:
+        """This kind's fields fit together and with the manifest (BundleError if not)."""
+        if bool(self.token_rows_input) != bool(self.token_scales_input) or (
+                self.token_rows_input and not m.decoder.embedding_scale_file):
+            raise _malformed("decoder.kind.token_rows_input and token_scales_input go together, with an int8 embedding "
+                             "table (embedding_scale_file)")
+
 
 @dataclass
 class RowsDynamicKind:
@@ -288,6 +339,15 @@ class RowsDynamicKind:
     mask_input: str
     context_step: int
     logit_rows_input: str  # [r] int64: the rows whose logits the step returns
+
+    def parts(self) -> KindParts:
+        return KindParts((self.mask_input,), self.logit_rows_input)
+
+    def check(self, m: "Manifest") -> None:
+        if self.context_step < 0:
+            raise _malformed("decoder.kind.context_step must not be negative")
+        if self.context_step == 0:
+            raise _malformed("decoder kind rows_dynamic needs context_step > 0 (symbolic cache length)")
 
 
 @dataclass
@@ -304,6 +364,13 @@ class RowsStaticKind:
     mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
     verify_ar: int = 0
     hidden_output: str | None = None
+
+    def parts(self) -> KindParts:
+        return KindParts((self.mask_input,), hidden_output=self.hidden_output, verify_ar=self.verify_ar)
+
+    def check(self, m: "Manifest") -> None:
+        if self.context_step < 0:
+            raise _malformed("decoder.kind.context_step must not be negative")
 
 
 DECODER_KINDS = {"gqa_in_place": GqaInPlaceKind, "rows_dynamic": RowsDynamicKind, "rows_static": RowsStaticKind}

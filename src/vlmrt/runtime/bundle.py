@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from ..format import manifest as mf
-from ..format.checks import kind_inputs
+from ..format.checks import decoder_inputs
 from ..format.verify_record import identity
-from .decoder_kinds import DECODER_KINDS
+from .decoder_kinds import decoder_kind
+from .state_kinds import STATE_KINDS, by_kind
 from .tile_inputs import tile_op
 from .sessions import Sessions, _graph_files, agree, check_threads
 from .weights import EmbeddingRows, SharedWeights, release_freed_heap
@@ -18,7 +19,7 @@ from .weights import EmbeddingRows, SharedWeights, release_freed_heap
 
 def check_numbers(m: mf.Manifest) -> None:
     """The manifest's numbers agree with its own graph specs (which sessions.check_agrees holds to the graph files):
-    each attention layer's cache buffer shape (the decoder kind's layout) for the decoder graphs, a tile's patches and
+    each cache layer's state inputs (its state kind's shapes in the decoder kind's layout) for the decoder graphs, a tile's patches and
     tokens per tile for the vision graph. A manifest that loads but disagrees would otherwise fail inside ORT, or
     answer from misplaced rows."""
     v = m.graphs["vision"]
@@ -31,35 +32,18 @@ def check_numbers(m: mf.Manifest) -> None:
     if m.prompt.tokens_per_tile < 1 or not agree(rows, [m.prompt.tokens_per_tile]):
         raise mf.BundleError(f"the manifest's prompt.tokens_per_tile {m.prompt.tokens_per_tile} is not the vision "
                              f"graph's {rows[0] if rows else '?'} rows per tile")
-    kind, kv = m.decoder.kind, m.kv
+    kv, known = m.kv, set(decoder_inputs(m))
+    kind = decoder_kind(m.decoder, kv)
     for name in ("prefill", "decode", "verify"):
         if name not in m.graphs:
             continue
         g = m.graphs[name]
-        known = {m.decoder.embeds_input, m.decoder.positions.input, *kind_inputs(kind), *kv.state_inputs(),
-                 *([m.decoder.row_input.input] if m.decoder.row_input else [])}
         extra = [t.name for t in g.inputs if t.name not in known]
         if extra:
             raise mf.BundleError(f"graphs.{name} takes inputs that the manifest's decoder and kv do not name: "
                                  f"{', '.join(extra[:3])}")
-        for i, layer in enumerate(kv.attention()):
-            if kind.name == "gqa_in_place":
-                want = [1, layer.kv_heads, kv.max_context, layer.head_dim]
-            else:
-                want = [None if kind.context_step else kv.max_context, layer.kv_heads * layer.head_dim]
-            for t in (layer.key_input, layer.value_input):
-                have = g.input(t).shape
-                if not agree(have, want):
-                    raise mf.BundleError(f"the manifest's kv (max_context {kv.max_context}, attention layer {i}: "
-                                         f"kv_heads {layer.kv_heads}, head_dim {layer.head_dim}) does not fit "
-                                         f"graphs.{name}'s cache input {t} {have}")
-        layout = DECODER_KINDS[kind.name].layout
-        for i, layer in enumerate(kv.layers):
-            if layer.kind == "conv" and not agree(g.input(layer.state_input).shape, list(layout.window(layer))):
-                raise mf.BundleError(f"the manifest's kv.layers[{i}] (conv: width {layer.width}, channels "
-                                     f"{layer.channels}) does not fit graphs.{name}'s input {layer.state_input} "
-                                     f"{g.input(layer.state_input).shape} (decoder kind {kind.name}'s window: "
-                                     f"{list(layout.window(layer))}; re-export a bundle made before it)")
+        for state, layers in by_kind(kv.layers).items():  # each state kind's inputs in the kind's layout
+            STATE_KINDS[state].check_graph(layers, g, name, kind.layout, kv.max_context, kind.cache_length(), kind.name)
 
 
 @dataclass

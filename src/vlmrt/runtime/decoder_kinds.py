@@ -1,15 +1,17 @@
 """How each kind of decoder graph steps: one strategy object per manifest `decoder.kind`, registered by name.
 
     kind = decoder_kind(manifest.decoder, manifest.kv)    # DECODER_KINDS[decoder.kind.name](...)
-    cache = KVCache(manifest.kv, kind.layout, ...)        # the buffers laid out as this kind's graphs take them
+    cache = KVCache(manifest.kv, kind.layout, ...)        # the state kinds' buffers laid out as this kind's graphs take them
     kind.graph("prefill"), kind.ar("prefill", n)           # which graph a step of n rows calls, at which AR
     kind.context(slot)                                     # the cache prefix [:ctx] a step at that slot reads
-    inputs = kind.step_inputs(ar, ctx, dtype)              # the kind's own inputs (a mask, or the step's end slot)
-    kind.bind_cache(bind, cache, ctx, staged)              # the cache as a bound step's inputs / outputs
-    kind.store(cache, staged, n, positions)                # the step's rows into the cache (or only the length)
+    inputs = kind.step_inputs(ar, ctx, dtype_of)           # the kind's own step part (a mask, or the step's end slot)
+    kind.output, kind.features                             # the step parts the manifest names (step_features.py)
+    kind.store(cache, staged, n, positions)                # the step's rows into the cache (KVCache.store)
 
 Every kind takes inputs_embeds and the rope positions [rows, ar] (computed by the host, runtime/positions.py),
-apart from the slots its rows go to; runtime/step.py owns what all kinds share (the step's buffers, the call).
+apart from the slots its rows go to; runtime/step.py owns what all kinds share (the step's buffers, the call), the
+parts (step_features.py) what the manifest's optional parts add, the state kinds (state_kinds.py) how each layer's
+state is bound and written in the kind's layout.
   gqa_in_place  the CPU one-graph decoder: GroupQueryAttention updates the HEADS buffers itself, given the step's
                 end slot (seqlens_k, total_sequence_length); the host writes nothing but the length (and a conv
                 layer's rows, which the graph returns as the rows kinds' do)
@@ -22,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..format.manifest import DecoderSpec, KVSpec
-from .kv_cache import HEADS, ROWS, KVCache, attention_mask, context_slots
+from .kv_cache import HEADS, ROWS, KVCache, context_slots
+from .step_features import EndSlot, EndSlots, StepMask, decoder_features
 
 DECODER_KINDS: dict[str, type] = {}
 
@@ -36,63 +39,6 @@ def decoder_kind(dec: DecoderSpec, kv: KVSpec):
     return DECODER_KINDS[dec.kind.name](dec, kv)
 
 
-class StepMask:
-    """A rows step's additive mask [ar, ctx + ar] (kv_cache.attention_mask, from slots), kept across calls: a step at a
-    later slot than the last only unmasks the slots in between (one slot per decode step), else it is rebuilt."""
-
-    def __init__(self, name: str, ar: int, ctx: int, dtype, neg: float | None):
-        self.name = name
-        self.array = np.zeros((ar, ctx + ar), dtype)
-        self.ar, self.ctx, self.neg = ar, ctx, neg
-        self.slot = -1  # the slot the array is for; -1: none yet
-
-    def set(self, slot: int) -> None:
-        if 0 <= self.slot <= slot:
-            self.array[:, self.slot : slot] = 0  # the cache now also holds slots self.slot..slot-1
-        else:
-            attention_mask(slot, self.ar, self.ctx, self.array.dtype, out=self.array, neg=self.neg)
-        self.slot = slot
-
-    def bind(self, bind) -> None:
-        bind(self.name, self.array)
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {self.name: self.array}
-
-
-class EndSlot:
-    """gqa_in_place's step inputs: seqlens_k [1] int32 = the step's last slot, total_sequence_length [] int32 = that
-    + 1 (GroupQueryAttention writes the step's rows at slots total - ar .. total - 1)."""
-
-    def __init__(self, seqlens: str, total: str, ar: int):
-        self.names, self.ar = (seqlens, total), ar
-        self.seqlens, self.total = np.zeros(1, np.int32), np.zeros((), np.int32)
-        # memoryviews: a decode step writes one scalar of each (a plain C store, where a numpy scalar index runs its
-        # dtype machinery on caches a graph call left cold)
-        self._seqlens, self._total = memoryview(self.seqlens), memoryview(self.total.reshape(1))
-
-    def set(self, slot: int) -> None:
-        self._seqlens[0] = slot + self.ar - 1
-        self._total[0] = slot + self.ar
-
-    def bind(self, bind) -> None:
-        bind(self.names[0], self.seqlens)
-        bind(self.names[1], self.total)
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {self.names[0]: self.seqlens, self.names[1]: self.total}
-
-
-class EndSlots(EndSlot):
-    """A batch's step inputs (decoder.kind.batched): seqlens_k [B] int32 = each sequence's step's last slot,
-    total_sequence_length [] int32 = the largest + 1 (runtime/scheduler.py sets them row by row)."""
-
-    def __init__(self, seqlens: str, total: str, batch: int):
-        super().__init__(seqlens, total, 1)
-        self.seqlens = np.zeros(batch, np.int32)
-        self._seqlens = memoryview(self.seqlens)
-
-
 class _Kind:
     """What the kinds share; each subclass sets `name` and `layout` and decides its graphs' AR and cache reads."""
 
@@ -101,34 +47,39 @@ class _Kind:
 
     def __init__(self, dec: DecoderSpec, kv: KVSpec):
         self.dec, self.spec, self.kv = dec, dec.kind, kv
-        self.logit_rows_input = getattr(self.spec, "logit_rows_input", None)
-        self.argmax_output = getattr(self.spec, "argmax_output", None)
-        self.token_rows_input = getattr(self.spec, "token_rows_input", None)
-        self.token_scales_input = getattr(self.spec, "token_scales_input", None)
-        self.hidden_output = getattr(self.spec, "hidden_output", None)
-        self.verify_ar = getattr(self.spec, "verify_ar", 0)
+        self.parts = parts = dec.kind.parts()  # the kind's optional parts, explicit (manifest.KindParts)
+        self.output, self.features = decoder_features(dec, parts)  # the step parts they make (step_features.py)
+        # what the engine asks of them
+        self.argmax_output, self.token_rows_input = parts.argmax_output, parts.token_rows_input
+        self.hidden_output, self.verify_ar = parts.hidden_output, parts.verify_ar
 
     def context(self, slot: int) -> int:
         """The cache prefix [:ctx] a step whose first row goes to slot reads (it holds slots 0..slot-1)."""
         return self.kv.max_context
 
+    def cache_length(self) -> int | None:
+        """The cache length the decoder graphs' cache inputs have (None: symbolic): runtime/bundle.py checks them."""
+        return self.kv.max_context
+
     def logits_rows(self, ar: int, all_rows: bool = False) -> int:
         """How many (last) rows' logits a step of AR tokens returns: all_rows (a lookahead verify step) needs
         logit_rows_input or a static graph; else 1 with logit_rows_input or a head graph, ar for a static graph."""
+        p = self.parts
         if all_rows:
-            if self.hidden_output:  # (a head graph maps one row)
+            if p.hidden_output:  # (a head graph maps one row)
                 raise ValueError("this decoder graph cannot return the logits of every row")
             return ar
-        return 1 if self.logit_rows_input or self.hidden_output else ar
+        return 1 if p.logit_rows_input or p.hidden_output else ar
 
     def check_lookahead(self, k: int) -> None:
         """A draft length k the decoder can verify (ValueError if not)."""
+        p = self.parts
         if k < 0:
             raise ValueError("--lookahead must be >= 0")
-        if k and not (self.logit_rows_input or self.verify_ar):
+        if k and not (p.logit_rows_input or p.verify_ar):
             raise ValueError("this bundle's decoder graphs cannot verify lookahead drafts (no verify graph); re-export "
                              "it with export --target htp --lookahead-ar K (a static verify graph of K tokens)")
-        ar, what = (self.verify_ar, "verify graph") if self.verify_ar else (self.dec.prefill_ar, "graph")
+        ar, what = (p.verify_ar, "verify graph") if p.verify_ar else (self.dec.prefill_ar, "graph")
         if k >= ar:
             raise ValueError(f"--lookahead is at most {ar - 1} for this bundle (its {what}'s AR is {ar})")
 
@@ -145,38 +96,28 @@ class _Kind:
         plain session.run)."""
         return False
 
-    # --- the cache at the graph edge ---
-    def staging(self, cache: KVCache, ar: int):
-        """Where a step's state outputs land before store() (the rows kinds' staging blocks)."""
-        return cache.staging(ar)
-
-    def bind_cache(self, bind, bind_output, cache: KVCache, ctx: int, staged) -> None:
-        """The cache's buffers as a bound step's inputs (prefixes [:ctx], contiguous: no copy) and its outputs into
-        the staging blocks."""
-        for name, buf, prefix in cache.inputs():
-            bind(name, buf[:ctx] if prefix else buf)
-        for name, buf in zip(cache.output_names(), cache.staged_outputs(staged)):
-            bind_output(name, buf)
-
-    def take(self, cache: KVCache, staged, outputs: list[np.ndarray], slot: int, ar: int) -> None:
-        """A plain step's state outputs (output_names() order) into the staging blocks."""
-        for buf, r in zip(cache.staged_outputs(staged), outputs):
-            buf[...] = r
-
-    def store(self, cache: KVCache, staged, n: int, positions: np.ndarray) -> None:
-        """The first n rows of a step (and their positions [rows, ar]) into the cache: KVCache.write."""
-        cache.write(staged, n, positions)
+    def store(self, cache: KVCache, staged: list[np.ndarray], n: int, positions: np.ndarray) -> None:
+        """The first n rows of a step (and their positions [rows, ar]) into the cache: KVCache.store."""
+        cache.store(staged, n, positions)
 
 
 class _Rows(_Kind):
     """The rows contract: a mask from slots, the step's new rows out, written by the host."""
 
-    def step_inputs(self, ar: int, ctx: int, dtype) -> StepMask:
-        return StepMask(self.spec.mask_input, ar, ctx, dtype, getattr(self.spec, "mask_value", None))
+    def step_inputs(self, ar: int, ctx: int, dtype_of) -> StepMask:
+        """dtype_of(input name): the graph's dtype of an input."""
+        return StepMask(self.spec.mask_input, ar, ctx, dtype_of(self.spec.mask_input), self.mask_value())
+
+    def mask_value(self) -> float | None:
+        """The mask's value at hidden slots (None: the dtype's lowest)."""
+        return None
 
     def context(self, slot: int) -> int:
         step, top = self.spec.context_step, self.kv.max_context
         return context_slots(slot, step, top) if step else top
+
+    def cache_length(self) -> int | None:
+        return None if self.spec.context_step else self.kv.max_context
 
 
 class _SymbolicAR:
@@ -205,13 +146,16 @@ class RowsStatic(_Rows):
     def ar(self, purpose: str, n: int) -> int:  # the last prompt block (and a verify step) padded to the graph's AR
         return {"prefill": self.dec.prefill_ar, "verify": self.verify_ar}.get(purpose, 1)
 
+    def mask_value(self) -> float | None:
+        return self.spec.mask_value  # (quantized HTP graphs: a moderate value)
+
 
 @register_kind
 class GqaInPlace(_SymbolicAR, _Kind):
     name = "gqa_in_place"
     layout = HEADS
 
-    def step_inputs(self, ar: int, ctx: int, dtype) -> EndSlot:
+    def step_inputs(self, ar: int, ctx: int, dtype_of) -> EndSlot:
         return EndSlot(self.spec.seqlens_input, self.spec.total_length_input, ar)
 
     def check_positions(self, positions: np.ndarray, slot: int) -> None:
@@ -225,42 +169,9 @@ class GqaInPlace(_SymbolicAR, _Kind):
     def bound_for_short_blocks(self) -> bool:
         return True  # (a plain call would return copies of the whole buffers)
 
-    def staging(self, cache: KVCache, ar: int):
-        return cache.conv_staging(ar) if cache.convs else None  # the graph writes the attention buffers
-
-    def bind_cache(self, bind, bind_output, cache: KVCache, ctx: int, staged) -> None:
-        """Each attention buffer bound as input and output (one OrtValue): the graph updates it in place; a conv
-        layer's window as input, its new rows into the staging."""
-        convs = iter(staged or ())
-        for (name, buf, _), out, layer in zip(cache.inputs(), cache.output_names(), _state_layers(cache)):
-            if layer.kind == "conv":
-                bind(name, buf)
-                bind_output(out, next(convs))
-            else:
-                bind_output(out, bind(name, buf))
-
-    def take(self, cache: KVCache, staged, outputs: list[np.ndarray], slot: int, ar: int) -> None:
-        # a plain call returns the whole updated buffers: take the step's slots (a conv layer's rows: its staging)
-        convs = iter(staged or ())
-        for (_, buf, _), r, layer in zip(cache.inputs(), outputs, _state_layers(cache)):
-            if layer.kind == "conv":
-                next(convs)[...] = r
-            else:
-                buf[..., slot : slot + ar, :] = r[..., slot : slot + ar, :]
-
-    def store(self, cache: KVCache, staged, n: int, positions: np.ndarray) -> None:
-        if staged:
-            cache.write_convs(staged, n)
-        cache.advance(n, positions)
-
     def batch_inputs(self, batch: int) -> EndSlots:
         """The step inputs of one call advancing `batch` sequences by one token each (decoder.kind.batched)."""
-        if not getattr(self.spec, "batched", False):
+        if not self.parts.batched:
             raise ValueError("this bundle's decoder graph takes one sequence per call; re-export it with this vlmrt "
                              "to decode several sequences in one call")
         return EndSlots(self.spec.seqlens_input, self.spec.total_length_input, batch)
-
-
-def _state_layers(cache: KVCache) -> list:
-    """The kv.layers entry of each state input (an attention layer's twice: K, V), in cache.inputs() order."""
-    return [layer for layer in cache.spec.layers for _ in layer.inputs]

@@ -201,7 +201,7 @@ class VLM:
         check_lookahead(m.decoder, lookahead)
         check_exact(m.graphs["decode"], lookahead)
         # a static bundle's verify graph (the HTP target), loaded only for lookahead
-        verify = bundle.sessions["verify"] if lookahead and getattr(m.decoder.kind, "verify_ar", 0) else None
+        verify = bundle.sessions["verify"] if lookahead and m.decoder.kind.parts().verify_ar else None
         sessions = DecoderSessions(decode=bundle.sessions["decode"], prefill=bundle.sessions.get("prefill"),
                                    verify=verify, head=bundle.sessions.get("head"))
         config = DecoderConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)

@@ -276,11 +276,9 @@ class Scheduler:
                     n = top - 1
                 emb.clear_row(b, r)
                 b.positions[:, r] = 0
-                for conv in c.convs:  # (its conv rows out are dropped)
-                    conv.window[...] = 0
+                c.load_idle()  # (zero conv windows; its conv rows out are dropped)
             else:
-                if c.convs:
-                    c.load_windows(n)  # its conv windows: the rows before slot n
+                c.load_windows(n)  # its conv windows: the rows before slot n
                 emb.into_row(token, b, r, call.embeds[r])
                 call.set_position(r, c.next_position())
             call.seqlens[r] = n
@@ -296,7 +294,7 @@ class Scheduler:
         store, staged = self.kind.store, step.staged
         for r in pending:
             row = self.rows[r]
-            store(row.cache, [rows[r] for rows in staged] if staged else (), 1, call.positions[r])
+            store(row.cache, [rows[r] for rows in staged or ()], 1, call.positions[r])
             row.run_s += dt
         return step, dt
 

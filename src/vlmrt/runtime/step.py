@@ -3,20 +3,19 @@
     step = make_step(session, kind, cache, ctx, ar, io_dtype, shared, rows_out)
     logits = step(embeds, positions, slot)  # embeds [n <= ar, hidden], positions [rows, n] int64 (None: the
                                             # positions buffer already holds them) -> logits [rows_out, vocab]
-    kind.store(cache, step.staged, n, step.buffers.positions)   # the one cache update (decoder_kinds.py)
+    kind.store(cache, step.staged, n, step.buffers.positions)   # the one cache update (KVCache.store)
 
-What every decoder kind shares lives here: the step's host buffers (embeddings, positions, logits, ...;
-`StepBuffers.load`) and how the graph is called; what differs by kind (a mask or the step's end slot, how the cache
-is bound and written) is the kind's (runtime/decoder_kinds.py):
-  BoundStep  ORT I/O binding: inputs and outputs are OrtValues over host buffers that live as long as the step
-             (embeddings / positions / logits shared by the steps of one AR, `StepBuffers`), so a step allocates
-             nothing and never copies the cache at the graph edge.
-  PlainStep  session.run(feeds): sessions without io_binding (the torch reference, recorders, fakes in tests),
-             and a symbolic-AR graph's short last prompt block (one bound step per block length would pile up).
-With a head graph (decoder.kind.hidden_output: the HTP's lm head as its own graph) the decoder graph returns the
-final-norm hidden rows and the step runs the head on the last valid one: logits [1, vocab]. With
-kind.token_rows_input the graph also takes an int8 row and its scale per token (`StepBuffers.token_row`): a
-decode step's row is read from the table straight into the input.
+A step is a list of parts (runtime/step_features.py): the decoder kind's (embeddings and positions, the logits or a
+head graph, and the optional features the manifest names: token rows, logit rows, argmax, row input), the cache
+(CachePart: its state kinds, runtime/state_kinds.py) and the kind's step inputs (a mask or the end slot). Both ways
+of calling the graph loop over the same parts:
+  BoundStep  ORT I/O binding: each part binds its inputs and outputs once, as OrtValues over host buffers that live as
+             long as the step (embeddings / positions / logits shared by the steps of one AR, `StepBuffers`), so a
+             step allocates nothing and never copies the cache at the graph edge; a call runs the parts' before-hooks
+             (the mask's or end slot's set, the conv windows' load), the graph, the after-hooks (a head graph).
+  PlainStep  session.run(feeds): each part feeds its inputs and takes its outputs; sessions without io_binding (the
+             torch reference, recorders, fakes in tests), and a symbolic-AR graph's short last prompt block (one
+             bound step per block length would pile up).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import numpy as np
 
 from ..format.manifest import DecoderSpec
 from .kv_cache import KVCache
+from .step_features import Part, step_parts
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(uint8)": np.uint8,
                "tensor(int64)": np.int64, "tensor(int32)": np.int32}
@@ -46,38 +46,30 @@ def buffers_key(session, dec: DecoderSpec, ar: int, rows_out: int, head=None) ->
 
 class StepBuffers:
     """The host buffers of a step: embeddings [ar, hidden], positions [rope rows, ar] int64, logits [rows_out, vocab]
-    (the last rows', asked for by logit_rows [rows_out] where the graph takes it). Those of a bound step do not
-    depend on its cache length and are shared by the bound steps of one AR."""
+    (the last rows'), each logits row's argmax, and what the kind's parts add (step_features: alloc): logit_rows
+    [rows_out], token_rows / token_scales, row_input, a head graph's hidden / head_in (None where the decoder has no
+    such part). Those of a bound step do not depend on its cache length and are shared by the bound steps of one AR."""
 
     def __init__(self, dec: DecoderSpec, kind, ar: int, embeds_dtype, logits_dtype, rows_out: int):
+        self.ar, self.rows_out = ar, rows_out
         self.embeds = np.zeros((ar, dec.hidden_size), embeds_dtype)
         self.positions = np.zeros((dec.positions.rows, ar), np.int64)
         self.logits = np.zeros((rows_out, dec.vocab_size), logits_dtype)
-        self.logit_rows = np.arange(ar - rows_out, ar, dtype=np.int64)
+        self.out = self.logits  # a plain call's logits (the session's array); a bound step's are `logits`
         self.argmax = np.zeros(rows_out, np.int64)  # each logits row's argmax, where the graph returns it
         # memoryviews of the buffers a decode step reads or writes one scalar of: a memoryview item is a plain C
         # load/store, where a numpy scalar index runs its dtype machinery on caches a graph call left cold
         self.argmax_ids = memoryview(self.argmax)  # [rows_out] Python ints
         self._position = memoryview(self.positions.reshape(-1)) if dec.positions.rows == 1 else None
-        # a head graph's: the decoder's final-norm rows [ar, hidden], the head's input row [1, hidden]
-        self.hidden = np.zeros((ar, dec.hidden_size), np.float32) if kind.hidden_output else None
-        self.head_in = np.zeros((1, dec.hidden_size), np.float32) if kind.hidden_output else None
         self.n = 0  # the last load's valid rows
         # views made once for the decode loop (each numpy call after a graph call runs on cold caches)
         self.first, self.first_row = self.embeds[:1], self.embeds[0]
-        # kind.token_rows_input: int8 rows [ar, hidden] and their scales [ar] the graph adds to embeds; the
-        # scales are 0 but the first one while a decode step's row is there (then embeds[0] is 0: token_mode)
-        self.token_rows = self.token_scales = self.token_buf = None
-        self.token_mode = False
-        if kind.token_rows_input:
-            self.token_rows, self.token_scales = np.zeros((ar, dec.hidden_size), np.int8), np.zeros(ar, np.float32)
-            self.token_buf = memoryview(self.token_rows[0])  # where a decode step's row is read to (pread)
-            self._token_scale = memoryview(self.token_scales)
-        self.ar = ar
-        # decoder.row_input: a per-token row [ar, width] besides the embeddings (image rows' vision features), zero
-        # for text and decode steps; row_dirty: it holds a non-zero row since the last load
-        self.row_input = np.zeros((ar, dec.row_input.width), embeds_dtype) if dec.row_input else None
-        self.row_dirty = False
+        self.logit_rows = self.hidden = self.head_in = self.token_rows = self.token_scales = self.token_buf = None
+        self.token_mode = False  # token_rows[0] holds a decode step's row (token_row)
+        self.row_input = None
+        self.row_dirty = False  # row_input holds a non-zero row since the last load
+        for part in (kind.output, *kind.features):
+            part.alloc(self)
 
     def token_row(self, scale: float) -> memoryview:
         """A decode step's input as an int8 row: the buffer to read the token's row into (token_rows[0]), its scale
@@ -121,68 +113,103 @@ class StepBuffers:
             self.positions[:, n:] = positions[:, -1:] + np.arange(1, ar - n + 1)
 
 
+class CachePart(Part):
+    """The cache as a step's part: its states' inputs (ROWS: the prefix [:ctx]) and outputs, into `staged` (a step's
+    new rows until KVCache.store)."""
+
+    def __init__(self, cache: KVCache, ctx: int, ar: int):
+        self.cache, self.ctx, self.ar = cache, ctx, ar
+        self.staged = cache.staging(ar)
+        self.outputs = tuple(cache.output_names())
+
+    def bind(self, io, b) -> None:
+        self.cache.bind(io.input, io.output, self.ctx, self.staged)
+        for load in self.cache.loaders():
+            io.before(load)
+
+    def feed(self, feeds: dict, step, slot: int) -> None:
+        self.cache.load_windows(slot)
+        feeds.update(self.cache.feeds(self.ctx))
+
+    def take(self, step, values: list[np.ndarray], slot: int) -> None:
+        self.cache.take(self.staged, dict(zip(self.outputs, values)), slot, self.ar)
+
+
+class Binding:
+    """A bound step's I/O binding: host arrays bound as OrtValues kept alive with the step, and what the parts do
+    before (f(slot)) and after (f()) each call."""
+
+    def __init__(self, session, head=None):
+        import onnxruntime as ort
+
+        self._from_numpy, self._ortvalue = ort.OrtValue.ortvalue_from_numpy, ort.OrtValue
+        self.io, self.head = session.io_binding(), head
+        self.keep: list = []  # OrtValues (and through them the arrays) bound to io
+        self.before_call: list = []
+        self.after_call: list = []
+
+    def value(self, arr):
+        v = arr if isinstance(arr, self._ortvalue) else self._from_numpy(arr)
+        self.keep.append(v)
+        return v
+
+    def input(self, name: str, arr):
+        v = self.value(arr)
+        self.io.bind_ortvalue_input(name, v)
+        return v
+
+    def output(self, name: str, arr):
+        v = self.value(arr)
+        self.io.bind_ortvalue_output(name, v)
+        return v
+
+    def before(self, f) -> None:
+        self.before_call.append(f)
+
+    def after(self, f) -> None:
+        self.after_call.append(f)
+
+
+def _chain(hooks: list):
+    """The parts' after-call hooks as one call (None where there are none: the decode loop's usual case)."""
+    if len(hooks) < 2:
+        return hooks[0] if hooks else None
+    hooks = tuple(hooks)
+
+    def each() -> None:
+        for f in hooks:
+            f()
+
+    return each
+
+
 class BoundStep:
     def __init__(self, session, kind, cache: KVCache, ctx: int, ar: int, buffers: StepBuffers, head=None,
                  inputs=None):
-        """inputs: the kind's step inputs (default kind.step_inputs(ar, ctx, ..); a batch's: decoder_kinds.EndSlots)."""
-        import onnxruntime as ort
-
-        dec = kind.dec
+        """inputs: the kind's step inputs (default kind.step_inputs(ar, ctx, ..); a batch's: step_features.EndSlots)."""
         self.session, self.kind, self.ctx, self.buffers, self.cache = session, kind, ctx, buffers, cache
-        self.windows = bool(cache.convs)  # conv layers: their windows are loaded before each call
-        self.staged = kind.staging(cache, ar)
-        self.run_s = 0.0  # the last call's time inside session.run
-        self.io = io = session.io_binding()
-        ins = {i.name: i for i in session.get_inputs()}
-        mask_type = ins.get(getattr(kind.spec, "mask_input", None) or "")
-        self.inputs = inputs or kind.step_inputs(ar, ctx, _ORT_DTYPES[mask_type.type] if mask_type else np.float32)
-        self._keep = []  # OrtValues (and through them the arrays) bound to io
-
-        def bind(name, arr, output=False):
-            v = arr if isinstance(arr, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(arr)
-            self._keep.append(v)
-            (io.bind_ortvalue_output if output else io.bind_ortvalue_input)(name, v)
-            return v
-
-        bind(dec.embeds_input, buffers.embeds)
-        bind(dec.positions.input, buffers.positions)
-        if dec.row_input:
-            bind(dec.row_input.input, buffers.row_input)
-        self.inputs.bind(bind)
-        if kind.token_rows_input:
-            bind(kind.token_rows_input, buffers.token_rows)
-            bind(kind.token_scales_input, buffers.token_scales)
-        if kind.logit_rows_input:
-            bind(kind.logit_rows_input, buffers.logit_rows)
-        self.head_io = None
-        if head is not None:  # decoder -> hidden rows; head: its input row -> logits
-            bind(kind.hidden_output, buffers.hidden, output=True)
-            self.head_io = head.io_binding()
-            self.head = head
-            for name, arr, out in ((kind.hidden_output, buffers.head_in, False), (dec.logits_output, buffers.logits, True)):
-                v = ort.OrtValue.ortvalue_from_numpy(arr)
-                self._keep.append(v)
-                (self.head_io.bind_ortvalue_output if out else self.head_io.bind_ortvalue_input)(name, v)
-        else:
-            bind(dec.logits_output, buffers.logits, output=True)
-        if kind.argmax_output:
-            bind(kind.argmax_output, buffers.argmax, output=True)
-        kind.bind_cache(bind, lambda name, arr: bind(name, arr, output=True), cache, ctx, self.staged)
+        self.run_s = 0.0  # the last call's time inside session.run (and the head graph's)
+        ins = {i.name: i.type for i in session.get_inputs()}
+        self.inputs = inputs or kind.step_inputs(ar, ctx, lambda name: _ORT_DTYPES[ins[name]] if name in ins else np.float32)
+        state = CachePart(cache, ctx, ar)
+        self.staged = state.staged
+        binding = Binding(session, head)
+        for part in step_parts(kind, state, self.inputs):
+            part.bind(binding, buffers)
+        self.io, self._keep = binding.io, binding.keep
+        self._before, self._after = tuple(binding.before_call), _chain(binding.after_call)
 
     def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int,
                  rows: np.ndarray | None = None) -> np.ndarray:
         """embeds [n <= ar, hidden] at positions [rows, n] (and the row input's rows, None: zeros), going to slots
         slot.. -> logits (a view of the buffer the next step reuses)."""
         self.buffers.load(embeds, positions, rows)
-        self.inputs.set(slot)
-        if self.windows:
-            self.cache.load_windows(slot)
+        for f in self._before:
+            f(slot)
         t = time.perf_counter()
         self.session.run_with_iobinding(self.io)
-        if self.head_io is not None:  # the lm head on the last valid row
-            b = self.buffers
-            b.head_in[0] = b.hidden[b.n - 1]
-            self.head.run_with_iobinding(self.head_io)
+        if self._after is not None:
+            self._after()
         self.run_s = time.perf_counter() - t
         return self.buffers.logits
 
@@ -191,44 +218,35 @@ class PlainStep:
     def __init__(self, session, kind, cache: KVCache, ctx: int, ar: int, io_dtype, rows_out: int, head=None):
         self.session, self.kind, self.cache, self.ctx, self.ar, self.head = session, kind, cache, ctx, ar, head
         self.buffers = StepBuffers(kind.dec, kind, ar, io_dtype, io_dtype, rows_out)
-        self.staged = kind.staging(cache, ar)
         self.run_s = 0.0
-        self.inputs = kind.step_inputs(ar, ctx, io_dtype)
-        dec = kind.dec
-        self._out_names = [kind.hidden_output if head is not None else dec.logits_output, *cache.output_names(),
-                           *([kind.argmax_output] if kind.argmax_output else [])]
+        self.inputs = kind.step_inputs(ar, ctx, lambda name: io_dtype)
+        state = CachePart(cache, ctx, ar)
+        self.staged = state.staged
+        self.parts = step_parts(kind, state, self.inputs)
+        self._out_names = [name for p in self.parts for name in p.outputs]
+        self._takes = [(p, len(p.outputs)) for p in self.parts if p.outputs]
 
     def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int,
                  rows: np.ndarray | None = None) -> np.ndarray:
-        b, k, c = self.buffers, self.kind, self.cache
-        d = k.dec
-        b.load(embeds, positions, rows)
-        self.inputs.set(slot)
-        c.load_windows(slot)
-        feeds = {d.embeds_input: b.embeds, d.positions.input: b.positions, **self.inputs.feeds()}
-        if d.row_input:
-            feeds[d.row_input.input] = b.row_input
-        feeds.update(c.feeds(self.ctx))
-        if k.logit_rows_input:
-            feeds[k.logit_rows_input] = b.logit_rows
-        if k.token_rows_input:
-            feeds[k.token_rows_input], feeds[k.token_scales_input] = b.token_rows, b.token_scales
+        self.buffers.load(embeds, positions, rows)
+        feeds: dict[str, np.ndarray] = {}
+        for p in self.parts:
+            p.feed(feeds, self, slot)
         t = time.perf_counter()
-        logits, *rows = self.session.run(self._out_names, feeds)
-        if self.head is not None:  # logits is the hidden rows: the lm head on the last valid one
-            logits = self.head.run([d.logits_output], {k.hidden_output: np.asarray(logits[b.n - 1 : b.n], np.float32)})[0]
+        values = self.session.run(self._out_names, feeds)
+        at = 0
+        for p, n in self._takes:  # (a head graph's take runs the head)
+            p.take(self, values[at : at + n], slot)
+            at += n
         self.run_s = time.perf_counter() - t
-        if k.argmax_output:
-            b.argmax[:] = rows.pop()
-        k.take(c, self.staged, rows, slot, self.ar)
-        return logits
+        return self.buffers.out
 
 
 def make_step(session, kind, cache: KVCache, ctx: int, ar: int, io_dtype,
               shared: dict[tuple, StepBuffers] | None = None, rows_out: int | None = None, head=None):
     """A BoundStep when the session can bind (its buffers taken from / added to `shared`), else a PlainStep.
     kind: the decoder kind (decoder_kinds.py). rows_out: logits rows (kind.logits_rows()), by default the kind's.
-    head: the head graph's session (kind.hidden_output)."""
+    head: the head graph's session (decoder.kind.hidden_output)."""
     rows_out = kind.logits_rows(ar) if rows_out is None else rows_out
     if not can_bind(session) or (head is not None and not can_bind(head)):
         return PlainStep(session, kind, cache, ctx, ar, io_dtype, rows_out, head)
