@@ -4,8 +4,8 @@
     w({"request": ['{"id": 1, "messages": [...]}', ...]})   # -> {"key": [...], "line": [...], "error": [...]}
 
 Ray Data runs it as the class of `map_batches` (one instance per actor); `--workers 1` without Ray calls it in
-the driver's process. Every request goes through VLM.chat (images by path, URL or data URI, several, or whole
-conversations): an answer is the one `vlmrt run` gives for the same request. A request that fails (a missing image,
+the driver's process. Every request is a chat answer (VLM.chat_answer, run with the others by the AnswerLoop that runs
+the server's slots: images by path, URL or data URI, several, or whole conversations): an answer is the one `vlmrt run` gives for the same request. A request that fails (a missing image,
 an unreachable URL, a prompt longer than the context) becomes its error line; the batch goes on.
 A worker answers up to `sequences` requests together (`--batch-size`): one VLM each over the bundle's sessions,
 decoding together through one decoder call per round where the graph takes a batch, run by the loop that runs

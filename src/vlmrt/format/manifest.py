@@ -229,7 +229,7 @@ def attention_layers(n: int, kv_heads: int, head_dim: int, key_input: str = "pas
 @dataclass
 class KVSpec:
     """The decoder's state outside the graphs: one entry per decoder layer, by kind (CACHE_LAYER_KINDS), over
-    max_context slots. runtime/kv_cache.py is the one definition of how each kind is stored and written."""
+    max_context slots. runtime/state_kinds.py is the one definition of how each kind is stored and written (one class per kind)."""
 
     max_context: int
     dtype: str

@@ -49,7 +49,7 @@ class _Kind:
         self.dec, self.spec, self.kv = dec, dec.kind, kv
         self.parts = parts = dec.kind.parts()  # the kind's optional parts, explicit (manifest.KindParts)
         self.output, self.features = decoder_features(dec, parts)  # the step parts they make (step_features.py)
-        # what the engine asks of them
+        # what the scheduler and the cache rows ask of them
         self.argmax_output, self.token_rows_input = parts.argmax_output, parts.token_rows_input
         self.hidden_output, self.verify_ar = parts.hidden_output, parts.verify_ar
 

@@ -2,7 +2,7 @@
 
 The manifest's `kv.layers` lists one entry per decoder layer, by kind (manifest.CACHE_LAYER_KINDS), and this cache
 is built from that list alone: one state object per kind present (state_kinds.STATE_KINDS[kind], holding every layer
-of that kind), so a family with mixed layers needs no engine change, and a new kind of state is one registered class.
+of that kind), so a family with mixed layers needs no scheduler change, and a new kind of state is one registered class.
 The cache loops over its states to allocate, bind, load, store, keep a prefix and re-encode; what the states share is
 here: the length (slots 0..length-1 hold rows), each slot's rope positions, and the slots' bookkeeping.
 How a buffer is laid out is the decoder kind's (runtime/decoder_kinds.py picks a cache_layouts.CacheLayout): `ROWS`

@@ -7,7 +7,7 @@ where it occurred before in the prompt or the answer.
     drafter.feedback(accepted)        # how many drafts the model agreed with
     drafter.append(token)             # every token emitted, in order
 
-The engine verifies drafts against the greedy choice of the model at each row, so drafting only decides speed,
+The scheduler verifies drafts against the greedy choice of the model at each row, so drafting only decides speed,
 never the output. The drafts are looked up in the prompt and in the answer so far: an answer that repeats itself (a
 list said again, a second verse) is drafted from its own earlier tokens, the latest occurrence first; a copy that
 runs into the sequence's end goes on with what it copied (a period shorter than the draft repeats).

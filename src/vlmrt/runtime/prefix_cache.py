@@ -1,6 +1,6 @@
 """The caches of a conversation: which prompt rows the KV cache holds, and image embeddings by content.
 
-PrefixCache  remembers what the engine's KV cache rows stand for: one key per row (runtime/chunks.py Prompt.keys:
+PrefixCache  remembers what a sequence's cache rows stand for: one key per row (runtime/chunks.py Prompt.keys:
              the token id, or for an image token (image digest, tiling, row) — the image token id alone does not
              say which picture it is). A new
              prompt's keys are compared with them; the cache row (CacheRow.reusable) says how much of the common prefix

@@ -9,7 +9,7 @@ that knows how its state is
   bound       to a step as the decoder kind's layout says (inputs; bind: a bound step's inputs / outputs; take: a
               plain step's outputs), its outputs landing in `staging(ar)` until `store`
   loaded      into a graph input before a call (load(slot) / loaders(), where loads_inputs; load_idle: a batch's idle row)
-  stored      after a call (store(staged, slot, n): a step's first n rows at slots slot..; padding rows dropped)
+  stored      after a call (store(staged, pos, n): a step's first n rows at slots pos..; padding rows dropped)
   kept        for a prefix of n slots (rewind(n): prefix reuse, a rejected lookahead draft, a reset)
   re-encoded  in a uint8 cache (clear_unused, requantize: per layer (scale, zero point) in kv.encodings)
   checked     against a graph's inputs (check_graph: the manifest's numbers against the graph's shapes)

@@ -234,7 +234,7 @@ class EndSlot(Part):
 
 class EndSlots(EndSlot):
     """A batch's step inputs (decoder.kind.batched): seqlens_k [B] int32 = each sequence's step's last slot,
-    total_sequence_length [] int32 = the largest + 1 (runtime/batch_engine.py sets them row by row)."""
+    total_sequence_length [] int32 = the largest + 1 (runtime/scheduler.py sets them row by row)."""
 
     def __init__(self, seqlens: str, total: str, batch: int):
         super().__init__(seqlens, total, 1)
