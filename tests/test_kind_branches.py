@@ -4,7 +4,11 @@ never test a cache layer's class, and never read a decoder kind's optional parts
 manifest.KindParts, each kind's parts()). A kind's behaviour lives in its class: runtime/decoder_kinds.py,
 runtime/state_kinds.py, the kind's dataclass in format/manifest.py. On main 6bf0bd2 this finds 15 name or class
 branches (format/checks.py, runtime/bundle.py, decoder_kinds.py's conv branches, kv_cache.py's isinstance) and 11
-getattr reads (decoder_kinds.py, checks.py, batch_engine.py, pipeline.py)."""
+getattr reads (decoder_kinds.py, checks.py, batch_engine.py, pipeline.py). The scan also covers eval/, web/'s Python,
+export/ and cli/: on main 864ccf6 it finds there eval/reference.py's attention-name test and three getattr reads,
+eval/accuracy.py's and web/site.py's getattr of hidden_output, web/site.py's two name tests and export/pipeline.py's two
+tests of the attention kind's name (graphs.LAYOUTS[...].in_place says it). A list of what another implementation runs
+(web/site.py BROWSER_DECODER_KINDS: static/decoder.js's kinds) is a registry, not a branch."""
 
 import ast
 import dataclasses
@@ -13,8 +17,8 @@ from pathlib import Path
 from vlmrt.format.manifest import CACHE_LAYER_KINDS, DECODER_KINDS, KindParts
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "vlmrt"
-SCANNED = [*sorted((SRC / "runtime").glob("*.py")), *sorted((SRC / "serve").glob("*.py")),
-           *sorted((SRC / "batch").glob("*.py")), SRC / "format" / "checks.py"]
+SCANNED = [*(p for d in ("runtime", "serve", "batch", "eval", "export", "cli") for p in sorted((SRC / d).rglob("*.py"))),
+           *sorted((SRC / "web").glob("*.py")), SRC / "format" / "checks.py"]
 NAMES = set(DECODER_KINDS) | set(CACHE_LAYER_KINDS)
 LAYER_CLASSES = {cls.__name__ for cls in CACHE_LAYER_KINDS.values()}
 OPTIONAL = {f.name for f in dataclasses.fields(KindParts)} - {"step_inputs"}

@@ -67,7 +67,7 @@ def float_manifest(m: Manifest) -> Manifest:
     """The same host plan with float32 graph I/O and KV cache (for a float reference)."""
     m = copy.deepcopy(m)
     m.kv = dataclasses.replace(m.kv, dtype="float32", encodings={})
-    if getattr(m.decoder.kind, "hidden_output", None):  # the reference's decoder returns logits itself
+    if m.decoder.kind.parts().hidden_output:  # the reference's decoder returns logits itself (a rows_static kind's)
         m.decoder = dataclasses.replace(m.decoder, kind=dataclasses.replace(m.decoder.kind, hidden_output=None))
     m.graphs.pop("head", None)
     for g in m.graphs.values():

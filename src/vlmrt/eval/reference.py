@@ -7,6 +7,7 @@ traces (verified against transformers in tests), in fp32, with the evaluated bun
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,38 +35,48 @@ class TorchVision:
         return [by_name[n] for n in names]
 
 
-# the torch attention kind (families/layers.py ATTENTION_KINDS) that computes what each decoder kind's graph does
-ATTENTION_OF_KIND = {"gqa_in_place": "gqa_in_place", "rows_dynamic": "rows_copy_free", "rows_static": "rows_copy_free"}
+class TorchAttention(NamedTuple):
+    """How the torch modules compute what a decoder kind's graph does: the attention kind (families/layers.py
+    ATTENTION_KINDS), and whether the module takes the kind's logit_rows input itself (CausalDecoder.logit_rows: it
+    returns those rows' logits only) or returns every row's, of which run() keeps the graph's rows."""
+
+    attention: str
+    gathers_rows: bool
+
+
+# by decoder kind (manifest.DECODER_KINDS)
+TORCH_ATTENTION = {"gqa_in_place": TorchAttention("gqa_in_place", True),
+                   "rows_dynamic": TorchAttention("rows_copy_free", False),
+                   "rows_static": TorchAttention("rows_copy_free", False)}
 
 
 class TorchDecoder:
     """run(names, feeds) over layers.CausalDecoder, feeds keyed by the manifest's tensor names."""
 
     def __init__(self, module, m: Manifest):
-        k = m.decoder.kind
-        attention = ATTENTION_OF_KIND[k.name]
-        # the same weights with the kind's attention; gqa_in_place's module returns logit_rows' rows itself
-        module = module.with_options(attention=attention, logit_rows=attention == "gqa_in_place",
+        torch_attention, self.parts = TORCH_ATTENTION[m.decoder.kind.name], m.decoder.kind.parts()
+        # the same weights with the kind's attention
+        module = module.with_options(attention=torch_attention.attention, logit_rows=torch_attention.gathers_rows,
                                      rope_positions=m.kv.max_context + m.decoder.prefill_ar)
         self.module, self.m = module, m
-        self.step = [t for t in (getattr(k, f, None) for f in ("mask_input", "seqlens_input", "total_length_input")) if t]
+        self.step = list(self.parts.step_inputs)
         self.past = m.kv.state_inputs()
         self.outs = [m.decoder.logits_output, *m.kv.state_outputs()]
-        self.outs += [k.argmax_output] if getattr(k, "argmax_output", None) else []
+        self.outs += [self.parts.argmax_output] if self.parts.argmax_output else []
 
     def run(self, names, feeds):
-        d, k = self.m.decoder, self.m.decoder.kind
+        d, k = self.m.decoder, self.parts
         t = {n: torch.from_numpy(np.asarray(v)) for n, v in feeds.items()}
         step = [t[n].float() if t[n].is_floating_point() else t[n] for n in self.step]
         rows = [t[k.logit_rows_input]] if self.module.logit_rows else []
         embeds = t[d.embeds_input].float()
-        if getattr(k, "token_rows_input", None):  # the graph's own addition of the int8 rows (export/graphs.py TokenRows)
+        if k.token_rows_input:  # the graph's own addition of the int8 rows (export/graphs.py TokenRows)
             embeds = embeds + t[k.token_rows_input].float() * t[k.token_scales_input][:, None]
         row_input = [t[d.row_input.input].float()] if d.row_input else []
         with torch.no_grad():
             out = self.module(embeds, t[d.positions.input], *row_input, *step, *[t[n].float() for n in self.past], *rows)
         by_name = dict(zip(self.outs, (o.numpy() for o in out)))
-        if getattr(k, "logit_rows_input", None) and not self.module.logit_rows:
+        if k.logit_rows_input and not self.module.logit_rows:
             by_name[d.logits_output] = by_name[d.logits_output][feeds[k.logit_rows_input]]  # the graph's rows only
         return [by_name[n] for n in names]
 

@@ -142,8 +142,8 @@ class Plan:
             and self.prefill_ar > 1
 
     @property
-    def token_rows(self) -> bool:  # the gqa_in_place decoder scales an int8 embedding row itself (token_rows_input)
-        return self.attention == "gqa_in_place" and bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS))
+    def token_rows(self) -> bool:  # the in-place (gqa_in_place) decoder scales an int8 embedding row itself (token_rows_input)
+        return graphs.LAYOUTS[self.attention].in_place and bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS))
 
 
 def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
@@ -386,7 +386,7 @@ def _row_input(plan: Plan, row_outputs: list[str]) -> mf.RowInputSpec | None:
 def _decoder_kind(plan: Plan, batched: bool) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
     """The decoder graphs' kind (manifest.DECODER_KINDS) with its tensor names, as the export wrote them (batched: a
     gqa_in_place graph whose layers' cache kinds take a batch, cache_kinds.batchable)."""
-    if plan.attention == "gqa_in_place":
+    if graphs.LAYOUTS[plan.attention].in_place:
         return mf.GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
                                  logit_rows_input="logit_rows", argmax_output="next_token",
                                  batched=batched,

@@ -24,6 +24,10 @@ from ..format.manifest import Manifest, load
 from ..format.staging import publish, staged
 
 HERE = Path(__file__).parent
+# what the browser runtime implements (static/decoder.js decoderPlan: its own code per kind): the decoder kinds
+# (manifest.DECODER_KINDS) and the cache layer kinds (manifest.CACHE_LAYER_KINDS) it runs
+BROWSER_DECODER_KINDS = ("gqa_in_place", "rows_dynamic", "rows_static")
+BROWSER_CACHE_KINDS = ("attention",)
 STATIC = HERE / "static"
 RUNTIME_FILES = ("vlmrt.js", "app.js", "decoder.js", "files.js", "image.js", "resample.js", "npy.js", "prompt.js",
                  "sampler.js", "stop_strings.js")
@@ -77,15 +81,15 @@ def browser_problem(m: Manifest) -> str | None:
     if m.kv.dtype != "float32" or m.kv.encodings:
         return f"this bundle's KV cache is {m.kv.dtype} (quantized); {BROWSER_EXPORT}"
     kind = m.decoder.kind
-    if kind.name not in ("gqa_in_place", "rows_dynamic", "rows_static"):
+    if kind.name not in BROWSER_DECODER_KINDS:
         return f"this vlmrt has no decoder kind {kind.name!r}; upgrade vlmrt"
-    if getattr(kind, "hidden_output", None):
+    if kind.parts().hidden_output:
         return f"this bundle's lm head is its own graph (an NPU export); {BROWSER_EXPORT}"
     pos = m.decoder.positions
     if pos.op != "slots" or pos.rows != 1:
         return (f"this bundle's rope positions ({pos.op}, {pos.rows} rows) are not computed by the browser runtime "
                 f"yet; use vlmrt run")
-    other = next((layer.kind for layer in m.kv.layers if layer.kind != "attention"), None)
+    other = next((layer.kind for layer in m.kv.layers if layer.kind not in BROWSER_CACHE_KINDS), None)
     if other:
         return f"this bundle has {other} cache layers, which the browser runtime does not keep yet; use vlmrt run"
     return None
