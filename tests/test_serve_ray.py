@@ -1,7 +1,8 @@
 """vlmrt serve --ray: the OpenAI server as a Ray Serve application (src/vlmrt/serve/ray_app.py), tested through Serve's
 HTTP proxy on a local Ray cluster the module starts itself (127.0.0.1, no dashboard) and stops at the end: the same
 answers as `vlmrt serve` (greedy and seeded, streamed and not), the same access layers and limits, follow-ups routed to
-the replica holding their conversation, a replica killed mid-answer, autoscaling 1 -> 2 -> 1. Every wait is bounded.
+the replica holding their conversation, a replica killed mid-answer, autoscaling 1 -> 2 -> 1, a video answered,
+--max-connections. Every wait is bounded.
 Everything here fails on main 6bf0bd2 (there is no --ray there)."""
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def cluster():
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False, logging_level=logging.ERROR)
     port = ray_app.free_port("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options=ray_app.http_options("127.0.0.1", port))  # as `vlmrt serve --ray` starts it
     try:
         yield Proxy(port)
     finally:
@@ -182,6 +183,7 @@ def test_cli_serves_on_a_local_cluster_and_stops(tiny):
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
         assert f"serving {tiny.bundle.name} on http://127.0.0.1:{port}/ through Ray Serve" in err
+        assert ray_app.PROXY_LIMITS in err  # what of the connection limits the proxy does not hold, said once
         assert not _listening(port)
     finally:
         if p.poll() is None:
@@ -234,10 +236,6 @@ def test_access_layers_and_limits_through_the_proxy(app):
         assert status == 400 and out["error"]["code"] == "invalid_image" and "refused" in out["error"]["message"], out
     status, out, _ = request(app, "POST", "/v1/chat/completions", b"{" + b" " * 300_000 + b"}", AUTH)
     assert status == 413 and out["error"]["code"] == "request_too_large", out
-    video = {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
-                                         {"type": "text", "text": "What happens?"}]}
-    status, out, _ = chat(app, {"messages": [video], "max_tokens": 2})  # refused before it is read
-    assert status == 400 and out["error"]["code"] == "invalid_content_part", out
     status, out, _ = chat(app, {"messages": "nope"})
     assert status == 400 and out["error"]["type"] == "invalid_request_error", out
     with socket.create_connection(("127.0.0.1", app.port), timeout=30) as s:  # a body that never arrives
@@ -252,6 +250,35 @@ def test_access_layers_and_limits_through_the_proxy(app):
             data += chunk
         assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data, data[:300]
         assert 1.4 < time.monotonic() - t < 15
+    with socket.create_connection(("127.0.0.1", app.port), timeout=30) as s:  # idle after an answer: closed in 5 s
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        data, t = s.recv(65536), time.monotonic()
+        assert data.startswith(b"HTTP/1.1 200"), data[:300]
+        while s.recv(65536):  # bounded by the socket's timeout (Serve's own keep-alive is 90 s)
+            pass
+        assert time.monotonic() - t < 15
+
+
+def test_a_video_is_answered_as_vlmrt_serve_answers_it(app, local):
+    """A video_url part (the tiny GIF as a data URI, the SmolVLM2 tiny bundle's video path): read and checked in the
+    Ingress, its clip crossing to the replica as its bytes; the answer, streamed and not, is `vlmrt serve`'s. A bad
+    video is the same 400 naming it. (Before: a 400 invalid_content_part under --ray.)"""
+    import base64
+
+    from conftest import ASSETS
+
+    gif = "data:image/gif;base64," + base64.b64encode((ASSETS / "no_time_for_that_tiny.gif").read_bytes()).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": gif}},
+                                                      {"type": "text", "text": "What happens in the video?"}]}],
+            "max_tokens": 8}
+    want = text(local, body)
+    assert want and text(app, body) == want
+    assert streamed(app, body)[0] == want
+    junk = "data:video/mp4;base64," + base64.b64encode(b"junk" * 40).decode()
+    bad = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": junk}}]}]}
+    status, out, _ = chat(app, bad)
+    assert status == 400 and out["error"]["code"] == "invalid_image", out
+    assert out["error"]["message"].startswith("video 1: ") and "cannot read video" in out["error"]["message"], out
 
 
 def test_follow_ups_go_to_the_replica_holding_the_conversation(app):
@@ -373,6 +400,22 @@ def test_overload_is_a_503_not_a_hang(cluster, demo):
         assert 1 <= len(answered) <= 3 and len(answered) + len(refused) == 6, got  # each once: answered or refused
         assert all(out["usage"]["completion_tokens"] == 40 for out in answered), answered
         assert all(out["error"]["code"] == "queue_full" and h["retry-after"] == "1" for out, h in refused), refused
+        assert time.monotonic() - t < 60
+
+
+def test_max_connections_through_the_proxy(cluster, demo):
+    """--max-connections 1: the Ingress takes one request at a time and the proxy queues one more; of
+    5 concurrent long answers the others get Serve's 503 at once, none hangs. (Before: they waited in the proxy's
+    unbounded queue and were all answered.)"""
+    with deployed("conns", "/conns", demo, "--replicas", "1", "--max-connections", "1"):
+        wait_for("/conns/health", lambda: request(cluster, "GET", "/conns/health")[0] == 200, 90)
+        body = json.dumps({**demo_ask(0), "max_tokens": 40}).encode()
+        t = time.monotonic()
+        with ThreadPoolExecutor(5) as pool:
+            got = list(pool.map(lambda _: request(cluster, "POST", "/conns/v1/chat/completions", body), range(5)))
+        answered = [out for status, out, _ in got if status == 200]
+        assert 1 <= len(answered) <= 2 and sum(status == 503 for status, _, _ in got) == 5 - len(answered), got
+        assert all(out["usage"]["completion_tokens"] == 40 for out in answered), answered
         assert time.monotonic() - t < 60
 
 

@@ -27,7 +27,7 @@ import io
 import re
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -64,9 +64,17 @@ class Clip:
     fps: float
     duration: float  # seconds
     _read: Callable[[np.ndarray], list]  # sorted unique indices -> PIL RGB images
+    data: bytes | None = field(default=None, repr=False)  # the file's bytes it was read from (None: frames given)
 
     def frames(self, indices: np.ndarray) -> list:
         return self._read(np.asarray(indices))
+
+    def __reduce__(self):
+        """A clip read from a file's bytes pickles as them and is read from them again where it is unpickled (a Ray
+        Serve replica, serve/ray_app.py): its decoder's state does not cross processes."""
+        if self.data is None:
+            raise TypeError(f"video {self.label}: a clip of frames in memory does not pickle (only one read from bytes)")
+        return read_video, (None, None, self.data, self.label)
 
 
 def sample_indices(clip: Clip, spec: VideoSpec, max_frames: int | None = None) -> np.ndarray:
@@ -169,8 +177,9 @@ def read_video(source, fps: float | None = None, data: bytes | None = None, labe
         raise VideoError(f"{label}: fps is for a folder of frames; a video file has its own rate")
     if not data:
         raise VideoError(f"cannot read video {label}: the file is empty")
-    clip = _pillow_clip(data, label)
-    return clip if clip is not None else _pyav_clip(data, label)
+    clip = _pillow_clip(data, label) or _pyav_clip(data, label)
+    clip.data = data
+    return clip
 
 
 def _check_fps(fps, label: str) -> float:

@@ -41,6 +41,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
 from .errors import APIError, internal, unavailable
+from .limits import KEEP_ALIVE_S
 from .scheduler import Job, QueueFull
 
 log = logging.getLogger("vlmrt.serve")
@@ -177,8 +178,9 @@ class RemoteScheduler:
     def __init__(self, handle, info: dict):
         self.handle = handle.options(stream=True)
         self.max_context, self.max_queue = info["max_context"], info["max_queue"]
-        # a video is opened in the ingress (a Clip reads its frames through its decoder): it does not cross to a replica
-        self.no_video = info["no_video"] or "videos are not served through Ray Serve (vlmrt serve --ray): use vlmrt serve"
+        # a video is fetched, read and checked here (serve/media.py); its Clip crosses to the replica as the file's
+        # bytes, which the replica reads again (runtime/video.py Clip.__reduce__)
+        self.no_video = info["no_video"]
         self.slots = [None] * info["slots"]  # a replica's
         self.relays: dict[Job, asyncio.Task] = {}
         self.counts: Counter = Counter()
@@ -274,7 +276,11 @@ def application(a, bundle: str, **model_options):
         opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": a.slots}
     opts.update(model_options)
     model = serve.deployment(Model).options(name="Model", **opts).bind(a, bundle)
+    # --max-connections N: N requests at once in the ingress (streams included), N more in the proxy's queue (which
+    # also holds requests still being routed: a smaller one refused bursts to an idle ingress), past them Serve's
+    # 503; Serve's proxy has no limit on connections themselves (PROXY_LIMITS)
     return serve.deployment(Ingress).options(name="Ingress", num_replicas=1, max_ongoing_requests=a.max_connections,
+                                             max_queued_requests=a.max_connections,
                                              ray_actor_options={"num_cpus": 0}).bind(model, a, bundle)
 
 
@@ -312,6 +318,19 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+# what of `vlmrt serve`'s connection limits Serve's HTTP proxy (its own uvicorn: ray/serve/_private/http_util.py
+# start_asgi_http_server, no protocol class, no limit_concurrency) cannot hold; said at startup and in docs/server.md
+PROXY_LIMITS = ("vlmrt: through Ray Serve's proxy --head-timeout does not hold (a client's partial request head keeps "
+                "its connection open until the client closes it) and --max-connections limits requests in flight, "
+                "not idle connections: put a proxy with a header timeout and a connection limit in front if clients "
+                "are untrusted")
+
+
+def http_options(host: str, port: int) -> dict:
+    """Serve's HTTP options for the proxy: `vlmrt serve`'s keep-alive (an idle connection closed after KEEP_ALIVE_S)."""
+    return {"host": host, "port": port, "keep_alive_timeout_s": KEEP_ALIVE_S}
+
+
 def run_on_ray(a, bundle: str) -> int:
     from .prepare import exposure_warning, prepare
 
@@ -320,7 +339,7 @@ def run_on_ray(a, bundle: str) -> int:
     start_ray(a.ray)
     port = a.port or free_port(a.host)
     try:
-        serve.start(http_options={"host": a.host, "port": port})
+        serve.start(http_options=http_options(a.host, port))
         print(f"vlmrt: deploying {Path(bundle).name} on Ray Serve ({lo if lo == hi else f'{lo}..{hi}'} replicas x "
               f"{a.slots} slots) ...", file=sys.stderr, flush=True)
         serve.run(application(a, bundle), name=APP, route_prefix="/", blocking=False)
@@ -329,6 +348,7 @@ def run_on_ray(a, bundle: str) -> int:
         raise ValueError(f"the Serve application did not start: {str(e).strip().splitlines()[0]}") from None
     print(f"vlmrt: serving {Path(bundle).name} on http://{a.host}:{port}/ through Ray Serve", file=sys.stderr,
           flush=True)
+    print(PROXY_LIMITS, file=sys.stderr, flush=True)
     warning = exposure_warning(a.host, config.api_keys)
     if warning:
         print(warning, file=sys.stderr, flush=True)
