@@ -95,7 +95,7 @@ def app(cluster, tiny):
     """The tiny bundle on 2 replicas behind the proxy, with an API key and short limits: deployed through the builder
     a Serve config names (import_path vlmrt.serve.ray_app:build)."""
     built = ray_app.build({"bundle": str(tiny.bundle), "replicas": "2",
-                           "args": " ".join([*SERVED, "--api-key", KEY, "--max-body-mb", "0.25", "--body-timeout", "1.5"])})
+                           "args": " ".join([*SERVED, "--slots", "4", "--api-key", KEY, "--max-body-mb", "0.25", "--body-timeout", "1.5"])})
     serve.run(built, name="vlmrt", route_prefix="/", blocking=False)
     wait_for("the app's /health", lambda: request(cluster, "GET", "/health")[0] == 200, 60)
     return cluster
@@ -221,7 +221,7 @@ def test_access_layers_and_limits_through_the_proxy(app):
         status, out, h = chat(app, body, headers)
         assert status == 401 and out["error"]["code"] == "invalid_api_key" and h.get("www-authenticate") == "Bearer"
     assert request(app, "GET", "/v1/models")[0] == 401
-    assert request(app, "GET", "/v1/models", headers=AUTH)[1]["data"][0]["meta"]["slots"] == 2
+    assert request(app, "GET", "/v1/models", headers=AUTH)[1]["data"][0]["meta"]["slots"] == 4
     status, page, h = request(app, "GET", "/")  # open, and never framed
     assert status == 200 and b"sessionStorage" in page and h["x-frame-options"] == "DENY"
     status, health, _ = request(app, "GET", "/health")
@@ -282,7 +282,9 @@ def test_a_video_is_answered_as_vlmrt_serve_answers_it(app, local):
 
 
 def test_follow_ups_go_to_the_replica_holding_the_conversation(app):
-    """8 conversations, 2 at a time (each replica's 2 slots can hold both), each with 2 follow-ups: every follow-up
+    """8 conversations, 2 at a time, each with 2 follow-ups (a replica's 4 slots: a new conversation takes the least
+    recently used slot, never a live conversation's, which is newer than all but the other live one's and at most two
+    started or finished between its turns; with 2 slots a new one could take it, the flake seen once): every follow-up
     reuses its conversation's KV rows, so it ran on the replica that served the earlier turns (the other holds none
     of them: routed at random, each of the 16 would miss with probability 1/2); the new conversations spread over
     both replicas."""
