@@ -1,4 +1,4 @@
-"""Greedy answers of sequences decoding together (runtime/scheduler.py) vs each alone: how often and where they part.
+"""Greedy answers of sequences decoding together (runtime/decode/scheduler.py) vs each alone: how often and where they part.
 
     python -m benchmarks.batch_answers BUNDLE [--batch 16] [--gen 96] [--threads 2] [--min-rows N]
 
@@ -19,8 +19,8 @@ import sys
 import time
 
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.pipeline import VLM
-from vlmrt.runtime.sequence import Sequence
+from vlmrt.runtime.vlm import VLM
+from vlmrt.runtime.decode.sequence import Sequence
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
            "Describe a walk in a forest in autumn.", "What makes a good breakfast? Explain.",

@@ -2,7 +2,7 @@
 
     python -m benchmarks.batch_image_stall BUNDLE [--image P] [--threads 2] [--tokens 200]
 
-Two sequences over one bundle (runtime/scheduler.py, run by the AnswerLoop that runs serve/scheduler.py's slots): sequence A
+Two sequences over one bundle (runtime/decode/scheduler.py, run by the AnswerLoop that runs serve/scheduler.py's slots): sequence A
 decodes a long answer; after A's 10th token, sequence B asks about the image. Prints, as one JSON object, A's
 inter-token gaps before B arrived and while B's image was encoded and prefilled (median, max), B's tiles and the
 time one vision call and the whole image take (the whole image's encode is what A waited in one stretch when a
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vlmrt.runtime.answers import AnswerLoop
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import vlmrt  # noqa: F401,E402  (first: it turns onnxruntime's telemetry off be
 import onnxruntime as ort
 
 from vlmrt.export.batch_dim import add_batch_dim
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
            "Why is the sky blue?", "Name a famous painter.", "What is 12 times 7?", "Describe a cat in one line.",

@@ -30,7 +30,7 @@ def median(xs):
 def measure(bundle: Path, a, work: Path) -> dict:
     from web_browser import SWIFTSHADER_WEBGPU, browser, served
 
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
     from vlmrt.web.site import write_site
 
     site = write_site(bundle, work / f"site-{bundle.name}", force=True, webgpu=a.ep == "webgpu")

@@ -13,7 +13,7 @@ import json
 import statistics
 import sys
 
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 
 def one_run(vlm: VLM, image: str, mode: str, tokens: int) -> dict:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks import compare_gguf, compare_report
-from vlmrt.runtime.kv_cache import context_slots
+from vlmrt.runtime.decode.kv_cache import context_slots
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = Path(__file__).resolve().parent / "runners"

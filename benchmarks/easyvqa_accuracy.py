@@ -55,7 +55,7 @@ def calibration_dir(work: Path) -> Path:
 
 
 def score_vlmrt(bundle: Path, rows, *, mode="hybrid", device="cpu", kv_requant=True) -> dict:
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     vlm = VLM.load(bundle, device=device, kv_requant=kv_requant)
     ids = []

@@ -73,9 +73,9 @@ def main() -> int:
         results = [
             run("manifest (vlmrt.format.manifest.load, verify=True)",
                 lambda c, s, n: manifest_property(base, folder, n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
-            run("image (vlmrt.runtime.image.load_image)",
+            run("image (vlmrt.runtime.media.image.load_image)",
                 lambda c, s, n: image_property(root, n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
-            run("video (vlmrt.runtime.video.read_video on bytes)",
+            run("video (vlmrt.runtime.media.video.read_video on bytes)",
                 lambda c, s, n: video_property(n, counter=c, seed=s), a.minutes * 60, a.examples_per_round),
         ]
         (root / "paths").mkdir()

@@ -4,10 +4,10 @@ side of a decode step (CacheRow.step_token with session.run replaced by a no-op)
 import sys
 import time
 
-from vlmrt.runtime.kv_cache import KVCache
-from vlmrt.runtime.pipeline import VLM
-from vlmrt.runtime.sampler import Sampler, SamplingConfig
-from vlmrt.runtime.step import make_step
+from vlmrt.runtime.decode.kv_cache import KVCache
+from vlmrt.runtime.vlm import VLM
+from vlmrt.runtime.decode.sampler import Sampler, SamplingConfig
+from vlmrt.runtime.decode.step import make_step
 
 vlm = VLM.load(sys.argv[1], threads=2, verify=False)
 m, e = vlm.manifest, vlm.row

@@ -8,8 +8,10 @@ import statistics
 import time
 import types
 
-from vlmrt.runtime import cache_row as row_mod, scheduler as sched_mod, step as step_mod
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.decode import cache_row as row_mod
+from vlmrt.runtime.decode import scheduler as sched_mod
+from vlmrt.runtime.decode import step as step_mod
+from vlmrt.runtime.vlm import VLM
 
 clock = types.SimpleNamespace(perf_counter=time.thread_time)
 sched_mod.time = row_mod.time = step_mod.time = clock

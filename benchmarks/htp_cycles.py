@@ -28,7 +28,7 @@ import numpy as np
 
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.sessions import make_session
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 PROMPT = "Describe a red square and then a blue circle on a white background, please."
 

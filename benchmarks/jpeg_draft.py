@@ -1,4 +1,4 @@
-"""What decoding a large JPEG smaller (Image.draft, runtime/image.py draft_request) changes: for the released processors'
+"""What decoding a large JPEG smaller (Image.draft, runtime/media/image.py draft_request) changes: for the released processors'
 image ops and photo-like JPEGs of several sizes, the decoded pixels, the decode time, and the processor's output
 (every tile / patch row, in 0..255 levels) against a whole decode. docs/limits.md, "Decoded pixels", quotes it.
 
@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from vlmrt.format.manifest import ImageSpec
-from vlmrt.runtime.image import decode_image, preprocess, probe_image
+from vlmrt.runtime.media.image import decode_image, preprocess, probe_image
 
 ROOT = Path(__file__).resolve().parents[1]
 MEAN = [0.5, 0.5, 0.5]

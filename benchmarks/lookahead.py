@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 PROMPTS = {
     "copy: repeat a list": "Repeat this list exactly, one item per line: apple, banana, cherry, date, elderberry, fig, "

@@ -26,9 +26,9 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
 
     from vlmrt.format import manifest as mf
     from vlmrt.runtime.weights import SharedWeights
-    from vlmrt.runtime.decoder_kinds import decoder_kind
-    from vlmrt.runtime.kv_cache import KVCache
-    from vlmrt.runtime.step import PlainStep
+    from vlmrt.runtime.decode.decoder_kinds import decoder_kind
+    from vlmrt.runtime.decode.kv_cache import KVCache
+    from vlmrt.runtime.decode.step import PlainStep
 
     m = mf.load(bundle, verify=False)
     g = m.graphs[graph]
@@ -50,7 +50,7 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
     # (symbolic "ctx") or the whole cache, with the kind's own inputs (a mask, or the step's end slot)
     ctx = kind.context(pos)
     dtype = g.input(dec.embeds_input).dtype
-    # the feeds a plain step's parts give (runtime/step_features.py): the kind's own inputs (a mask, or the step's end
+    # the feeds a plain step's parts give (runtime/decode/step_features.py): the kind's own inputs (a mask, or the step's end
     # slot), logit_rows (the last row's logits, as the runtime asks), token rows (a prompt block's way in: scale 0)
     step = PlainStep(s, kind, cache, ctx, ar, np.dtype(dtype), kind.logits_rows(ar))
     step.buffers.load((np.random.default_rng(0).standard_normal((ar, dec.hidden_size)) * 0.02).astype(dtype),
@@ -94,7 +94,7 @@ def profile_graph(bundle: Path, graph: str, pos: int, steps: int, threads: int) 
 
 def host_overhead(bundle: Path, threads: int) -> dict:
     from vlmrt.bench import make_prompt
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     vlm = VLM.load(bundle, threads=threads, verify=False)
     r = vlm(make_prompt(vlm, None, 256), None, max_new_tokens=64, ignore_eos=True)

@@ -20,7 +20,7 @@ import time
 
 from benchmarks.batch_answers import _cpu
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 
 def main() -> int:

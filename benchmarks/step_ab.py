@@ -3,7 +3,7 @@ min and median over reps. Usage: [G=decode|prefill] [T=threads] [R=reps] [POS=30
 python -m benchmarks.step_ab BUNDLE [BUNDLE ...]. CLOCK=thread with T=1 times the calling thread's CPU time (ORT runs a
 1-thread session on it): what a step costs, much less moved by other processes than wall time on a loaded machine."""
 import sys, time, statistics, numpy as np, os
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 clock = time.thread_time if os.environ.get("CLOCK") == "thread" else time.perf_counter
 graph = os.environ.get("G", "decode"); reps = int(os.environ.get("R", "15")); pos = int(os.environ.get("POS", "300"))
 vlms = {b: VLM.load(b, threads=int(os.environ.get("T", "2")), verify=False) for b in sys.argv[1:]}

@@ -4,7 +4,7 @@ simulator, whose times are an emulator's, not a device's).
 
     python -m benchmarks.verify_step BUNDLE [--device cpu|htp] [--reps 50]
 
-Times the engine's step objects (runtime/cache_row.py: the bound decode step and the bound verify step, as a lookahead
+Times the engine's step objects (runtime/decode/cache_row.py: the bound decode step and the bound verify step, as a lookahead
 run calls them) at the position after a short prompt; 3 rounds of `reps` calls each, medians.
 """
 
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 
 def main() -> None:

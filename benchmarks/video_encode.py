@@ -54,7 +54,7 @@ def main() -> None:
 
     torchvision_ops.declare()
     from vlmrt.export.pipeline import export
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     work = Path(a.work)
     ckpt, bundle, gif = work / "ckpt", work / "bundle", work / f"clip{a.seconds}.gif"

@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 from vlmrt.format import manifest as mf
-from vlmrt.runtime import image as img_ops
+from vlmrt.runtime.media import image as img_ops
 
 OPT = {"all": "ORT_ENABLE_ALL", "extended": "ORT_ENABLE_EXTENDED", "basic": "ORT_ENABLE_BASIC", "none": "ORT_DISABLE_ALL"}
 DEFAULT_VARIANTS = "fp32,w8a8,w8a16,fp16,i8dyn,fp32/basic,w8a8/basic,w8a8/extended,w8a8/tiles2"

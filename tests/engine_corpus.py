@@ -179,7 +179,7 @@ def bundle(family: str, case_name: str, precision: str, tmp_path_factory) -> Pat
 
 # --- the runtime (the only part a refactor of the engine's entry points changes) -----------------------------------
 def load(path: Path, device: str = "cpu", lookahead: int = 0):
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     return VLM.load(path, device=device, threads=THREADS, lookahead=lookahead)
 
@@ -220,7 +220,7 @@ class Oracle:
 @contextmanager
 def oracle_drafts(answer: list[int], vocab: int):
     """Oracle in place of PromptLookup wherever the runtime imported it, drafting answer."""
-    from vlmrt.runtime import lookahead as lookahead_module
+    from vlmrt.runtime.decode import lookahead as lookahead_module
 
     Oracle.answer, Oracle.vocab = answer, vocab
     real = lookahead_module.PromptLookup
@@ -251,7 +251,7 @@ def batched(path: Path, plan: list[tuple[list[dict], dict, int]], only: int | No
     rows of its batched decode calls [steps, vocab] (None: no batch))."""
     from vlmrt.runtime.answers import AnswerLoop
     from vlmrt.runtime.bundle import Bundle
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     vlms = VLM.slots(Bundle.open(path, threads=THREADS), len(plan))
     sched = vlms[0].scheduler

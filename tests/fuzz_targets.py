@@ -1,6 +1,6 @@
 """Property-based fuzzing (hypothesis) of the loaders that read untrusted files: the manifest loader
-(vlmrt.format.manifest.load), the image loader (vlmrt.runtime.image.load_image) and the video reader
-(vlmrt.runtime.video.read_video on bytes). For any input they either work or raise vlmrt's own error (BundleError /
+(vlmrt.format.manifest.load), the image loader (vlmrt.runtime.media.image.load_image) and the video reader
+(vlmrt.runtime.media.video.read_video on bytes). For any input they either work or raise vlmrt's own error (BundleError /
 ImageError / VideoError) — never another exception — and what they accept stays within the rules (bundle paths inside
 the bundle; images RGB, at most MAX_IMAGE_PIXELS; videos decoded only by the allowed demuxers, every container closed).
 And the prompt builder on untrusted message text (prompt_property): a control token's string in it never
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vlmrt.format import manifest as mf
-from vlmrt.runtime import image as img_ops
+from vlmrt.runtime.media import image as img_ops
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "images"
 PATHISH = ["..", "../x", "/etc/passwd", "a/../../b", "./tokenizer.json", "tokenizer.json/", "", "\x00", "a\\..\\b",
@@ -261,8 +261,8 @@ def prompt_property(spec, tokenizer, max_examples: int, counter: list | None = N
     to the rendered text, holds as many control tokens as the same conversation with plain texts (the template's
     own), and equals the old tokenization where no text holds a control-token string; or the conversation is refused
     for the image placeholder, with the option too."""
-    from vlmrt.runtime.conversation import ChatTemplate, ConversationError, control_strings, parse_messages
-    from vlmrt.runtime.prompt import build
+    from vlmrt.runtime.prompt.conversation import ChatTemplate, ConversationError, control_strings, parse_messages
+    from vlmrt.runtime.prompt.build import build
 
     cs = control_strings(tokenizer)
     specials = {tokenizer.token_to_id(s) for s in cs}
@@ -332,7 +332,7 @@ def check_video(data: bytes, counter: list | None = None) -> None:
     import av
     import numpy as np
 
-    from vlmrt.runtime import video as V
+    from vlmrt.runtime.media import video as V
 
     if counter is not None:
         counter[0] += 1

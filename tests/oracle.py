@@ -222,7 +222,7 @@ def text_equals_transformers(fam: OracleFamily, ckpt: Path, bundle: Path, prompt
     Returns (prompt + greedy ids, transformers' logits [n, vocab])."""
     import torch
 
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     model = load_model(fam, ckpt)
     prompt_ids, _, want = generate(fam, ckpt, None, prompt, n, ignore_eos=True, model=model)

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from vlmrt.runtime.pipeline import VLM  # noqa: E402
+from vlmrt.runtime.vlm import VLM  # noqa: E402
 from vlmrt.serve.command import Running, add_parser, build  # noqa: E402
 
 TEXT = {"role": "user", "content": "hi"}

@@ -16,8 +16,8 @@ import pytest
 
 from test_errors import assert_one_line_error, in_process
 from vlmrt.format import manifest as mf
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime import video as V
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.media import video as V
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 IMAGES = json.loads((CORPUS / "images.json").read_text())

@@ -229,7 +229,7 @@ def job(demo_model, tmp_path_factory):
     pytest.importorskip("easy_vqa")
     from http_images import serve_images
     from vlmrt.demo import easyvqa_data as ev
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     bundle = demo_model[1]
     tmp = tmp_path_factory.mktemp("batch")

@@ -20,7 +20,7 @@ from PIL import Image
 from http_images import serve_images
 from vlmrt import cli
 from vlmrt.batch import records
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 
 def png(i: int) -> bytes:

@@ -17,10 +17,10 @@ from vlmrt.format.manifest import (
     RowsDynamicKind,
     RowsStaticKind,
 )
-from vlmrt.runtime import lookahead
-from vlmrt.runtime.cache_row import DecoderConfig, DecoderSessions
-from vlmrt.runtime.scheduler import Scheduler
-from vlmrt.runtime.kv_cache import HEADS, KVCache
+from vlmrt.runtime.decode import lookahead
+from vlmrt.runtime.decode.cache_row import DecoderConfig, DecoderSessions
+from vlmrt.runtime.decode.scheduler import Scheduler
+from vlmrt.runtime.decode.kv_cache import HEADS, KVCache
 
 H, V = 8, 19
 LAYERS = [AttentionLayer("attention", 2, 4, "k0", "v0", "nk0", "nv0"),  # kv_dim 8

@@ -1,9 +1,9 @@
-"""The typed prompt (runtime/chunks.py): the one splice, the prefix cache's row keys, token vs position counts."""
+"""The typed prompt (runtime/prompt/chunks.py): the one splice, the prefix cache's row keys, token vs position counts."""
 
 import numpy as np
 import pytest
 
-from vlmrt.runtime.chunks import ImageChunk, Prompt, TextChunk
+from vlmrt.runtime.prompt.chunks import ImageChunk, Prompt, TextChunk
 
 
 def image(ids, key, embeds=None):

@@ -10,7 +10,7 @@ import pytest
 
 from vlmrt.format import manifest as mf
 from vlmrt.format import verify_record
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ import pytest
 from family_cases import FAMILIES
 from vlmrt import cli
 from vlmrt.format.manifest import PromptSpec
-from vlmrt.runtime.conversation import ChatTemplate, ConversationError, Literal, control_strings, parse_messages
-from vlmrt.runtime.pipeline import VLM
-from vlmrt.runtime.prompt import build
+from vlmrt.runtime.prompt.conversation import ChatTemplate, ConversationError, Literal, control_strings, parse_messages
+from vlmrt.runtime.vlm import VLM
+from vlmrt.runtime.prompt.build import build
 
 pytest.importorskip("transformers")
 pytest.importorskip("torch")

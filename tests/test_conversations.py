@@ -17,8 +17,8 @@ from conftest import CASES, exported, image_file
 from http_images import serve_images
 from vlmrt import cli
 from vlmrt.cli.options import stats_report
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -357,14 +357,14 @@ def test_bad_image_sources_give_one_error_line(default_bundle, capsys, tmp_path)
                             ("/big", "byte limit")):
             line = one_error_line(capsys, *run, "--image", url + path) if path != "/big" else None
             if path == "/big":  # the byte cap, set small for the test through the Python API
-                from vlmrt.runtime.sources import FetchLimits
+                from vlmrt.runtime.media.sources import FetchLimits
 
                 vlm = VLM.load(b, fetch=FetchLimits(max_bytes=1000))
                 with pytest.raises(img_ops.ImageError, match="byte limit"):
                     list(vlm.chat([oai([url + path], "Hi")], max_new_tokens=1))
                 continue
             assert words in line and url + path in line, line
-        from vlmrt.runtime.sources import FetchLimits
+        from vlmrt.runtime.media.sources import FetchLimits
 
         vlm = VLM.load(b, fetch=FetchLimits(timeout_s=0.5))
         with pytest.raises(img_ops.ImageError, match="timed out"):
@@ -374,7 +374,7 @@ def test_bad_image_sources_give_one_error_line(default_bundle, capsys, tmp_path)
 def test_a_url_that_drips_its_bytes_is_cut_off_at_the_deadline(default_bundle):
     """Every read arrives within the read timeout, but the whole fetch may not take longer than total_s (a server
     could hold a request, or `vlmrt serve`'s image threads, for as long as it dripped)."""
-    from vlmrt.runtime.sources import FetchLimits
+    from vlmrt.runtime.media.sources import FetchLimits
 
     vlm = VLM.load(default_bundle.bundle, fetch=FetchLimits(timeout_s=0.5, total_s=1.0))
     with serve_images({"/drip": ("drip", 0.1, 100)}) as url:
@@ -430,7 +430,7 @@ def test_stop_strings_cut_the_answer_and_end_generation(default_bundle):
 
 
 def test_stop_strings_held_back_across_pieces():
-    from vlmrt.runtime.stop_strings import StopStrings
+    from vlmrt.runtime.prompt.stop_strings import StopStrings
 
     cut = StopStrings(["END", "xyz"])
     out = [cut.feed(p) for p in ("ab", "cE", "N", "Dfoo")]

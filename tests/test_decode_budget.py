@@ -15,8 +15,8 @@ from PIL import Image
 import amplify
 from test_errors import assert_one_line_error, in_process
 from vlmrt.format import manifest as mf
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.vlm import VLM
 
 
 @pytest.mark.parametrize("fmt", sorted(amplify.FORMATS))

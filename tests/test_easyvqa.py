@@ -144,15 +144,15 @@ def quantized(checkpoint, quant: str, tmp_path_factory) -> Path:
 
 
 def accuracy(bundle: Path) -> float:
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     vlm = VLM.load(bundle)
     return ev.score(lambda im, q: vlm(q, im, max_new_tokens=8).text, ev.select("test", N_CI))["accuracy"]
 
 
 def test_runtime_prompt_is_the_training_prompt(cache):
-    from vlmrt.runtime.image import load_image, preprocess
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.media.image import load_image, preprocess
+    from vlmrt.runtime.vlm import VLM
 
     vlm = VLM.load(cache[1])
     tiles = preprocess(load_image(SAMPLE), vlm.manifest.image)
@@ -171,7 +171,7 @@ def test_quantized_accuracy_floor(checkpoint, quant, tmp_path_factory):
 
 
 def test_answers_depend_on_the_image(cache):
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     vlm = VLM.load(cache[1])
     rows = [r for r in ev.load_split("test") if r[0] == "what color is the shape?"]

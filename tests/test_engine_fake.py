@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from vlmrt.format.manifest import DecoderSpec, KVSpec, PositionsSpec, RowsDynamicKind, RowsStaticKind, attention_layers
-from vlmrt.runtime.cache_row import ContextOverflow, DecoderConfig, DecoderSessions
-from vlmrt.runtime.scheduler import Scheduler
-from vlmrt.runtime.kv_cache import attention_mask
-from vlmrt.runtime.sampler import Sampler, SamplingConfig
+from vlmrt.runtime.decode.cache_row import ContextOverflow, DecoderConfig, DecoderSessions
+from vlmrt.runtime.decode.scheduler import Scheduler
+from vlmrt.runtime.decode.kv_cache import attention_mask
+from vlmrt.runtime.decode.sampler import Sampler, SamplingConfig
 
 H, V, D = 8, 23, 8
 

@@ -63,7 +63,7 @@ def test_human_output_has_stats_report(default_bundle):
 def test_one_token_answer_reports_no_decode_rate():
     """A one-token answer came from prefill alone: the report says so instead of "0.0 tokens/s"."""
     from vlmrt import chat_repl, cli
-    from vlmrt.runtime.pipeline import Result, RunStats
+    from vlmrt.runtime.vlm import Result, RunStats
 
     one = Result(stats=RunStats(prompt_tokens=9, generated_tokens=1, stop_reason="eos"))
     assert "none (the one token came from prefill)" in stats_report(one)
@@ -78,7 +78,7 @@ def test_first_use_build_is_reported_apart():
     """The default model's first-use build (its own process) is a line of its own after the answer's figures, never
     their peak RSS (issue 43); without a build the report has no such line."""
     from vlmrt.demo.default_model import BuildReport
-    from vlmrt.runtime.pipeline import Result, RunStats
+    from vlmrt.runtime.vlm import Result, RunStats
 
     r = Result(stats=RunStats(prompt_tokens=21, generated_tokens=1, stop_reason="eos", peak_rss_mb=716.2))
     lines = stats_report(r, BuildReport(124.31, 4285.4)).splitlines()

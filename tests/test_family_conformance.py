@@ -17,10 +17,10 @@ from family_cases import FAMILIES, all_cases, nested
 import oracle
 from family_runner import cli_json, hf_run
 from vlmrt import families
-from vlmrt.runtime import image as img_ops
+from vlmrt.runtime.media import image as img_ops
 from vlmrt.runtime.answers import AnswerLoop
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("transformers")
 

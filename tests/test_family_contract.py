@@ -142,10 +142,10 @@ def test_a_broken_family_fails_the_export_in_one_line(default_bundle, tmp_path, 
     out = tmp_path / "b"
     assert cli.main(["export", str(default_bundle.ckpt), str(out), "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    from vlmrt.runtime.image import TILING
+    from vlmrt.runtime.media.image import TILING
 
     assert err == ["vlmrt: error: family smolvlm: tiling 'square_grid' is not a host op of the runtime "
-                   f"({', '.join(TILING)}; runtime/image.py TILING) (a bug in "
+                   f"({', '.join(TILING)}; runtime/media/image.py TILING) (a bug in "
                    "vlmrt.families.smolvlm, not in the checkpoint)"], err
     assert not out.exists() and list(tmp_path.iterdir()) == []
 

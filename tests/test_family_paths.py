@@ -20,7 +20,7 @@ from PIL import Image
 from family_cases import FAMILIES
 from family_runner import three_images
 from vlmrt import cli
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("transformers")
 

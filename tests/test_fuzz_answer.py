@@ -17,8 +17,8 @@ from PIL import Image
 
 from vlmrt import cli
 from vlmrt.format import manifest as mf
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.vlm import VLM
 
 IMAGE = None  # set by the fixture: the picture every answer is about
 

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 
 from conftest import image_file  # noqa: E402
-from vlmrt.runtime.pipeline import VLM  # noqa: E402
+from vlmrt.runtime.vlm import VLM  # noqa: E402
 
 PROMPTS = [("Describe the picture.", "chelsea.png"), ("Repeat: one two three, one two three, one two", None)]
 

@@ -8,9 +8,9 @@ import pytest
 from vlmrt.format import manifest as mf
 from vlmrt.format.manifest import KVSpec, attention_layers
 from vlmrt.runtime.weights import EmbeddingRows
-from vlmrt.runtime.step_features import StepMask
-from vlmrt.runtime.embedding import TokenEmbedding
-from vlmrt.runtime.kv_cache import KVCache, attention_mask
+from vlmrt.runtime.decode.step_features import StepMask
+from vlmrt.runtime.decode.embedding import TokenEmbedding
+from vlmrt.runtime.decode.kv_cache import KVCache, attention_mask
 
 from test_engine_fake import make_engine
 from test_quant import bundle
@@ -51,7 +51,7 @@ def test_token_row_in_place_equals_embed(default_bundle, tmp_path):
 
 def test_int8_row_read_into_equals_row(tmp_path):
     """EmbeddingRows.read_into (a decode step's pread into the bound int8 input) and the ndarray table's reader."""
-    from vlmrt.runtime.embedding import _ndarray_reader
+    from vlmrt.runtime.decode.embedding import _ndarray_reader
 
     q = np.random.default_rng(2).integers(-127, 128, (50, 24)).astype(np.int8)
     np.save(tmp_path / "q.npy", q)
@@ -68,7 +68,7 @@ def test_token_rows_step_equals_embeds_step(tmp_path_factory, bind):
     row x scale gives bit for bit the logits, argmax and cache rows of the host's own multiply fed as inputs_embeds,
     step after step and across switches between the two (a kv-mode prompt, lookahead drafts and image rows come as
     inputs_embeds), bound and plain; greedy answers through it equal the host-multiply path's."""
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     b = bundle("w4a8", tmp_path_factory)
     vlm = VLM.load(b, verify=False)

@@ -21,8 +21,8 @@ from conftest import image_file, on_npu
 from test_errors import assert_one_line_error, in_process
 from test_quant import bundle
 from vlmrt.format import manifest as mf
-from vlmrt.runtime.kv_cache import attention_mask
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.decode.kv_cache import attention_mask
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime_qnn")

@@ -22,7 +22,7 @@ from vlmrt.export.htp import precisions as htp_precisions, int4_blocks
 from vlmrt.export.cpu import offsets as quantize_offsets
 from vlmrt.format.checks import check_decoder
 from vlmrt.runtime.sessions import make_session
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("torch")
 

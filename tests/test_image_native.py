@@ -1,4 +1,4 @@
-"""The native-resolution image op (runtime/image_native.py) against transformers' Qwen2VLImageProcessorPil, the
+"""The native-resolution image op (runtime/media/image_native.py) against transformers' Qwen2VLImageProcessorPil, the
 processor of Qwen2-VL, Qwen2.5-VL and Qwen3-VL: patches bit-exact, the same grid, at many sizes and aspect ratios,
 and the patch budget's resize."""
 
@@ -10,8 +10,8 @@ from PIL import Image
 
 from conftest import IMAGES, image_file
 from vlmrt.format.manifest import ImageSpec
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime import image_native as native
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.media import image_native as native
 
 pytest.importorskip("transformers")
 

@@ -15,8 +15,8 @@ from family_cases import CASES, exported
 from family_runner import cli_json, hf_greedy_from_ids
 from vlmrt import cli
 from vlmrt.export.pipeline import export
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -132,7 +132,7 @@ def test_htp_target_qwen3_qknorm_rmsnorm_vit(tmp_path_factory):
     at load. With a lookahead verify graph (--lookahead-ar 5; refused before: ONNX shape inference stops at the
     fused q/k norms, htp_verify._rows_like), lookahead on the CPU EP gives plain decoding's ids."""
     from vlmrt.eval import accuracy, samples
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     case = CASES[2]
     ex = exported(case, tmp_path_factory)

@@ -1,8 +1,8 @@
 """No code outside a kind's own class asks which kind it has (issue 44 item 2): the runtime (runtime/, serve/, batch/)
 and the manifest's cross-field checks (format/checks.py) never compare a decoder kind's or a cache layer kind's name,
 never test a cache layer's class, and never read a decoder kind's optional parts with getattr (they are explicit:
-manifest.KindParts, each kind's parts()). A kind's behaviour lives in its class: runtime/decoder_kinds.py,
-runtime/state_kinds.py, the kind's dataclass in format/manifest.py. On main 6bf0bd2 this finds 15 name or class
+manifest.KindParts, each kind's parts()). A kind's behaviour lives in its class: runtime/decode/decoder_kinds.py,
+runtime/decode/state_kinds.py, the kind's dataclass in format/manifest.py. On main 6bf0bd2 this finds 15 name or class
 branches (format/checks.py, runtime/bundle.py, decoder_kinds.py's conv branches, kv_cache.py's isinstance) and 11
 getattr reads (decoder_kinds.py, checks.py, batch_engine.py, pipeline.py). The scan also covers eval/, web/'s Python,
 export/ and cli/: on main 864ccf6 it finds there eval/reference.py's attention-name test and three getattr reads,

@@ -1,4 +1,4 @@
-"""The graph side (families/layers.py) and the host side (runtime/kv_cache.py) of the KV cache agree.
+"""The graph side (families/layers.py) and the host side (runtime/decode/kv_cache.py) of the KV cache agree.
 
 The torch decoder run once over a whole sequence (empty cache) must give the same logits as the
 same decoder stepped through the sequence with the runtime's KVCache writing the returned rows
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from vlmrt.families.layers import CausalDecoder  # noqa: E402
 from vlmrt.families.rope import Rope  # noqa: E402
 from vlmrt.format.manifest import KVSpec, attention_layers  # noqa: E402
-from vlmrt.runtime.kv_cache import HEADS as HEADS_LAYOUT, KVCache, attention_mask  # noqa: E402
+from vlmrt.runtime.decode.kv_cache import HEADS as HEADS_LAYOUT, KVCache, attention_mask  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, CTX = 2, 32, 4, 2, 8, 50, 24
 

@@ -1,5 +1,5 @@
 """LFM2-VL against transformers on tiny random checkpoints (tests/fixtures_lfm2_vl.py): the vision graph (SigLIP2
-NaFlex + projector, host-made position weights and key mask: runtime/naflex.py) per tile of many sizes; the image text;
+NaFlex + projector, host-made position weights and key mask: runtime/media/naflex.py) per tile of many sizes; the image text;
 the exported bundles (tests/family_cases.py LFM2_CASES, which test_family_conformance.py holds to generate in every
 decoder kind) with images of different sizes in one prompt, lookahead rejections and a follow-up turn's prefix reuse
 leaving the conv and K/V rows plain decoding's."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime import naflex
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.media import naflex
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
@@ -113,14 +113,14 @@ def test_vision_graph_equals_transformers(ckpt, hf, vision, tmp_path):
 
 
 def test_prompt_markers_equal_processor(ckpt, hf):
-    """The image text (runtime/prompt.py tile_markers: start/end, <|img_row_R_col_C|> per tile, <|img_thumbnail|>,
+    """The image text (runtime/prompt/build.py tile_markers: start/end, <|img_row_R_col_C|> per tile, <|img_thumbnail|>,
     the image-token runs) from vlmrt's own tiling, tokenized, equals the processor's input ids for one user turn with
     single and tiled images, and two images in one turn."""
     from tokenizers import Tokenizer
 
     from fixtures_lfm2_vl import IMAGE, IMAGE_END, IMAGE_START, THUMBNAIL, hf_inputs, image_spec
     from vlmrt.format.manifest import PromptSpec
-    from vlmrt.runtime.prompt import tile_markers
+    from vlmrt.runtime.prompt.build import tile_markers
 
     pre = json.loads((ckpt / "preprocessor_config.json").read_text())
     spec = image_spec(pre)
@@ -198,8 +198,8 @@ def test_lookahead_rejections_leave_plain_state(bundle, monkeypatch):
     and leaves every K/V and conv row plain decoding's (to the float rounding of a batched step). The random model
     copies nothing from its prompt, so the drafter looks up its drafts in the prompt's ids followed by plain
     decoding's answer with every fourth token wrong (Scheduler.generate's prompt_ids: only drafting reads them)."""
-    from vlmrt.runtime import lookahead
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.decode import lookahead
+    from vlmrt.runtime.vlm import VLM
 
     # 2-grams too (every 3-gram of the lookup that the answer meets ends just before a wrong token) and a short
     # back-off, so that the 24 steps verify several partly accepted blocks
@@ -224,7 +224,7 @@ def test_follow_up_turn_reuses_conv_rows(bundle):
     """Turn 2 of a chat keeps the common prefix of turn 1's slots (the image, the prompt; fewer than the cache holds
     when the answer re-tokenizes otherwise) and feeds the rest: its ids are transformers' on the whole conversation,
     and its cache (K/V and conv rows) is a fresh run's."""
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     model, proc = bundle.hf()
     im = tiles_of((150, 220))

@@ -1,7 +1,7 @@
 """LFM2-VL on the HTP target (family_cases.LFM2_CASES[0]'s checkpoint): the conv rows are uint8 cache state like K/V,
 with one (scale, zero point) per conv layer and graph (kv.encodings[graph]["conv"], calibrated from the rows each
 graph writes: export/htp/calibrate.py RowsRecorder), the rows before slot 0 hold the reading graph's zero point and
-hybrid mode re-quantizes prefill's rows to decode's (runtime/kv_cache.py). The bundle runs on the QNN HTP simulator
+hybrid mode re-quantizes prefill's rows to decode's (runtime/decode/kv_cache.py). The bundle runs on the QNN HTP simulator
 with the CPU fallback off."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from conftest import on_npu
 from family_cases import LFM2_CASES, lfm2_exported
 from vlmrt.export.pipeline import export
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")

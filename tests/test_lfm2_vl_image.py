@@ -1,4 +1,4 @@
-"""LFM2-VL's host image op (runtime/image.py `naflex_tiles`, runtime/aa_resize.py) against transformers'
+"""LFM2-VL's host image op (runtime/media/image.py `naflex_tiles`, runtime/media/aa_resize.py) against transformers'
 Lfm2VlImageProcessor (the torchvision one, tests/torchvision_ops.py): pixel values, patch masks, patch grids and the
 tile grid equal the processor's, bit for bit, for small and tiled images of many sizes and aspect ratios."""
 
@@ -10,8 +10,8 @@ from PIL import Image
 
 from conftest import IMAGES, image_file
 from vlmrt.format.manifest import ImageSpec
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.aa_resize import resize as aa_resize
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.media.aa_resize import resize as aa_resize
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")

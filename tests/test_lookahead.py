@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from test_engine_fake import V, make_engine, reference_greedy
 
-from vlmrt.runtime import lookahead
-from vlmrt.runtime.lookahead import MIN_GAIN, PromptLookup
-from vlmrt.runtime.sampler import Sampler, SamplingConfig
+from vlmrt.runtime.decode import lookahead
+from vlmrt.runtime.decode.lookahead import MIN_GAIN, PromptLookup
+from vlmrt.runtime.decode.sampler import Sampler, SamplingConfig
 
 
 def test_prompt_lookup_copies_what_followed_the_latest_ngram():

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import image_file
-from vlmrt.runtime import lookahead
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.decode import lookahead
+from vlmrt.runtime.vlm import VLM
 
 PROMPTS = [
     ("Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana.", None),

@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from vlmrt.format.manifest import KVSpec, attention_layers
-from vlmrt.runtime.kv_cache import KVCache, zeroed
+from vlmrt.runtime.decode.kv_cache import KVCache, zeroed
 
 from test_quant import bundle
 
@@ -67,7 +67,7 @@ def test_load_only_weights_unmapped_after_load(tmp_path_factory, tmp_path):
     import json
     import shutil
 
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     b = bundle("w4a8", tmp_path_factory)
     vlm = VLM.load(b, verify=False)

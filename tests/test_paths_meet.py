@@ -16,8 +16,8 @@ from PIL import Image
 from session_hooks import DecoderCallHook
 from vlmrt.format import manifest as mf
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.pipeline import VLM
-from vlmrt.runtime import lookahead as lookahead_module
+from vlmrt.runtime.vlm import VLM
+from vlmrt.runtime.decode import lookahead as lookahead_module
 
 
 def picture(i: int, w: int = 96) -> Image.Image:

@@ -18,7 +18,7 @@ from vlmrt.format import manifest as mf
 from vlmrt.export.pipeline import export
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.sessions import make_session
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime_qnn")

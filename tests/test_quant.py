@@ -20,8 +20,8 @@ from vlmrt.eval import accuracy, samples
 from vlmrt.export.cpu import quantize
 from vlmrt.export.pipeline import export
 from vlmrt.format.manifest import KVSpec, attention_layers
-from vlmrt.runtime.kv_cache import KVCache
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.decode.kv_cache import KVCache
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("torch")
 
@@ -163,7 +163,7 @@ def test_weight_only_bundle_equals_transformers_on_fake_quantized_weights(kind, 
     modes, and teacher-forced along transformers' 12 greedy ids (measured max |diff| ~1e-5 of logits ~3)."""
     import torch
 
-    from vlmrt.runtime import image as img_ops
+    from vlmrt.runtime.media import image as img_ops
 
     b = bundle(kind, tmp_path_factory)
     m = json.loads((b / "manifest.json").read_text())
@@ -317,7 +317,7 @@ def test_htp_simulator_runs_every_graph_on_the_npu(tmp_path_factory, capsys):
     """--device htp: QNN EP HTP backend (the x86-64 simulator here) with CPU fallback disabled. Graphs that
     did not fit the HTP would fail to load. Outputs match the CPU EP's QDQ simulation (measured: logits
     within 0.21 of magnitude ~3, KV rows within 3 uint8 steps, same argmax)."""
-    from vlmrt.runtime import image as img_ops
+    from vlmrt.runtime.media import image as img_ops
 
     b = bundle("htp", tmp_path_factory)
     cpu, npu = VLM.load(b, device="cpu"), VLM.load(b, device="htp")
@@ -472,7 +472,7 @@ def test_kv_edges_take_the_cache_encoding_even_when_calibration_saw_an_empty_cac
 
 def image_embeds(b, image) -> np.ndarray:
     """The vision graph's rows for every tile of image: [tiles * tokens, hidden]."""
-    from vlmrt.runtime import image as img_ops
+    from vlmrt.runtime.media import image as img_ops
 
     v = VLM.load(b)
     return v.encode_image(img_ops.preprocess(img_ops.load_image(image), v.manifest.image).pixels)

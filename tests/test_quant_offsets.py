@@ -87,8 +87,8 @@ def test_w4a16o_bundle_equals_transformers_on_fake_quantized_weights(tmp_path_fa
 
     import torch
 
-    from vlmrt.runtime import image as img_ops
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.media import image as img_ops
+    from vlmrt.runtime.vlm import VLM
 
     b = bundle("vision=w8a16,prefill=w4a16o,decode=w4a16o,lm_head=w4a16o", tmp_path_factory)  # all float compute
     m = json.loads((b / "manifest.json").read_text())

@@ -1,5 +1,5 @@
 """Qwen2.5-VL / Qwen3-VL decoding in torch against transformers on tiny random checkpoints: the host's M-RoPE
-positions (runtime/mrope.py) equal `get_rope_index`; our vision tower + M-RoPE decoder with DeepStack
+positions (runtime/prompt/mrope.py) equal `get_rope_index`; our vision tower + M-RoPE decoder with DeepStack
 (families/qwen_vl/language.py), prompt processed whole then decoded token by token over its own K/V rows (positions
 continuing at the prompt's largest + 1), give transformers' logits and 24 greedy ids equal to `generate`, with two
 images of different grids; DeepStack left out is caught."""
@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from fixtures_qwen import EOS_ID, IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, loaded, make_model  # noqa: E402
 from test_qwen_vision import MASK, ops, params, patches_of  # noqa: E402
 from vlmrt.families.qwen_vl import vision  # noqa: E402
-from vlmrt.runtime import mrope  # noqa: E402
-from vlmrt.runtime import vision_inputs as vi  # noqa: E402
+from vlmrt.runtime.prompt import mrope  # noqa: E402
+from vlmrt.runtime.media import vision_inputs as vi  # noqa: E402
 
 KINDS = ("qwen2_5_vl", "qwen3_vl")
 

@@ -1,4 +1,4 @@
-"""The Qwen2.5-VL / Qwen3-VL vision towers: the host-computed grid inputs (runtime/vision_inputs.py) equal
+"""The Qwen2.5-VL / Qwen3-VL vision towers: the host-computed grid inputs (runtime/media/vision_inputs.py) equal
 transformers' vision_utils; our static tower (families/qwen_vl/vision.py) fed with them, in torch and exported as
 one ONNX graph padded to a patch budget, equals transformers' vision tower on tiny random checkpoints; a window order
 left out is caught."""
@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 from fixtures_qwen import loaded, vision_graph  # noqa: E402
 from vlmrt.families.qwen_vl import vision  # noqa: E402
 from test_image_native import spec  # noqa: E402
-from vlmrt.runtime import image_native as native  # noqa: E402
-from vlmrt.runtime import vision_inputs as vi  # noqa: E402
+from vlmrt.runtime.media import image_native as native  # noqa: E402
+from vlmrt.runtime.media import vision_inputs as vi  # noqa: E402
 
 KINDS = ("qwen2_5_vl", "qwen3_vl")
 MASK = float(np.finfo(np.float32).min)

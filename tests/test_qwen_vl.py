@@ -20,10 +20,10 @@ torch = pytest.importorskip("torch")
 
 import oracle  # noqa: E402
 from conftest import image_file  # noqa: E402
-from vlmrt.runtime import positions as pos_ops  # noqa: E402
-from vlmrt.runtime import vision_inputs  # noqa: E402
-from vlmrt.runtime.chunks import Prompt  # noqa: E402
-from vlmrt.runtime.pipeline import VLM  # noqa: E402
+from vlmrt.runtime.prompt import positions as pos_ops  # noqa: E402
+from vlmrt.runtime.media import vision_inputs  # noqa: E402
+from vlmrt.runtime.prompt.chunks import Prompt  # noqa: E402
+from vlmrt.runtime.vlm import VLM  # noqa: E402
 
 PROMPT = "Compare the two images. What differs?"
 STEPS = 24

@@ -13,7 +13,7 @@ import pytest
 from family_cases import QWEN_CASES
 from test_qnn_context import TIE
 from vlmrt.format import manifest as mf
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -72,7 +72,7 @@ def test_a_tied_heads_rows_are_the_embedding_tables_bytes(case, tied, tmp_path_f
 
     from conftest import CASES, exported
     from vlmrt.export.pipeline import export
-    from vlmrt.runtime.pipeline import VLM
+    from vlmrt.runtime.vlm import VLM
 
     ex = exported(CASES[case], tmp_path_factory)
     b = export(str(ex.ckpt), tmp_path_factory.mktemp("tied") / "b", prefill_ar=ex.case.prefill_ar,

@@ -10,13 +10,13 @@ import pytest
 import vlmrt
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.weights import SharedWeights
-from vlmrt.runtime.pipeline import VLM
-from vlmrt.runtime.step import BoundStep
+from vlmrt.runtime.vlm import VLM
+from vlmrt.runtime.decode.step import BoundStep
 
 
 class RunOnly:
     """An ORT session seen through run() alone, as the engine sees the reference's torch modules: it takes the
-    plain step path (runtime/step.py PlainStep) instead of binding."""
+    plain step path (runtime/decode/step.py PlainStep) instead of binding."""
 
     def __init__(self, session):
         self.session = session

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-from vlmrt.runtime.sampler import Sampler, SamplingConfig
+from vlmrt.runtime.decode.sampler import Sampler, SamplingConfig
 
 torch = pytest.importorskip("torch")
 lp = pytest.importorskip("transformers.generation.logits_process")

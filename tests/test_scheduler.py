@@ -1,4 +1,4 @@
-"""The scheduler (runtime/scheduler.py) on the tiny exported bundle: sequences that decode together through one
+"""The scheduler (runtime/decode/scheduler.py) on the tiny exported bundle: sequences that decode together through one
 decoder call per round answer exactly what each answers alone (greedy ids, seeded sampling), with prompts of
 several prefill blocks interleaved with the others' decode steps, sequences that start late and finish early; the
 batch worker (`vlmrt batch`'s Answerer) answers as one VLM does, a failing record alone failing; the graph's batch
@@ -18,11 +18,11 @@ from vlmrt.batch.worker import Answerer
 from vlmrt.format.manifest import RowsDynamicKind
 from vlmrt.runtime.answers import AnswerLoop
 from vlmrt.runtime.bundle import Bundle
-from vlmrt.runtime.decoder_kinds import decoder_kind
-from vlmrt.runtime.kv_cache import KVCache
-from vlmrt.runtime.pipeline import VLM
-from vlmrt.runtime.sampler import Sampler, SamplingConfig
-from vlmrt.runtime.sequence import Sequence
+from vlmrt.runtime.decode.decoder_kinds import decoder_kind
+from vlmrt.runtime.decode.kv_cache import KVCache
+from vlmrt.runtime.vlm import VLM
+from vlmrt.runtime.decode.sampler import Sampler, SamplingConfig
+from vlmrt.runtime.decode.sequence import Sequence
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from serve_client import (  # noqa: F401  (fixtures: tiny, server, vlm, client)
     openai,
     HOLDER, TEXT, Running, ask, busy_slots, client, direct, get, picture, post, read_events, request, server, start,
     status, stream_request, tiny, uri, vlm, wait_cancelled, wait_idle)
-from vlmrt.runtime import lookahead
+from vlmrt.runtime.decode import lookahead
 
 
 # ------------------------------------------------------------------------- the openai client

@@ -15,7 +15,7 @@ from serve_client import (  # noqa: F401  (fixtures: tiny, server, client, vlm)
 prometheus = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from vlmrt.runtime.pipeline import VLM  # noqa: E402
+from vlmrt.runtime.vlm import VLM  # noqa: E402
 
 KEY = "sk-metrics-test"
 

@@ -1,4 +1,4 @@
-"""`vlmrt serve` with continuous batching (serve/scheduler.py over runtime/answers.py and runtime/scheduler.py) on the tiny fixture bundle:
+"""`vlmrt serve` with continuous batching (serve/scheduler.py over runtime/answers.py and runtime/decode/scheduler.py) on the tiny fixture bundle:
 concurrent requests decode together and each gets its solo answer; a request that fails mid-batch fails alone with
 its JSON error while the others' answers do not change; a batched call that raises fails the requests it was to
 advance (500) and the server goes on."""

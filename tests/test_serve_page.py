@@ -19,7 +19,7 @@ from serve_client import (  # noqa: F401  (fixtures: tiny, server, vlm)
     CHROMIUM, CHROMIUM_ARGS, ask, busy_slots, direct, openai, server, status, tiny, uri, vlm, wait_cancelled,
     wait_idle)
 from vlmrt import cli
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 
 
 # ------------------------------------------------------------------------- the chat page, the CLI

@@ -24,9 +24,9 @@ from fuzz_targets import hostile_media
 from http_images import serve_images
 from serve_client import TEXT, ask, openai, picture, post, request, start, tiny, uri  # noqa: F401  (tiny: a fixture)
 from vlmrt import cli
-from vlmrt.runtime.image import ImageError
-from vlmrt.runtime.sources import FetchLimits, fetch_url
-from vlmrt.runtime.url_policy import AddressPolicy, address_kind
+from vlmrt.runtime.media.image import ImageError
+from vlmrt.runtime.media.sources import FetchLimits, fetch_url
+from vlmrt.runtime.media.url_policy import AddressPolicy, address_kind
 
 KEYS = ("sk-first-key", "sk-second-key")
 APP = "http://app.example.test"  # the origin granted CORS on the keyed server
@@ -197,7 +197,7 @@ def test_error_messages_never_quote_the_remote(png):
 
 
 def test_no_image_urls():
-    from vlmrt.runtime.sources import read_image
+    from vlmrt.runtime.media.sources import read_image
 
     with pytest.raises(ImageError, match="--no-image-urls"):
         read_image("https://example.test/x.png", FetchLimits(urls=False))

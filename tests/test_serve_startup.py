@@ -1,7 +1,7 @@
 """A fresh `vlmrt serve` (its own process: nothing imported before it starts, unlike the in-process servers of
 test_serve.py) answers the burst that arrives the instant /health turns 200: 16 concurrent image requests, each a
 200 with its answer. Before the server warmed up before saying it was ready (serve/media.py warm_up) and
-runtime/image.py's is_pil_image stopped reading a half-imported PIL.Image, 1 to 6 of the 16 answered 500
+runtime/media/image.py's is_pil_image stopped reading a half-imported PIL.Image, 1 to 6 of the 16 answered 500
 (`partially initialized module 'PIL.Image' has no attribute 'Image'`) on each of 9 fresh servers tried."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_is_pil_image_while_another_thread_is_importing_pillow(monkeypatch):
     object can be a PIL image yet, and asking is not an AttributeError (what the burst above met)."""
     import types
 
-    from vlmrt.runtime.image import is_pil_image
+    from vlmrt.runtime.media.image import is_pil_image
 
     monkeypatch.setitem(sys.modules, "PIL.Image", types.ModuleType("PIL.Image"))  # a module not yet made
     assert is_pil_image(object()) is False

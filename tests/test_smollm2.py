@@ -290,7 +290,7 @@ def test_checkpoint_loads_as_smolvlm_in_transformers(ckpt):
 
 def test_smollm2_chat_template_renders_like_the_gguf_template(meta):
     pytest.importorskip("jinja2")
-    from vlmrt.runtime.conversation import template_env
+    from vlmrt.runtime.prompt.conversation import template_env
 
     def render(template, messages, special):
         return template_env().from_string(template).render(messages=messages, add_generation_prompt=True, **special)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import image_file
-from vlmrt.runtime import image as img_ops
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.media import image as img_ops
+from vlmrt.runtime.vlm import VLM
 
 pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ from PIL import Image
 
 from conftest import IMAGES, image_file
 from vlmrt.format.manifest import ImageSpec
-from vlmrt.runtime import image as img_ops
+from vlmrt.runtime.media import image as img_ops
 
 pytest.importorskip("transformers")
 

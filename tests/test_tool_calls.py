@@ -1,4 +1,4 @@
-"""Tool calls at the unit level (runtime/tool_calls.py, runtime/conversation.py): tools, an assistant's calls and tool
+"""Tool calls at the unit level (runtime/prompt/tool_calls.py, runtime/prompt/conversation.py): tools, an assistant's calls and tool
 results rendered through the family templates' tool parts as transformers renders them (its render_jinja_template
 with tools=, the oracle), each format's parser on the text its template writes, the generic format of a template
 without tools, held-back stream text, control tokens in tool data kept literal, and malformed tool messages refused.
@@ -12,8 +12,8 @@ import pytest
 
 from tool_templates import LFM2_VL_TOOLS, QWEN3_VL_TOOLS
 from vlmrt.format.manifest import PromptSpec
-from vlmrt.runtime.conversation import ChatTemplate, ConversationError, Literal, parse_messages
-from vlmrt.runtime.tool_calls import FORMATS, held_from, tool_format
+from vlmrt.runtime.prompt.conversation import ChatTemplate, ConversationError, Literal, parse_messages
+from vlmrt.runtime.prompt.tool_calls import FORMATS, held_from, tool_format
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city <now>",

@@ -15,8 +15,8 @@ from PIL import Image
 from conftest import ASSETS
 
 from vlmrt import cli
-from vlmrt.runtime import video as V
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.media import video as V
+from vlmrt.runtime.vlm import VLM
 
 QUESTION = "What happens in the video?"
 TINY_GIF = ASSETS / "no_time_for_that_tiny.gif"  # 24 frames × 70 ms: 1.68 s, shorter than the 4 s sampling window
@@ -168,11 +168,11 @@ def test_number_words_equal_num2words():
 
 
 def test_uint8_resize_equals_torchvision():
-    """runtime/aa_resize.py against torchvision's tensor resize (uint8, antialiased), up and down, odd sizes."""
+    """runtime/media/aa_resize.py against torchvision's tensor resize (uint8, antialiased), up and down, odd sizes."""
     import torch
     from torchvision.transforms.v2 import functional as tvF
 
-    from vlmrt.runtime import aa_resize
+    from vlmrt.runtime.media import aa_resize
 
     rng = np.random.default_rng(0)
     modes = {"lanczos": tvF.InterpolationMode.LANCZOS, "bicubic": tvF.InterpolationMode.BICUBIC,
@@ -403,7 +403,7 @@ def test_chat_repl_video_then_a_follow_up(default_bundle, clips):
     import io
 
     from vlmrt.chat_repl import repl
-    from vlmrt.runtime.conversation import VideoSource
+    from vlmrt.runtime.prompt.conversation import VideoSource
 
     vlm = VLM.load(default_bundle.bundle)
     out, err = io.StringIO(), io.StringIO()

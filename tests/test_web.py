@@ -22,7 +22,7 @@ from family_cases import FAMILIES
 from web_browser import browser, need_browser, served
 
 from vlmrt import cli
-from vlmrt.runtime.pipeline import VLM
+from vlmrt.runtime.vlm import VLM
 from vlmrt.format import manifest as mf
 from vlmrt.web.site import WebError, browser_problem, write_site
 

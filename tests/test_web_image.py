@@ -1,5 +1,5 @@
 """The browser runtime's image preprocessing is the Python runtime's to the bit: static/resample.js against Pillow's
-Image.resize for every filter, and static/image.js's tiling + normalize against runtime/image.py preprocess on a
+Image.resize for every filter, and static/image.js's tiling + normalize against runtime/media/image.py preprocess on a
 SmolVLM-shaped and an InternVL-shaped bundle's image spec (and the real models' sizes), in headless Chromium."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from conftest import ASSETS, synthetic
 from web_browser import STATIC, browser, served
 
 from vlmrt.format.manifest import ImageSpec
-from vlmrt.runtime.image import RESAMPLE, load_image, preprocess, to_rgb
+from vlmrt.runtime.media.image import RESAMPLE, load_image, preprocess, to_rgb
 
 B64 = "b => Uint8Array.from(atob(b), c => c.charCodeAt(0))"
 TO_B64 = "u => { let s = ''; for (let i = 0; i < u.length; i += 32768) s += String.fromCharCode(...u.subarray(i, i + 32768)); return btoa(s); }"

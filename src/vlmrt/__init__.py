@@ -26,8 +26,8 @@ for _name, _value in TELEMETRY_OFF.items():
 
 
 def load(path, device: str = "cpu", threads: int | None = None, lookahead: int = 0):
-    """Open an exported bundle for generation (see vlmrt.runtime.pipeline.VLM); lookahead: draft length of
+    """Open an exported bundle for generation (see vlmrt.runtime.vlm.VLM); lookahead: draft length of
     lookahead decoding for greedy answers (0 = off)."""
-    from .runtime.pipeline import VLM
+    from .runtime.vlm import VLM
 
     return VLM.load(path, device=device, threads=threads, lookahead=lookahead)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .runtime.sessions import default_threads
-from .runtime.pipeline import VLM, peak_rss_mb
+from .runtime.vlm import VLM, peak_rss_mb
 
 FILLER = "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. "
 

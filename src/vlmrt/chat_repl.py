@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 
 from .format.manifest import BundleError
-from .runtime.conversation import VideoSource
-from .runtime.image import ImageError
+from .runtime.prompt.conversation import VideoSource
+from .runtime.media.image import ImageError
 
 HELP = "commands: /image PATH|URL, /video PATH|URL (attach to the next turn), /reset, /stats, /quit"
 

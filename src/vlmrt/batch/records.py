@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.conversation import ConversationError, is_unicode, parse_messages, user_turn
+from ..runtime.prompt.conversation import ConversationError, is_unicode, parse_messages, user_turn
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff"}
 _NOT_A_PATH = re.compile(r"(?i)([a-z][a-z0-9+.-]*://|data:)")

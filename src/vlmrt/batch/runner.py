@@ -25,9 +25,9 @@ from pathlib import Path
 
 from ..format.manifest import load as load_manifest
 from ..progress import Meter
-from ..runtime.image import MAX_IMAGE_PIXELS
-from ..runtime.sources import FetchLimits
-from ..runtime.url_policy import AddressPolicy
+from ..runtime.media.image import MAX_IMAGE_PIXELS
+from ..runtime.media.sources import FetchLimits
+from ..runtime.media.url_policy import AddressPolicy
 from . import output as out_file
 from .records import Record, id_key, read_records
 from .worker import Answerer
@@ -190,7 +190,7 @@ def _error_line(r: Record) -> str:
 
 def fetch_limits(job: Job) -> FetchLimits:
     """How the workers fetch records' image URLs: records may come from others, so by default only public
-    addresses (as vlmrt serve; runtime/url_policy.py)."""
+    addresses (as vlmrt serve; runtime/media/url_policy.py)."""
     return FetchLimits(addresses=None if job.allow_local_urls else AddressPolicy(), urls=job.image_urls,
                        max_pixels=job.max_pixels)
 

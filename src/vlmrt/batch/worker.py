@@ -9,7 +9,7 @@ the server's slots: images by path, URL or data URI, several, or whole conversat
 an unreachable URL, a prompt longer than the context) becomes its error line; the batch goes on.
 A worker answers up to `sequences` requests together (`--batch-size`): one VLM each over the bundle's sessions,
 decoding together through one decoder call per round where the graph takes a batch, run by the loop that runs
-`vlmrt serve`'s slots (runtime/answers.py AnswerLoop over runtime/scheduler.py); a new request takes the place of one
+`vlmrt serve`'s slots (runtime/answers.py AnswerLoop over runtime/decode/scheduler.py); a new request takes the place of one
 that is done. A batched call that raises makes each request it was to advance an error line.
 Nothing here imports Ray.
 """
@@ -24,10 +24,10 @@ from typing import Iterable, Iterator
 
 from ..runtime.answers import AnswerLoop
 from ..runtime.bundle import Bundle
-from ..runtime.pipeline import VLM
-from ..runtime.scheduler import BatchCallFailed
-from ..runtime.sources import FetchLimits
-from ..runtime.url_policy import AddressPolicy
+from ..runtime.vlm import VLM
+from ..runtime.decode.scheduler import BatchCallFailed
+from ..runtime.media.sources import FetchLimits
+from ..runtime.media.url_policy import AddressPolicy
 
 
 def error_text(e: BaseException) -> str:

@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
 
 def run(a) -> int:
     from ..chat_repl import repl
-    from ..runtime.pipeline import VLM
+    from ..runtime.vlm import VLM
 
     opts, fetch = _options(a), _fetch(a)
     vlm = VLM.load(_bundle_or_default(a.bundle), device=a.device, threads=a.threads, verify=a.bundle is not None,

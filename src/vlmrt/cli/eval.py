@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 def run(a) -> int:
     from ..eval import accuracy, samples
-    from ..runtime.pipeline import VLM
+    from ..runtime.vlm import VLM
 
     if a.dataset:
         return _eval_dataset(a)
@@ -60,7 +60,7 @@ def run(a) -> int:
 
 def _eval_dataset(a) -> int:
     from ..demo import easyvqa_data as ev
-    from ..runtime.pipeline import VLM
+    from ..runtime.vlm import VLM
 
     if a.dataset != "easy-vqa":
         raise ValueError(f"unknown --dataset {a.dataset!r} (known: easy-vqa)")

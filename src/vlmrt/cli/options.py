@@ -30,7 +30,7 @@ def stats_report(r, build=None) -> str:
 
 def _options(a) -> dict:
     """The generation options of `run` and `chat`, checked."""
-    from ..runtime.sampler import SamplingConfig
+    from ..runtime.decode.sampler import SamplingConfig
 
     SamplingConfig(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed).validate()
     if a.max_new_tokens < 1:
@@ -44,7 +44,7 @@ def _fetch(a, **limits):
     """The image reading limits of run / chat / batch: --max-pixels (FetchLimits.max_pixels)."""
     import math
 
-    from ..runtime.sources import FetchLimits
+    from ..runtime.media.sources import FetchLimits
 
     if a.max_pixels is None:
         return FetchLimits(**limits)
@@ -55,7 +55,7 @@ def _fetch(a, **limits):
 
 def _videos(a) -> list:
     """--video (with --fps for a folder of frames) as the turn's VideoSource."""
-    from ..runtime.conversation import VideoSource
+    from ..runtime.prompt.conversation import VideoSource
 
     if a.fps is not None and a.video is None:
         raise ValueError("--fps is the frame rate of a --video folder of frames")

@@ -24,8 +24,8 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..runtime.conversation import user_turn
-    from ..runtime.pipeline import VLM
+    from ..runtime.prompt.conversation import user_turn
+    from ..runtime.vlm import VLM
 
     if (a.messages is None) == (a.prompt is None):
         raise ValueError("give --prompt (with --image / --video ...) or --messages CONV.json")
@@ -33,7 +33,7 @@ def run(a) -> int:
         if a.image or a.video:
             raise ValueError("--messages carries its images and videos (image_url / video_url parts); --image and "
                              "--video do not apply")
-        from ..runtime.conversation import load_messages
+        from ..runtime.prompt.conversation import load_messages
 
         messages = load_messages(a.messages)
     else:

@@ -212,7 +212,7 @@ def _main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         _build_here(Path(a.out), progress=not a.quiet)
-        from ..runtime.pipeline import peak_rss_mb
+        from ..runtime.vlm import peak_rss_mb
 
         Path(a.result).write_text(json.dumps({"peak_rss_mb": peak_rss_mb()}))
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ ANSWERS = COLORS + SHAPES + ("yes", "no")
 INSTALL_HINT = "pip install easy-vqa==1.0"
 
 # The prompt the exported bundle builds for one 64 px image with the SmolVLM chat template
-# (runtime/prompt.py grid_markers with rows == cols == 0): what training feeds the decoder.
+# (runtime/prompt/build.py grid_markers with rows == cols == 0): what training feeds the decoder.
 FAKE, GLOBAL, IMAGE, EOU = "<fake_token_around_image>", "<global-img>", "<image>", "<end_of_utterance>"
 
 

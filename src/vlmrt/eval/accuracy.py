@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..format.manifest import Manifest
-from ..runtime.pipeline import VLM, peak_rss_mb
+from ..runtime.vlm import VLM, peak_rss_mb
 from .metrics import compare_logits
 
 def evaluate(bundle: VLM, reference: VLM, samples, *, tokens: int = 32, mode: str = "hybrid") -> dict:

@@ -1,5 +1,5 @@
 """Check at export that the checkpoint's Jinja chat template renders a user turn of an image and a text as the
-runtime will render conversations (runtime/conversation.py), and pick how it takes content.
+runtime will render conversations (runtime/prompt/conversation.py), and pick how it takes content.
 
 Templates that take content as parts ({"type": "image"}, {"type": "text"}) get images where they write the image
 placeholder; templates that only know string content (the original InternVL ones) get each image as text before
@@ -8,7 +8,7 @@ the message's text (image_in_text, e.g. "<image>\\n"), as OpenGVLab's model.chat
 
 from __future__ import annotations
 
-from ..runtime.conversation import ChatTemplate, ConversationError, parse_messages
+from ..runtime.prompt.conversation import ChatTemplate, ConversationError, parse_messages
 
 TEXT_SENTINEL = "\x00VLMRT_PROMPT\x00"
 

@@ -204,7 +204,7 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
     if not template:
         raise ExportError("the checkpoint has no chat template (chat_template.json / .jinja / tokenizer_config.json)")
     special = ckpt.special_strings()
-    # the checkpoint's template itself, rendered at run time (runtime/conversation.py)
+    # the checkpoint's template itself, rendered at run time (runtime/prompt/conversation.py)
     prompt = mf.PromptSpec(chat_template=template, expansion=host.prompt_expansion,
                            tokens_per_tile=cfg.tokens_per_tile, add_special_tokens=True,
                            image_placeholder=host.image_placeholder, params=host.prompt_params,

@@ -88,8 +88,8 @@ class HostSpec:
     """A family's host plan for one checkpoint, read from its processor files; the exporter writes it into the
     manifest (ImageSpec, PromptSpec, SpecialTokens)."""
 
-    image: ImageSpec  # the tiling op (a name in runtime/image.py TILING) and its parameters, rescale, normalize
-    prompt_expansion: str  # the host op that writes a tile grid as prompt text (runtime/prompt.py EXPANSION)
+    image: ImageSpec  # the tiling op (a name in runtime/media/image.py TILING) and its parameters, rescale, normalize
+    prompt_expansion: str  # the host op that writes a tile grid as prompt text (runtime/prompt/build.py EXPANSION)
     prompt_params: dict[str, Any]  # its parameters (the image marker tokens)
     image_placeholder: str  # what the rendered chat template holds where the image goes
     image_token_id: int  # the token whose rows the vision graph's embeddings replace
@@ -97,10 +97,10 @@ class HostSpec:
     # templates that render no image item (OpenGVLab's originals): (placeholder, text put before the prompt)
     image_in_text_fallback: tuple[str, str] | None = None
     video: dict[str, Any] | None = None  # manifest.VideoSpec fields, for a checkpoint whose processor reads videos
-    # how the vision graph takes a tile: a host op of runtime/tile_inputs.py TILE_INPUTS and its parameters
+    # how the vision graph takes a tile: a host op of runtime/media/tile_inputs.py TILE_INPUTS and its parameters
     tile_inputs: str = "unfold_patches"
     tile_params: dict[str, Any] | None = None
-    positions_op: str = "slots"  # the rope positions' host op (runtime/positions.py POSITION_OPS; "mrope": M-RoPE)
+    positions_op: str = "slots"  # the rope positions' host op (runtime/prompt/positions.py POSITION_OPS; "mrope": M-RoPE)
     positions_rows: int = 1  # its rows (the decoder's rope_rows)
 
 
@@ -257,27 +257,27 @@ class Family:
         return Weights(vision, decoder, embed)
 
     def host(self, ckpt: Checkpoint, cfg: FamilyConfig, tok_json: dict) -> HostSpec:
-        from ..runtime.image import TILING
-        from ..runtime.prompt import EXPANSION
-        from ..runtime.tile_inputs import TILE_INPUTS
+        from ..runtime.media.image import TILING
+        from ..runtime.prompt.build import EXPANSION
+        from ..runtime.media.tile_inputs import TILE_INPUTS
 
         host = self.host_spec(ckpt, cfg, tok_json)
         if not isinstance(host, HostSpec) or not isinstance(host.image, ImageSpec):
             raise self.fail("host_spec must give a HostSpec whose image is a manifest.ImageSpec")
         if host.image.tiling not in TILING:
             raise self.fail(f"tiling {host.image.tiling!r} is not a host op of the runtime ({', '.join(TILING)}; "
-                            "runtime/image.py TILING)")
+                            "runtime/media/image.py TILING)")
         if host.tile_inputs not in TILE_INPUTS:
             raise self.fail(f"tile inputs {host.tile_inputs!r} is not a host op of the runtime ({', '.join(TILE_INPUTS)}; "
-                            "runtime/tile_inputs.py TILE_INPUTS)")
-        from ..runtime.positions import POSITION_OPS
+                            "runtime/media/tile_inputs.py TILE_INPUTS)")
+        from ..runtime.prompt.positions import POSITION_OPS
 
         if host.positions_op not in POSITION_OPS:
             raise self.fail(f"positions op {host.positions_op!r} is not a host op of the runtime ({', '.join(POSITION_OPS)}; "
-                            "runtime/positions.py POSITION_OPS)")
+                            "runtime/prompt/positions.py POSITION_OPS)")
         if host.prompt_expansion not in EXPANSION:
             raise self.fail(f"prompt expansion {host.prompt_expansion!r} is not a host op of the runtime "
-                            f"({', '.join(EXPANSION)}; runtime/prompt.py EXPANSION)")
+                            f"({', '.join(EXPANSION)}; runtime/prompt/build.py EXPANSION)")
         if host.image.patch_size != cfg.vision.patch_size:
             raise self.fail(f"the host unfolds patches of {host.image.patch_size} pixels, the vision tower takes "
                             f"{cfg.vision.patch_size}")

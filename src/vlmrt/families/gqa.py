@@ -10,7 +10,7 @@ The s new tokens go to cache slots total - s .. total - 1: RoPE (rotate-half, tr
 and k at their position_ids (the rope positions, which need not be the slots), their K/V rows are written into
 present at those slots, and each new token attends to slots 0..its own slot (causal inside the block). ORT 1.32
 reads position_ids per token except on a step that starts at slot 0 (its "first prompt"), where it rotates token i
-by position_ids[0] + i; the runtime refuses other positions there (runtime/decoder_kinds.py). `present` has the shape of `past`: the runtime binds both to one
+by position_ids[0] + i; the runtime refuses other positions there (runtime/decode/decoder_kinds.py). `present` has the shape of `past`: the runtime binds both to one
 buffer, so the graph updates the cache in place (ORT's past/present share-buffer mode). export/gqa_onnx.py maps
 the op onto the ORT node; the eager version below is its reference (tests/test_gqa.py).
 """

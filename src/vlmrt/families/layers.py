@@ -5,7 +5,7 @@ steps over it are attention kinds registered by name (ATTENTION_KINDS, register_
 rope positions as an input [rows, ar] computed by the host, apart from the cache slots a step's rows go to.
   rows_copy_free / rows_concat  the rows contract: the cache is an input [ctx, kv_dim] per layer (rows by slot),
       the graph attends over it and the step's rows under a host-built additive mask (from slots) and returns only
-      the new rows, which runtime/kv_cache.py writes back (copy-free for the CPU, concat for the HTP's float graphs)
+      the new rows, which runtime/decode/kv_cache.py writes back (copy-free for the CPU, concat for the HTP's float graphs)
   gqa_in_place  one ORT GroupQueryAttention (families/gqa.py) per layer that applies RoPE at the positions (M-RoPE's
       rows gathered first into a table of the step's own, _gqa_rope) and writes the new rows into the cache buffers
       [1, kv_heads, max_context, d] itself, given the step's end slot instead of a mask
@@ -268,7 +268,7 @@ class CausalDecoder(nn.Module, DecoderModule):
     [ar, row_levels * hidden], whose level i is added to the hidden rows after decoder layer i (zero rows: nothing).
     With logit_rows the graph takes logit_rows [r] (int64 row indices) last and the logits are [r, vocab], those rows'
     only (the LM head is skipped for the rest): a prefill block asks for its last row, a lookahead verify step for
-    all (runtime/lookahead.py); without it logits are [ar, vocab]. Both are graph options: `with_options` builds
+    all (runtime/decode/lookahead.py); without it logits are [ar, vocab]. Both are graph options: `with_options` builds
     the same weights with others.
     """
 

@@ -95,6 +95,6 @@ def pixel_shuffle(x: torch.Tensor, side: int, scale: int) -> torch.Tensor:
 def conv_as_matmul_weight(w: torch.Tensor) -> torch.Tensor:
     """Conv2d patch-embedding weight [out, c, p, p] -> Linear weight [out, c*p*p].
 
-    The host unfolds a tile [c, H, W] into rows ordered (c, py, px) — runtime/image.py:unfold_patches.
+    The host unfolds a tile [c, H, W] into rows ordered (c, py, px) — runtime/media/image.py:unfold_patches.
     """
     return w.reshape(w.shape[0], -1)

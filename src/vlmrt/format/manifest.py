@@ -95,7 +95,7 @@ def _by_name(specs: list[TensorSpec], name: str, where: str) -> TensorSpec:
 class ImageSpec:
     """Host image preprocessing: a named tiling op and its parameters, then rescale + normalize.
 
-    tiling ops the runtime has (runtime/image.py):
+    tiling ops the runtime has (runtime/media/image.py):
       "longest_edge_grid": resize longest edge to `longest_edge`, round sides up to multiples of
           `tile_size`, cut a rows×cols grid of tiles + a global tile (or one global tile when
           `split` is false); the Idefics3 / SmolVLM image processor.
@@ -113,7 +113,7 @@ class ImageSpec:
 
 @dataclass
 class VideoSpec:
-    """How a video becomes frames and prompt text (runtime/video.py), as the checkpoint's video processor does it
+    """How a video becomes frames and prompt text (runtime/media/video.py), as the checkpoint's video processor does it
     (SmolVLM2: SmolVLMVideoProcessor + SmolVLMProcessor). Absent from a bundle: --video is refused."""
 
     fps: float  # frames sampled per second of video ...
@@ -131,13 +131,13 @@ class VideoSpec:
 
 @dataclass
 class PromptSpec:
-    """How a conversation and its images become token ids (runtime/conversation.py, runtime/prompt.py).
+    """How a conversation and its images become token ids (runtime/prompt/conversation.py, runtime/prompt/build.py).
 
     `chat_template` is the checkpoint's Jinja chat template, rendered at run time with jinja2 as transformers'
     apply_chat_template does, with `template_strings` (bos_token, eos_token, ...) it may read. `content_format` says
     how it takes message content ("parts": [{"type": "image"}, {"type": "text", ...}]; "string": text only, an image
     written into the text as `image_in_text`); `image_placeholder` is what a rendered image item is, replaced by
-    the image's expansion: `expansion` names the host op that writes it from the tile grid (runtime/prompt.py),
+    the image's expansion: `expansion` names the host op that writes it from the tile grid (runtime/prompt/build.py),
     with `params` for it. (How prompt tokens are positioned is the decoder's: DecoderSpec's positions op.)
     """
 
@@ -156,7 +156,7 @@ class PromptSpec:
 
 @dataclass
 class AttentionLayer:
-    """A layer whose cache state is one K and one V row per slot (runtime/kv_cache.py stores them).
+    """A layer whose cache state is one K and one V row per slot (runtime/decode/kv_cache.py stores them).
 
     The decoder kind (DecoderSpec.kind) says how the graph takes them: `gqa_in_place` as buffers
     [1, kv_heads, max_context, head_dim] it updates itself (key_output / value_output: the updated buffers, bound to
@@ -194,7 +194,7 @@ class ConvLayer:
     slot - width .. slot - 1 before the step (zeros before slot 0), state_output [ar, channels] = the step's own rows,
     which the host writes at the step's slots like K/V rows (so a rewind, a rejected lookahead draft or a padded
     block needs nothing more). The decoder kind lays them out: gqa_in_place's are [B, width, channels] and
-    [B, ar / B, channels] (runtime/kv_cache.py HEADS; B = 1 but in a batched call). LFM2-VL's decoder has them."""
+    [B, ar / B, channels] (runtime/decode/kv_cache.py HEADS; B = 1 but in a batched call). LFM2-VL's decoder has them."""
 
     kind: str  # "conv"
     channels: int
@@ -229,7 +229,7 @@ def attention_layers(n: int, kv_heads: int, head_dim: int, key_input: str = "pas
 @dataclass
 class KVSpec:
     """The decoder's state outside the graphs: one entry per decoder layer, by kind (CACHE_LAYER_KINDS), over
-    max_context slots. runtime/state_kinds.py is the one definition of how each kind is stored and written (one class per kind)."""
+    max_context slots. runtime/decode/state_kinds.py is the one definition of how each kind is stored and written (one class per kind)."""
 
     max_context: int
     dtype: str
@@ -253,7 +253,7 @@ class KVSpec:
 class PositionsSpec:
     """The rope positions, a graph input of every decoder kind, computed by the host apart from the cache slot a row
     is written to: `input` [rows, ar] int64 (rows: rope rows, 1 for a plain RoPE, 3 for M-RoPE's (t, h, w)). `op`
-    names the host op that computes a prompt's positions (runtime/positions.py POSITION_OPS; "slots": the position of
+    names the host op that computes a prompt's positions (runtime/prompt/positions.py POSITION_OPS; "slots": the position of
     slot p is p); a generated token's is the largest of the last slot's positions + 1."""
 
     input: str
@@ -265,7 +265,7 @@ class PositionsSpec:
 @dataclass(frozen=True)
 class KindParts:
     """A decoder kind's optional parts, each explicit (None / 0 / False: the kind's graphs have none). Each kind says
-    which it has in one place (its `parts()`); the runtime builds its step features from this (runtime/step_features.py)
+    which it has in one place (its `parts()`); the runtime builds its step features from this (runtime/decode/step_features.py)
     and the checks read it (checks.py), never a kind's own optional fields.
       step_inputs       the kind's per-step inputs besides embeds, positions and the cache: a mask, or the end slot's two
       logit_rows_input  [r] int64: the rows whose logits a step returns ([r, vocab])
@@ -313,7 +313,7 @@ class GqaInPlaceKind:
     token_scales_input: str | None = None
     # the graph takes a batch (export/batch_dim.py): B = the length of seqlens_input, the cache buffers
     # [B, kv_heads, max_context, head_dim] (conv windows [B, width, channels]), B sequences of ar / B tokens each
-    # (positions [1, ar] in sequence order); one call advances B sequences (runtime/scheduler.py). False: B is 1
+    # (positions [1, ar] in sequence order); one call advances B sequences (runtime/decode/scheduler.py). False: B is 1
     # (bundles exported before)
     batched: bool = False
 
@@ -396,7 +396,7 @@ class DecoderSpec:
 @dataclass
 class VisionSpec:
     """The vision graph's tensors. `tile_inputs` names the host op that turns one tile into its inputs
-    (runtime/tile_inputs.py TILE_INPUTS: "unfold_patches", the square tiles' patch rows; "naflex_rows", a NaFlex
+    (runtime/media/tile_inputs.py TILE_INPUTS: "unfold_patches", the square tiles' patch rows; "naflex_rows", a NaFlex
     tile's token-major rows + position weights + key mask; "native_grid", a native-resolution image's patch rows
     padded to the graph's rows with the 2-D rotary, window order / position interpolation and masks its grid needs)
     with its `params`; `extra_inputs` maps the op's inputs after the patch rows, by role, to the graph's input names.

@@ -8,7 +8,7 @@ alone: VLM.generate / chat), a round at a time.
     loop.cancel(slot)                              # a client gone: its sequence leaves the row
 
 A round: each answer still encoding its images runs one vision call (one tile), and one whose images are done is
-admitted to the scheduler (its first prompt block runs in this round); then one scheduler step (runtime/scheduler.py:
+admitted to the scheduler (its first prompt block runs in this round); then one scheduler step (runtime/decode/scheduler.py:
 a prompt block for each prompt, one decoder call for all that decode); then each advanced answer's new ids become
 text pieces (VLM.stream); an answer that ended (or met a stop string) gives its last pieces and its Result. An answer
 that fails (a bad image, a call that raised) fails alone: its ("error", exception), the others go on.
@@ -16,7 +16,7 @@ that fails (a bad image, a call that raised) fails alone: its ("error", exceptio
 
 from __future__ import annotations
 
-from .scheduler import Scheduler
+from .decode.scheduler import Scheduler
 
 
 class AnswerLoop:

@@ -10,9 +10,9 @@ import numpy as np
 from ..format import manifest as mf
 from ..format.checks import decoder_inputs
 from ..format.verify_record import identity
-from .decoder_kinds import decoder_kind
-from .state_kinds import STATE_KINDS, by_kind
-from .tile_inputs import tile_op
+from .decode.decoder_kinds import decoder_kind
+from .decode.state_kinds import STATE_KINDS, by_kind
+from .media.tile_inputs import tile_op
 from .sessions import Sessions, _graph_files, agree, check_threads
 from .weights import EmbeddingRows, SharedWeights, release_freed_heap
 

@@ -35,8 +35,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..runtime.sources import FetchLimits
-from ..runtime.url_policy import AddressPolicy
+from ..runtime.media.sources import FetchLimits
+from ..runtime.media.url_policy import AddressPolicy
 from .access import ApiKeys, Cors, HeadSize, HostCheck, OriginCheck
 from .errors import APIError, bad_request, internal, unavailable
 from .limits import (BODY_TIMEOUT_S, FETCH_THREADS, HEAD_TIMEOUT_S, MAX_CONNECTIONS, MAX_PIXELS_IN_FLIGHT,

@@ -1,7 +1,7 @@
 """image_url parts -> decoded RGB images (video_url parts -> opened clips), before a request is queued (so that a slow
 URL never holds the model).
 
-A url is a data:image/...;base64, URI, an http(s) URL (fetched within runtime.sources' limits) or, only when the
+A url is a data:image/...;base64, URI, an http(s) URL (fetched within runtime.media.sources' limits) or, only when the
 server was started with a media folder, a path inside that folder: a regular file, read here (the decoders get its
 bytes, never a path). Every failure is a 400 naming the image (a 413 / 503 over the decoded-pixel budgets:
 serve/pixel_budget.py); a path's message quotes the path as the client sent it (at most PATH_SHOWN characters), never
@@ -18,9 +18,9 @@ import re
 import stat
 from pathlib import Path
 
-from ..runtime.conversation import is_unicode
-from ..runtime.image import MAX_IMAGE_BYTES, ImageError, TooManyPixels
-from ..runtime.sources import FetchLimits, SourceImage, read_image
+from ..runtime.prompt.conversation import is_unicode
+from ..runtime.media.image import MAX_IMAGE_BYTES, ImageError, TooManyPixels
+from ..runtime.media.sources import FetchLimits, SourceImage, read_image
 from .errors import APIError, bad_request
 
 
@@ -156,9 +156,9 @@ def load_images(urls: list[str], media_dir: Path | None, limits: FetchLimits, pi
 
 
 def load_videos(urls: list[str], media_dir: Path | None, limits: FetchLimits) -> list:
-    """The videos opened (runtime/video.py Clip: fetched, header read; frames are decoded when the model samples them),
+    """The videos opened (runtime/media/video.py Clip: fetched, header read; frames are decoded when the model samples them),
     in order (blocking: run it in a worker thread). A folder of frames is refused (a request gives no frame rate)."""
-    from ..runtime.video import MAX_VIDEO_BYTES, VideoError, open_source, read_video
+    from ..runtime.media.video import MAX_VIDEO_BYTES, VideoError, open_source, read_video
 
     out = []
     for i, url in enumerate(urls):

@@ -2,7 +2,7 @@
 
 A compressed image can decode to far more memory than its bytes (a 15 KB PNG of 10900 × 10900 is 119 million pixels),
 so the body limit does not bound what a request costs. Every image's header is read first (Image.open decodes no
-pixel); the pixels its decode will allocate (a JPEG at the size its draft decodes to: runtime/image.py) count
+pixel); the pixels its decode will allocate (a JPEG at the size its draft decodes to: runtime/media/image.py) count
 against two budgets before any pixel is decoded:
 
 - per request (--max-request-pixels): a request whose images decode to more is refused, 413 `image_too_large`;

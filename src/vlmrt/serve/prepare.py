@@ -52,8 +52,8 @@ def prepare(a, bundle: str):
         raise ValueError("vlmrt serve needs the serve extra: pip install 'vlmrt[serve]'") from None
     from ..format.manifest import load as load_manifest
     from ..runtime.bundle import Bundle
-    from ..runtime.sources import FetchLimits
-    from ..runtime.url_policy import AddressPolicy
+    from ..runtime.media.sources import FetchLimits
+    from ..runtime.media.url_policy import AddressPolicy
     from .app import Config
     from .media import warm_up
     from .scheduler import Scheduler
@@ -83,8 +83,8 @@ def prepare(a, bundle: str):
     if media is not None and not media.is_dir():
         raise ValueError(f"--media-dir {media}: not a folder")
     from ..runtime.sessions import check_threads
-    from ..runtime.cache_row import check_lookahead
-    from ..runtime.lookahead import check_exact
+    from ..runtime.decode.cache_row import check_lookahead
+    from ..runtime.decode.lookahead import check_exact
 
     # a missing or unreadable bundle, or a lookahead it cannot verify, fails now, not after the port opens
     check_threads(a.threads)

@@ -179,7 +179,7 @@ class RemoteScheduler:
         self.handle = handle.options(stream=True)
         self.max_context, self.max_queue = info["max_context"], info["max_queue"]
         # a video is fetched, read and checked here (serve/media.py); its Clip crosses to the replica as the file's
-        # bytes, which the replica reads again (runtime/video.py Clip.__reduce__)
+        # bytes, which the replica reads again (runtime/media/video.py Clip.__reduce__)
         self.no_video = info["no_video"]
         self.slots = [None] * info["slots"]  # a replica's
         self.relays: dict[Job, asyncio.Task] = {}

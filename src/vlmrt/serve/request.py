@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..runtime.conversation import ConversationError, parse_messages
+from ..runtime.prompt.conversation import ConversationError, parse_messages
 from .errors import APIError, bad_request
 
 MAX_STOP = 16

@@ -1,6 +1,6 @@
 """The answer objects: a chat.completion, the chat.completion.chunk events of a stream, usage, and the `vlmrt` field
 (timings: queue wait, time to first token, prefill and decode tokens/s, prompt tokens reused from the slot's cache);
-with tools, the answer's tool calls read back (ToolReader: the checkpoint's format, runtime/tool_calls.py) as
+with tools, the answer's tool calls read back (ToolReader: the checkpoint's format, runtime/prompt/tool_calls.py) as
 `tool_calls` and finish_reason "tool_calls", streamed as OpenAI streams them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..runtime.tool_calls import ToolFormat, held_from
+from ..runtime.prompt.tool_calls import ToolFormat, held_from
 from .scheduler import Finished
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -77,7 +77,7 @@ DONE = b"data: [DONE]\n\n"
 
 async def chat_stream(events, cid: str, model: str, include_usage: bool, tools: ToolReader | None = None):
     """The chat.completion.chunk events of a stream, from app._events' (kind, value) pairs. With tools, text that
-    may begin a tool call is held back (runtime/tool_calls.held_from) and read at the end: each call is a delta with
+    may begin a tool call is held back (runtime/prompt/tool_calls.held_from) and read at the end: each call is a delta with
     its index, id, type and name, then one with its arguments, as OpenAI streams them; finish_reason tool_calls."""
     extra = {"usage": None} if include_usage else {}
     yield chunk(cid, model, {"role": "assistant", "content": ""}, **extra)

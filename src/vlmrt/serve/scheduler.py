@@ -7,7 +7,7 @@ image cache) over the bundle's shared ORT sessions, so requests never see each o
     kind, value = await job.events.get()   # ("piece", text) ... then ("done", Finished) | ("error", APIError)
     sched.cancel(job)            # | ("cancelled", None): a client that went away; its slot is free again
 
-The slots' VLMs run through one AnswerLoop over one scheduler (runtime/answers.py, runtime/scheduler.py), the loop
+The slots' VLMs run through one AnswerLoop over one scheduler (runtime/answers.py, runtime/decode/scheduler.py), the loop
 that `vlmrt batch` and VLM.chat run too: the thread runs rounds: each new request's images are encoded one vision call
 per round, its prompt runs one prefill block per round, and one decoder call advances every slot that decodes (where
 the graph takes a batch: decoder.kind.batched; else one call per slot: the NPU target's static graphs). A request that
@@ -30,11 +30,11 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
 from ..runtime.answers import AnswerLoop
-from ..runtime.cache_row import ContextOverflow
-from ..runtime.conversation import ConversationError, video_refusal
-from ..runtime.image import ImageError
-from ..runtime.pipeline import VLM
-from ..runtime.prefix_cache import common_prefix
+from ..runtime.decode.cache_row import ContextOverflow
+from ..runtime.prompt.conversation import ConversationError, video_refusal
+from ..runtime.media.image import ImageError
+from ..runtime.vlm import VLM
+from ..runtime.decode.prefix_cache import common_prefix
 from .errors import bad_request, context_exceeded, internal
 
 log = logging.getLogger("vlmrt.serve")

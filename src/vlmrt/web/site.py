@@ -3,7 +3,7 @@
 node_modules/ next to this file) and the bundle's files, in one folder any static file server can serve.
 
     OUT/index.html            the chat page (window.vlmrt.ask for tests and embedding pages)
-    OUT/vlmrt/*.js            the runtime: the manifest executed as runtime/pipeline.py executes it
+    OUT/vlmrt/*.js            the runtime: the manifest executed as runtime/vlm.py executes it
     OUT/vlmrt/vendor/         onnxruntime-web's WASM build, the tokenizer and the Jinja renderer, with their licences
     OUT/bundle/               manifest.json and the files it lists
     OUT/_headers              the COOP / COEP headers for hosts that read such a file (Netlify, Cloudflare Pages)

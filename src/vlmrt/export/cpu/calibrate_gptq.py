@@ -117,14 +117,14 @@ def hessians(decoder, embed: np.ndarray, prompt_ids: list[list[int]], tokens: in
 
 
 def prompt_hessians(decoder, embed: np.ndarray, tok_json: dict, spec, p) -> Hessians:
-    """Hessians over CALIBRATION_PROMPTS, each a user turn built as the runtime builds prompts (runtime/prompt.py
+    """Hessians over CALIBRATION_PROMPTS, each a user turn built as the runtime builds prompts (runtime/prompt/build.py
     text_prompt with the bundle's PromptSpec, spec), each followed by TOKENS greedy tokens; p: the export's Progress."""
     import json
 
     from tokenizers import Tokenizer
 
     from ...eval.samples import CALIBRATION_PROMPTS
-    from ...runtime.prompt import text_prompt
+    from ...runtime.prompt.build import text_prompt
 
     p.start(f"GPTQ calibration ({len(CALIBRATION_PROMPTS)} prompts + {TOKENS} generated tokens each)")
     tok = Tokenizer.from_str(json.dumps(tok_json))

@@ -147,7 +147,7 @@ def calibrate(float_bundle: Path, samples, tokens: int, limit: int = 192):
     """Run the float bundle on samples; returns recorders for vision, prefill (hybrid) and decode (kv + generation)."""
     from ...runtime.bundle import Bundle
     from ...runtime.weights import release_freed_heap
-    from ...runtime.pipeline import VLM
+    from ...runtime.vlm import VLM
 
     b = Bundle.open(float_bundle)
     m = b.manifest

@@ -3,7 +3,7 @@
     decoder graph:  ... -> final norm -> hidden [ar, hidden_size]            (decoder.hidden_output)
     head graph:     hidden [1, hidden_size] -> lm head MatMul / Gemm -> logits [1, vocab]
 
-The runtime runs the head on the step's last valid row only (runtime/step.py), so the head graph is static at one
+The runtime runs the head on the step's last valid row only (runtime/decode/step.py), so the head graph is static at one
 row, is compiled to its own context binary at its own precision, and its weight (the largest one of a small model)
 is not copied into both decoder binaries. It is calibrated on the float decoder's hidden states of the decode calls
 recorded for the decoder graphs' own calibration.

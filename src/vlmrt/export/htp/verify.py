@@ -3,7 +3,7 @@ AR = K, quantized so that each of its rows computes what a decode step computes.
 
 A verify call runs the current token and up to K - 1 drafts (padded) at positions pos..pos+K-1 under the runtime's
 mask and returns every row's logits and new K/V rows; the runtime keeps the rows of the accepted prefix only
-(runtime/cache_row.py CacheRow.verify, as ExecuTorch's Qualcomm runner copies only its `selected` rows into the cache).
+(runtime/decode/cache_row.py CacheRow.verify, as ExecuTorch's Qualcomm runner copies only its `selected` rows into the cache).
 For the answer to be the plain decode's, a verify row must be a decode step: the graph gets the decode graph's
 precision, weights and KV encoding (the cache it reads and writes is decode's), and every quantized tensor the
 decode graph's (scale, zero point) (`copy_encodings`) -- static 16-bit encodings are per tensor, so a row's
@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from ...format import manifest as mf
-from ...runtime.kv_cache import attention_mask
+from ...runtime.decode.kv_cache import attention_mask
 from .calibrate import slot_of
 
 

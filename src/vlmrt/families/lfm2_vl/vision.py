@@ -3,7 +3,7 @@
 Mirrors transformers' Siglip2VisionModel (embeddings, encoder of vit.ViTLayer with its key mask, post_layernorm; no
 pooling head) and
 Lfm2VlMultiModalProjector (pixel unshuffle × f, LayerNorm, Linear, GELU, Linear). The graph takes max_patches rows
-whatever the tile's size; the host (runtime/naflex.py) orders them token-major, pads them and gives the position
+whatever the tile's size; the host (runtime/media/naflex.py) orders them token-major, pads them and gives the position
 table's resize weights and the key mask, so nothing in the graph depends on the tile's size:
 
     forward(patches [P, p*p*3], position_weights [P, side²], key_mask [P]) -> [P / f², text_hidden]
@@ -52,7 +52,7 @@ class NaFlexVision(nn.Module, VisionModule):
         self.projector = Projector(cfg)
 
     def extra_inputs(self) -> dict[str, tuple[int, ...]]:
-        """The graph's inputs after the patch rows, by role (families.VisionModule; runtime/tile_inputs.py
+        """The graph's inputs after the patch rows, by role (families.VisionModule; runtime/media/tile_inputs.py
         naflex_rows makes them)."""
         return {"position_weights": (self.max_patches, self.side**2), "key_mask": (self.max_patches,)}
 

@@ -2,9 +2,9 @@
 Qwen2-like (2.5) or Qwen3-like (3, q/k norm) decoder with M-RoPE; Qwen3-VL adds DeepStack.
 
 One module per part (nanoVLM): config.py (the config dataclasses from config.json), vision.py (the two vision towers
-as static graphs fed by host-computed inputs, runtime/vision_inputs.py `native_grid`; the mergers and DeepStack's
+as static graphs fed by host-computed inputs, runtime/media/vision_inputs.py `native_grid`; the mergers and DeepStack's
 mergers with them), language.py (the decoder: layers.CausalDecoder with M-RoPE rows and DeepStack's row input),
-processing.py (the processor files -> the image op runtime/image_native.py "smart_resize" and the patch budget).
+processing.py (the processor files -> the image op runtime/media/image_native.py "smart_resize" and the patch budget).
 What the runtime runs is in the manifest: tiling smart_resize, prompt expansion wrapped_run, positions op mrope (3
 rows), vision.tile_inputs native_grid, vision.row_outputs + decoder.row_input (DeepStack).
 """

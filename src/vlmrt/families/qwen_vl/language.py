@@ -1,6 +1,6 @@
 """The Qwen2.5-VL / Qwen3-VL decoder: the Qwen2 / Qwen3 layers of families/decoder.py as a layers.CausalDecoder
 built with two options from the config: M-RoPE (`rope_rows`: each rotary frequency's angle from one of 3 position
-rows, which runtime/positions.py's `mrope` op computes on the host) and DeepStack (Qwen3-VL, `row_levels`: vision
+rows, which runtime/prompt/positions.py's `mrope` op computes on the host) and DeepStack (Qwen3-VL, `row_levels`: vision
 features added to the image tokens' hidden states after decoder layers 0 .. levels-1, fed as the per-token row input).
 
 forward(inputs_embeds [ar, hidden], position_ids [3, ar] int64, [row_input [ar, levels*hidden] (Qwen3-VL; zero rows

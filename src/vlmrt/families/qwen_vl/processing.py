@@ -1,4 +1,4 @@
-"""Qwen2.5-VL / Qwen3-VL processor files -> the runtime's image op (runtime/image_native.py "smart_resize") and its
+"""Qwen2.5-VL / Qwen3-VL processor files -> the runtime's image op (runtime/media/image_native.py "smart_resize") and its
 parameters, and the patch budget the static vision graph is exported for.
 
 The image processor's settings (preprocessor_config.json, or processor_config.json's "image_processor" as

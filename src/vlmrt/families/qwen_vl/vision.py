@@ -1,5 +1,5 @@
 """The Qwen2.5-VL and Qwen3-VL vision towers as static graphs: every grid-dependent tensor is an input the host
-computes (runtime/vision_inputs.py), so one graph padded to the patch budget serves every image size.
+computes (runtime/media/vision_inputs.py), so one graph padded to the patch budget serves every image size.
 
 Qwen2.5-VL  forward(patches [N, c*t*p*p], cos, sin [N, head_dim], full_mask, window_mask [N, N]) -> embeds [N/4, out]
             patches come in window order (the host permutes merge blocks; tokens come out in that order and the host
@@ -158,7 +158,7 @@ class Qwen3Vision(nn.Module):
 
 
 def input_names(v: VisionConfig) -> list[str]:
-    """The vision graph's inputs, in forward's order (runtime/vision_inputs.py build_feeds makes them)."""
+    """The vision graph's inputs, in forward's order (runtime/media/vision_inputs.py build_feeds makes them)."""
     if v.kind == "qwen2_5_vl":
         return ["patches", "rotary_cos", "rotary_sin", "full_mask", "window_mask"]
     return ["patches", "pos_index", "pos_weight", "rotary_cos", "rotary_sin", "attention_mask"]
@@ -169,7 +169,7 @@ def output_names(v: VisionConfig) -> list[str]:
 
 
 def host_inputs(v: VisionConfig) -> tuple[list[str], dict]:
-    """(the host ops of runtime/vision_inputs.py this tower takes, their parameters): what the manifest records."""
+    """(the host ops of runtime/media/vision_inputs.py this tower takes, their parameters): what the manifest records."""
     ops = ["rotary_2d", "window_order"] if v.kind == "qwen2_5_vl" else ["rotary_2d", "interpolated_positions"]
     params = {"head_dim": v.head_dim, "theta": v.theta, "merge": v.merge}
     params.update({"window": v.window, "patch": v.patch} if v.kind == "qwen2_5_vl" else {"position_side": v.position_side})
@@ -181,7 +181,7 @@ def example_inputs(v: VisionConfig, rows: int, mask_value: float) -> tuple[torch
     worth of zero patches, padded as the runtime pads."""
     import numpy as np
 
-    from ...runtime import vision_inputs
+    from ...runtime.media import vision_inputs
 
     grid = (1, v.merge, v.merge)
     ops, params = host_inputs(v)

@@ -1,17 +1,17 @@
-// Host image ops, as runtime/image.py: decode to RGB, tile (the manifest's named tiling op), rescale + normalize,
+// Host image ops, as runtime/media/image.py: decode to RGB, tile (the manifest's named tiling op), rescale + normalize,
 // unfold into patches. Every size rule is a line-by-line port of the Python one, and resizing is Pillow's
 // (resample.js), so the tiles are the Python runtime's to the bit.
 
 import { crop, resize } from "./resample.js";
 
 export const MAX_IMAGE_SIZE = 4096;  // transformers' SmolVLM/Idefics3 cap on the resized image
-export const MAX_IMAGE_PIXELS = 120_000_000;  // runtime/image.py's limits
+export const MAX_IMAGE_PIXELS = 120_000_000;  // runtime/media/image.py's limits
 export const MAX_IMAGE_BYTES = 100 * 1024 * 1024;
 
 export class ImageError extends Error {}
 
 // Bytes of an image (a URL, a data URI, a Blob) -> {width, height, data: RGB}, transparency composited onto white
-// and the EXIF orientation applied, as runtime/image.py's decode_image; the browser decodes (PNG is lossless, so the
+// and the EXIF orientation applied, as runtime/media/image.py's decode_image; the browser decodes (PNG is lossless, so the
 // pixels are Pillow's; JPEG decoders may differ by a few levels).
 export async function decodeImage(source) {
   let blob = source;
@@ -65,7 +65,7 @@ function label(source) {
 
 const evenUp = (n) => (n % 2 ? n + 1 : n);
 
-// runtime/image.py longest_edge_size: Idefics3's rescale to max len, then the 4096 cap
+// runtime/media/image.py longest_edge_size: Idefics3's rescale to max len, then the 4096 cap
 export function longestEdgeSize(height, width, longestEdge) {
   let aspect = width / height;
   if (width >= height) {
@@ -88,7 +88,7 @@ export function longestEdgeSize(height, width, longestEdge) {
   return [Math.max(height, 1), Math.max(width, 1)];
 }
 
-// runtime/image.py tile_multiple_size: round sides up to multiples of the tile size
+// runtime/media/image.py tile_multiple_size: round sides up to multiples of the tile size
 export function tileMultipleSize(height, width, tile) {
   const aspect = width / height;
   if (width >= height) {
@@ -122,7 +122,7 @@ function longestEdgeGrid(im, spec) {
   return [tiles, rows, cols];
 }
 
-// runtime/image.py grid_candidates + best_grid (GotOcr2 / InternVL get_optimal_tiled_canvas)
+// runtime/media/image.py grid_candidates + best_grid (GotOcr2 / InternVL get_optimal_tiled_canvas)
 export function bestGrid(height, width, tile, minTiles, maxTiles) {
   const grids = [];
   for (let c = 1; c <= maxTiles; c++) for (let r = 1; r <= maxTiles; r++) if (minTiles <= c * r && c * r <= maxTiles) grids.push([c, r]);
@@ -155,7 +155,7 @@ function closestAspectGrid(im, spec) {
 export const TILING = { longest_edge_grid: longestEdgeGrid, closest_aspect_grid: closestAspectGrid };
 
 // uint8 tiles -> Float32Array [tiles, 3, S, S]: x * rescale (in float64, as transformers) rounded to float32, then
-// (x - mean) / std in float32, as runtime/image.py normalize
+// (x - mean) / std in float32, as runtime/media/image.py normalize
 export function normalize(tiles, spec) {
   const s = spec.tile_size, plane = s * s;
   const mean = spec.mean.map(Math.fround), std = spec.std.map(Math.fround);
@@ -171,7 +171,7 @@ export function normalize(tiles, spec) {
   return out;
 }
 
-// {pixels [tiles, 3, S, S], grid [rows, cols, tiles]} of an RGB image, as runtime/image.py preprocess
+// {pixels [tiles, 3, S, S], grid [rows, cols, tiles]} of an RGB image, as runtime/media/image.py preprocess
 export function preprocess(im, spec) {
   const op = TILING[spec.tiling];
   if (!op) throw new ImageError(`this vlmrt has no image tiling op '${spec.tiling}'; upgrade vlmrt`);

@@ -1,4 +1,4 @@
-// Prompt text, as runtime/prompt.py + runtime/conversation.py: the bundle's Jinja chat template rendered over the
+// Prompt text, as runtime/prompt/build.py + runtime/prompt/conversation.py: the bundle's Jinja chat template rendered over the
 // messages (@huggingface/jinja, which trims blocks as transformers' apply_chat_template does), each image placeholder
 // then replaced, in order, by the image's expansion (a named host op).
 

@@ -1,5 +1,5 @@
 // Pillow's Image.resize for 8-bit RGB images, ported bit for bit (Pillow 13's libImaging/Resample.c): the Python
-// runtime resizes with Pillow (runtime/image.py), so the browser must compute the same bytes. A separable
+// runtime resizes with Pillow (runtime/media/image.py), so the browser must compute the same bytes. A separable
 // two-pass convolution, horizontal then vertical, with the filter's coefficients per output pixel normalized to sum
 // 1 and rounded to fixed point (PRECISION_BITS fractional bits); each pass accumulates in 32-bit integers from a
 // rounding half and clips to 0..255. tests/test_web_image.py compares this against Pillow on many sizes.

@@ -1,4 +1,4 @@
-// Next-token choice from logits, as runtime/sampler.py: greedy (the first of equal maxima, as np.argmax), or
+// Next-token choice from logits, as runtime/decode/sampler.py: greedy (the first of equal maxima, as np.argmax), or
 // temperature / top-k / top-p sampling. Sampled answers draw from their own seeded generator (not numpy's), so
 // they are sampled the same way as the Python runtime's but are not its token ids; greedy answers are.
 

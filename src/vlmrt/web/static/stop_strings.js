@@ -1,4 +1,4 @@
-// Stop strings, as runtime/stop_strings.py: the streamed answer is cut before the first stop string; a possible
+// Stop strings, as runtime/prompt/stop_strings.py: the streamed answer is cut before the first stop string; a possible
 // start of one is held back until the text shows it is not one.
 export class StopStrings {
   constructor(stops) {

@@ -1,4 +1,4 @@
-// vlmrt's browser runtime: a bundle's manifest executed as the Python runtime (runtime/pipeline.py) executes it —
+// vlmrt's browser runtime: a bundle's manifest executed as the Python runtime (runtime/vlm.py) executes it —
 // tokenizer, chat template, image preprocessing, vision encode, splice, prefill, decode, greedy or sampled
 // decoding, stop conditions — on onnxruntime-web's WASM backend, in this tab. Nothing leaves the device: the bundle's
 // files come from this site (and then from the browser's cache), images are decoded here.

@@ -8,12 +8,12 @@
 The manifest carries the template (PromptSpec.chat_template) and how it takes content; it is rendered with jinja2
 the way transformers' apply_chat_template does (sandboxed, trim_blocks, lstrip_blocks, loopcontrols), so that
 position-dependent template logic (a default system turn, "User:" vs "User: " before an image) comes out as the
-reference's. runtime/prompt.py then puts each image's expansion (its host op) where the rendered placeholder was,
+reference's. runtime/prompt/build.py then puts each image's expansion (its host op) where the rendered placeholder was,
 as the processors do, and tokenizes the whole: the one way every caller builds a prompt.
 
 Message text is the client's: a control token's string in it (`<|im_start|>`, `<end_of_utterance>`, `<row_1_col_1>`:
 the tokenizer's special added tokens, ChatTemplate(literal=...)) comes out of render() as a Literal piece, which
-runtime/prompt.py tokenizes as plain text, so that relayed text cannot forge a turn boundary or an image marker; the
+runtime/prompt/build.py tokenizes as plain text, so that relayed text cannot forge a turn boundary or an image marker; the
 template's own markers stay tokens (docs/conversations.md#control-tokens-in-message-text).
 """
 
@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.manifest import PromptSpec
+from ...format.manifest import PromptSpec
 from .tool_calls import generic_result_text, generic_system_text, tool_format
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -250,7 +250,7 @@ class ChatTemplate:
     def __init__(self, p: PromptSpec, literal=()):
         self.p = p
         self._template = self._compile(p.chat_template)
-        self.tool_format = tool_format(p.chat_template)  # runtime/tool_calls.py; None: tools it cannot take
+        self.tool_format = tool_format(p.chat_template)  # runtime/prompt/tool_calls.py; None: tools it cannot take
         self._renders_calls = "tool_calls" in p.chat_template  # else an assistant's calls are written as its text
         self._video_template = self._compile(p.video.chat_template) if p.video else None
         # longest first: the alternation then matches as the tokenizer's added vocabulary does (leftmost-longest)
@@ -268,7 +268,7 @@ class ChatTemplate:
         """Why this template takes no tools (None: it does)."""
         if self.tool_format is None:
             return ("this bundle's chat template renders tools in a tool-call format vlmrt does not know "
-                    "(runtime/tool_calls.py lists those it reads)")
+                    "(runtime/prompt/tool_calls.py lists those it reads)")
         return None
 
     def _generic(self, conv: Conversation) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The one scheduler: sequences (runtime/sequence.py) admitted onto cache rows, advanced a round at a time.
+"""The one scheduler: sequences (runtime/decode/sequence.py) admitted onto cache rows, advanced a round at a time.
 
     sched = Scheduler(DecoderSessions(decode, prefill), DecoderConfig(kv, decoder, eos_ids), embed_table, rows=4)
     sched.probe()                       # where the graph takes a batch and rows > 1: the call width that keeps an

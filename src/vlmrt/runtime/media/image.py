@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..format.manifest import ImageSpec
+from ...format.manifest import ImageSpec
 from .aa_resize import resize as aa_resize
 from .image_native import budget_size, smart_resize_patches
 from .pixels import RESAMPLE, ImageError, normalize, resample_filter as _resample  # noqa: F401  (ImageError, RESAMPLE: this module's API)
@@ -449,7 +449,7 @@ def square_tiles(op):
 
 
 def smart_resize(im: Image.Image, spec: ImageSpec) -> Tiles:
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL's native resolution (runtime/image_native.py): one tile, its patch rows
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL's native resolution (runtime/media/image_native.py): one tile, its patch rows
     [1, patches, c·t·p²] in the processor's order under the patch budget; (rows, cols) its token grid (merge
     blocks), patch_grids its patch grid."""
     p = smart_resize_patches(im, spec)

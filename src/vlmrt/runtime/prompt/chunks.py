@@ -7,14 +7,14 @@
 
 A chunk's token count (n_tokens) is the KV slots and embedding rows it takes; how its tokens are positioned (and so
 how far it moves the next chunk's position: an M-RoPE image (Qwen-VL) takes fewer positions than tokens) is the
-manifest's named positions op's (decoder.positions.op, runtime/positions.py), which reads the chunks (an image
+manifest's named positions op's (decoder.positions.op, runtime/prompt/positions.py), which reads the chunks (an image
 chunk's grid); never a family branch here.
 
 An image has one record, its ImageChunk, from the moment it is read to the image cache: made with its tiles (or the
 embeddings the image cache kept), placed by prompt.build (its expansion's ids and rows written on it), given its
-embeddings by the vision graph, and kept as it is by the image cache (runtime/prefix_cache.py ImageCache).
+embeddings by the vision graph, and kept as it is by the image cache (runtime/decode/prefix_cache.py ImageCache).
 
-A video is not a chunk type: runtime/video.py writes it as text chunks (the intro, a "Frame from MM:SS:" line per
+A video is not a chunk type: runtime/media/video.py writes it as text chunks (the intro, a "Frame from MM:SS:" line per
 frame) and one image chunk per frame, so a repeated frame's embeddings come from the image cache like an image's.
 """
 
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..format.manifest import PromptSpec
+    from ...format.manifest import PromptSpec
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ImageChunk:
     # (manifest vision.row_outputs) their rows follow the embedding's columns (the decoder's row input, row_input)
     embeds: np.ndarray | None = None
     label: str = field(default="image")  # what it is, for messages ("image 2", "frame 3 of video 1")
-    # each tile's image-token count (rows of embeds), in order (the vision tile-inputs op's: runtime/tile_inputs.py);
+    # each tile's image-token count (rows of embeds), in order (the vision tile-inputs op's: runtime/media/tile_inputs.py);
     # None until build: every tile gives PromptSpec.tokens_per_tile (square tiles)
     tile_tokens: list[int] | None = None
     patch_grids: np.ndarray | None = None  # NaFlex tiles' patch grids [tiles, 2] (the vision tile-inputs op reads)

@@ -1,6 +1,6 @@
 """NaFlex vision inputs (LFM2-VL's SigLIP2): what the host feeds the one static vision graph for a tile of any size.
 
-A NaFlex tile is h × w patches (runtime/image.py `naflex_tiles`, patch rows in raster order, padded to max_patches).
+A NaFlex tile is h × w patches (runtime/media/image.py `naflex_tiles`, patch rows in raster order, padded to max_patches).
 The graph is static: max_patches rows in, max_patches / f² token rows out (f = the projector's downsample factor),
 and everything that depends on the tile's size comes from the host, computed here:
 

@@ -3,7 +3,7 @@
     emb = TokenEmbedding(bundle.embed_table, bundle.embed_scale, np.float32, token_rows=bool(kind.token_rows_input))
     x = emb.embed(ids)                 # [n, hidden] in the decoder's dtype
     emb.into_step(token, buffers)      # a one-row step's input (StepBuffers of AR 1), no allocation
-    emb.into_row(token, buffers, r)    # row r of a batched call's inputs (runtime/scheduler.py)
+    emb.into_row(token, buffers, r)    # row r of a batched call's inputs (runtime/decode/scheduler.py)
 
 int8 tables under a graph that scales the row itself (decoder.kind.token_rows_input): a decode step reads the token's
 int8 row into the graph's input (EmbeddingRows.read_into: pread) and sets its scale, no multiply on the host.

@@ -1,4 +1,4 @@
-"""A sequence: one request's generation state, plain data the scheduler (runtime/scheduler.py) advances.
+"""A sequence: one request's generation state, plain data the scheduler (runtime/decode/scheduler.py) advances.
 
     seq = Sequence(embeds, mode="hybrid", max_new_tokens=64, sampler=Sampler(cfg), positions=None, rows=None,
                    start=0, prompt_ids=ids)

@@ -11,11 +11,11 @@ takes a tile (manifest vision.tile_inputs, its params; the inputs after the patc
   unfold_patches  square tiles [c, S, S] unfolded into [(S/p)², c·p·p] patch rows (image.unfold_patches); every tile
                   gives prompt.tokens_per_tile tokens
   naflex_rows     a NaFlex tile's padded raster rows and patch grid (image.naflex_tiles) -> token-major rows, the
-                  position table's resize weights and the key mask (runtime/naflex.py); a tile of h × w patches gives
+                  position table's resize weights and the key mask (runtime/media/naflex.py); a tile of h × w patches gives
                   (h/f)·(w/f) tokens, the first rows of the graph's output
   native_grid     a native-resolution image's patch rows [patches, c·t·p²] and patch grid (image.smart_resize, one
                   tile) -> the rows padded to the graph's patch budget, the 2-D rotary, Qwen2.5-VL's window order and
-                  masks or Qwen3-VL's position interpolation, the attention mask (runtime/vision_inputs.py); an h × w
+                  masks or Qwen3-VL's position interpolation, the attention mask (runtime/media/vision_inputs.py); an h × w
                   grid gives (h/m)·(w/m) tokens
 """
 
@@ -26,7 +26,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from . import naflex, vision_inputs
+from . import naflex
+from . import vision_inputs
 from .image import unfold_patches
 
 

@@ -1,7 +1,7 @@
 """The rope positions of a prompt's rows: the one place that computes them (the decoder graphs take them as an input
 apart from the cache slots, manifest decoder.positions).
 
-A named host op (POSITION_OPS, by decoder.positions.op) turns a prompt (its typed chunks, runtime/chunks.py) into
+A named host op (POSITION_OPS, by decoder.positions.op) turns a prompt (its typed chunks, runtime/prompt/chunks.py) into
 positions [rows, n] int64 for its rows from slot `start` on, given the position the first of them follows (the
 cache's next position: KVCache.next_position). Generated tokens need no op: each is one past the largest position
 before it (CacheRow.positions), in every rope row.
@@ -10,7 +10,7 @@ before it (CacheRow.positions), in every rope row.
   mrope  3 rows (t, h, w), Qwen2-VL's get_rope_index: text takes the running position in every row; an image chunk's
          image-token rows (its offset in the prompt + its rows: read from the chunk, the ids not scanned again), its
          grid's rows × cols tokens in raster order, take (p, p + row, p + col) and the tokens after them continue at
-         p + max(rows, cols) (runtime/mrope.py). The positions of a prompt's part depend on
+         p + max(rows, cols) (runtime/prompt/mrope.py). The positions of a prompt's part depend on
          what comes before it only, so they are computed from slot 0 and cut at start (a kept prefix may end inside an
          image).
 """
@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..format.manifest import PositionsSpec
+from ...format.manifest import PositionsSpec
 from .chunks import Prompt
 from .mrope import mrope_rows
 

@@ -1,12 +1,12 @@
 """The caches of a conversation: which prompt rows the KV cache holds, and image embeddings by content.
 
-PrefixCache  remembers what a sequence's cache rows stand for: one key per row (runtime/chunks.py Prompt.keys:
+PrefixCache  remembers what a sequence's cache rows stand for: one key per row (runtime/prompt/chunks.py Prompt.keys:
              the token id, or for an image token (image digest, tiling, row) — the image token id alone does not
              say which picture it is). A new
              prompt's keys are compared with them; the cache row (CacheRow.reusable) says how much of the common prefix
              can be kept so that the answer is the one a fresh run gives. The rows themselves stay where they are
              (KVCache.rewind): the prefix cache adds no memory beyond its keys.
-ImageCache   encoded images by (content digest, tiling): each image's own record (runtime/chunks.py ImageChunk, its
+ImageCache   encoded images by (content digest, tiling): each image's own record (runtime/prompt/chunks.py ImageChunk, its
              embeddings set, its pixels dropped), least recently used dropped first, bounded in its embeddings' bytes.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .chunks import ImageChunk
+from ..prompt.chunks import ImageChunk
 from .kv_cache import KVCache
 
 

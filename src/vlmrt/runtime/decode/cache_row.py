@@ -6,7 +6,7 @@ decode step of one row per call (graphs that take one sequence per call), teache
     logits = row.decode_token(token)                         # [rows, vocab] (the last row: the next token's)
     rows = row.score(embeds, tokens)                         # [len(tokens), vocab]
 
-A row holds no sequence: the scheduler (runtime/scheduler.py) admits a Sequence onto a row, runs its prompt block by
+A row holds no sequence: the scheduler (runtime/decode/scheduler.py) admits a Sequence onto a row, runs its prompt block by
 block (begin, block, end) and its decode steps, batched over rows where the graph takes a batch. The rows stay after
 the sequence retires, so the next one on the same row may keep a prefix of them (reusable: prefix reuse).
 
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..format.manifest import DecoderSpec, KVSpec
+from ...format.manifest import DecoderSpec, KVSpec
 from .decoder_kinds import decoder_kind
 from .embedding import TokenEmbedding
 from .kv_cache import KVCache
@@ -66,7 +66,7 @@ class DecoderConfig:
     and decoder sections and the generation options.
     kv_requant: in hybrid mode with per-graph uint8 KV encodings (HTP bundles), convert prefill's rows to decode's
     encoding (False reuses them as they are: to measure what the conversion buys).
-    lookahead: k > 0 drafts up to k tokens per greedy decode step by prompt lookup (runtime/lookahead.py) and
+    lookahead: k > 0 drafts up to k tokens per greedy decode step by prompt lookup (runtime/decode/lookahead.py) and
     verifies them in one decoder call (CacheRow.verify); needs a symbolic-AR kind's logit_rows, or a rows_static
     bundle's verify session (verify_ar tokens: the drafts, padded). 0: off."""
 
@@ -276,7 +276,7 @@ class CacheRow:
         """Run the prompt through the decoder; returns the last token's logits. start > 0: prompt_embeds are the
         rows from slot start on and the cache's rows 0..start-1 are kept (start from reusable()). positions
         [rows, n] int64: the rope positions of prompt_embeds' rows (None: one past the other from the kept rows');
-        runtime/positions.py computes a prompt's. rows [n, width]: the decoder's row input of prompt_embeds' rows
+        runtime/prompt/positions.py computes a prompt's. rows [n, width]: the decoder's row input of prompt_embeds' rows
         (decoder.row_input: the image rows' vision features; None: zeros), fed block by block."""
         positions = self.begin(prompt_embeds, mode, start, positions)
         n, ar = prompt_embeds.shape[0], self.blocks(mode)

@@ -1,20 +1,20 @@
-"""The decoder's state outside the graphs: a container of its state kinds' objects (runtime/state_kinds.py).
+"""The decoder's state outside the graphs: a container of its state kinds' objects (runtime/decode/state_kinds.py).
 
 The manifest's `kv.layers` lists one entry per decoder layer, by kind (manifest.CACHE_LAYER_KINDS), and this cache
 is built from that list alone: one state object per kind present (state_kinds.STATE_KINDS[kind], holding every layer
 of that kind), so a family with mixed layers needs no scheduler change, and a new kind of state is one registered class.
 The cache loops over its states to allocate, bind, load, store, keep a prefix and re-encode; what the states share is
 here: the length (slots 0..length-1 hold rows), each slot's rope positions, and the slots' bookkeeping.
-How a buffer is laid out is the decoder kind's (runtime/decoder_kinds.py picks a cache_layouts.CacheLayout): `ROWS`
+How a buffer is laid out is the decoder kind's (runtime/decode/decoder_kinds.py picks a cache_layouts.CacheLayout): `ROWS`
 [max_context, kv_dim] (the rows contract: a step reads all slots or the prefix `context_slots` gives, masked so that
 slots < the step's first slot are visible and its own rows see each other causally, and returns its new rows, which
 `store` writes at the next slots, padding rows dropped) or `HEADS` [1, kv_heads, max_context, head_dim]
 (GroupQueryAttention's buffers, which the graph writes itself: `store` writes the conv rows and moves the length).
-A batch's cache (batch_blocks, rows_of: runtime/scheduler.py) is each state kind's batch arrays (attention: one
+A batch's cache (batch_blocks, rows_of: runtime/decode/scheduler.py) is each state kind's batch arrays (attention: one
 per block [layers, 2, n, kv_heads, max_context, head_dim]; conv: a window array [n, width, channels] per layer),
 sequence b's cache a KVCache over row b of each.
 Slots are not positions: `positions` [rope rows, max_context] keeps the rope positions each slot's row was computed
-at (runtime/positions.py), so that the next token's position follows the kept rows after a rewind.
+at (runtime/prompt/positions.py), so that the next token's position follows the kept rows after a rewind.
 families/layers.py is the graph side; tests/test_kv_contract.py checks both.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format.manifest import KVSpec
+from ...format.manifest import KVSpec
 from .cache_layouts import HEADS, ROWS, CacheLayout, zeroed
 from .state_kinds import STATE_KINDS, by_kind
 
@@ -119,7 +119,7 @@ class KVCache:
         """n sequences' HEADS caches: each state kind's batch arrays (attention: one per block [layers, 2, n,
         kv_heads, max_context, head_dim], zeroed: its own mapping; conv: per layer its windows [n, width, channels]);
         sequence b's cache is KVCache(..., blocks=rows_of(.., b)), and a batched step binds each attention layer's [n,
-        kv_heads, max_context, head_dim] and each conv layer's windows whole (runtime/scheduler.py)."""
+        kv_heads, max_context, head_dim] and each conv layer's windows whole (runtime/decode/scheduler.py)."""
         dtype = np.dtype(dtype or spec.dtype)
         arrays, axes = [], []
         for name, layers in by_kind(spec.layers).items():
@@ -167,7 +167,7 @@ class KVCache:
 
     def next_position(self) -> int:
         """The rope position of a row after the kept ones: one past the largest of the last slot's positions (0 for
-        an empty cache). With positions = slots (runtime/positions.py "slots") that is the length."""
+        an empty cache). With positions = slots (runtime/prompt/positions.py "slots") that is the length."""
         return self.position_after(self.length)
 
     def position_after(self, n: int) -> int:
@@ -196,7 +196,7 @@ class KVCache:
         for s in self._states:
             s.rewind(n)
 
-    # --- the cache at the graph edge (runtime/step.py) ---
+    # --- the cache at the graph edge (runtime/decode/step.py) ---
     def inputs(self) -> list[tuple[str, np.ndarray, bool]]:
         """(graph input name, whole buffer, read as a prefix [:ctx]) of every layer's state, in kv.layers order."""
         return list(self._inputs)

@@ -1,6 +1,6 @@
 """How a decoder kind lays out its cache state at the graph edge (CacheLayout: ROWS, HEADS), and the zeroed memory a
-cache is allocated in. The decoder kind picks the layout (runtime/decoder_kinds.py); each state kind
-(runtime/state_kinds.py) shapes, binds and writes its buffers by it."""
+cache is allocated in. The decoder kind picks the layout (runtime/decode/decoder_kinds.py); each state kind
+(runtime/decode/state_kinds.py) shapes, binds and writes its buffers by it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..format.manifest import AttentionLayer, ConvLayer
+from ...format.manifest import AttentionLayer, ConvLayer
 
 
 def zeroed(shape: tuple, dtype) -> np.ndarray:

@@ -12,7 +12,7 @@
     answer = "".join(vlm.chat(messages))   # reuses the KV rows of the first turn and the image's embeddings
 
 generate() is cache-less: each call computes everything. chat() keeps a prefix cache and an image embedding cache
-(runtime/prefix_cache.py); its answers are token for token those of a fresh run of the whole conversation.
+(runtime/decode/prefix_cache.py); its answers are token for token those of a fresh run of the whole conversation.
 
 Everything here executes the manifest: tiling and prompt expansion are named host ops,
 graphs and tensor names come from it; no model family is known to this code.
@@ -30,25 +30,25 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from . import image as img_ops
-from . import tile_inputs
+from .media import image as img_ops
+from .media import tile_inputs
 from .bundle import Bundle
 from .sessions import Sessions
-from .chunks import ImageChunk, Prompt
-from .positions import position_op, prompt_positions
-from .cache_row import MODES, ContextOverflow, DecoderConfig, DecoderSessions, check_lookahead
-from .lookahead import check_exact
-from . import video as video_ops
-from .conversation import (ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn,
+from .prompt.chunks import ImageChunk, Prompt
+from .prompt.positions import position_op, prompt_positions
+from .decode.cache_row import MODES, ContextOverflow, DecoderConfig, DecoderSessions, check_lookahead
+from .decode.lookahead import check_exact
+from .media import video as video_ops
+from .prompt.conversation import (ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn,
                            video_refusal)
-from .prefix_cache import ImageCache, PrefixCache
-from .image_native import with_max_patches
-from .prompt import build
-from .sampler import Sampler, SamplingConfig
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .sources import FetchLimits, read_image
-from .stop_strings import StopStrings
+from .decode.prefix_cache import ImageCache, PrefixCache
+from .media.image_native import with_max_patches
+from .prompt.build import build
+from .decode.sampler import Sampler, SamplingConfig
+from .decode.scheduler import Scheduler
+from .decode.sequence import Sequence
+from .media.sources import FetchLimits, read_image
+from .prompt.stop_strings import StopStrings
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -195,7 +195,7 @@ class VLM:
 
     @staticmethod
     def scheduler_for(bundle: Bundle, rows: int, kv_requant: bool = True, lookahead: int = 0) -> Scheduler:
-        """A scheduler of `rows` cache rows over the bundle's decoder sessions (runtime/scheduler.py)."""
+        """A scheduler of `rows` cache rows over the bundle's decoder sessions (runtime/decode/scheduler.py)."""
         m = bundle.manifest
         io_dtype = m.graphs["decode"].input(m.decoder.embeds_input).dtype
         check_lookahead(m.decoder, lookahead)
@@ -212,7 +212,7 @@ class VLM:
               **options) -> list["VLM"]:
         """n VLMs over one opened bundle and one scheduler of n rows (a server's slots, a batch job's sequences),
         VLM i on row i: their answers decode together, one decoder call per round where the graph takes a batch
-        (runtime/scheduler.py), the call width probed (Scheduler.probe) so that an answer does not depend on the
+        (runtime/decode/scheduler.py), the call width probed (Scheduler.probe) so that an answer does not depend on the
         load. options: the other VLM keyword arguments (image_cache_bytes per VLM, fetch, ...)."""
         sched = cls.scheduler_for(bundle, n, kv_requant, lookahead)
         sched.probe()
@@ -229,7 +229,7 @@ class VLM:
     # --- host steps -----------------------------------------------------------------------
     def prompt(self, messages: list[dict] | str, images=(), *, max_tiles: int | None = None,
                media: list[ImageChunk] | None = None) -> Prompt:
-        """The prompt (typed chunks, runtime/chunks.py) of a conversation, or of one user turn (a str: images in
+        """The prompt (typed chunks, runtime/prompt/chunks.py) of a conversation, or of one user turn (a str: images in
         order, then the text), built as every call builds it; its images read and tiled, not yet encoded.
         media: the images' chunks already read (VLM.media), to build many prompts over the same images."""
         conv = parse_messages(user_turn(messages, list(images)) if isinstance(messages, str) else messages)
@@ -289,7 +289,7 @@ class VLM:
     def encode_image(self, tiles: np.ndarray, patch_grids: np.ndarray | None = None) -> np.ndarray:
         """[tiles, c, S, S] (NaFlex, native resolution: [tiles, patches, d] and their patch grids) -> [the tiles' image
         tokens, hidden (+ the row outputs' width)] through the vision graph, tile by tile (the manifest's tile-inputs
-        op: runtime/tile_inputs.py)."""
+        op: runtime/media/tile_inputs.py)."""
         return tile_inputs.encode(self._vision(), tiles, patch_grids, self.manifest).astype(self.row.dtype, copy=False)
 
     def _vision(self):
@@ -330,7 +330,7 @@ class VLM:
         are kept, images and video frames already encoded (same pixels) are not encoded again; the answer is the same
         token for token as a fresh run's. self.result.stats: reused_prompt_tokens, images_cached, vision_skipped.
         tools: functions the answer may call (OpenAI's [{"type": "function", "function": {...}}]), rendered by the
-        checkpoint's template (or described in a system turn: runtime/tool_calls.py); messages may then hold
+        checkpoint's template (or described in a system turn: runtime/prompt/tool_calls.py); messages may then hold
         assistant tool_calls and tool results. The answer is text: self.template.tool_format.parse reads its calls."""
         return self._run(lambda: self.chat_answer(messages, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,

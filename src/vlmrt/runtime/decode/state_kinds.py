@@ -2,7 +2,7 @@
 
     STATE_KINDS["attention"], STATE_KINDS["conv"]     # each: the state of every layer of its kind in one cache
 
-KVCache (runtime/kv_cache.py) is a container that loops over its kinds' state objects; a state kind is the one place
+KVCache (runtime/decode/kv_cache.py) is a container that loops over its kinds' state objects; a state kind is the one place
 that knows how its state is
   allocated   for one sequence (__init__), or for B sequences of a batch (batch_arrays: each array's sequence axis is
               the kind's batch_axis; a sequence's cache is built over its rows of them, `arrays`)
@@ -32,8 +32,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..format.errors import BundleError
-from ..format.manifest import AttentionLayer, ConvLayer
+from ...format.errors import BundleError
+from ...format.manifest import AttentionLayer, ConvLayer
 from .cache_layouts import CacheLayout, zeroed
 
 STATE_KINDS: dict[str, type] = {}
@@ -200,7 +200,7 @@ class AttentionState:
     def check_graph(layers: list[tuple[int, AttentionLayer]], g, graph: str, layout: CacheLayout, max_context: int,
                     ctx: int | None, kind: str) -> None:
         """Each layer's K / V input in graph g has the layout's shape at cache length ctx (None: symbolic)."""
-        from .sessions import agree
+        from ..sessions import agree
 
         for i, (_, layer) in enumerate(layers):
             want = list(layout.shape(layer, ctx))
@@ -316,7 +316,7 @@ class ConvState:
     def check_graph(layers: list[tuple[int, ConvLayer]], g, graph: str, layout: CacheLayout, max_context: int,
                     ctx: int | None, kind: str) -> None:
         """Each layer's window input in graph g has the layout's window shape."""
-        from .sessions import agree
+        from ..sessions import agree
 
         for i, layer in layers:
             want = list(layout.window(layer))

@@ -1,5 +1,5 @@
 """A decoder step's parts, each binding (a bound step) or feeding and taking (a plain step) its own tensors: a step
-loops over its parts instead of asking which the decoder has (runtime/step.py).
+loops over its parts instead of asking which the decoder has (runtime/decode/step.py).
 
     output, features = decoder_features(dec)          # built from the manifest in one place (decoder.kind.parts())
     parts = step_parts(kind, cache_part, step_inputs)  # [output, the cache, *features, the kind's step inputs]
@@ -15,7 +15,7 @@ loops over its parts instead of asking which the decoder has (runtime/step.py).
   RowInput     decoder.row_input [ar, width]: a per-token row beside the embeddings (image rows' vision features)
   StepMask     a rows kind's additive mask [ar, ctx + ar] (from slots), set before each call
   EndSlot(s)   gqa_in_place's end slot: seqlens_k, total_sequence_length (a batch's: one per sequence)
-The cache is a part too (step.CachePart over runtime/kv_cache.py's states).
+The cache is a part too (step.CachePart over runtime/decode/kv_cache.py's states).
 
 Each part has:
   alloc(b)                  its host buffers in the step's StepBuffers (shared by the bound steps of one AR)
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format.manifest import DecoderSpec, KindParts
+from ...format.manifest import DecoderSpec, KindParts
 from .kv_cache import attention_mask
 
 
@@ -234,7 +234,7 @@ class EndSlot(Part):
 
 class EndSlots(EndSlot):
     """A batch's step inputs (decoder.kind.batched): seqlens_k [B] int32 = each sequence's step's last slot,
-    total_sequence_length [] int32 = the largest + 1 (runtime/scheduler.py sets them row by row)."""
+    total_sequence_length [] int32 = the largest + 1 (runtime/decode/scheduler.py sets them row by row)."""
 
     def __init__(self, seqlens: str, total: str, batch: int):
         super().__init__(seqlens, total, 1)

@@ -6,7 +6,7 @@ t = start, h = start + block row, w = start + block column; the text after it co
 so positions run behind cache slots after every image, and a decode step's position is the prompt's largest + 1
 (+ 1 per token since), transformers' `rope_deltas`.
 
-The runtime gives each image's run of image tokens from its prompt chunk (runtime/positions.py: the chunk's offset
+The runtime gives each image's run of image tokens from its prompt chunk (runtime/prompt/positions.py: the chunk's offset
 and image-token rows, mrope_rows); mrope_positions finds them in a list of ids instead (runs of consecutive image
 tokens, each holding exactly its grid's token count: the chat template puts <|vision_start|> / <|vision_end|> around
 each, so two images never touch), as transformers' get_rope_index does (tests/test_qwen_language.py holds them equal).

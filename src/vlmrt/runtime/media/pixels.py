@@ -1,4 +1,4 @@
-"""Pixel primitives the tiling ops share (runtime/image.py, runtime/image_native.py): the image error, the manifest's
+"""Pixel primitives the tiling ops share (runtime/media/image.py, runtime/media/image_native.py): the image error, the manifest's
 resample filter names, rescale + normalize."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..format.manifest import ImageSpec
+from ...format.manifest import ImageSpec
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..format.manifest import ImageSpec, VideoSpec
+from ...format.manifest import ImageSpec, VideoSpec
 from . import aa_resize
 from . import image as img_ops
 from .sources import read_file, shown
@@ -144,7 +144,7 @@ def frame_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
 
 def frame_tile(im, spec: VideoSpec, image: ImageSpec) -> np.ndarray:
     """One frame -> [3, S, S] float32 as SmolVLMVideoProcessor: resized to frame_size, then to S × S (S =
-    spec.frame_size, the image tile), both with torchvision's antialiased uint8 resize (runtime/aa_resize.py), then
+    spec.frame_size, the image tile), both with torchvision's antialiased uint8 resize (runtime/media/aa_resize.py), then
     rescaled and normalized as images are."""
     x = np.asarray(im.convert("RGB"), dtype=np.uint8)
     h, w = frame_size(x.shape[0], x.shape[1], spec.longest_edge)
@@ -395,7 +395,7 @@ _DATA_URI = re.compile(r"data:((?:video|image)/[A-Za-z0-9.+-]+)(;[^,;]*)*?;base6
 
 def open_source(source, fps: float | None, limits) -> Clip:
     """A clip from a conversation's video source: a path (file or folder), an http(s) URL (fetched within limits,
-    runtime/sources.py), a data:video/...;base64 URI, or a list of PIL images."""
+    runtime/media/sources.py), a data:video/...;base64 URI, or a list of PIL images."""
     import base64
     import binascii
 

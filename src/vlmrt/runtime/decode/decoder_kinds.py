@@ -8,8 +8,8 @@
     kind.output, kind.features                             # the step parts the manifest names (step_features.py)
     kind.store(cache, staged, n, positions)                # the step's rows into the cache (KVCache.store)
 
-Every kind takes inputs_embeds and the rope positions [rows, ar] (computed by the host, runtime/positions.py),
-apart from the slots its rows go to; runtime/step.py owns what all kinds share (the step's buffers, the call), the
+Every kind takes inputs_embeds and the rope positions [rows, ar] (computed by the host, runtime/prompt/positions.py),
+apart from the slots its rows go to; runtime/decode/step.py owns what all kinds share (the step's buffers, the call), the
 parts (step_features.py) what the manifest's optional parts add, the state kinds (state_kinds.py) how each layer's
 state is bound and written in the kind's layout.
   gqa_in_place  the CPU one-graph decoder: GroupQueryAttention updates the HEADS buffers itself, given the step's
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format.manifest import DecoderSpec, KVSpec
+from ...format.manifest import DecoderSpec, KVSpec
 from .kv_cache import HEADS, ROWS, KVCache, context_slots
 from .step_features import EndSlot, EndSlots, StepMask, decoder_features
 

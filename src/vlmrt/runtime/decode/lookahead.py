@@ -25,7 +25,7 @@ for a few calls only. adapt=False (a static verify graph, whose calls cost its A
 
 from __future__ import annotations
 
-from ..format.manifest import GraphSpec
+from ...format.manifest import GraphSpec
 
 NGRAMS = (3,)  # the suffix lengths looked up, longest first (2-grams drafted open answers' coincidences: -8 %)
 MIN_GAIN = 2  # accepted drafts that make a verify call a hit

@@ -5,9 +5,9 @@
                                             # positions buffer already holds them) -> logits [rows_out, vocab]
     kind.store(cache, step.staged, n, step.buffers.positions)   # the one cache update (KVCache.store)
 
-A step is a list of parts (runtime/step_features.py): the decoder kind's (embeddings and positions, the logits or a
+A step is a list of parts (runtime/decode/step_features.py): the decoder kind's (embeddings and positions, the logits or a
 head graph, and the optional features the manifest names: token rows, logit rows, argmax, row input), the cache
-(CachePart: its state kinds, runtime/state_kinds.py) and the kind's step inputs (a mask or the end slot). Both ways
+(CachePart: its state kinds, runtime/decode/state_kinds.py) and the kind's step inputs (a mask or the end slot). Both ways
 of calling the graph loop over the same parts:
   BoundStep  ORT I/O binding: each part binds its inputs and outputs once, as OrtValues over host buffers that live as
              long as the step (embeddings / positions / logits shared by the steps of one AR, `StepBuffers`), so a
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ..format.manifest import DecoderSpec
+from ...format.manifest import DecoderSpec
 from .kv_cache import KVCache
 from .step_features import Part, step_parts
 

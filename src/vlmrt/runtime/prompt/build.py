@@ -4,12 +4,12 @@
     prompt = build(pieces, images, manifest.prompt, tokenizer, image_token_id)
 
 There is one way a prompt is built, for every caller (run, chat, serve, batch, eval, bench, calibration): the
-checkpoint's chat template rendered with jinja2 (runtime/conversation.py ChatTemplate), each image placeholder
+checkpoint's chat template rendered with jinja2 (runtime/prompt/conversation.py ChatTemplate), each image placeholder
 replaced by the image's expansion text, the whole text tokenized once (so token boundaries are those of the
-reference processor's), then cut into chunks (runtime/chunks.py) at the expansions' character spans: each image's
+reference processor's), then cut into chunks (runtime/prompt/chunks.py) at the expansions' character spans: each image's
 ImageChunk, made when the image was read, is placed there (its ids and rows written on it), the text between becomes
 text chunks. A Literal
-piece (a control token's string that message text wrote: runtime/conversation.py) is the one exception: the tokens
+piece (a control token's string that message text wrote: runtime/prompt/conversation.py) is the one exception: the tokens
 the whole text gave it are replaced by its tokens as plain text (special tokens off), those around it kept.
 """
 
@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from ..format.manifest import PromptSpec
+from ...format.manifest import PromptSpec
 from .chunks import Chunk, ImageChunk, Prompt, TextChunk
 from .conversation import Literal
 

@@ -1,13 +1,13 @@
 """Native-resolution image ops (Qwen2-VL / Qwen2.5-VL / Qwen3-VL's image processor), Pillow + numpy only.
 
 The image is resized, keeping its aspect ratio, to sides that are multiples of patch × merge with an area between
-`min_pixels` and `max_pixels` (`smart_resize`), rescaled and normalized as `runtime/image.py` does for tiles, then cut
+`min_pixels` and `max_pixels` (`smart_resize`), rescaled and normalized as `runtime/media/image.py` does for tiles, then cut
 into patches of `patch`² pixels with a temporal patch of `temporal_patch` (a still image is repeated), flattened in
 the processor's order: merge blocks row-major, the merge × merge patches of a block row-major, each row
 (channel, temporal, py, px) — the layout of the Conv3d patch embedding's weight flattened to [out, c*t*p*p].
 
 The vision graph is static: it takes `max_patches` rows (the **patch budget**, `image.params.max_patches`) and a
-key mask (runtime/vision_inputs.py). An image the processor would make larger than the budget is resized as the
+key mask (runtime/media/vision_inputs.py). An image the processor would make larger than the budget is resized as the
 processor would with `max_pixels = max_patches * patch²` (and, for an aspect ratio so extreme that even that does
 not fit, with its long side cut to fit); `NativePatches.budget_limited` says so (a run's `stats.images_resized`, in `--json`).
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..format.manifest import ImageSpec
+from ...format.manifest import ImageSpec
 from .pixels import ImageError, normalize, resample_filter
 
 if TYPE_CHECKING:
