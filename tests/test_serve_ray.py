@@ -173,16 +173,24 @@ def test_cli_serves_on_a_local_cluster_and_stops(tiny):
     port = ray_app.free_port("127.0.0.1")
     p = vlmrt("serve", str(tiny.bundle), "--ray", "--port", str(port), "--slots", "1", "--threads", "1",
               env={"RAY_USAGE_STATS_ENABLED": "0"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)  # (read to EOF: no full pipe)
+    reader.start()
+    serving = f"serving {tiny.bundle.name} on http://127.0.0.1:{port}/ through Ray Serve"
     try:
         proxy = Proxy(port)
         wait_for("the proxy's /health", lambda: (request(proxy, "GET", "/health")
                                                  if _listening(port) else (None,))[0] == 200, 120)
         status, out, _ = chat(proxy, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, {})
         assert status == 200 and out["usage"]["completion_tokens"] >= 1, out
+        # (the proxy answers before serve.run returns to the CLI: stop it once it says it serves)
+        wait_for("the serving line", lambda: any(serving in line for line in lines), 120)
         p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=120)
+        p.wait(timeout=120)
+        reader.join(timeout=30)
+        err = "".join(lines)
         assert p.returncode == 0, err[-2000:]
-        assert f"serving {tiny.bundle.name} on http://127.0.0.1:{port}/ through Ray Serve" in err
+        assert serving in err
         assert ray_app.PROXY_LIMITS in err  # what of the connection limits the proxy does not hold, said once
         assert not _listening(port)
     finally:

@@ -337,23 +337,24 @@ def run_on_ray(a, bundle: str) -> int:
     lo, hi = replica_range(a.replicas)
     _, config = prepare(a, bundle)  # bad arguments fail before a cluster starts
     start_ray(a.ray)
+    # SIGTERM ends the wait below (or a start still in progress) cleanly: set after ray.init, whose own handler
+    # (abseil's, "SIGTERM received") would otherwise replace it, and before the deployment, which may take long
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     port = a.port or free_port(a.host)
     try:
-        serve.start(http_options=http_options(a.host, port))
-        print(f"vlmrt: deploying {Path(bundle).name} on Ray Serve ({lo if lo == hi else f'{lo}..{hi}'} replicas x "
-              f"{a.slots} slots) ...", file=sys.stderr, flush=True)
-        serve.run(application(a, bundle), name=APP, route_prefix="/", blocking=False)
-    except Exception as e:  # a replica that could not load the bundle, a port taken on the cluster, ...
-        serve.shutdown()
-        raise ValueError(f"the Serve application did not start: {str(e).strip().splitlines()[0]}") from None
-    print(f"vlmrt: serving {Path(bundle).name} on http://{a.host}:{port}/ through Ray Serve", file=sys.stderr,
-          flush=True)
-    print(PROXY_LIMITS, file=sys.stderr, flush=True)
-    warning = exposure_warning(a.host, config.api_keys)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
+        try:
+            serve.start(http_options=http_options(a.host, port))
+            print(f"vlmrt: deploying {Path(bundle).name} on Ray Serve ({lo if lo == hi else f'{lo}..{hi}'} replicas "
+                  f"x {a.slots} slots) ...", file=sys.stderr, flush=True)
+            serve.run(application(a, bundle), name=APP, route_prefix="/", blocking=False)
+        except Exception as e:  # a replica that could not load the bundle, a port taken on the cluster, ...
+            raise ValueError(f"the Serve application did not start: {str(e).strip().splitlines()[0]}") from None
+        print(f"vlmrt: serving {Path(bundle).name} on http://{a.host}:{port}/ through Ray Serve", file=sys.stderr,
+              flush=True)
+        print(PROXY_LIMITS, file=sys.stderr, flush=True)
+        warning = exposure_warning(a.host, config.api_keys)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):
