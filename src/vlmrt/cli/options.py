@@ -40,6 +40,37 @@ def _options(a) -> dict:
                 max_patches=a.max_patches)
 
 
+def _grammar_args(r, what: str = "the answer") -> None:
+    """--json-schema FILE, --grammar FILE (Lark), --regex RE: the answer held to a grammar (runtime/decode/grammar.py)."""
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help=f"{what} is JSON valid against this JSON schema (compact: no whitespace between tokens)")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help=f"{what} follows this Lark grammar (llguidance's dialect: %%json {{...}} takes a schema)")
+    g.add_argument("--regex", default=None, metavar="RE", help=f"{what} matches this regular expression")
+
+
+def _grammar(a):
+    """The GrammarSpec of --json-schema / --grammar / --regex (None: free text), compiled nowhere yet; a file that
+    cannot be read or is not JSON is one error line."""
+    from ..runtime.decode.grammar import GrammarSpec
+
+    if a.regex is not None:
+        return GrammarSpec("regex", a.regex, param="--regex")
+    for opt, path in (("--json-schema", a.json_schema), ("--grammar", a.grammar)):
+        if path is None:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{opt} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        if opt == "--grammar":
+            return GrammarSpec("lark", text, param=f"{opt} {path}")
+        return GrammarSpec.json_schema(text, param=f"{opt} {path}")
+    return None
+
+
 def _fetch(a, **limits):
     """The image reading limits of run / chat / batch: --max-pixels (FetchLimits.max_pixels)."""
     import math

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import (SPECIAL_TOKENS_HELP, _bundle_and_build, _fetch, _generation_args, _image_arg, _options,
-                      _videos,
-                      stats_report)
+from .options import (SPECIAL_TOKENS_HELP, _bundle_and_build, _fetch, _generation_args, _grammar, _grammar_args,
+                      _image_arg, _options, _videos, stats_report)
 
 
 def add_parser(sub) -> None:
@@ -20,6 +19,7 @@ def add_parser(sub) -> None:
                         "string or text / image_url / video_url parts); answers the next assistant turn")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
     r.add_argument("--allow-special-tokens", action="store_true", help=SPECIAL_TOKENS_HELP)
+    _grammar_args(r)
     r.set_defaults(fn=run)
 
 
@@ -39,6 +39,7 @@ def run(a) -> int:
     else:
         messages = user_turn(a.prompt, a.image or [], _videos(a))
     opts, fetch = _options(a), _fetch(a)
+    opts["response_format"] = _grammar(a)
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
     if a.htp_arch is not None and a.device != "htp":
         raise ValueError("--htp-arch is for --device htp")
@@ -48,7 +49,9 @@ def run(a) -> int:
     vlm = VLM.load(bundle, device=a.device, threads=a.threads, verify=a.bundle is not None,
                    kv_requant=not a.no_kv_requant, htp_arch=a.htp_arch, lookahead=a.lookahead, fetch=fetch,
                    allow_special_tokens=a.allow_special_tokens)
-    # a one-shot run: nothing to reuse, the same as generate()
+    # a one-shot run: nothing to reuse, the same as generate(); a bad grammar fails here, before any pixel is read
+    if opts["response_format"] is not None:
+        vlm.grammars.compile(opts["response_format"])
     gen = vlm.chat(messages, **opts)
     if a.json:
         for _ in gen:

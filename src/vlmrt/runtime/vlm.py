@@ -44,6 +44,7 @@ from .prompt.conversation import (ChatTemplate, Conversation, VideoSource, contr
 from .decode.prefix_cache import ImageCache, PrefixCache
 from .media.image_native import with_max_patches
 from .prompt.build import build
+from .decode.grammar import Constraint, Grammars, GrammarSpec
 from .decode.sampler import Sampler, SamplingConfig
 from .decode.scheduler import Scheduler
 from .decode.sequence import Sequence
@@ -111,7 +112,7 @@ class RunStats:
     decode_ms_per_token: float = 0.0
     total_s: float = 0.0
     peak_rss_mb: float = 0.0
-    stop_reason: str = ""  # eos | length | context | stop (a stop string)
+    stop_reason: str = ""  # eos | length | context | stop (a stop string) | grammar (the response format complete)
     images: int = 0  # images and video frames
     images_cached: int = 0  # images (and video frames) whose embeddings came from the image cache (chat)
     # images this call made smaller than their processor would, to fit the vision graph's patch budget (native-
@@ -158,6 +159,7 @@ class Answer:
     fed: str = ""  # the decoded text given to cut
     recording: bool = False  # the prefix cache is to record the row's rows when it is over
     decode: object = None  # tokenizers' DecodeStream
+    constraint: Constraint | None = None  # the grammar its tokens are held to (response_format)
 
     def __post_init__(self):
         from tokenizers.decoders import DecodeStream
@@ -169,14 +171,15 @@ class VLM:
     def __init__(self, bundle: Bundle, load_s: float = 0.0, kv_requant: bool = True,
                  image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, fetch: FetchLimits = FetchLimits(),
                  lookahead: int = 0, allow_special_tokens: bool = False, scheduler: Scheduler | None = None,
-                 row: int = 0):
+                 row: int = 0, grammars: Grammars | None = None):
         """kv_requant: see DecoderConfig (HTP bundles in hybrid mode). image_cache_bytes: bound of chat()'s image
         embedding cache. fetch: limits on images fetched from http(s) URLs. lookahead: draft length of lookahead
         decoding (greedy answers; 0 = off; see DecoderConfig). allow_special_tokens: message text that holds a control
         token's string (<|im_start|>, <end_of_utterance>, ...) gets that token, as transformers' tokenizers do; by
         default it is tokenized as plain text (docs/conversations.md). scheduler, row: the scheduler its answers run
         through and its cache row there (VLM.slots: several VLMs over one scheduler); None: a scheduler of its own,
-        of one row (kv_requant and lookahead are the scheduler's)."""
+        of one row (kv_requant and lookahead are the scheduler's). grammars: the bundle's grammar compiler
+        (runtime/decode/grammar.py; VLM.slots share one), None: one of its own."""
         self.bundle = bundle
         m = bundle.manifest
         self.manifest = m
@@ -191,6 +194,7 @@ class VLM:
         self.prefix = PrefixCache(self.row.cache)
         self.image_cache = ImageCache(image_cache_bytes)
         self.fetch = fetch
+        self.grammars = grammars or self.grammars_for(bundle, self.scheduler)
         self._answers = 0  # answers begun: one VLM answers one at a time (its KV cache is one conversation's)
 
     @staticmethod
@@ -207,6 +211,11 @@ class VLM:
         config = DecoderConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
         return Scheduler(sessions, config, bundle.embed_table, bundle.embed_scale, rows)
 
+    @staticmethod
+    def grammars_for(bundle: Bundle, scheduler: Scheduler) -> Grammars:
+        """The bundle's grammar compiler (llguidance's tokenizer built on the first grammar)."""
+        return Grammars(bundle.tokenizer, scheduler.embedding.vocab, bundle.manifest.special_tokens.eos_token_ids)
+
     @classmethod
     def slots(cls, bundle: Bundle, n: int, load_s: float = 0.0, kv_requant: bool = True, lookahead: int = 0,
               **options) -> list["VLM"]:
@@ -216,7 +225,8 @@ class VLM:
         load. options: the other VLM keyword arguments (image_cache_bytes per VLM, fetch, ...)."""
         sched = cls.scheduler_for(bundle, n, kv_requant, lookahead)
         sched.probe()
-        return [cls(bundle, load_s, scheduler=sched, row=i, **options) for i in range(n)]
+        grammars = cls.grammars_for(bundle, sched)
+        return [cls(bundle, load_s, scheduler=sched, row=i, grammars=grammars, **options) for i in range(n)]
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True,
@@ -305,24 +315,29 @@ class VLM:
     def generate(self, prompt: str, image: str | Path | Image.Image | None = None, *, images=(), mode: str | None = None,
                  max_new_tokens: int = 256, sampling: SamplingConfig | None = None, ignore_eos: bool = False,
                  max_tiles: int | None = None, stop: list[str] | None = None, video=None, fps: float | None = None,
-                 max_frames: int | None = None, max_patches: int | None = None) -> Iterator[str]:
+                 max_frames: int | None = None, max_patches: int | None = None,
+                 response_format: dict | GrammarSpec | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are generated; self.result holds text, ids and stats at the end. The prompt is
         one user turn: the video if any (a GIF / WebP / mp4 / webm file, a folder of numbered frames at fps, a URL,
         a data URI or a list of PIL images at fps; docs/video.md), image (and then images: paths, URLs, data URIs or
         PIL images) in order, then the text. max_frames: sample at most this many frames (default: the bundle's).
         max_patches: a smaller patch budget per image than the bundle's vision graph (native-resolution bundles:
         the image is resized to fit, as its processor does with max_pixels = patches × patch²).
-        Cache-less: nothing is kept from or for other calls."""
+        response_format: the answer held to a grammar: OpenAI's {"type": "json_object"} / {"type": "json_schema",
+        "json_schema": {"schema": {...}, "strict": true}}, or a GrammarSpec (a JSON schema, a Lark grammar, a regex;
+        runtime/decode/grammar.py); a grammar that is complete ends the answer (stop_reason "grammar"), max_new_tokens
+        reached first leaves it partial ("length"). Cache-less: nothing is kept from or for other calls."""
         srcs = ([image] if image is not None else []) + list(images)
         videos = [VideoSource(video, fps)] if video is not None else []
         return self._run(lambda: self.prepare(
             parse_messages(user_turn(prompt, srcs, videos)), False, mode, max_new_tokens, sampling or SamplingConfig(),
-            ignore_eos, max_tiles, stop, max_frames, max_patches))
+            ignore_eos, max_tiles, stop, max_frames, max_patches, response_format))
 
     def chat(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
              ignore_eos: bool = False, max_tiles: int | None = None, max_frames: int | None = None,
-             max_patches: int | None = None, tools: list[dict] | None = None) -> Iterator[str]:
+             max_patches: int | None = None, tools: list[dict] | None = None,
+             response_format: dict | GrammarSpec | None = None) -> Iterator[str]:
         """Answer the next assistant turn of a conversation (OpenAI-style messages: system / user / assistant,
         content a string or parts {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
         {"type": "video_url", "video_url": {"url"}} (or {"type": "video", "video": src, "fps": N})), yielding
@@ -331,22 +346,23 @@ class VLM:
         token for token as a fresh run's. self.result.stats: reused_prompt_tokens, images_cached, vision_skipped.
         tools: functions the answer may call (OpenAI's [{"type": "function", "function": {...}}]), rendered by the
         checkpoint's template (or described in a system turn: runtime/prompt/tool_calls.py); messages may then hold
-        assistant tool_calls and tool results. The answer is text: self.template.tool_format.parse reads its calls."""
+        assistant tool_calls and tool results. The answer is text: self.template.tool_format.parse reads its calls.
+        response_format: the answer held to a grammar, as generate's."""
         return self._run(lambda: self.chat_answer(messages, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                           max_tiles=max_tiles, max_frames=max_frames, max_patches=max_patches,
-                                          tools=tools))
+                                          tools=tools, response_format=response_format))
 
     def chat_answer(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                     stop: list[str] | None = None, ignore_eos: bool = False, max_tiles: int | None = None,
                     max_frames: int | None = None, max_patches: int | None = None,
-                    tools: list[dict] | None = None) -> "Answer":
+                    tools: list[dict] | None = None, response_format: dict | GrammarSpec | None = None) -> "Answer":
         """chat()'s answer prepared (VLM.prepare), for an AnswerLoop to run with others' (runtime/answers.py: the
         server's slots, vlmrt batch). Raises on bad input."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return self.prepare(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
-                            max_frames, max_patches)
+                            max_frames, max_patches, response_format)
 
     def reset(self) -> None:
         """Forget the conversation caches (the KV rows stay allocated: they are its scheduler row's cache)."""
@@ -486,10 +502,11 @@ class VLM:
             loop.cancel(self.slot)  # (an answer closed, or failed, before its end: its sequence leaves the row)
 
     def prepare(self, conv: Conversation, cached: bool, mode, max_new_tokens, sampling, ignore_eos, max_tiles,
-                stop, max_frames=None, max_patches=None) -> "Answer":
-        """An answer's host side up to the vision graph: options checked, images and videos read and tiled (or found
-        in the image cache if cached), the prompt built and checked against the context, the cache rows it may keep
-        (cached: chat's prefix reuse). Raises on bad input; nothing is encoded or decoded yet. self.result is its."""
+                stop, max_frames=None, max_patches=None, response_format=None) -> "Answer":
+        """An answer's host side up to the vision graph: options checked, the response format's grammar compiled,
+        images and videos read and tiled (or found in the image cache if cached), the prompt built and checked against
+        the context, the cache rows it may keep (cached: chat's prefix reuse). Raises on bad input (GrammarError for
+        the response format); nothing is encoded or decoded yet. self.result is its."""
         m = self.manifest
         mode = mode or m.generate.get("default_mode", "hybrid")
         if mode not in MODES:
@@ -499,9 +516,13 @@ class VLM:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         sampler, cut = Sampler(sampling), StopStrings(stop)
+        spec = response_format if isinstance(response_format, (GrammarSpec, type(None))) else \
+            GrammarSpec.from_response_format(response_format)
+        constraint = None if spec is None else self.grammars.constraint(spec)
         self._answers += 1
         res = self.result = Result()
-        a = Answer(self._answers, self.slot, cached, mode, max_new_tokens, sampler, ignore_eos, cut, res, time.perf_counter())
+        a = Answer(self._answers, self.slot, cached, mode, max_new_tokens, sampler, ignore_eos, cut, res, time.perf_counter(),
+                   constraint=constraint)
         st = res.stats
         st.load_s = self.load_s
 
@@ -546,7 +567,7 @@ class VLM:
         st.vision_skipped = a.media and not todo
         positions, rows = self._positions_rows(a.prompt, a.start)
         a.seq = Sequence(embeds, a.mode, a.max_new_tokens, a.sampler, a.ignore_eos, a.start, a.prompt.ids, positions,
-                         rows)
+                         rows, a.constraint)
 
     def admit(self, a: "Answer") -> None:
         """The answer's sequence onto this VLM's row of its scheduler (an answer of this VLM left unfinished there by

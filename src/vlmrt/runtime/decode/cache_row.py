@@ -24,6 +24,7 @@ from ...format.manifest import DecoderSpec, KVSpec
 from .decoder_kinds import decoder_kind
 from .embedding import TokenEmbedding
 from .kv_cache import KVCache
+from .grammar import Constraint
 from .sampler import Sampler
 from .step import PlainStep, StepBuffers, make_step
 
@@ -140,13 +141,20 @@ class CacheRow:
         self.kind.store(self.cache, step.staged, n, step.buffers.positions)
         return logits if n == len(logits) else logits[:n]
 
-    def pick(self, sampler: Sampler, logits: np.ndarray, row: int = -1, argmax=None) -> int:
+    def pick(self, sampler: Sampler, logits: np.ndarray, row: int = -1, argmax=None,
+             constraint: Constraint | None = None) -> int:
         """sampler(logits[row]), logits [rows, vocab] being the last step's; a greedy pick reads the graph's argmax of
         the row where the graph returns one (kind.argmax_output: the same index, first of equal maxima, as
         np.argmax; no pass over cold logits on the host). argmax: the argmax ids of logits' rows (default: this cache
-        row's last step's; a batched call's: StepBuffers.argmax_ids)."""
+        row's last step's; a batched call's: StepBuffers.argmax_ids). constraint: the sequence's grammar, the choice
+        made among the tokens it allows (the graph's argmax taken where allowed: runtime/decode/grammar.py)."""
+        top = None
         if self.kind.argmax_output and sampler.cfg.temperature == 0:
-            return (self._argmax if argmax is None else argmax)[row]
+            top = (self._argmax if argmax is None else argmax)[row]
+            if constraint is None:
+                return top
+        if constraint is not None:
+            return constraint.pick(sampler, logits[row], top)
         return sampler(logits[row])
 
     def positions(self, n: int) -> np.ndarray:
@@ -189,19 +197,29 @@ class CacheRow:
         if self.blocks(mode) == 1 and n == self.cache.length - 1:
             self._exact = (mode, self.cache.length, self.cache.epoch)
 
-    def verify(self, token: int, drafts: list[int], sampler: Sampler) -> list[int]:
+    def verify(self, token: int, drafts: list[int], sampler: Sampler, constraint: Constraint | None = None) -> list[int]:
         """One decoder call over [token, *drafts] at the cache's next slots, every row's logits: the longest
         prefix of drafts that the sampler (greedy) picks row by row, then its own pick after them. Only the rows of
         token and the accepted drafts go into the cache (those a plain decode of the same tokens writes): the rows of
-        rejected drafts (and a static verify graph's padding rows) are dropped, as a padded prefill block's are."""
+        rejected drafts (and a static verify graph's padding rows) are dropped, as a padded prefill block's are.
+        constraint: the sequence's grammar (drafts it allows only): row i picks among the tokens it allows after the
+        drafts before it, each accepted draft advancing it; it is rolled back after, as it was before the call (the
+        sequence's emit advances it by the tokens returned)."""
         n = 1 + len(drafts)
         step = self._step_for("verify", n, all_rows=True)
         logits = self._call(step, self.embedding.embed([token, *drafts]), self.positions(n))  # [n, vocab] (static: [ar, vocab])
-        out = []
-        for i in range(len(logits)):
-            out.append(self.pick(sampler, logits, i))
-            if i == len(drafts) or out[-1] != drafts[i]:
-                break
+        out, advanced = [], 0  # (drafts the constraint took)
+        try:
+            for i in range(len(logits)):
+                out.append(self.pick(sampler, logits, i, constraint=constraint))
+                if i == len(drafts) or out[-1] != drafts[i]:
+                    break
+                if constraint is not None:
+                    constraint.accept(drafts[i])
+                    advanced += 1
+        finally:
+            if constraint is not None:
+                constraint.rollback(advanced)
         self.kind.store(self.cache, step.staged, len(out), step.buffers.positions)
         return out
 

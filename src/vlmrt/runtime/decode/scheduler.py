@@ -17,8 +17,11 @@ ONE call over the rows 0..k-1 (k: one past the last waiting row), each row its s
 position (seqlens_k [k]: each row's own; its conv windows loaded from its rows before slot `length`), the logits
 row b its sequence's; else (the rows kinds: the NPU's static graphs, `--attention portable`; a bundle exported
 before the batch dimension; a session that cannot bind) one call per waiting row (CacheRow.decode_token). Then the
-sequences that ended (EOS, length, a full cache, a call that failed) retire; their rows stay as they are (a later
-sequence on the row may keep a prefix of them: CacheRow.reusable). One sequence is the case B = 1 of the same round.
+sequences that ended (EOS, length, a full cache, a call that failed, a grammar complete) retire; their rows stay as
+they are (a later sequence on the row may keep a prefix of them: CacheRow.reusable). One sequence is the case B = 1 of
+the same round. A sequence with a grammar (seq.constraint, runtime/decode/grammar.py) picks from its row of the same
+logits under its own mask (constrained and free sequences share the call), its lookahead drafts cut to what the
+grammar allows and the grammar rolled back after a verify call.
 
 The rows: where the graph takes a batch, one cache for all (KVCache.batch_blocks): each attention layer's buffer
 [rows, kv_heads, max_context, head_dim] and each conv layer's window [rows, width, channels] (LFM2), row b's cache a
@@ -46,6 +49,7 @@ import numpy as np
 from .cache_row import CacheRow, DecoderConfig, DecoderSessions
 from .decoder_kinds import decoder_kind
 from .embedding import TokenEmbedding
+from .grammar import Constraint
 from .kv_cache import KVCache
 from .lookahead import PromptLookup
 from .sampler import Sampler
@@ -166,7 +170,7 @@ class Scheduler:
             if seq.prefilling:
                 return
             row.end(seq.mode, seq.start, n)
-            tokens = [row.pick(seq.sampler, logits[-1][None])]
+            tokens = [row.pick(seq.sampler, logits[-1][None], constraint=seq.constraint)]
         except Exception as e:
             seq.stop("error", e)
             return
@@ -189,12 +193,14 @@ class Scheduler:
                 drafts = seq.drafter.propose(room)
             if drafts and not seq.ignore_eos:
                 drafts = next((drafts[:i] for i, d in enumerate(drafts) if d in self.eos), drafts)
+            if drafts and seq.constraint is not None:  # drafts the grammar allows, from the first
+                drafts = drafts[: seq.constraint.valid_prefix(drafts)]
             if not drafts:
                 waiting[seq.row] = seq
                 continue
             t, run0 = time.perf_counter(), row.run_s
             try:
-                tokens = row.verify(seq.token, drafts, seq.sampler)
+                tokens = row.verify(seq.token, drafts, seq.sampler, seq.constraint)
             except Exception as e:
                 seq.stop("error", e)
                 continue
@@ -220,17 +226,23 @@ class Scheduler:
             b = step.buffers
             for r, seq in waiting.items():
                 row = self.rows[r]
-                self._decoded(seq, row, [row.pick(seq.sampler, b.logits, r, b.argmax_ids)], t0, run_s)
+                try:
+                    token = row.pick(seq.sampler, b.logits, r, b.argmax_ids, seq.constraint)
+                except Exception as e:  # (a grammar that allows nothing)
+                    seq.stop("error", e)
+                    continue
+                self._decoded(seq, row, [token], t0, run_s)
             return
         for r, seq in waiting.items():  # one sequence per call
             row = self.rows[r]
             run0 = row.run_s
             try:
                 logits = row.decode_token(seq.token)
+                token = row.pick(seq.sampler, logits, constraint=seq.constraint)
             except Exception as e:
                 seq.stop("error", e)
                 continue
-            self._decoded(seq, row, [row.pick(seq.sampler, logits)], t0, row.run_s - run0)
+            self._decoded(seq, row, [token], t0, row.run_s - run0)
             t0 = time.perf_counter()
 
     def _decoded(self, seq: Sequence, row: CacheRow, tokens: list[int], t0: float, run_s: float) -> None:
@@ -360,15 +372,17 @@ class Scheduler:
     def generate(self, prompt_embeds: np.ndarray, *, mode: str = "hybrid", max_new_tokens: int = 256,
                  sampler: Sampler | None = None, ignore_eos: bool = False, start: int = 0,
                  prompt_ids: list[int] | None = None, positions: np.ndarray | None = None,
-                 rows: np.ndarray | None = None, row: int | None = None) -> Iterator[int]:
+                 rows: np.ndarray | None = None, row: int | None = None,
+                 constraint: Constraint | None = None) -> Iterator[int]:
         """Yield the generated ids of one sequence (EOS is not yielded), run through step() (with whatever else the
         scheduler holds); its stats land in self.last when it ends. start > 0: a prefix reuse, prompt_embeds are the
         rows from slot start on (CacheRow.begin). positions: their rope positions; rows: their row input (see
         CacheRow.prefill). prompt_ids: the whole prompt's ids (from slot 0), where lookahead looks up drafts;
-        lookahead runs with them and a greedy sampler only. A call that fails the sequence raises here."""
+        lookahead runs with them and a greedy sampler only. constraint: the grammar its tokens are held to
+        (runtime/decode/grammar.py). A call that fails the sequence raises here."""
         kw = {} if sampler is None else {"sampler": sampler}
         seq = self.add(Sequence(prompt_embeds, mode, max_new_tokens, ignore_eos=ignore_eos, start=start,
-                                prompt_ids=prompt_ids, positions=positions, rows=rows, **kw), row)
+                                prompt_ids=prompt_ids, positions=positions, rows=rows, constraint=constraint, **kw), row)
         try:
             while not seq.done:
                 self.step()

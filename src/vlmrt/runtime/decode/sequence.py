@@ -7,6 +7,9 @@
         scheduler.step()             # one round: a prompt block, or a decode (or lookahead verify) step
         ids = seq.take()             # the ids generated since the last take (EOS is not among them)
     seq.stats                        # GenerationStats; seq.stop_reason; seq.error (a call that failed it)
+
+A sequence with a constraint (runtime/decode/grammar.py) picks only tokens its grammar allows; each emitted token
+advances the grammar, and a grammar that allows nothing more ends the sequence (stop_reason "grammar").
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .grammar import Constraint, GrammarError
 from .lookahead import PromptLookup
 from .sampler import Sampler, SamplingConfig
 
@@ -25,7 +29,7 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0  # prompt through the decoder up to the first token's logits
     decode_s: float = 0.0  # all later decoder steps
-    stop_reason: str = ""  # "eos" | "length" | "context"
+    stop_reason: str = ""  # "eos" | "length" | "context" | "grammar"
     step_times: list[float] = field(default_factory=list)
     decode_run_s: float = 0.0  # the part of decode_s spent inside the graph call (session.run)
     drafted_tokens: int = 0  # lookahead: drafts verified, and those the model agreed with (emitted without a call)
@@ -51,7 +55,8 @@ class GenerationStats:
 class Sequence:
     """One request's state. Given: prompt embeddings [n, hidden] (from slot start on), mode, max_new_tokens,
     sampler, ignore_eos, positions [rope rows, n] (None: one past the other), rows [n, width] (the decoder's row input,
-    None: zeros), prompt_ids (the whole prompt's ids from slot 0: lookahead drafts from them). The scheduler sets the
+    None: zeros), prompt_ids (the whole prompt's ids from slot 0: lookahead drafts from them), constraint (the grammar
+    its tokens are held to, None: free). The scheduler sets the
     rest: its row (the cache row it runs on), the prompt blocks still to run (next_block: where the next begins),
     the token to feed next, the lookahead drafter, the ids emitted (and not yet taken) and its stop state."""
 
@@ -64,6 +69,7 @@ class Sequence:
     prompt_ids: list[int] | None = None
     positions: np.ndarray | None = None
     rows: np.ndarray | None = None
+    constraint: Constraint | None = None
     # --- the scheduler's ---
     row: int = -1  # the cache row (-1: not admitted)
     next_block: int = 0  # the next prompt row to run (== len(embeds): the prompt is in the cache)
@@ -71,7 +77,8 @@ class Sequence:
     drafter: PromptLookup | None = None
     ids: list[int] = field(default_factory=list)  # every id emitted
     taken: int = 0  # ids[:taken] were handed out by take()
-    stop_reason: str = ""  # eos | length | context | cancelled (removed before it ended) | error
+    stop_reason: str = ""  # eos | length | context | grammar (its grammar complete) | cancelled (removed before it
+    # ended) | error
     error: BaseException | None = None  # what failed it (a decoder call that raised)
     stats: GenerationStats = field(default_factory=GenerationStats)
     began: float = 0.0  # perf_counter when admitted (prefill_s runs from here to the first token)
@@ -91,8 +98,9 @@ class Sequence:
         return out
 
     def emit(self, tokens: list[int], eos: set[int]) -> None:
-        """The picked tokens in order, until one stops the sequence (an EOS, not emitted; the length)."""
-        st = self.stats
+        """The picked tokens in order, until one stops the sequence (an EOS, not emitted; its grammar complete; the
+        length)."""
+        st, c = self.stats, self.constraint
         for token in tokens:
             if token in eos and not self.ignore_eos:
                 self.stop("eos")
@@ -100,6 +108,13 @@ class Sequence:
             st.generated_tokens += 1
             self.ids.append(token)
             self.token = token
+            if c is not None:
+                if not c.accept(token):
+                    self.stop("error", GrammarError(f"token {token} is not allowed by the grammar"))
+                    return
+                if c.finished:
+                    self.stop("grammar")
+                    return
             if st.generated_tokens >= self.max_new_tokens:
                 self.stop("length")
                 return
