@@ -166,3 +166,27 @@ def test_cli_run_refuses_a_bad_schema_file_in_one_line(tiny, tmp_path):
     p = subprocess.run([sys.executable, "-m", "vlmrt.cli", "run", str(tiny.bundle), "--prompt", "hi",
                         "--json-schema", str(tmp_path / "missing.json")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "cannot read it" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_batch_holds_records_to_their_own_schema_or_the_jobs(tiny, tmp_path, capsys):
+    """vlmrt batch --regex: a record with its own response_format answers it (its line's "json" the value, the text
+    VLM.chat's), one without takes the job's, a record whose response_format is not one is its error line."""
+    from vlmrt import cli
+
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}
+    src = tmp_path / "records.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "own", "prompt": "Describe it.", "response_format": rf},
+        {"id": "job", "prompt": "Colours?"},
+        {"id": "bad", "prompt": "Describe it.", "response_format": {"type": "json_schema", "json_schema": 1}},
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["batch", str(tiny.bundle), "--input", str(src), "--output", str(out), "--max-new-tokens", "60",
+                     "--regex", "(red|green|blue)( (red|green|blue)){2,5}", "--quiet"]) == 0
+    capsys.readouterr()
+    by = {d["id"]: d for d in map(json.loads, out.read_text().splitlines())}
+    vlm = VLM.load(tiny.bundle)
+    want = "".join(vlm.chat([{"role": "user", "content": "Describe it."}], max_new_tokens=60, response_format=rf))
+    assert by["own"]["text"] == want and by["own"]["json"] == json.loads(want)
+    assert re.fullmatch(r"(red|green|blue)( (red|green|blue)){2,5}", by["job"]["text"]) and "json" not in by["job"]
+    assert by["bad"]["error"].startswith("response_format.json_schema: ")

@@ -6,16 +6,19 @@ messages in the next turn). The tool-call parsers on each template format's real
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import pytest
 
 from serve_client import (  # noqa: F401  (fixtures: tiny, server, client, vlm)
-    TEXT, ask, client, direct, openai, picture, request, server, start, tiny, uri, vlm)
+    TEXT, ask, client, direct, openai, picture, request, server, start, tiny, uri, vlm, wait_idle)
 
 prometheus = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from vlmrt.runtime.vlm import VLM  # noqa: E402
+
+pydantic = pytest.importorskip("pydantic")
 
 KEY = "sk-metrics-test"
 
@@ -147,7 +150,6 @@ def test_responses_streamed(client, vlm):
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"store": True}, "store"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"truncation": "auto"}, "truncation"),
@@ -359,19 +361,6 @@ def test_malformed_tools_are_a_400_naming_the_field(server, body, param):
     assert status == 400 and got["error"]["param"] == param and got["error"]["message"].startswith(param), got
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]},
-     "tools[0].function.strict"),
-])
-def test_grammar_constrained_tool_choices_are_refused(server, body, param):
-    status, got, _ = request(server, "POST", "/v1/chat/completions",
-                             json.dumps({"messages": [QUESTION], **body}).encode())
-    assert status == 400 and got["error"]["code"] == "unsupported_parameter" and got["error"]["param"] == param, got
-    assert "grammar" in got["error"]["message"]
-
-
 @pytest.mark.parametrize("edit, says", [
     (lambda m: m[2].pop("tool_call_id"), "message 3: a tool message needs tool_call_id"),
     (lambda m: m[2].update(tool_call_id="call_other"), "is not the id of a tool call"),
@@ -384,3 +373,156 @@ def test_malformed_tool_messages_are_a_400(server, edit, says):
     status, got, _ = request(server, "POST", "/v1/chat/completions",
                              json.dumps({"messages": messages, "tools": [WEATHER]}).encode())
     assert status == 400 and says in got["error"]["message"], got
+
+
+# ------------------------------------------------------------------------- structured output and constrained tools
+
+class Shape(pydantic.BaseModel):
+    shape: Literal["circle", "rectangle", "triangle"]
+    color: str = pydantic.Field(max_length=12)
+
+
+SMALL = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6},
+                                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+         "required": ["word", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model):
+    _, bundle = demo_model
+    r = start(bundle, "--slots", "2", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
+def test_parse_with_a_pydantic_model_and_a_streamed_schema_on_the_demo_model(demo):
+    """client.chat.completions.parse(response_format=Model): the answer parses into the model and is VLM.chat's with
+    the schema the SDK sent; the same schema streamed gives the same text; json_object gives a JSON object."""
+    from openai.lib._parsing._completions import type_to_response_format_param
+
+    r, ref = demo
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    messages = [ask("What shape is in the image, and what color is it?", uri(picture(1)))]
+    out = c.chat.completions.parse(model="m", messages=messages, response_format=Shape, max_tokens=40)
+    choice = out.choices[0]
+    assert isinstance(choice.message.parsed, Shape) and choice.finish_reason == "stop"
+    rf = type_to_response_format_param(Shape)
+    want = direct(ref, messages, max_new_tokens=40, response_format=rf)
+    assert choice.message.content == want and ref.result.stats.stop_reason == "grammar"
+    assert want == json.dumps(json.loads(want), separators=(",", ":"))  # compact
+
+    chunks = list(c.chat.completions.create(model="m", messages=messages, response_format=rf, max_tokens=40,
+                                            stream=True))
+    assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == want
+    assert [x.choices[0].finish_reason for x in chunks if x.choices and x.choices[0].finish_reason] == ["stop"]
+    obj = c.chat.completions.create(model="m", messages=[ask("Describe the image as JSON.", uri(picture(2)))],
+                                    response_format={"type": "json_object"}, max_tokens=60)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # out of tokens: the partial text
+        assert obj.choices[0].finish_reason == "length" and obj.choices[0].message.content.startswith("{")
+
+
+def test_response_formats_whole_streamed_and_in_the_responses_api(client, vlm):
+    rf = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL, "strict": True}}
+    want = direct(vlm, [TEXT], max_new_tokens=60, response_format=rf)
+    assert set(json.loads(want)) == {"word", "n"}
+    out = client.chat.completions.create(model="m", messages=[TEXT], response_format=rf, max_tokens=60)
+    assert out.choices[0].message.content == want and out.choices[0].finish_reason == "stop"
+    resp = client.responses.create(model="m", input="hi", max_output_tokens=60, text={"format": {
+        "type": "json_schema", "name": "small", "schema": SMALL, "strict": True}})
+    assert resp.output_text == want and resp.status == "completed"
+    assert resp.text.format.type == "json_schema"
+    cut = client.chat.completions.create(model="m", messages=[TEXT], response_format=rf, max_tokens=3)
+    assert cut.choices[0].finish_reason == "length" and want.startswith(cut.choices[0].message.content)
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "format": "colour"}, "strict": True}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format.json_schema"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("chat", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "format": "colour"}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+    ("responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string",
+                                                                                      "format": "colour"},
+                                       "strict": True}}}, "text.format.schema"),
+    ("responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": "{"}}}, "text.format.schema"),
+])
+def test_bad_formats_are_a_400_naming_the_field_and_leak_no_slot(server, route, body, param):
+    base = {"messages": [QUESTION]} if route == "chat" else {"model": "m", "input": "hi"}
+    status, got, _ = request(server, "POST", "/v1/chat/completions" if route == "chat" else "/v1/responses",
+                             json.dumps({**base, **body}).encode())
+    assert status == 400 and got["error"]["param"] == param, got
+    assert got["error"]["message"].startswith(param + ": ") and "\n" not in got["error"]["message"]
+    st = wait_idle(server)
+    assert st["busy"] == 0 and st["queued"] == 0
+    assert request(server, "POST", "/v1/chat/completions", json.dumps({"messages": [TEXT], "max_tokens": 2}).encode())[0] == 200
+
+
+PLACE = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools"], ids=["generic", "hermes"])
+def test_named_and_required_tool_calls_follow_the_schema_then_the_follow_up(served, request):
+    """tool_choice a named function: one call of it whose arguments validate against its parameters (a random
+    model's: the grammar holds them), VLM.chat's with the same tool_choice; required (streamed, one call): a call of
+    one of the tools; the follow-up with the call and its result answered, the rows kept."""
+    r, ref = request.getfixturevalue(served)
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    tools = [PLACE, CLOCK]
+    named = c.chat.completions.create(model="m", messages=[QUESTION], tools=tools, max_tokens=120,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "unit"}
+    assert args["unit"] in ("c", "f") and isinstance(args["city"], str) and len(args["city"]) <= 8
+    text = direct(ref, [QUESTION], max_new_tokens=120, tools=tools, tool_choice="get_weather")
+    _, calls = ref.template.tool_format.parse(text, {"get_weather", "get_time"})
+    assert calls == [{"name": "get_weather", "arguments": args}]
+
+    chunks = list(c.chat.completions.create(model="m", messages=[QUESTION], tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=120, stream=True))
+    got: dict = {}
+    for d in (x.choices[0].delta for x in chunks if x.choices):
+        for t in d.tool_calls or ():
+            e = got.setdefault(t.index, {"name": "", "arguments": ""})
+            e["name"] += t.function.name or ""
+            e["arguments"] += t.function.arguments or ""
+    assert len(got) == 1 and got[0]["name"] in ("get_weather", "get_time")
+    assert set(json.loads(got[0]["arguments"])) == ({"city", "unit"} if got[0]["name"] == "get_weather" else {"zone"})
+    assert [x.choices[0].finish_reason for x in chunks if x.choices and x.choices[0].finish_reason] == ["tool_calls"]
+
+    messages = [QUESTION, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "clear, 21"}]
+    # tool_choice auto with a strict tool: text, or calls held to the strict tool's schema (VLM.chat's answer)
+    after = c.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=40)
+    text = direct(ref, messages, max_new_tokens=40, tools=tools)
+    content, calls = ref.template.tool_format.parse(text, {"get_weather", "get_time"})
+    if calls:
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in after.choices[0].message.tool_calls] \
+            == [(c["name"], c["arguments"]) for c in calls]
+    else:
+        assert after.choices[0].message.content == text
+    assert after.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("choice, param", [("required", "tool_choice"), ("auto", "tools[0].function.strict")])
+def test_a_tool_format_that_is_not_json_refuses_held_calls(lfm2_tools, choice, param):
+    r, _ = lfm2_tools
+    status, got, _ = request(r, "POST", "/v1/chat/completions", json.dumps(
+        {"messages": [QUESTION], "tools": [PLACE], "tool_choice": choice}).encode())
+    assert status == 400 and got["error"]["param"] == param and "pythonic" in got["error"]["message"], got
+    assert wait_idle(r)["busy"] == 0

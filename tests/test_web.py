@@ -294,3 +294,24 @@ def test_without_bundle_the_demo_model(demo_model, tmp_path, monkeypatch, capsys
     assert cli.main(["web", "--out", str(tmp_path / "site")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "site")
     assert (tmp_path / "site" / "bundle" / "manifest.json").read_bytes() == (bundle / "manifest.json").read_bytes()
+
+
+def test_a_response_format_is_refused_in_one_line(default_bundle, tmp_path):
+    """The browser runtime has no grammar engine (llguidance is a native library): VLM.chat's responseFormat other
+    than text is refused with one line before anything runs (run in Node on the site's own module)."""
+    import shutil
+
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    site = write_site(default_bundle.bundle, tmp_path / "site")
+    js = f"""import {{ VLM }} from "{site.as_posix()}/vlmrt/vlmrt.js";
+const v = Object.create(VLM.prototype);
+for (const rf of [{{type: "json_object"}}, {{type: "json_schema", json_schema: {{schema: {{}}}}}}, {{type: "text"}}]) {{
+  try {{ await v.chat([{{role: "user", content: "hi"}}], {{responseFormat: rf}}); console.log("answered"); }}
+  catch (e) {{ console.log(e.message.split("\\n").length + " " + e.message); }}
+}}"""
+    p = subprocess.run(["node", "--input-type=module", "-e", js], capture_output=True, text=True, timeout=60)
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0 and len(lines) == 3, p.stderr
+    assert all(ln.startswith("1 responseFormat: structured output") and "llguidance" in ln for ln in lines[:2])
+    assert "responseFormat" not in lines[2]  # text: what it does anyway

@@ -5,9 +5,13 @@
     {"id": "v1", "video": "clips/run.mp4", "prompt": "What happens?"}     (+ "fps" for a folder of frames)
     {"id": "a3", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "b.png"}},
                                                           {"type": "text", "text": "And this?"}]}]}
+    {"id": "r1", "image": "receipt.png", "prompt": "The total?", "response_format": {"type": "json_schema",
+                                                                                    "json_schema": {"schema": {...}}}}
 
-Each record becomes one request, `{"id", "messages"}` (OpenAI-style messages, what VLM.chat answers), or, when it
-cannot be asked (not JSON, no id, a duplicate id, both `prompt` and `messages`, bad messages), an error: the job
+Each record becomes one request, `{"id", "messages"}` (OpenAI-style messages, what VLM.chat answers; with the
+record's `response_format`, OpenAI's, the answer held to it: runtime/decode/grammar.py), or, when it
+cannot be asked (not JSON, no id, a duplicate id, both `prompt` and `messages`, bad messages, a response_format that
+is not one), an error: the job
 writes that record's error line and goes on. A record without `prompt` or `messages` takes `--prompt`. A folder is
 every image file in it and below, in path order, its id the path relative to the folder. Relative image paths
 in a JSONL file are relative to that file's folder. Keys left out above (an expected answer, metadata) are ignored.
@@ -23,6 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime.decode.grammar import GrammarError, GrammarSpec
 from ..runtime.prompt.conversation import ConversationError, is_unicode, parse_messages, user_turn
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff"}
@@ -38,6 +43,7 @@ class Record:
     id: str | int
     messages: list | None = None  # the request; None when error is set
     error: str | None = None  # why this record cannot be asked
+    response_format: dict | None = None  # the record's own (OpenAI's response_format), None: the job's
 
     @property
     def key(self) -> str:
@@ -45,8 +51,9 @@ class Record:
         return id_key(self.id)
 
     def request(self) -> str:
-        """What a worker gets: {"id", "messages"} as JSON text."""
-        return json.dumps({"id": self.id, "messages": self.messages}, ensure_ascii=False)
+        """What a worker gets: {"id", "messages"} (and the record's response_format) as JSON text."""
+        fmt = {} if self.response_format is None else {"response_format": self.response_format}
+        return json.dumps({"id": self.id, "messages": self.messages, **fmt}, ensure_ascii=False)
 
 
 def id_key(value) -> str:
@@ -114,8 +121,10 @@ def parse_line(line: bytes, n: int, base: Path, prompt: str | None) -> Record:
         return Record(f"line-{n}", error=f"line {n}: a record needs an id (a non-empty string or an integer)"
                       + ("; this one holds a lone surrogate" if surrogate else ""))
     try:
-        return Record(rid, request_messages(obj, base, prompt))
-    except ConversationError as e:
+        fmt = obj.get("response_format")
+        GrammarSpec.from_response_format(fmt)  # (its shape; the schema is compiled by the worker)
+        return Record(rid, request_messages(obj, base, prompt), response_format=fmt)
+    except (ConversationError, GrammarError) as e:
         return Record(rid, error=str(e))
     except RecursionError:  # messages nested within the parser's depth but past copy's
         return Record(rid, error="messages are nested too deeply")

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..format.manifest import load as load_manifest
@@ -180,8 +180,10 @@ def answer_options(job: Job) -> dict:
     prompt, the generation options, the device and the KV requantization. Workers, threads and lookahead (greedy
     output identical) do not change an answer."""
     manifest = Path(job.bundle) / "manifest.json"
+    fmt = job.options.get("response_format")  # (a GrammarSpec: its fields)
+    options = {**job.options, "response_format": asdict(fmt)} if fmt is not None else job.options
     return dict(bundle=hashlib.sha256(manifest.read_bytes()).hexdigest(), prompt=job.prompt, device=job.device,
-                kv_requant=job.kv_requant, **job.options)
+                kv_requant=job.kv_requant, **options)
 
 
 def _error_line(r: Record) -> str:

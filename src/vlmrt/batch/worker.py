@@ -39,6 +39,16 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
+def _with_json(line: dict) -> dict:
+    """An answer held to a JSON schema and complete (stop reason grammar) also as its value, "json"."""
+    if line["stats"]["stop_reason"] == "grammar":
+        try:
+            line["json"] = json.loads(line["text"])
+        except ValueError:  # (a Lark grammar or a regex: text)
+            pass
+    return line
+
+
 class Answerer:
     """One worker: the bundle loaded once (Bundle.open), `sequences` VLMs over it, generation options fixed at
     construction."""
@@ -67,7 +77,9 @@ class Answerer:
                 while i not in running and todo:
                     r = todo.popleft()
                     try:
-                        self.loop.begin(v.chat_answer(r["messages"], **self.options))
+                        opts = self.options if "response_format" not in r else {
+                            **self.options, "response_format": r["response_format"]}  # the record's own
+                        self.loop.begin(v.chat_answer(r["messages"], **opts))
                         running[i] = r
                     except Exception as e:  # one record's failure is its error line, never the job's
                         yield {"id": r["id"], "error": error_text(e)}
@@ -75,7 +87,8 @@ class Answerer:
                 if kind == "piece":
                     continue
                 r = running.pop(i)
-                yield {"id": r["id"], **value.to_dict()} if kind == "done" else {"id": r["id"], "error": error_text(value)}
+                yield {"id": r["id"], **_with_json(value.to_dict())} if kind == "done" else {
+                    "id": r["id"], "error": error_text(value)}
 
     def __call__(self, batch: dict) -> dict:
         """{"request": [JSON text of {"id", "messages"}, ...]} -> {"key": [id key, ...], "line": [JSON text, ...],

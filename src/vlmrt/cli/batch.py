@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .options import _bundle_or_default, _fetch, _generation_args, _options
+from .options import _bundle_or_default, _fetch, _generation_args, _grammar, _grammar_args, _options
 
 
 def add_parser(sub) -> None:
@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     t.add_argument("--no-image-urls", action="store_true", help="refuse records' http(s) image URLs (error lines)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    _grammar_args(t, "every answer (a record's own response_format instead, where it has one)")
     t.set_defaults(fn=run)
 
 
@@ -37,6 +38,9 @@ def run(a) -> int:
     from ..batch.runner import Job, report, run_batch
 
     opts, max_pixels = _options(a), _fetch(a).max_pixels
+    fmt = _grammar(a)
+    if fmt is not None:
+        opts["response_format"] = fmt
     if a.workers < 1:  # before the default model is built
         raise ValueError("--workers must be >= 1")
     job = Job(bundle=_bundle_or_default(a.bundle), input=a.input, output=a.output, prompt=a.prompt, workers=a.workers,

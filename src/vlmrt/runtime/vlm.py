@@ -44,12 +44,13 @@ from .prompt.conversation import (ChatTemplate, Conversation, VideoSource, contr
 from .decode.prefix_cache import ImageCache, PrefixCache
 from .media.image_native import with_max_patches
 from .prompt.build import build
-from .decode.grammar import Constraint, Grammars, GrammarSpec
+from .decode.grammar import Constraint, GrammarError, Grammars, GrammarSpec
 from .decode.sampler import Sampler, SamplingConfig
 from .decode.scheduler import Scheduler
 from .decode.sequence import Sequence
 from .media.sources import FetchLimits, read_image
 from .prompt.stop_strings import StopStrings
+from .prompt.tool_calls import call_grammar
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -124,6 +125,7 @@ class RunStats:
     reused_prompt_tokens: int = 0  # leading prompt tokens whose KV rows were kept from the previous turn (chat)
     drafted_tokens: int = 0  # lookahead: drafts verified, and those accepted (see GenerationStats)
     accepted_tokens: int = 0
+    grammar_compile_s: float = 0.0  # compiling the response format's grammar (0: none, or a cached one)
 
 
 @dataclass
@@ -336,8 +338,8 @@ class VLM:
     def chat(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
              ignore_eos: bool = False, max_tiles: int | None = None, max_frames: int | None = None,
-             max_patches: int | None = None, tools: list[dict] | None = None,
-             response_format: dict | GrammarSpec | None = None) -> Iterator[str]:
+             max_patches: int | None = None, tools: list[dict] | None = None, tool_choice: str | None = None,
+             parallel_tool_calls: bool = True, response_format: dict | GrammarSpec | None = None) -> Iterator[str]:
         """Answer the next assistant turn of a conversation (OpenAI-style messages: system / user / assistant,
         content a string or parts {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
         {"type": "video_url", "video_url": {"url"}} (or {"type": "video", "video": src, "fps": N})), yielding
@@ -347,22 +349,70 @@ class VLM:
         tools: functions the answer may call (OpenAI's [{"type": "function", "function": {...}}]), rendered by the
         checkpoint's template (or described in a system turn: runtime/prompt/tool_calls.py); messages may then hold
         assistant tool_calls and tool results. The answer is text: self.template.tool_format.parse reads its calls.
+        tool_choice: "required" (the answer calls one or more of tools; one with parallel_tool_calls False) or a
+        function's name (it calls that one, once), the calls held to the grammar of the template's tool format with
+        each function's parameters as the schema of its arguments (runtime/prompt/tool_calls.py call_grammar); None /
+        "auto": the answer may be text.
         response_format: the answer held to a grammar, as generate's."""
         return self._run(lambda: self.chat_answer(messages, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                           max_tiles=max_tiles, max_frames=max_frames, max_patches=max_patches,
-                                          tools=tools, response_format=response_format))
+                                          tools=tools, tool_choice=tool_choice,
+                                          parallel_tool_calls=parallel_tool_calls, response_format=response_format))
 
     def chat_answer(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                     stop: list[str] | None = None, ignore_eos: bool = False, max_tiles: int | None = None,
                     max_frames: int | None = None, max_patches: int | None = None,
-                    tools: list[dict] | None = None, response_format: dict | GrammarSpec | None = None) -> "Answer":
+                    tools: list[dict] | None = None, tool_choice: str | None = None, parallel_tool_calls: bool = True,
+                    response_format: dict | GrammarSpec | None = None) -> "Answer":
         """chat()'s answer prepared (VLM.prepare), for an AnswerLoop to run with others' (runtime/answers.py: the
         server's slots, vlmrt batch). Raises on bad input."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return self.prepare(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
-                            max_frames, max_patches, response_format)
+        strict = {t["function"]["name"] for t in tools or () if t["function"].get("strict")}
+        if strict:  # (the template renders the functions without it)
+            tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools]
+        if tool_choice not in (None, "auto", "none"):
+            if response_format is not None:
+                raise GrammarError("a response format and a required or named tool_choice ask for two answers")
+            response_format = self._call_grammar(tools or [], tool_choice, parallel_tool_calls)
+        elif strict and tool_choice != "none" and response_format is None:
+            response_format = self._call_grammar(tools, None, parallel_tool_calls, strict)
+        try:
+            return self.prepare(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos,
+                                max_tiles, stop, max_frames, max_patches, response_format)
+        except GrammarError as e:
+            if e.param == "tools":
+                self._bad_tool(tools)  # (names the function)
+            raise
+
+    def _call_grammar(self, tools: list[dict], tool_choice: str | None, many: bool,
+                      strict: set[str] | None = None) -> GrammarSpec:
+        """The grammar of an answer that calls tools (tool_choice "required": one or more where many) or the one
+        named (once); tool_choice None (auto with strict tools): text or calls, the strict functions' arguments held
+        to their schemas."""
+        named = tool_choice not in (None, "required")
+        forced = [t for t in tools if t["function"]["name"] == tool_choice] if named else tools
+        if not forced:
+            raise GrammarError(f"{str(tool_choice)[:64]!r} is not one of the tools" if tools else "needs tools",
+                               "tool_choice")
+        fmt = self.template.tool_format
+        spec = None if fmt is None else call_grammar(fmt, forced, self.grammars.literal, many and not named,
+                                                     optional=tool_choice is None, held=strict)
+        if spec is None:
+            why = f"this model's tool calls ({fmt.name if fmt else 'no'} format) cannot be held to the functions' schemas"
+            if tool_choice is not None:
+                raise GrammarError(why + "; use tool_choice auto", "tool_choice")
+            i = next(i for i, t in enumerate(tools) if t["function"]["name"] in strict)
+            raise GrammarError(why + " where the answer may also be text; use tool_choice required or a named "
+                               "function", f"tools[{i}].function.strict")
+        return spec
+
+    def _bad_tool(self, tools: list[dict]) -> None:
+        """The GrammarError of the first function whose parameters do not compile, if one does not."""
+        for i, t in enumerate(tools):
+            self.grammars.compile(GrammarSpec.json_schema(t["function"].get("parameters") or {"type": "object"},
+                                                          param=f"tools[{i}].function.parameters"))
 
     def reset(self) -> None:
         """Forget the conversation caches (the KV rows stay allocated: they are its scheduler row's cache)."""
@@ -525,6 +575,7 @@ class VLM:
                    constraint=constraint)
         st = res.stats
         st.load_s = self.load_s
+        st.grammar_compile_s = 0.0 if constraint is None else constraint.compile_s
 
         images, videos, st.images_cached = self._media(conv, cached, max_tiles, max_frames, max_patches)
         media = images + [f for _, frames, _ in videos for f in frames]

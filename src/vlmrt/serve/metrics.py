@@ -22,6 +22,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # seconds: from tens of milliseconds (a cached prompt) to a minute (a large image on a slow CPU, a long queue)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -94,6 +95,9 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.duration = Histogram("vlmrt_answer_duration_seconds", "from queued to the answer's end",
                                   buckets=DURATION_BUCKETS, registry=r)
+        self.grammar_compile = Histogram("vlmrt_grammar_compile_seconds",
+                                         "compiling a response format's or forced tool call's grammar (llguidance; "
+                                         "a grammar from the cache is not counted)", buckets=COMPILE_BUCKETS, registry=r)
         r.register(_SchedulerState(state, pixels))
 
     def route(self, path: str) -> str:
@@ -117,6 +121,8 @@ class Metrics:
         for _ in range(max(0, f.completion_tokens - 1)):
             self.itl.observe(per_token)
         self.duration.observe(f.queue_s + s["total_s"])
+        if s.get("grammar_compile_s"):
+            self.grammar_compile.observe(s["grammar_compile_s"])
 
     def page(self) -> bytes:
         return generate_latest(self.registry)

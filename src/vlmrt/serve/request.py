@@ -2,11 +2,12 @@
 
 Fields read: messages (system / developer / user / assistant / tool; content a string or text / image_url / video_url
 parts (video_url as vLLM takes it: {"type": "video_url", "video_url": {"url": ...}}); an assistant's tool_calls, a
-tool message's tool_call_id), tools and tool_choice (none / auto), stream, stream_options.include_usage,
-max_completion_tokens / max_tokens, temperature, top_p, seed, stop, n (1 only), and the extensions llama.cpp and vLLM
-also take: top_k, ignore_eos. Fields asking for what vlmrt does not do (logprobs, structured output, a required or
-named tool_choice, penalties, logit_bias, audio) are refused (400 unsupported_parameter) unless they ask for the
-default, which is what ignoring them gives; the others (model, user, metadata, store, ...) are ignored.
+tool message's tool_call_id), tools and tool_choice (none / auto / required / a named function: the last two held to
+the calls' grammar by the app), response_format (text / json_object / json_schema: a GrammarSpec,
+runtime/decode/grammar.py), stream, stream_options.include_usage, max_completion_tokens / max_tokens, temperature,
+top_p, seed, stop, n (1 only), and the extensions llama.cpp and vLLM also take: top_k, ignore_eos. Fields asking for
+what vlmrt does not do (logprobs, penalties, logit_bias, audio) are refused (400 unsupported_parameter) unless they
+ask for the default, which is what ignoring them gives; the others (model, user, metadata, store, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from ..runtime.decode.grammar import GrammarError, GrammarSpec
 from ..runtime.prompt.conversation import ConversationError, parse_messages
 from .errors import APIError, bad_request
 
 MAX_STOP = 16
 MAX_TOOLS = 128  # OpenAI's limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
-GRAMMAR = "needs grammar-constrained decoding, which this server does not have yet"
 MAX_VIDEOS = 1  # a video is up to the bundle's max frames (64 for SmolVLM2) of images already
 
 
@@ -35,7 +36,8 @@ class ChatRequest:
     video_urls: list[str] = field(default_factory=list)  # the video_url urls, in order
     stream: bool = False
     include_usage: bool = False
-    options: dict = field(default_factory=dict)  # VLM.chat keyword arguments (tools, unless tool_choice none)
+    options: dict = field(default_factory=dict)  # VLM.chat keyword arguments (tools, unless tool_choice none;
+    # response_format: a GrammarSpec)
     tools: list[dict] | None = None  # the functions the answer may call (tool_choice auto); None: a text answer
 
 
@@ -75,10 +77,6 @@ def _text_only(v) -> bool:
 UNSUPPORTED = {
     "logprobs": (lambda v, b: v in (None, False), "log probabilities are not returned"),
     "top_logprobs": (lambda v, b: v in (None, 0), "log probabilities are not returned"),
-    "response_format": (lambda v, b: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        "structured output (json_object, json_schema) is not supported"),
-    "tool_choice": (lambda v, b: not isinstance(v, dict) and v != "required",
-                    f"a required or named tool_choice {GRAMMAR} (none and auto are taken)"),
     "functions": (lambda v, b: not v, "functions (function calling) are not supported"),
     "function_call": (lambda v, b: v in (None, "none", "auto"), "functions (function calling) are not supported"),
     "frequency_penalty": (lambda v, b: v in (None, 0), "repetition penalties are not supported (only 0)"),
@@ -114,17 +112,31 @@ def _invalid(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", "invalid_request_error", "invalid_parameter", param=param)
 
 
-def _tools(body: dict) -> list[dict] | None:
+def _tool_choice(choice, names: list[str]) -> str | None:
+    """tool_choice checked: none, auto, required, or {"type": "function", "function": {"name"}} (-> the name)."""
+    if choice in (None, "none", "auto", "required"):
+        if choice == "required" and not names:
+            raise _invalid("tool_choice", "\"required\" needs tools")
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise _invalid("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                                      "\"function\": {\"name\": ...}}")
+    if name not in names:
+        raise _invalid("tool_choice.function.name", f"{name[:64]!r} is not one of the tools")
+    return name
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, str | None]:
     """tools ([{"type": "function", "function": {"name", "description", "parameters", "strict"}}], checked: a
-    malformed one or an unknown field is a 400 naming it) and tool_choice; None when the answer is text (no tools,
-    or tool_choice none)."""
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise _invalid("tool_choice", "must be \"none\" or \"auto\" (or \"required\" / a named function, which "
-                                      f"this server refuses: it {GRAMMAR})")
+    malformed one or an unknown field is a 400 naming it) and tool_choice: (the tools the answer may call, None when
+    it is text (no tools, or tool_choice none); "required" or the function's name when the answer must call (VLM.chat's
+    tool_choice: held to the calls' grammar), None when it may answer in text)."""
     raw = body.get("tools")
     if raw is None or raw == []:
-        return None
+        _tool_choice(body.get("tool_choice"), [])
+        return None, None
     if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
         raise _invalid("tools", f"must be a list of at most {MAX_TOOLS} functions")
     out, names = [], set()
@@ -149,12 +161,15 @@ def _tools(body: dict) -> list[dict] | None:
             raise _invalid(at + ".function.description", "must be a string")
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
             raise _invalid(at + ".function.parameters", "must be a JSON Schema object")
-        if f.get("strict") not in (None, False):
-            raise APIError(400, f"{at}.function.strict: arguments that follow the schema strictly {GRAMMAR}",
-                           "invalid_request_error", "unsupported_parameter", param=at + ".function.strict")
-        out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters")
-                                                      if f.get(k) is not None}})
-    return None if choice == "none" else out
+        if f.get("strict") not in (None, False, True):
+            raise _invalid(at + ".function.strict", "must be a boolean")
+        # (strict: true kept for VLM.chat, which holds those calls to their schemas and renders them without it)
+        out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters", "strict")
+                                                      if f.get(k) not in (None, False)}})
+    choice = _tool_choice(body.get("tool_choice"), [t["function"]["name"] for t in out])
+    if choice not in (None, "none", "auto"):  # required, or a named function
+        return out, choice
+    return (None if choice == "none" else out), None
 
 
 def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
@@ -221,7 +236,14 @@ def parse_body(body: dict, max_images: int) -> ChatRequest:
     if n not in (None, 1):
         raise bad_request("only n = 1 is supported", "invalid_parameter")
     _unsupported(body)
-    tools = _tools(body)
+    tools, forced = _tools(body)
+    fmt = body.get("response_format")
+    try:  # (a GrammarSpec already: the Responses API's text.format, responses_api.to_chat)
+        fmt = fmt if isinstance(fmt, GrammarSpec) else GrammarSpec.from_response_format(fmt)
+    except GrammarError as e:
+        raise APIError(400, str(e), "invalid_request_error", "invalid_parameter", param=e.param) from None
+    if fmt is not None and forced:
+        raise _invalid("response_format", "a response format and a required or named tool_choice ask for two answers")
     stream = body.get("stream", False)
     so = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
@@ -238,6 +260,9 @@ def parse_body(body: dict, max_images: int) -> ChatRequest:
         "stop": _stop(body.get("stop")),
         "ignore_eos": body.get("ignore_eos"),
         "tools": tools,
+        "tool_choice": forced,
+        "parallel_tool_calls": None if not forced or body.get("parallel_tool_calls") is not False else False,
+        "response_format": fmt,
     }
     if opts["ignore_eos"] is not None and not isinstance(opts["ignore_eos"], bool):
         raise bad_request("ignore_eos must be a boolean", "invalid_parameter")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..runtime.prompt.tool_calls import ToolFormat, held_from
 from .scheduler import Finished
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "context": "length"}
 
 
 def new_id() -> str:

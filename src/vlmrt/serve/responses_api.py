@@ -7,8 +7,8 @@ request.parse_body like any chat request: the same limits, URL policy and media 
     response(rid, mid, model, body, f)           # the answer; stream(events, rid, mid, model, body): its events
 
 Stateless, as this server's chat route: `store: true`, `previous_response_id` and `conversation` are refused (the
-client sends the whole conversation in `input`); `text.format` other than text and `tools` are refused until the
-grammar engine lands (docs/server.md, "The Responses API").
+client sends the whole conversation in `input`); `text.format` json_schema / json_object holds the answer to the
+schema (runtime/decode/grammar.py); `tools` are refused (docs/server.md, "The Responses API").
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import time
 import uuid
 
+from ..runtime.decode.grammar import GrammarError, GrammarSpec
 from .errors import APIError, bad_request
 from .request import number
 from .responses import FINISH, timings
@@ -50,13 +51,9 @@ def _refusals(body: dict) -> None:
     text = body.get("text")
     if text is not None and not isinstance(text, dict):
         raise bad_request("text must be an object ({\"format\": {\"type\": \"text\"}})", "invalid_parameter")
-    fmt = (text or {}).get("format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _refuse("text.format", "structured output (json_schema, json_object) is not supported by this server "
-                                     "until its grammar engine lands")
     if body.get("tools"):
-        raise _refuse("tools", "tools in the Responses API are not supported by this server until its grammar engine "
-                               "lands (chat completions takes tools with tool_choice none / auto)")
+        raise _refuse("tools", "tools in the Responses API are not supported by this server (chat completions takes "
+                               "tools)")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise _refuse("tool_choice", "tools in the Responses API are not supported by this server")
     if body.get("top_logprobs") not in (None, 0):
@@ -100,7 +97,7 @@ def _messages(raw, instructions) -> list[dict]:
         kind = item.get("type", "message")
         if kind != "message":
             raise bad_request(f"{where}: item type {str(kind)[:40]!r} is not supported (message items only: function "
-                              "calls and their outputs need tools, refused here until the grammar engine lands)",
+                              "calls and their outputs need tools, which the Responses API here does not take)",
                               "invalid_request")
         if item.get("role") not in ROLES:
             raise bad_request(f"{where}: role must be one of {', '.join(ROLES)}", "invalid_request")
@@ -120,6 +117,11 @@ def to_chat(body: dict) -> dict:
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("instructions must be a string", "invalid_parameter")
     chat = {"messages": _messages(body.get("input"), instructions), "stream": body.get("stream", False)}
+    try:  # the Responses API's format is flat: {"type": "json_schema", "name", "schema", "strict"}
+        chat["response_format"] = GrammarSpec.from_response_format((body.get("text") or {}).get("format"),
+                                                                   "text.format", flat=True)
+    except GrammarError as e:
+        raise APIError(400, str(e), "invalid_request_error", "invalid_parameter", param=e.param) from None
     tokens = number(body, "max_output_tokens", int, 1)
     if tokens is not None:
         chat["max_completion_tokens"] = tokens
@@ -145,7 +147,7 @@ def _response(rid: str, model: str, body: dict, status: str, output: list, creat
             "output": output, "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}, "truncation": "disabled", "store": False,
             "previous_response_id": None, "metadata": body.get("metadata") or {}, "usage": None, **extra}
 
 

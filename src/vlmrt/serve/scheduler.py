@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass
 
 from ..runtime.answers import AnswerLoop
 from ..runtime.decode.cache_row import ContextOverflow
+from ..runtime.decode.grammar import GrammarError
 from ..runtime.prompt.conversation import ConversationError, video_refusal
 from ..runtime.media.image import ImageError
 from ..runtime.vlm import VLM
 from ..runtime.decode.prefix_cache import common_prefix
-from .errors import bad_request, context_exceeded, internal
+from .errors import APIError, bad_request, context_exceeded, internal
 
 log = logging.getLogger("vlmrt.serve")
 
@@ -226,6 +227,9 @@ class Scheduler:
             self._free(s, job.key + [("assistant", (("text", value.text),))], "completed")
         elif isinstance(value, ContextOverflow):
             job.emit("error", context_exceeded(s.vlm.result.stats.prompt_tokens, self.max_context, str(value)))
+            self._free(s, [], "refused")
+        elif isinstance(value, GrammarError):  # a response format or tool the engine cannot take: names the field
+            job.emit("error", APIError(400, str(value), "invalid_request_error", "invalid_parameter", param=value.param))
             self._free(s, [], "refused")
         elif isinstance(value, (ConversationError, ImageError, ValueError)):
             job.emit("error", bad_request(str(value)))

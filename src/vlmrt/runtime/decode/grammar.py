@@ -73,9 +73,10 @@ class GrammarSpec:
         return cls("json_schema", json.dumps(schema), not strict, param)  # (its property order is the answer's)
 
     @classmethod
-    def from_response_format(cls, rf, param: str = "response_format") -> "GrammarSpec | None":
+    def from_response_format(cls, rf, param: str = "response_format", flat: bool = False) -> "GrammarSpec | None":
         """OpenAI's response_format: {"type": "text"} (None: free text), {"type": "json_object"} (any JSON object),
-        {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; GrammarError naming the field."""
+        {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; flat: the Responses API's text.format,
+        {"type": "json_schema", "name", "schema", "strict"}. GrammarError naming the field."""
         if rf is None:
             return None
         kind = rf.get("type") if isinstance(rf, dict) else None
@@ -84,13 +85,13 @@ class GrammarSpec:
         if kind == "json_object":
             return cls.json_schema({"type": "object"}, param=param)
         if kind == "json_schema":
-            js = rf.get("json_schema")
+            js, at = (rf, param) if flat else (rf.get("json_schema"), f"{param}.json_schema")
             if not isinstance(js, dict):
-                raise GrammarError("json_schema must be an object {\"name\", \"schema\", \"strict\"}", f"{param}.json_schema")
+                raise GrammarError("json_schema must be an object {\"name\", \"schema\", \"strict\"}", at)
             if not isinstance(js.get("strict", False), (bool, type(None))):
-                raise GrammarError("strict must be a boolean", f"{param}.json_schema.strict")
+                raise GrammarError("strict must be a boolean", f"{at}.strict")
             schema = js.get("schema", {"type": "object"})
-            return cls.json_schema(schema, bool(js.get("strict")), f"{param}.json_schema.schema")
+            return cls.json_schema(schema, bool(js.get("strict")), f"{at}.schema")
         raise GrammarError("type must be \"text\", \"json_object\" or \"json_schema\"", f"{param}.type")
 
     def grammar(self) -> str:
@@ -105,7 +106,7 @@ class GrammarSpec:
 
 class Grammars:
     """A bundle's grammar compiler: its tokenizer as llguidance's (built on the first grammar: ~0.3 s at 49k tokens,
-    ~1.3 s at 151k), the compiled grammars (cached by spec, at most MAX_COMPILED) and their compile times."""
+    ~1.3 s at 151k) and the compiled grammars (cached by spec, at most MAX_COMPILED)."""
 
     def __init__(self, tokenizer, vocab: int, eos_ids: list[int]):
         """tokenizer: the bundle's tokenizers.Tokenizer; vocab: the logits' width (tokens past the tokenizer's are
@@ -114,8 +115,6 @@ class Grammars:
         self._ll = None
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
         self._lock = threading.Lock()
-        self.compile_times: list[float] = []  # seconds per compile (a cache hit not counted); the server's metric
-        self.on_compile = None  # callable(seconds), called after each compile (the server's histogram)
 
     def _tokenizer(self):
         if self._ll is None:
@@ -124,13 +123,25 @@ class Grammars:
             self._ll = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab, eos_token=self.eos_ids)
         return self._ll
 
+    def literal(self, text: str) -> str:
+        """text as a Lark term: the tokenizer's one special token for it where it has one (llguidance lets an added
+        token match only as itself, <[id]>, never as the same text in pieces), else the quoted string."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) == 1 and self._tokenizer().is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
     def compile(self, spec: GrammarSpec):
         """The compiled matcher of spec (cached; GrammarError if the grammar is invalid or unsupported)."""
+        return self._compile(spec)[0]
+
+    def _compile(self, spec: GrammarSpec) -> tuple[object, float]:
+        """(the compiled matcher of spec, the seconds its compile took: 0.0 from the cache)."""
         with self._lock:
             m = self._compiled.get(spec)
             if m is not None:
                 self._compiled.move_to_end(spec)
-                return m
+                return m, 0.0
         import llguidance
 
         tok = self._tokenizer()
@@ -143,18 +154,18 @@ class Grammars:
         if m.is_error():
             raise GrammarError(_first_line(m.get_error()), spec.param)
         dt = time.perf_counter() - t
-        self.compile_times.append(dt)
-        if self.on_compile is not None:
-            self.on_compile(dt)
         with self._lock:
             self._compiled[spec] = m
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
-        return m
+        return m, dt
 
     def constraint(self, spec: GrammarSpec) -> "Constraint":
-        """A fresh per-sequence constraint for spec."""
-        return Constraint(self.compile(spec).deep_copy(), self.vocab)
+        """A fresh per-sequence constraint for spec (its compile_s: the compile's seconds, 0.0 from the cache)."""
+        m, dt = self._compile(spec)
+        c = Constraint(m.deep_copy(), self.vocab)
+        c.compile_s = dt
+        return c
 
 
 def _first_line(msg: str) -> str:
@@ -169,6 +180,7 @@ class Constraint:
         self.matcher, self.vocab = matcher, vocab
         self.bits = np.full((1, (vocab + 31) // 32), -1, np.int32)  # llguidance's bitmask, 1 = allowed
         self._fresh = False  # bits hold the mask of the matcher's present state
+        self.compile_s = 0.0  # its grammar's compile (Grammars.constraint; 0.0: from the cache)
         self.mask_s = 0.0  # time spent computing masks
         self.masks = 0
 

@@ -194,6 +194,55 @@ FORMATS = {
 }
 
 
+def _call_schema(tool: dict, held: bool = True) -> dict:
+    """The JSON schema of one call of tool: {"name": its name, "arguments": its parameters (any object unless
+    held)}."""
+    f = tool["function"]
+    args = (f.get("parameters") or {"type": "object"}) if held else {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": args},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _one_of(tools: list[dict], held) -> dict:
+    schemas = [_call_schema(t, held is None or t["function"]["name"] in held) for t in tools]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def call_grammar(fmt: ToolFormat, tools: list[dict], literal: Callable[[str], str] = json.dumps, many: bool = True,
+                 optional: bool = False, held: set[str] | None = None):
+    """The grammar of an answer that calls tools in fmt (one or more; one only unless many), each call's arguments
+    valid against its function's parameters (held: only those functions', the others' any JSON object): a GrammarSpec
+    (runtime/decode/grammar.py). optional: the answer may be text instead (tool_choice auto with strict tools: text
+    that does not begin a call, generic; text around the calls, hermes). None where fmt's calls cannot be held
+    (pythonic: Python call syntax). literal: a marker's text as a Lark term (the tokenizer's own token where it has one:
+    Grammars.literal)."""
+    from ..decode.grammar import GrammarSpec
+
+    if fmt.name == "generic":
+        calls = {"type": "array", "minItems": 1, "items": _one_of(tools, held), **({} if many else {"maxItems": 1})}
+        schema = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                  "additionalProperties": False}
+        if not optional:
+            return GrammarSpec.json_schema(schema, param="tools")
+        schema["x-guidance"] = {"whitespace_flexible": False}  # text: anything that does not begin like a call
+        return GrammarSpec("lark", f'start: calls | TEXT | ""\ncalls: %json {json.dumps(schema)}\n'
+                                   'TEXT: /[^{`](?s:.*)/\n', param="tools")
+    if fmt.name == "hermes":  # the blocks as _hermes_write writes them, the JSON compact
+        schema = dict(_one_of(tools, held), **{"x-guidance": {"whitespace_flexible": False}})
+        start, end = literal("<tool_call>"), literal("</tool_call>")
+        call = f'call: {start} "\\n" %json {json.dumps(schema)} "\\n" {end}\n'
+        if optional and start.startswith("<["):  # text around the calls: it cannot spell a marker's token
+            return GrammarSpec("lark", "start: TEXT? (call TEXT?)*\n" + call + "TEXT: /(?s:.+)/\n", param="tools")
+        if optional:  # markers spelled in text: a call's text and its marker are one lexeme, other text has none
+            return GrammarSpec("lark", 'start: (OPEN args "\\n</tool_call>")* TEXT?\n'
+                                       f"args: %json {json.dumps(schema)}\n"
+                                       "OPEN: /(?s:.*)<tool_call>\\n/ & ~/(?s:.*<tool_call>.*<tool_call>.*)/\n"
+                                       "TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/\n", param="tools")
+        more = ' ("\\n" call)*' if many else ""
+        return GrammarSpec("lark", f"start: call{more}\n" + call, param="tools")
+    return None
+
+
 def tool_format(chat_template: str) -> ToolFormat | None:
     """The format the template's text asks for; None for a template that renders tools in a format vlmrt does not
     know (tools are then refused)."""

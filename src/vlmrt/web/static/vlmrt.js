@@ -126,9 +126,13 @@ export class VLM {
 
   // The next assistant turn of OpenAI-style messages (everything computed afresh, as VLM.generate).
   // options: maxNewTokens (256), mode ("hybrid" | "kv"), temperature, topK, topP, seed, stop (strings), ignoreEos,
-  // onText(piece) as the answer streams, onToken(id)
+  // onText(piece) as the answer streams, onToken(id); responseFormat: only {type: "text"} (structured output needs
+  // llguidance, a native library: vlmrt run / serve have it, the browser does not)
   async chat(messages, { maxNewTokens = 256, mode = null, temperature = 0, topK = 0, topP = 1, seed = null, stop = null,
-    ignoreEos = false, onText = () => {}, onToken = () => {} } = {}) {
+    ignoreEos = false, onText = () => {}, onToken = () => {}, responseFormat = null } = {}) {
+    if (responseFormat !== null && !(responseFormat && responseFormat.type === "text")) {
+      throw new Error("responseFormat: structured output (JSON schema, grammar) needs llguidance, a native library the browser runtime does not have; use vlmrt run or vlmrt serve");
+    }
     if (this.busy) throw new Error("this VLM is answering another request (one at a time: its KV cache is one conversation's)");
     if (!(Number.isInteger(maxNewTokens) && maxNewTokens >= 1)) throw new RangeError("maxNewTokens must be an integer >= 1");
     const m = this.manifest;
