@@ -423,7 +423,7 @@ def test_parse_with_a_pydantic_model_and_a_streamed_schema_on_the_demo_model(dem
         assert obj.choices[0].finish_reason == "length" and obj.choices[0].message.content.startswith("{")
 
 
-def test_response_formats_whole_streamed_and_in_the_responses_api(client, vlm):
+def test_response_formats_whole_streamed_and_in_the_responses_api(server, client, vlm):
     rf = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL, "strict": True}}
     want = direct(vlm, [TEXT], max_new_tokens=60, response_format=rf)
     assert set(json.loads(want)) == {"word", "n"}
@@ -435,6 +435,11 @@ def test_response_formats_whole_streamed_and_in_the_responses_api(client, vlm):
     assert resp.text.format.type == "json_schema"
     cut = client.chat.completions.create(model="m", messages=[TEXT], response_format=rf, max_tokens=3)
     assert cut.choices[0].finish_reason == "length" and want.startswith(cut.choices[0].message.content)
+    status, body, _ = request(server, "GET", "/metrics")
+    compiles = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
+                if s.name.startswith("vlmrt_grammar_compile_seconds")}
+    assert compiles["vlmrt_grammar_compile_seconds_count"] == 1  # one schema, compiled once, then cached
+    assert 0 < compiles["vlmrt_grammar_compile_seconds_sum"] < 5
 
 
 @pytest.mark.parametrize("route, body, param", [

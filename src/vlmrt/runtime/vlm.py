@@ -369,22 +369,36 @@ class VLM:
         """chat()'s answer prepared (VLM.prepare), for an AnswerLoop to run with others' (runtime/answers.py: the
         server's slots, vlmrt batch). Raises on bad input."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        strict = {t["function"]["name"] for t in tools or () if t["function"].get("strict")}
-        if strict:  # (the template renders the functions without it)
+        response_format = self.answer_grammar(tools, tool_choice, parallel_tool_calls, response_format)
+        if tools and any(t["function"].get("strict") for t in tools):  # (the template renders them without it)
             tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools]
+        return self.prepare(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos,
+                            max_tiles, stop, max_frames, max_patches, response_format)
+
+    def answer_grammar(self, tools: list[dict] | None = None, tool_choice: str | None = None,
+                       parallel_tool_calls: bool = True, response_format=None) -> GrammarSpec | None:
+        """The grammar chat_answer holds an answer to (None: free text), as chat's arguments say, compiled (cached by
+        the bundle's Grammars, so that a caller may compile it ahead: the server does, off its model thread);
+        GrammarError naming the field for one that cannot be."""
+        strict = {t["function"]["name"] for t in tools or () if t["function"].get("strict")}
+        tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools or ()]
         if tool_choice not in (None, "auto", "none"):
             if response_format is not None:
                 raise GrammarError("a response format and a required or named tool_choice ask for two answers")
-            response_format = self._call_grammar(tools or [], tool_choice, parallel_tool_calls)
+            spec = self._call_grammar(tools, tool_choice, parallel_tool_calls)
         elif strict and tool_choice != "none" and response_format is None:
-            response_format = self._call_grammar(tools, None, parallel_tool_calls, strict)
-        try:
-            return self.prepare(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos,
-                                max_tiles, stop, max_frames, max_patches, response_format)
-        except GrammarError as e:
-            if e.param == "tools":
-                self._bad_tool(tools)  # (names the function)
-            raise
+            spec = self._call_grammar(tools, None, parallel_tool_calls, strict)
+        else:
+            spec = response_format if isinstance(response_format, (GrammarSpec, type(None))) else \
+                GrammarSpec.from_response_format(response_format)
+        if spec is not None:
+            try:
+                self.grammars.compile(spec)
+            except GrammarError as e:
+                if e.param == "tools":
+                    self._bad_tool(tools)  # (names the function)
+                raise
+        return spec
 
     def _call_grammar(self, tools: list[dict], tool_choice: str | None, many: bool,
                       strict: set[str] | None = None) -> GrammarSpec:

@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ..runtime.decode.grammar import GrammarError
 from ..runtime.media.sources import FetchLimits
 from ..runtime.media.url_policy import AddressPolicy
 from .access import ApiKeys, Cors, HeadSize, HostCheck, OriginCheck
@@ -216,6 +217,12 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             raise bad_request(sched.no_video, "invalid_content_part")
         fetches = any(re.match(r"(?i)https?://", u) for u in req.urls + req.video_urls)  # slow ones on their own threads
         loop = asyncio.get_running_loop()
+        if any(req.options.get(k) for k in ("response_format", "tool_choice")) or any(
+                t["function"].get("strict") for t in req.options.get("tools") or ()):
+            try:  # the grammar compiled here, off the model thread (the first one builds the tokenizer's trie)
+                await loop.run_in_executor(decode_pool, sched.compile, req.options)
+            except GrammarError as e:
+                raise APIError(400, str(e), "invalid_request_error", "invalid_parameter", param=e.param) from None
         held = pixels.hold()  # the decoded pixels of its images, until it is answered (pixel_budget.py)
         try:
             images = await loop.run_in_executor(fetch_pool if fetches else decode_pool, load_images, req.urls,

@@ -153,6 +153,13 @@ class Scheduler:
             self._cv.notify()
         self._thread.join(timeout=30)
 
+    def compile(self, options: dict) -> None:
+        """The grammar a job with these options is held to, compiled ahead (VLM.answer_grammar: the tokenizer's
+        first build and the compile off the model thread, which then finds it cached); GrammarError for one that
+        cannot be. Called from a worker thread."""
+        self.slots[0].vlm.answer_grammar(options.get("tools"), options.get("tool_choice"),
+                                         options.get("parallel_tool_calls", True), options.get("response_format"))
+
     # --- the scheduler thread -----------------------------------------------------------------
     def _run(self) -> None:
         while True:

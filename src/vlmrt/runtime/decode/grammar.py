@@ -26,7 +26,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class GrammarSpec:
     kind: str
     text: str
     lenient: bool = False
-    param: str = "response_format"
+    param: str = field(default="response_format", compare=False)  # (not the grammar: the cache's key leaves it out)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -114,13 +114,16 @@ class Grammars:
         self.tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, list(eos_ids)
         self._ll = None
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
+        self._unclaimed: dict[GrammarSpec, float] = {}  # compile seconds no constraint has reported yet
         self._lock = threading.Lock()
+        self._building = threading.Lock()  # (one tokenizer build, whichever thread asks first)
 
     def _tokenizer(self):
-        if self._ll is None:
-            import llguidance
+        with self._building:
+            if self._ll is None:
+                import llguidance
 
-            self._ll = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab, eos_token=self.eos_ids)
+                self._ll = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab, eos_token=self.eos_ids)
         return self._ll
 
     def literal(self, text: str) -> str:
@@ -156,15 +159,18 @@ class Grammars:
         dt = time.perf_counter() - t
         with self._lock:
             self._compiled[spec] = m
+            self._unclaimed[spec] = dt
             while len(self._compiled) > MAX_COMPILED:
-                self._compiled.popitem(last=False)
+                self._unclaimed.pop(self._compiled.popitem(last=False)[0], None)
         return m, dt
 
     def constraint(self, spec: GrammarSpec) -> "Constraint":
-        """A fresh per-sequence constraint for spec (its compile_s: the compile's seconds, 0.0 from the cache)."""
-        m, dt = self._compile(spec)
+        """A fresh per-sequence constraint for spec; its compile_s: the seconds spec's compile took if this is the
+        first constraint made of it since (a compile ahead of it, as the server's, included), else 0.0."""
+        m, _ = self._compile(spec)
         c = Constraint(m.deep_copy(), self.vocab)
-        c.compile_s = dt
+        with self._lock:
+            c.compile_s = self._unclaimed.pop(spec, 0.0)
         return c
 
 
