@@ -8,6 +8,7 @@ grammars as one line naming the field; `vlmrt run --json-schema` with a bad file
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import subprocess
 import sys
@@ -190,3 +191,5 @@ def test_batch_holds_records_to_their_own_schema_or_the_jobs(tiny, tmp_path, cap
     assert by["own"]["text"] == want and by["own"]["json"] == json.loads(want)
     assert re.fullmatch(r"(red|green|blue)( (red|green|blue)){2,5}", by["job"]["text"]) and "json" not in by["job"]
     assert by["bad"]["error"].startswith("response_format.json_schema: ")
+    spec = GrammarSpec("regex", "(red|green|blue)( (red|green|blue)){2,5}", param="--regex")
+    assert pickle.loads(pickle.dumps(spec)) == spec  # (how a job's options reach Ray Data actors)
