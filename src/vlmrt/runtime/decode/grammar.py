@@ -106,7 +106,7 @@ class GrammarSpec:
 
 class Grammars:
     """A bundle's grammar compiler: its tokenizer as llguidance's (built on the first grammar: ~0.3 s at 49k tokens,
-    ~1.3-1.8 s and 87 MB at 151k) and the compiled grammars (cached by spec, at most MAX_COMPILED)."""
+    ~0.9-1.8 s and 87 MB at 151k) and the compiled grammars (cached by spec, at most MAX_COMPILED)."""
 
     def __init__(self, tokenizer, vocab: int, eos_ids: list[int]):
         """tokenizer: the bundle's tokenizers.Tokenizer; vocab: the logits' width (tokens past the tokenizer's are
@@ -189,7 +189,7 @@ class Constraint:
         self.compile_s = 0.0  # its grammar's compile (Grammars.constraint; 0.0: from the cache)
 
     def compute_mask(self) -> None:
-        """The next token's mask into bits (a no-op if it is already there): ~5-7 µs at 151k-262k tokens, computed
+        """The next token's mask into bits (a no-op if it is already there): ~4-5 µs at 151k-262k tokens, computed
         right before the pick (a thread to overlap it with the decoder call costs more: docs/performance.md)."""
         if self._fresh:
             return
