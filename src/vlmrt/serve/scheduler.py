@@ -16,8 +16,9 @@ requests it was to advance, each with a 500 JSON error (their state is not retri
 their rows). Where the probe at load found one-row calls computing a row apart from multi-row ones
 (Scheduler.probe), every batched call runs at least two rows, so an answer does not depend on how many others decode
 beside it. A waiting request goes to the free slot whose last conversation shares the most leading messages with it
-(so a follow-up question finds its KV rows), else to the lowest free slot where calls are batched (one computes rows
-0..the last waiting one), the least recently used one where not. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose keys match.
+(so a follow-up question finds its KV rows), else to a free slot that holds no conversation (the lowest), else to the
+least recently used one. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose
+keys match.
 """
 
 from __future__ import annotations
@@ -185,10 +186,9 @@ class Scheduler:
             if not free:
                 return
             job = self.waiting.popleft()
-            # ties: with batched calls the lowest row (a call computes rows 0..the last waiting one), else the least
-            # recently used slot
-            batched = self.decoder.probed is not None
-            s = max(free, key=lambda s: (common_prefix(s.history, job.key), -s.index if batched else -s.used))
+            # ties: a slot that holds no conversation (the lowest one), else the least recently used: never the slot
+            # of a conversation between its turns while an older one is free (its follow-up would prefill cold)
+            s = max(free, key=lambda s: (common_prefix(s.history, job.key), not s.history, -s.used, -s.index))
             job.queue_s, job.slot = time.perf_counter() - job.submitted, s.index
             s.job, s.begun, s.history = job, False, []
 
