@@ -4,9 +4,10 @@ replica that was sent its conversation's earlier turns, a new conversation by lo
 A conversation is known by the chained digests of its messages (conversation_digests: digest i covers messages 0..i
 of the slot affinity key serve/request.py computes, images by the digest of their URL), so a request's digests are
 its earlier turns' digests and one more per message. The router keeps a bounded map, digest of a routed request's
-whole key -> the replica it was routed to, written the moment a replica takes the request (on_request_routed: before
-the handle returns the request's stream to the Ingress, so before any answer can reach the client and its next turn
-be sent). A request looks up its own digests, the longest first: the replica found, while it lives, gets the request
+whole key -> the replica it was routed to, written the moment a replica takes the request (on_request_routed, which
+Serve calls once the replica accepted it: before the handle returns the request's stream to the Ingress, so before
+any answer can reach the client and its next turn be sent; Serve checks acceptance wherever a handle runs inside the
+cluster, as the Ingress replica's does). A request looks up its own digests, the longest first: the replica found, while it lives, gets the request
 unless its queue is longer than the shortest by more than `slack` (a replica's --slots); otherwise, and for a new
 conversation, the power of two choices (two replicas at random, the one with the shorter queue). Entries of a replica
 that leaves the candidate set (dies, scales down) are dropped; past `size` entries the least recently used goes.
