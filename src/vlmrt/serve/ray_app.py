@@ -10,9 +10,8 @@ The ingress reads, checks and decodes a request as `vlmrt serve` does, then rela
 a DeploymentHandle; the replica's Scheduler runs it and streams its events back. The ConversationRouter
 (ray_router.py) picks the replica: a conversation whose earlier turns a replica was sent goes back there unless that
 replica's queue is longer than the shortest by more than --slots; a new conversation goes by load (the shorter queue
-of two). A replica that dies before the answer's first
-piece: the job is relayed once more (nothing was sent yet); after it: the stream ends with an error event (503
-replica_failed), never a retried, duplicated text.
+of two). A replica that dies before the answer's first piece: the job is relayed once more (nothing was sent yet);
+after it: the stream ends with an error event (503 replica_failed), never a retried, duplicated text.
 """
 
 from __future__ import annotations
