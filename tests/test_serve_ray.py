@@ -27,6 +27,7 @@ pytest.importorskip("ray.serve")
 
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
+from ray.serve.request_router import ReplicaID  # noqa: E402
 
 from serve_client import ask, picture, request, start, tiny, uri  # noqa: E402,F401
 from vlmrt.serve import ray_app  # noqa: E402
@@ -318,6 +319,73 @@ def test_follow_ups_go_to_the_replica_holding_the_conversation(app):
     after = replica_infos("vlmrt")
     new = sorted(after[r].get("completed", 0) - before.get(r, 0) for r in after)
     assert len(new) == 2 and new[0] >= 3 * 2, new  # at least two conversations (3 turns each) on the quieter one
+
+
+class FakeReplica:
+    """What the router reads of a replica: its id, its queue length when probed (a Serve RunningReplica's surface)."""
+
+    def __init__(self, name: str):
+        from ray.serve._private.common import DeploymentID
+
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DeploymentID(name="Model", app_name="t"))
+        self.max_ongoing_requests = 12
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def test_the_router_map_exactly():
+    """ray_router.ConversationRouter on its own (no cluster): a follow-up goes to the replica its earlier turn was
+    routed to (the map written by on_request_routed, read longest prefix first), not by load; while that replica's
+    queue is more than slack longer than the shortest, by load; a new conversation (a shared first message is not a
+    match) gets two candidates; a replica that dies takes its entries with it; the map keeps `size` entries. (Fails
+    on main 62241fa: no such router; its prefix tree matched a shared first message.)"""
+    import asyncio
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from vlmrt.serve.ray_router import ConversationRouter, conversation_digests
+
+    class Request:  # what the router reads of a PendingRequest: its args (Model.generate's Ask)
+        def __init__(self, key):
+            self.args = [ray_app.Ask(conversation_digests(key), [], key, {})]
+
+    def key(*texts):
+        return [("system", (("text", "S"),))] + [(("user", "assistant")[i % 2], (("text", t),))
+                                                 for i, t in enumerate(texts)]
+
+    async def check():
+        r = ConversationRouter(deployment_id=DeploymentID(name="Model", app_name="t"),
+                               handle_source=DeploymentHandleSource.UNKNOWN)
+        r.initialize_state(slack=2, size=3)
+        a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+        r.update_replicas([a, b, c])
+        reps = [a, b, c]
+        for rep in reps:
+            r.replica_queue_len_cache.update(rep.replica_id, 0)
+        first = Request(key("hi"))
+        assert len((await r.choose_replicas(reps, first))[0]) == 2  # new: the power of two choices
+        r.on_request_routed(first, b.replica_id, None)
+        follow = Request(key("hi", "hello", "more?"))
+        assert await r.choose_replicas(reps, follow) == [[b]]  # its earlier turn's replica
+        assert await r.choose_replicas(reps, Request(key("hi"))) == [[b]]  # the same request again
+        assert len((await r.choose_replicas(reps, Request(key("other"))))[0]) == 2  # shares only the system message
+        r.replica_queue_len_cache.update(b.replica_id, 2)
+        assert await r.choose_replicas(reps, follow) == [[b]]  # 2 - 0 <= slack
+        r.replica_queue_len_cache.update(b.replica_id, 3)
+        assert len((await r.choose_replicas(reps, follow))[0]) == 2  # overloaded: by load
+        r.replica_queue_len_cache.update(b.replica_id, 0)
+        r.on_request_routed(follow, b.replica_id, None)
+        r.on_request_routed(Request(key("x")), a.replica_id, None)
+        r.on_request_routed(Request(key("y")), c.replica_id, None)
+        assert len(r.held) == 3 and conversation_digests(key("hi"))[-1] not in r.held  # the oldest entry dropped
+        r.on_replica_actor_died(c.replica_id)
+        assert len(r.held) == 2 and c.replica_id not in r.held.values()
+        r.update_replicas([a])  # b scaled down
+        assert list(r.held.values()) == [a.replica_id]
+        assert await r.choose_replicas([a], Request(key("hi", "hello", "more?", "ok", "again"))) == [[a]]
+
+    asyncio.run(check())
 
 
 # --- faults and autoscaling: the demo model, whose answers take seconds (the tiny one's take milliseconds) ----------
