@@ -5,6 +5,7 @@ image cache) over the bundle's shared ORT sessions, so requests never see each o
     job = Job(messages, key, options, asyncio.get_running_loop())
     sched.submit(job)            # QueueFull when max_queue jobs already wait for a slot
     kind, value = await job.events.get()   # ("piece", text) ... then ("done", Finished) | ("error", APIError)
+                                           # (with logprobs: ("logprobs", [entry, ...]) before each piece's text)
     sched.cancel(job)            # | ("cancelled", None): a client that went away; its slot is free again
 
 The slots' VLMs run through one AnswerLoop over one scheduler (runtime/answers.py, runtime/decode/scheduler.py), the loop
@@ -53,6 +54,7 @@ class Finished:
     stats: dict  # RunStats as a dict
     queue_s: float
     slot: int
+    logprobs: list[dict] | None = None  # asked for: each answer token's (TokenLogprob.as_dict: OpenAI's shape)
 
 
 class Job:
@@ -63,6 +65,7 @@ class Job:
         self.submitted = time.perf_counter()
         self.queue_s = 0.0
         self.slot = -1
+        self.sent_logprobs = 0  # the answer's token logprobs sent as events so far
 
     @property
     def cancelled(self) -> bool:
@@ -213,16 +216,30 @@ class Scheduler:
         except Exception as e:
             self._event(s, "error", e)
 
+    @staticmethod
+    def _logprobs(job: Job, res) -> None:
+        """The answer's token logprobs not sent yet (those of the tokens streamed since), as one ("logprobs", ...)
+        event: before the piece their text is in (a piece holds the text of the tokens before it, less what stop
+        strings and incomplete characters hold back), or before "done" (tokens whose text never came as a piece)."""
+        entries = res.logprobs
+        if entries is None or len(entries) <= job.sent_logprobs:
+            return
+        job.emit("logprobs", [e.as_dict() for e in entries[job.sent_logprobs:]])
+        job.sent_logprobs = len(entries)
+
     def _event(self, s: Slot, kind: str, value) -> None:
         job = s.job
         if job is None:
             return
         if kind == "piece":
+            self._logprobs(job, s.vlm.result)
             job.emit("piece", value)
         elif kind == "done":
             st = value.stats
+            self._logprobs(job, value)
+            entries = None if value.logprobs is None else [e.as_dict() for e in value.logprobs]
             job.emit("done", Finished(value.text, st.prompt_tokens, st.generated_tokens, st.stop_reason, asdict(st),
-                                      job.queue_s, s.index))
+                                      job.queue_s, s.index, entries))
             self._free(s, job.key + [("assistant", (("text", value.text),))], "completed")
         elif isinstance(value, ContextOverflow):
             job.emit("error", context_exceeded(s.vlm.result.stats.prompt_tokens, self.max_context, str(value)))
