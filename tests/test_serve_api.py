@@ -6,6 +6,7 @@ messages in the next turn). The tool-call parsers on each template format's real
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -55,6 +56,8 @@ def test_metrics_after_real_requests(keyed, keyed_client):
     assert request(keyed, "GET", "/metrics")[0] == 401  # behind --api-key like every route but / and /health
     assert one(before, "vlmrt_model_loaded") == 1 and one(before, "vlmrt_slots") == 2
     assert one(before, "vlmrt_kv_cache_bytes") > 0
+    max_context = keyed.app.state.vlmrt.scheduler.max_context
+    assert one(before, "vlmrt_kv_cache_rows") == 2 * max_context
 
     messages = [ask("What is in the picture?", uri(picture(4)))]
     a = keyed_client.chat.completions.create(model="m", messages=messages, max_tokens=8)
@@ -88,6 +91,36 @@ def test_metrics_after_real_requests(keyed, keyed_client):
     assert grew("vlmrt_scheduler_jobs_total", outcome="refused") == 0  # max_tokens 0 is refused before the queue
     assert one(after, "vlmrt_slots_busy") == 0 and one(after, "vlmrt_queue_depth") == 0
     assert one(after, "vlmrt_image_cache_bytes") > 0
+    # the rows the slots keep for prefix reuse: at least the last answer's (its prompt and all its tokens but the last)
+    assert b.usage.total_tokens - 1 <= one(after, "vlmrt_kv_cache_rows_used") <= 2 * max_context
+
+
+def test_inter_token_latency_is_each_gap(keyed, keyed_client, monkeypatch):
+    """vlmrt_inter_token_latency_seconds observes each gap between an answer's tokens: one round planted 0.5 s slow
+    shows as one gap over 0.25 s, the others under it (observed at the answer's mean decode time per token, every
+    token fell in the same bucket)."""
+    loop = keyed.app.state.vlmrt.scheduler.loop
+    real, rounds = loop.round, []
+
+    def slow():
+        rounds.append(1)
+        if len(rounds) == 5:  # (rounds 1-2: the prompt's blocks; then a token each)
+            time.sleep(0.5)
+        return real()
+
+    before = scrape(keyed)
+    monkeypatch.setattr(loop, "round", slow)
+    out = keyed_client.chat.completions.create(model="m", messages=[TEXT], max_tokens=10, extra_body={"ignore_eos": True})
+    monkeypatch.setattr(loop, "round", real)
+    after = scrape(keyed)
+    assert out.usage.completion_tokens == 10 and len(rounds) > 6
+
+    def grew(name, **labels):
+        return one(after, name, **labels) - one(before, name, **labels)
+
+    assert grew("vlmrt_inter_token_latency_seconds_count") == 9
+    assert grew("vlmrt_inter_token_latency_seconds_bucket", le="0.25") == 8
+    assert grew("vlmrt_inter_token_latency_seconds_sum") >= 0.5
 
 
 # ------------------------------------------------------------------------- POST /v1/responses
