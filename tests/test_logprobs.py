@@ -259,3 +259,49 @@ def test_bad_logprobs_are_a_400_naming_the_field(served, path, body, param):
     base = {"messages": [TEXT]} if path == "/v1/chat/completions" else {"input": "hi"}
     status, got, _ = request(served, "POST", path, json.dumps({**base, **body}).encode())
     assert status == 400 and got["error"]["param"] == param and got["error"]["message"].startswith(param), got
+
+
+# ------------------------------------------------------------------------- the demo model: real text, tools
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model):
+    r = start(demo_model[1], "--slots", "1", "--queue", "2")
+    yield r, VLM.load(demo_model[1])
+    r.stop()
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_demo_model_logprobs_with_tools_through_the_sdk(demo):
+    """The offline demo model (trained: real words) through the openai SDK with tools (its template has none: the
+    generic format) and logprobs: the answer is VLM.chat's with the same tools, its tokens' bytes are its text,
+    each streamed content chunk carries exactly the tokens of its text (the SDK's whole and streamed entries equal).
+    Its 128-token context holds the generic tool turn but not a follow-up with the call and its result: a 400 that
+    says so."""
+    r, ref = demo
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    q = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model="m", messages=q, tools=[WEATHER], max_tokens=12, logprobs=True, top_logprobs=2)
+    out = c.chat.completions.create(**kw)
+    text = out.choices[0].message.content
+    ref.reset()
+    assert text == "".join(ref.chat(q, max_new_tokens=12, tools=[WEATHER], logprobs=2)) and text.strip()
+    lp = out.choices[0].logprobs.content
+    assert [c.token for c in lp] == [e.token for e in ref.result.logprobs]
+    assert bytes(b for e in lp for b in e.bytes).decode() == text
+    assert "".join(e.token for e in lp) == text
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    pieces = [x.choices[0] for x in chunks if x.choices and x.choices[0].delta.content]
+    assert "".join(p.delta.content for p in pieces) == text
+    for p in pieces:
+        assert "".join(e.token for e in p.logprobs.content) == p.delta.content
+    assert _entries([e for x in chunks if x.choices and x.choices[0].logprobs
+                     for e in x.choices[0].logprobs.content]) == _entries(lp)
+    follow = q + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}, {"role": "tool", "tool_call_id": "call_1",
+                                                                     "content": "sunny, 21 C"}]
+    with pytest.raises(openai.BadRequestError, match="max context is 128"):
+        c.chat.completions.create(model="m", messages=follow, tools=[WEATHER], max_tokens=4)
