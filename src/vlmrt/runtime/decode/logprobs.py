@@ -43,10 +43,21 @@ def token_logprobs(row: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
     ids to list (0..MAX_TOP), best first (ties by the lower id)."""
     x = row if row.dtype == np.float32 else row.astype(np.float32)
     m = float(x.max())
-    lse = m + float(np.log(np.exp(x - m).sum(dtype=np.float64)))
-    best = []
-    if top:
-        idx = np.argpartition(-x, top - 1)[:top] if top < x.size else np.arange(x.size)
-        idx = idx[np.lexsort((idx, -x[idx]))]
-        best = [TokenLogprob(int(i), float(x[i]) - lse) for i in idx]
+    lse = m + float(np.log(np.exp(x - m).sum()))  # (float32 pairwise sums: ~1e-7 of the sum at a 262k vocabulary)
+    best = [TokenLogprob(int(i), float(x[i]) - lse) for i in top_ids(x, top)] if top else []
     return TokenLogprob(int(token), float(x[token]) - lse, best)
+
+
+def top_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids of x's k largest values, best first (ties by the lower id). Not a partition of the whole row (~0.5 ms
+    at a 49k vocabulary): the k-th largest of the maxima of B >= k blocks is a bound t that at least k values reach,
+    so the k largest are among the few values >= t (~30 µs)."""
+    n = x.size
+    blocks = 8 * k
+    if n < 4 * blocks:
+        cand = np.arange(n)
+    else:
+        size = n // blocks
+        t = np.partition(x[: blocks * size].reshape(blocks, size).max(axis=1), blocks - k)[blocks - k]
+        cand = np.flatnonzero(x >= t)
+    return cand[np.lexsort((cand, -x[cand]))][:k]
