@@ -17,7 +17,7 @@ from serve_client import TEXT, openai, request, start  # noqa: F401
 from vlmrt.runtime.answers import AnswerLoop
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.decode import scheduler as scheduler_module
-from vlmrt.runtime.decode.logprobs import token_logprobs
+from vlmrt.runtime.decode.logprobs import token_logprobs, top_ids
 from vlmrt.runtime.decode.sampler import SamplingConfig
 from vlmrt.runtime.prompt.token_bytes import TokenBytes
 from vlmrt.runtime.vlm import VLM
@@ -52,6 +52,12 @@ def test_token_logprobs_is_log_softmax_of_the_row():
     assert [t.id for t in e.top] == want and want[:2] == [7, 9]
     assert max(abs(t.logprob - ref[t.id]) for t in e.top) < 1e-5
     assert token_logprobs(row.astype(np.float16), 5).top == []  # top 0: the token's alone; any float dtype
+    # the top ids (found among the values over the block maxima's bound) are a sort's, ties and short rows too
+    for trial in range(60):
+        n, k = int(rng.integers(1, 70000)), int(rng.integers(1, 21))
+        y = (rng.standard_normal(n) * 3).astype(np.float32)
+        y = np.round(y) if trial % 2 else y  # many ties
+        assert list(top_ids(y, k)) == sorted(range(n), key=lambda i: (-y[i], i))[:k], (n, k)
     assert abs(token_logprobs(row.astype(np.float16), 5).logprob - log_softmax(row.astype(np.float16))[5]) < 1e-3
 
 
