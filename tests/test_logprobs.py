@@ -227,6 +227,20 @@ def test_chat_logprobs_whole_and_streamed(client, vlm):
     assert texts and all(x.choices[0].logprobs.content for x in texts)
     assert chunks[0].choices[0].logprobs.content == []
 
+    # a stop string: the answer cut, its tokens to the one that completed it (their text held back, then dropped:
+    # their entries come with the finish chunk)
+    text = out.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = client.chat.completions.create(model="m", messages=messages, max_tokens=N, logprobs=True, top_logprobs=3,
+                                         stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    whole = cut.choices[0].logprobs.content
+    assert len(whole) == cut.usage.completion_tokens < N and _entries(whole) == _entries(lp[: len(whole)])
+    chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=N, logprobs=True,
+                                                 top_logprobs=3, stop=[stop], stream=True))
+    assert _entries([c for x in chunks if x.choices and x.choices[0].logprobs
+                     for c in x.choices[0].logprobs.content]) == _entries(whole)
+
     plain = client.chat.completions.create(model="m", messages=messages, max_tokens=N, logprobs=False)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
     top0 = client.chat.completions.create(model="m", messages=messages, max_tokens=N, logprobs=True)
