@@ -220,6 +220,14 @@ def test_answers_equal_vlmrt_serve(app, local):
         got, events = streamed(app, body)
         assert got == want and events[-1]["choices"][0]["finish_reason"] in ("stop", "length"), body
         assert streamed(local, body)[0] == want
+    # logprobs (their events relayed beside the pieces): the one-machine server's, whole and streamed
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "ignore_eos": True, "logprobs": True,
+            "top_logprobs": 2}
+    want = chat(local, body)[1]["choices"][0]["logprobs"]["content"]
+    assert len(want) == 12 and chat(app, body)[1]["choices"][0]["logprobs"]["content"] == want
+    events = streamed(app, body)[1]
+    assert [e for ev in events for c in ev.get("choices", []) for e in (c.get("logprobs") or {}).get("content", [])] \
+        == want
 
 
 def test_access_layers_and_limits_through_the_proxy(app):

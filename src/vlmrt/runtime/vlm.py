@@ -4,6 +4,7 @@
     for piece in vlm.generate("What is in the image?", image="cat.png"):   # images=[...]: several
         print(piece, end="", flush=True)
     print(vlm.result.stats)       # RunStats of the last call
+    vlm("Name the shape.", "cat.png", logprobs=5).logprobs   # each token's TokenLogprob (token, bytes, logprob, top 5)
 
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}},
                                              {"type": "text", "text": "What is this?"}]}]
@@ -37,6 +38,7 @@ from .sessions import Sessions
 from .prompt.chunks import ImageChunk, Prompt
 from .prompt.positions import position_op, prompt_positions
 from .decode.cache_row import MODES, ContextOverflow, DecoderConfig, DecoderSessions, check_lookahead
+from .decode.logprobs import MAX_TOP, TokenLogprob
 from .decode.lookahead import check_exact
 from .media import video as video_ops
 from .prompt.conversation import (ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn,
@@ -49,6 +51,7 @@ from .decode.scheduler import Scheduler
 from .decode.sequence import Sequence
 from .media.sources import FetchLimits, read_image
 from .prompt.stop_strings import StopStrings
+from .prompt.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -131,6 +134,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)
+    logprobs: list[TokenLogprob] | None = None  # asked for (logprobs=N): one per token_ids entry, in order
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids), "stats": asdict(self.stats)}
@@ -150,6 +154,7 @@ class Answer:
     cut: StopStrings
     res: Result
     t0: float  # perf_counter at the call
+    logprobs: int | None = None  # the top tokens to report beside each token's log probability (None: none)
     prompt: Prompt | None = None
     keys: list = field(default_factory=list)  # the prompt rows' keys (PrefixCache)
     start: int = 0  # prompt rows kept from the previous answer
@@ -192,6 +197,7 @@ class VLM:
         self.image_cache = ImageCache(image_cache_bytes)
         self.fetch = fetch
         self._answers = 0  # answers begun: one VLM answers one at a time (its KV cache is one conversation's)
+        self._token_bytes: TokenBytes | None = None  # (made at the first answer that asks for logprobs)
 
     @staticmethod
     def scheduler_for(bundle: Bundle, rows: int, kv_requant: bool = True, lookahead: int = 0) -> Scheduler:
@@ -305,24 +311,29 @@ class VLM:
     def generate(self, prompt: str, image: str | Path | Image.Image | None = None, *, images=(), mode: str | None = None,
                  max_new_tokens: int = 256, sampling: SamplingConfig | None = None, ignore_eos: bool = False,
                  max_tiles: int | None = None, stop: list[str] | None = None, video=None, fps: float | None = None,
-                 max_frames: int | None = None, max_patches: int | None = None) -> Iterator[str]:
+                 max_frames: int | None = None, max_patches: int | None = None,
+                 logprobs: int | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are generated; self.result holds text, ids and stats at the end. The prompt is
         one user turn: the video if any (a GIF / WebP / mp4 / webm file, a folder of numbered frames at fps, a URL,
         a data URI or a list of PIL images at fps; docs/video.md), image (and then images: paths, URLs, data URIs or
         PIL images) in order, then the text. max_frames: sample at most this many frames (default: the bundle's).
         max_patches: a smaller patch budget per image than the bundle's vision graph (native-resolution bundles:
         the image is resized to fit, as its processor does with max_pixels = patches × patch²).
+        logprobs: N (0..20) records each generated token's log probability and the N most likely tokens at its
+        place in self.result.logprobs (TokenLogprob: id, token, bytes, logprob, top), from the model's logits before
+        temperature / top-k / top-p (runtime/decode/logprobs.py); None: none (and nothing computed).
         Cache-less: nothing is kept from or for other calls."""
         srcs = ([image] if image is not None else []) + list(images)
         videos = [VideoSource(video, fps)] if video is not None else []
         return self._run(lambda: self.prepare(
             parse_messages(user_turn(prompt, srcs, videos)), False, mode, max_new_tokens, sampling or SamplingConfig(),
-            ignore_eos, max_tiles, stop, max_frames, max_patches))
+            ignore_eos, max_tiles, stop, max_frames, max_patches, logprobs))
 
     def chat(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
              ignore_eos: bool = False, max_tiles: int | None = None, max_frames: int | None = None,
-             max_patches: int | None = None, tools: list[dict] | None = None) -> Iterator[str]:
+             max_patches: int | None = None, tools: list[dict] | None = None,
+             logprobs: int | None = None) -> Iterator[str]:
         """Answer the next assistant turn of a conversation (OpenAI-style messages: system / user / assistant,
         content a string or parts {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
         {"type": "video_url", "video_url": {"url"}} (or {"type": "video", "video": src, "fps": N})), yielding
@@ -331,22 +342,23 @@ class VLM:
         token for token as a fresh run's. self.result.stats: reused_prompt_tokens, images_cached, vision_skipped.
         tools: functions the answer may call (OpenAI's [{"type": "function", "function": {...}}]), rendered by the
         checkpoint's template (or described in a system turn: runtime/prompt/tool_calls.py); messages may then hold
-        assistant tool_calls and tool results. The answer is text: self.template.tool_format.parse reads its calls."""
+        assistant tool_calls and tool results. The answer is text: self.template.tool_format.parse reads its calls.
+        logprobs: as generate's."""
         return self._run(lambda: self.chat_answer(messages, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                           max_tiles=max_tiles, max_frames=max_frames, max_patches=max_patches,
-                                          tools=tools))
+                                          tools=tools, logprobs=logprobs))
 
     def chat_answer(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                     stop: list[str] | None = None, ignore_eos: bool = False, max_tiles: int | None = None,
                     max_frames: int | None = None, max_patches: int | None = None,
-                    tools: list[dict] | None = None) -> "Answer":
+                    tools: list[dict] | None = None, logprobs: int | None = None) -> "Answer":
         """chat()'s answer prepared (VLM.prepare), for an AnswerLoop to run with others' (runtime/answers.py: the
         server's slots, vlmrt batch). Raises on bad input."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return self.prepare(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos, max_tiles, stop,
-                            max_frames, max_patches)
+                            max_frames, max_patches, logprobs)
 
     def reset(self) -> None:
         """Forget the conversation caches (the KV rows stay allocated: they are its scheduler row's cache)."""
@@ -486,7 +498,7 @@ class VLM:
             loop.cancel(self.slot)  # (an answer closed, or failed, before its end: its sequence leaves the row)
 
     def prepare(self, conv: Conversation, cached: bool, mode, max_new_tokens, sampling, ignore_eos, max_tiles,
-                stop, max_frames=None, max_patches=None) -> "Answer":
+                stop, max_frames=None, max_patches=None, logprobs=None) -> "Answer":
         """An answer's host side up to the vision graph: options checked, images and videos read and tiled (or found
         in the image cache if cached), the prompt built and checked against the context, the cache rows it may keep
         (cached: chat's prefix reuse). Raises on bad input; nothing is encoded or decoded yet. self.result is its."""
@@ -498,10 +510,18 @@ class VLM:
             raise TypeError(f"max_new_tokens must be an integer, not {type(max_new_tokens).__name__}")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, Integral)
+                                     or not 0 <= logprobs <= MAX_TOP):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP}] (the top tokens to list), "
+                             f"not {logprobs!r}")
         sampler, cut = Sampler(sampling), StopStrings(stop)
         self._answers += 1
         res = self.result = Result()
-        a = Answer(self._answers, self.slot, cached, mode, max_new_tokens, sampler, ignore_eos, cut, res, time.perf_counter())
+        a = Answer(self._answers, self.slot, cached, mode, max_new_tokens, sampler, ignore_eos, cut, res, time.perf_counter(),
+                   logprobs)
+        if logprobs is not None:
+            res.logprobs = []
+            self._token_bytes = self._token_bytes or TokenBytes(self.bundle.tokenizer)
         st = res.stats
         st.load_s = self.load_s
 
@@ -546,7 +566,7 @@ class VLM:
         st.vision_skipped = a.media and not todo
         positions, rows = self._positions_rows(a.prompt, a.start)
         a.seq = Sequence(embeds, a.mode, a.max_new_tokens, a.sampler, a.ignore_eos, a.start, a.prompt.ids, positions,
-                         rows)
+                         rows, a.logprobs)
 
     def admit(self, a: "Answer") -> None:
         """The answer's sequence onto this VLM's row of its scheduler (an answer of this VLM left unfinished there by
@@ -568,6 +588,8 @@ class VLM:
                 return
             if not res.token_ids:
                 res.stats.ttft_s = time.perf_counter() - a.t0
+            if res.logprobs is not None:  # (the sequence's entry for this id: the ids come in its order)
+                res.logprobs.append(self._spelled(a.seq.token_logprobs[len(res.token_ids)]))
             res.token_ids.append(token)
             piece = a.decode.step(tok, token)
             if piece:
@@ -575,6 +597,13 @@ class VLM:
                 out = a.cut.feed(piece)
                 if out:
                     yield out
+
+    def _spelled(self, e: TokenLogprob) -> TokenLogprob:
+        """e and its top tokens with their text and bytes (TokenBytes)."""
+        tb = self._token_bytes
+        for x in (e, *e.top):
+            x.bytes, x.token = tb.bytes(x.id), tb.text(x.id)
+        return e
 
     def release(self, a: "Answer", done: bool) -> None:
         """The answer is over (done: it ended, or a stop string ended it; else it failed or was closed): the prefix

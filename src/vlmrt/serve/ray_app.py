@@ -103,7 +103,8 @@ class Model:
         self.sched = load()
 
     async def generate(self, ask: Ask):
-        """("piece", text) ... then ("done", Finished) | ("error", wired APIError) | ("cancelled", None)."""
+        """("piece", text) (and ("logprobs", entries)) ... then ("done", Finished) | ("error", wired APIError) |
+        ("cancelled", None)."""
         job = Job(ask.payload, ask.key, ask.options, asyncio.get_running_loop())
         try:
             self.sched.submit(job)
@@ -115,7 +116,7 @@ class Model:
             while True:
                 kind, value = await job.events.get()
                 yield kind, _wire(value) if kind == "error" else value
-                if kind != "piece":
+                if kind not in ("piece", "logprobs"):
                     return
         finally:  # the ingress cancelled it (its client went away) or it ended: a no-op then
             self.sched.cancel(job)
@@ -169,7 +170,7 @@ class RemoteScheduler:
             try:
                 async for kind, value in gen:
                     job.events.put_nowait((kind, _unwire(value) if kind == "error" else value))
-                    pieces += kind == "piece"
+                    pieces += kind in ("piece", "logprobs")  # (either sent: the job is not run again)
                 self.counts["answered"] += 1
                 return
             except BackPressureError:

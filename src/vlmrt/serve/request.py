@@ -3,10 +3,11 @@
 Fields read: messages (system / developer / user / assistant / tool; content a string or text / image_url / video_url
 parts (video_url as vLLM takes it: {"type": "video_url", "video_url": {"url": ...}}); an assistant's tool_calls, a
 tool message's tool_call_id), tools and tool_choice (none / auto), stream, stream_options.include_usage,
-max_completion_tokens / max_tokens, temperature, top_p, seed, stop, n (1 only), and the extensions llama.cpp and vLLM
-also take: top_k, ignore_eos. Fields asking for what vlmrt does not do (logprobs, structured output, a required or
-named tool_choice, penalties, logit_bias, audio) are refused (400 unsupported_parameter) unless they ask for the
-default, which is what ignoring them gives; the others (model, user, metadata, store, ...) are ignored.
+max_completion_tokens / max_tokens, temperature, top_p, seed, stop, n (1 only), logprobs and top_logprobs (0..20),
+and the extensions llama.cpp and vLLM also take: top_k, ignore_eos. Fields asking for what vlmrt does not do
+(structured output, a required or named tool_choice, penalties, logit_bias, audio) are refused (400
+unsupported_parameter) unless they ask for the default, which is what ignoring them gives; the others (model, user,
+metadata, store, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from ..runtime.decode.logprobs import MAX_TOP
 from ..runtime.prompt.conversation import ConversationError, parse_messages
 from .errors import APIError, bad_request
 
@@ -73,8 +75,6 @@ def _text_only(v) -> bool:
 
 # field -> (is the value what vlmrt does anyway?, what vlmrt does not do); "auto" tool_choice without tools is harmless
 UNSUPPORTED = {
-    "logprobs": (lambda v, b: v in (None, False), "log probabilities are not returned"),
-    "top_logprobs": (lambda v, b: v in (None, 0), "log probabilities are not returned"),
     "response_format": (lambda v, b: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                         "structured output (json_object, json_schema) is not supported"),
     "tool_choice": (lambda v, b: not isinstance(v, dict) and v != "required",
@@ -155,6 +155,20 @@ def _tools(body: dict) -> list[dict] | None:
         out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters")
                                                       if f.get(k) is not None}})
     return None if choice == "none" else out
+
+
+def logprobs(body: dict, top_name: str = "top_logprobs") -> int | None:
+    """The top tokens to list beside each answer token's log probability (0..20), None where logprobs is not asked
+    for: logprobs a boolean, top_logprobs (top_name) an integer in [0, 20] that needs logprobs true when over 0."""
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise _invalid("logprobs", "must be a boolean")
+    top = body.get(top_name)
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP):
+        raise _invalid(top_name, f"must be an integer in [0, {MAX_TOP}], not {json.dumps(top)[:40]}")
+    if top and not asked:
+        raise _invalid(top_name, "needs logprobs: true")
+    return (top or 0) if asked else None
 
 
 def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
@@ -238,6 +252,7 @@ def parse_body(body: dict, max_images: int) -> ChatRequest:
         "stop": _stop(body.get("stop")),
         "ignore_eos": body.get("ignore_eos"),
         "tools": tools,
+        "logprobs": logprobs(body),
     }
     if opts["ignore_eos"] is not None and not isinstance(opts["ignore_eos"], bool):
         raise bad_request("ignore_eos must be a boolean", "invalid_parameter")

@@ -47,6 +47,7 @@ from .cache_row import CacheRow, DecoderConfig, DecoderSessions
 from .decoder_kinds import decoder_kind
 from .embedding import TokenEmbedding
 from .kv_cache import KVCache
+from .logprobs import token_logprobs
 from .lookahead import PromptLookup
 from .sampler import Sampler
 from .sequence import GenerationStats, Sequence
@@ -167,14 +168,15 @@ class Scheduler:
                 return
             row.end(seq.mode, seq.start, n)
             tokens = [row.pick(seq.sampler, logits[-1][None])]
+            logprobs = _logprobs(seq, logits[-1:], tokens)
         except Exception as e:
             seq.stop("error", e)
             return
         seq.stats.prefill_s = time.perf_counter() - seq.began
-        self._emit(seq, tokens)
+        self._emit(seq, tokens, logprobs)
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        seq.emit(tokens, self.eos)
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
+        seq.emit(tokens, self.eos, logprobs)
         if not seq.done and self.rows[seq.row].cache.length >= self.kv.max_context:
             seq.stop("context")
 
@@ -193,8 +195,9 @@ class Scheduler:
                 waiting[seq.row] = seq
                 continue
             t, run0 = time.perf_counter(), row.run_s
+            rows = None if seq.logprobs is None else []
             try:
-                tokens = row.verify(seq.token, drafts, seq.sampler)
+                tokens = row.verify(seq.token, drafts, seq.sampler, rows)
             except Exception as e:
                 seq.stop("error", e)
                 continue
@@ -205,7 +208,7 @@ class Scheduler:
             st.decode_s += dt
             st.decode_run_s += row.run_s - run0
             st.step_times.append(dt)
-            self._emit(seq, tokens)
+            self._emit(seq, tokens, _logprobs(seq, rows, tokens))
         if not waiting:
             return
         if self.batched:
@@ -220,7 +223,8 @@ class Scheduler:
             b = step.buffers
             for r, seq in waiting.items():
                 row = self.rows[r]
-                self._decoded(seq, row, [row.pick(seq.sampler, b.logits, r, b.argmax_ids)], t0, run_s)
+                tokens = [row.pick(seq.sampler, b.logits, r, b.argmax_ids)]
+                self._decoded(seq, row, tokens, t0, run_s, _logprobs(seq, b.logits[r : r + 1], tokens))
             return
         for r, seq in waiting.items():  # one sequence per call
             row = self.rows[r]
@@ -230,17 +234,19 @@ class Scheduler:
             except Exception as e:
                 seq.stop("error", e)
                 continue
-            self._decoded(seq, row, [row.pick(seq.sampler, logits)], t0, row.run_s - run0)
+            tokens = [row.pick(seq.sampler, logits)]
+            self._decoded(seq, row, tokens, t0, row.run_s - run0, _logprobs(seq, logits[-1:], tokens))
             t0 = time.perf_counter()
 
-    def _decoded(self, seq: Sequence, row: CacheRow, tokens: list[int], t0: float, run_s: float) -> None:
+    def _decoded(self, seq: Sequence, row: CacheRow, tokens: list[int], t0: float, run_s: float,
+                 logprobs: list | None) -> None:
         row.decoded(seq.mode)
         st = seq.stats
         dt = time.perf_counter() - t0
         st.decode_s += dt
         st.decode_run_s += run_s
         st.step_times.append(dt)
-        self._emit(seq, tokens)
+        self._emit(seq, tokens, logprobs)
 
     # --- the batched call ---
     def _call(self, k: int) -> "_BatchCall":
@@ -402,6 +408,14 @@ class _BatchCall:
             self._position[r] = p
         else:
             self._positions[:, r] = p
+
+
+def _logprobs(seq: Sequence, rows, tokens: list[int]) -> list | None:
+    """Each token's log probabilities from the logits row it was picked from (rows[i]: tokens[i]'s), where the
+    sequence asked for them (seq.logprobs); None (nothing computed) where it did not."""
+    if seq.logprobs is None:
+        return None
+    return [token_logprobs(row, t, seq.logprobs) for row, t in zip(rows, tokens)]
 
 
 def _takes_a_batch(kind) -> bool:
