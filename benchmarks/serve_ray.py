@@ -133,6 +133,17 @@ def wait_health(port: int, timeout_s: float = 120) -> None:
     raise RuntimeError("the server did not become ready")
 
 
+def proxy_overhead(local: int, port: int, tokens: int) -> dict:
+    """`vlmrt serve` and the 1-replica application, requests alternating under the same machine load."""
+    pairs = [(stream(local, first_turn(20_000 + i), tokens), stream(port, first_turn(30_000 + i), tokens))
+             for i in range(10)]
+    return {"target": "proxy overhead: vlmrt serve vs Ray Serve 1 replica, alternating",
+            "load_average_1m": os.getloadavg()[0], "health_rtt_s": [health_rtt(local), health_rtt(port)],
+            "ttft_p50_s": [pct([x["ttft_s"] for x, _ in pairs], 50), pct([y["ttft_s"] for _, y in pairs], 50)],
+            "answer_s_p50": [pct([x["total_s"] for x, _ in pairs], 50), pct([y["total_s"] for _, y in pairs], 50)],
+            "levels": []}
+
+
 def measure(port: int, a, label: str, plan) -> dict:
     wait_health(port)
     stream(port, first_turn(10_000), 4)  # warm
@@ -147,10 +158,12 @@ def main(argv=None) -> int:
     ap.add_argument("bundle")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16, help="answer tokens (ignore_eos; default 16)")
+    ap.add_argument("--only-followups", action="store_true",
+                    help="only the follow-ups' TTFT of each target (no throughput levels, no proxy overhead)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     served = ["--slots", str(a.slots), "--queue", "32", "--threads", "1"]
-    plan = [(1, 6), (8, 16), (32, 32)]
+    plan = [] if a.only_followups else [(1, 6), (8, 16), (32, 32)]
     results = []
     import ray
     from ray import serve
@@ -176,16 +189,9 @@ def main(argv=None) -> int:
             if p is not None:
                 wait_health(local)
                 wait_health(port)
-                pairs = [(stream(local, first_turn(20_000 + i), a.tokens), stream(port, first_turn(30_000 + i), a.tokens))
-                         for i in range(10)]
-                results.append({"target": "proxy overhead: vlmrt serve vs Ray Serve 1 replica, alternating",
-                                "load_average_1m": os.getloadavg()[0],
-                                "health_rtt_s": [health_rtt(local), health_rtt(port)],
-                                "ttft_p50_s": [pct([x["ttft_s"] for x, _ in pairs], 50),
-                                               pct([y["ttft_s"] for _, y in pairs], 50)],
-                                "answer_s_p50": [pct([x["total_s"] for x, _ in pairs], 50),
-                                                 pct([y["total_s"] for _, y in pairs], 50)], "levels": []})
-                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+                if not a.only_followups:
+                    results.append(proxy_overhead(local, port, a.tokens))
+                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)
                 results.append(measure(local, a, "vlmrt serve (--threads 1, core 0)", plan))
                 results[-1]["followups"] = followups(local, 8, 4, 12, 500)
                 p.terminate()

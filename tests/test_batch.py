@@ -168,8 +168,9 @@ def _one_line_error(capsys, argv, *want):
 
 
 def test_bad_jobs_are_one_line(tmp_path, capsys, monkeypatch):
-    """Without Ray, --workers 2 says what to install; a missing input, an OUT that is a folder or not ours, a
-    bundle that is not one: one line each, and OUT not created or left as it was."""
+    """Without Ray, --workers 2 says what to install; the URL policy's two flags at once (as `vlmrt serve`), a missing
+    input, an OUT that is a folder or not ours, a bundle that is not one: one line each, and OUT not created or left
+    as it was."""
     src = _jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     out = tmp_path / "out.jsonl"
     base = ["batch", str(tmp_path), "--input", str(src), "--output", str(out)]
@@ -177,6 +178,8 @@ def test_bad_jobs_are_one_line(tmp_path, capsys, monkeypatch):
     _one_line_error(capsys, base + ["--workers", "2"], "--workers 2 runs on Ray, which is not installed",
                     "pip install 'vlmrt[batch]'")
     _one_line_error(capsys, base + ["--workers", "0"], "--workers must be >= 1")
+    _one_line_error(capsys, base + ["--allow-local-urls", "--no-image-urls"],  # (main 62241fa took both: no URLs)
+                    "--allow-local-urls and --no-image-urls contradict each other")
     _one_line_error(capsys, base, "is not a vlmrt bundle")
     _one_line_error(capsys, ["batch", str(tmp_path), "--input", str(tmp_path / "x"), "--output", str(out)],
                     "no such file or folder")

@@ -6,6 +6,7 @@ messages in the next turn). The tool-call parsers on each template format's real
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import pytest
@@ -58,6 +59,8 @@ def test_metrics_after_real_requests(keyed, keyed_client):
     assert request(keyed, "GET", "/metrics")[0] == 401  # behind --api-key like every route but / and /health
     assert one(before, "vlmrt_model_loaded") == 1 and one(before, "vlmrt_slots") == 2
     assert one(before, "vlmrt_kv_cache_bytes") > 0
+    max_context = keyed.app.state.vlmrt.scheduler.max_context
+    assert one(before, "vlmrt_kv_cache_rows") == 2 * max_context
 
     messages = [ask("What is in the picture?", uri(picture(4)))]
     a = keyed_client.chat.completions.create(model="m", messages=messages, max_tokens=8)
@@ -91,6 +94,36 @@ def test_metrics_after_real_requests(keyed, keyed_client):
     assert grew("vlmrt_scheduler_jobs_total", outcome="refused") == 0  # max_tokens 0 is refused before the queue
     assert one(after, "vlmrt_slots_busy") == 0 and one(after, "vlmrt_queue_depth") == 0
     assert one(after, "vlmrt_image_cache_bytes") > 0
+    # the rows the slots keep for prefix reuse: at least the last answer's (its prompt and all its tokens but the last)
+    assert b.usage.total_tokens - 1 <= one(after, "vlmrt_kv_cache_rows_used") <= 2 * max_context
+
+
+def test_inter_token_latency_is_each_gap(keyed, keyed_client, monkeypatch):
+    """vlmrt_inter_token_latency_seconds observes each gap between an answer's tokens: one round planted 0.5 s slow
+    shows as one gap over 0.25 s, the others under it (observed at the answer's mean decode time per token, every
+    token fell in the same bucket)."""
+    loop = keyed.app.state.vlmrt.scheduler.loop
+    real, rounds = loop.round, []
+
+    def slow():
+        rounds.append(1)
+        if len(rounds) == 5:  # (rounds 1-2: the prompt's blocks; then a token each)
+            time.sleep(0.5)
+        return real()
+
+    before = scrape(keyed)
+    monkeypatch.setattr(loop, "round", slow)
+    out = keyed_client.chat.completions.create(model="m", messages=[TEXT], max_tokens=10, extra_body={"ignore_eos": True})
+    monkeypatch.setattr(loop, "round", real)
+    after = scrape(keyed)
+    assert out.usage.completion_tokens == 10 and len(rounds) > 6
+
+    def grew(name, **labels):
+        return one(after, name, **labels) - one(before, name, **labels)
+
+    assert grew("vlmrt_inter_token_latency_seconds_count") == 9
+    assert grew("vlmrt_inter_token_latency_seconds_bucket", le="0.25") == 8
+    assert grew("vlmrt_inter_token_latency_seconds_sum") >= 0.5
 
 
 # ------------------------------------------------------------------------- POST /v1/responses
@@ -246,6 +279,23 @@ def qwen_tools(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen_xml_tools(tmp_path_factory):
+    """The Qwen3-VL tiny bundle with Qwen3.5's tool parts (tests/tool_templates.py: qwen_xml), one slot."""
+    import shutil
+
+    from tool_templates import QWEN35_TOOLS
+
+    bundle = tmp_path_factory.mktemp("qwen-xml-tools") / "bundle"
+    shutil.copytree(qwen3_vl(tmp_path_factory), bundle)
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["prompt"]["chat_template"] = QWEN35_TOOLS
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    r = start(bundle, "--slots", "1", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
+@pytest.fixture(scope="module")
 def lfm2_tools(tmp_path_factory):
     """The LFM2-VL tiny bundle (family_cases.LFM2_CASES[0]) with its template's tool parts (pythonic), one slot."""
     import shutil
@@ -263,7 +313,8 @@ def lfm2_tools(tmp_path_factory):
     r.stop()
 
 
-@pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools", "lfm2_tools"], ids=["generic", "hermes", "pythonic"])
+@pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools", "qwen_xml_tools", "lfm2_tools"],
+                         ids=["generic", "hermes", "qwen_xml", "pythonic"])
 def test_tools_rendered_then_a_tool_result_in_the_next_turn(served, request):
     """tools go into the prompt through the checkpoint's template (the answer is VLM.chat's with the same tools);
     the next turn with the assistant's tool_calls and a tool message is answered, the conversation's rows reused."""
@@ -287,15 +338,25 @@ def test_tools_rendered_then_a_tool_result_in_the_next_turn(served, request):
     assert "".join(x.choices[0].delta.content or "" for x in streamed if x.choices) == nxt.choices[0].message.content
 
 
-def test_tool_calls_answered_as_openai_answers_them(qwen_tools):
-    """A hermes answer (the template's own <tool_call> format, scripted: a random model does not call tools) comes
-    back as tool_calls with finish_reason tool_calls, whole and streamed as OpenAI streams them (the SDK's
-    accumulated deltas); a plain answer stays content."""
-    r, _ = qwen_tools
+TWO_CALLS = {
+    "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice"}}\n</tool_call>'),
+    "qwen_xml": ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNice\n</parameter>\n"
+                 "</function>\n</tool_call>"),
+}
+
+
+@pytest.mark.parametrize("served, fmt", [("qwen_tools", "hermes"), ("qwen_xml_tools", "qwen_xml")],
+                         ids=["hermes", "qwen_xml"])
+def test_tool_calls_answered_as_openai_answers_them(served, fmt, request):
+    """An answer in the template's own format (hermes: Qwen3-VL's <tool_call> JSON; qwen_xml: Qwen3.5's <function=>
+    blocks; scripted: a random model does not call tools) comes back as tool_calls with finish_reason tool_calls,
+    whole and streamed as OpenAI streams them (the SDK's accumulated deltas); a plain answer stays content."""
+    r, _ = request.getfixturevalue(served)
     c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
     own = [(slot.vlm.stream, slot.vlm.finish) for slot in r.app.state.vlmrt.scheduler.slots]
-    answer = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice"}}\n</tool_call>')
+    answer = TWO_CALLS[fmt]
     scripted(r, answer, own)
     try:
         out = c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4)
@@ -309,7 +370,7 @@ def test_tool_calls_answered_as_openai_answers_them(qwen_tools):
         chunks = list(c.chat.completions.create(model="m", messages=[QUESTION], tools=[WEATHER], max_tokens=4,
                                                 stream=True))
         deltas = [x.choices[0].delta for x in chunks if x.choices]
-        assert "".join(d.content or "" for d in deltas) == "Let me check.\n"  # sent before the call began
+        assert "".join(d.content or "" for d in deltas).strip() == "Let me check."  # sent before the call began
         assert not any("<tool" in (d.content or "") for d in deltas)
         got: dict = {}
         for d in deltas:
@@ -524,10 +585,16 @@ def test_named_and_required_tool_calls_follow_the_schema_then_the_follow_up(serv
     assert after.usage.prompt_tokens_details.cached_tokens > 0
 
 
+@pytest.mark.parametrize("served, fmt", [("lfm2_tools", "pythonic"), ("qwen_xml_tools", "qwen_xml")],
+                         ids=["pythonic", "qwen_xml"])
 @pytest.mark.parametrize("choice, param", [("required", "tool_choice"), ("auto", "tools[0].function.strict")])
-def test_a_tool_format_that_is_not_json_refuses_held_calls(lfm2_tools, choice, param):
-    r, _ = lfm2_tools
-    status, got, _ = request(r, "POST", "/v1/chat/completions", json.dumps(
+def test_a_tool_format_without_a_grammar_refuses_held_calls(served, fmt, choice, param, request):
+    """Formats whose calls have no grammar (pythonic: Python call syntax; qwen_xml: bare-text arguments) refuse a
+    held call in one 400 naming the field, never an answer left free (qwen_xml: added with the merge of the two)."""
+    import serve_client
+
+    r, _ = request.getfixturevalue(served)
+    status, got, _ = serve_client.request(r, "POST", "/v1/chat/completions", json.dumps(
         {"messages": [QUESTION], "tools": [PLACE], "tool_choice": choice}).encode())
-    assert status == 400 and got["error"]["param"] == param and "pythonic" in got["error"]["message"], got
+    assert status == 400 and got["error"]["param"] == param and fmt in got["error"]["message"], got
     assert wait_idle(r)["busy"] == 0

@@ -175,3 +175,30 @@ def test_no_batch_padding_leaves_a_request_alone_in_one_row_calls(tiny):
         assert r.app.state.vlmrt.scheduler.decoder.probed["min_rows"] == 2
     finally:
         r.stop()
+
+
+def test_a_new_conversation_leaves_a_live_one_its_slot(tiny):
+    """--slots 2, calls batched: A's first turn, B's, A's follow-up, then a new conversation C takes B's slot (the
+    least recently used), not A's, so that A's next follow-up still finds its rows. (On main 62241fa C took the lowest
+    free row, A's between its turns: A's follow-up prefilled cold. The routing test of tests/test_serve_ray.py failed
+    on it in CI: 12 of 16 follow-ups reused their rows.)"""
+    r = start(tiny.bundle, "--slots", "2", "--queue", "4")
+    try:
+        assert status(r)["batched"]
+
+        def turn(messages: list[dict]) -> dict:
+            code, out, _ = post(r, {"messages": messages, "max_tokens": 6})
+            assert code == 200, out
+            messages += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"And then, {len(messages)}?"}]
+            return out["vlmrt"]
+
+        a, b, c = ([ask(f"What is in picture {i}?", uri(picture(40 + i)))] for i in range(3))
+        first, other = turn(a), turn(b)
+        second = turn(a)
+        assert second["slot"] == first["slot"] != other["slot"] and second["reused_prompt_tokens"] > 40
+        assert turn(c)["slot"] == other["slot"]
+        third = turn(a)
+        assert third["slot"] == first["slot"] and third["reused_prompt_tokens"] > second["reused_prompt_tokens"]
+    finally:
+        r.stop()

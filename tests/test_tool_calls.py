@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tool_templates import LFM2_VL_TOOLS, QWEN3_VL_TOOLS
+from tool_templates import LFM2_VL_TOOLS, QWEN3_VL_TOOLS, QWEN35_TOOLS
 from vlmrt.format.manifest import PromptSpec
 from vlmrt.runtime.prompt.conversation import ChatTemplate, ConversationError, Literal, parse_messages
 from vlmrt.runtime.prompt.tool_calls import FORMATS, held_from, tool_format
@@ -107,6 +107,42 @@ def test_pythonic_parser_reads_lfm2_calls_with_and_without_their_markers():
         assert fmt.parse(text, NAMES) == (text, []), text  # only literal keyword arguments of given functions
     nested = {"name": "get_weather", "arguments": {"city": "Zürich \"old\"", "opts": {"a": [1, None, True]}}}
     assert fmt.parse(fmt.write([nested]), NAMES) == ("", [nested])
+
+
+def test_qwen_xml_format_renders_as_transformers_and_reads_what_the_template_writes():
+    """Qwen3.5's format (<function=NAME><parameter=ARG>VALUE</parameter> inside <tool_call>): chosen for a template
+    that writes it (the hermes parser, chosen before, read its calls as text: no tool_calls), rendered as
+    transformers renders it, its calls read back with JSON values where they are JSON and bare strings as text."""
+    fmt = tool_format(QWEN35_TOOLS)
+    assert fmt is FORMATS["qwen_xml"] and tool_format(QWEN3_VL_TOOLS) is FORMATS["hermes"]
+    ours = "".join(ChatTemplate(spec(QWEN35_TOOLS)).render(parse_messages(conversation(), [WEATHER, TIME])))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": {"city": "Paris", "days": 2}}}
+    want = oracle(QWEN35_TOOLS, [
+        {"role": "system", "content": text_parts("Be brief.")}, {"role": "user", "content": text_parts("Weather in Paris?")},
+        {"role": "assistant", "content": [], "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": text_parts('{"sky": "clear"}')}],
+        [WEATHER, TIME])
+    assert ours == want
+    answer = ours.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]  # the call as the template wrote it
+    assert answer == ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                      "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+    paris = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+    assert fmt.parse(answer, NAMES) == ("", [paris])
+    assert FORMATS["hermes"].parse(answer, NAMES) == (answer, [])  # (what main read it as)
+    assert fmt.write([paris]) == answer
+    nested = {"name": "get_weather", "arguments": {"city": "Zürich <old>", "opts": {"a": [1, None, True]}, "n": 2.5}}
+    assert fmt.parse(fmt.write([nested]), NAMES) == ("", [nested])
+    two = "Let me look.\n\n" + answer + "\n" + fmt.write([{"name": "get_time", "arguments": {}}])
+    content, calls = fmt.parse(two, NAMES)
+    assert content.strip() == "Let me look." and calls == [paris, {"name": "get_time", "arguments": {}}]
+    for text in ("<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",  # not a given function
+                 "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",  # unclosed
+                 "<tool_call>\n<function=get_weather>\nParis\n</function>\n</tool_call>",  # a value outside a parameter
+                 "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>",  # hermes JSON
+                 "Sunny, probably."):
+        assert fmt.parse(text, NAMES) == (text, []), text
+    assert held_from(fmt, "Sure. <tool_call>\n<function=get") == len("Sure. ")
 
 
 def test_generic_format_for_a_template_without_tools():

@@ -2,7 +2,9 @@
 the tool-call tests: Qwen3-VL's (hermes: the tools listed in the system turn inside <tools>, calls as <tool_call> JSON
 blocks, tool results as a user turn of <tool_response> blocks) and LFM2-VL's (pythonic: the tools as a JSON list
 between <|tool_list_start|> and <|tool_list_end|> in the system turn, results in a tool turn; the template does not
-render an assistant's tool_calls: the caller writes them into the content)."""
+render an assistant's tool_calls: the caller writes them into the content) and Qwen3.5's (qwen_xml: the tools listed as
+Qwen3-VL's, calls as <tool_call><function=NAME><parameter=ARG>VALUE</parameter></function></tool_call> blocks, a
+string value written bare, others as JSON)."""
 
 _TEXT_OF = ("{%- macro text_of(c) -%}{%- if c is string -%}{{- c -}}{%- else -%}{%- for p in c -%}"
             "{%- if p.type == 'image' or 'image' in p -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
@@ -57,4 +59,35 @@ LFM2_VL_TOOLS = (
     "{%- if message.role == 'tool' -%}{{- '<|tool_response_end|>' -}}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+QWEN35_TOOLS = _TEXT_OF + (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:\\n\\n"
+    "<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n"
+    "</function>\\n</tool_call>' }}"
+    "{%- if messages[0].role == 'system' %}{{- '\\n\\n' + text_of(messages[0].content) }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + text_of(messages[0].content) + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + text_of(message.content) + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set content = text_of(message.content) %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if loop.first and content | trim %}{{- '\\n\\n' }}{%- elif not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    "{%- for name, value in tool_call.arguments | items %}{{- '<parameter=' + name + '>\\n' }}"
+    "{%- if value is string %}{{- value }}{%- else %}{{- value | tojson }}{%- endif %}"
+    "{{- '\\n</parameter>\\n' }}{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + text_of(message.content) + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from .options import _bundle_or_default, _fetch, _generation_args, _grammar, _grammar_args, _options
+from .options import (_bundle_or_default, _fetch, _generation_args, _grammar, _grammar_args, _options,
+                      check_url_policy, url_policy_args)
 
 
 def add_parser(sub) -> None:
@@ -24,10 +25,7 @@ def add_parser(sub) -> None:
                    help="records a worker answers together, decoding together where the bundle's decoder takes a batch "
                         "(one decoder call per step for all of them); on Ray also the records per call (default 4)")
     t.add_argument("--retry-errors", action="store_true", help="do again the records whose line in OUT is an error")
-    t.add_argument("--allow-local-urls", action="store_true",
-                   help="let records' image URLs reach loopback, private and link-local addresses (default: public "
-                        "addresses only, as records may come from others)")
-    t.add_argument("--no-image-urls", action="store_true", help="refuse records' http(s) image URLs (error lines)")
+    url_policy_args(t, "records'")  # (a refused URL: the record's error line)
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     _grammar_args(t, "every answer (a record's own response_format instead, where it has one)")
@@ -37,6 +35,7 @@ def add_parser(sub) -> None:
 def run(a) -> int:
     from ..batch.runner import Job, report, run_batch
 
+    check_url_policy(a)
     opts, max_pixels = _options(a), _fetch(a).max_pixels
     fmt = _grammar(a)
     if fmt is not None:

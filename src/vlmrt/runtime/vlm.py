@@ -4,6 +4,7 @@
     for piece in vlm.generate("What is in the image?", image="cat.png"):   # images=[...]: several
         print(piece, end="", flush=True)
     print(vlm.result.stats)       # RunStats of the last call
+    vlm("Name the shape.", "cat.png", logprobs=5).logprobs   # each token's TokenLogprob (token, bytes, logprob, top 5)
 
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}},
                                              {"type": "text", "text": "What is this?"}]}]
@@ -37,6 +38,7 @@ from .sessions import Sessions
 from .prompt.chunks import ImageChunk, Prompt
 from .prompt.positions import position_op, prompt_positions
 from .decode.cache_row import MODES, ContextOverflow, DecoderConfig, DecoderSessions, check_lookahead
+from .decode.logprobs import MAX_TOP, TokenLogprob
 from .decode.lookahead import check_exact
 from .media import video as video_ops
 from .prompt.conversation import (ChatTemplate, Conversation, VideoSource, control_strings, parse_messages, user_turn,
@@ -50,6 +52,7 @@ from .decode.scheduler import Scheduler
 from .decode.sequence import Sequence
 from .media.sources import FetchLimits, read_image
 from .prompt.stop_strings import StopStrings
+from .prompt.token_bytes import TokenBytes
 from .prompt.tool_calls import call_grammar
 
 if TYPE_CHECKING:
@@ -134,6 +137,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)
+    logprobs: list[TokenLogprob] | None = None  # asked for (logprobs=N): one per token_ids entry, in order
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids), "stats": asdict(self.stats)}
@@ -153,6 +157,7 @@ class Answer:
     cut: StopStrings
     res: Result
     t0: float  # perf_counter at the call
+    logprobs: int | None = None  # the top tokens to report beside each token's log probability (None: none)
     prompt: Prompt | None = None
     keys: list = field(default_factory=list)  # the prompt rows' keys (PrefixCache)
     start: int = 0  # prompt rows kept from the previous answer
@@ -198,6 +203,7 @@ class VLM:
         self.fetch = fetch
         self.grammars = grammars or self.grammars_for(bundle, self.scheduler)
         self._answers = 0  # answers begun: one VLM answers one at a time (its KV cache is one conversation's)
+        self._token_bytes: TokenBytes | None = None  # (made at the first answer that asks for logprobs)
 
     @staticmethod
     def scheduler_for(bundle: Bundle, rows: int, kv_requant: bool = True, lookahead: int = 0) -> Scheduler:
@@ -318,7 +324,7 @@ class VLM:
                  max_new_tokens: int = 256, sampling: SamplingConfig | None = None, ignore_eos: bool = False,
                  max_tiles: int | None = None, stop: list[str] | None = None, video=None, fps: float | None = None,
                  max_frames: int | None = None, max_patches: int | None = None,
-                 response_format: dict | GrammarSpec | None = None) -> Iterator[str]:
+                 response_format: dict | GrammarSpec | None = None, logprobs: int | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are generated; self.result holds text, ids and stats at the end. The prompt is
         one user turn: the video if any (a GIF / WebP / mp4 / webm file, a folder of numbered frames at fps, a URL,
         a data URI or a list of PIL images at fps; docs/video.md), image (and then images: paths, URLs, data URIs or
@@ -328,18 +334,24 @@ class VLM:
         response_format: the answer held to a grammar: OpenAI's {"type": "json_object"} / {"type": "json_schema",
         "json_schema": {"schema": {...}, "strict": true}}, or a GrammarSpec (a JSON schema, a Lark grammar, a regex;
         runtime/decode/grammar.py); a grammar that is complete ends the answer (stop_reason "grammar"), max_new_tokens
-        reached first leaves it partial ("length"). Cache-less: nothing is kept from or for other calls."""
+        reached first leaves it partial ("length").
+        logprobs: N (0..20) records each generated token's log probability and the N most likely tokens at its
+        place in self.result.logprobs (TokenLogprob: id, token, bytes, logprob, top), from the model's logits before
+        temperature / top-k / top-p and before the grammar's mask (runtime/decode/logprobs.py); None: none (and nothing
+        computed).
+        Cache-less: nothing is kept from or for other calls."""
         srcs = ([image] if image is not None else []) + list(images)
         videos = [VideoSource(video, fps)] if video is not None else []
         return self._run(lambda: self.prepare(
             parse_messages(user_turn(prompt, srcs, videos)), False, mode, max_new_tokens, sampling or SamplingConfig(),
-            ignore_eos, max_tiles, stop, max_frames, max_patches, response_format))
+            ignore_eos, max_tiles, stop, max_frames, max_patches, response_format, logprobs))
 
     def chat(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
              ignore_eos: bool = False, max_tiles: int | None = None, max_frames: int | None = None,
              max_patches: int | None = None, tools: list[dict] | None = None, tool_choice: str | None = None,
-             parallel_tool_calls: bool = True, response_format: dict | GrammarSpec | None = None) -> Iterator[str]:
+             parallel_tool_calls: bool = True, response_format: dict | GrammarSpec | None = None,
+             logprobs: int | None = None) -> Iterator[str]:
         """Answer the next assistant turn of a conversation (OpenAI-style messages: system / user / assistant,
         content a string or parts {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
         {"type": "video_url", "video_url": {"url"}} (or {"type": "video", "video": src, "fps": N})), yielding
@@ -353,19 +365,20 @@ class VLM:
         function's name (it calls that one, once), the calls held to the grammar of the template's tool format with
         each function's parameters as the schema of its arguments (runtime/prompt/tool_calls.py call_grammar); None /
         "auto": the answer may be text.
-        response_format: the answer held to a grammar, as generate's."""
+        response_format, logprobs: as generate's."""
         return self._run(lambda: self.chat_answer(messages, mode=mode, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                           max_tiles=max_tiles, max_frames=max_frames, max_patches=max_patches,
                                           tools=tools, tool_choice=tool_choice,
-                                          parallel_tool_calls=parallel_tool_calls, response_format=response_format))
+                                          parallel_tool_calls=parallel_tool_calls, response_format=response_format,
+                                          logprobs=logprobs))
 
     def chat_answer(self, messages: list[dict], *, mode: str | None = None, max_new_tokens: int = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                     stop: list[str] | None = None, ignore_eos: bool = False, max_tiles: int | None = None,
                     max_frames: int | None = None, max_patches: int | None = None,
                     tools: list[dict] | None = None, tool_choice: str | None = None, parallel_tool_calls: bool = True,
-                    response_format: dict | GrammarSpec | None = None) -> "Answer":
+                    response_format: dict | GrammarSpec | None = None, logprobs: int | None = None) -> "Answer":
         """chat()'s answer prepared (VLM.prepare), for an AnswerLoop to run with others' (runtime/answers.py: the
         server's slots, vlmrt batch). Raises on bad input."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -373,7 +386,7 @@ class VLM:
         if tools and any(t["function"].get("strict") for t in tools):  # (the template renders them without it)
             tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools]
         return self.prepare(parse_messages(messages, tools), True, mode, max_new_tokens, sampling, ignore_eos,
-                            max_tiles, stop, max_frames, max_patches, response_format)
+                            max_tiles, stop, max_frames, max_patches, response_format, logprobs)
 
     def answer_grammar(self, tools: list[dict] | None = None, tool_choice: str | None = None,
                        parallel_tool_calls: bool = True, response_format=None) -> GrammarSpec | None:
@@ -566,7 +579,7 @@ class VLM:
             loop.cancel(self.slot)  # (an answer closed, or failed, before its end: its sequence leaves the row)
 
     def prepare(self, conv: Conversation, cached: bool, mode, max_new_tokens, sampling, ignore_eos, max_tiles,
-                stop, max_frames=None, max_patches=None, response_format=None) -> "Answer":
+                stop, max_frames=None, max_patches=None, response_format=None, logprobs=None) -> "Answer":
         """An answer's host side up to the vision graph: options checked, the response format's grammar compiled,
         images and videos read and tiled (or found in the image cache if cached), the prompt built and checked against
         the context, the cache rows it may keep (cached: chat's prefix reuse). Raises on bad input (GrammarError for
@@ -579,6 +592,10 @@ class VLM:
             raise TypeError(f"max_new_tokens must be an integer, not {type(max_new_tokens).__name__}")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, Integral)
+                                     or not 0 <= logprobs <= MAX_TOP):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP}] (the top tokens to list), "
+                             f"not {logprobs!r}")
         sampler, cut = Sampler(sampling), StopStrings(stop)
         spec = response_format if isinstance(response_format, (GrammarSpec, type(None))) else \
             GrammarSpec.from_response_format(response_format)
@@ -586,7 +603,10 @@ class VLM:
         self._answers += 1
         res = self.result = Result()
         a = Answer(self._answers, self.slot, cached, mode, max_new_tokens, sampler, ignore_eos, cut, res, time.perf_counter(),
-                   constraint=constraint)
+                   logprobs, constraint=constraint)
+        if logprobs is not None:
+            res.logprobs = []
+            self._token_bytes = self._token_bytes or TokenBytes(self.bundle.tokenizer)
         st = res.stats
         st.load_s = self.load_s
         st.grammar_compile_s = 0.0 if constraint is None else constraint.compile_s
@@ -632,7 +652,7 @@ class VLM:
         st.vision_skipped = a.media and not todo
         positions, rows = self._positions_rows(a.prompt, a.start)
         a.seq = Sequence(embeds, a.mode, a.max_new_tokens, a.sampler, a.ignore_eos, a.start, a.prompt.ids, positions,
-                         rows, a.constraint)
+                         rows, constraint=a.constraint, logprobs=a.logprobs)
 
     def admit(self, a: "Answer") -> None:
         """The answer's sequence onto this VLM's row of its scheduler (an answer of this VLM left unfinished there by
@@ -654,6 +674,8 @@ class VLM:
                 return
             if not res.token_ids:
                 res.stats.ttft_s = time.perf_counter() - a.t0
+            if res.logprobs is not None:  # (the sequence's entry for this id: the ids come in its order)
+                res.logprobs.append(self._spelled(a.seq.token_logprobs[len(res.token_ids)]))
             res.token_ids.append(token)
             piece = a.decode.step(tok, token)
             if piece:
@@ -661,6 +683,13 @@ class VLM:
                 out = a.cut.feed(piece)
                 if out:
                     yield out
+
+    def _spelled(self, e: TokenLogprob) -> TokenLogprob:
+        """e and its top tokens with their text and bytes (TokenBytes)."""
+        tb = self._token_bytes
+        for x in (e, *e.top):
+            x.bytes, x.token = tb.bytes(x.id), tb.text(x.id)
+        return e
 
     def release(self, a: "Answer", done: bool) -> None:
         """The answer is over (done: it ended, or a stop string ended it; else it failed or was closed): the prefix

@@ -258,7 +258,7 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 owned = False
                 return stream
             ev = first
-            while ev[0] == "piece":  # the answer's text comes whole with "done"
+            while ev[0] in ("piece", "logprobs"):  # the answer's text (and logprobs) come whole with "done"
                 ev = await job.events.get()
             if ev[0] == "error":
                 raise ev[1]
@@ -280,7 +280,9 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
                 raise APIError(400, f"tools: {template.tools_refusal()}", "invalid_request_error",
                                "unsupported_parameter", param="tools")
             tools = ToolReader(template.tool_format, frozenset(t["function"]["name"] for t in req.tools))
-        return await answer(request, req, lambda events: chat_stream(events, cid, model, req.include_usage, tools),
+        logprobs = req.options.get("logprobs") is not None
+        return await answer(request, req, lambda events: chat_stream(events, cid, model, req.include_usage, tools,
+                                                                     logprobs),
                             lambda f: completion(cid, model, f, tools))
 
     async def responses(request: Request):
@@ -322,11 +324,11 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
 
 
 async def _events(job: Job, first, metrics: Metrics):
-    """A job's events from its first: ("piece", text) ..., then ("done", Finished) (counted in metrics) or
+    """A job's events from its first: ("piece", text) (and ("logprobs", entries)) ..., then ("done", Finished) (counted in metrics) or
     ("error", APIError) (after the first piece: the stream has begun, so the renderer sends it as an event); a
     cancelled job (its client gone) ends without either."""
     kind, value = first
-    while kind == "piece":
+    while kind in ("piece", "logprobs"):
         yield kind, value
         kind, value = await job.events.get()
     if kind == "done":

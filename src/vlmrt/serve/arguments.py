@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..cli.options import url_policy_args
 from .limits import (BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_CONNECTIONS, MAX_PIXELS_IN_FLIGHT, MAX_REQUEST_PIXELS)
 
 
@@ -61,10 +62,7 @@ def add_arguments(s) -> None:
     g.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="grant this origin (https://app.example.com; * for any) CORS, preflight included "
                         "(repeatable; default: none, and browsers' cross-origin requests are refused)")
-    g.add_argument("--allow-local-urls", action="store_true",
-                   help="let image URLs reach loopback, private and link-local addresses (a trusted network; "
-                        "default: public addresses only)")
-    g.add_argument("--no-image-urls", action="store_true", help="refuse http(s) image URLs altogether")
+    url_policy_args(g, "requests'")
     g.add_argument("--allow-special-tokens", action="store_true",
                    help="requests' control-token strings (<|im_start|>, <end_of_utterance>, ...) become those tokens, "
                         "as transformers tokenizes them: a client can then forge turns (default: plain text)")

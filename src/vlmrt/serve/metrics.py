@@ -8,9 +8,9 @@
 What the server observes, and how (docs/server.md, "Metrics"): requests are counted where their answer starts (a
 stream's status is its first event's: a stream that fails later is a 200 here, with an error event); tokens and
 latencies come from each answer's Finished (the scheduler's RunStats): TTFT is the queue wait plus the answer's own
-time to its first token, inter-token latency is the answer's mean decode time per token (the scheduler reports that
-mean, not each gap: each token after the first is observed at its answer's mean). Queue depth, busy slots, cache
-bytes and the scheduler's outcome counts are read from Scheduler.status() when scraped.
+time to its first token, inter-token latency each gap between the answer's tokens as the scheduler's rounds brought
+them (Finished.token_gaps). Queue depth, busy slots, cache bytes and rows and the scheduler's outcome counts are read
+from Scheduler.status() when scraped.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ class _SchedulerState:
                                ("vlmrt_queue_depth", "queued", "requests waiting for a slot"),
                                ("vlmrt_kv_cache_bytes", "kv_cache_bytes",
                                 "bytes of the slots' KV caches (allocated at load: max_context rows each)"),
+                               ("vlmrt_kv_cache_rows", "kv_cache_rows", "KV cache rows of all slots (slots x max_context)"),
+                               ("vlmrt_kv_cache_rows_used", "kv_cache_rows_used",
+                                "KV cache rows the slots hold: their answers' and the last conversations' kept for "
+                                "prefix reuse"),
                                ("vlmrt_image_cache_bytes", "image_cache_bytes",
                                 "bytes of image embeddings the slots' image caches hold")):
             g = GaugeMetricFamily(name, doc)
@@ -91,7 +95,7 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.queue = Histogram("vlmrt_queue_wait_seconds", "from queued to a slot", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("vlmrt_inter_token_latency_seconds",
-                             "decode time per token after the first (each at its answer's mean)",
+                             "the time before each generated token after the first (the scheduler's rounds)",
                              buckets=ITL_BUCKETS, registry=r)
         self.duration = Histogram("vlmrt_answer_duration_seconds", "from queued to the answer's end",
                                   buckets=DURATION_BUCKETS, registry=r)
@@ -117,9 +121,8 @@ class Metrics:
         self.queue.observe(f.queue_s)
         if f.completion_tokens:
             self.ttft.observe(f.queue_s + s["ttft_s"])
-        per_token = s["decode_ms_per_token"] / 1000
-        for _ in range(max(0, f.completion_tokens - 1)):
-            self.itl.observe(per_token)
+        for gap in f.token_gaps:
+            self.itl.observe(gap)
         self.duration.observe(f.queue_s + s["total_s"])
         if s.get("grammar_compile_s"):
             self.grammar_compile.observe(s["grammar_compile_s"])

@@ -8,6 +8,8 @@ import os
 import socket
 from pathlib import Path
 
+from ..cli.options import check_url_policy
+
 
 def is_loopback(host: str) -> bool:
     """--host names only loopback addresses (127.0.0.0/8, ::1, localhost)."""
@@ -71,8 +73,7 @@ def prepare(a, bundle: str):
                          "the first at most the second")
     if a.ray is None and (a.replicas != "1" or a.pin_cores):
         raise ValueError("--replicas and --pin-cores serve on Ray: add --ray")
-    if a.allow_local_urls and a.no_image_urls:
-        raise ValueError("--allow-local-urls and --no-image-urls contradict each other")
+    check_url_policy(a)
     keys = api_keys(a)
     from .access import HostCheck
 

@@ -7,12 +7,11 @@
     serve run vlmrt.serve.ray_app:build bundle=BUNDLE replicas=2 args="--slots 4 --api-key KEY"   # a Serve config
 
 The ingress reads, checks and decodes a request as `vlmrt serve` does, then relays its job to a Model replica through
-a DeploymentHandle; the replica's Scheduler runs it and streams its events back. The ConversationRouter (Ray's
-PrefixCacheAffinityRouter, its prefix tree shared by the ingress replicas) picks the replica: a conversation whose
-earlier turns a replica was sent goes back there unless that replica's queue is longer than the shortest by more than
---slots; a new conversation goes by load (the shorter queue of two). A replica that dies before the answer's first
-piece: the job is relayed once more (nothing was sent yet); after it: the stream ends with an error event (503
-replica_failed), never a retried, duplicated text.
+a DeploymentHandle; the replica's Scheduler runs it and streams its events back. The ConversationRouter
+(ray_router.py) picks the replica: a conversation whose earlier turns a replica was sent goes back there unless that
+replica's queue is longer than the shortest by more than --slots; a new conversation goes by load (the shorter queue
+of two). A replica that dies before the answer's first piece: the job is relayed once more (nothing was sent yet);
+after it: the stream ends with an error event (503 replica_failed), never a retried, duplicated text.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import hashlib
-import json
 import logging
 import os
 import shlex
@@ -35,67 +32,30 @@ from pathlib import Path
 
 import ray
 from ray import serve
-from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
-from ray.serve._private.common import ReplicaID
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
 from .errors import APIError, internal, unavailable
 from .limits import KEEP_ALIVE_S
+from .ray_router import ConversationRouter, conversation_digests
 from .scheduler import Job, QueueFull
 
 log = logging.getLogger("vlmrt.serve")
 APP = "vlmrt"
-DIGEST = 16  # characters of a message's digest in the text the router matches
 # a replica that died or could not be reached (not an error of the request itself)
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.LocalRayletDiedError)
 
 
 @dataclass
 class Ask:
-    """One job for a Model replica. messages: the conversation as text with images by digest, in the role / content
-    form the PrefixCacheAffinityRouter reads; payload: VLM.chat's messages, images decoded; key: the slot affinity key
-    (request.py); options: VLM.chat's keyword arguments."""
+    """One job for a Model replica. conversation: the chained digests of its messages (ray_router.py: what the
+    router keys the replica holding the conversation by); payload: VLM.chat's messages, images decoded; key: the slot
+    affinity key (request.py); options: VLM.chat's keyword arguments."""
 
-    messages: list[dict]
+    conversation: tuple[str, ...]
     payload: list[dict]
     key: list
     options: dict
-
-
-def routing_messages(key: list) -> list[dict]:
-    """The conversation's key (role, ((kind, text | image digest), ...)) as the text the router matches prefixes of: a
-    digest of DIGEST characters per message, so that a match counts whole leading messages, as a slot's reuse does."""
-    return [{"role": role, "content": hashlib.sha256(json.dumps([role, parts]).encode()).hexdigest()[:DIGEST]}
-            for role, parts in key]
-
-
-class ConversationRouter(PrefixCacheAffinityRouter):
-    """Ray's PrefixCacheAffinityRouter (its prefix tree actor shared by every router of the deployment, its
-    bookkeeping of replicas coming and going and of the prompts routed) with the choice made per conversation: a
-    request whose leading messages a replica was sent before (a match of one whole message or more) goes to the
-    least loaded of those replicas, unless its queue is longer than the shortest one by more than
-    imbalanced_threshold; any other request (a new conversation) by load: the shorter queue of two replicas
-    (power of two choices). Ray's own falls back to the replica holding the least text, which takes a burst of new
-    conversations all at once."""
-
-    async def _prefix_match_best_replicas(self, pending_request, candidate_replicas):
-        if pending_request is None or not pending_request.args or not candidate_replicas:
-            return [[]]
-        text = self._extract_text_from_request(pending_request)
-        ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
-        matched, tenants = await self._tree_actor.prefix_match.remote(text, ids)
-        if not tenants or len(matched) < DIGEST:
-            return [[]]  # -> the power of two choices
-
-        def queue(r) -> int:
-            n = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
-            return n or 0
-
-        least = min(queue(r) for r in candidate_replicas)
-        holders = {ReplicaID.from_full_id_str(t) for t in tenants}
-        return [[r for r in candidate_replicas
-                 if r.replica_id in holders and queue(r) - least <= self._imbalanced_threshold]]
 
 
 def _wire(e: APIError) -> tuple:
@@ -143,7 +103,8 @@ class Model:
         self.sched = load()
 
     async def generate(self, ask: Ask):
-        """("piece", text) ... then ("done", Finished) | ("error", wired APIError) | ("cancelled", None)."""
+        """("piece", text) (and ("logprobs", entries)) ... then ("done", Finished) | ("error", wired APIError) |
+        ("cancelled", None)."""
         job = Job(ask.payload, ask.key, ask.options, asyncio.get_running_loop())
         try:
             self.sched.submit(job)
@@ -155,7 +116,7 @@ class Model:
             while True:
                 kind, value = await job.events.get()
                 yield kind, _wire(value) if kind == "error" else value
-                if kind != "piece":
+                if kind not in ("piece", "logprobs"):
                     return
         finally:  # the ingress cancelled it (its client went away) or it ended: a no-op then
             self.sched.cancel(job)
@@ -206,13 +167,13 @@ class RemoteScheduler:
             task.cancel()
 
     async def _relay(self, job: Job) -> None:
-        ask = Ask(routing_messages(job.key), job.messages, job.key, job.options)
+        ask = Ask(conversation_digests(job.key), job.messages, job.key, job.options)
         for attempt in (1, 2):
             pieces, gen = 0, self.handle.generate.remote(ask)
             try:
                 async for kind, value in gen:
                     job.events.put_nowait((kind, _unwire(value) if kind == "error" else value))
-                    pieces += kind == "piece"
+                    pieces += kind in ("piece", "logprobs")  # (either sent: the job is not run again)
                 self.counts["answered"] += 1
                 return
             except BackPressureError:
@@ -272,7 +233,7 @@ def application(a, bundle: str, **model_options):
                 request_router_config=RequestRouterConfig(
                     request_router_class=ConversationRouter,
                     # a follow-up goes to its replica while its queue is at most a replica's slots longer
-                    request_router_kwargs={"imbalanced_threshold": a.slots}))
+                    request_router_kwargs={"slack": a.slots}))
     if lo == hi:
         opts["num_replicas"] = lo
     else:

@@ -5,9 +5,10 @@ parts (video_url as vLLM takes it: {"type": "video_url", "video_url": {"url": ..
 tool message's tool_call_id), tools and tool_choice (none / auto / required / a named function: the last two held to
 the calls' grammar by the app), response_format (text / json_object / json_schema: a GrammarSpec,
 runtime/decode/grammar.py), stream, stream_options.include_usage, max_completion_tokens / max_tokens, temperature,
-top_p, seed, stop, n (1 only), and the extensions llama.cpp and vLLM also take: top_k, ignore_eos. Fields asking for
-what vlmrt does not do (logprobs, penalties, logit_bias, audio) are refused (400 unsupported_parameter) unless they
-ask for the default, which is what ignoring them gives; the others (model, user, metadata, store, ...) are ignored.
+top_p, seed, stop, n (1 only), logprobs and top_logprobs (0..20), and the extensions llama.cpp and vLLM also take:
+top_k, ignore_eos. Fields asking for what vlmrt does not do (penalties, logit_bias, audio) are refused (400
+unsupported_parameter) unless they ask for the default, which is what ignoring them gives; the others (model, user,
+metadata, store, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..runtime.decode.grammar import GrammarError, GrammarSpec
+from ..runtime.decode.logprobs import MAX_TOP
 from ..runtime.prompt.conversation import ConversationError, parse_messages
 from .errors import APIError, bad_request
 
@@ -75,8 +77,6 @@ def _text_only(v) -> bool:
 
 # field -> (is the value what vlmrt does anyway?, what vlmrt does not do); "auto" tool_choice without tools is harmless
 UNSUPPORTED = {
-    "logprobs": (lambda v, b: v in (None, False), "log probabilities are not returned"),
-    "top_logprobs": (lambda v, b: v in (None, 0), "log probabilities are not returned"),
     "functions": (lambda v, b: not v, "functions (function calling) are not supported"),
     "function_call": (lambda v, b: v in (None, "none", "auto"), "functions (function calling) are not supported"),
     "frequency_penalty": (lambda v, b: v in (None, 0), "repetition penalties are not supported (only 0)"),
@@ -172,6 +172,20 @@ def _tools(body: dict) -> tuple[list[dict] | None, str | None]:
     return (None if choice == "none" else out), None
 
 
+def logprobs(body: dict, top_name: str = "top_logprobs") -> int | None:
+    """The top tokens to list beside each answer token's log probability (0..20), None where logprobs is not asked
+    for: logprobs a boolean, top_logprobs (top_name) an integer in [0, 20] that needs logprobs true when over 0."""
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise _invalid("logprobs", "must be a boolean")
+    top = body.get(top_name)
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP):
+        raise _invalid(top_name, f"must be an integer in [0, {MAX_TOP}], not {json.dumps(top)[:40]}")
+    if top and not asked:
+        raise _invalid(top_name, "needs logprobs: true")
+    return (top or 0) if asked else None
+
+
 def _messages(raw) -> tuple[list[dict], list[str], list, list[str]]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list of {role, content} objects")
@@ -263,6 +277,7 @@ def parse_body(body: dict, max_images: int) -> ChatRequest:
         "tool_choice": forced,
         "parallel_tool_calls": None if not forced or body.get("parallel_tool_calls") is not False else False,
         "response_format": fmt,
+        "logprobs": logprobs(body),
     }
     if opts["ignore_eos"] is not None and not isinstance(opts["ignore_eos"], bool):
         raise bad_request("ignore_eos must be a boolean", "invalid_parameter")

@@ -56,12 +56,9 @@ def _refusals(body: dict) -> None:
                                "tools)")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise _refuse("tool_choice", "tools in the Responses API are not supported by this server")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _refuse("top_logprobs", "log probabilities are not returned by this server")
     include = body.get("include")
-    if include is not None and (not isinstance(include, list) or any(x == "message.output_text.logprobs"
-                                                                     for x in include)):
-        raise _refuse("include", "log probabilities are not returned by this server (include takes no logprobs)")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
+        raise bad_request("include must be a list of strings", "invalid_parameter")
     if body.get("truncation") not in (None, "disabled"):
         raise _refuse("truncation", "only \"disabled\": a conversation over the context is a 400, never cut")
 
@@ -110,6 +107,23 @@ def _messages(raw, instructions) -> list[dict]:
     return out
 
 
+LOGPROBS = "message.output_text.logprobs"  # the include entry that asks for the output text's logprobs
+
+
+def _logprobs(body: dict) -> dict:
+    """include LOGPROBS and top_logprobs as chat's logprobs and top_logprobs (checked by parse_body as chat's are,
+    named as here: top_logprobs over 0 without the include entry is a 400)."""
+    if LOGPROBS in (body.get("include") or ()):
+        return {"logprobs": True, "top_logprobs": body.get("top_logprobs")}
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        if isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= 20:
+            raise APIError(400, f"top_logprobs: needs include [\"{LOGPROBS}\"]", "invalid_request_error",
+                           "invalid_parameter", param="top_logprobs")
+        return {"logprobs": False, "top_logprobs": top}  # (parse_body names what is wrong with it)
+    return {}
+
+
 def to_chat(body: dict) -> dict:
     """A Responses request -> the chat-completions body that asks for the same answer."""
     _refusals(body)
@@ -128,7 +142,7 @@ def to_chat(body: dict) -> dict:
     for name in ("temperature", "top_p", "seed", "top_k", "ignore_eos"):  # checked by parse_body as chat's are
         if body.get(name) is not None:
             chat[name] = body[name]
-    return chat
+    return {**chat, **_logprobs(body)}
 
 
 def _usage(f) -> dict:
@@ -137,17 +151,19 @@ def _usage(f) -> dict:
             "total_tokens": f.prompt_tokens + f.completion_tokens}
 
 
-def _message(mid: str, text: str, status: str) -> dict:
+def _message(mid: str, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": mid, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _response(rid: str, model: str, body: dict, status: str, output: list, created: int, **extra) -> dict:
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
             "output": output, "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"), "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
-            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}, "truncation": "disabled", "store": False,
+            "top_p": body.get("top_p"), "top_logprobs": body.get("top_logprobs"), "parallel_tool_calls": False,
+            "tool_choice": "none", "tools": [],
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}, "truncation": "disabled",
+            "store": False,
             "previous_response_id": None, "metadata": body.get("metadata") or {}, "usage": None, **extra}
 
 
@@ -155,7 +171,7 @@ def _finished(rid: str, mid: str, model: str, body: dict, f, created: int) -> di
     """The finished response: completed, or incomplete (max_output_tokens) where the answer ran out of tokens."""
     cut = FINISH.get(f.stop_reason, "stop") == "length"
     return _response(rid, model, body, "incomplete" if cut else "completed",
-                     [_message(mid, f.text, "incomplete" if cut else "completed")], created,
+                     [_message(mid, f.text, "incomplete" if cut else "completed", f.logprobs)], created,
                      incomplete_details={"reason": "max_output_tokens"} if cut else None, usage=_usage(f),
                      vlmrt=timings(f))
 
@@ -171,8 +187,9 @@ def _event(kind: str, seq: int, **fields) -> bytes:
 
 async def stream(events, rid: str, mid: str, model: str, body: dict):
     """The Responses stream: response.created, response.in_progress, the message item and its output_text part
-    added, response.output_text.delta per piece, then the text, part and item done and response.completed (or
-    response.incomplete); an error after the first piece is an `error` event, then response.failed."""
+    added, response.output_text.delta per piece (with include LOGPROBS: the logprobs of the tokens since the delta
+    before), then the text (all the logprobs), part and item done and response.completed (or response.incomplete);
+    an error after the first piece is an `error` event, then response.failed."""
     created, seq = int(time.time()), 0
     at = {"item_id": mid, "output_index": 0, "content_index": 0}
 
@@ -188,13 +205,17 @@ async def stream(events, rid: str, mid: str, model: str, body: dict):
     yield ev("response.output_item.added", output_index=0, item=item)
     yield ev("response.content_part.added", **at, part={"type": "output_text", "text": "", "annotations": [],
                                                         "logprobs": []})
+    pending: list[dict] = []
     async for kind, value in events:
-        if kind == "piece":
-            yield ev("response.output_text.delta", **at, delta=value, logprobs=[])
+        if kind == "logprobs":
+            pending += value
+        elif kind == "piece":
+            yield ev("response.output_text.delta", **at, delta=value, logprobs=pending)
+            pending = []
         elif kind == "done":
             done = _finished(rid, mid, model, body, value, created)
             msg = done["output"][0]
-            yield ev("response.output_text.done", **at, text=value.text, logprobs=[])
+            yield ev("response.output_text.done", **at, text=value.text, logprobs=msg["content"][0]["logprobs"])
             yield ev("response.content_part.done", **at, part=msg["content"][0])
             yield ev("response.output_item.done", output_index=0, item=msg)
             yield ev("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)

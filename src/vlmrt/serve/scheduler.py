@@ -5,6 +5,7 @@ image cache) over the bundle's shared ORT sessions, so requests never see each o
     job = Job(messages, key, options, asyncio.get_running_loop())
     sched.submit(job)            # QueueFull when max_queue jobs already wait for a slot
     kind, value = await job.events.get()   # ("piece", text) ... then ("done", Finished) | ("error", APIError)
+                                           # (with logprobs: ("logprobs", [entry, ...]) before each piece's text)
     sched.cancel(job)            # | ("cancelled", None): a client that went away; its slot is free again
 
 The slots' VLMs run through one AnswerLoop over one scheduler (runtime/answers.py, runtime/decode/scheduler.py), the loop
@@ -16,8 +17,9 @@ requests it was to advance, each with a 500 JSON error (their state is not retri
 their rows). Where the probe at load found one-row calls computing a row apart from multi-row ones
 (Scheduler.probe), every batched call runs at least two rows, so an answer does not depend on how many others decode
 beside it. A waiting request goes to the free slot whose last conversation shares the most leading messages with it
-(so a follow-up question finds its KV rows), else to the lowest free slot where calls are batched (one computes rows
-0..the last waiting one), the least recently used one where not. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose keys match.
+(so a follow-up question finds its KV rows), else to a free slot that holds no conversation (the lowest), else to the
+least recently used one. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose
+keys match.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..runtime.answers import AnswerLoop
 from ..runtime.decode.cache_row import ContextOverflow
@@ -54,6 +56,10 @@ class Finished:
     stats: dict  # RunStats as a dict
     queue_s: float
     slot: int
+    logprobs: list[dict] | None = None  # asked for: each answer token's (TokenLogprob.as_dict: OpenAI's shape)
+    # the time before each token after the first: from the end of the round that brought the token before it to the
+    # end of the round that brought it (0 for a token that came in the same round as the one before: lookahead)
+    token_gaps: list[float] = field(default_factory=list)
 
 
 class Job:
@@ -64,6 +70,7 @@ class Job:
         self.submitted = time.perf_counter()
         self.queue_s = 0.0
         self.slot = -1
+        self.sent_logprobs = 0  # the answer's token logprobs sent as events so far
 
     @property
     def cancelled(self) -> bool:
@@ -83,6 +90,10 @@ class Slot:
         self.begun = False  # its job's answer is in the loop
         self.history: list = []  # the key of its last conversation, answer included
         self.used = 0.0
+        # its answer's tokens as the rounds bring them: the Result counted, its tokens so far, when the last came,
+        # the gaps between them (Finished.token_gaps)
+        self.counted: object = None
+        self.tokens, self.last_t, self.gaps = 0, 0.0, []
 
 
 class Scheduler:
@@ -135,6 +146,7 @@ class Scheduler:
         with self._cv:
             busy = sum(s.job is not None for s in self.slots)
             kv = sum(s.vlm.row.cache.nbytes for s in self.slots)
+            rows_used = sum(s.vlm.row.cache.length for s in self.slots)
             images = sum(s.vlm.image_cache.bytes for s in self.slots)
             d = self.decoder
             batch = {} if d.probed is None else {
@@ -143,6 +155,7 @@ class Scheduler:
                 # answers independent of the load: as the probe found, and padded as it said
                 "batch_invariant": d.probed["invariant"] and d.min_rows >= d.probed["min_rows"]}
             return {"slots": len(self.slots), "busy": busy, "queued": len(self.waiting), "kv_cache_bytes": kv,
+                    "kv_cache_rows": len(self.slots) * self.max_context, "kv_cache_rows_used": rows_used,
                     "image_cache_bytes": images, "batched": d.probed is not None, **batch, **self.counts}
 
     def close(self) -> None:
@@ -180,6 +193,9 @@ class Scheduler:
                 events = [(s.index, "error", None) for s in self.slots if s.job is not None and s.begun]
                 for i, _, _ in events:
                     self.loop.cancel(i)
+            now = time.perf_counter()
+            for s in active:
+                self._count_tokens(s, now)
             for i, kind, value in events:
                 self._event(self.slots[i], kind, value)
 
@@ -193,10 +209,9 @@ class Scheduler:
             if not free:
                 return
             job = self.waiting.popleft()
-            # ties: with batched calls the lowest row (a call computes rows 0..the last waiting one), else the least
-            # recently used slot
-            batched = self.decoder.probed is not None
-            s = max(free, key=lambda s: (common_prefix(s.history, job.key), -s.index if batched else -s.used))
+            # ties: a slot that holds no conversation (the lowest one), else the least recently used: never the slot
+            # of a conversation between its turns while an older one is free (its follow-up would prefill cold)
+            s = max(free, key=lambda s: (common_prefix(s.history, job.key), not s.history, -s.used, -s.index))
             job.queue_s, job.slot = time.perf_counter() - job.submitted, s.index
             s.job, s.begun, s.history = job, False, []
 
@@ -221,16 +236,43 @@ class Scheduler:
         except Exception as e:
             self._event(s, "error", e)
 
+    @staticmethod
+    def _count_tokens(s: Slot, now: float) -> None:
+        """After a round: the gap before each token it brought to the slot's answer (Finished.token_gaps)."""
+        res = s.vlm.result
+        if s.job is None or not s.begun:
+            return
+        if res is not s.counted:  # a new answer on the slot
+            s.counted, s.tokens, s.gaps = res, 0, []
+        n = len(res.token_ids)
+        if n > s.tokens:
+            s.gaps += ([now - s.last_t] if s.tokens else []) + [0.0] * (n - s.tokens - 1)
+            s.tokens, s.last_t = n, now
+
+    @staticmethod
+    def _logprobs(job: Job, res) -> None:
+        """The answer's token logprobs not sent yet (those of the tokens streamed since), as one ("logprobs", ...)
+        event: before the piece their text is in (a piece holds the text of the tokens before it, less what stop
+        strings and incomplete characters hold back), or before "done" (tokens whose text never came as a piece)."""
+        entries = res.logprobs
+        if entries is None or len(entries) <= job.sent_logprobs:
+            return
+        job.emit("logprobs", [e.as_dict() for e in entries[job.sent_logprobs:]])
+        job.sent_logprobs = len(entries)
+
     def _event(self, s: Slot, kind: str, value) -> None:
         job = s.job
         if job is None:
             return
         if kind == "piece":
+            self._logprobs(job, s.vlm.result)
             job.emit("piece", value)
         elif kind == "done":
             st = value.stats
+            self._logprobs(job, value)
+            entries = None if value.logprobs is None else [e.as_dict() for e in value.logprobs]
             job.emit("done", Finished(value.text, st.prompt_tokens, st.generated_tokens, st.stop_reason, asdict(st),
-                                      job.queue_s, s.index))
+                                      job.queue_s, s.index, entries, s.gaps[: max(0, st.generated_tokens - 1)]))
             self._free(s, job.key + [("assistant", (("text", value.text),))], "completed")
         elif isinstance(value, ContextOverflow):
             job.emit("error", context_exceeded(s.vlm.result.stats.prompt_tokens, self.max_context, str(value)))

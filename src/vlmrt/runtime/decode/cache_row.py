@@ -197,14 +197,16 @@ class CacheRow:
         if self.blocks(mode) == 1 and n == self.cache.length - 1:
             self._exact = (mode, self.cache.length, self.cache.epoch)
 
-    def verify(self, token: int, drafts: list[int], sampler: Sampler, constraint: Constraint | None = None) -> list[int]:
+    def verify(self, token: int, drafts: list[int], sampler: Sampler, constraint: Constraint | None = None,
+               rows: list | None = None) -> list[int]:
         """One decoder call over [token, *drafts] at the cache's next slots, every row's logits: the longest
         prefix of drafts that the sampler (greedy) picks row by row, then its own pick after them. Only the rows of
         token and the accepted drafts go into the cache (those a plain decode of the same tokens writes): the rows of
         rejected drafts (and a static verify graph's padding rows) are dropped, as a padded prefill block's are.
         constraint: the sequence's grammar (drafts it allows only): row i picks among the tokens it allows after the
         drafts before it, each accepted draft advancing it; it is rolled back after, as it was before the call (the
-        sequence's emit advances it by the tokens returned)."""
+        sequence's emit advances it by the tokens returned). rows: a list that gets the logits row each returned token
+        was picked from (unmasked; views until the next call)."""
         n = 1 + len(drafts)
         step = self._step_for("verify", n, all_rows=True)
         logits = self._call(step, self.embedding.embed([token, *drafts]), self.positions(n))  # [n, vocab] (static: [ar, vocab])
@@ -212,6 +214,8 @@ class CacheRow:
         try:
             for i in range(len(logits)):
                 out.append(self.pick(sampler, logits, i, constraint=constraint))
+                if rows is not None:
+                    rows.append(logits[i])
                 if i == len(drafts) or out[-1] != drafts[i]:
                     break
                 if constraint is not None:

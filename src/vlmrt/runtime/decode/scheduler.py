@@ -51,6 +51,7 @@ from .decoder_kinds import decoder_kind
 from .embedding import TokenEmbedding
 from .grammar import Constraint
 from .kv_cache import KVCache
+from .logprobs import token_logprobs
 from .lookahead import PromptLookup
 from .sampler import Sampler
 from .sequence import GenerationStats, Sequence
@@ -171,14 +172,15 @@ class Scheduler:
                 return
             row.end(seq.mode, seq.start, n)
             tokens = [row.pick(seq.sampler, logits[-1][None], constraint=seq.constraint)]
+            logprobs = _logprobs(seq, logits[-1:], tokens)
         except Exception as e:
             seq.stop("error", e)
             return
         seq.stats.prefill_s = time.perf_counter() - seq.began
-        self._emit(seq, tokens)
+        self._emit(seq, tokens, logprobs)
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        seq.emit(tokens, self.eos)
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
+        seq.emit(tokens, self.eos, logprobs)
         if not seq.done and self.rows[seq.row].cache.length >= self.kv.max_context:
             seq.stop("context")
 
@@ -199,8 +201,9 @@ class Scheduler:
                 waiting[seq.row] = seq
                 continue
             t, run0 = time.perf_counter(), row.run_s
+            rows = None if seq.logprobs is None else []
             try:
-                tokens = row.verify(seq.token, drafts, seq.sampler, seq.constraint)
+                tokens = row.verify(seq.token, drafts, seq.sampler, seq.constraint, rows)
             except Exception as e:
                 seq.stop("error", e)
                 continue
@@ -211,7 +214,7 @@ class Scheduler:
             st.decode_s += dt
             st.decode_run_s += row.run_s - run0
             st.step_times.append(dt)
-            self._emit(seq, tokens)
+            self._emit(seq, tokens, _logprobs(seq, rows, tokens))
         if not waiting:
             return
         if self.batched:
@@ -227,32 +230,33 @@ class Scheduler:
             for r, seq in waiting.items():
                 row = self.rows[r]
                 try:
-                    token = row.pick(seq.sampler, b.logits, r, b.argmax_ids, seq.constraint)
+                    tokens = [row.pick(seq.sampler, b.logits, r, b.argmax_ids, seq.constraint)]
                 except Exception as e:  # (a grammar that allows nothing)
                     seq.stop("error", e)
                     continue
-                self._decoded(seq, row, [token], t0, run_s)
+                self._decoded(seq, row, tokens, t0, run_s, _logprobs(seq, b.logits[r : r + 1], tokens))
             return
         for r, seq in waiting.items():  # one sequence per call
             row = self.rows[r]
             run0 = row.run_s
             try:
                 logits = row.decode_token(seq.token)
-                token = row.pick(seq.sampler, logits, constraint=seq.constraint)
+                tokens = [row.pick(seq.sampler, logits, constraint=seq.constraint)]
             except Exception as e:
                 seq.stop("error", e)
                 continue
-            self._decoded(seq, row, [token], t0, row.run_s - run0)
+            self._decoded(seq, row, tokens, t0, row.run_s - run0, _logprobs(seq, logits[-1:], tokens))
             t0 = time.perf_counter()
 
-    def _decoded(self, seq: Sequence, row: CacheRow, tokens: list[int], t0: float, run_s: float) -> None:
+    def _decoded(self, seq: Sequence, row: CacheRow, tokens: list[int], t0: float, run_s: float,
+                 logprobs: list | None) -> None:
         row.decoded(seq.mode)
         st = seq.stats
         dt = time.perf_counter() - t0
         st.decode_s += dt
         st.decode_run_s += run_s
         st.step_times.append(dt)
-        self._emit(seq, tokens)
+        self._emit(seq, tokens, logprobs)
 
     # --- the batched call ---
     def _call(self, k: int) -> "_BatchCall":
@@ -416,6 +420,14 @@ class _BatchCall:
             self._position[r] = p
         else:
             self._positions[:, r] = p
+
+
+def _logprobs(seq: Sequence, rows, tokens: list[int]) -> list | None:
+    """Each token's log probabilities from the logits row it was picked from (rows[i]: tokens[i]'s), where the
+    sequence asked for them (seq.logprobs); None (nothing computed) where it did not."""
+    if seq.logprobs is None:
+        return None
+    return [token_logprobs(row, t, seq.logprobs) for row, t in zip(rows, tokens)]
 
 
 def _takes_a_batch(kind) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .grammar import Constraint, GrammarError
+from .logprobs import TokenLogprob
 from .lookahead import PromptLookup
 from .sampler import Sampler, SamplingConfig
 
@@ -56,9 +57,10 @@ class Sequence:
     """One request's state. Given: prompt embeddings [n, hidden] (from slot start on), mode, max_new_tokens,
     sampler, ignore_eos, positions [rope rows, n] (None: one past the other), rows [n, width] (the decoder's row input,
     None: zeros), prompt_ids (the whole prompt's ids from slot 0: lookahead drafts from them), constraint (the grammar
-    its tokens are held to, None: free). The scheduler sets the
-    rest: its row (the cache row it runs on), the prompt blocks still to run (next_block: where the next begins),
-    the token to feed next, the lookahead drafter, the ids emitted (and not yet taken) and its stop state."""
+    its tokens are held to, None: free), logprobs (None, or the number of top tokens to record beside each emitted
+    token's log probability: runtime/decode/logprobs.py). The scheduler sets the rest: its row (the cache row it runs
+    on), the prompt blocks still to run (next_block: where the next begins), the token to feed next, the lookahead
+    drafter, the ids emitted (and not yet taken; their token_logprobs) and its stop state."""
 
     embeds: np.ndarray
     mode: str = "hybrid"
@@ -70,12 +72,14 @@ class Sequence:
     positions: np.ndarray | None = None
     rows: np.ndarray | None = None
     constraint: Constraint | None = None
+    logprobs: int | None = None  # record each emitted token's log probability and this many top ones (None: off)
     # --- the scheduler's ---
     row: int = -1  # the cache row (-1: not admitted)
     next_block: int = 0  # the next prompt row to run (== len(embeds): the prompt is in the cache)
     token: int = -1  # the last emitted token: the next decode step's input
     drafter: PromptLookup | None = None
     ids: list[int] = field(default_factory=list)  # every id emitted
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # with logprobs: one per id, in order
     taken: int = 0  # ids[:taken] were handed out by take()
     stop_reason: str = ""  # eos | length | context | grammar (its grammar complete) | cancelled (removed before it
     # ended) | error
@@ -97,16 +101,18 @@ class Sequence:
         self.taken = len(self.ids)
         return out
 
-    def emit(self, tokens: list[int], eos: set[int]) -> None:
+    def emit(self, tokens: list[int], eos: set[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """The picked tokens in order, until one stops the sequence (an EOS, not emitted; its grammar complete; the
-        length)."""
+        length); logprobs: each token's (with self.logprobs), kept beside the ids emitted."""
         st, c = self.stats, self.constraint
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if token in eos and not self.ignore_eos:
                 self.stop("eos")
                 return
             st.generated_tokens += 1
             self.ids.append(token)
+            if logprobs:
+                self.token_logprobs.append(logprobs[i])
             self.token = token
             if c is not None:
                 if not c.accept(token):

@@ -8,6 +8,10 @@
 The registry, by name (FORMATS), chosen from the template's own text:
   hermes   the template writes `<tool_call>` (Qwen2.5 / Qwen3 / Qwen3-VL): answers hold `<tool_call>{"name": ...,
            "arguments": {...}}</tool_call>` blocks, content around them.
+  qwen_xml the template writes `<function=` inside `<tool_call>` (Qwen3.5, Qwen3-Coder; vLLM's qwen3_coder parser):
+           `<tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n</function>\n</tool_call>` blocks;
+           a value is read as JSON where it is valid JSON (2, true, {...}, a quoted string), else as the text it is
+           (the template writes strings bare).
   pythonic the template writes `<|tool_list_start|>` / `<|tool_call_start|>` (LFM2, LFM2-VL):
            `<|tool_call_start|>[name(arg="v", n=1), ...]<|tool_call_end|>` (Python call syntax, literal arguments)
            then text; where the markers are special tokens the decoded text lacks them, so a leading `[name(...)]`
@@ -82,6 +86,47 @@ def _hermes_parse(text: str, names: set[str]) -> tuple[str, list[Call]]:
 def _hermes_write(calls: list[Call]) -> str:
     return "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]},
                                                   ensure_ascii=False) + "\n</tool_call>" for c in calls)
+
+
+# --- qwen_xml ----------------------------------------------------------------------------------------------------
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _xml_one(body: str, names: set[str]) -> list[Call] | None:
+    m = _XML_FUNCTION.fullmatch(body)
+    if m is None:
+        return None
+    inner, args, at = m.group(2), {}, 0
+    for p in _XML_PARAMETER.finditer(inner):
+        if inner[at:p.start()].strip() or p.group(1) in args:  # text between parameters, or one given twice
+            return None
+        args[p.group(1)] = _xml_value(p.group(2))
+        at = p.end()
+    if inner[at:].strip():
+        return None
+    call = _call(m.group(1), args, names)
+    return None if call is None else [call]
+
+
+def _xml_parse(text: str, names: set[str]) -> tuple[str, list[Call]]:
+    return _blocks(text, "<tool_call>", "</tool_call>", lambda b: _xml_one(b, names))
+
+
+def _xml_write(calls: list[Call]) -> str:
+    def value(v) -> str:
+        return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+    return "\n".join(f"<tool_call>\n<function={c['name']}>\n" + "".join(
+        f"<parameter={k}>\n{value(v)}\n</parameter>\n" for k, v in c["arguments"].items()) + "</function>\n</tool_call>"
+        for c in calls)
 
 
 # --- pythonic ----------------------------------------------------------------------------------------------------
@@ -188,6 +233,7 @@ class ToolFormat:
 
 FORMATS = {
     "hermes": ToolFormat("hermes", _hermes_parse, _hermes_write, "<tool_call>", True),
+    "qwen_xml": ToolFormat("qwen_xml", _xml_parse, _xml_write, "<tool_call>", True),
     "pythonic": ToolFormat("pythonic", _pythonic_parse, _pythonic_write, PY_START, True),
     # an answer that begins with "{" (or a ``` fence) may be a call: a stream holds it back until the end
     "generic": ToolFormat("generic", _generic_parse, _generic_write, None, False),
@@ -214,7 +260,7 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], literal: Callable[[str], st
     valid against its function's parameters (held: only those functions', the others' any JSON object): a GrammarSpec
     (runtime/decode/grammar.py). optional: the answer may be text instead (tool_choice auto with strict tools: text
     that does not begin a call, generic; text around the calls, hermes). None where fmt's calls cannot be held
-    (pythonic: Python call syntax). literal: a marker's text as a Lark term (the tokenizer's own token where it has one:
+    (pythonic: Python call syntax; qwen_xml: arguments as bare text in XML-like tags, no grammar written for it yet). literal: a marker's text as a Lark term (the tokenizer's own token where it has one:
     Grammars.literal)."""
     from ..decode.grammar import GrammarSpec
 
@@ -247,7 +293,7 @@ def tool_format(chat_template: str) -> ToolFormat | None:
     """The format the template's text asks for; None for a template that renders tools in a format vlmrt does not
     know (tools are then refused)."""
     if "<tool_call>" in chat_template:
-        return FORMATS["hermes"]
+        return FORMATS["qwen_xml" if "<function=" in chat_template else "hermes"]
     if PY_START in chat_template or "<|tool_list_start|>" in chat_template:
         return FORMATS["pythonic"]
     if re.search(r"\btools\b", chat_template):
