@@ -244,6 +244,10 @@ def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
         return None
     from .cpu import calibrate_gptq
 
+    if decoder.attention_kinds and "rows_copy_free" not in decoder.attention_kinds:
+        raise ExportError(f"the GPTQ precisions calibrate through the rows_copy_free decoder, which family "
+                          f"{plan.family.name} does not build ({', '.join(decoder.attention_kinds)} only); choose "
+                          "another --quant")
     return calibrate_gptq.prompt_hessians(decoder, embed, plan.tok_json, plan.prompt, p).for_weight
 
 

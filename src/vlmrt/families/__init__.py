@@ -126,6 +126,8 @@ class DecoderModule:
     # (width, channels, heads, key_dim, value_dim) of a recurrent layer's conv window and state (where one is "recurrent")
     recurrent_state: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     logit_rows: bool = False  # the graph takes logit_rows last and returns those rows' logits (with_options sets it)
+    # the attention kinds (layers.ATTENTION_KINDS) with_options builds; empty: every one (Qwen3.5's: gqa_in_place)
+    attention_kinds: tuple[str, ...] = ()
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:

@@ -142,6 +142,7 @@ class DeltaDecoder(nn.Module, DecoderModule):
     """The decoder graph's module (module doc)."""
 
     rope_rows = 3
+    attention_kinds = ("gqa_in_place",)
 
     def __init__(self, t: DeltaTextConfig, rope_rows: tuple[int, ...], logit_rows: bool = False):
         super().__init__()
