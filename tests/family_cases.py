@@ -112,6 +112,8 @@ QWEN_CASES = [QwenCase("qwen2.5-vl", "qwen2_5_vl", prefill_ar=16, seed=11),
               # Qwen3.5: Gated DeltaNet layers beside gated attention (fixtures_qwen.TINY: linear, full, linear,
               # linear), blocks of 8 that cut the images and carry the recurrent state across many blocks
               QwenCase("qwen3.5", "qwen3_5", prefill_ar=8, seed=3),
+              # the same weights on the host-written rows contract (rows_dynamic: --attention portable)
+              QwenCase("qwen3.5-rows", "qwen3_5", prefill_ar=8, seed=3, attention="portable"),
               # two DeltaNet layers first and attention last, blocks of 5
               QwenCase("qwen3.5-lla", "qwen3_5", prefill_ar=5, seed=4,
                        layer_types=("linear_attention", "linear_attention", "full_attention"))]

@@ -84,9 +84,11 @@ def test_lookahead_rejections_replay_to_plain_state(ex, monkeypatch, mode):
         np.testing.assert_allclose(x, y, rtol=0, atol=2e-5)
 
 
-def test_lookahead_without_the_replay_keeps_rejected_drafts(ex, monkeypatch):
-    """The planted fault: rows stored as if the state kept a call's first rows alone (KVCache.drops_rows true), the
-    rejected drafts stay in the recurrent state, which then parts from plain decoding's."""
+@pytest.mark.parametrize("guard", [True, False], ids=["guarded", "unguarded"])
+def test_lookahead_without_the_replay_keeps_rejected_drafts(ex, monkeypatch, guard):
+    """The planted fault: rows stored as if the state kept a call's first rows alone (KVCache.drops_rows true). The
+    cache refuses to keep part of a step (ValueError); with that guard planted out too, the rejected drafts stay in
+    the recurrent state, which then parts from plain decoding's."""
     from vlmrt.runtime.decode import kv_cache
 
     init = kv_cache.KVCache.__init__
@@ -94,8 +96,14 @@ def test_lookahead_without_the_replay_keeps_rejected_drafts(ex, monkeypatch):
     def dropping(self, *a, **k):
         init(self, *a, **k)
         self.drops_rows = True
+        if not guard:
+            self._snapshotting = []
 
     monkeypatch.setattr(kv_cache.KVCache, "__init__", dropping)
+    if guard:
+        with pytest.raises(ValueError, match="cannot be kept in part"):
+            lookahead_run(ex, monkeypatch, "hybrid")
+        return
     plain, fast, want, got, g = lookahead_run(ex, monkeypatch, "hybrid")
     assert g.state_replays == 0 and g.drafted_tokens > g.accepted_tokens
     apart = max(float(np.abs(x - y).max()) for x, y in zip(recurrent(fast)[:-1], recurrent(plain)[:-1]))
@@ -132,16 +140,14 @@ def test_unexportable_config_is_refused_in_one_line(edit, message, tmp_path, tmp
     assert not out.exists() and not list(tmp_path.glob("bundle*"))
 
 
-@pytest.mark.parametrize("options,message", [(["--quant", "w4a16g"], "GPTQ precisions calibrate through"),
-                                             (["--attention", "portable"], "(gqa_in_place) only")])
-def test_unbuilt_decoder_kinds_are_refused_in_one_line(options, message, tmp_path, tmp_path_factory, capsys):
-    """What the Qwen3.5 decoder is not built for yet (the rows kinds, the GPTQ calibration through them): one line,
-    no bundle (a traceback from the calibration before)."""
+def test_static_graphs_are_refused_in_one_line(tmp_path, tmp_path_factory, capsys):
+    """Static graphs pad a prompt's last block, whose padding a recurrent state would take in: refused at export in
+    one line, no bundle (and the runtime refuses to keep part of such a step: KVCache.store)."""
     from vlmrt.cli import main
 
     src = qwen_exported(CASES[0], tmp_path_factory).ckpt
     out = tmp_path / "bundle"
-    rc = main(["export", str(src), str(out), *options])
+    rc = main(["export", str(src), str(out), "--context-step", "0"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vlmrt: ")]
-    assert rc == 1 and len(err) == 1 and message in err[0], err
+    assert rc == 1 and len(err) == 1 and "state is not per slot" in err[0], err
     assert not out.exists() and not list(tmp_path.glob("bundle*"))

@@ -31,6 +31,7 @@ class AttentionCache:
     name = "attention"
     tensors = 2  # its state tensors (inputs, outputs) per layer
     batchable = True  # (the buffers' first dim is the batch: export/batch_dim.py)
+    padded = True  # a static graph's padded rows can be dropped (its state is per slot)
 
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_key_{i}", f"past_value_{i}"], [f"{out_prefix}_key_{i}", f"{out_prefix}_value_{i}"]
@@ -62,6 +63,7 @@ class ConvCache:
     name = "conv"
     tensors = 1
     batchable = True  # (window [B, width, channels], rows [B, ar / B, channels]: export/batch_dim.py)
+    padded = True
 
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_conv_{i}"], [f"new_conv_{i}"]  # (the step's rows whatever the attention kind's outputs are)
@@ -92,6 +94,7 @@ class RecurrentCache:
     name = "recurrent"
     tensors = 2
     batchable = True  # (both [B, ...]: export/batch_dim.py)
+    padded = False  # a static graph's padded rows would be in the state after the step
 
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_conv_{i}", f"past_state_{i}"], [f"present_conv_{i}", f"present_state_{i}"]
@@ -112,7 +115,7 @@ class RecurrentCache:
 
     def empty(self, decoder, layer) -> list[torch.Tensor]:
         width, channels, heads, dk, dv = decoder.recurrent_state
-        return [torch.zeros(1, width, channels), torch.zeros(1, heads, dk, dv)]
+        return [torch.zeros(width, channels), torch.zeros(heads, dk, dv)]  # (the rows kinds' layout, no batch dim)
 
     def advance(self, decoder, past: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
         """The state after the step replaces the old one."""
@@ -147,6 +150,11 @@ def encoded_edges(layers: list) -> list[tuple[str, int, str, str]]:
             out.append((name, count.get(name, 0), fin, fout))
             count[name] = count.get(name, 0) + 1
     return out
+
+
+def padded(layer_kinds) -> bool:
+    """Whether static graphs (a prompt's last block padded) can hold these layers: every layer's kind drops padded rows."""
+    return all(CACHE_KINDS[k].padded for k in layer_kinds)
 
 
 def batchable(layer_kinds) -> bool:

@@ -17,11 +17,13 @@ dims are permuted at load so that its rotate-half pairs are the partial rotation
 out * sigmoid(gate); o_proj. The norms scale by 1 + w (Qwen3_5RMSNorm: the
 weights load as 1 + w) but the DeltaNet's gated norm (w).
 
-Only the CPU target's decoder kind (gqa_in_place) is built: `with_options` refuses the rows kinds in one line.
+The CPU target's kinds are built (gqa_in_place; rows_copy_free: `--attention portable`, and the float decoder the GPTQ
+calibration runs); `with_options` refuses rows_concat (the HTP target's float graphs) in one line.
 
-    forward(inputs_embeds [ar, hidden], position_ids [3, ar], seqlens_k [1], total_sequence_length [], *state per layer
-            (attention: past_key_i, past_value_i; recurrent: past_conv_i, past_state_i)[, logit_rows [r]])
-      -> (logits, *the state out per layer, next_token [r])
+    forward(inputs_embeds [ar, hidden], position_ids [3, ar], *the attention kind's step inputs, *state per layer
+            (attention: the kind's K/V; recurrent: past_conv_i, past_state_i: [1, W, C], [1, heads, dk, dv] under
+            gqa_in_place, [W, C], [heads, dk, dv] under the rows kinds)[, logit_rows [r]])
+      -> (logits, *the state out per layer[, next_token [r]: gqa_in_place])
 """
 
 from __future__ import annotations
@@ -99,8 +101,11 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(t.head_dim, t.eps)
         self.k_norm = RMSNorm(t.head_dim, t.eps)
 
-    def forward(self, x, rope, step, past_k, past_v):
-        """x [1, ar, hidden] ([B, ar / B, hidden] batched); rope: layers._gqa_rope's (position ids, cos, sin)."""
+    def forward(self, x, kind, rope, step, past_k, past_v):
+        """gqa_in_place: x [1, ar, hidden] ([B, ar / B, hidden] batched), rope layers._gqa_rope's (position ids, cos,
+        sin); the rows kinds: x [ar, hidden], rope (cos, sin) [ar, head_dim], the kind's body over the cache."""
+        if x.dim() == 2:
+            return self._rows(x, kind, rope, step, past_k, past_v)
         seqlens_k, total = step
         positions, cos, sin = rope
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
@@ -111,6 +116,26 @@ class GatedAttention(nn.Module):
         out, pk, pv = torch.ops.vlmrt.group_query_attention(q, k, self.v_proj(x), past_k, past_v, seqlens_k, total,
                                                             cos, sin, positions, h, kvh)
         return self.o_proj(out * torch.sigmoid(gate)), pk, pv
+
+
+    def _rows(self, x, kind, rope, step, past_k, past_v):
+        """The rows contract: the kind's body (layers.ATTENTION_KINDS) over q / k already normed, v, and no output
+        projection (_Projected), then the gate and o_proj."""
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        qg = self.q_proj(x).reshape(-1, h, 2 * d)
+        q = self.q_norm(qg[..., :d]).reshape(-1, h * d)
+        k = self.k_norm(self.k_proj(x).reshape(-1, kvh, d)).reshape(-1, kvh * d)
+        out, k_new, v_new = kind.body(_Projected(h, kvh, d, q, k, self.v_proj(x)), x, rope, step, past_k, past_v)
+        return self.o_proj(out * torch.sigmoid(qg[..., d:].reshape(-1, h * d))), k_new, v_new
+
+
+class _Projected:
+    """What the rows kinds' bodies read of an attention module, with q and k given (normed) and no output projection."""
+
+    def __init__(self, heads, kv_heads, head_dim, q, k, v):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj, self.k_proj, self.v_proj = (lambda x: q), (lambda x: k), (lambda x: v)
+        self.q_norm = self.k_norm = self.o_proj = nn.Identity()
 
 
 def rotary_perm(head_dim: int, rotary: int) -> torch.Tensor:
@@ -133,12 +158,15 @@ class DeltaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(t.hidden, t.eps)
         self.mlp = GatedMLP(t.hidden, t.intermediate, "silu")
 
-    def forward(self, x, rope, step, a, b):
+    def forward(self, x, kind, rope, step, a, b):
         y = self.input_layernorm(x)
-        if self.kind == "linear_attention":
+        if self.kind == "linear_attention" and x.dim() == 3:  # gqa_in_place's [B, s, hidden]
             out, *new = self.linear_attn(y, a, b)
+        elif self.kind == "linear_attention":  # the rows kinds' [ar, hidden], the state without a batch dim
+            out, *new = self.linear_attn(y[None], a[None], b[None])
+            out, new = out[0], [t[0] for t in new]
         else:
-            out, *new = self.self_attn(y, rope, step, a, b)
+            out, *new = self.self_attn(y, kind, rope, step, a, b)
         x = x + out
         return (x + self.mlp(self.post_attention_layernorm(x)), *new)
 
@@ -147,12 +175,15 @@ class DeltaDecoder(nn.Module, DecoderModule):
     """The decoder graph's module (module doc)."""
 
     rope_rows = 3
-    attention_kinds = ("gqa_in_place",)
+    # (rows_concat, the HTP target's float graphs, and static graphs are not built: their padded blocks would enter
+    # the recurrent state)
+    attention_kinds = ("gqa_in_place", "rows_copy_free")
 
-    def __init__(self, t: DeltaTextConfig, rope_rows: tuple[int, ...], logit_rows: bool = False):
+    def __init__(self, t: DeltaTextConfig, rope_rows: tuple[int, ...], attention: str = "rows_copy_free",
+                 logit_rows: bool = False):
         super().__init__()
         self.text, self.logit_rows, self.rows_of_freq = t, logit_rows, rope_rows
-        self.attention = ATTENTION_KINDS["gqa_in_place"]
+        self.attention = ATTENTION_KINDS[attention]
         self.layers = nn.ModuleList(DeltaLayer(kind, t) for kind in t.layer_types)
         self.norm = RMSNorm(t.hidden, t.eps)
         self.lm_head = nn.Linear(t.hidden, t.vocab, bias=False)
@@ -176,11 +207,11 @@ class DeltaDecoder(nn.Module, DecoderModule):
         return t.conv_kernel - 1, t.conv_channels, t.linear_value_heads, t.linear_key_dim, t.linear_value_dim
 
     def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> "DeltaDecoder":
-        if attention != "gqa_in_place":
-            raise UnsupportedCheckpoint(f"Qwen3.5's decoder is exported for the CPU target's default attention "
-                                        f"(gqa_in_place) only, not {attention} (--attention portable, --context-step "
-                                        "0 and --target htp are not supported for it yet)")
-        new = DeltaDecoder(self.text, self.rows_of_freq, logit_rows=logit_rows)
+        if attention not in self.attention_kinds:
+            raise UnsupportedCheckpoint(f"Qwen3.5's decoder is exported for the CPU target's attention kinds "
+                                        f"({', '.join(self.attention_kinds)}) only, not {attention} (--target htp is "
+                                        "not supported for it yet)")
+        new = DeltaDecoder(self.text, self.rows_of_freq, attention, logit_rows=logit_rows)
         new.load_state_dict(self.state_dict())
         new.rope_table(rope_positions)
         return new.eval()
@@ -195,20 +226,22 @@ class DeltaDecoder(nn.Module, DecoderModule):
         self.register_buffer("rope_cos", torch.cat([c, c], 1), persistent=False)
         self.register_buffer("rope_sin", torch.cat([s, s], 1), persistent=False)
 
-    def forward(self, inputs_embeds, position_ids, seqlens_k, total, *state):
+    def forward(self, inputs_embeds, position_ids, *rest):
+        kind = self.attention
+        n_step = len(kind.step_inputs)
+        step, state = rest[:n_step], rest[n_step:]
         if self.logit_rows:
             *state, rows = state
-        kind = self.attention
         rope = kind.rotary(self, position_ids, inputs_embeds.dtype)  # (M-RoPE's rows gathered: layers._gqa_rope)
         x, new = kind.enter(inputs_embeds), []
         for i, layer in enumerate(self.layers):
-            x, *out = layer(x, rope, (seqlens_k, total), state[2 * i], state[2 * i + 1])
+            x, *out = layer(x, kind, rope, step, state[2 * i], state[2 * i + 1])
             new += out
         x = kind.leave(x)
         if self.logit_rows:
             x = x.index_select(0, rows)
         logits = self.lm_head(self.norm(x))
-        return (logits, *new, logits.argmax(-1))
+        return (logits, *new, logits.argmax(-1)) if kind.argmax else (logits, *new)
 
 
 def load(cfg: QwenVLConfig, tensors, take, prefix: str) -> tuple[DeltaDecoder, torch.Tensor]:
