@@ -182,7 +182,7 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
     token_rows: two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
     from ..families.layers import ATTENTION_KINDS
-    from . import batch_dim, fuse, gqa_onnx
+    from . import batch_dim, fuse, gqa_onnx, linear_attention_onnx
     from .cpu import quantize
 
     layout = LAYOUTS[attention]
@@ -224,7 +224,7 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     # CastIO.forward(*args): the dynamic shapes are one varargs entry
     dynamic = (tuple(dims.get(name) for name in inputs),) if dynamic_context else None
     export_graph(module, tuple(inputs.values()), list(inputs), outputs, path, dynamic,
-                 gqa_onnx.TABLE if layout.in_place else None)
+                 {**linear_attention_onnx.TABLE, **(gqa_onnx.TABLE if layout.in_place else {})})
     if layout.in_place:
         model = onnx.load(str(path))
         if _name_weights(model):

@@ -244,6 +244,10 @@ def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
         return None
     from .cpu import calibrate_gptq
 
+    if decoder.attention_kinds and "rows_copy_free" not in decoder.attention_kinds:
+        raise ExportError(f"the GPTQ precisions calibrate through the rows_copy_free decoder, which family "
+                          f"{plan.family.name} does not build ({', '.join(decoder.attention_kinds)} only); choose "
+                          "another --quant")
     return calibrate_gptq.prompt_hessians(decoder, embed, plan.tok_json, plan.prompt, p).for_weight
 
 
@@ -423,6 +427,9 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
               if "max_patches" in plan.host.image.params else "")
     p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note}{budget})")
 
+    if not plan.context_step and not cache_kinds.padded(decoder.layer_kinds):
+        raise ExportError(f"family {plan.family.name}'s decoder has layers whose state is not per slot: static graphs "
+                          "(--context-step 0, --target htp) would take a padded block's rows into it; export without")
     kv = cache_kinds.kv_layers(decoder, plan.cfg.text, graphs.LAYOUTS[plan.attention].out_prefix)
     batched = cache_kinds.batchable(decoder.layer_kinds)
     extra_inputs = [r for r in vision_examples(vision, plan.cfg.patches_per_tile, 3 * plan.cfg.vision.patch_size**2)

@@ -215,7 +215,44 @@ class ConvLayer:
         return "channels and width must be positive" if self.channels <= 0 or self.width <= 0 else None
 
 
-CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer}
+@dataclass
+class RecurrentLayer:
+    """A layer whose state is not per slot: a Gated DeltaNet layer's (Qwen3.5's `linear_attention`), the window of its
+    causal conv's last `width` input rows [width, channels] and the gated delta rule's recurrent state
+    [heads, key_dim, value_dim] (value heads), both summarizing every slot before the step. A step reads both
+    (conv_input, state_input) and returns them as they are after its last row (conv_output, state_output), which the
+    host keeps in place of the old ones (runtime/decode/recurrent_state.py): a step whose rows are not all kept (a
+    lookahead call's rejected drafts) is run again over the kept rows, a kept prefix restores a snapshot taken at a
+    prompt block's end. gqa_in_place lays them out [B, width, channels] and [B, heads, key_dim, value_dim] (B = 1 but
+    in a batched call)."""
+
+    kind: str  # "recurrent"
+    width: int  # the conv kernel - 1
+    channels: int  # the conv's channels: q, k and v side by side
+    heads: int  # value heads (the state's)
+    key_dim: int
+    value_dim: int
+    conv_input: str
+    state_input: str
+    conv_output: str
+    state_output: str
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.conv_input, self.state_input
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.conv_output, self.state_output
+
+    def problem(self) -> str | None:
+        """What is wrong with this entry's numbers (checks.check_decoder names the entry), or None."""
+        if min(self.width, self.channels, self.heads, self.key_dim, self.value_dim) <= 0:
+            return "width, channels, heads, key_dim and value_dim must be positive"
+        return None
+
+
+CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer, "recurrent": RecurrentLayer}
 
 
 def attention_layers(n: int, kv_heads: int, head_dim: int, key_input: str = "past_key_{layer}",
@@ -233,7 +270,7 @@ class KVSpec:
 
     max_context: int
     dtype: str
-    layers: list[AttentionLayer | ConvLayer]
+    layers: list[AttentionLayer | ConvLayer | RecurrentLayer]
     # uint8 caches (HTP bundles): per graph, per layer (scale, zero_point) of K and V rows,
     # {"prefill": {"key": [[s, zp], ...], "value": [...]}, "decode": {...}}; q = round(x / s) + zp
     encodings: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)

@@ -13,9 +13,10 @@ that knows how its state is
   kept        for a prefix of n slots (rewind(n): prefix reuse, a rejected lookahead draft, a reset)
   re-encoded  in a uint8 cache (clear_unused, requantize: per layer (scale, zero point) in kv.encodings)
   checked     against a graph's inputs (check_graph: the manifest's numbers against the graph's shapes)
-Both kinds today hold one row per slot, so keeping a prefix is keeping its slots: rewind has nothing to restore (rows
-beyond the length are stale, masked or never read, and overwritten by the next writes). A kind whose state is not
-per slot (a recurrent layer's) keeps snapshots there.
+Both kinds hold one row per slot, so keeping a prefix is keeping its slots: rewind has nothing to restore (rows
+beyond the length are stale, masked or never read, and overwritten by the next writes), and a step's first n rows
+can be stored alone (drops_rows). A kind whose state is not per slot (runtime/decode/recurrent_state.py, "recurrent":
+Qwen3.5's Gated DeltaNet) has drops_rows False and keeps snapshots (checkpoint, restorable, rewind).
   attention  a K and a V row per slot: slot s holds the (post-RoPE) key/value of the row written at slot s. Layers
              of one shape share one block [layers, 2 (K, V), *buffer] (a step's new rows land in all of them with one
              copy); layers of other widths get a block of their own. Laid out ROWS [max_context, kv_dim] (the rows
@@ -75,6 +76,7 @@ class AttentionState:
     name = "attention"
     batch_axis = 2  # a batch's block [layers, 2, n, kv_heads, max_context, head_dim]
     loads_inputs = False  # a step reads the buffers themselves
+    drops_rows = True  # a store of a step's first n rows keeps what n steps of one row keep (rows are per slot)
 
     def __init__(self, layers: list[tuple[int, AttentionLayer]], layout: CacheLayout, max_context: int, dtype,
                  arrays: Iterator[np.ndarray] | None = None):
@@ -239,6 +241,7 @@ class ConvState:
     batch_axis = 0  # a batch's windows [n, width, channels]
     loads_inputs = True  # each step's window is copied from the rows before its slot
     stores = True
+    drops_rows = True
 
     def __init__(self, layers: list[tuple[int, ConvLayer]], layout: CacheLayout, max_context: int, dtype,
                  arrays: Iterator[np.ndarray] | None = None):
