@@ -157,3 +157,12 @@ def test_a_malformed_quantized_cache_is_refused(quantized, change, needle, tmp_p
     (b / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(mf.BundleError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         mf.load(b, verify=False)
+
+
+def test_the_browser_refuses_a_quantized_cache_in_one_line(quantized, tmp_path, capsys):
+    from vlmrt import cli
+
+    rc = cli.main(["web", str(quantized[1]), "--out", str(tmp_path / "site")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "--kv-cache fp32" in err[0] and "keeps a float cache" in err[0], err
+    assert not (tmp_path / "site").exists()
