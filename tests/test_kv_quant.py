@@ -85,8 +85,9 @@ def test_the_quantized_cache_holds_the_float_rows_within_half_a_step(quantized, 
     # the earlier layers' quantization error on in their inputs, so they are held to the logits' bound below
     err = np.abs(got[0] - want[0])[inside[0]]
     assert (err <= (step[0] / 2 + 1e-5 * np.abs(want[0]) + 1e-6)[inside[0]]).all(), float(err.max())
-    # teacher-forced against the float cache (measured on the tiny random decoder: int8 top-1 1.0, KL 0.001; int4
-    # top-1 0.5, KL 0.13): bounds 10x / 4x the measured KL, which ISA-level float rounding does not approach
+    # teacher-forced against the float cache (measured on the tiny random decoder: int8 top-1 1.0, KL 0.00105; int4
+    # top-1 0.5, KL 0.131, the same to 5 digits on AVX-512 VNNI and under benchmarks/avx2-only): bounds 10x / 4x the
+    # measured KL
     c = metrics.compare_logits(lf, la)
     assert (c["top1"] >= 0.9 and c["kl"] < 0.01) if bits == 8 else c["kl"] < 0.5, c
 
