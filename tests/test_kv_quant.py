@@ -167,3 +167,21 @@ def test_the_browser_refuses_a_quantized_cache_in_one_line(quantized, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "--kv-cache fp32" in err[0] and "keeps a float cache" in err[0], err
     assert not (tmp_path / "site").exists()
+
+
+def test_a_calibration_too_small_for_stable_scales_is_one_line(tiny, tmp_path, capsys):
+    import shutil
+
+    from conftest import image_file
+    from vlmrt import cli
+
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    shutil.copy(image_file("chelsea.png", tmp_path), cal / "chelsea.png")
+    (cal / "prompts.txt").write_text("hi\n")
+    out = tmp_path / "out"
+    rc = cli.main(["export", str(tiny.ckpt), str(out), "--kv-cache", "int8", "--calibration", str(cal), "--quiet",
+                   "--prefill-ar", "8", "--max-seq-len", "320"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "the KV cache calibration saw" in err[0] and "256" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal"]  # nothing half-written next to OUT either
