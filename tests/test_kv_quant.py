@@ -185,3 +185,22 @@ def test_a_calibration_too_small_for_stable_scales_is_one_line(tiny, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "the KV cache calibration saw" in err[0] and "256" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal"]  # nothing half-written next to OUT either
+
+
+def test_lfm2_conv_layers_keep_float_rows_beside_an_int8_attention_cache(tmp_path_factory):
+    """Each GroupQueryAttention node takes its own attention layer's scales though conv layers come between them."""
+    from family_cases import LFM2_CASES, lfm2_exported
+
+    ex = lfm2_exported(next(c for c in LFM2_CASES if c.name == "lfm2-conv-attn-conv-conv-gqa"), tmp_path_factory)
+    m = ex.manifest()
+    bundle = _export(ex, tmp_path_factory.mktemp("lfm2-int8") / "bundle", kv_cache="int8",
+                     attention=ex.case.attention, context_step=ex.case.context_step)
+    a, f = VLM.load(bundle), VLM.load(ex.bundle)
+    kinds = [layer.kind for layer in a.manifest.kv.layers]
+    assert "conv" in kinds and kinds.count("attention") == len([x for x in a.manifest.kv.attention() if x.quant])
+    assert a.row.cache.keys[0].dtype == np.int8 and a.row.cache.states["conv"].rows[0].data.dtype == np.float32
+    assert m["kv"]["layers"] == [{**x, "quant": None} if x["kind"] == "attention" else x
+                                 for x in json.loads((bundle / "manifest.json").read_text())["kv"]["layers"]]
+    x = np.random.default_rng(1).standard_normal((21, a.manifest.decoder.hidden_size)).astype(np.float32) * 0.5
+    c = metrics.compare_logits(f.row.score(x, list(range(5, 15))), a.row.score(x, list(range(5, 15))))
+    assert c["top1"] >= 0.9 and c["kl"] < 0.01, c

@@ -309,7 +309,8 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
                               kv_heads=t.kv_heads, head_dim=t.head_dim, io_dtype=plan.dtype,
                               precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx", cpu=plan.htp is None,
                               dynamic_context=plan.context_step > 0, dynamic_ar=plan.one_graph, hessian=hessian,
-                              token_rows=plan.token_rows, kv_quant=[layer.quant for layer in kv_layers if layer.quant])
+                              token_rows=plan.token_rows, kv_quant=[layer.quant for layer in kv_layers
+                                        if isinstance(layer, mf.AttentionLayer) and layer.quant])
         decoder_graphs.append((name, stem))
         p.done()
     return decoder_graphs
