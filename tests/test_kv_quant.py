@@ -21,7 +21,6 @@ pytest.importorskip("torch")
 
 from vlmrt.batch.worker import Answerer  # noqa: E402
 from vlmrt.eval import metrics  # noqa: E402
-from vlmrt.runtime.bundle import Bundle  # noqa: E402
 from vlmrt.runtime.vlm import VLM  # noqa: E402
 
 
