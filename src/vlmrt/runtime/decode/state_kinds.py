@@ -20,8 +20,8 @@ per slot (a recurrent layer's) keeps snapshots there.
              of one shape and dtype share one block [layers, 2 (K, V), *buffer] (a step's new rows land in all of them
              with one copy); layers of other widths get a block of their own. A layer's buffers are of its cache dtype
              (manifest AttentionLayer.cache_dtype: the I/O dtype, or its quantized cache's int8 / uint8 nibble pairs,
-             [.., head_dim / 2] at 4 bits: AttentionLayer.cache_dim), which the graph quantizes and reads itself. Laid out ROWS [max_context, kv_dim] (the rows
-             contract: a step reads all slots or a prefix [:ctx] and returns its new rows, which store writes) or HEADS
+             [.., head_dim / 2] at 4 bits: AttentionLayer.cache_dim), which the graph quantizes and reads itself.
+             Laid out ROWS [max_context, kv_dim] (the rows contract: a step reads all slots or a prefix [:ctx] and returns its new rows, which store writes) or HEADS
              [1, kv_heads, max_context, head_dim] (GroupQueryAttention's buffers, which the graph writes itself).
   conv       one row [channels] per slot of a short convolution's input, of which a step reads the `width` rows
              before its first slot (a window, load: [width, channels], or HEADS's [1, width, channels]) and returns
