@@ -37,9 +37,16 @@ def _export(tiny, out, **kw):
                   max_seq_len=m["kv"]["max_context"], **kw)
 
 
+@pytest.fixture(scope="module")
+def int8(tiny, tmp_path_factory):
+    return _export(tiny, tmp_path_factory.mktemp("kv-int8") / "bundle", kv_cache="int8")
+
+
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def quantized(request, tiny, tmp_path_factory):
-    return request.param, _export(tiny, tmp_path_factory.mktemp("kv-" + request.param) / "bundle", kv_cache=request.param)
+    if request.param == "int8":
+        return "int8", request.getfixturevalue("int8")
+    return "int4", _export(tiny, tmp_path_factory.mktemp("kv-int4") / "bundle", kv_cache="int4")
 
 
 def _dequantized(vlm, n: int) -> np.ndarray:
@@ -91,8 +98,8 @@ def test_the_quantized_cache_holds_the_float_rows_within_half_a_step(quantized, 
     assert (c["top1"] >= 0.9 and c["kl"] < 0.01) if bits == 8 else c["kl"] < 0.5, c
 
 
-def test_every_path_answers_on_the_int8_cache_as_its_plain_run(tiny, tmp_path_factory):
-    bundle = _export(tiny, tmp_path_factory.mktemp("kv-paths") / "bundle", kv_cache="int8")
+def test_every_path_answers_on_the_int8_cache_as_its_plain_run(int8):
+    bundle = int8
     prompts = ["Describe the weather today.", "one two three four five six seven eight nine ten eleven twelve",
                "hi", "Tell me a long story about a cat and a dog who became friends."]
     opts = dict(max_new_tokens=14, ignore_eos=True)
