@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
     e.add_argument("--kv-cache", choices=["fp32", "int8", "int4"], default="fp32",
                    help="the CPU decoder's KV cache: fp32, or int8 / int4 stored by ORT's GroupQueryAttention "
                         "(K and V per channel, scales calibrated at export; docs/performance.md: Long prompts). "
-                        "Default fp32 (int8 decodes ~18 %% faster and holds 4x less at long contexts, but ORT "
-                        "prefills over it at half the speed); int4 is for measurement (its top-1 falls to ~0.7)")
+                        "Default fp32 (int8 holds 4x less at long contexts, but ORT prefills over it at half the "
+                        "speed); int4 is for measurement (its top-1 falls to ~0.7)")
     e.add_argument("--soc-model", default=None,
                    help="HTP: the Snapdragon the context binaries are compiled for: SM8850, SM8750, SM8650, SM8550, SC8380XP "
                         "or a QNN soc model id (default SM8750 = Snapdragon 8 Elite, htp_arch 79)")
