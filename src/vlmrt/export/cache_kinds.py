@@ -55,6 +55,10 @@ class AttentionCache:
         """The new K/V rows appended."""
         return [torch.cat([p, r]) for p, r in zip(past, new)]
 
+    def absmax(self, new: list[torch.Tensor]):
+        """[2 (K, V), kv_dim] |max| per channel of a step's rows: a quantized cache's calibration (export/cpu/kv_quant.py)."""
+        return torch.stack([r.abs().amax(0) for r in new]).numpy()
+
 
 class ConvCache:
     """A conv layer's window (LFM2's short convolution): the last `width` conv-input rows [width, channels]
@@ -84,6 +88,10 @@ class ConvCache:
     def advance(self, decoder, past: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
         """The window's last `width` rows kept."""
         return [torch.cat([past[0], new[0]])[-decoder.conv_state[0]:]]
+
+    def absmax(self, new: list[torch.Tensor]) -> None:
+        """None: a quantized cache holds attention layers only (a conv window stays in the I/O dtype)."""
+        return None
 
 
 class RecurrentCache:
