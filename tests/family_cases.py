@@ -102,12 +102,21 @@ class QwenCase:
     prefill_ar: int
     seed: int  # weights whose 24-token answers are not degenerate on the runner's images (measured)
     attention: str | None = None
+    layer_types: tuple[str, ...] = ()  # Qwen3.5: text_config.layer_types (empty: fixtures_qwen.TINY's)
 
 
 QWEN_CASES = [QwenCase("qwen2.5-vl", "qwen2_5_vl", prefill_ar=16, seed=11),
               QwenCase("qwen3-vl", "qwen3_vl", prefill_ar=16, seed=16),
               # the same weights as the first, on the host-written rows contract
-              QwenCase("qwen2.5-vl-rows", "qwen2_5_vl", prefill_ar=16, seed=11, attention="portable")]
+              QwenCase("qwen2.5-vl-rows", "qwen2_5_vl", prefill_ar=16, seed=11, attention="portable"),
+              # Qwen3.5: Gated DeltaNet layers beside gated attention (fixtures_qwen.TINY: linear, full, linear,
+              # linear), blocks of 8 that cut the images and carry the recurrent state across many blocks
+              QwenCase("qwen3.5", "qwen3_5", prefill_ar=8, seed=3),
+              # the same weights on the host-written rows contract (rows_dynamic: --attention portable)
+              QwenCase("qwen3.5-rows", "qwen3_5", prefill_ar=8, seed=3, attention="portable"),
+              # two DeltaNet layers first and attention last, blocks of 5
+              QwenCase("qwen3.5-lla", "qwen3_5", prefill_ar=5, seed=4,
+                       layer_types=("linear_attention", "linear_attention", "full_attention"))]
 
 
 def qwen_exported(case: QwenCase, tmp_path_factory, nested: dict | None = None) -> Exported:
@@ -116,7 +125,8 @@ def qwen_exported(case: QwenCase, tmp_path_factory, nested: dict | None = None) 
     from fixtures_qwen import make_full_checkpoint, oracle_family
 
     def make(folder):
-        return make_full_checkpoint(case.kind, folder, seed=case.seed)
+        overrides = {"layer_types": list(case.layer_types), "num_hidden_layers": len(case.layer_types)}
+        return make_full_checkpoint(case.kind, folder, seed=case.seed, overrides=overrides if case.layer_types else None)
 
     return export_once(case, tmp_path_factory, make, oracle_family(case.kind), nested, prefill_ar=case.prefill_ar,
                        attention=case.attention)

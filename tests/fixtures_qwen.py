@@ -27,17 +27,30 @@ TINY = {
              rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
                               "mrope_interleaved": True}),
     ),
+    # Qwen3.5: Qwen3-VL's tower without DeepStack; Gated DeltaNet layers (2 key heads serving 4 value heads, a conv of
+    # kernel 4) beside gated attention layers (partial rotary: 8 of 16 dims, interleaved M-RoPE sections [2, 1, 1])
+    "qwen3_5": (
+        dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, num_position_embeddings=36,
+             patch_size=16),
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=1024, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=8, linear_conv_kernel_dim=4,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [2, 1, 1],
+                              "mrope_interleaved": True, "partial_rotary_factor": 0.5}),
+    ),
 }
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 1000, 1001, 1002, 1003
 EOS_ID = 3
 
 
-def make_model(kind: str, seed: int = 0, ids: dict | None = None):
+def make_model(kind: str, seed: int = 0, ids: dict | None = None, overrides: dict | None = None):
     """The tiny model in fp32, eval mode, weights re-drawn from seed; ids: the special token ids (default the
-    constants above; make_checkpoint passes its tokenizer's), with vocab_size and eos_token_id."""
+    constants above; make_checkpoint passes its tokenizer's), with vocab_size and eos_token_id; overrides: text
+    config fields over TINY's (Qwen3.5's layer_types)."""
     import torch
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                              Qwen3VLForConditionalGeneration)
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3_5Config,
+                              Qwen3_5ForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 
     vision, text = TINY[kind]
     ids = ids or dict(image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
@@ -45,8 +58,10 @@ def make_model(kind: str, seed: int = 0, ids: dict | None = None):
                       eos_token_id=EOS_ID, vocab_size=text["vocab_size"])
     ids = dict(ids)
     eos, vocab = ids.pop("eos_token_id"), ids.pop("vocab_size")
-    cls, cfg_cls = ((Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig) if kind == "qwen2_5_vl"
-                    else (Qwen3VLForConditionalGeneration, Qwen3VLConfig))
+    cls, cfg_cls = {"qwen2_5_vl": (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig),
+                    "qwen3_vl": (Qwen3VLForConditionalGeneration, Qwen3VLConfig),
+                    "qwen3_5": (Qwen3_5ForConditionalGeneration, Qwen3_5Config)}[kind]
+    text = {**text, **(overrides or {})}
     cfg = cfg_cls(vision_config=vision, text_config={**text, "vocab_size": vocab, "bos_token_id": None,
                                                      "eos_token_id": eos},
                   **ids)
@@ -67,12 +82,24 @@ def redraw(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("pos_embed.weight") or "embed_tokens" in name:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):  # (Qwen3.5: decays exp(-A softplus(.)) neither 1 nor 0)
+                p.copy_(torch.empty(p.shape).uniform_(0.1, 1.0, generator=g).log())
+            elif name.endswith("linear_attn.conv1d.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
             elif p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(math.prod(p.shape[1:])))
+            elif name.endswith("weight") and "norm" in name and _zero_centered(model, name):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))  # (Qwen3.5's norms scale by 1 + w)
             elif name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _zero_centered(model, name: str) -> bool:
+    """Whether the norm weight `name` scales by 1 + w (Qwen3_5RMSNorm) rather than w."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    return type(module).__name__ == "Qwen3_5RMSNorm"
 
 
 def make_checkpoint(kind: str, out_dir: Path, seed: int = 0) -> Path:
@@ -163,7 +190,7 @@ QWEN3_TEMPLATE = (
 )
 # what each kind's processor normalizes with (Qwen2.5-VL: CLIP's, the processor's default; Qwen3-VL's files: 0.5)
 MEAN_STD = {"qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
-            "qwen3_vl": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])}
+            "qwen3_vl": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]), "qwen3_5": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])}
 # the fixture's processor pixel range, in merge blocks (2x2 patches): 4 .. 64 (a 256-patch vision graph)
 MIN_BLOCKS, MAX_BLOCKS = 4, 64
 
@@ -223,7 +250,7 @@ def write_processor_files(kind: str, out_dir: Path, min_blocks: int = MIN_BLOCKS
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}) + "\n")
 
 
-def make_full_checkpoint(kind: str, out_dir: Path, seed: int = 0) -> Path:
+def make_full_checkpoint(kind: str, out_dir: Path, seed: int = 0, overrides: dict | None = None) -> Path:
     """The tiny model with its tokenizer, processor files and chat template (what `vlmrt export` reads); the video
     token's lm-head row zeroed (never generated: a prompt holding it would be a video)."""
     import torch
@@ -232,7 +259,7 @@ def make_full_checkpoint(kind: str, out_dir: Path, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = make_tokenizer(out_dir)
-    model = make_model(kind, seed, ids)
+    model = make_model(kind, seed, ids, overrides)
     with torch.no_grad():
         for t in ("image_token_id", "video_token_id"):
             model.lm_head.weight[ids[t]] = 0
@@ -245,9 +272,10 @@ def make_full_checkpoint(kind: str, out_dir: Path, seed: int = 0) -> Path:
 def oracle_family(kind: str):
     from oracle import OracleFamily
 
-    model, proc = (("qwen2_5_vl:Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl.processing_qwen2_5_vl:Qwen2_5_VLProcessor")
-                   if kind == "qwen2_5_vl" else
-                   ("qwen3_vl:Qwen3VLForConditionalGeneration", "qwen3_vl.processing_qwen3_vl:Qwen3VLProcessor"))
+    model, proc = {
+        "qwen2_5_vl": ("qwen2_5_vl:Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl.processing_qwen2_5_vl:Qwen2_5_VLProcessor"),
+        "qwen3_vl": ("qwen3_vl:Qwen3VLForConditionalGeneration", "qwen3_vl.processing_qwen3_vl:Qwen3VLProcessor"),
+        "qwen3_5": ("qwen3_5:Qwen3_5ForConditionalGeneration", "qwen3_vl.processing_qwen3_vl:Qwen3VLProcessor")}[kind]
     return OracleFamily(model=f"transformers.models.{model}", processor=f"transformers.models.{proc}",
                         image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:Qwen2VLImageProcessorPil",
                         seq_len_key=None, nested_images=False, pixel_batch_dim=False, native=True)

@@ -32,7 +32,13 @@ def add_parser(sub) -> None:
                         "cache), compiled into QNN context binaries")
     e.add_argument("--calibration", default=None,
                    help="HTP calibration set: a folder of images (+ optional prompts.txt, one prompt per line); "
-                        "default: vlmrt's sample images and its calibration prompts (apart from `vlmrt eval`'s)")
+                        "default: vlmrt's sample images and its calibration prompts (apart from `vlmrt eval`'s). "
+                        "With --kv-cache int8/int4 the CPU cache's scales come from its prompts (as text)")
+    e.add_argument("--kv-cache", choices=["fp32", "int8", "int4"], default="fp32",
+                   help="the CPU decoder's KV cache: fp32, or int8 / int4 stored by ORT's GroupQueryAttention "
+                        "(K and V per channel, scales calibrated at export; docs/performance.md: Long prompts). "
+                        "Default fp32 (int8 holds 4x less at long contexts, but ORT prefills over it at half the "
+                        "speed); int4 is for measurement (its top-1 falls to ~0.7)")
     e.add_argument("--soc-model", default=None,
                    help="HTP: the Snapdragon the context binaries are compiled for: SM8850, SM8750, SM8650, SM8550, SC8380XP "
                         "or a QNN soc model id (default SM8750 = Snapdragon 8 Elite, htp_arch 79)")
@@ -74,6 +80,6 @@ def run(a) -> int:
                  target=a.target, calibration=calibration, soc_model=a.soc_model,
                  htp_arch=a.htp_arch, keep_qdq=a.keep_qdq, shared_context=a.htp_shared_context,
                  context_step=a.context_step, attention=a.attention, lookahead_ar=a.lookahead_ar, force=a.force,
-                 max_patches=a.max_patches, progress=not a.quiet)
+                 max_patches=a.max_patches, kv_cache=a.kv_cache, progress=not a.quiet)
     print(out)
     return 0

@@ -23,6 +23,9 @@ def stats_report(r, build=None) -> str:
     ]
     if s.drafted_tokens:
         lines.insert(-1, f"lookahead          {s.accepted_tokens} of {s.drafted_tokens} drafted tokens accepted")
+    if s.state_snapshots or s.state_replays:  # (a recurrent state: Qwen3.5)
+        lines.insert(-1, f"recurrent state    {s.state_snapshots} snapshots ({s.snapshot_ms:.1f} ms), "
+                         f"{s.state_replays} lookahead calls run again ({s.replay_ms:.1f} ms)")
     if build is not None:
         lines.append(f"first-use build    {build.line()} (the default model, built in a process of its own)")
     return "\n".join(lines)

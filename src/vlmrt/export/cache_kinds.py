@@ -31,6 +31,7 @@ class AttentionCache:
     name = "attention"
     tensors = 2  # its state tensors (inputs, outputs) per layer
     batchable = True  # (the buffers' first dim is the batch: export/batch_dim.py)
+    padded = True  # a static graph's padded rows can be dropped (its state is per slot)
 
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_key_{i}", f"past_value_{i}"], [f"{out_prefix}_key_{i}", f"{out_prefix}_value_{i}"]
@@ -54,6 +55,10 @@ class AttentionCache:
         """The new K/V rows appended."""
         return [torch.cat([p, r]) for p, r in zip(past, new)]
 
+    def absmax(self, new: list[torch.Tensor]):
+        """[2 (K, V), kv_dim] |max| per channel of a step's rows: a quantized cache's calibration (export/cpu/kv_quant.py)."""
+        return torch.stack([r.abs().amax(0) for r in new]).numpy()
+
 
 class ConvCache:
     """A conv layer's window (LFM2's short convolution): the last `width` conv-input rows [width, channels]
@@ -62,6 +67,7 @@ class ConvCache:
     name = "conv"
     tensors = 1
     batchable = True  # (window [B, width, channels], rows [B, ar / B, channels]: export/batch_dim.py)
+    padded = True
 
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_conv_{i}"], [f"new_conv_{i}"]  # (the step's rows whatever the attention kind's outputs are)
@@ -83,8 +89,48 @@ class ConvCache:
         """The window's last `width` rows kept."""
         return [torch.cat([past[0], new[0]])[-decoder.conv_state[0]:]]
 
+    def absmax(self, new: list[torch.Tensor]) -> None:
+        """None: a quantized cache holds attention layers only (a conv window stays in the I/O dtype)."""
+        return None
 
-CACHE_KINDS = {k.name: k for k in (AttentionCache(), ConvCache())}
+
+class RecurrentCache:
+    """A recurrent layer's state (Qwen3.5's Gated DeltaNet): its conv window [width, channels] and the gated delta
+    rule's state [heads, key_dim, value_dim] (DecoderModule.recurrent_state), returned by a step as they are after its
+    last row (the host keeps them: runtime/decode/recurrent_state.py)."""
+
+    name = "recurrent"
+    tensors = 2
+    batchable = True  # (both [B, ...]: export/batch_dim.py)
+    padded = False  # a static graph's padded rows would be in the state after the step
+
+    def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
+        return [f"past_conv_{i}", f"past_state_{i}"], [f"present_conv_{i}", f"present_state_{i}"]
+
+    def examples(self, decoder, layout: CacheLayout) -> list[tuple[torch.Tensor, dict | None]]:
+        width, channels, heads, dk, dv = decoder.recurrent_state
+        return [(torch.zeros(*layout.lead, width, channels, dtype=layout.dtype), None),
+                (torch.zeros(*layout.lead, heads, dk, dv, dtype=layout.dtype), None)]
+
+    def layer(self, decoder, text, ins: list[str], outs: list[str]) -> mf.RecurrentLayer:
+        width, channels, heads, dk, dv = decoder.recurrent_state
+        return mf.RecurrentLayer("recurrent", width=width, channels=channels, heads=heads, key_dim=dk, value_dim=dv,
+                                 conv_input=ins[0], state_input=ins[1], conv_output=outs[0], state_output=outs[1])
+
+    def encoded(self, layer: mf.RecurrentLayer) -> list[tuple[str, str, str]]:
+        return [("recurrent_conv", layer.conv_input, layer.conv_output),
+                ("recurrent_state", layer.state_input, layer.state_output)]
+
+    def empty(self, decoder, layer) -> list[torch.Tensor]:
+        width, channels, heads, dk, dv = decoder.recurrent_state
+        return [torch.zeros(width, channels), torch.zeros(heads, dk, dv)]  # (the rows kinds' layout, no batch dim)
+
+    def advance(self, decoder, past: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The state after the step replaces the old one."""
+        return list(new)
+
+
+CACHE_KINDS = {k.name: k for k in (AttentionCache(), ConvCache(), RecurrentCache())}
 
 
 def state_names(layer_kinds: tuple[str, ...], out_prefix: str = "new") -> tuple[list[str], list[str]]:
@@ -112,6 +158,11 @@ def encoded_edges(layers: list) -> list[tuple[str, int, str, str]]:
             out.append((name, count.get(name, 0), fin, fout))
             count[name] = count.get(name, 0) + 1
     return out
+
+
+def padded(layer_kinds) -> bool:
+    """Whether static graphs (a prompt's last block padded) can hold these layers: every layer's kind drops padded rows."""
+    return all(CACHE_KINDS[k].padded for k in layer_kinds)
 
 
 def batchable(layer_kinds) -> bool:

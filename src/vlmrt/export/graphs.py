@@ -163,7 +163,7 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
 
 def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden: int, kv_heads: int, head_dim: int,
                    io_dtype: str, precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
-                   dynamic_ar: bool = False, hessian=None, token_rows: bool = False) -> None:
+                   dynamic_ar: bool = False, hessian=None, token_rows: bool = False, kv_quant: list | None = None) -> None:
     """A decoder graph (families.DecoderModule) of the attention kind (families/layers.py ATTENTION_KINDS; its
     GraphLayout: LAYOUTS) at the shapes of its example inputs (export/decoder_inputs.py: inputs_embeds [ar, hidden],
     position_ids [rope rows, ar], the row input, the step inputs, the state per layer by its cache kind).
@@ -180,14 +180,18 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     seqlens_k [B], total_sequence_length, past_*, logit_rows; outputs logits, present_*, next_token. B sequences of
     ar / B tokens each (export/batch_dim.py; B = 1 but for the batched decode step).
     hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
-    token_rows: two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows)."""
+    token_rows: two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows).
+    kv_quant: a gqa_in_place graph's quantized cache, each attention layer's manifest.CacheQuant
+    (export/cpu/kv_quant.py: the GroupQueryAttention nodes store K and V in int8 / uint8 buffers)."""
     from ..families.layers import ATTENTION_KINDS
-    from . import batch_dim, fuse, gqa_onnx
+    from . import batch_dim, fuse, gqa_onnx, linear_attention_onnx
     from .cpu import quantize
 
     layout = LAYOUTS[attention]
     if layout.in_place and not (cpu and dynamic_context and dynamic_ar):
         raise ValueError(f"a {attention} graph is a CPU graph with a symbolic context and AR")
+    if kv_quant and not layout.in_place:
+        raise ValueError("a quantized cache is GroupQueryAttention's (attention gqa_in_place)")
     dt = TORCH_DTYPES[io_dtype]
     # the one copy (CastIO casts it); positions of a step: pos..pos+ar-1 with pos < max_context (in place: the
     # buffers' max_context slots hold the step's rows too)
@@ -224,7 +228,7 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     # CastIO.forward(*args): the dynamic shapes are one varargs entry
     dynamic = (tuple(dims.get(name) for name in inputs),) if dynamic_context else None
     export_graph(module, tuple(inputs.values()), list(inputs), outputs, path, dynamic,
-                 gqa_onnx.TABLE if layout.in_place else None)
+                 {**linear_attention_onnx.TABLE, **(gqa_onnx.TABLE if layout.in_place else {})})
     if layout.in_place:
         model = onnx.load(str(path))
         if _name_weights(model):
@@ -239,6 +243,10 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
             gqa_onnx.pack_qkv(model)
             if batchable(decoder.layer_kinds):  # B sequences per call: B = len(seqlens_k)
                 batch_dim.add_batch_dim(model, "seqlens_k")
+            if kv_quant:
+                from .cpu import kv_quant as kvq
+
+                kvq.quantize_cache(model, kv_quant, kv_heads, head_dim)
             largest_matmul_first(model)
         if changed or layout.in_place:
             rewrite(path, model)

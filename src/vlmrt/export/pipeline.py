@@ -23,7 +23,7 @@ from ..progress import Laps, Progress
 from . import cache_kinds, graphs
 from .decoder_inputs import ROW_INPUT
 from .htp import precisions as htp_precisions, qnn_context
-from .cpu import quantize
+from .cpu import kv_quant, quantize
 from .htp import bundle as htp_mod
 from .chat_template import renders_one_image
 from ..families.checkpoint import Checkpoint, CheckpointError, resolve
@@ -43,7 +43,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
            quant: str | None = None, target: str = "cpu", calibration: list | None = None,
            soc_model: str | None = None, htp_arch: str | None = None, keep_qdq: bool = False, shared_context: bool = False,
            context_step: int | None = None, attention: str | None = None, lookahead_ar: int = 0, force: bool = False,
-           max_patches: int | None = None, progress: bool = True) -> Path:
+           max_patches: int | None = None, kv_cache: str = "fp32", progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
@@ -62,7 +62,15 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     lookahead_ar: --target htp: also a static lookahead verify graph of that AR (`--lookahead K-1` at run time):
     the decode graph at AR = lookahead_ar, with decode's weights, activation and KV encodings (htp/verify.py).
     max_patches: the vision graph's patch budget, for a native-resolution image op (Qwen-VL's smart_resize: an image
-    the processor makes larger is resized to fit; default: the family's, see the export's first line)."""
+    the processor makes larger is resized to fit; default: the family's, see the export's first line).
+    kv_cache: "fp32" (the I/O dtype's cache), "int8" or "int4": the CPU decoder's GroupQueryAttention stores the cache
+    quantized, scales calibrated here on `calibration`'s prompts (default: GPTQ's calibration prompts;
+    export/cpu/kv_quant.py)."""
+    if kv_cache not in kv_quant.KV_CACHES:
+        raise ExportError(f"unknown --kv-cache {kv_cache!r}; choose one of {', '.join(kv_quant.KV_CACHES)}")
+    if kv_cache != "fp32" and (target != "cpu" or attention == "portable" or dtype != "fp32"):
+        raise ExportError(f"--kv-cache {kv_cache} is the CPU decoder's GroupQueryAttention cache (--target cpu, "
+                          "--attention gqa, --dtype fp32); the HTP target's cache is uint8 anyway")
     if attention not in (None, "gqa", "portable"):
         raise ExportError(f"unknown attention {attention!r}; choose gqa or portable")
     if target not in ("cpu", "htp"):
@@ -94,13 +102,14 @@ def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int 
     elif keep_qdq or shared_context or soc_model is not None or htp_arch is not None or lookahead_ar:
         raise ExportError("--soc-model, --htp-arch, --keep-qdq, --htp-shared-context and --lookahead-ar are for "
                           "--target htp (the CPU decoder verifies lookahead drafts itself)")
-    p = Progress((9 if target == "htp" else 8) + _uses_gptq(quant) + bool(lookahead_ar), progress)
+    p = Progress((9 if target == "htp" else 8) + _uses_gptq(quant) + bool(lookahead_ar) + (kv_cache != "fp32"), progress)
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                        force=force, context_step=context_step, attention=attention, max_patches=max_patches,
+                       kv_bits=kv_quant.KV_CACHES[kv_cache], calibration=calibration,
                        htp=dict(precisions=htp_prec, spec=htp_spec, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
                                 shared_context=shared_context, lookahead_ar=lookahead_ar) if target == "htp" else None)
-    except qnn_context.TargetError as e:
+    except (qnn_context.TargetError, kv_quant.KVQuantError) as e:
         p.failed()
         raise ExportError(str(e)) from None
     except OSError as e:
@@ -133,6 +142,7 @@ class Plan:
     htp: dict | None  # the HTP target's options, None for the CPU target
     attention: str  # the decoder graphs' attention kind (families/layers.py ATTENTION_KINDS; --attention, the target)
     prompt: mf.PromptSpec  # the chat template and how it takes images, the expansion op
+    kv_bits: int = 0  # --kv-cache: 8 / 4, the GroupQueryAttention cache quantized; 0: the float cache
 
     @property
     def one_graph(self) -> bool:
@@ -244,13 +254,43 @@ def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
         return None
     from .cpu import calibrate_gptq
 
+    if decoder.attention_kinds and "rows_copy_free" not in decoder.attention_kinds:
+        raise ExportError(f"the GPTQ precisions calibrate through the rows_copy_free decoder, which family "
+                          f"{plan.family.name} does not build ({', '.join(decoder.attention_kinds)} only); choose "
+                          "another --quant")
     return calibrate_gptq.prompt_hessians(decoder, embed, plan.tok_json, plan.prompt, p).for_weight
 
 
-def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=None) -> list[tuple[str, str]]:
+def _kv_quant(plan: Plan, decoder, embed: np.ndarray, kv_layers: list, calibration: list | None, p: Progress) -> list:
+    """kv_layers with their quantized cache's scales (--kv-cache int8 / int4: export/cpu/kv_quant.py), calibrated on
+    the float decoder over the calibration prompts (calibration's, as text, where given; else GPTQ's) each followed by
+    its greedy answer; unchanged for the float cache."""
+    if not plan.kv_bits:
+        return kv_layers
+    from tokenizers import Tokenizer
+
+    from ..eval.samples import CALIBRATION_PROMPTS
+    from ..runtime.prompt.build import text_prompt
+    from .cpu.calibrate_gptq import TOKENS
+
+    prompts = list(dict.fromkeys(q for _, q in calibration)) if calibration else CALIBRATION_PROMPTS
+    p.start(f"KV cache calibration (int{plan.kv_bits}: {len(prompts)} prompts + {TOKENS} generated tokens each)")
+    tok = Tokenizer.from_str(json.dumps(plan.tok_json))
+    ids = [text_prompt(plan.prompt, tok, q).ids for q in prompts]
+    absmax, rows = kv_quant.calibrate(decoder, embed, ids, TOKENS)
+    quants = iter(kv_quant.scales(absmax, rows, plan.kv_bits))
+    out = [dataclasses.replace(layer, quant=next(quants)) if isinstance(layer, mf.AttentionLayer) else layer
+           for layer in kv_layers]
+    p.done(f"({rows} rows)")
+    return out
+
+
+def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=None,
+                  kv_layers: list = ()) -> list[tuple[str, str]]:
     """vision.onnx and the decoder graph(s), each with its own data (_share_weights gathers them); returns
     [(graph name, file stem)].
-    hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision."""
+    hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision; kv_layers: the manifest's (their
+    quant: a quantized cache's scales)."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
     budget = "patch budget" if "max_patches" in plan.host.image.params else "1 tile ="
     p.start(f"vision graph ({budget} {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
@@ -273,7 +313,8 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
                               kv_heads=t.kv_heads, head_dim=t.head_dim, io_dtype=plan.dtype,
                               precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx", cpu=plan.htp is None,
                               dynamic_context=plan.context_step > 0, dynamic_ar=plan.one_graph, hessian=hessian,
-                              token_rows=plan.token_rows)
+                              token_rows=plan.token_rows, kv_quant=[layer.quant for layer in kv_layers
+                                        if isinstance(layer, mf.AttentionLayer) and layer.quant])
         decoder_graphs.append((name, stem))
         p.done()
     return decoder_graphs
@@ -402,7 +443,7 @@ def _decoder_kind(plan: Plan, batched: bool) -> mf.GqaInPlaceKind | mf.RowsDynam
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
             quant: str | None, force: bool, context_step: int | None, attention: str | None, htp: dict | None,
-            max_patches: int | None = None) -> Path:
+            max_patches: int | None = None, kv_bits: int = 0, calibration: list | None = None) -> Path:
     import torch
 
     prec = _precisions(quant, dtype)
@@ -411,6 +452,10 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
     p.start("reading checkpoint")
     plan = _plan(src, prec, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, context_step=context_step,
                  attention=attention, htp=htp, max_patches=max_patches)
+    if kv_bits and not graphs.LAYOUTS[plan.attention].in_place:
+        raise ExportError(f"--kv-cache int{kv_bits} needs the GroupQueryAttention decoder, which this export cannot "
+                          "have (one graph for prefill and decode, --prefill-ar > 1, a head_dim multiple of 16)")
+    plan.kv_bits = kv_bits
     torch.manual_seed(0)
     vision, decoder, embed = plan.family.weights(plan.cfg, plan.ckpt.tensors())
     row_outputs = vision_row_outputs(vision)
@@ -423,13 +468,17 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: i
               if "max_patches" in plan.host.image.params else "")
     p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note}{budget})")
 
+    if not plan.context_step and not cache_kinds.padded(decoder.layer_kinds):
+        raise ExportError(f"family {plan.family.name}'s decoder has layers whose state is not per slot: static graphs "
+                          "(--context-step 0, --target htp) would take a padded block's rows into it; export without")
     kv = cache_kinds.kv_layers(decoder, plan.cfg.text, graphs.LAYOUTS[plan.attention].out_prefix)
     batched = cache_kinds.batchable(decoder.layer_kinds)
     extra_inputs = [r for r in vision_examples(vision, plan.cfg.patches_per_tile, 3 * plan.cfg.vision.patch_size**2)
                     if r != "patches"]
     with staging.staged(out) as tmp:
         hessian = _gptq_hessians(plan, decoder, embed.numpy(), p)
-        decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian)
+        kv = _kv_quant(plan, decoder, embed.numpy(), kv, calibration, p)
+        decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian, kv)
         embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
         _share_weights(tmp, decoder_graphs, p)
         del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now

@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # (torch only for export: this module is imported without it)
 
 # config.json model_type -> the family module (vlmrt.families.<name>) whose FAMILY exports it
 REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl",
-            "lfm2_vl": "lfm2_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl"}
+            "lfm2_vl": "lfm2_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl",
+            "qwen3_5": "qwen_vl"}
 
 # the image processor's "resample" (PIL's enum values) -> the runtime's filter names
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
@@ -46,6 +47,9 @@ DECODER_LAYER_WEIGHTS = {
                   "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
     "conv": ("input_layernorm", "conv.in_proj", "conv.out_proj", "post_attention_layernorm", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj"),  # (a gated short convolution in place of attention: LFM2)
+    "recurrent": ("input_layernorm", "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                  "linear_attn.in_proj_a", "linear_attn.out_proj", "post_attention_layernorm", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj"),  # (a Gated DeltaNet in place of attention: Qwen3.5)
 }
 DECODER_WEIGHTS = ("norm", "lm_head")
 
@@ -119,7 +123,11 @@ class DecoderModule:
     rope_rows: int = 1  # position_ids' rows (M-RoPE: 3; HostSpec.positions_rows must agree)
     row_levels: int = 0  # DeepStack: a row_input [ar, row_levels * hidden] after position_ids (0: no such input)
     conv_state: tuple[int, int] = (0, 0)  # (width, channels) of a conv layer's window (read only where a layer is "conv")
+    # (width, channels, heads, key_dim, value_dim) of a recurrent layer's conv window and state (where one is "recurrent")
+    recurrent_state: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     logit_rows: bool = False  # the graph takes logit_rows last and returns those rows' logits (with_options sets it)
+    # the attention kinds (layers.ATTENTION_KINDS) with_options builds; empty: every one (Qwen3.5's: gqa_in_place)
+    attention_kinds: tuple[str, ...] = ()
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -243,6 +251,10 @@ class Family:
             raise self.fail(f"the decoder has no module {missing[0]} (the quantizer finds weights by HF Llama's names)")
         if "conv" in kinds and not (isinstance(decoder.conv_state, tuple) and all(map(_positive, decoder.conv_state))):
             raise self.fail("a decoder with conv layers must give conv_state = (width, channels), positive ints")
+        if "recurrent" in kinds and not (isinstance(decoder.recurrent_state, tuple) and len(decoder.recurrent_state) == 5
+                                         and all(map(_positive, decoder.recurrent_state))):
+            raise self.fail("a decoder with recurrent layers must give recurrent_state = (width, channels, heads, "
+                            "key_dim, value_dim), positive ints")
         if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (t.vocab, t.hidden):
             raise self.fail(f"the embedding table must be a [vocab, hidden] = [{t.vocab}, {t.hidden}] tensor, not "
                             f"{tuple(getattr(embed, 'shape', ())) or type(embed).__name__}")

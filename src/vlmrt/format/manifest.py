@@ -154,6 +154,45 @@ class PromptSpec:
     video: VideoSpec | None = None  # video input (SmolVLM2); None: the bundle takes no videos
 
 
+CACHE_QUANT_TYPES = ("per_channel", "per_tensor")  # CacheQuant.key / value: GroupQueryAttention's k/v_quant_type
+
+
+@dataclass
+class CacheQuant:
+    """An attention layer's quantized cache (`vlmrt export --kv-cache int8|int4`, the CPU target's gqa_in_place
+    graph): ORT's GroupQueryAttention stores the layer's K and V symmetrically quantized, q = clamp(round(x / scale)),
+    and reads them back as q * scale (kv_cache_bit_width, k_quant_type / v_quant_type, the scales the graph holds as
+    its k_scale / v_scale inputs). bits 8: int8 buffers [.., head_dim]; 4: uint8 buffers [.., head_dim / 2], two values
+    a byte. The scales were calibrated at export (absmax × headroom over the calibration rows, post-RoPE keys) and are
+    recorded here as the graph has them: per_channel, kv_heads × head_dim values (head-major); per_tensor, one."""
+
+    bits: int  # 8 | 4
+    key: str  # CACHE_QUANT_TYPES
+    value: str
+    key_scale: list[float]
+    value_scale: list[float]
+    headroom: float  # the calibrated absmax's multiplier
+    calibration_rows: int  # the rows (tokens) the scales were calibrated on
+
+    @property
+    def dtype(self) -> str:
+        """The buffers' numpy dtype (GroupQueryAttention's: int8 at 8 bits, uint8 nibble pairs at 4)."""
+        return "int8" if self.bits == 8 else "uint8"
+
+    def problem(self, kv_heads: int, head_dim: int) -> str | None:
+        if self.bits not in (8, 4):
+            return f"quant.bits {self.bits} is not 8 or 4"
+        if self.bits == 4 and head_dim % 2:
+            return "a 4-bit cache needs an even head_dim"
+        for name, kind, scale in (("key", self.key, self.key_scale), ("value", self.value, self.value_scale)):
+            if kind not in CACHE_QUANT_TYPES:
+                return f"quant.{name} {kind[:20]!r} is not one of {', '.join(CACHE_QUANT_TYPES)}"
+            want = kv_heads * head_dim if kind == "per_channel" else 1
+            if len(scale) != want or not all(s > 0 for s in scale):
+                return f"quant.{name}_scale must hold {want} positive scales ({kind})"
+        return None
+
+
 @dataclass
 class AttentionLayer:
     """A layer whose cache state is one K and one V row per slot (runtime/decode/kv_cache.py stores them).
@@ -169,10 +208,20 @@ class AttentionLayer:
     value_input: str
     key_output: str
     value_output: str
+    quant: CacheQuant | None = None  # a quantized cache (gqa_in_place only); None: the cache is the I/O dtype
 
     @property
     def dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """A buffer's last dim: head_dim, or head_dim / 2 bytes in a 4-bit cache."""
+        return self.head_dim // 2 if self.quant and self.quant.bits == 4 else self.head_dim
+
+    def cache_dtype(self, io_dtype) -> str:
+        """The K/V buffers' dtype: the quantized cache's, else the cache's (kv.dtype)."""
+        return self.quant.dtype if self.quant else str(io_dtype)
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -184,7 +233,9 @@ class AttentionLayer:
 
     def problem(self) -> str | None:
         """What is wrong with this entry's numbers (checks.check_decoder names the entry), or None."""
-        return "kv_heads and head_dim must be positive" if self.kv_heads <= 0 or self.head_dim <= 0 else None
+        if self.kv_heads <= 0 or self.head_dim <= 0:
+            return "kv_heads and head_dim must be positive"
+        return self.quant.problem(self.kv_heads, self.head_dim) if self.quant else None
 
 
 @dataclass
@@ -215,7 +266,44 @@ class ConvLayer:
         return "channels and width must be positive" if self.channels <= 0 or self.width <= 0 else None
 
 
-CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer}
+@dataclass
+class RecurrentLayer:
+    """A layer whose state is not per slot: a Gated DeltaNet layer's (Qwen3.5's `linear_attention`), the window of its
+    causal conv's last `width` input rows [width, channels] and the gated delta rule's recurrent state
+    [heads, key_dim, value_dim] (value heads), both summarizing every slot before the step. A step reads both
+    (conv_input, state_input) and returns them as they are after its last row (conv_output, state_output), which the
+    host keeps in place of the old ones (runtime/decode/recurrent_state.py): a step whose rows are not all kept (a
+    lookahead call's rejected drafts) is run again over the kept rows, a kept prefix restores a snapshot taken at a
+    prompt block's end. gqa_in_place lays them out [B, width, channels] and [B, heads, key_dim, value_dim] (B = 1 but
+    in a batched call)."""
+
+    kind: str  # "recurrent"
+    width: int  # the conv kernel - 1
+    channels: int  # the conv's channels: q, k and v side by side
+    heads: int  # value heads (the state's)
+    key_dim: int
+    value_dim: int
+    conv_input: str
+    state_input: str
+    conv_output: str
+    state_output: str
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.conv_input, self.state_input
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.conv_output, self.state_output
+
+    def problem(self) -> str | None:
+        """What is wrong with this entry's numbers (checks.check_decoder names the entry), or None."""
+        if min(self.width, self.channels, self.heads, self.key_dim, self.value_dim) <= 0:
+            return "width, channels, heads, key_dim and value_dim must be positive"
+        return None
+
+
+CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer, "recurrent": RecurrentLayer}
 
 
 def attention_layers(n: int, kv_heads: int, head_dim: int, key_input: str = "past_key_{layer}",
@@ -233,7 +321,7 @@ class KVSpec:
 
     max_context: int
     dtype: str
-    layers: list[AttentionLayer | ConvLayer]
+    layers: list[AttentionLayer | ConvLayer | RecurrentLayer]
     # uint8 caches (HTP bundles): per graph, per layer (scale, zero_point) of K and V rows,
     # {"prefill": {"key": [[s, zp], ...], "value": [...]}, "decode": {...}}; q = round(x / s) + zp
     encodings: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
@@ -344,6 +432,7 @@ class RowsDynamicKind:
         return KindParts((self.mask_input,), self.logit_rows_input)
 
     def check(self, m: "Manifest") -> None:
+        _float_cache(m)
         if self.context_step < 0:
             raise _malformed("decoder.kind.context_step must not be negative")
         if self.context_step == 0:
@@ -369,8 +458,15 @@ class RowsStaticKind:
         return KindParts((self.mask_input,), hidden_output=self.hidden_output, verify_ar=self.verify_ar)
 
     def check(self, m: "Manifest") -> None:
+        _float_cache(m)
         if self.context_step < 0:
             raise _malformed("decoder.kind.context_step must not be negative")
+
+
+def _float_cache(m: "Manifest") -> None:
+    """The rows kinds' host writes the step's new rows, which a graph returns as floats: no quantized cache there."""
+    if any(layer.quant for layer in m.kv.attention()):
+        raise _malformed("a quantized cache (kv.layers[].quant) needs decoder kind gqa_in_place, whose graph writes it")
 
 
 DECODER_KINDS = {"gqa_in_place": GqaInPlaceKind, "rows_dynamic": RowsDynamicKind, "rows_static": RowsStaticKind}

@@ -129,6 +129,11 @@ class RunStats:
     drafted_tokens: int = 0  # lookahead: drafts verified, and those accepted (see GenerationStats)
     accepted_tokens: int = 0
     grammar_compile_s: float = 0.0  # compiling the response format's grammar (0: none, or a cached one)
+    # a recurrent state (Qwen3.5): snapshots at the prompt's block ends, lookahead calls run again (GenerationStats)
+    state_snapshots: int = 0
+    snapshot_ms: float = 0.0
+    state_replays: int = 0
+    replay_ms: float = 0.0
 
 
 @dataclass
@@ -718,6 +723,8 @@ class VLM:
         st.prefill_tokens_per_s = g.prefill_tokens_per_s
         st.decode_tokens_per_s = g.decode_tokens_per_s
         st.drafted_tokens, st.accepted_tokens = g.drafted_tokens, g.accepted_tokens
+        st.state_snapshots, st.snapshot_ms = g.state_snapshots, 1000 * g.snapshot_s
+        st.state_replays, st.replay_ms = g.state_replays, 1000 * g.replay_s
         st.decode_ms_per_token = 1000 * g.decode_s / max(1, len(res.token_ids) - 1)
         st.stop_reason = "stop" if cut.stopped else g.stop_reason
         st.total_s = time.perf_counter() - a.t0

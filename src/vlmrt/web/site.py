@@ -80,6 +80,10 @@ def browser_problem(m: Manifest) -> str | None:
                         f"it with vlmrt export CHECKPOINT OUT --dtype fp32 (weights may stay fp16, 8 or 4 bit: --quant)")
     if m.kv.dtype != "float32" or m.kv.encodings:
         return f"this bundle's KV cache is {m.kv.dtype} (quantized); {BROWSER_EXPORT}"
+    quant = next((layer.quant for layer in m.kv.attention() if layer.quant), None)
+    if quant:
+        return (f"this bundle's KV cache is {quant.dtype} ({quant.bits}-bit, --kv-cache), which the browser runtime "
+                f"does not keep (it keeps a float cache); {BROWSER_EXPORT}, --kv-cache fp32")
     kind = m.decoder.kind
     if kind.name not in BROWSER_DECODER_KINDS:
         return f"this vlmrt has no decoder kind {kind.name!r}; upgrade vlmrt"

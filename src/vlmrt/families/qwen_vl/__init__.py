@@ -1,5 +1,7 @@
-"""Qwen2.5-VL and Qwen3-VL (`model_type` qwen2_5_vl, qwen3_vl): native-resolution ViT + 2×2 patch merger + a
-Qwen2-like (2.5) or Qwen3-like (3, q/k norm) decoder with M-RoPE; Qwen3-VL adds DeepStack.
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5 (`model_type` qwen2_5_vl, qwen3_vl, qwen3_5): native-resolution ViT + 2×2 patch
+merger + a Qwen2-like (2.5) or Qwen3-like (3, q/k norm) decoder with M-RoPE; Qwen3-VL adds DeepStack; Qwen3.5 takes
+Qwen3-VL's tower without DeepStack, its processor, and a decoder of its own (gated_delta.py: Gated DeltaNet layers with a
+recurrent state beside gated attention layers).
 
 One module per part (nanoVLM): config.py (the config dataclasses from config.json), vision.py (the two vision towers
 as static graphs fed by host-computed inputs, runtime/media/vision_inputs.py `native_grid`; the mergers and DeepStack's
@@ -17,7 +19,7 @@ import numpy as np
 
 from .. import Family, HostSpec, Weights
 from ..decoder import UnsupportedCheckpoint
-from . import language, vision
+from . import gated_delta, language, vision
 from .config import MODEL_TYPES, QwenVLConfig
 from .processing import image_spec
 
@@ -35,7 +37,13 @@ def load_weights(cfg: QwenVLConfig, tensors) -> Weights:
 
     t = Tensors(tensors)
     tower = vision.StaticTower(vision.load(cfg.vision, tensors, t.take), cfg.vision)
-    dec, embed = language.load(cfg, tensors, t.take)
+    if cfg.kind == "qwen3_5":
+        for name in tensors:  # the multi-token-prediction head: unused here, as transformers leaves it (mtp.*)
+            if name.startswith("mtp."):
+                t.take(name)
+        dec, embed = gated_delta.load(cfg, tensors, t.take, language.text_prefix(tensors))
+    else:
+        dec, embed = language.load(cfg, tensors, t.take)
     t.check_all_used()
     return Weights(tower, dec, embed)
 

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL / Qwen3-VL configs from config.json (transformers 5.24's Qwen2_5_VLConfig / Qwen3VLConfig fields)."""
+"""Qwen2.5-VL / Qwen3-VL / Qwen3.5 configs from config.json (transformers 5.24's Qwen2_5_VLConfig / Qwen3VLConfig /
+Qwen3_5Config fields)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..decoder import TextConfig, UnsupportedCheckpoint
-from ..rope import Rope
+from ..rope import Rope, UnsupportedRope
 
 # The vision graph's default patch budget: 4096 patches (1024 image tokens) holds a 1024×768 photo at Qwen2.5-VL's
 # native resolution (4012 patches at 14 px) and 3072 at Qwen3-VL's 16 px; a larger image is resized to fit.
 DEFAULT_MAX_PATCHES = 4096
 
-MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,83 @@ class VisionConfig:
         return cls(**common, position_side=side, deepstack_layers=tuple(v.get("deepstack_visual_indexes", (8, 16, 24))))
 
 
+@dataclass
+class DeltaTextConfig(TextConfig):
+    """Qwen3.5's text decoder (transformers' Qwen3_5TextConfig): `layer_types` of Gated DeltaNet layers
+    (linear_attention: linear_* heads, a causal conv of linear_conv_kernel_dim) and gated full-attention layers (q/k
+    norm, an output gate beside each query head, RoPE on the first `rotary_dim` dims of a head)."""
+
+    layer_types: tuple[str, ...] = ()
+    conv_kernel: int = 4
+    linear_key_heads: int = 16
+    linear_value_heads: int = 32
+    linear_key_dim: int = 128
+    linear_value_dim: int = 128
+    rotary_dim: int = 0
+
+    LAYER_TYPES = ("linear_attention", "full_attention")
+
+    @property
+    def conv_channels(self) -> int:
+        """The conv's channels: q, k (key heads) and v (value heads) side by side."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    @classmethod
+    def from_qwen3_5(cls, t: dict[str, Any], rope: dict[str, Any]) -> "DeltaTextConfig":
+        """From text_config; each field vlmrt cannot export refused in one line naming it (UnsupportedCheckpoint)."""
+
+        def field(name: str, default=None) -> int:
+            value = t.get(name, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UnsupportedCheckpoint(f"text_config.{name} {value!r} is not a positive int")
+            return value
+
+        hidden, heads = field("hidden_size"), field("num_attention_heads")
+        kv_heads, head_dim = field("num_key_value_heads", heads), field("head_dim", 256)
+        layers = field("num_hidden_layers")
+        types = t.get("layer_types")
+        if types is None:  # transformers' default: every full_attention_interval-th layer full attention
+            every = field("full_attention_interval", 4)
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+        if not isinstance(types, list) or len(types) != layers:
+            raise UnsupportedCheckpoint(f"text_config.layer_types names {len(types) if isinstance(types, list) else types!r} "
+                                        f"layers, num_hidden_layers {layers}")
+        for i, kind in enumerate(types):
+            if kind not in cls.LAYER_TYPES:
+                raise UnsupportedCheckpoint(f"text_config.layer_types[{i}] {str(kind)[:40]!r} is not a layer type vlmrt "
+                                            f"exports ({', '.join(cls.LAYER_TYPES)})")
+        if heads % kv_heads:
+            raise UnsupportedCheckpoint(f"text_config.num_attention_heads {heads} is not a multiple of "
+                                        f"num_key_value_heads {kv_heads}")
+        key_heads, value_heads = field("linear_num_key_heads", 16), field("linear_num_value_heads", 32)
+        if value_heads % key_heads:
+            raise UnsupportedCheckpoint(f"text_config.linear_num_value_heads {value_heads} is not a multiple of "
+                                        f"linear_num_key_heads {key_heads}")
+        if t.get("attention_bias"):
+            raise UnsupportedCheckpoint("text_config.attention_bias true is not supported (Qwen3.5 has none)")
+        if t.get("hidden_act", "silu") != "silu":
+            raise UnsupportedCheckpoint(f"text_config.hidden_act {t.get('hidden_act')!r} is not supported (silu)")
+        factor = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
+        if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise UnsupportedCheckpoint(f"text_config.rope_parameters.partial_rotary_factor {factor!r} is not in (0, 1]")
+        rotary = int(head_dim * factor)
+        if rotary < 2 or rotary % 2:
+            raise UnsupportedCheckpoint(f"text_config.rope_parameters.partial_rotary_factor {factor} gives a rotary "
+                                        f"width of {rotary} dims of head_dim {head_dim}: not a positive even number")
+        try:
+            base = Rope.from_hf({"rope_parameters": {"rope_type": "default",
+                                                     "rope_theta": rope.get("rope_theta", 10000000.0)},
+                                 "max_position_embeddings": t.get("max_position_embeddings", 32768)})
+        except UnsupportedRope as e:
+            raise UnsupportedCheckpoint(f"text_config.rope_parameters: {e}") from None
+        return cls(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, layers=layers,
+                   intermediate=field("intermediate_size"), eps=float(t.get("rms_norm_eps", 1e-6)), act="silu",
+                   vocab=field("vocab_size"), qk_norm=True, rope=base, layer_types=tuple(types),
+                   conv_kernel=field("linear_conv_kernel_dim", 4), linear_key_heads=key_heads,
+                   linear_value_heads=value_heads, linear_key_dim=field("linear_key_head_dim", 128),
+                   linear_value_dim=field("linear_value_head_dim", 128), rotary_dim=rotary)
+
+
 @dataclass(frozen=True)
 class MRope:
     """M-RoPE: each rotary frequency takes its angle from one of 3 position rows (temporal, height, width).
@@ -130,26 +208,40 @@ class QwenVLConfig:
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
             raise UnsupportedCheckpoint(f"text rope type {rope.get('rope_type')!r} is not supported with M-RoPE "
                                         f"(default)")
-        sections = tuple(rope.get("mrope_section") or ())
+        sections = tuple(rope.get("mrope_section") or ((11, 11, 10) if kind == "qwen3_5" else ()))
         if len(sections) != 3:
             raise UnsupportedCheckpoint(f"mrope_section {list(sections)} is not three sections (t, h, w)")
-        head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
-        if 2 * sum(sections) != head_dim:
-            raise UnsupportedCheckpoint(f"mrope_section {list(sections)} does not cover head_dim {head_dim}")
-        # the decoder layers are Qwen2's (2.5) or Qwen3's (3): the text config as that model type, rope plain
-        base = {**t, "model_type": "qwen2" if kind == "qwen2_5_vl" else "qwen3",
-                "rope_parameters": {"rope_type": "default", "rope_theta": rope.get("rope_theta", t.get("rope_theta", 10000.0))}}
-        base.pop("rope_scaling", None)
-        text = TextConfig.from_hf(base)
+        if kind == "qwen3_5":
+            # Qwen3.5: its own decoder (gated_delta.py); M-RoPE interleaved over the rotary dims only
+            text = DeltaTextConfig.from_qwen3_5(t, rope)
+            if 2 * sum(sections) != text.rotary_dim:
+                raise UnsupportedCheckpoint(f"text_config.rope_parameters.mrope_section {list(sections)} does not "
+                                            f"cover the rotary width {text.rotary_dim} (head_dim x partial_rotary_factor)")
+            if rope.get("mrope_interleaved", True) is not True:
+                raise UnsupportedCheckpoint("text_config.rope_parameters.mrope_interleaved false is not supported "
+                                            "(Qwen3.5's M-RoPE is interleaved)")
+        else:
+            head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+            if 2 * sum(sections) != head_dim:
+                raise UnsupportedCheckpoint(f"mrope_section {list(sections)} does not cover head_dim {head_dim}")
+            # the decoder layers are Qwen2's (2.5) or Qwen3's (3): the text config as that model type, rope plain
+            base = {**t, "model_type": "qwen2" if kind == "qwen2_5_vl" else "qwen3",
+                    "rope_parameters": {"rope_type": "default", "rope_theta": rope.get("rope_theta", t.get("rope_theta", 10000.0))}}
+            base.pop("rope_scaling", None)
+            text = TextConfig.from_hf(base)
+        # Qwen3.5's tower is Qwen3-VL's without DeepStack
+        vision = (VisionConfig.from_hf("qwen3_vl", {**cfg["vision_config"], "deepstack_visual_indexes": []})
+                  if kind == "qwen3_5" else VisionConfig.from_hf(kind, cfg["vision_config"]))
+        ids = (248056, 248053, 248054) if kind == "qwen3_5" else (151655, 151652, 151653)  # the configs' defaults
         return cls(
             kind=kind,
-            vision=VisionConfig.from_hf(kind, cfg["vision_config"]),
+            vision=vision,
             text=text,
-            mrope=MRope(sections, interleaved=kind == "qwen3_vl"),  # as transformers: by model, not by a flag
+            mrope=MRope(sections, interleaved=kind != "qwen2_5_vl"),  # as transformers: by model, not by a flag
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
-            image_token_id=int(cfg.get("image_token_id", 151655)),
-            vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
-            vision_end_token_id=int(cfg.get("vision_end_token_id", 151653)),
+            image_token_id=int(cfg.get("image_token_id", ids[0])),
+            vision_start_token_id=int(cfg.get("vision_start_token_id", ids[1])),
+            vision_end_token_id=int(cfg.get("vision_end_token_id", ids[2])),
         )
 
     @property

@@ -47,7 +47,7 @@ class CacheLayout:
 
 ROWS = CacheLayout("rows", lambda layer, ctx: (ctx, layer.dim), lambda block, n: block[:, :, :n], True,
                    lambda block: block.transpose(2, 0, 1, 3), lambda layer: (layer.width, layer.channels), False)
-HEADS = CacheLayout("heads", lambda layer, ctx: (1, layer.kv_heads, ctx, layer.head_dim),
+HEADS = CacheLayout("heads", lambda layer, ctx: (1, layer.kv_heads, ctx, layer.cache_dim),
                     lambda block, n: block[:, :, 0, :, :n].transpose(0, 1, 3, 2, 4).reshape(*block.shape[:2], n, -1),
                     False, lambda block: None,  # (the graph writes HEADS buffers itself)
                     lambda layer: (1, layer.width, layer.channels), True)

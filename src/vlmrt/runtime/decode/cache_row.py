@@ -15,6 +15,7 @@ Sessions only need `run(output_names, feeds) -> list[np.ndarray]` (onnxruntime.I
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,6 +95,7 @@ class CacheRow:
         self._steps: dict[tuple, object] = {}  # id(session), ctx, ar, rows -> the step for that shape
         self._buffers: dict[tuple, StepBuffers] = {}  # step.buffers_key -> buffers shared by the bound steps of one AR
         self.run_s = 0.0  # time inside graph calls (session.run), accumulated
+        self.replays, self.replay_s = 0, 0.0  # lookahead calls run again over their kept rows (a recurrent state)
         self._argmax = None  # the last step's argmax per logits row (kind.argmax_output; StepBuffers.argmax_ids)
         self._token_step, self._token_ctx = None, -1  # decode_token's step and the cache prefix it reads
         # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
@@ -224,7 +226,17 @@ class CacheRow:
         finally:
             if constraint is not None:
                 constraint.rollback(advanced)
-        self.kind.store(self.cache, step.staged, len(out), step.buffers.positions)
+        if len(out) == n or self.cache.drops_rows:
+            self.kind.store(self.cache, step.staged, len(out), step.buffers.positions)
+        else:  # a recurrent state cannot keep part of the call: it still holds the state before it; the kept rows again
+            if rows is not None:  # (the rows outlive the call that replays: copies)
+                rows[:] = [r.copy() for r in rows]
+            t = time.perf_counter()
+            kept = len(out)
+            self._run(self._step_for("verify", kept, all_rows=True), self.embedding.embed([token, *drafts[:kept - 1]]),
+                      self.positions(kept))
+            self.replays += 1
+            self.replay_s += time.perf_counter() - t
         return out
 
     def blocks(self, mode: str) -> int:
@@ -242,7 +254,7 @@ class CacheRow:
         if m != mode or epoch != self.cache.epoch:
             return 0
         n = min(common, rows, self.cache.length)
-        return n - n % self.blocks(mode)
+        return self.cache.restorable(n - n % self.blocks(mode), self.blocks(mode))
 
     # --- a prompt, block by block (the scheduler runs one block per round) ---
     def begin(self, prompt_embeds: np.ndarray, mode: str, start: int = 0,
@@ -280,8 +292,13 @@ class CacheRow:
         return positions
 
     def block(self, mode: str, embeds: np.ndarray, positions: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """One prompt block (prefill_ar rows in hybrid mode, one in kv mode) through its graph into the cache."""
-        return self.step("prefill" if self.blocks(mode) > 1 else "decode", embeds, positions, rows)
+        """One prompt block (prefill_ar rows in hybrid mode, one in kv mode) through its graph into the cache; at a
+        block's end (a multiple of the mode's block) a snapshot of the states that keep them (KVCache.checkpoint: a
+        recurrent layer's, for a later prompt to keep this prefix)."""
+        logits = self.step("prefill" if self.blocks(mode) > 1 else "decode", embeds, positions, rows)
+        if not self.cache.drops_rows and self.cache.length % self.blocks(mode) == 0:
+            self.cache.checkpoint()
+        return logits
 
     def end(self, mode: str, start: int, n: int) -> None:
         """After a prompt's last block (start + n rows kept): its rows in decode's encoding (kv_requant), and how many

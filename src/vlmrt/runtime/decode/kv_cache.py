@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...format.manifest import KVSpec
+from . import recurrent_state  # noqa: F401  (registers the "recurrent" state kind)
 from .cache_layouts import HEADS, ROWS, CacheLayout, zeroed
 from .state_kinds import STATE_KINDS, by_kind
 
@@ -102,6 +103,10 @@ class KVCache:
         self._storing = [(st.store, None if (lo, hi) == (0, at) else slice(lo, hi)) for st, lo, hi in self._parts
                          if st.stores]
         self._loading = [s for s in self._states if s.loads_inputs]  # states copied into an input before each call
+        # states that cannot keep a step's first rows alone nor a prefix by its slots (a recurrent layer's): they
+        # keep snapshots (checkpoint, restorable) and a step is stored whole or not at all (drops_rows)
+        self._snapshotting = [s for s in self._states if not s.drops_rows]
+        self.drops_rows = not self._snapshotting
         # the graph inputs, in kv.layers order: (name, buffer, read as a prefix [:ctx])
         self._inputs = [x[1:] for x in sorted((x for s in self._states for x in s.inputs()), key=lambda x: x[0])]
         self.positions = np.zeros((rope_rows, spec.max_context), np.int64)  # each slot's rope positions
@@ -196,6 +201,26 @@ class KVCache:
         for s in self._states:
             s.rewind(n)
 
+    def checkpoint(self) -> None:
+        """A snapshot at the current length in each state that keeps snapshots (none: nothing)."""
+        for s in self._snapshotting:
+            s.checkpoint(self.length)
+
+    def restorable(self, n: int, step: int = 1) -> int:
+        """The largest slot <= n (a multiple of step; n is one) at which every state can be had again: n where every
+        state keeps its prefix by slot, else where the snapshotting states have one (0: the empty state)."""
+        for s in self._snapshotting:
+            n = min(n, s.restorable(n, step))
+        return n
+
+    def costs(self) -> dict[str, float]:
+        """The snapshotting states' costs summed: snapshots taken, their time, restores (empty where none)."""
+        out: dict[str, float] = {}
+        for s in self._snapshotting:
+            for k, v in s.costs.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     # --- the cache at the graph edge (runtime/decode/step.py) ---
     def inputs(self) -> list[tuple[str, np.ndarray, bool]]:
         """(graph input name, whole buffer, read as a prefix [:ctx]) of every layer's state, in kv.layers order."""
@@ -251,6 +276,9 @@ class KVCache:
         pos = self.length
         if pos + n_valid > self.max_context:
             raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.max_context}")
+        if self._snapshotting and n_valid != positions.shape[1]:  # (a padded static block: its padding would be in)
+            raise ValueError(f"a step of {positions.shape[1]} rows cannot be kept in part ({n_valid}) by a recurrent "
+                             "state: re-export the bundle without static graphs")
         if n_valid == 1 and self._one_row:  # a decode step's position: one item (no slices)
             self._positions[0, pos] = positions[0, 0]
         else:

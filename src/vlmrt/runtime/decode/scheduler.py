@@ -164,8 +164,13 @@ class Scheduler:
     def _prompt_block(self, seq: Sequence) -> None:
         row, ar, b = self.rows[seq.row], self.rows[seq.row].blocks(seq.mode), seq.next_block
         try:
+            costs = row.cache.costs()  # (empty but for a state that keeps snapshots)
             logits = row.block(seq.mode, seq.embeds[b : b + ar], seq.positions[:, b : b + ar],
                                None if seq.rows is None else seq.rows[b : b + ar])
+            if costs:
+                after = row.cache.costs()
+                seq.stats.state_snapshots += int(after["snapshots"] - costs["snapshots"])
+                seq.stats.snapshot_s += after["snapshot_s"] - costs["snapshot_s"]
             n = len(seq.embeds)
             seq.next_block = min(n, b + ar)
             if seq.prefilling:
@@ -200,13 +205,15 @@ class Scheduler:
             if not drafts:
                 waiting[seq.row] = seq
                 continue
-            t, run0 = time.perf_counter(), row.run_s
+            t, run0, replays0, replay0 = time.perf_counter(), row.run_s, row.replays, row.replay_s
             rows = None if seq.logprobs is None else []
             try:
                 tokens = row.verify(seq.token, drafts, seq.sampler, seq.constraint, rows)
             except Exception as e:
                 seq.stop("error", e)
                 continue
+            st.state_replays += row.replays - replays0
+            st.replay_s += row.replay_s - replay0
             seq.drafter.feedback(len(tokens) - 1, len(drafts))
             st.drafted_tokens += len(drafts)
             st.accepted_tokens += len(tokens) - 1
@@ -352,6 +359,8 @@ class Scheduler:
             c.reset()
         try:
             self.batch_call({r: ids[1] for r in range(n)})  # every cache one row in
+            for c in caches:  # (where a state is not per slot, the probed calls rewind to this snapshot)
+                c.checkpoint()
             ref = call(list(range(n)))
             one = diff(call([0]))
             widths = sorted({*range(2, min(n, 6)), n // 2, n - 1} - {0, 1, n})

@@ -35,6 +35,13 @@ class GenerationStats:
     decode_run_s: float = 0.0  # the part of decode_s spent inside the graph call (session.run)
     drafted_tokens: int = 0  # lookahead: drafts verified, and those the model agreed with (emitted without a call)
     accepted_tokens: int = 0
+    # a state that is not per slot (a recurrent layer's: runtime/decode/recurrent_state.py): snapshots taken at the
+    # prompt's block ends and their time (in prefill_s); lookahead calls run again over their kept rows and their time
+    # (in decode_s)
+    state_snapshots: int = 0
+    snapshot_s: float = 0.0
+    state_replays: int = 0
+    replay_s: float = 0.0
 
     @property
     def host_overhead_ms_per_step(self) -> float:

@@ -13,13 +13,16 @@ that knows how its state is
   kept        for a prefix of n slots (rewind(n): prefix reuse, a rejected lookahead draft, a reset)
   re-encoded  in a uint8 cache (clear_unused, requantize: per layer (scale, zero point) in kv.encodings)
   checked     against a graph's inputs (check_graph: the manifest's numbers against the graph's shapes)
-Both kinds today hold one row per slot, so keeping a prefix is keeping its slots: rewind has nothing to restore (rows
-beyond the length are stale, masked or never read, and overwritten by the next writes). A kind whose state is not
-per slot (a recurrent layer's) keeps snapshots there.
+Both kinds hold one row per slot, so keeping a prefix is keeping its slots: rewind has nothing to restore (rows
+beyond the length are stale, masked or never read, and overwritten by the next writes), and a step's first n rows
+can be stored alone (drops_rows). A kind whose state is not per slot (runtime/decode/recurrent_state.py, "recurrent":
+Qwen3.5's Gated DeltaNet) has drops_rows False and keeps snapshots (checkpoint, restorable, rewind).
   attention  a K and a V row per slot: slot s holds the (post-RoPE) key/value of the row written at slot s. Layers
-             of one shape share one block [layers, 2 (K, V), *buffer] (a step's new rows land in all of them with one
-             copy); layers of other widths get a block of their own. Laid out ROWS [max_context, kv_dim] (the rows
-             contract: a step reads all slots or a prefix [:ctx] and returns its new rows, which store writes) or HEADS
+             of one shape and dtype share one block [layers, 2 (K, V), *buffer] (a step's new rows land in all of them
+             with one copy); layers of other widths get a block of their own. A layer's buffers are of its cache dtype
+             (manifest AttentionLayer.cache_dtype: the I/O dtype, or its quantized cache's int8 / uint8 nibble pairs,
+             [.., head_dim / 2] at 4 bits: AttentionLayer.cache_dim), which the graph quantizes and reads itself.
+             Laid out ROWS [max_context, kv_dim] (the rows contract: a step reads all slots or a prefix [:ctx] and returns its new rows, which store writes) or HEADS
              [1, kv_heads, max_context, head_dim] (GroupQueryAttention's buffers, which the graph writes itself).
   conv       one row [channels] per slot of a short convolution's input, of which a step reads the `width` rows
              before its first slot (a window, load: [width, channels], or HEADS's [1, width, channels]) and returns
@@ -52,8 +55,10 @@ class AttentionBlock:
 
     def __init__(self, layers: list[int], specs: list[AttentionLayer], layout: CacheLayout, max_context: int, dtype,
                  data: np.ndarray | None = None):
-        """data: the block's array (a sequence's rows of a batch's block, KVCache.rows_of); None: its own."""
+        """data: the block's array (a sequence's rows of a batch's block, KVCache.rows_of); None: its own. dtype: the
+        cache's (kv.dtype); the block's is its layers' cache dtype (a quantized cache's int8 / uint8)."""
         self.layers, self.specs, self.layout = layers, specs, layout
+        dtype = specs[0].cache_dtype(dtype)
         self.data = zeroed((len(layers), 2, *layout.shape(specs[0], max_context)), dtype) if data is None else data
         self.by_slot = layout.by_slot(self.data)
 
@@ -63,10 +68,11 @@ class AttentionBlock:
 
 
 def _shapes(specs: list[AttentionLayer], layout: CacheLayout, max_context: int) -> dict[tuple, list[int]]:
-    """Buffer shape -> the attention layers (indices among them) of that shape, in order of first use."""
+    """(buffer shape, cache dtype) -> the attention layers (indices among them) of that shape and dtype, in order of
+    first use."""
     shapes: dict[tuple, list[int]] = {}
     for i, layer in enumerate(specs):
-        shapes.setdefault(layout.shape(layer, max_context), []).append(i)
+        shapes.setdefault((layout.shape(layer, max_context), layer.cache_dtype("")), []).append(i)
     return shapes
 
 
@@ -75,6 +81,7 @@ class AttentionState:
     name = "attention"
     batch_axis = 2  # a batch's block [layers, 2, n, kv_heads, max_context, head_dim]
     loads_inputs = False  # a step reads the buffers themselves
+    drops_rows = True  # a store of a step's first n rows keeps what n steps of one row keep (rows are per slot)
 
     def __init__(self, layers: list[tuple[int, AttentionLayer]], layout: CacheLayout, max_context: int, dtype,
                  arrays: Iterator[np.ndarray] | None = None):
@@ -100,7 +107,8 @@ class AttentionState:
         """n sequences' blocks, one array per block [layers, 2, n, *buffer[1:]] (zeroed: its own mapping; the layout's
         leading 1 is the sequence axis)."""
         specs = [layer for _, layer in layers]
-        return [zeroed((len(ix), 2, n, *shape[1:]), dtype) for shape, ix in _shapes(specs, layout, max_context).items()]
+        return [zeroed((len(ix), 2, n, *shape[1:]), specs[ix[0]].cache_dtype(dtype))
+                for (shape, _), ix in _shapes(specs, layout, max_context).items()]
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -239,6 +247,7 @@ class ConvState:
     batch_axis = 0  # a batch's windows [n, width, channels]
     loads_inputs = True  # each step's window is copied from the rows before its slot
     stores = True
+    drops_rows = True
 
     def __init__(self, layers: list[tuple[int, ConvLayer]], layout: CacheLayout, max_context: int, dtype,
                  arrays: Iterator[np.ndarray] | None = None):

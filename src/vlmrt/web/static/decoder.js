@@ -47,6 +47,8 @@ export function browserProblem(m) {
     }
   }
   if (m.kv.dtype !== "float32" || Object.keys(m.kv.encodings || {}).length) return `this bundle's KV cache is ${m.kv.dtype} (quantized); ${reexport}`;
+  const quant = m.kv.layers.find((l) => l.quant)?.quant;
+  if (quant) return `this bundle's KV cache is ${quant.bits === 8 ? "int8" : "uint8"} (${quant.bits}-bit, --kv-cache), which the browser runtime does not keep (it keeps a float cache); ${reexport}, --kv-cache fp32`;
   const p = decoderPlan(m);
   if (!["gqa_in_place", "rows_dynamic", "rows_static"].includes(p.kind)) return `this vlmrt has no decoder kind '${p.kind}'; upgrade vlmrt`;
   if (p.hiddenOutput) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
