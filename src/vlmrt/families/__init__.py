@@ -120,6 +120,16 @@ class DecoderModule:
     row_levels: int = 0  # DeepStack: a row_input [ar, row_levels * hidden] after position_ids (0: no such input)
     conv_state: tuple[int, int] = (0, 0)  # (width, channels) of a conv layer's window (read only where a layer is "conv")
     logit_rows: bool = False  # the graph takes logit_rows last and returns those rows' logits (with_options sets it)
+    window: int = 0  # the keys a sliding_attention layer's query sees (read only where a layer is "sliding_attention")
+
+    def kv_shape(self, i: int) -> tuple[int, int]:
+        """(kv_heads, head_dim) of layer i's K/V (an attention layer's self_attn; Gemma 4's full layers differ)."""
+        attn = self.layers[i].self_attn
+        return attn.kv_heads, attn.head_dim
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose K/V a "shared_kv" layer i reads (only such a decoder has one)."""
+        raise NotImplementedError
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
