@@ -179,3 +179,37 @@ def test_per_layer_rows_ride_in_the_token_row(gemma4):
         if gemma4.text.per_layer:
             want = torch.cat([want, lm.embed_tokens_per_layer(ids)], dim=1)
     assert np.array_equal(gemma4.table[ids.numpy()], want.numpy())
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"enable_moe_block": True, "num_experts": 4}, "MoE experts"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer type chunked_attention"),
+    ({"use_bidirectional_attention": "all"}, "bidirectional text decoder"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}}, "rope type 'yarn'"),
+])
+def test_unsupported_checkpoints_are_refused_in_one_line(edit, message):
+    from vlmrt.families.decoder import UnsupportedCheckpoint
+
+    text = {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "hidden_size": 64, "intermediate_size": 96, "vocab_size": 300, **edit}
+    with pytest.raises(UnsupportedCheckpoint, match=message) as e:
+        Gemma4TextConfig.from_hf(text)
+    assert "\n" not in str(e.value)
+
+
+def test_hub_config_form_reads_global_head_dim():
+    """The hub's config.json (a gemma4 checkpoint: text_config with global_head_dim and num_global_key_value_heads,
+    no per_layer_config) gives the full layers the shapes transformers gives them."""
+    from vlmrt.families.gemma4.config import text_config
+
+    hub = {"model_type": "gemma4", "text_config": {
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64,
+        "intermediate_size": 96, "vocab_size": 300, "global_head_dim": 32, "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}}
+    t = Gemma4TextConfig.from_hf(text_config(hub))
+    assert [(s.kv_heads, s.head_dim, s.k_eq_v) for s in t.shapes] == [(2, 16, False)] * 3 + [(1, 32, True)]
+
+
+def test_decoder_refuses_other_attention_kinds(gemma4):
+    with pytest.raises(ValueError, match="gqa_in_place only"):
+        gemma4.decoder.with_options(attention="rows_copy_free", logit_rows=True, rope_positions=8)
