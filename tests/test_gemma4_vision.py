@@ -19,7 +19,7 @@ TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_
             head_dim=16, vocab_size_per_layer_input=300, hidden_size_per_layer_input=8, num_hidden_layers=2,
             sliding_window=5, global_head_dim=16, layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-              head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64, standardize=True)
+              head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=128, standardize=True)
 SOFT = 70  # max_soft_tokens (transformers allows 70, 140, 280, 560, 1120)
 BUDGET = SOFT * 9
 SIZES = [(37, 90), (120, 41), (50, 50)]  # (height, width)
@@ -75,3 +75,34 @@ def test_tower_equals_transformers_at_each_aspect_ratio(tower, size):
     assert torch.equal(got[:n, TEXT["hidden_size"]:], pad_rows.expand(n, -1))
     (ort_out,) = session.run(None, {"pixel_patches": patches.numpy(), "positions": positions.numpy()})
     assert np.allclose(ort_out[:n, : TEXT["hidden_size"]], want.numpy(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("size", SIZES + [(8, 200)])
+def test_host_patches_equal_the_processor_and_feed_the_tower(tower, size):
+    """The runtime's pooled_aspect tiling and pooled_positions inputs (runtime/media/image_pooled.py): patch rows and
+    positions bit-equal to transformers' Gemma4ImageProcessorPil (a thin 8×200 image: one kernel high), the token
+    count its num_soft_tokens_per_image, and the graph fed them gives transformers' image features."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from vlmrt.format.manifest import ImageSpec
+    from vlmrt.runtime.media import image_pooled
+    from vlmrt.runtime.media.image import TILING
+
+    model, _, session, _, _ = tower
+    spec = ImageSpec(tiling="pooled_aspect", tile_size=12, patch_size=4, resample="bicubic", rescale_factor=1 / 255,
+                     mean=[0.0] * 3, std=[1.0] * 3, params={"max_soft_tokens": SOFT, "pooling_kernel": 3})
+    im = Image.fromarray((np.random.default_rng(sum(size)).random((*size, 3)) * 255).astype(np.uint8))
+    tiles = TILING["pooled_aspect"](im, spec)
+    pil = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=SOFT, pooling_kernel_size=3)
+    f = pil(images=[im], return_tensors="np")
+    positions = image_pooled.positions(tiles.patch_grids[0], BUDGET)
+    assert np.array_equal(tiles.pixels[0], f["pixel_values"][0])
+    assert np.array_equal(positions, f["image_position_ids"][0])
+    n = image_pooled.tokens(tiles.patch_grids[0], 3)
+    assert n == int(f["num_soft_tokens_per_image"][0]) == tiles.rows * tiles.cols
+    with torch.no_grad():
+        want = model.model.get_image_features(torch.from_numpy(f["pixel_values"]),
+                                              torch.from_numpy(f["image_position_ids"]), return_dict=True).pooler_output
+        want = torch.cat(list(want)) if isinstance(want, (list, tuple)) else want
+    (got,) = session.run(None, {"pixel_patches": tiles.pixels[0], "positions": positions})
+    assert np.allclose(got[:n, : TEXT["hidden_size"]], want.numpy(), atol=1e-4, rtol=1e-4)
