@@ -65,7 +65,7 @@ def _checkpoint(name: str, folder):
 
 class Exported:
     def __init__(self, model, config: dict, path):
-        self.model = model
+        self.model, self.path = model, path
         self.text = Gemma4TextConfig.from_hf(config)
         sd = model.state_dict()
         self.decoder, table = language.load(self.text, sd.__getitem__, "model.")
@@ -81,7 +81,7 @@ class Exported:
         self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         self.layers = cache_kinds.kv_layers(self.decoder, self.text, graphs.LAYOUTS["gqa_in_place"].out_prefix)
 
-    def scheduler(self, rows: int = 1, lookahead: int = 0) -> Scheduler:
+    def scheduler(self, rows: int = 1, lookahead: int = 0, session=None) -> Scheduler:
         kind = GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
                               logit_rows_input="logit_rows", argmax_output="next_token",
                               batched=cache_kinds.batchable(self.decoder.layer_kinds))
@@ -89,7 +89,8 @@ class Exported:
                           embeds_input="inputs_embeds", positions=PositionsSpec("position_ids"), logits_output="logits",
                           embedding_file="embed.npy", embedding_dtype="float32", kind=kind)
         kv = KVSpec(max_context=CTX, dtype="float32", layers=self.layers)
-        return Scheduler(DecoderSessions(decode=self.session, prefill=self.session),
+        session = session or self.session
+        return Scheduler(DecoderSessions(decode=session, prefill=session),
                          DecoderConfig(kv, dec, [1], lookahead=lookahead), self.table, rows=rows)
 
     def generate(self, ids: list[int]) -> list[int]:
@@ -213,3 +214,26 @@ def test_hub_config_form_reads_global_head_dim():
 def test_decoder_refuses_other_attention_kinds(gemma4):
     with pytest.raises(ValueError, match="gqa_in_place only"):
         gemma4.decoder.with_options(attention="rows_copy_free", logit_rows=True, rope_positions=8)
+
+
+def test_weight_only_export_finds_the_head_behind_the_softcap(gemma4, tmp_path):
+    """A weight-only precision quantizes every constant-weight MatMul, the lm head behind the logit soft-capping
+    (Div, Tanh, Mul) included (export/cpu/quantize.producer_matmul: on main the export stops there, "cannot find the
+    lm head MatMul"), and the graph answers through the cache."""
+    import onnx
+    import onnxruntime as ort
+
+    path = tmp_path / "w8a16.onnx"
+    graphs.export_decoder(gemma4.decoder, attention="gqa_in_place", ar=AR, max_context=CTX, hidden=gemma4.table.shape[1],
+                          kv_heads=gemma4.text.kv_heads, head_dim=gemma4.text.head_dim, io_dtype="fp32",
+                          precision="w8a16", head="w8a16", path=path, dynamic_context=True, dynamic_ar=True)
+    g = onnx.load(str(path), load_external_data=False).graph
+    weights = {i.name for i in g.initializer}
+    assert not [n.name for n in g.node if n.op_type == "MatMul" and n.input[1] in weights]
+    by_out = {o: n for n in g.node for o in n.output}
+    node = by_out["logits"]
+    while node.op_type in ("Div", "Tanh", "Mul", "Cast"):
+        node = by_out[node.input[0]]
+    assert node.op_type == "MatMulNBits"
+    sched = gemma4.scheduler(session=ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+    assert len(list(sched.generate(sched.embed(PROMPTS[0]), max_new_tokens=N, ignore_eos=True))) == N
