@@ -20,7 +20,7 @@ import torch
 from vlmrt.export import cache_kinds, graphs
 from vlmrt.families.gemma4 import language
 from vlmrt.families.gemma4.config import Gemma4TextConfig
-from vlmrt.format.manifest import DecoderSpec, GqaInPlaceKind, KVSpec, PositionsSpec
+from vlmrt.format.manifest import DecoderSpec, GqaInPlaceKind, KVSpec, PositionsSpec, RowsDynamicKind
 from vlmrt.runtime.decode import lookahead
 from vlmrt.runtime.decode.cache_row import DecoderConfig, DecoderSessions
 from vlmrt.runtime.decode.scheduler import Scheduler
@@ -64,13 +64,13 @@ def _checkpoint(name: str, folder):
 
 
 class Exported:
-    def __init__(self, model, config: dict, path):
-        self.model, self.path = model, path
+    def __init__(self, model, config: dict, path, attention: str = "gqa_in_place"):
+        self.model, self.path, self.attention = model, path, attention
         self.text = Gemma4TextConfig.from_hf(config)
         sd = model.state_dict()
         self.decoder, table = language.load(self.text, sd.__getitem__, "model.")
         self.table = table.numpy()
-        graphs.export_decoder(self.decoder, attention="gqa_in_place", ar=AR, max_context=CTX,
+        graphs.export_decoder(self.decoder, attention=attention, ar=AR, max_context=CTX,
                               hidden=self.table.shape[1], kv_heads=self.text.kv_heads, head_dim=self.text.head_dim,
                               io_dtype="fp32", precision="fp32", head="fp32", path=path, dynamic_context=True,
                               dynamic_ar=True)
@@ -79,12 +79,15 @@ class Exported:
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
         self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        self.layers = cache_kinds.kv_layers(self.decoder, self.text, graphs.LAYOUTS["gqa_in_place"].out_prefix)
+        self.layers = cache_kinds.kv_layers(self.decoder, self.text, graphs.LAYOUTS[attention].out_prefix)
 
     def scheduler(self, rows: int = 1, lookahead: int = 0, session=None) -> Scheduler:
-        kind = GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
-                              logit_rows_input="logit_rows", argmax_output="next_token",
-                              batched=cache_kinds.batchable(self.decoder.layer_kinds))
+        kind = (GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
+                               logit_rows_input="logit_rows", argmax_output="next_token",
+                               batched=cache_kinds.batchable(self.decoder.layer_kinds))
+                if self.attention == "gqa_in_place" else
+                RowsDynamicKind(name="rows_dynamic", mask_input="attention_mask", context_step=8,
+                                logit_rows_input="logit_rows"))
         dec = DecoderSpec(hidden_size=self.table.shape[1], vocab_size=self.text.vocab, prefill_ar=AR,
                           embeds_input="inputs_embeds", positions=PositionsSpec("position_ids"), logits_output="logits",
                           embedding_file="embed.npy", embedding_dtype="float32", kind=kind)
@@ -101,11 +104,13 @@ class Exported:
         return out[0, len(ids):].tolist()
 
 
-@pytest.fixture(scope="session", params=list(CONFIGS))
+@pytest.fixture(scope="session", params=[("shared", "gqa_in_place"), ("plain", "gqa_in_place"),
+                                        ("shared", "rows_copy_free")], ids=lambda p: "-".join(p))
 def gemma4(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"gemma4-{request.param}")
-    model, config = _checkpoint(request.param, folder)
-    return Exported(model, config, folder / "decoder.onnx")
+    name, attention = request.param
+    folder = tmp_path_factory.mktemp(f"gemma4-{name}-{attention}")
+    model, config = _checkpoint(name, folder)
+    return Exported(model, config, folder / "decoder.onnx", attention)
 
 
 def test_manifest_layers_name_their_kinds(gemma4):
@@ -211,9 +216,9 @@ def test_hub_config_form_reads_global_head_dim():
     assert [(s.kv_heads, s.head_dim, s.k_eq_v) for s in t.shapes] == [(2, 16, False)] * 3 + [(1, 32, True)]
 
 
-def test_decoder_refuses_other_attention_kinds(gemma4):
-    with pytest.raises(ValueError, match="gqa_in_place only"):
-        gemma4.decoder.with_options(attention="rows_copy_free", logit_rows=True, rope_positions=8)
+def test_decoder_refuses_an_unknown_attention_kind(gemma4):
+    with pytest.raises(ValueError, match="unknown attention kind 'ring'"):
+        gemma4.decoder.with_options(attention="ring", logit_rows=True, rope_positions=8)
 
 
 def test_weight_only_export_finds_the_head_behind_the_softcap(gemma4, tmp_path):
@@ -224,7 +229,7 @@ def test_weight_only_export_finds_the_head_behind_the_softcap(gemma4, tmp_path):
     import onnxruntime as ort
 
     path = tmp_path / "w8a16.onnx"
-    graphs.export_decoder(gemma4.decoder, attention="gqa_in_place", ar=AR, max_context=CTX, hidden=gemma4.table.shape[1],
+    graphs.export_decoder(gemma4.decoder, attention=gemma4.attention, ar=AR, max_context=CTX, hidden=gemma4.table.shape[1],
                           kv_heads=gemma4.text.kv_heads, head_dim=gemma4.text.head_dim, io_dtype="fp32",
                           precision="w8a16", head="w8a16", path=path, dynamic_context=True, dynamic_ar=True)
     g = onnx.load(str(path), load_external_data=False).graph

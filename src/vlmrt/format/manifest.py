@@ -221,7 +221,7 @@ class SlidingAttentionLayer(AttentionLayer):
     q when q - window < k <= q (Gemma 4's sliding_attention layers). Its K and V rows are kept one per slot like an
     attention layer's (runtime/decode/windowed_state.py: so a prefix reuse, a rejected lookahead draft or a chunked
     prefill rewinds by moving the length, no row a kept prefix needs is ever dropped); the graph applies the window
-    (GroupQueryAttention's local_window_size = window)."""
+    (GroupQueryAttention's local_window_size = window; under the rows kinds, added to the kind's mask in the graph)."""
 
     window: int = 0  # keys a query sees, its own included
 

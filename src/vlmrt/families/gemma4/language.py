@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import DecoderModule
-from ..layers import ATTENTION_KINDS
+from ..layers import ATTENTION_KINDS, apply_rope
 from .config import Gemma4TextConfig
 
-ATTENTION = "gqa_in_place"  # the one attention kind this decoder is built as (sliding windows: the op's)
+ATTENTION = "gqa_in_place"  # the CPU's kind (sliding windows: the op's local_window_size); the rows kinds build the
+# window into the sliding layers' mask (Gemma4Decoder._windowed)
 
 
 class Gemma4RMSNorm(nn.Module):
@@ -77,9 +78,11 @@ class Gemma4Attention(nn.Module):
             self.v_norm = Gemma4RMSNorm(s.head_dim, t.eps, with_scale=False)
 
     def forward(self, x, rope, step, kv):
-        """x [1, ar, hidden]; rope (position_ids, cos, sin) of the layer's type; step (seqlens_k, total); kv: this
-        layer's (past_k, past_v) buffers, or for a shared layer the source's (past_k, past_v, k rows, v rows) ->
-        (out, present_k, present_v, k rows, v rows)."""
+        """gqa_in_place: x [1, ar, hidden]; rope (position_ids, cos, sin) of the layer's type; step (seqlens_k,
+        total); kv: this layer's (past_k, past_v) buffers, or for a shared layer the source's (past_k, past_v, k rows,
+        v rows) -> (out, present_k, present_v, k rows, v rows). The rows kinds: rows (below)."""
+        if len(step) == 1:
+            return self.rows(x, rope, step[0], kv)
         seqlens_k, total = step
         positions, cos, sin = rope
         ar, h, kvh, d = x.shape[1], self.heads, self.kv_heads, self.head_dim
@@ -95,6 +98,30 @@ class Gemma4Attention(nn.Module):
         out, pk, pv = torch.ops.vlmrt.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin,
                                                             positions, h, kvh, self.window, 1.0)
         return self.o_proj(out), pk, pv, k, v
+
+    def rows(self, x, rope, mask, kv):
+        """The rows contract (rows_copy_free / rows_concat): x [ar, hidden]; rope (cos, sin) [ar, d]; mask [ar,
+        ctx + ar] (the kind's, from slots; a sliding layer's window already in it: Gemma4Decoder.forward); kv: this
+        layer's past rows (past_k, past_v) [ctx, kv_dim], or for a shared layer the source's (past_k, past_v, k rows
+        (rotated), v rows) -> (out, new k rows [ar, kv_dim], new v rows, k rows, v rows)."""
+        cos, sin = rope
+        ar, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        q = apply_rope(self.q_norm(self.q_proj(x).view(ar, h, d)), cos, sin)
+        if self.shares >= 0:
+            past_k, past_v, k, v = kv
+        else:
+            past_k, past_v = kv
+            raw = self.k_proj(x).view(ar, kvh, d)
+            v_raw = raw if self.v_proj is None else self.v_proj(x).view(ar, kvh, d)
+            k = apply_rope(self.k_norm(raw), cos, sin)
+            v = self.v_norm(v_raw)
+        ctx = past_k.shape[0]
+        keys = torch.cat([past_k.view(ctx, kvh, d), k], dim=0).permute(1, 2, 0)[:, None]  # [kvh, 1, d, ctx + ar]
+        values = torch.cat([past_v.view(ctx, kvh, d), v], dim=0).transpose(0, 1)[:, None]  # [kvh, 1, ctx + ar, d]
+        qg = q.view(ar, kvh, h // kvh, d).permute(1, 2, 0, 3)  # [kvh, rep, ar, d]: head j uses kv head j // rep
+        probs = torch.softmax((torch.matmul(qg, keys) + mask).float(), dim=-1).to(x.dtype)  # scale 1
+        out = torch.matmul(probs, values).permute(2, 0, 1, 3).reshape(ar, h * d)
+        return self.o_proj(out), k.reshape(ar, kvh * d), v.reshape(ar, kvh * d), k, v
 
 
 class Gemma4MLP(nn.Module):
@@ -140,11 +167,11 @@ class Gemma4Layer(nn.Module):
 class Gemma4Decoder(nn.Module, DecoderModule):
     """The decoder graph's module (module doc): DecoderModule's step contract as gqa_in_place's."""
 
-    def __init__(self, t: Gemma4TextConfig, logit_rows: bool = False):
+    def __init__(self, t: Gemma4TextConfig, logit_rows: bool = False, attention: str = ATTENTION):
         super().__init__()
         self.text, self.logit_rows = t, logit_rows
         self.window = t.window
-        self.attention = ATTENTION_KINDS[ATTENTION]
+        self.attention = ATTENTION_KINDS[attention]
         self.layers = nn.ModuleList(Gemma4Layer(t, i) for i in range(t.layers))
         self.norm = Gemma4RMSNorm(t.hidden, t.eps)
         self.lm_head = nn.Linear(t.hidden, t.vocab, bias=False)
@@ -163,10 +190,9 @@ class Gemma4Decoder(nn.Module, DecoderModule):
         return self.text.shapes[i].shares
 
     def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> "Gemma4Decoder":
-        if attention != ATTENTION:
-            raise ValueError(f"Gemma 4's decoder is exported as {ATTENTION} only (its sliding windows are "
-                             f"GroupQueryAttention's local_window_size), not {attention}")
-        new = Gemma4Decoder(self.text, logit_rows=logit_rows)
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention kind {attention!r}; one of {', '.join(ATTENTION_KINDS)}")
+        new = Gemma4Decoder(self.text, logit_rows=logit_rows, attention=attention)
         new.load_state_dict(self.state_dict())
         new.rope_table(rope_positions)
         return new.eval()
@@ -180,40 +206,62 @@ class Gemma4Decoder(nn.Module, DecoderModule):
             self.register_buffer(f"cos_{kind}", freqs.cos(), persistent=False)
             self.register_buffer(f"sin_{kind}", freqs.sin(), persistent=False)
 
-    def forward(self, inputs_embeds, position_ids, seqlens_k, total, *state):
-        t = self.text
+    def forward(self, inputs_embeds, position_ids, *rest):
+        t, kind = self.text, self.attention
+        n_step = len(kind.step_inputs)
+        step, state = rest[:n_step], rest[n_step:]
         if self.logit_rows:
             *state, rows = state
-        step = (seqlens_k, total)
         dt = inputs_embeds.dtype
-        ropes = {kind: (position_ids, getattr(self, f"cos_{kind}").to(dt), getattr(self, f"sin_{kind}").to(dt))
-                 for kind in t.ropes}
-        e = inputs_embeds[None]  # [1, ar, hidden + L·P]
+        if n_step == 2:  # gqa_in_place: the op rotates at the positions, the window is its local_window_size
+            ropes = {k: (position_ids, getattr(self, f"cos_{k}").to(dt), getattr(self, f"sin_{k}").to(dt))
+                     for k in t.ropes}
+            steps = {k: step for k in t.ropes}
+        else:  # the rows kinds: cos / sin rows at the positions; the sliding layers' mask has the window too
+            ropes = {k: tuple(torch.cat([c, c], -1) for c in (getattr(self, f"cos_{k}")[position_ids[0]].to(dt),
+                                                                  getattr(self, f"sin_{k}")[position_ids[0]].to(dt)))
+                     for k in t.ropes}
+            steps = {"full_attention": step, "sliding_attention": (self._windowed(step[0]),)}
+        e = kind.enter(inputs_embeds)  # [1, ar, hidden + L·P] (gqa_in_place) or [ar, ...]
         x = e[..., : t.hidden]
         per_layer = None
         if t.per_layer:
             proj = self.per_layer_model_projection(x) * t.hidden ** -0.5
-            proj = self.per_layer_projection_norm(proj.view(1, -1, t.layers, t.per_layer))
-            per_layer = (proj + e[..., t.hidden:].view(1, -1, t.layers, t.per_layer)) * 2.0 ** -0.5
+            lead = (1, -1) if x.dim() == 3 else (-1,)  # gqa_in_place's [1, ar] rows (a batch: [B, ar / B]), or [ar]
+            proj = self.per_layer_projection_norm(proj.view(*lead, t.layers, t.per_layer))
+            per_layer = (proj + e[..., t.hidden:].view(*lead, t.layers, t.per_layer)) * 2.0 ** -0.5
         new, at, kept = [], 0, {}
-        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
-            if kind == "shared_kv":
+        for i, (layer, cache) in enumerate(zip(self.layers, self.layer_kinds)):
+            if cache == "shared_kv":
                 kv = kept[self.kv_source(i)]
             else:
                 kv = tuple(state[at:at + 2])
                 at += 2
-            pli = per_layer[:, :, i] if per_layer is not None else None
-            x, pk, pv, k, v = layer(x, pli, ropes[layer.type], step, kv)
-            if kind != "shared_kv":
+            pli = per_layer[..., i, :] if per_layer is not None else None
+            x, pk, pv, k, v = layer(x, pli, ropes[layer.type], steps[layer.type], kv)
+            if cache != "shared_kv":
                 new += [pk, pv]
                 kept[i] = (kv[0], kv[1], k, v)
-        x = x[0]
+        x = kind.leave(x)
         if self.logit_rows:
             x = x.index_select(0, rows)
         logits = self.lm_head(self.norm(x))
         if t.softcap:
             logits = torch.tanh(logits / t.softcap) * t.softcap
-        return (logits, *new, logits.argmax(-1))
+        return (logits, *new, logits.argmax(-1)) if kind.argmax else (logits, *new)
+
+    def _windowed(self, mask):
+        """The rows kinds' mask [ar, ctx + ar] with the sliding window too: the step's first slot is the count of
+        cache slots row 0 sees (the mask is built from slots: 0 for slots before the step's), query i is at that +
+        i, a cache column j at slot j, a new column at the step's slot + its row; a key at slot k <= q - window is
+        masked (the lowest of the dtype: combined by min, not added)."""
+        ar = mask.shape[0]
+        ctx = mask.shape[1] - ar
+        first = (mask[0, :ctx] == 0).sum()
+        q = first + torch.arange(ar)
+        k = torch.cat([torch.arange(ctx), q])
+        out = k[None, :] <= q[:, None] - self.window
+        return torch.minimum(mask, torch.where(out, torch.finfo(mask.dtype).min, 0.0).to(mask.dtype))
 
 
 def load(t: Gemma4TextConfig, take, prefix: str) -> tuple[Gemma4Decoder, torch.Tensor]:

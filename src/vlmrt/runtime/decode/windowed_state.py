@@ -2,8 +2,8 @@
 
   sliding_attention  a sliding-window layer (manifest SlidingAttentionLayer: a query at slot q sees the keys at slots
                      q - window < k <= q). Its K and V rows are kept one per slot, as an attention layer's, and the
-                     graph applies the window (GroupQueryAttention's local_window_size). Why not a ring of `window`
-                     slots: a ring overwrites slot s - window when it writes slot s, and every rewind the runtime
+                     graph applies the window (GroupQueryAttention's local_window_size; under the rows kinds, added
+                     to the kind's mask in the graph). Why not a ring of `window` slots: a ring overwrites slot s - window when it writes slot s, and every rewind the runtime
                      makes needs rows older than that back: a prefix reuse keeps slots 0..n-1 of an earlier answer
                      and attends from slot n over n - window..n - 1, which that answer's later writes would have
                      overwritten; a verify call's rejected drafts would have evicted rows the accepted prefix still
