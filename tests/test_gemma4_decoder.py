@@ -242,3 +242,35 @@ def test_weight_only_export_finds_the_head_behind_the_softcap(gemma4, tmp_path):
     assert node.op_type == "MatMulNBits"
     sched = gemma4.scheduler(session=ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
     assert len(list(sched.generate(sched.embed(PROMPTS[0]), max_new_tokens=N, ignore_eos=True))) == N
+
+
+def test_static_graphs_answer_as_generate(tmp_path):
+    """The HTP target's form on the CPU EP: rows_static prefill (AR 4) and decode (AR 1) graphs over the whole cache
+    (rows_concat, the HTP's float attention), the sliding window added to the static mask in the graph: 24 greedy ids
+    equal generate in both modes on a prompt past the window (the shared checkpoint, exported twice here)."""
+    import onnxruntime as ort
+
+    from vlmrt.format.manifest import RowsStaticKind
+
+    model, config = _checkpoint("shared", tmp_path)
+    text = Gemma4TextConfig.from_hf(config)
+    decoder, table = language.load(text, model.state_dict().__getitem__, "model.")
+    table = table.numpy()
+    sessions = {}
+    for ar in (AR, 1):
+        path = tmp_path / f"static{ar}.onnx"
+        graphs.export_decoder(decoder, attention="rows_concat", ar=ar, max_context=CTX, hidden=table.shape[1],
+                              kv_heads=text.kv_heads, head_dim=text.head_dim, io_dtype="fp32", precision="fp32",
+                              head="fp32", path=path, cpu=False)
+        sessions[ar] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    dec = DecoderSpec(hidden_size=table.shape[1], vocab_size=text.vocab, prefill_ar=AR, embeds_input="inputs_embeds",
+                      positions=PositionsSpec("position_ids"), logits_output="logits", embedding_file="embed.npy",
+                      embedding_dtype="float32", kind=RowsStaticKind(name="rows_static", mask_input="attention_mask"))
+    layers = cache_kinds.kv_layers(decoder, text, graphs.LAYOUTS["rows_concat"].out_prefix)
+    sched = Scheduler(DecoderSessions(decode=sessions[1], prefill=sessions[AR]),
+                      DecoderConfig(KVSpec(max_context=CTX, dtype="float32", layers=layers), dec, [1]), table)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=N, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(PROMPTS[1]):].tolist()
+    for mode in ("kv", "hybrid"):
+        assert list(sched.generate(sched.embed(PROMPTS[1]), mode=mode, max_new_tokens=N, ignore_eos=True)) == want
