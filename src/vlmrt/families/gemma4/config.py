@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..decoder import UnsupportedCheckpoint
+from ..rope import Rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "proportional")
@@ -72,6 +73,18 @@ class Gemma4TextConfig:
     @property
     def layers(self) -> int:
         return len(self.shapes)
+
+    @property
+    def row_width(self) -> int:
+        """A token's row (the host's table, the vision graph's output, the decoder's inputs_embeds): the embedding
+        and its per-layer rows side by side."""
+        return self.hidden + self.per_layer_width
+
+    @property
+    def rope(self) -> Rope:
+        """What the exporter checks against the max context: Gemma 4's ropes (default / proportional) have no
+        context limit."""
+        return Rope()
 
     @property
     def per_layer_width(self) -> int:
@@ -144,3 +157,55 @@ class Gemma4TextConfig:
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The text config of a `gemma4` checkpoint (text_config) or a `gemma4_text` one (the top level)."""
     return config["text_config"] if config.get("model_type") == "gemma4" else config
+
+
+@dataclass(frozen=True)
+class VisionSizes:
+    patch_size: int
+
+
+@dataclass
+class Gemma4Config:
+    """A `gemma4` checkpoint's config (families.FamilyConfig): the text config, the vision config as transformers
+    saved it (vision.py reads it), the marker tokens. The vision graph takes max_soft_tokens × kernel² patch rows and
+    gives max_soft_tokens rows; host_spec fixes max_soft_tokens from the image processor (the accessors run config,
+    host, then weights)."""
+
+    text: Gemma4TextConfig
+    vision_config: dict[str, Any]
+    vision: VisionSizes
+    kernel: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    audio: bool  # the checkpoint has an audio tower (its weights are left out; audio input is refused)
+    max_soft_tokens: int = 280  # Gemma4ImageProcessor's default, until host_spec reads the processor's
+    tie_word_embeddings: bool = True
+
+    @property
+    def patches_per_tile(self) -> int:
+        return self.max_soft_tokens * self.kernel ** 2
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.max_soft_tokens
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "Gemma4Config":
+        t = config["text_config"]
+        if t.get("use_bidirectional_attention") == "vision":
+            # transformers then lets an image token see its whole image (later tokens too) on the sliding layers
+            # during prefill (create_masks_for_vision_model); vlmrt's decoder is causal: refuse, never a wrong answer
+            raise UnsupportedCheckpoint("Gemma 4 use_bidirectional_attention 'vision' (image tokens attending to their "
+                                        "whole image) is not supported: vlmrt exports causal decoders")
+        v = config.get("vision_config")
+        if not v:
+            raise UnsupportedCheckpoint("the Gemma 4 checkpoint has no vision_config (a text-only checkpoint: vlmrt "
+                                        "exports VLMs)")
+        text = Gemma4TextConfig.from_hf(t)
+        return cls(text=text, vision_config=dict(v), vision=VisionSizes(int(v.get("patch_size", 16))),
+                   kernel=int(v.get("pooling_kernel_size", 3)),
+                   image_token_id=int(config.get("image_token_id", 258_880)),
+                   boi_token_id=int(config.get("boi_token_id", 255_999)),
+                   eoi_token_id=int(config.get("eoi_token_id", 258_882)), audio=bool(config.get("audio_config")),
+                   tie_word_embeddings=text.tie_word_embeddings)

@@ -189,6 +189,11 @@ class Gemma4Decoder(nn.Module, DecoderModule):
     def kv_source(self, i: int) -> int:
         return self.text.shapes[i].shares
 
+    def layer_weights(self, i: int) -> tuple[str, ...]:
+        """A k_eq_v layer has no v_proj (the values are the key projection)."""
+        names = super().layer_weights(i)
+        return tuple(n for n in names if n != "self_attn.v_proj") if self.text.shapes[i].k_eq_v else names
+
     def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> "Gemma4Decoder":
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention kind {attention!r}; one of {', '.join(ATTENTION_KINDS)}")
