@@ -96,6 +96,19 @@ def test_bidirectional_vision_attention_is_refused_in_one_line(bundle, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_weight_only_precision_is_refused_in_one_line(bundle, tmp_path, capsys):
+    """A weight-only precision writes an int8 token table, which loses the answers on rows that carry per-layer rows
+    (docs/gemma4.md, the table benchmark): refused before any graph is written, one line (without the check
+    the export failed inside the graph rewrite: "expected one enter Unsqueeze ...")."""
+    from vlmrt import cli
+
+    capsys.readouterr()
+    assert cli.main(["export", str(bundle.ckpt), str(tmp_path / "out"), "--quant", "w8a16"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("vlmrt: error: weight-only precisions write an int8 token table")
+    assert not (tmp_path / "out").exists()
+
+
 def test_audio_tower_checkpoint_loads_vision_and_text(tmp_path):
     """A checkpoint with an audio tower: its audio weights are left out, its vision and text load as the contract
     checks them (every other weight mapped)."""

@@ -220,6 +220,12 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
             raise ExportError("the chat template does not render one image and one text item as expected")
     plan = Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
                 htp, "rows_concat" if htp else "rows_copy_free", prompt)
+    t = cfg.text
+    if t.row_width != t.hidden and {prec["prefill"], prec["decode"], head or prec["decode"]} & set(quantize.WEIGHT_ONLY_BITS):
+        # (_write_host_files: weight-only decoders take an int8 table, one scale per row)
+        raise ExportError(f"weight-only precisions write an int8 token table, and this checkpoint's rows carry "
+                          f"per-layer rows beside the embedding ({t.hidden} + {t.row_width - t.hidden} values), which "
+                          "lose the answers as int8 (docs/gemma4.md); export it at a float precision")
     gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0
     if attention == "gqa" and not gqa_fits:
         raise ExportError("--attention gqa needs the one-graph CPU decoder (symbolic cache length, one precision for "
