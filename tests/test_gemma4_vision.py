@@ -106,3 +106,23 @@ def test_host_patches_equal_the_processor_and_feed_the_tower(tower, size):
         want = torch.cat(list(want)) if isinstance(want, (list, tuple)) else want
     (got,) = session.run(None, {"pixel_patches": tiles.pixels[0], "positions": positions})
     assert np.allclose(got[:n, : TEXT["hidden_size"]], want.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_fp16_graph_loads_and_follows_the_float_one(tower, tmp_path):
+    """`vlmrt export --dtype fp16`'s vision graph: the pooling runs in float32 and the projection back in fp16 (before,
+    ONNX Runtime refused the graph: a Gemm bound to float and float16), its rows within fp16 rounding of fp32's."""
+    import onnxruntime as ort
+
+    _, module, session, proc, _ = tower
+    path = tmp_path / "vision16.onnx"
+    graphs.export_vision(module, module.example_inputs(BUDGET, 48), ["image_embeds"], "fp16", "fp16", path)
+    half = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rgb = (np.random.default_rng(3).random((37, 90, 3)) * 255).astype(np.uint8)
+    f = proc(images=[Image.fromarray(rgb)], return_tensors="np")
+    n = int(f["num_soft_tokens_per_image"][0])
+    (want,) = session.run(None, {"pixel_patches": f["pixel_values"][0], "positions": f["image_position_ids"][0]})
+    (got,) = half.run(None, {"pixel_patches": f["pixel_values"][0].astype(np.float16),
+                             "positions": f["image_position_ids"][0]})
+    assert got.dtype == np.float16
+    scale = np.abs(want[:n]).max()
+    assert np.abs(got[:n].astype(np.float32) - want[:n]).max() < 2e-2 * scale

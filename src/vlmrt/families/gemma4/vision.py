@@ -147,7 +147,7 @@ class Gemma4Vision(nn.Module, VisionModule):
         pooled = weights.transpose(0, 1) @ x.float() * self.hidden ** 0.5
         if self.standardize:
             pooled = (pooled - self.std_bias.float()) * self.std_scale.float()
-        out = self.embedding_projection(self.embedding_pre_projection_norm(pooled))
+        out = self.embedding_projection(self.embedding_pre_projection_norm(pooled.to(x.dtype)))  # (fp16 graphs)
         if self.per_layer_pad.numel():
             out = torch.cat([out, self.per_layer_pad[None].expand(length, -1)], dim=1)
         return out
