@@ -150,11 +150,10 @@ class SlidingAttentionCache(AttentionCache):
         return [("sliding_key", layer.key_input, layer.key_output), ("sliding_value", layer.value_input, layer.value_output)]
 
     def absmax(self, new: list[torch.Tensor]):
-        """A quantized cache does not hold sliding-window layers yet: refused (one line) before anything is written."""
-        from .cpu.kv_quant import KVQuantError
-
-        raise KVQuantError("--kv-cache int8/int4 does not hold sliding-window layers yet (Gemma 4): export with "
-                           "--kv-cache fp32")
+        """A quantized cache does not hold sliding-window layers yet: kv_quant.calibrate refuses it in one line,
+        before anything is written."""
+        raise NotImplementedError("--kv-cache int8/int4 does not hold sliding-window layers yet (Gemma 4): export "
+                                  "with --kv-cache fp32")
 
 
 class SharedKVCache:

@@ -53,6 +53,7 @@ class SharedKVState:
     batch_axis = 0
     loads_inputs = False
     stores = False
+    drops_rows = True  # (no rows of its own: its source's are per slot)
 
     def __init__(self, layers: list[tuple[int, SharedKVLayer]], layout: CacheLayout, max_context: int, dtype,
                  arrays: Iterator[np.ndarray] | None = None):
