@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from .options import _bundle_or_default, _fetch, _generation_args, _options, check_url_policy, url_policy_args
+from ..serve.arguments import check_url_policy, url_policy_args  # (argparse only: the server loads when it runs)
+from .options import _bundle_or_default, _fetch, _generation_args, _options
 
 
 def add_parser(sub) -> None:

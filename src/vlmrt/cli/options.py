@@ -43,21 +43,6 @@ def _options(a) -> dict:
                 max_patches=a.max_patches)
 
 
-def url_policy_args(g, whose: str) -> None:
-    """--allow-local-urls and --no-image-urls on parser (group) g: the image URL policy of `vlmrt serve`'s requests
-    and `vlmrt batch`'s records (runtime/media/url_policy.py); whose: "requests'" / "records'"."""
-    g.add_argument("--allow-local-urls", action="store_true",
-                   help=f"let {whose} image URLs reach loopback, private and link-local addresses (a trusted "
-                        "network; default: public addresses only)")
-    g.add_argument("--no-image-urls", action="store_true",
-                   help=f"refuse {whose} http(s) image URLs altogether")
-
-
-def check_url_policy(a) -> None:
-    if a.allow_local_urls and a.no_image_urls:
-        raise ValueError("--allow-local-urls and --no-image-urls contradict each other")
-
-
 def _fetch(a, **limits):
     """The image reading limits of run / chat / batch: --max-pixels (FetchLimits.max_pixels)."""
     import math

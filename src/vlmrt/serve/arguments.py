@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from ..cli.options import url_policy_args
 from .limits import (BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_CONNECTIONS, MAX_PIXELS_IN_FLIGHT, MAX_REQUEST_PIXELS)
 
 
@@ -74,3 +73,18 @@ def add_arguments(s) -> None:
     g.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
                    help=f"open connections and requests in progress; past it requests get 503 (default "
                         f"{MAX_CONNECTIONS})")
+
+
+def url_policy_args(g, whose: str) -> None:
+    """--allow-local-urls and --no-image-urls on parser (group) g: the image URL policy of `vlmrt serve`'s requests
+    and `vlmrt batch`'s records (runtime/media/url_policy.py); whose: "requests'" / "records'"."""
+    g.add_argument("--allow-local-urls", action="store_true",
+                   help=f"let {whose} image URLs reach loopback, private and link-local addresses (a trusted "
+                        "network; default: public addresses only)")
+    g.add_argument("--no-image-urls", action="store_true",
+                   help=f"refuse {whose} http(s) image URLs altogether")
+
+
+def check_url_policy(a) -> None:
+    if a.allow_local_urls and a.no_image_urls:
+        raise ValueError("--allow-local-urls and --no-image-urls contradict each other")

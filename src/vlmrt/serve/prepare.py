@@ -8,7 +8,7 @@ import os
 import socket
 from pathlib import Path
 
-from ..cli.options import check_url_policy
+from .arguments import check_url_policy
 
 
 def is_loopback(host: str) -> bool:
