@@ -309,9 +309,15 @@ class Case:
         return f"{self.family}/{self.case}/{self.precision}/{self.run}/{self.mode}"
 
 
+RECORDED_FAMILIES = ("smolvlm", "internvl", "lfm2_vl", "qwen_vl")
+
+
 def _cases() -> list[Case]:
     from family_cases import FAMILIES
 
+    # the families the record (main 6bf0bd2) holds; a family registered after it (Gemma 4) is held to transformers by
+    # the conformance and paths runners instead, until its cases are recorded on every signature
+    FAMILIES = {name: fc for name, fc in FAMILIES.items() if name in RECORDED_FAMILIES}
     out = []
     for family, fc in FAMILIES.items():
         for c in fc.cases:  # every case (decoder kind) of every family, fp32, both modes

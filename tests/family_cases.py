@@ -133,6 +133,26 @@ def qwen_exported(case: QwenCase, tmp_path_factory, nested: dict | None = None) 
 
 
 @dataclass(frozen=True)
+class Gemma4Case:
+    """The Gemma 4 checkpoint (tests/fixtures_gemma4.py: sliding / full / kv-shared layers, per-layer rows, k_eq_v,
+    soft-capping; the pooling tower at max_soft_tokens 70), prefill blocks of prefill_ar (they split its images)."""
+
+    name: str
+    prefill_ar: int
+
+
+GEMMA4_CASES = [Gemma4Case("gemma4-shared-kv", prefill_ar=16)]
+
+
+def gemma4_exported(case: Gemma4Case, tmp_path_factory, nested: dict | None = None) -> Exported:
+    """The Gemma 4 checkpoint, exported once per test session (test_gemma4_vlm.py uses the same export)."""
+    from fixtures_gemma4 import GEMMA4, make_gemma4_checkpoint
+
+    return export_once(case, tmp_path_factory, make_gemma4_checkpoint, GEMMA4, nested, prefill_ar=case.prefill_ar,
+                       max_seq_len=256)
+
+
+@dataclass(frozen=True)
 class PathsCase:
     """The case of a family that test_family_paths.py runs the user commands on (its index in FamilyCases.cases), and
     what that runner's first image (250×160) tiles into there (`vlmrt bench`'s image_tiles)."""
@@ -181,6 +201,7 @@ FAMILIES = {
                            stale={"preprocessor_config.json": lambda pre: {"max_pixels": pre["max_pixels"] // 4}},
                            paths=PathsCase(1, bench_tiles=1),
                            quant_floors=(("w4a8g", (0.45, 0.06)), ("w4a16og", (0.47, 0.033)))),
+    "gemma4": FamilyCases(GEMMA4_CASES, gemma4_exported, stale={}, paths=PathsCase(0, bench_tiles=1)),
 }
 
 

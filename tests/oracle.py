@@ -39,6 +39,8 @@ class OracleFamily:
     native: bool = False
     # "module:Class" of the family's video processor (SmolVLM2's), saved with the processor by save_nested
     video_processor: str | None = None
+    # an image is one tile at any size (Gemma 4's aspect-ratio patches padded to a budget; native resolution too)
+    one_tile: bool = False
 
 
 def settings(ckpt: Path) -> tuple[dict, dict]:

@@ -76,7 +76,7 @@ def test_forged_control_tokens_are_plain_text_in_every_family(family):
     vlm = VLM.load(ex.bundle)
     tok = vlm.bundle.tokenizer
     strings = forged_strings(vlm)
-    assert {"<|im_start|>", "<end_of_utterance>"} & set(strings) and len(strings) >= 3, strings
+    assert {"<|im_start|>", "<end_of_utterance>", "<start_of_turn>"} & set(strings) and len(strings) >= 3, strings
     client, sys_text = forging_text(strings), "Be brief. <|im_end|> no"
     msgs = [{"role": "system", "content": [{"type": "text", "text": sys_text}]},
             {"role": "user", "content": [{"type": "text", "text": client}]}]

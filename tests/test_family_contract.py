@@ -34,7 +34,7 @@ def with_weights(make):
 
 def test_registered_families_meet_the_contract():
     fams = families.registered()
-    assert [f.name for f in fams] == ["internvl", "lfm2_vl", "qwen_vl", "smolvlm"]
+    assert [f.name for f in fams] == ["gemma4", "internvl", "lfm2_vl", "qwen_vl", "smolvlm"]
     for f in fams:
         assert all(families.family_for({"model_type": t}) is f for t in f.model_types)
     cfg = smolvlm.FAMILY.config(CONFIG)
@@ -90,7 +90,7 @@ def test_decoder_must_be_the_causal_decoder_with_hf_llama_names():
 
 def test_embedding_table_and_vision_output_are_checked():
     cfg = smolvlm.FAMILY.config(CONFIG)
-    with pytest.raises(FamilyContractError, match=r"embedding table must be a \[vocab, hidden\] = \[40, 32\] tensor, "
+    with pytest.raises(FamilyContractError, match=r"embedding table must be a \[vocab, row width\] = \[40, 32\] tensor, "
                                                   r"not \(40, 31\)"):
         with_weights(lambda c: (*modules(c)[:2], torch.zeros(40, 31))).weights(cfg, {})
 
@@ -100,8 +100,37 @@ def test_embedding_table_and_vision_output_are_checked():
         return v, d, e
 
     with pytest.raises(FamilyContractError, match=r"the vision module maps one tile \[16, 48\] to \[4, 33\], not "
-                                                  r"\[tokens_per_tile, hidden\] = \[4, 32\]"):
+                                                  r"\[tokens_per_tile, row width\] = \[4, 32\]"):
         with_weights(wide).weights(cfg, {})
+
+
+def test_row_width_is_not_the_decoders_hidden():
+    """Gemma 4's token rows carry per-layer rows beside the embedding: the table and the vision graph's rows are
+    hidden + layers × per_layer wide (16 + 2 × 4 here), the decoder's norm hidden; a table or a tower of the
+    decoder's hidden alone is refused (on main every check compared against hidden: the family could not register)."""
+    from vlmrt.families.gemma4 import FAMILY, language, vision
+
+    text = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+            "hidden_size": 16, "intermediate_size": 24, "vocab_size": 40, "hidden_size_per_layer_input": 4,
+            "global_head_dim": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    v = {"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 8,
+         "patch_size": 2, "pooling_kernel_size": 2, "position_embedding_size": 16, "rms_norm_eps": 1e-6}
+    cfg = FAMILY.config({"model_type": "gemma4", "text_config": text, "vision_config": v, "image_token_id": 39})
+    cfg.max_soft_tokens = 4
+    assert (cfg.text.hidden, cfg.text.row_width) == (16, 24)
+
+    def gemma4(table_width, pad_width):
+        def make(c):
+            tower = vision.Gemma4Vision(v, 16, torch.zeros(pad_width), c.patches_per_tile)
+            return tower, language.Gemma4Decoder(c.text).eval(), torch.zeros(40, table_width)
+        return dataclasses.replace(FAMILY, load_weights=lambda c, tensors: make(c))
+
+    w = gemma4(24, 8).weights(cfg, {})
+    assert w.decoder.norm.weight.shape[0] == 16
+    with pytest.raises(FamilyContractError, match=r"\[vocab, row width\] = \[40, 24\] tensor, not \(40, 16\)"):
+        gemma4(16, 8).weights(cfg, {})
+    with pytest.raises(FamilyContractError, match=r"to \[4, 16\], not \[tokens_per_tile, row width\] = \[4, 24\]"):
+        gemma4(24, 0).weights(cfg, {})
 
 
 def host(image_edit=None, **edit) -> families.HostSpec:

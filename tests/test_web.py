@@ -111,7 +111,8 @@ def test_demo_answers_are_vlmrt_runs(demo_site, tmp_path):
 
 
 # registered families whose bundles the browser runtime refuses, and why (web/site.py browser_problem)
-BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "qwen_vl": "rope positions (mrope, 3 rows)"}
+BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "qwen_vl": "rope positions (mrope, 3 rows)",
+                   "gemma4": "sliding_attention cache layers"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

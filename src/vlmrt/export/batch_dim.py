@@ -4,7 +4,7 @@ The exported graph runs its layers on x [1, ar, hidden] (families/layers.py: gqa
 leaves with x[0]). `add_batch_dim` makes the leading 1 the batch: the enter Unsqueeze becomes a Reshape to
 [B, ar / B, hidden] (as do rows added inside the stack: DeepStack's), GroupQueryAttention's position_ids [1, ar] (the
 graph's position input, or with M-RoPE the token indices into the step's own rotary table: families/layers.py
-_gqa_rope) are reshaped to [B, ar / B], the leave Gather becomes a Reshape back to [ar, hidden], views baked as
+_gqa_rope) are reshaped to [B, ar / B], the leave Gather becomes a Flatten back to [ar, width], views baked as
 [1, -1, ...] keep the input's dim 0, and the cache buffers' first dimension is symbolic (`batch`), as are a conv
 layer's (LFM2: its window past_conv_i [B, width, channels] and its rows new_conv_i [B, ar / B, channels]).
 GroupQueryAttention already takes B sequences, each with its own seqlens_k[b] (its step's last slot) over its own
@@ -66,15 +66,15 @@ def add_batch_dim(model: onnx.ModelProto, seqlens: str, cache_prefixes=("past_",
         helper.make_node("Reshape", [positions, "batch_dim.p_shape"], ["batch_dim.positions"], name="batch_dim.positions"),
     ]
     g.initializer.extend([numpy_helper.from_array(np.array([-1], np.int64), "batch_dim.minus1"),
-                          numpy_helper.from_array(np.array([hidden], np.int64), "batch_dim.hidden"),
-                          numpy_helper.from_array(np.array([-1, hidden], np.int64), "batch_dim.rows")])
+                          numpy_helper.from_array(np.array([hidden], np.int64), "batch_dim.hidden")])
     lv = leave[0]
     for n in (enter[0], *rows_in):
         n.op_type, n.input[1] = "Reshape", "batch_dim.x_shape"  # [ar, hidden] -> [B, ar / B, hidden]
     old_index = lv.input[1]
-    lv.op_type = "Reshape"  # [B, ar / B, hidden] -> [ar, hidden]
-    lv.input[1] = "batch_dim.rows"
+    lv.op_type = "Flatten"  # [B, ar / B, width] -> [ar, width] (the stack's width: Gemma 4's input rows are wider)
+    del lv.input[1:]
     del lv.attribute[:]
+    lv.attribute.append(helper.make_attribute("axis", 2))
     for n in gqa:
         n.input[9] = "batch_dim.positions"  # position_ids [B, ar / B]
     if not any(old_index in n.input for n in g.node):

@@ -16,11 +16,11 @@ from ..format import manifest as mf
 
 
 class CacheLayout(NamedTuple):
-    """How a decoder graph takes its cache (export/graphs.py LAYOUTS, by attention kind): attention() -> an example K
-    or V tensor and its dynamic dims, the leading dims of a conv window ([1] for the in-place graphs' batch), the I/O
-    dtype."""
+    """How a decoder graph takes its cache (export/graphs.py LAYOUTS, by attention kind): attention(kv_heads,
+    head_dim) -> an example K or V tensor of a layer of that shape and its dynamic dims, the leading dims of a conv
+    window ([1] for the in-place graphs' batch), the I/O dtype."""
 
-    attention: Callable[[], tuple[torch.Tensor, dict | None]]
+    attention: Callable[[int, int], tuple[torch.Tensor, dict | None]]
     lead: tuple[int, ...]
     dtype: torch.dtype
 
@@ -36,11 +36,12 @@ class AttentionCache:
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_key_{i}", f"past_value_{i}"], [f"{out_prefix}_key_{i}", f"{out_prefix}_value_{i}"]
 
-    def examples(self, decoder, layout: CacheLayout) -> list[tuple[torch.Tensor, dict | None]]:
-        return [layout.attention(), layout.attention()]  # two tensors: the exporter folds one passed twice into one input
+    def examples(self, decoder, layout: CacheLayout, i: int) -> list[tuple[torch.Tensor, dict | None]]:
+        shape = decoder.kv_shape(i)
+        return [layout.attention(*shape), layout.attention(*shape)]  # two tensors: the exporter folds one passed twice into one input
 
-    def layer(self, decoder, text, ins: list[str], outs: list[str]) -> mf.AttentionLayer:
-        return mf.AttentionLayer("attention", text.kv_heads, text.head_dim, ins[0], ins[1], outs[0], outs[1])
+    def layer(self, decoder, text, i: int, ins: list[str], outs: list[str]) -> mf.AttentionLayer:
+        return mf.AttentionLayer("attention", *decoder.kv_shape(i), ins[0], ins[1], outs[0], outs[1])
 
     def encoded(self, layer: mf.AttentionLayer) -> list[tuple[str, str, str]]:
         """(encoding name, cache input, the step's output) of each state tensor (kv.encodings[graph][name][i], i:
@@ -72,10 +73,10 @@ class ConvCache:
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_conv_{i}"], [f"new_conv_{i}"]  # (the step's rows whatever the attention kind's outputs are)
 
-    def examples(self, decoder, layout: CacheLayout) -> list[tuple[torch.Tensor, dict | None]]:
+    def examples(self, decoder, layout: CacheLayout, i: int) -> list[tuple[torch.Tensor, dict | None]]:
         return [(torch.zeros(*layout.lead, *decoder.conv_state, dtype=layout.dtype), None)]  # static: the window's size
 
-    def layer(self, decoder, text, ins: list[str], outs: list[str]) -> mf.ConvLayer:
+    def layer(self, decoder, text, i: int, ins: list[str], outs: list[str]) -> mf.ConvLayer:
         width, channels = decoder.conv_state
         return mf.ConvLayer("conv", channels=channels, width=width, state_input=ins[0], state_output=outs[0])
 
@@ -107,12 +108,12 @@ class RecurrentCache:
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_conv_{i}", f"past_state_{i}"], [f"present_conv_{i}", f"present_state_{i}"]
 
-    def examples(self, decoder, layout: CacheLayout) -> list[tuple[torch.Tensor, dict | None]]:
+    def examples(self, decoder, layout: CacheLayout, i: int) -> list[tuple[torch.Tensor, dict | None]]:
         width, channels, heads, dk, dv = decoder.recurrent_state
         return [(torch.zeros(*layout.lead, width, channels, dtype=layout.dtype), None),
                 (torch.zeros(*layout.lead, heads, dk, dv, dtype=layout.dtype), None)]
 
-    def layer(self, decoder, text, ins: list[str], outs: list[str]) -> mf.RecurrentLayer:
+    def layer(self, decoder, text, i: int, ins: list[str], outs: list[str]) -> mf.RecurrentLayer:
         width, channels, heads, dk, dv = decoder.recurrent_state
         return mf.RecurrentLayer("recurrent", width=width, channels=channels, heads=heads, key_dim=dk, value_dim=dv,
                                  conv_input=ins[0], state_input=ins[1], conv_output=outs[0], state_output=outs[1])
@@ -129,8 +130,66 @@ class RecurrentCache:
         """The state after the step replaces the old one."""
         return list(new)
 
+    def absmax(self, new: list[torch.Tensor]) -> None:
+        """None: a quantized cache holds attention layers only (a recurrent state stays in the I/O dtype)."""
+        return None
 
-CACHE_KINDS = {k.name: k for k in (AttentionCache(), ConvCache(), RecurrentCache())}
+
+
+class SlidingAttentionCache(AttentionCache):
+    """A sliding-window layer's K and V (Gemma 4): an attention layer's tensors, its kv.layers entry with the window
+    (DecoderModule.window: the keys a query sees; the graph applies it)."""
+
+    name = "sliding_attention"
+
+    def layer(self, decoder, text, i: int, ins: list[str], outs: list[str]) -> mf.SlidingAttentionLayer:
+        return mf.SlidingAttentionLayer("sliding_attention", *decoder.kv_shape(i), ins[0], ins[1], outs[0], outs[1],
+                                        window=decoder.window)
+
+    def encoded(self, layer) -> list[tuple[str, str, str]]:
+        return [("sliding_key", layer.key_input, layer.key_output), ("sliding_value", layer.value_input, layer.value_output)]
+
+    def absmax(self, new: list[torch.Tensor]):
+        """A quantized cache does not hold sliding-window layers yet: kv_quant.calibrate refuses it in one line,
+        before anything is written."""
+        raise NotImplementedError("--kv-cache int8/int4 does not hold sliding-window layers yet (Gemma 4): export "
+                                  "with --kv-cache fp32")
+
+
+class SharedKVCache:
+    """A layer that reads an earlier layer's K and V inside the graph (Gemma 4's kv-shared layers): no state tensors;
+    its kv.layers entry names the source (DecoderModule.kv_source)."""
+
+    name = "shared_kv"
+    tensors = 0
+    batchable = True
+    padded = True  # (no state: its source's rows are dropped as the source's are)
+
+    def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
+        return [], []
+
+    def examples(self, decoder, layout: CacheLayout, i: int) -> list[tuple[torch.Tensor, dict | None]]:
+        return []
+
+    def layer(self, decoder, text, i: int, ins: list[str], outs: list[str]) -> mf.SharedKVLayer:
+        return mf.SharedKVLayer("shared_kv", source=decoder.kv_source(i))
+
+    def encoded(self, layer) -> list[tuple[str, str, str]]:
+        return []
+
+    def empty(self, decoder, layer) -> list[torch.Tensor]:
+        return []
+
+    def advance(self, decoder, past: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+        return []
+
+    def absmax(self, new: list[torch.Tensor]) -> None:
+        return None
+
+
+
+CACHE_KINDS = {k.name: k for k in (AttentionCache(), ConvCache(), RecurrentCache(), SlidingAttentionCache(),
+                                  SharedKVCache())}
 
 
 def state_names(layer_kinds: tuple[str, ...], out_prefix: str = "new") -> tuple[list[str], list[str]]:
@@ -144,7 +203,7 @@ def state_names(layer_kinds: tuple[str, ...], out_prefix: str = "new") -> tuple[
 
 def kv_layers(decoder, text, out_prefix: str) -> list:
     """The manifest's kv.layers: one entry per decoder layer by its cache kind, its tensor names state_names'."""
-    return [CACHE_KINDS[kind].layer(decoder, text, *CACHE_KINDS[kind].names(i, out_prefix))
+    return [CACHE_KINDS[kind].layer(decoder, text, i, *CACHE_KINDS[kind].names(i, out_prefix))
             for i, kind in enumerate(decoder.layer_kinds)]
 
 

@@ -3,7 +3,8 @@
 ORT's contrib ops have no schema in `onnx`, and the dynamo exporter builds a node only from a schema: this module
 registers the op's schema (the inputs vlmrt uses, in ORT's order: docs/ContribOperators.md of onnxruntime) once, and
 gives the exporter the translation (`TABLE`, torch.onnx.export's custom_translation_table). do_rotary with the cos /
-sin caches applies RoPE at the host's position_ids (rotary_interleaved 0: transformers' rotate-half form); scale 1/sqrt(head_dim), ORT's default.
+sin caches applies RoPE at the host's position_ids (rotary_interleaved 0: transformers' rotate-half form); scale 1/sqrt(head_dim), ORT's default,
+unless the op is given one; a sliding window as local_window_size.
 `pack_qkv` then feeds the op the fused q/k/v projection whole (its packed-QKV form), without the Split between.
 """
 
@@ -30,7 +31,8 @@ def _register() -> None:
     outputs = [p("output", "T"), p("present_key", "T"), p("present_value", "T")]
     a, at = OpSchema.Attribute, OpSchema.AttrType
     attributes = [a("num_heads", at.INT, "", required=True), a("kv_num_heads", at.INT, "", required=True),
-                  a("do_rotary", at.INT, "", required=False), a("rotary_interleaved", at.INT, "", required=False)]
+                  a("do_rotary", at.INT, "", required=False), a("rotary_interleaved", at.INT, "", required=False),
+                  a("local_window_size", at.INT, "", required=False), a("scale", at.FLOAT, "", required=False)]
     onnx.defs.register_schema(OpSchema(
         "GroupQueryAttention", DOMAIN, 1, inputs=inputs, outputs=outputs, attributes=attributes,
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], ""),
@@ -42,9 +44,17 @@ _msft = onnxscript.values.Opset(DOMAIN, 1)
 
 
 def _group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads: int,
-                           kv_heads: int):
+                           kv_heads: int, window: int = 0, scale: float = 0.0):
+    """window > 0: a sliding window of that many keys, the query's own included (local_window_size = window: ORT
+    1.32's CPU kernel attends slots q - window < k <= q, measured against transformers' sliding mask by
+    tests/test_gemma4_decoder.py; the schema's "left window" reads one less); scale 0: the op's default 1/sqrt(head_dim)."""
+    extra = {}
+    if window > 0:
+        extra["local_window_size"] = window
+    if scale:
+        extra["scale"] = float(scale)
     return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, num_heads=heads,
-                                     kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)
+                                     kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, **extra)
 
 
 TABLE = {torch.ops.vlmrt.group_query_attention.default: _group_query_attention}

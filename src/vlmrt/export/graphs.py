@@ -203,15 +203,15 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     if layout.in_place:
         step = {"seqlens_k": torch.tensor([ar - 1], dtype=torch.int32),
                 "total_sequence_length": torch.tensor(ar, dtype=torch.int32)}
-        cache = CacheLayout(lambda: (torch.zeros(1, kv_heads, max_context, head_dim, dtype=dt), None), (1,), dt)
+        cache = CacheLayout(lambda h, d: (torch.zeros(1, h, max_context, d, dtype=dt), None), (1,), dt)
     else:
         step = {"attention_mask": torch.zeros(ar, max_context + ar, dtype=dt)}
         ctx = torch.export.Dim("ctx", min=2, max=max_context) if dynamic_context else None
-        cache = CacheLayout(lambda: (torch.zeros(max_context, kv_heads * head_dim, dtype=dt), {0: ctx}), (), dt)
+        cache = CacheLayout(lambda h, d: (torch.zeros(max_context, h * d, dtype=dt), {0: ctx}), (), dt)
         # (with a symbolic AR the exporter derives the mask's width; else ctx + ar)
         if dynamic_context:
             dims["attention_mask"] = {0: n, 1: torch.export.Dim.AUTO} if dynamic_ar else {1: ctx + ar}
-    state = [ex for kind in decoder.layer_kinds for ex in CACHE_KINDS[kind].examples(decoder, cache)]
+    state = [ex for i, kind in enumerate(decoder.layer_kinds) for ex in CACHE_KINDS[kind].examples(decoder, cache, i)]
     dims.update(zip(state_names(decoder.layer_kinds)[0], (d for _, d in state)))
     tail = {}
     if dynamic_ar:

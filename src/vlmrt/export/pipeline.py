@@ -230,6 +230,12 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
             raise ExportError("the chat template does not render one image and one text item as expected")
     plan = Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
                 htp, "rows_concat" if htp else "rows_copy_free", prompt)
+    t = cfg.text
+    if t.row_width != t.hidden and {prec["prefill"], prec["decode"], head or prec["decode"]} & set(quantize.WEIGHT_ONLY_BITS):
+        # (_write_host_files: weight-only decoders take an int8 table, one scale per row)
+        raise ExportError(f"weight-only precisions write an int8 token table, and this checkpoint's rows carry "
+                          f"per-layer rows beside the embedding ({t.hidden} + {t.row_width - t.hidden} values), which "
+                          "lose the answers as int8 (docs/gemma4.md); export it at a float precision")
     gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0
     if attention == "gqa" and not gqa_fits:
         raise ExportError("--attention gqa needs the one-graph CPU decoder (symbolic cache length, one precision for "
@@ -309,7 +315,7 @@ def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=N
         what = f"prefill + decode graph (AR=1..{ar}" if plan.one_graph else f"{name} graph (AR={ar}"
         p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[_like(name)]}, lm head {h})")
         stem = "decoder" if plan.one_graph else name
-        graphs.export_decoder(decoder, attention=plan.attention, ar=ar, max_context=ctx, hidden=t.hidden,
+        graphs.export_decoder(decoder, attention=plan.attention, ar=ar, max_context=ctx, hidden=t.row_width,
                               kv_heads=t.kv_heads, head_dim=t.head_dim, io_dtype=plan.dtype,
                               precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx", cpu=plan.htp is None,
                               dynamic_context=plan.context_step > 0, dynamic_ar=plan.one_graph, hessian=hessian,
@@ -395,7 +401,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
         special_tokens=mf.SpecialTokens(image_token_id=host.image_token_id, eos_token_ids=plan.ckpt.eos_ids(plan.tok_json),
                                         pad_token_id=plan.ckpt.pad_id(t.vocab)),
         kv=mf.KVSpec(max_context=plan.max_seq_len, dtype=DTYPES[plan.dtype], layers=kv_layers),
-        decoder=mf.DecoderSpec(hidden_size=t.hidden, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
+        decoder=mf.DecoderSpec(hidden_size=t.row_width, vocab_size=t.vocab, prefill_ar=plan.prefill_ar,
                                embeds_input="inputs_embeds",
                                positions=mf.PositionsSpec(input="position_ids", rows=host.positions_rows,
                                                           op=host.positions_op),

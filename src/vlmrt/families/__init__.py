@@ -33,8 +33,8 @@ if TYPE_CHECKING:  # (torch only for export: this module is imported without it)
 
 # config.json model_type -> the family module (vlmrt.families.<name>) whose FAMILY exports it
 REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl",
-            "lfm2_vl": "lfm2_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl",
-            "qwen3_5": "qwen_vl"}
+            "lfm2_vl": "lfm2_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl", "qwen3_5": "qwen_vl",
+            "gemma4": "gemma4"}
 
 # the image processor's "resample" (PIL's enum values) -> the runtime's filter names
 PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
@@ -50,6 +50,13 @@ DECODER_LAYER_WEIGHTS = {
     "recurrent": ("input_layernorm", "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
                   "linear_attn.in_proj_a", "linear_attn.out_proj", "post_attention_layernorm", "mlp.gate_proj",
                   "mlp.up_proj", "mlp.down_proj"),  # (a Gated DeltaNet in place of attention: Qwen3.5)
+    # Gemma 4 (families/gemma4/language.py): a sliding-window layer has an attention layer's weights; a kv-shared
+    # one has no k / v projections (it reads its source layer's K/V)
+    "sliding_attention": ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                          "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                          "mlp.down_proj"),
+    "shared_kv": ("input_layernorm", "self_attn.q_proj", "self_attn.o_proj", "post_attention_layernorm",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 }
 DECODER_WEIGHTS = ("norm", "lm_head")
 
@@ -128,6 +135,21 @@ class DecoderModule:
     logit_rows: bool = False  # the graph takes logit_rows last and returns those rows' logits (with_options sets it)
     # the attention kinds (layers.ATTENTION_KINDS) with_options builds; empty: every one (Qwen3.5's: gqa_in_place)
     attention_kinds: tuple[str, ...] = ()
+    window: int = 0  # the keys a sliding_attention layer's query sees (read only where a layer is "sliding_attention")
+
+    def kv_shape(self, i: int) -> tuple[int, int]:
+        """(kv_heads, head_dim) of layer i's K/V (an attention layer's self_attn; Gemma 4's full layers differ)."""
+        attn = self.layers[i].self_attn
+        return attn.kv_heads, attn.head_dim
+
+    def layer_weights(self, i: int) -> tuple[str, ...]:
+        """The modules layer i has (DECODER_LAYER_WEIGHTS of its kind; Gemma 4's attention_k_eq_v layers have no
+        v_proj: the values are the key projection)."""
+        return DECODER_LAYER_WEIGHTS[self.layer_kinds[i]]
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose K/V a "shared_kv" layer i reads (only such a decoder has one)."""
+        raise NotImplementedError
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -245,7 +267,7 @@ class Family:
                                 f"{t.layers} / {t.hidden} / {t.vocab}")
         if len(kinds) != t.layers:
             raise self.fail(f"the decoder's layer_kinds name {len(kinds)} layers, the config {t.layers}")
-        want = [f"layers.{i}.{w}" for i, k in enumerate(kinds) for w in DECODER_LAYER_WEIGHTS[k]] + list(DECODER_WEIGHTS)
+        want = [f"layers.{i}.{w}" for i in range(len(kinds)) for w in decoder.layer_weights(i)] + list(DECODER_WEIGHTS)
         missing = [w for w in want if w not in names]
         if missing:
             raise self.fail(f"the decoder has no module {missing[0]} (the quantizer finds weights by HF Llama's names)")
@@ -255,17 +277,17 @@ class Family:
                                          and all(map(_positive, decoder.recurrent_state))):
             raise self.fail("a decoder with recurrent layers must give recurrent_state = (width, channels, heads, "
                             "key_dim, value_dim), positive ints")
-        if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (t.vocab, t.hidden):
-            raise self.fail(f"the embedding table must be a [vocab, hidden] = [{t.vocab}, {t.hidden}] tensor, not "
+        if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (t.vocab, t.row_width):
+            raise self.fail(f"the embedding table must be a [vocab, row width] = [{t.vocab}, {t.row_width}] tensor, not "
                             f"{tuple(getattr(embed, 'shape', ())) or type(embed).__name__}")
         if not isinstance(vision, torch.nn.Module) or not isinstance(vision, VisionModule):
             raise self.fail(f"load_weights gave a {type(vision).__name__} vision tower, not a torch module derived "
                             "from families.VisionModule")
         example = vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2)
         got = _output_shape(vision, *example.values())
-        if got != (cfg.tokens_per_tile, t.hidden):
+        if got != (cfg.tokens_per_tile, t.row_width):
             raise self.fail(f"the vision module maps one tile {list(example['patches'].shape)} "
-                            f"to {list(got)}, not [tokens_per_tile, hidden] = [{cfg.tokens_per_tile}, {t.hidden}]")
+                            f"to {list(got)}, not [tokens_per_tile, row width] = [{cfg.tokens_per_tile}, {t.row_width}]")
         return Weights(vision, decoder, embed)
 
     def host(self, ckpt: Checkpoint, cfg: FamilyConfig, tok_json: dict) -> HostSpec:
@@ -305,7 +327,9 @@ class Family:
 
 
 # the fields of a family's text config the exporter reads (families/decoder.py TextConfig has them all)
-TEXT_FIELDS = ("hidden", "heads", "kv_heads", "head_dim", "layers", "intermediate", "vocab")
+# (row_width: a token's row in the host's table, the vision graph's output and the decoder's inputs_embeds: hidden,
+# or wider where per-layer rows ride beside the embedding, Gemma 4's hidden + layers × per_layer)
+TEXT_FIELDS = ("hidden", "heads", "kv_heads", "head_dim", "layers", "intermediate", "vocab", "row_width")
 
 
 def _positive(value) -> bool:

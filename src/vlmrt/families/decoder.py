@@ -42,6 +42,11 @@ class TextConfig:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def row_width(self) -> int:
+        """A token's row (the host's table, the vision graph's output, the decoder's inputs_embeds): hidden."""
+        return self.hidden
+
     @classmethod
     def from_hf(cls, t: dict[str, Any]) -> "TextConfig":
         model_type = t.get("model_type", "llama")

@@ -4,11 +4,13 @@
         q [1, s, heads*d], k [1, s, kv_heads*d], v [1, s, kv_heads*d],      (before RoPE)
         past_k [1, kv_heads, max_context, d], past_v [...],                 (the cache, post-RoPE keys)
         seqlens_k [1] int32 (= total - 1), total [] int32 (= past + s),
-        cos [table rows, d/2], sin [table rows, d/2], position_ids [1, s] int64, heads, kv_heads)
+        cos [table rows, d/2], sin [table rows, d/2], position_ids [1, s] int64, heads, kv_heads[, window, scale])
 
 The s new tokens go to cache slots total - s .. total - 1: RoPE (rotate-half, transformers' form) is applied to q
 and k at their position_ids (the rope positions, which need not be the slots), their K/V rows are written into
-present at those slots, and each new token attends to slots 0..its own slot (causal inside the block). ORT 1.32
+present at those slots, and each new token attends to slots 0..its own slot (causal inside the block); with
+window > 0 only to the last `window` of them (slots q - window < k <= q: the node's local_window_size = window).
+scale: the scores' factor (0: 1/sqrt(d), the op's default; Gemma 4's 1). ORT 1.32
 reads position_ids per token except on a step that starts at slot 0 (its "first prompt"), where it rotates token i
 by position_ids[0] + i; the runtime refuses other positions there (runtime/decode/decoder_kinds.py). `present` has the shape of `past`: the runtime binds both to one
 buffer, so the graph updates the cache in place (ORT's past/present share-buffer mode). export/gqa_onnx.py maps
@@ -32,8 +34,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 @torch.library.custom_op("vlmrt::group_query_attention", mutates_args=())
 def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
                           past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, position_ids: torch.Tensor, heads: int,
-                          kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          sin: torch.Tensor, position_ids: torch.Tensor, heads: int, kv_heads: int, window: int = 0,
+                          scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s, d = q.shape[1], past_k.shape[-1]
     n = int(total)
     pos = torch.arange(n - s, n)  # the slots
@@ -45,13 +47,15 @@ def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pas
     present_v[0, :, n - s : n] = v[0].view(s, kv_heads, d).transpose(0, 1)
     keys = present_k[0, :, :n].repeat_interleave(heads // kv_heads, 0)  # [heads, n, d]
     values = present_v[0, :, :n].repeat_interleave(heads // kv_heads, 0)
-    scores = qh @ keys.transpose(1, 2) / math.sqrt(d)  # [heads, s, n]
+    scores = qh @ keys.transpose(1, 2) * (scale or 1 / math.sqrt(d))  # [heads, s, n]
     hidden = torch.arange(n)[None, :] > pos[:, None]  # [s, n]: slots after a token's position
+    if window > 0:  # and slots at or before q - window
+        hidden = hidden | (torch.arange(n)[None, :] <= pos[:, None] - window)
     probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), -1).to(q.dtype)
     out = (probs @ values).transpose(0, 1).reshape(1, s, heads * d)
     return out, present_k, present_v
 
 
 @group_query_attention.register_fake
-def _(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads, kv_heads):
+def _(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads, kv_heads, window=0, scale=0.0):
     return torch.empty_like(q), torch.empty_like(past_k), torch.empty_like(past_v)

@@ -303,7 +303,43 @@ class RecurrentLayer:
         return None
 
 
-CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer, "recurrent": RecurrentLayer}
+@dataclass
+class SlidingAttentionLayer(AttentionLayer):
+    """An attention layer whose queries see only the last `window` keys: a key at slot k is seen by the query at slot
+    q when q - window < k <= q (Gemma 4's sliding_attention layers). Its K and V rows are kept one per slot like an
+    attention layer's (runtime/decode/windowed_state.py: so a prefix reuse, a rejected lookahead draft or a chunked
+    prefill rewinds by moving the length, no row a kept prefix needs is ever dropped); the graph applies the window
+    (GroupQueryAttention's local_window_size = window; under the rows kinds, added to the kind's mask in the graph)."""
+
+    window: int = 0  # keys a query sees, its own included
+
+    def problem(self) -> str | None:
+        return super().problem() or (None if self.window > 0 else "window must be positive")
+
+
+@dataclass
+class SharedKVLayer:
+    """A layer with no K/V of its own (Gemma 4's num_kv_shared_layers): its queries attend over the cache of the
+    earlier layer kv.layers[source] (the last earlier layer of its attention type that has K/V), which the graph
+    reads inside (the source's own inputs): no state, no graph input or output of its own."""
+
+    kind: str  # "shared_kv"
+    source: int  # the kv.layers index whose K/V rows this layer reads
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return ()
+
+    def problem(self) -> str | None:
+        return "source must be a layer index >= 0" if self.source < 0 else None
+
+
+CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer, "recurrent": RecurrentLayer,
+                     "sliding_attention": SlidingAttentionLayer, "shared_kv": SharedKVLayer}
 
 
 def attention_layers(n: int, kv_heads: int, head_dim: int, key_input: str = "past_key_{layer}",
@@ -321,7 +357,7 @@ class KVSpec:
 
     max_context: int
     dtype: str
-    layers: list[AttentionLayer | ConvLayer | RecurrentLayer]
+    layers: list[AttentionLayer | ConvLayer | RecurrentLayer | SlidingAttentionLayer | SharedKVLayer]
     # uint8 caches (HTP bundles): per graph, per layer (scale, zero_point) of K and V rows,
     # {"prefill": {"key": [[s, zp], ...], "value": [...]}, "decode": {...}}; q = round(x / s) + zp
     encodings: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)

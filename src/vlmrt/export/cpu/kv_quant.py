@@ -58,7 +58,10 @@ def calibrate(decoder, embed: np.ndarray, prompt_ids: list[list[int]], tokens: i
             _, *new = _step(decoder, seq, 0, mask, empty_state(decoder))
             at, layer = 0, 0
             for kind in decoder.layer_kinds:
-                m = CACHE_KINDS[kind].absmax(new[at:at + CACHE_KINDS[kind].tensors])
+                try:
+                    m = CACHE_KINDS[kind].absmax(new[at:at + CACHE_KINDS[kind].tensors])
+                except NotImplementedError as e:  # (a kind the quantized cache does not hold)
+                    raise KVQuantError(str(e)) from None
                 at += CACHE_KINDS[kind].tensors
                 if m is None:  # (a state the quantized cache does not hold)
                     continue

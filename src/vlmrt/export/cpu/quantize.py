@@ -153,10 +153,11 @@ def set_nodes(g: onnx.GraphProto, nodes: list) -> None:
 
 
 def producer_matmul(model: onnx.ModelProto, output: str) -> str | None:
-    """Name of the MatMul that produces graph output `output` (the lm head for 'logits')."""
+    """Name of the MatMul that produces graph output `output` (the lm head for 'logits'), through casts, a bias and a
+    logit soft-capping (Gemma 4: Div, Tanh, Mul by constants after the head)."""
     by_out = {o: n for n in model.graph.node for o in n.output}
     node = by_out.get(output)
-    while node is not None and node.op_type in ("Cast", "Identity", "Add"):
+    while node is not None and node.op_type in ("Cast", "Identity", "Add", "Div", "Tanh", "Mul"):
         node = by_out.get(node.input[0])
     return node.name if node is not None and node.op_type == "MatMul" else None
 

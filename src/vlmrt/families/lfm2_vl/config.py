@@ -49,6 +49,10 @@ class Lfm2TextConfig:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def row_width(self) -> int:
+        return self.hidden
+
     @classmethod
     def from_hf(cls, t: dict[str, Any]) -> "Lfm2TextConfig":
         if t.get("model_type", "lfm2") != "lfm2":

@@ -25,6 +25,7 @@ import numpy as np
 from ...format.manifest import KVSpec
 from . import recurrent_state  # noqa: F401  (registers the "recurrent" state kind)
 from .cache_layouts import HEADS, ROWS, CacheLayout, zeroed
+from . import windowed_state  # noqa: F401  (registers the sliding_attention and shared_kv state kinds)
 from .state_kinds import STATE_KINDS, by_kind
 
 __all__ = ["HEADS", "ROWS", "BatchArrays", "CacheLayout", "KVCache", "attention_mask", "context_slots", "zeroed"]

@@ -26,6 +26,7 @@ import numpy as np
 
 from ...format.manifest import ImageSpec
 from .aa_resize import resize as aa_resize
+from . import image_pooled
 from .image_native import budget_size, smart_resize_patches
 from .pixels import RESAMPLE, ImageError, normalize, resample_filter as _resample  # noqa: F401  (ImageError, RESAMPLE: this module's API)
 
@@ -458,9 +459,17 @@ def smart_resize(im: Image.Image, spec: ImageSpec) -> Tiles:
     return Tiles(p.patches[None], gh // merge, gw // merge, np.array([[gh, gw]], np.int64), p.budget_limited)
 
 
+def pooled_aspect(im: Image.Image, spec: ImageSpec) -> Tiles:
+    """Gemma 4's aspect-ratio patches (runtime/media/image_pooled.py): one tile, its patch rows [1, budget, p²·3]
+    padded to the graph's budget; (rows, cols) its token grid (pooling kernels), patch_grids its patch grid."""
+    rows, grid = image_pooled.pooled_patches(im, spec)
+    k = int(spec.params["pooling_kernel"])
+    return Tiles(rows[None], int(grid[0]) // k, int(grid[1]) // k, grid[None])
+
+
 # image.tiling -> (image, spec) -> Tiles
 TILING = {"longest_edge_grid": square_tiles(longest_edge_grid), "closest_aspect_grid": square_tiles(closest_aspect_grid),
-          "naflex_tiles": naflex_tiles, "smart_resize": smart_resize}
+          "naflex_tiles": naflex_tiles, "smart_resize": smart_resize, "pooled_aspect": pooled_aspect}
 
 
 def with_max_tiles(spec: ImageSpec, max_tiles: int | None) -> ImageSpec:

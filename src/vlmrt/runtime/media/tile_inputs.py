@@ -17,6 +17,9 @@ takes a tile (manifest vision.tile_inputs, its params; the inputs after the patc
                   tile) -> the rows padded to the graph's patch budget, the 2-D rotary, Qwen2.5-VL's window order and
                   masks or Qwen3-VL's position interpolation, the attention mask (runtime/media/vision_inputs.py); an h × w
                   grid gives (h/m)·(w/m) tokens
+  pooled_positions  Gemma 4's aspect-ratio patch rows, already padded to the budget (image.pooled_aspect) -> those
+                  rows and each row's patch (x, y) (-1 for padding: runtime/media/image_pooled.py); an h × w grid
+                  gives (h/k)·(w/k) tokens, the first rows of the graph's output
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from . import naflex
+from . import image_pooled, naflex
 from . import vision_inputs
 from .image import unfold_patches
 
@@ -63,6 +66,11 @@ def _native_tokens(grids, n, m):
     return [int(h * w) // unit for h, w in grids]
 
 
+def _pooled(pixels, grid, m):
+    k, budget = int(m.vision.params["pooling_kernel"]), len(pixels)
+    return {"patches": pixels, "positions": image_pooled.positions(grid, budget)}, image_pooled.tokens(grid, k)
+
+
 def _square_rows(m):
     return [(m.image.tile_size // m.image.patch_size) ** 2, 3 * m.image.patch_size ** 2]
 
@@ -76,6 +84,11 @@ TILE_INPUTS = {
     "native_grid": TileOp("native_grid", _native, _native_tokens,
                           lambda m: [m.image.params["max_patches"],
                                      3 * int(m.image.params["temporal_patch"]) * m.image.patch_size ** 2]),
+    "pooled_positions": TileOp("pooled_positions", _pooled,
+                               lambda grids, n, m: [image_pooled.tokens(g, int(m.vision.params["pooling_kernel"]))
+                                                    for g in grids],
+                               lambda m: [int(m.image.params["max_soft_tokens"]) * int(m.image.params["pooling_kernel"]) ** 2,
+                                          3 * m.image.patch_size ** 2]),
 }
 
 

@@ -1,0 +1,276 @@
+"""Gemma 4's text decoder (families/gemma4) exported as the CPU's gqa_in_place graph and run through the real cache
+(sliding_attention, attention and shared_kv state kinds: runtime/decode/windowed_state.py) and scheduler, against
+transformers' Gemma4ForCausalLM on tiny random checkpoints built with its own classes: 24 greedy ids equal
+`generate` in kv and hybrid modes on prompts longer than the sliding window (prefill blocks of 4 crossing it), a
+follow-up turn reusing the prefix, lookahead drafts, and three conversations batched answering as alone.
+
+Two checkpoints: "shared" (a 2:1 sliding / full pattern, window 5, 2 kv-shared layers with double-wide MLPs,
+per-layer inputs, attention_k_eq_v with its own kv heads and global_head_dim on the full layers, proportional RoPE,
+logit soft-capping) and "plain" (a 1:1 pattern, window 3, no sharing, no per-layer inputs, no soft-capping), both
+saved by transformers (per_layer_config, not global_head_dim). Each decoder is exported once per session."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vlmrt.export import cache_kinds, graphs
+from vlmrt.families.gemma4 import language
+from vlmrt.families.gemma4.config import Gemma4TextConfig
+from vlmrt.format.manifest import DecoderSpec, GqaInPlaceKind, KVSpec, PositionsSpec, RowsDynamicKind
+from vlmrt.runtime.decode import lookahead
+from vlmrt.runtime.decode.cache_row import DecoderConfig, DecoderSessions
+from vlmrt.runtime.decode.scheduler import Scheduler
+from vlmrt.runtime.decode.sequence import Sequence
+
+AR, CTX, N = 4, 96, 24
+
+CONFIGS = {
+    "shared": dict(num_hidden_layers=6, sliding_window=5, global_head_dim=32, num_global_key_value_heads=1,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                                "sliding_attention", "full_attention"],
+                   num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
+                   use_double_wide_mlp=True, final_logit_softcapping=30.0),
+    "plain": dict(num_hidden_layers=4, sliding_window=3, global_head_dim=16,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                  num_kv_shared_layers=0, hidden_size_per_layer_input=0, final_logit_softcapping=None),
+}
+PROMPTS = [[2, 17, 43, 9, 88, 5, 120, 61, 7, 7, 33, 250, 11],  # 13 tokens: longer than both windows
+           [2, 99, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+           [2, 30, 31, 30, 31, 30, 31, 30]]
+
+
+def _checkpoint(name: str, folder):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig as HFConfig
+
+    cfg = HFConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, vocab_size_per_layer_input=300, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                   max_position_embeddings=512, **CONFIGS[name])
+    torch.manual_seed(7)
+    model = Gemma4ForCausalLM(cfg).eval()
+    with torch.no_grad():  # weights a random init leaves at 1 / small: spread, so greedy ids have clear margins
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() == 2 and "embed" not in n:
+                p.mul_(5)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)  # (config.json as transformers writes it: per_layer_config, no global_head_dim)
+    return model, json.loads((folder / "config.json").read_text())
+
+
+class Exported:
+    def __init__(self, model, config: dict, path, attention: str = "gqa_in_place"):
+        self.model, self.path, self.attention = model, path, attention
+        self.text = Gemma4TextConfig.from_hf(config)
+        sd = model.state_dict()
+        self.decoder, table = language.load(self.text, sd.__getitem__, "model.")
+        self.table = table.numpy()
+        graphs.export_decoder(self.decoder, attention=attention, ar=AR, max_context=CTX,
+                              hidden=self.table.shape[1], kv_heads=self.text.kv_heads, head_dim=self.text.head_dim,
+                              io_dtype="fp32", precision="fp32", head="fp32", path=path, dynamic_context=True,
+                              dynamic_ar=True)
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.layers = cache_kinds.kv_layers(self.decoder, self.text, graphs.LAYOUTS[attention].out_prefix)
+
+    def scheduler(self, rows: int = 1, lookahead: int = 0, session=None) -> Scheduler:
+        kind = (GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
+                               logit_rows_input="logit_rows", argmax_output="next_token",
+                               batched=cache_kinds.batchable(self.decoder.layer_kinds))
+                if self.attention == "gqa_in_place" else
+                RowsDynamicKind(name="rows_dynamic", mask_input="attention_mask", context_step=8,
+                                logit_rows_input="logit_rows"))
+        dec = DecoderSpec(hidden_size=self.table.shape[1], vocab_size=self.text.vocab, prefill_ar=AR,
+                          embeds_input="inputs_embeds", positions=PositionsSpec("position_ids"), logits_output="logits",
+                          embedding_file="embed.npy", embedding_dtype="float32", kind=kind)
+        kv = KVSpec(max_context=CTX, dtype="float32", layers=self.layers)
+        session = session or self.session
+        return Scheduler(DecoderSessions(decode=session, prefill=session),
+                         DecoderConfig(kv, dec, [1], lookahead=lookahead), self.table, rows=rows)
+
+    def generate(self, ids: list[int]) -> list[int]:
+        """transformers' greedy answer of N tokens (EOS not a stop)."""
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="session", params=[("shared", "gqa_in_place"), ("plain", "gqa_in_place"),
+                                        ("shared", "rows_copy_free")], ids=lambda p: "-".join(p))
+def gemma4(request, tmp_path_factory):
+    name, attention = request.param
+    folder = tmp_path_factory.mktemp(f"gemma4-{name}-{attention}")
+    model, config = _checkpoint(name, folder)
+    return Exported(model, config, folder / "decoder.onnx", attention)
+
+
+def test_manifest_layers_name_their_kinds(gemma4):
+    """kv.layers: the sliding layers with their window, the full ones with their own shape, the shared ones naming
+    the last earlier layer of their type that has K/V (transformers' kv_sharing_modes "store" layer)."""
+    kinds = [layer.kind for layer in gemma4.layers]
+    shapes = gemma4.text.shapes
+    assert kinds == list(gemma4.decoder.layer_kinds)
+    for layer, shape in zip(gemma4.layers, shapes):
+        if layer.kind == "shared_kv":
+            assert shapes[layer.source].type == shape.type and shapes[layer.source].shares < 0
+        else:
+            assert (layer.kv_heads, layer.head_dim) == (shape.kv_heads, shape.head_dim)
+        if layer.kind == "sliding_attention":
+            assert layer.window == gemma4.text.window
+
+
+def test_greedy_ids_equal_generate_in_both_modes(gemma4):
+    sched = gemma4.scheduler()
+    for ids in PROMPTS:
+        want = gemma4.generate(ids)
+        assert len(set(want)) > 3
+        for mode in ("kv", "hybrid"):
+            got = list(sched.generate(sched.embed(ids), mode=mode, max_new_tokens=N, ignore_eos=True))
+            assert got == want, (mode, ids)
+
+
+def test_follow_up_reuses_the_prefix(gemma4):
+    """A second turn that keeps the first turn's rows (past the window) and feeds only its new tokens answers as a
+    whole prompt from slot 0 does."""
+    sched = gemma4.scheduler()
+    first = PROMPTS[0]
+    answer = list(sched.generate(sched.embed(first), mode="hybrid", max_new_tokens=N, ignore_eos=True))
+    turn = first + answer[:-1] + [40, 41, 42, 43, 44]  # the answer's last id is never fed: not in the cache
+    start = sched.rows[0].reusable("hybrid", len(first) + len(answer) - 1)
+    assert start > gemma4.text.window
+    got = list(sched.generate(sched.embed(turn)[start:], mode="hybrid", max_new_tokens=N, ignore_eos=True,
+                              start=start))
+    assert got == gemma4.generate(turn)
+
+
+def test_lookahead_drafts_keep_the_answer(gemma4, monkeypatch):
+    """Prompts that repeat themselves (a prompt, its answer's start, the prompt again): drafts are proposed (2-grams
+    too), rejected drafts rewind the windowed rows, and every answer is plain decoding's."""
+    monkeypatch.setattr(lookahead, "NGRAMS", (3, 2))
+    sched = gemma4.scheduler(lookahead=3)
+    drafted = 0
+    for first in PROMPTS:
+        ids = first + gemma4.generate(first)[:8] + first
+        got = list(sched.generate(sched.embed(ids), mode="hybrid", max_new_tokens=N, ignore_eos=True, prompt_ids=ids))
+        assert got == gemma4.generate(ids)
+        drafted += sched.last.drafted_tokens
+    assert drafted > 0
+
+
+def test_three_conversations_batched_answer_as_alone(gemma4):
+    sched = gemma4.scheduler(rows=3)
+    seqs = [sched.add(Sequence(sched.embed(ids), "hybrid", N, ignore_eos=True)) for ids in PROMPTS]
+    while not all(s.done for s in seqs):
+        sched.step()
+    for s, ids in zip(seqs, PROMPTS):
+        assert s.ids[:N] == gemma4.generate(ids)
+
+
+def test_per_layer_rows_ride_in_the_token_row(gemma4):
+    """The host table's row is the scaled embedding and, where the checkpoint has per-layer inputs, the token's
+    per-layer row beside it (times sqrt(per_layer)), as transformers computes them."""
+    lm = gemma4.model.model
+    ids = torch.tensor([3, 77, 299])
+    with torch.no_grad():
+        want = lm.embed_tokens(ids)
+        if gemma4.text.per_layer:
+            want = torch.cat([want, lm.embed_tokens_per_layer(ids)], dim=1)
+    assert np.array_equal(gemma4.table[ids.numpy()], want.numpy())
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"enable_moe_block": True, "num_experts": 4}, "MoE experts"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer type chunked_attention"),
+    ({"use_bidirectional_attention": "all"}, "bidirectional text decoder"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}}, "rope type 'yarn'"),
+])
+def test_unsupported_checkpoints_are_refused_in_one_line(edit, message):
+    from vlmrt.families.decoder import UnsupportedCheckpoint
+
+    text = {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "hidden_size": 64, "intermediate_size": 96, "vocab_size": 300, **edit}
+    with pytest.raises(UnsupportedCheckpoint, match=message) as e:
+        Gemma4TextConfig.from_hf(text)
+    assert "\n" not in str(e.value)
+
+
+def test_hub_config_form_reads_global_head_dim():
+    """The hub's config.json (a gemma4 checkpoint: text_config with global_head_dim and num_global_key_value_heads,
+    no per_layer_config) gives the full layers the shapes transformers gives them."""
+    from vlmrt.families.gemma4.config import text_config
+
+    hub = {"model_type": "gemma4", "text_config": {
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64,
+        "intermediate_size": 96, "vocab_size": 300, "global_head_dim": 32, "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}}
+    t = Gemma4TextConfig.from_hf(text_config(hub))
+    assert [(s.kv_heads, s.head_dim, s.k_eq_v) for s in t.shapes] == [(2, 16, False)] * 3 + [(1, 32, True)]
+
+
+def test_decoder_refuses_an_unknown_attention_kind(gemma4):
+    with pytest.raises(ValueError, match="unknown attention kind 'ring'"):
+        gemma4.decoder.with_options(attention="ring", logit_rows=True, rope_positions=8)
+
+
+def test_weight_only_export_finds_the_head_behind_the_softcap(gemma4, tmp_path):
+    """A weight-only precision quantizes every constant-weight MatMul, the lm head behind the logit soft-capping
+    (Div, Tanh, Mul) included (export/cpu/quantize.producer_matmul: on main the export stops there, "cannot find the
+    lm head MatMul"), and the graph answers through the cache."""
+    import onnx
+    import onnxruntime as ort
+
+    path = tmp_path / "w8a16.onnx"
+    graphs.export_decoder(gemma4.decoder, attention=gemma4.attention, ar=AR, max_context=CTX, hidden=gemma4.table.shape[1],
+                          kv_heads=gemma4.text.kv_heads, head_dim=gemma4.text.head_dim, io_dtype="fp32",
+                          precision="w8a16", head="w8a16", path=path, dynamic_context=True, dynamic_ar=True)
+    g = onnx.load(str(path), load_external_data=False).graph
+    weights = {i.name for i in g.initializer}
+    assert not [n.name for n in g.node if n.op_type == "MatMul" and n.input[1] in weights]
+    by_out = {o: n for n in g.node for o in n.output}
+    node = by_out["logits"]
+    while node.op_type in ("Div", "Tanh", "Mul", "Cast"):
+        node = by_out[node.input[0]]
+    assert node.op_type == "MatMulNBits"
+    sched = gemma4.scheduler(session=ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+    assert len(list(sched.generate(sched.embed(PROMPTS[0]), max_new_tokens=N, ignore_eos=True))) == N
+
+
+def test_static_graphs_answer_as_generate(tmp_path):
+    """The HTP target's form on the CPU EP: rows_static prefill (AR 4) and decode (AR 1) graphs over the whole cache
+    (rows_concat, the HTP's float attention), the sliding window added to the static mask in the graph: 24 greedy ids
+    equal generate in both modes on a prompt past the window (the shared checkpoint, exported twice here)."""
+    import onnxruntime as ort
+
+    from vlmrt.format.manifest import RowsStaticKind
+
+    model, config = _checkpoint("shared", tmp_path)
+    text = Gemma4TextConfig.from_hf(config)
+    decoder, table = language.load(text, model.state_dict().__getitem__, "model.")
+    table = table.numpy()
+    sessions = {}
+    for ar in (AR, 1):
+        path = tmp_path / f"static{ar}.onnx"
+        graphs.export_decoder(decoder, attention="rows_concat", ar=ar, max_context=CTX, hidden=table.shape[1],
+                              kv_heads=text.kv_heads, head_dim=text.head_dim, io_dtype="fp32", precision="fp32",
+                              head="fp32", path=path, cpu=False)
+        sessions[ar] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    dec = DecoderSpec(hidden_size=table.shape[1], vocab_size=text.vocab, prefill_ar=AR, embeds_input="inputs_embeds",
+                      positions=PositionsSpec("position_ids"), logits_output="logits", embedding_file="embed.npy",
+                      embedding_dtype="float32", kind=RowsStaticKind(name="rows_static", mask_input="attention_mask"))
+    layers = cache_kinds.kv_layers(decoder, text, graphs.LAYOUTS["rows_concat"].out_prefix)
+    sched = Scheduler(DecoderSessions(decode=sessions[1], prefill=sessions[AR]),
+                      DecoderConfig(KVSpec(max_context=CTX, dtype="float32", layers=layers), dec, [1]), table)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=N, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(PROMPTS[1]):].tolist()
+    for mode in ("kv", "hybrid"):
+        assert list(sched.generate(sched.embed(PROMPTS[1]), mode=mode, max_new_tokens=N, ignore_eos=True)) == want
