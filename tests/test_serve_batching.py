@@ -202,3 +202,28 @@ def test_a_new_conversation_leaves_a_live_one_its_slot(tiny):
         assert third["slot"] == first["slot"] and third["reused_prompt_tokens"] > second["reused_prompt_tokens"]
     finally:
         r.stop()
+
+
+def test_a_slot_holds_its_conversation_before_the_answer_is_sent(tiny, monkeypatch):
+    """When an answer's "done" event is sent, its slot is already free and holds the conversation: a follow-up sent the
+    instant the answer arrives (the scheduler thread descheduled right after sending, as on a loaded machine) finds
+    its rows. (On main 81a30ea the slot was freed after the event: such a follow-up found it busy and took an empty
+    slot, a cold prefill: the Ray routing test's [33, 1, 171] under load.)"""
+    from vlmrt.serve import scheduler as sched
+
+    r = start(tiny.bundle, "--slots", "2", "--queue", "4")
+    slots, seen, emit = r.app.state.vlmrt.scheduler.slots, [], sched.Job.emit
+
+    def checked(job, kind, value=None):
+        if kind == "done":
+            s = slots[value.slot]
+            seen.append((s.job is None, s.history[-1][0] if s.history else None))
+        emit(job, kind, value)
+
+    monkeypatch.setattr(sched.Job, "emit", checked)
+    try:
+        code, out, _ = post(r, {"messages": [ask("What is in the picture?", uri(picture(50)))], "max_tokens": 4})
+        assert code == 200, out
+        assert seen == [(True, "assistant")], seen
+    finally:
+        r.stop()

@@ -271,9 +271,12 @@ class Scheduler:
             st = value.stats
             self._logprobs(job, value)
             entries = None if value.logprobs is None else [e.as_dict() for e in value.logprobs]
-            job.emit("done", Finished(value.text, st.prompt_tokens, st.generated_tokens, st.stop_reason, asdict(st),
-                                      job.queue_s, s.index, entries, s.gaps[: max(0, st.generated_tokens - 1)]))
+            done = Finished(value.text, st.prompt_tokens, st.generated_tokens, st.stop_reason, asdict(st),
+                            job.queue_s, s.index, entries, s.gaps[: max(0, st.generated_tokens - 1)])
+            # the slot is free and holds the conversation BEFORE the client can have the answer: a follow-up sent the
+            # instant it arrives (under load, while this thread is descheduled) finds its rows, not a busy slot
             self._free(s, job.key + [("assistant", (("text", value.text),))], "completed")
+            job.emit("done", done)
         elif isinstance(value, ContextOverflow):
             job.emit("error", context_exceeded(s.vlm.result.stats.prompt_tokens, self.max_context, str(value)))
             self._free(s, [], "refused")
