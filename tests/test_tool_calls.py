@@ -206,3 +206,103 @@ def test_malformed_tool_messages_are_refused(edit, says):
     with pytest.raises(ConversationError, match=None) as e:
         parse_messages(messages)
     assert says in str(e.value)
+
+
+# ------------------------------------------------------------------------- call grammars of qwen_xml and pythonic
+HELD = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]},
+                                     "days": {"type": "integer"}, "hot": {"type": "boolean"},
+                                     "tags": {"type": "array", "items": {"type": "string"}},
+                                     "at": {"type": ["object", "null"], "properties": {"x": {"type": "number"}}}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+ANY = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+FULL = {"city": "Nice", "unit": "f", "days": 3, "hot": True, "tags": ["a b", "c"], "at": {"x": 2.5}}
+CALLS = {  # (calls the grammar takes: the format's own writing), (ones it refuses)
+    "qwen_xml": ([[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}],
+                  [{"name": "get_weather", "arguments": FULL}, {"name": "get_time", "arguments": {"zone": "CET"}}],
+                  [{"name": "get_weather", "arguments": {"city": "12", "unit": "c", "hot": False, "at": None}}]],
+                 ["<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, France\n</parameter>\n"
+                  "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>",  # too long
+                  "<tool_call>\n<function=get_weather>\n<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>",
+                  "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=unit>\nk\n"
+                  "</parameter>\n</function>\n</tool_call>",  # not in the enum
+                  "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=unit>\nc\n"
+                  "</parameter>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>",
+                  "<tool_call>\n<function=rm>\n</function>\n</tool_call>"]),
+    "pythonic": ([[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}],
+                  [{"name": "get_weather", "arguments": FULL}, {"name": "get_time", "arguments": {"zone": "CET"}}],
+                  [{"name": "get_weather", "arguments": {"city": "Zürich\"", "unit": "c", "at": None}}]],
+                 ['<|tool_call_start|>[get_weather(city="Paris, France", unit="c")]<|tool_call_end|>',
+                  '<|tool_call_start|>[get_weather(unit="c", city="Oslo")]<|tool_call_end|>',  # out of order
+                  '<|tool_call_start|>[get_weather(city="Oslo", unit="c", hot=true)]<|tool_call_end|>',  # JSON's
+                  '<|tool_call_start|>[get_weather(city="Oslo")]<|tool_call_end|>',  # unit required
+                  '<|tool_call_start|>[rm()]<|tool_call_end|>']),
+}
+
+
+def grammars_for(fmt: str, tmp_path):
+    from tokenizers import Tokenizer
+
+    from vlmrt.runtime.decode.grammar import Grammars
+
+    if fmt == "qwen_xml":
+        from fixtures_qwen import make_tokenizer
+    else:
+        from fixtures_lfm2_vl import make_lfm2_vl_tokenizer as make_tokenizer
+    make_tokenizer(tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    return tok, Grammars(tok, tok.get_vocab_size(), [tok.token_to_id("<|im_end|>")])
+
+
+def held_to(grammars, tok, spec, text: str) -> bool:
+    """text is an answer the grammar takes, whole (the end token allowed after it)."""
+    c = grammars.constraint(spec)
+    for t in tok.encode(text, add_special_tokens=False).ids:
+        if not c.allows(t):
+            return False
+        c.accept(t)
+    return c.allows(tok.token_to_id("<|im_end|>"))
+
+
+@pytest.mark.parametrize("fmt", ["qwen_xml", "pythonic"])
+def test_qwen_xml_and_pythonic_calls_are_held_to_the_parameters(fmt, tmp_path):
+    """A forced call in each format (main refused them: no grammar) is held to a call of a given function whose
+    arguments validate against its parameters: what the format writes for valid arguments is taken and reads back
+    as them (typed per the schema: qwen_xml's "12" for a string stays a string, True a bool); a value of the wrong
+    type or length, a missing required one, another order, an unknown function are refused; one call only where
+    parallel calls are off; tool_choice auto with a strict tool: text, or held calls."""
+    from vlmrt.runtime.decode.grammar import GrammarError
+    from vlmrt.runtime.prompt.tool_calls import call_grammar
+
+    tok, g = grammars_for(fmt, tmp_path)
+    f = FORMATS[fmt]
+    spec = call_grammar(f, [HELD, ANY], g.literal)
+    functions = {t["function"]["name"]: t["function"]["parameters"] for t in (HELD, ANY)}
+    good, bad = CALLS[fmt]
+    for calls in good:
+        text = f.write(calls)
+        assert held_to(g, tok, spec, text), text
+        content, read = f.parse(text, functions)
+        assert content.strip() == "" and read == calls
+    for text in bad:
+        assert not held_to(g, tok, spec, text), text
+    one = call_grammar(f, [HELD, ANY], g.literal, many=False)
+    assert held_to(g, tok, one, f.write(good[0])) and not held_to(g, tok, one, f.write(good[1]))
+    auto = call_grammar(f, [HELD, ANY], g.literal, optional=True, held={"get_weather"})
+    assert held_to(g, tok, auto, "It is sunny.") and held_to(g, tok, auto, "Checking. " + f.write(good[0]))
+    assert not held_to(g, tok, auto, "Checking. " + bad[0])
+    nameless = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}, "b-c": {"type": "integer"}}}}}
+    with pytest.raises(GrammarError) as e:
+        call_grammar(f, [ANY, nameless], g.literal, at=[3, 5])
+    assert e.value.param == "tools[5].function.parameters"  # (qwen_xml: a bare string's pattern; pythonic: b-c)
+
+
+def test_qwen_xml_values_read_per_their_parameter_type():
+    fmt = FORMATS["qwen_xml"]
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n2\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+            "<parameter=hot>\nTrue\n</parameter>\n<parameter=at>\nNone\n</parameter>\n</function>\n</tool_call>")
+    typed = {"city": "2", "days": 2, "hot": True, "at": None}
+    assert fmt.parse(text, {"get_weather": HELD["function"]["parameters"]}) == ("", [{"name": "get_weather",
+                                                                                      "arguments": typed}])
+    assert fmt.parse(text, {"get_weather"})[1][0]["arguments"] == {"city": 2, "days": 2, "hot": "True", "at": "None"}

@@ -3,8 +3,9 @@ the tool-call tests: Qwen3-VL's (hermes: the tools listed in the system turn ins
 blocks, tool results as a user turn of <tool_response> blocks) and LFM2-VL's (pythonic: the tools as a JSON list
 between <|tool_list_start|> and <|tool_list_end|> in the system turn, results in a tool turn; the template does not
 render an assistant's tool_calls: the caller writes them into the content) and Qwen3.5's (qwen_xml: the tools listed as
-Qwen3-VL's, calls as <tool_call><function=NAME><parameter=ARG>VALUE</parameter></function></tool_call> blocks, a
-string value written bare, others as JSON)."""
+Qwen3-VL's, calls as <tool_call><function=NAME><parameter=ARG>VALUE</parameter></function></tool_call> blocks, an
+object or list value written as JSON, anything else as str(): a string bare, 2, True, None, as the released template's
+`args_value | tojson if mapping or non-string sequence else args_value | string`)."""
 
 _TEXT_OF = ("{%- macro text_of(c) -%}{%- if c is string -%}{{- c -}}{%- else -%}{%- for p in c -%}"
             "{%- if p.type == 'image' or 'image' in p -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
@@ -81,7 +82,8 @@ QWEN35_TOOLS = _TEXT_OF + (
     "{%- if loop.first and content | trim %}{{- '\\n\\n' }}{%- elif not loop.first %}{{- '\\n' }}{%- endif %}"
     "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
     "{%- for name, value in tool_call.arguments | items %}{{- '<parameter=' + name + '>\\n' }}"
-    "{%- if value is string %}{{- value }}{%- else %}{{- value | tojson }}{%- endif %}"
+    "{%- if value is mapping or (value is sequence and value is not string) %}{{- value | tojson }}"
+    "{%- else %}{{- value | string }}{%- endif %}"
     "{{- '\\n</parameter>\\n' }}{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"

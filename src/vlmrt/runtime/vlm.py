@@ -424,21 +424,15 @@ class VLM:
         named (once); tool_choice None (auto with strict tools): text or calls, the strict functions' arguments held
         to their schemas."""
         named = tool_choice not in (None, "required")
-        forced = [t for t in tools if t["function"]["name"] == tool_choice] if named else tools
-        if not forced:
+        at = [i for i, t in enumerate(tools) if not named or t["function"]["name"] == tool_choice]
+        if not at:
             raise GrammarError(f"{str(tool_choice)[:64]!r} is not one of the tools" if tools else "needs tools",
                                "tool_choice")
         fmt = self.template.tool_format
-        spec = None if fmt is None else call_grammar(fmt, forced, self.grammars.literal, many and not named,
-                                                     optional=tool_choice is None, held=strict)
-        if spec is None:
-            why = f"this model's tool calls ({fmt.name if fmt else 'no'} format) cannot be held to the functions' schemas"
-            if tool_choice is not None:
-                raise GrammarError(why + "; use tool_choice auto", "tool_choice")
-            i = next(i for i, t in enumerate(tools) if t["function"]["name"] in strict)
-            raise GrammarError(why + " where the answer may also be text; use tool_choice required or a named "
-                               "function", f"tools[{i}].function.strict")
-        return spec
+        if fmt is None:  # (a template whose tool format vlmrt does not know: tools are refused before)
+            raise GrammarError(self.template.tools_refusal(), "tools")
+        return call_grammar(fmt, [tools[i] for i in at], self.grammars.literal, many and not named,
+                            optional=tool_choice is None, held=strict, at=at)
 
     def _bad_tool(self, tools: list[dict]) -> None:
         """The GrammarError of the first function whose parameters do not compile, if one does not."""

@@ -279,7 +279,8 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             if template.tools_refusal():
                 raise APIError(400, f"tools: {template.tools_refusal()}", "invalid_request_error",
                                "unsupported_parameter", param="tools")
-            tools = ToolReader(template.tool_format, frozenset(t["function"]["name"] for t in req.tools))
+            tools = ToolReader(template.tool_format, {t["function"]["name"]: t["function"].get("parameters")
+                                                      for t in req.tools})
         logprobs = req.options.get("logprobs") is not None
         return await answer(request, req, lambda events: chat_stream(events, cid, model, req.include_usage, tools,
                                                                      logprobs),

@@ -40,14 +40,14 @@ def timings(f: Finished) -> dict:
 
 @dataclass(frozen=True)
 class ToolReader:
-    """How to read an answer's tool calls: the checkpoint's format and the names of the functions given."""
+    """How to read an answer's tool calls: the checkpoint's format and the functions given ({name: parameters})."""
 
     fmt: ToolFormat
-    names: frozenset[str]
+    functions: dict
 
     def read(self, text: str) -> tuple[str, list[dict]]:
         """(content, calls as OpenAI's tool_calls: id, type, function name and arguments as a JSON string)."""
-        content, calls = self.fmt.parse(text, set(self.names))
+        content, calls = self.fmt.parse(text, self.functions)
         return content, [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                           "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                          for c in calls]

@@ -1,7 +1,8 @@
 """Tool-call formats: how a checkpoint's chat template asks for tool calls, and how its answers are read back.
 
     fmt = tool_format(prompt_spec.chat_template)       # the registry entry the template's text names
-    content, calls = fmt.parse(answer_text, {"get_weather"})   # calls: [{"name", "arguments": {...}}], or [] (text)
+    content, calls = fmt.parse(answer_text, {"get_weather": parameters})  # calls: [{"name", "arguments": {...}}],
+                                                       # or [] (text); the functions given (a set of names will do)
     fmt.write(calls)                                   # earlier calls as the model writes them (templates that do
                                                        # not render an assistant's tool_calls themselves)
 
@@ -10,8 +11,10 @@ The registry, by name (FORMATS), chosen from the template's own text:
            "arguments": {...}}</tool_call>` blocks, content around them.
   qwen_xml the template writes `<function=` inside `<tool_call>` (Qwen3.5, Qwen3-Coder; vLLM's qwen3_coder parser):
            `<tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n</function>\n</tool_call>` blocks;
-           a value is read as JSON where it is valid JSON (2, true, {...}, a quoted string), else as the text it is
-           (the template writes strings bare).
+           a value is written as Qwen3.5's template writes it (a string bare, an object or list as JSON, anything
+           else str(): 2, 2.5, True, None) and read per its parameter's schema type where the functions'
+           parameters are given (as vLLM's qwen3_coder parser does), else as JSON where it is valid JSON, else as
+           the text it is.
   pythonic the template writes `<|tool_list_start|>` / `<|tool_call_start|>` (LFM2, LFM2-VL):
            `<|tool_call_start|>[name(arg="v", n=1), ...]<|tool_call_end|>` (Python call syntax, literal arguments)
            then text; where the markers are special tokens the decoded text lacks them, so a leading `[name(...)]`
@@ -21,6 +24,10 @@ The registry, by name (FORMATS), chosen from the template's own text:
            text, and tool results are given back as a user turn (result_text).
 A template that renders `tools` in a format not in the registry gets none (tool_format returns None: the caller
 refuses tools rather than guess).
+
+call_grammar: the grammar a forced call (tool_choice required / named, strict tools) is held to, in each format: a call
+of a given function whose arguments validate against its parameters (JSON schema; qwen_xml and pythonic: the schema
+translated into Lark rules over the format's own value syntax).
 
 Reading is lenient the way vLLM's parsers are: a block that is not valid JSON / call syntax, or that names a
 function that was not given, leaves the whole answer as text (no calls).
@@ -93,14 +100,48 @@ _XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
-def _xml_value(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def _xml_value(text: str, schema=None):
+    """A parameter's value: per its schema's type(s) where the function's parameters are known (as Qwen3.5's
+    template writes them: str() of a number / bool / None, JSON of an object or list, a string bare), else JSON
+    where the text is valid JSON, else the text."""
+    kinds = _kinds(schema)
+    for kind in kinds:
+        if kind == "string":
+            continue
+        if kind == "boolean" and text in ("True", "False", "true", "false"):
+            return text in ("True", "true")
+        if kind == "null" and text in ("None", "null"):
+            return None
+        if kind in ("integer", "number") and re.fullmatch(r"-?\d+", text):
+            return int(text)
+        if kind == "number":
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        if kind in ("object", "array", None):
+            try:
+                return json.loads(text)
+            except ValueError:
+                pass
+    return text
 
 
-def _xml_one(body: str, names: set[str]) -> list[Call] | None:
+def _kinds(schema) -> list:
+    """The JSON types a parameter's schema allows, in order ([None]: not known)."""
+    if not isinstance(schema, dict):
+        return [None]
+    if "enum" in schema or "const" in schema:
+        values = schema.get("enum", [schema.get("const")])
+        return [None] if any(not isinstance(v, str) for v in values) else ["string"]
+    subs = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(subs, list):
+        return [k for sub in subs for k in _kinds(sub)]
+    kind = schema.get("type")
+    return kind if isinstance(kind, list) else [kind]
+
+
+def _xml_one(body: str, names: set[str] | dict) -> list[Call] | None:
     m = _XML_FUNCTION.fullmatch(body)
     if m is None:
         return None
@@ -108,7 +149,9 @@ def _xml_one(body: str, names: set[str]) -> list[Call] | None:
     for p in _XML_PARAMETER.finditer(inner):
         if inner[at:p.start()].strip() or p.group(1) in args:  # text between parameters, or one given twice
             return None
-        args[p.group(1)] = _xml_value(p.group(2))
+        params = names.get(m.group(1)) if isinstance(names, dict) else None
+        props = params.get("properties") if isinstance(params, dict) else None
+        args[p.group(1)] = _xml_value(p.group(2), props.get(p.group(1)) if isinstance(props, dict) else None)
         at = p.end()
     if inner[at:].strip():
         return None
@@ -121,11 +164,8 @@ def _xml_parse(text: str, names: set[str]) -> tuple[str, list[Call]]:
 
 
 def _xml_write(calls: list[Call]) -> str:
-    def value(v) -> str:
-        return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-
     return "\n".join(f"<tool_call>\n<function={c['name']}>\n" + "".join(
-        f"<parameter={k}>\n{value(v)}\n</parameter>\n" for k, v in c["arguments"].items()) + "</function>\n</tool_call>"
+        f"<parameter={k}>\n{_xml_rendered(v)}\n</parameter>\n" for k, v in c["arguments"].items()) + "</function>\n</tool_call>"
         for c in calls)
 
 
@@ -225,7 +265,7 @@ def generic_result_text(name: str | None, call_id: str, content: str) -> str:
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
-    parse: Callable[[str, set[str]], tuple[str, list[Call]]]  # (answer, tool names) -> (content, calls)
+    parse: Callable[[str, set[str] | dict], tuple[str, list[Call]]]  # (answer, functions) -> (content, calls)
     write: Callable[[list[Call]], str]  # calls as the model writes them
     start: str | None  # what begins a call in an answer: a stream holds text back from it (None: generic, below)
     renders_tools: bool  # the template itself lists the tools and takes tool messages (else: generic's turns)
@@ -254,15 +294,266 @@ def _one_of(tools: list[dict], held) -> dict:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
+# --- call grammars of qwen_xml and pythonic: a function's parameters (a JSON schema) as Lark rules ----------------
+_ANNOTATIONS = {"description", "title", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+                "$schema", "$id"}
+_STRING_KEYS = {"type", "minLength", "maxLength", "pattern", "format"}
+_NUMBER_KEYS = {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties"}
+_ARRAY_KEYS = {"type", "items", "minItems", "maxItems"}
+_KEYS = {"string": _STRING_KEYS, "integer": _NUMBER_KEYS, "number": _NUMBER_KEYS, "boolean": {"type"},
+         "null": {"type"}, "object": _OBJECT_KEYS, "array": _ARRAY_KEYS}
+_PARAM_END = "\n</parameter>\n"  # what closes a qwen_xml parameter's value
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _Unsupported(ValueError):
+    """A schema the format's grammar cannot hold (the message says what)."""
+
+
+def _branches(schema) -> list[dict]:
+    """schema as alternatives of one kind each: {} (any value), {"enum": [...]}, or one with a single "type"."""
+    if schema is True or schema == {}:
+        return [{}]
+    if not isinstance(schema, dict):
+        raise _Unsupported("a schema must be a JSON object")
+    s = {k: v for k, v in schema.items() if k not in _ANNOTATIONS}
+    for key in ("anyOf", "oneOf"):
+        if key in s:
+            if len(s) > 1:
+                raise _Unsupported(f"{key} beside other keywords")
+            return [b for sub in s[key] for b in _branches(sub)]
+    if "const" in s:
+        s = {"enum": [s.pop("const")], **s}
+    if "enum" in s:
+        if not isinstance(s["enum"], list) or not s["enum"]:
+            raise _Unsupported("enum must be a non-empty list")
+        return [{"enum": s["enum"]}]
+    kind = s.get("type")
+    if kind is None:
+        kind = "object" if "properties" in s else "array" if "items" in s else None
+        if kind is None:
+            if set(s) - {"type"}:
+                raise _Unsupported(f"{sorted(s)[0]!r} without a type")
+            return [{}]
+    kinds = kind if isinstance(kind, list) else [kind]
+    out = []
+    for k in kinds:
+        if k not in _KEYS:
+            raise _Unsupported(f"type {k!r}")
+        extra = set(s) - set().union(*(_KEYS.get(o, ()) for o in kinds))
+        if extra:
+            raise _Unsupported(f"{sorted(extra)[0]!r} (in a {k} schema)")
+        out.append({**{key: v for key, v in s.items() if key in _KEYS[k]}, "type": k})
+    return out
+
+
+class _Lark:
+    """Lark rules of a call grammar, named as they are added (literal: a marker's text as a Lark term)."""
+
+    def __init__(self, literal: Callable[[str], str]):
+        self.literal, self.lines, self._n = literal, [], 0
+
+    def add(self, body: str, terminal: bool = False) -> str:
+        self._n += 1
+        name = f"{'T' if terminal else 'r'}{self._n}"
+        self.lines.append(f"{name}: {body}")
+        return name
+
+    def json(self, schema: dict, **separators) -> str:
+        guidance = {"whitespace_flexible": False, **separators}
+        return self.add("%json " + json.dumps({**schema, "x-guidance": guidance}))
+
+    def members(self, items: list[tuple[str, bool]], sep: str) -> str:
+        """items (an expression, required?) in their order, the optional ones each left out or not, sep between
+        those written: the rules of an ordered list of properties / keyword arguments."""
+        rest = '""'  # (nothing more)
+        after = []  # after[i]: what follows item i, written with a sep before each item
+        for expr, required in reversed(items):
+            more = f"{json.dumps(sep)} {expr} {rest}" if sep else f"{expr} {rest}"
+            after.insert(0, rest)
+            rest = self.add(more if required else f"{more} | {rest}")
+        first = '""'  # the list from item i, the first written without sep
+        for i in range(len(items) - 1, -1, -1):
+            expr, required = items[i]
+            first = self.add(f"{expr} {after[i]}" + ("" if required else f" | {first}"))
+        return first
+
+
+def _text_value(lark: _Lark, schema: dict) -> str:
+    """A qwen_xml string value: bare text up to the closing tag, as one lexeme with it (its length held)."""
+    for key in ("pattern", "format"):
+        if key in schema:
+            raise _Unsupported(f"{key!r} on a string (written bare in this format)")
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    count = f"{{{int(lo)},{'' if hi is None else int(hi)}}}"
+    return lark.add(f"/(?s:.{count})\\n<\\/parameter>\\n/ & ~/(?s:.*<\\/parameter>.*<\\/parameter>.*)/", terminal=True)
+
+
+def _xml_rendered(v) -> str:
+    """A value as Qwen3.5's template writes it: a mapping or list as JSON (tojson), anything else as str()."""
+    return json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else str(v)
+
+
+def _xml_param(lark: _Lark, schema) -> str:
+    """A qwen_xml parameter's value and its closing tag, per its schema."""
+    close, alts = json.dumps(_PARAM_END), []
+    for b in _branches(schema):
+        kind = b.get("type")
+        if "enum" in b:
+            alts += [json.dumps(_xml_rendered(v) + _PARAM_END) for v in b["enum"]]
+        elif kind in (None, "string"):
+            alts.append(_text_value(lark, b))
+        elif kind in ("integer", "number"):
+            alts.append(f"{lark.json(b)} {close}")
+        elif kind == "boolean":
+            alts.append(f'("True" | "False") {close}')
+        elif kind == "null":
+            alts.append(f'"None" {close}')
+        else:  # object, array: JSON as transformers' tojson writes it
+            alts.append(f"{lark.json(b, item_separator=', ', key_separator=': ')} {close}")
+    return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
+
+
+def _py_any(lark: _Lark) -> str:
+    """Any Python literal (str, number, True / False / None, list, dict), as _py_value writes them."""
+    if "pyany" not in "".join(lark.lines):
+        s, n = lark.json({"type": "string"}), lark.json({"type": "number"})
+        lark.lines.append(f'pyany: {s} | {n} | "True" | "False" | "None" | "[" (pyany (", " pyany)*)? "]" '
+                          f'| "{{" ({s} ": " pyany (", " {s} ": " pyany)*)? "}}"')
+    return "pyany"
+
+
+def _py_param(lark: _Lark, schema) -> str:
+    """A Python literal of a value valid against schema (pythonic)."""
+    alts = []
+    for b in _branches(schema):
+        kind = b.get("type")
+        if "enum" in b:
+            alts += [json.dumps(_py_value(v)) for v in b["enum"]]
+        elif kind is None:
+            alts.append(_py_any(lark))
+        elif kind in ("string", "integer", "number"):
+            alts.append(lark.json(b))  # a JSON string or number is the Python literal of the same value
+        elif kind == "boolean":
+            alts.append('("True" | "False")')
+        elif kind == "null":
+            alts.append('"None"')
+        elif kind == "array":
+            item = _py_param(lark, b.get("items", {}))
+            lo, hi = int(b.get("minItems", 0)), b.get("maxItems")
+            if hi is not None and int(hi) < lo:
+                raise _Unsupported("maxItems below minItems")
+            if hi is not None and int(hi) == 0:
+                alts.append('"[]"')
+                continue
+            more = f'(", " {item})' + ("*" if hi is None and lo <= 1 else
+                                       f"{{{max(lo - 1, 0)},{'' if hi is None else int(hi) - 1}}}")
+            alts.append(f'"[" {item} {more} "]"' if lo else f'"[" ({item} {more})? "]"')
+        else:  # object: a dict literal, its properties in order
+            alts.append(_py_object(lark, b))
+    return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
+
+
+def _py_object(lark: _Lark, schema: dict) -> str:
+    props = schema.get("properties")
+    if not props:
+        s = lark.json({"type": "string"})
+        any_ = _py_any(lark)
+        return f'"{{" ({s} ": " {any_} (", " {s} ": " {any_})*)? "}}"'
+    required = set(schema.get("required", ()))
+    items = [(f"{json.dumps(json.dumps(k, ensure_ascii=False) + ': ')} {_py_param(lark, v)}", k in required)
+             for k, v in props.items()]
+    return f'"{{" {lark.members(items, ", ")} "}}"'
+
+
+def _arguments(lark: _Lark, fmt: str, parameters: dict | None, held: bool) -> str:
+    """The rule of a call's arguments in fmt (qwen_xml: <parameter=...> blocks; pythonic: keyword arguments), per the
+    function's parameters (an object schema) where held, else any."""
+    schema = (parameters or {}) if held else {}
+    branches = _branches(schema or {"type": "object"})
+    obj = branches[0]
+    if len(branches) > 1 or obj.get("type") not in ("object", None):
+        raise _Unsupported("parameters must be an object schema")
+    props = obj.get("properties")
+    if not props and obj.get("additionalProperties") is not False:  # any arguments
+        if fmt == "qwen_xml":
+            name = lark.add("/[^>\\s]+/", terminal=True)
+            return lark.add(f'("<parameter=" {name} ">\\n" {_text_value(lark, {})})*')
+        kw = lark.add(f'{lark.add("/[A-Za-z_][A-Za-z0-9_]*/", terminal=True)} "=" {_py_any(lark)}')
+        return lark.add(f'({kw} (", " {kw})*)?')
+    props, required = props or {}, set(obj.get("required", ()))
+    if fmt == "qwen_xml":
+        items = [(f"{json.dumps(f'<parameter={k}>' + chr(10))} {_xml_param(lark, v)}", k in required)
+                 for k, v in props.items()]
+        return lark.members(items, "")
+    bad = next((k for k in props if not _IDENT.fullmatch(k)), None)
+    if bad is not None:
+        raise _Unsupported(f"the parameter name {bad!r} is not a Python keyword argument")
+    return lark.members([(f"{json.dumps(k + '=')} {_py_param(lark, v)}", k in required) for k, v in props.items()],
+                        ", ")
+
+
+def _blocks_grammar(lark: _Lark, start: str, end: str, block: str, sep: str, many: bool, optional: bool) -> str:
+    """The start rule of calls written as start-marker body end-marker blocks (block: the rule between the markers;
+    sep between blocks where many), or with optional, text around them."""
+    s, e = lark.literal(start), lark.literal(end)
+    if optional and s.startswith("<["):  # text around the calls: it cannot spell a marker's token
+        text = lark.add("/(?s:.+)/", terminal=True)
+        return f"start: {text}? ({s} {block} {e} {text}?)*"
+    if optional:  # markers spelled in text: a call's text and its marker are one lexeme, other text has none
+        m = re.escape(start).replace("/", "\\/")
+        opened = lark.add(f"/(?s:.*){m}/ & ~/(?s:.*{m}.*{m}.*)/", terminal=True)
+        text = lark.add(f"/(?s:.+)/ & ~/(?s:.*{m}.*)/", terminal=True)
+        return f"start: ({opened} {block} {e})* {text}?"
+    one = f"{s} {block} {e}"
+    return f"start: {one}" + (f" ({json.dumps(sep)} {one})*" if many else "")
+
+
+def _format_grammar(fmt: ToolFormat, tools: list[dict], literal, many: bool, optional: bool, held) -> str:
+    """The Lark grammar of qwen_xml / pythonic calls (call_grammar)."""
+    lark = _Lark(literal)
+    calls = []
+    for i, t in enumerate(tools):
+        f = t["function"]
+        try:
+            args = _arguments(lark, fmt.name, f.get("parameters"), held is None or f["name"] in held)
+        except (_Unsupported, TypeError, ValueError) as e:
+            raise _ToolSchemaError(i, f"{e} is not supported in this model's tool calls ({fmt.name} format)") from None
+        if fmt.name == "qwen_xml":
+            calls.append(f'{json.dumps("<function=" + f["name"] + ">" + chr(10))} {args} "</function>"')
+        else:
+            calls.append(f'{json.dumps(f["name"] + "(")} {args} ")"')
+    call = lark.add(" | ".join(calls))
+    if fmt.name == "qwen_xml":  # <tool_call>\n<function=...>...</function>\n</tool_call>, blocks one a line
+        block = lark.add(f'"\\n" {call} "\\n"')
+        top = _blocks_grammar(lark, "<tool_call>", "</tool_call>", block, "\n", many, optional)
+    else:  # <|tool_call_start|>[call, call]<|tool_call_end|>: one list holds the calls
+        block = lark.add(f'"[" {call} (", " {call})* "]"' if many else f'"[" {call} "]"')
+        top = _blocks_grammar(lark, PY_START, PY_END, block, "", False, optional)
+    return "\n".join([top, *lark.lines]) + "\n"
+
+
+class _ToolSchemaError(ValueError):
+    """A tool's parameters the format's grammar cannot hold: index (in the tools given), message."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
 def call_grammar(fmt: ToolFormat, tools: list[dict], literal: Callable[[str], str] = json.dumps, many: bool = True,
-                 optional: bool = False, held: set[str] | None = None):
+                 optional: bool = False, held: set[str] | None = None, at: list[int] | None = None):
     """The grammar of an answer that calls tools in fmt (one or more; one only unless many), each call's arguments
-    valid against its function's parameters (held: only those functions', the others' any JSON object): a GrammarSpec
+    valid against its function's parameters (held: only those functions', the others' any arguments): a GrammarSpec
     (runtime/decode/grammar.py). optional: the answer may be text instead (tool_choice auto with strict tools: text
-    that does not begin a call, generic; text around the calls, hermes). None where fmt's calls cannot be held
-    (pythonic: Python call syntax; qwen_xml: arguments as bare text in XML-like tags, no grammar written for it yet). literal: a marker's text as a Lark term (the tokenizer's own token where it has one:
-    Grammars.literal)."""
-    from ..decode.grammar import GrammarSpec
+    that does not begin a call, generic; text around the calls, the others). qwen_xml: each parameter's value as
+    Qwen3.5's template writes it (a string bare, a number as itself, True / False / None, an object or list as JSON),
+    held to its schema's type, enum, length (not a bare string's pattern or format); pythonic: Python literals
+    (a string or number as JSON writes it, True / False / None, lists and dicts). A schema the format cannot hold is a
+    GrammarError naming tools[i].function.parameters (at: the tools' indices in the request). literal: a marker's
+    text as a Lark term (the tokenizer's own token where it has one: Grammars.literal)."""
+    from ..decode.grammar import GrammarError, GrammarSpec
 
     if fmt.name == "generic":
         calls = {"type": "array", "minItems": 1, "items": _one_of(tools, held), **({} if many else {"maxItems": 1})}
@@ -286,6 +577,12 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], literal: Callable[[str], st
                                        "TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/\n", param="tools")
         more = ' ("\\n" call)*' if many else ""
         return GrammarSpec("lark", f"start: call{more}\n" + call, param="tools")
+    if fmt.name in ("qwen_xml", "pythonic"):
+        try:
+            return GrammarSpec("lark", _format_grammar(fmt, tools, literal, many, optional, held), param="tools")
+        except _ToolSchemaError as e:
+            i = e.index if at is None else at[e.index]
+            raise GrammarError(str(e), f"tools[{i}].function.parameters") from None
     return None
 
 
