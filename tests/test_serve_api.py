@@ -183,8 +183,8 @@ def test_responses_streamed(client, vlm):
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"store": True}, "store"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),  # (hosted tools: function tools only)
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"truncation": "auto"}, "truncation"),
 ])
 def test_responses_refusals_name_the_field(server, body, param):
@@ -197,7 +197,8 @@ def test_responses_refusals_name_the_field(server, body, param):
     ({"input": []}, "input must be"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]: input_image needs"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]: unknown"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]: item type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]: item type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "tool_call_id 'c' is not the id"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0]: role"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens must be"),
     ({"input": "hi", "temperature": 9}, "temperature must be"),
@@ -586,3 +587,108 @@ def test_named_and_required_tool_calls_follow_the_schema_then_the_follow_up(serv
     else:
         assert after.choices[0].message.content == text
     assert after.usage.prompt_tokens_details.cached_tokens > 0
+
+
+# ------------------------------------------------------------------------- tools in the Responses API
+
+def responses_tool(t: dict) -> dict:
+    """A chat tool in the Responses API's flat shape."""
+    return {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"],
+            "strict": t["function"].get("strict")}
+
+
+def test_responses_function_tools_named_streamed_and_the_follow_up(qwen_tools):
+    """Function tools in the Responses shape (refused with a 400 on main): tool_choice a named function gives one
+    function_call output item (call_id, name, arguments valid against its parameters: chat's forced call, the same
+    text), streamed as OpenAI streams it (output_item.added, function_call_arguments.delta / .done,
+    output_item.done); the follow-up with the function_call and its function_call_output items answers as chat's
+    follow-up with the assistant's tool_calls and the tool message does, the conversation's rows kept."""
+    r, _ = qwen_tools
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    tools, named = [responses_tool(PLACE), responses_tool(CLOCK)], {"type": "function", "name": "get_weather"}
+    out = c.responses.create(model="m", input=QUESTION["content"], tools=tools, tool_choice=named,
+                             max_output_tokens=120)
+    assert out.status == "completed" and [i.type for i in out.output] == ["function_call"], out.output
+    call = out.output[0]
+    chat = c.chat.completions.create(model="m", messages=[QUESTION], tools=[PLACE, CLOCK], max_tokens=120,
+                                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (want,) = chat.choices[0].message.tool_calls
+    assert (call.name, call.arguments) == (want.function.name, want.function.arguments)
+    args = json.loads(call.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 8
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+    assert [t.name for t in out.tools] == ["get_weather", "get_time"] and out.tool_choice.name == "get_weather"
+
+    events = list(c.responses.create(model="m", input=QUESTION["content"], tools=tools, tool_choice=named,
+                                     max_output_tokens=120, stream=True))
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    added, delta, done, item_done, last = events[2:]
+    assert added.item.type == "function_call" and added.item.status == "in_progress" and added.item.arguments == ""
+    assert delta.delta == done.arguments == call.arguments and delta.item_id == added.item.id == item_done.item.id
+    assert (item_done.item.name, item_done.item.arguments, item_done.item.status) == (
+        "get_weather", call.arguments, "completed")
+    assert last.response.output[0].call_id == item_done.item.call_id
+
+    follow = [{"role": "user", "content": QUESTION["content"]},
+              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+              {"type": "function_call_output", "call_id": call.call_id, "output": "clear, 21"}]
+    after = c.responses.create(model="m", input=follow, tools=tools, max_output_tokens=20)
+    messages = [QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "clear, 21"}]
+    chat = c.chat.completions.create(model="m", messages=messages, tools=[PLACE, CLOCK], max_tokens=20)
+    if chat.choices[0].message.tool_calls:  # (auto with a strict tool: the random model may call again)
+        assert [(i.name, i.arguments) for i in after.output if i.type == "function_call"] == [
+            (t.function.name, t.function.arguments) for t in chat.choices[0].message.tool_calls]
+    else:
+        assert after.output_text == chat.choices[0].message.content
+    assert after.usage.input_tokens == chat.usage.prompt_tokens
+    assert after.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_responses_text_and_calls_streamed_as_items(qwen_tools):
+    """An answer with text and two calls (scripted: a random model does not call tools unasked): a message item with
+    the text sent before the calls began, then a function_call item per call, whole and streamed."""
+    r, _ = qwen_tools
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    own = [(slot.vlm.stream, slot.vlm.finish) for slot in r.app.state.vlmrt.scheduler.slots]
+    scripted(r, TWO_CALLS["hermes"], own)
+    try:
+        tools = [responses_tool(WEATHER)]
+        out = c.responses.create(model="m", input=QUESTION["content"], tools=tools, max_output_tokens=4)
+        assert [i.type for i in out.output] == ["message", "function_call", "function_call"]
+        assert out.output_text == "Let me check."
+        assert [json.loads(i.arguments) for i in out.output[1:]] == [{"city": "Paris"}, {"city": "Nice"}]
+        events = list(c.responses.create(model="m", input=QUESTION["content"], tools=tools, max_output_tokens=4,
+                                         stream=True))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text.strip() == "Let me check." and "<tool" not in text
+        items = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
+        assert items == [(0, "message"), (1, "function_call"), (2, "function_call")]
+        final = events[-1].response
+        assert events[-1].type == "response.completed" and [i.type for i in final.output] == [
+            "message", "function_call", "function_call"]
+    finally:
+        for slot, (stream, finish) in zip(r.app.state.vlmrt.scheduler.slots, own):
+            slot.vlm.stream, slot.vlm.finish = stream, finish
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "colour": 1}]}, "tools[0].colour"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice.name"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"}]},
+     "input[1].call_id"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                    "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+     "input[2].output[0]"),
+])
+def test_responses_bad_tools_are_a_400_naming_the_field(server, body, param):
+    status, got, _ = post_responses(server, {"model": "m", "input": "hi", **body})
+    assert status == 400 and got["error"]["param"] == param and got["error"]["message"].startswith(param + ": "), got
+

@@ -270,17 +270,21 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
             if owned:
                 close()
 
+    def tool_reader(req: ChatRequest) -> ToolReader | None:
+        """How the answer's tool calls are read (None: no tools); a 400 for a template that takes none."""
+        if not req.tools:
+            return None
+        template = ready().slots[0].vlm.template  # (every slot's VLM renders with the bundle's template)
+        if template.tools_refusal():
+            raise APIError(400, f"tools: {template.tools_refusal()}", "invalid_request_error",
+                           "unsupported_parameter", param="tools")
+        return ToolReader(template.tool_format, {t["function"]["name"]: t["function"].get("parameters")
+                                                 for t in req.tools})
+
     async def chat(request: Request):
-        sched = ready()
+        ready()
         req = parse_request(await read_body(request, config.max_body, config.body_timeout_s), config.max_images)
-        cid, model, tools = new_id(), config.model_id, None
-        if req.tools:
-            template = sched.slots[0].vlm.template  # (every slot's VLM renders with the bundle's template)
-            if template.tools_refusal():
-                raise APIError(400, f"tools: {template.tools_refusal()}", "invalid_request_error",
-                               "unsupported_parameter", param="tools")
-            tools = ToolReader(template.tool_format, {t["function"]["name"]: t["function"].get("parameters")
-                                                      for t in req.tools})
+        cid, model, tools = new_id(), config.model_id, tool_reader(req)
         logprobs = req.options.get("logprobs") is not None
         return await answer(request, req, lambda events: chat_stream(events, cid, model, req.include_usage, tools,
                                                                      logprobs),
@@ -289,11 +293,14 @@ def create_app(load: Callable[[], Scheduler], config: Config, on_load_error: Cal
     async def responses(request: Request):
         ready()
         body = parse_json(await read_body(request, config.max_body, config.body_timeout_s))
-        req = parse_body(responses_api.to_chat(body), config.max_images)
-        rid, mid = responses_api.new_ids()
-        model = config.model_id
-        return await answer(request, req, lambda events: responses_api.stream(events, rid, mid, model, body),
-                            lambda f: responses_api.response(rid, mid, model, body, f))
+        try:  # (the chat checks' 400s name the fields as the Responses API names them)
+            req = parse_body(responses_api.to_chat(body), config.max_images)
+            rid, mid = responses_api.new_ids()
+            model, tools = config.model_id, tool_reader(req)
+            return await answer(request, req, lambda events: responses_api.stream(events, rid, mid, model, body, tools),
+                                lambda f: responses_api.response(rid, mid, model, body, f, tools))
+        except APIError as e:
+            raise responses_api.renamed(e) from None
 
     async def api_error(request: Request, e: APIError):
         headers = {503: {"Retry-After": "1"},  # queue full, loading
