@@ -1,8 +1,8 @@
 """`vlmrt batch` (issue 20): a data set answered into a JSONL file, in process or on Ray Data actors.
 
 Pure parts first (records, OUT's repair / resume / dedupe, the progress bar, the one-line errors), then the easy-VQA
-demo model: every record shape (path, loopback URL, data URI, two images, a conversation, a missing image, a bad
-line) answered by `--workers 1` in process and by 2 Ray Data actors, one of them killed mid-run, token for token
+demo model: every record shape (path, loopback URL, data URI, two images, a conversation, a record held to its own
+JSON schema, a missing image, a bad line) answered by `--workers 1` in process and by 2 Ray Data actors, one of them killed mid-run, token for token
 as `vlm.generate` / `vlm.chat` on a fresh VLM and as `vlmrt run --json`. Ray runs as `vlmrt batch` starts it
 (a local instance on 127.0.0.1, no dashboard, usage stats off): one Ray start in the module.
 """
@@ -194,6 +194,9 @@ def test_bad_jobs_are_one_line(tmp_path, capsys, monkeypatch):
 
 N_QUESTIONS = 24
 OPTS = ["--max-new-tokens", "8"]
+SHAPES = ["circle", "rectangle", "triangle"]
+SHAPE = {"type": "json_schema", "json_schema": {"name": "shape", "strict": True, "schema": {  # (6 tokens: within 8)
+    "type": "object", "properties": {"shape": {"enum": SHAPES}}, "required": ["shape"], "additionalProperties": False}}}
 
 
 def _descendants(pid: int) -> list[int]:
@@ -252,6 +255,7 @@ def job(demo_model, tmp_path_factory):
                   {"id": "relative", "image": "imgs/rel.png", "prompt": "is there a blue shape?"},
                   {"id": 2, "image": [img[0], img[1]], "prompt": "what color is the shape?"},
                   {"id": "conversation", "messages": conv},
+                  {"id": "schema", "image": img[1], "prompt": "what shape is in the image?", "response_format": SHAPE},
                   {"id": "missing", "image": "imgs/none.png", "prompt": "what?"},
                   b'{"id": "torn", "image": ']
         src = _jsonl(tmp / "questions.jsonl", lines)
@@ -265,7 +269,8 @@ def job(demo_model, tmp_path_factory):
                     pass
             else:
                 ims = r["image"] if isinstance(r["image"], list) else [r["image"]]
-                vlm(r["prompt"], images=[str(tmp / s) if s.startswith("imgs/") else s for s in ims], max_new_tokens=8)
+                vlm(r["prompt"], images=[str(tmp / s) if s.startswith("imgs/") else s for s in ims], max_new_tokens=8,
+                    response_format=r.get("response_format"))
             ref[records.id_key(r["id"])] = (vlm.result.text, vlm.result.token_ids)
         errors = {'"missing"': f"image not found: {tmp / 'imgs' / 'none.png'}",
                   f'"line-{len(lines)}"': f"line {len(lines)}: not JSON (Expecting value)"}
@@ -287,6 +292,10 @@ def _check(job, out: Path) -> dict:
         assert (by[key]["text"], by[key]["token_ids"]) == (text, ids), key
         assert by[key]["stats"]["generated_tokens"] == len(ids)
     assert {k: by[k]["error"] for k in job["errors"]} == job["errors"]
+    # the record with its own schema: a complete answer held to it, its value beside the text
+    held = by['"schema"']
+    assert held["stats"]["stop_reason"] == "grammar" and held["json"] == json.loads(held["text"])
+    assert set(held["json"]) == {"shape"} and held["json"]["shape"] in SHAPES
     return by
 
 

@@ -35,6 +35,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
+from ..runtime.decode.grammar import GrammarError
 from .errors import APIError, internal, unavailable
 from .limits import KEEP_ALIVE_S
 from .ray_router import ConversationRouter, conversation_digests
@@ -105,7 +106,14 @@ class Model:
     async def generate(self, ask: Ask):
         """("piece", text) (and ("logprobs", entries)) ... then ("done", Finished) | ("error", wired APIError) |
         ("cancelled", None)."""
-        job = Job(ask.payload, ask.key, ask.options, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if any(ask.options.get(k) for k in ("response_format", "tool_choice", "tools")):
+            try:  # the grammar compiled before the job queues, off the model thread (as app.py does on one machine)
+                await loop.run_in_executor(None, self.sched.compile, ask.options)
+            except GrammarError as e:
+                yield "error", _wire(APIError(400, str(e), "invalid_request_error", "invalid_parameter", param=e.param))
+                return
+        job = Job(ask.payload, ask.key, ask.options, loop)
         try:
             self.sched.submit(job)
         except QueueFull:
@@ -147,7 +155,8 @@ class RemoteScheduler:
         self.counts: Counter = Counter()
 
     def compile(self, options: dict) -> None:
-        """Nothing here: the replica compiles the job's grammar when its slot takes it (a bad one is its 400)."""
+        """Nothing here: the replica compiles the job's grammar before it queues (Model.generate; a bad one is its
+        400)."""
 
     def submit(self, job: Job) -> None:
         self.relays[job] = asyncio.ensure_future(self._relay(job))
