@@ -1,6 +1,7 @@
-"""llama.cpp side of benchmarks/compare.py: is llama-cpp-python there, the GGUF conversion of a SmolVLM
-checkpoint with the convert_hf_to_gguf.py that the llama-cpp-python sdist vendors (nothing of llama.cpp is
-committed here), and libmtmd's timings read from its log."""
+"""llama.cpp side of benchmarks/compare.py: is llama-cpp-python there, the GGUF conversion of a SmolVLM checkpoint
+with the convert_hf_to_gguf.py that the llama-cpp-python sdist vendors (nothing of llama.cpp is committed here),
+libmtmd's timings read from its log; and one llama-bench test in its own process with its cache type and peak RSS
+(llama_bench, for benchmarks/long_prompts.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +111,31 @@ def mtmd_timings(stderr: str) -> dict:
     n_prompt = re.findall(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", stderr)
     return {"vision_s": sum(enc) / 1000, "image_prefill_s": sum(dec) / 1000, "tiles": len(enc),
             "prompt_tokens": int(n_prompt[0]) if n_prompt else None}
+
+
+# llama-bench's cache options: its default f16 cache (flash attention "auto"), q8_0 K and V (a quantized V cache needs
+# flash attention on)
+LLAMA_CACHES = {"f16": [], "q8_0": ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]}
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int, cache: str, prompt: int = 0, gen: int = 0,
+                depth: int = 0) -> dict:
+    """One llama-bench test in its own process (no warmup, one repetition): `prompt` tokens (-p) or `gen` tokens
+    generated (-n) after a context of `depth` tokens (-d, not timed), cache type `cache` (LLAMA_CACHES). Its
+    tokens/s and the process's peak RSS (MB, from wait4)."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
+           "-r", "1", "--no-warmup", "-o", "json", *LLAMA_CACHES[cache]]
+    if os.environ.get("VLMRT_LLAMA_NO_REPACK") == "1":
+        cmd += ["--repack", "0"]
+    with tempfile.TemporaryFile("w+") as errf:  # (a file, not a pipe: nothing blocks while stdout is read)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True)
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)  # (wait4: this child's own rusage)
+        p.returncode = rc = os.waitstatus_to_exitcode(status)
+        if rc != 0:
+            errf.seek(0)
+            raise RuntimeError(f"llama-bench exited {rc}: {errf.read().strip()[-400:]}")
+    (test,) = json.loads(out)
+    return {"tokens_per_s": test["avg_ts"], "peak_rss_mb": usage.ru_maxrss / 1024, "n_prompt": test["n_prompt"],
+            "n_gen": test["n_gen"], "n_depth": test.get("n_depth", 0), "flash_attn": test.get("flash_attn"),
+            "type_k": test.get("type_k"), "type_v": test.get("type_v")}

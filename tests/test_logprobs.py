@@ -203,6 +203,65 @@ def test_bad_logprobs_in_the_python_api(vlm):
             vlm(PROMPT, max_new_tokens=2, logprobs=bad)
 
 
+# ------------------------------------------------------------------------- the command line
+
+
+def test_cli_run_chat_and_batch_give_logprobs(tiny, vlm, tmp_path, capsys, monkeypatch):
+    """vlmrt run --logprobs 3: --json carries VLM.generate(logprobs=3)'s entries in OpenAI's shape (and no logprobs
+    key without the flag); the text mode prints the answer alone on stdout and a line per token on stderr; vlmrt chat
+    prints each turn's on stderr; vlmrt batch --logprobs 2 writes them in each answer's line (all fail on 9ee29fd:
+    no --logprobs)."""
+    import io
+
+    from vlmrt import cli
+
+    base = ["run", str(tiny.bundle), "--prompt", PROMPT, "--max-new-tokens", str(N), "--ignore-eos"]
+    want = vlm(PROMPT, max_new_tokens=N, ignore_eos=True, logprobs=3)
+    assert cli.main([*base, "--logprobs", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["token_ids"] == want.token_ids and out["logprobs"] == [e.as_dict() for e in want.logprobs]
+    assert cli.main([*base, "--json"]) == 0 and "logprobs" not in json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert cli.main([*base, "--logprobs", "3"]) == 0
+    o, e = capsys.readouterr()
+    assert o == want.text + "\n"  # the answer alone
+    table = e.splitlines()[1: 1 + N]  # (after the header; the report follows)
+    assert e.splitlines()[0].split() == ["#", "token", "logprob"] and len(table) == N
+    for i, (line, x) in enumerate(zip(table, want.logprobs)):
+        assert line.startswith(f"{i:>4}  {json.dumps(x.token, ensure_ascii=False)} ") and f" {x.logprob:.4f}" in line
+        assert line.count(" top: ") == 1 and [json.dumps(t.token, ensure_ascii=False) in line for t in x.top] == [True] * 3
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT + "\n"))
+    assert cli.main(["chat", str(tiny.bundle), "--max-new-tokens", str(N), "--ignore-eos", "--logprobs", "1"]) == 0
+    o, e = capsys.readouterr()
+    turn = "".join(vlm.chat([{"role": "user", "content": PROMPT}], max_new_tokens=N, ignore_eos=True, logprobs=1))
+    assert o == turn + "\n" and len([ln for ln in e.splitlines() if " top: " in ln]) == N
+    vlm.reset()
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 1, "prompt": PROMPT}) + "\n" + json.dumps({"id": 2, "prompt": "hi"}) + "\n")
+    assert cli.main(["batch", str(tiny.bundle), "--input", str(src), "--output", str(tmp_path / "out.jsonl"),
+                     "--max-new-tokens", str(N), "--ignore-eos", "--logprobs", "2", "--quiet"]) == 0
+    capsys.readouterr()
+    lines = {d["id"]: d for d in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    for rid, prompt in ((1, PROMPT), (2, "hi")):
+        r = vlm(prompt, max_new_tokens=N, ignore_eos=True, logprobs=2)
+        assert lines[rid]["logprobs"] == [e.as_dict() for e in r.logprobs], rid
+    assert json.loads((tmp_path / "out.jsonl.options.json").read_text())["logprobs"] == 2  # (a resume keeps it)
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "batch"])
+def test_cli_bad_logprobs_are_one_line_exit_2(tiny, capsys, command):
+    from vlmrt import cli
+
+    for bad in ("21", "-1", "2.5"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([command, str(tiny.bundle), "--logprobs", bad])
+        o, err = capsys.readouterr()
+        assert e.value.code == 2 and o == "" and len(err.splitlines()) == 1, err
+        assert err.startswith(f"vlmrt {command}: error: argument --logprobs: '{bad}': the top tokens to list "
+                              "beside each token, 0 to 20"), err
+
+
 # ------------------------------------------------------------------------- the server, with the openai SDK
 
 

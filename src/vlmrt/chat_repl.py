@@ -5,7 +5,8 @@
     /reset            start a new conversation (the caches stay: a repeated image is not encoded again)
     /stats            the last turn's statistics in full
     /quit             leave (so does end of input)
-Answers stream to stdout; a one-line summary of each turn (reused tokens, vision skipped, TTFT) goes to stderr.
+Answers stream to stdout; a one-line summary of each turn (reused tokens, vision skipped, TTFT) goes to stderr, after
+the turn's log probabilities when `--logprobs N` asks for them.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def summary(s) -> str:
 
 
 def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, report=None, stdin=None,
-         stdout=None, stderr=None, videos: list = ()) -> int:
-    """Run the loop until /quit or end of input; report(result) -> text for /stats. images, videos (VideoSource):
-    attached to the first turn."""
+         stdout=None, stderr=None, videos: list = (), logprobs=None) -> int:
+    """Run the loop until /quit or end of input; report(result) -> text for /stats; logprobs(entries) -> text after
+    each turn's answer (on stderr) when the options ask for them. images, videos (VideoSource): attached to the first
+    turn."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if stdin is None:  # started with standard input closed (`<&-`): as an empty input
         return 0
@@ -90,4 +92,6 @@ def repl(vlm, options: dict, images: list[str] = (), system: str | None = None, 
         last = vlm.result
         messages = turn + [{"role": "assistant", "content": last.text}]
         pending, pending_videos = [], []
+        if last.logprobs is not None and logprobs is not None:
+            print(logprobs(last.logprobs), file=stderr)
         print(summary(vlm.result.stats), file=stderr)

@@ -11,8 +11,16 @@ import sys
 from . import export, run, chat, batch, eval, bench
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's, with a usage error (an unknown flag, a bad value) in one line, exit status 2; the usage itself is
+    --help's. The commands' parsers are of this class too (add_subparsers makes its own class's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vlmrt", description="Export and run small vision-language models as static ONNX graphs.")
+    ap = Parser(prog="vlmrt", description="Export and run small vision-language models as static ONNX graphs.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     export.add_parser(sub)
     run.add_parser(sub)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ..serve.arguments import check_url_policy, url_policy_args  # (argparse only: the server loads when it runs)
-from .options import _bundle_or_default, _fetch, _generation_args, _grammar, _grammar_args, _options
+from .options import _bundle_or_default, _fetch, _generation_args, _grammar, _grammar_args, _logprobs_arg, _options
 
 
 def add_parser(sub) -> None:
@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     _grammar_args(t, "every answer (a record's own response_format instead, where it has one)")
+    _logprobs_arg(t, "each answer's line gets them as logprobs (OpenAI's shape)")
     t.set_defaults(fn=run)
 
 
@@ -40,6 +41,8 @@ def run(a) -> int:
     fmt = _grammar(a)
     if fmt is not None:
         opts["response_format"] = fmt
+    if a.logprobs is not None:
+        opts["logprobs"] = a.logprobs
     if a.workers < 1:  # before the default model is built
         raise ValueError("--workers must be >= 1")
     job = Job(bundle=_bundle_or_default(a.bundle), input=a.input, output=a.output, prompt=a.prompt, workers=a.workers,

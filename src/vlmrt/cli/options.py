@@ -3,6 +3,8 @@ default model, the stats report."""
 
 from __future__ import annotations
 
+import json
+
 
 def stats_report(r, build=None) -> str:
     """The answer's figures; build: the default model's first-use build (BuildReport), a line of its own."""
@@ -51,6 +53,38 @@ def _grammar_args(r, what: str = "the answer") -> None:
     g.add_argument("--grammar", default=None, metavar="FILE",
                    help=f"{what} follows this Lark grammar (llguidance's dialect: %%json {{...}} takes a schema)")
     g.add_argument("--regex", default=None, metavar="RE", help=f"{what} matches this regular expression")
+
+
+def logprobs_count(text: str) -> int:
+    """--logprobs N: an integer in 0..MAX_TOP (argparse's type: a bad one is a usage error, exit 2)."""
+    import argparse
+
+    from ..runtime.decode.logprobs import MAX_TOP
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_TOP:
+        raise argparse.ArgumentTypeError(f"{text!r}: the top tokens to list beside each token, 0 to {MAX_TOP}")
+    return n
+
+
+def _logprobs_arg(r, where: str) -> None:
+    r.add_argument("--logprobs", type=logprobs_count, default=None, metavar="N",
+                   help="each generated token's log probability and the N (0 to 20) most likely tokens at its place, "
+                        "from the model's logits before temperature / top-k / top-p and the grammar's mask "
+                        f"(docs/server.md#log-probabilities); {where}")
+
+
+def logprobs_table(entries) -> str:
+    """A result's logprobs (TokenLogprob) as readable lines: position, token (as a JSON string), logprob, then the
+    top tokens with theirs."""
+    rows = [f"{'#':>4}  {'token':<16} {'logprob':>9}"]
+    for i, e in enumerate(entries):
+        top = "  ".join(f"{json.dumps(t.token, ensure_ascii=False)} {t.logprob:.4f}" for t in e.top)
+        rows.append(f"{i:>4}  {json.dumps(e.token, ensure_ascii=False):<16} {e.logprob:9.4f}" + (f"   top: {top}" if top else ""))
+    return "\n".join(rows)
 
 
 def _grammar(a):

@@ -6,7 +6,7 @@ import json
 import sys
 
 from .options import (SPECIAL_TOKENS_HELP, _bundle_and_build, _fetch, _generation_args, _grammar, _grammar_args,
-                      _image_arg, _options, _videos, stats_report)
+                      _image_arg, _logprobs_arg, _options, _videos, logprobs_table, stats_report)
 
 
 def add_parser(sub) -> None:
@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_tokens, stats)")
     r.add_argument("--allow-special-tokens", action="store_true", help=SPECIAL_TOKENS_HELP)
     _grammar_args(r)
+    _logprobs_arg(r, "one token a line on stderr before the report (the answer stays stdout's alone; with --json: the "
+                     "object's logprobs, OpenAI's shape)")
     r.set_defaults(fn=run)
 
 
@@ -39,7 +41,7 @@ def run(a) -> int:
     else:
         messages = user_turn(a.prompt, a.image or [], _videos(a))
     opts, fetch = _options(a), _fetch(a)
-    opts["response_format"] = _grammar(a)
+    opts["response_format"], opts["logprobs"] = _grammar(a), a.logprobs
     # the default model's cache was verified (every file's sha256) by ensure_bundle just now
     if a.htp_arch is not None and a.device != "htp":
         raise ValueError("--htp-arch is for --device htp")
@@ -64,5 +66,7 @@ def run(a) -> int:
         for piece in gen:
             print(piece, end="", flush=True)
         print(flush=True)  # the answer's line ends before the report (stderr) when both go to one pipe
+        if vlm.result.logprobs is not None:
+            print(logprobs_table(vlm.result.logprobs), file=sys.stderr)
         print(stats_report(vlm.result, build), file=sys.stderr)
     return 0

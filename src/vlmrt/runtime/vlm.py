@@ -145,7 +145,11 @@ class Result:
     logprobs: list[TokenLogprob] | None = None  # asked for (logprobs=N): one per token_ids entry, in order
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids), "stats": asdict(self.stats)}
+        """`vlmrt run --json`'s object (and a `vlmrt batch` answer's line): with logprobs when they were asked for, in
+        OpenAI's shape (TokenLogprob.as_dict)."""
+        lp = {} if self.logprobs is None else {"logprobs": [e.as_dict() for e in self.logprobs]}
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
+                "stats": asdict(self.stats), **lp}
 
 
 @dataclass(eq=False)
