@@ -149,6 +149,8 @@ def test_bad_cache_options_are_one_line(tiny, tmp_path):
     (lambda m: m["kv"]["layers"][0]["quant"].update(bits=6), "kv.layers[0]: quant.bits 6 is not 8 or 4"),
     (lambda m: m["kv"]["layers"][1]["quant"]["key_scale"].pop(), "kv.layers[1]: quant.key_scale must hold"),
     (lambda m: m["kv"]["layers"][0]["quant"].update(value="per_row"), "quant.value 'per_row' is not one of"),
+    (lambda m: m["kv"]["layers"][0]["quant"].update(value="per_tensor", value_scale=[0.05]),
+     "quant.key per_channel and quant.value per_tensor differ"),
     (lambda m: m["decoder"].update(kind={"name": "rows_dynamic", "mask_input": "attention_mask", "context_step": 64,
                                          "logit_rows_input": "logit_rows"}), "needs decoder kind gqa_in_place"),
 ])

@@ -7,7 +7,10 @@ def add_parser(sub) -> None:
     e = sub.add_parser("export", help="export a Hugging Face checkpoint (folder or hub id) to a bundle")
     e.add_argument("src", help="checkpoint folder or hub id (e.g. HuggingFaceTB/SmolVLM-256M-Instruct)")
     e.add_argument("out", help="bundle folder to write")
-    e.add_argument("--prefill-ar", type=int, default=32, help="tokens per prefill graph call (default 32)")
+    e.add_argument("--prefill-ar", type=int, default=None,
+                   help="tokens per prefill graph call (default: 128 for the one-graph CPU decoder, which takes any "
+                        "block up to it, at no bundle-size cost; 32 where the prefill graph has a fixed AR (--target htp, "
+                        "--context-step 0, prefill and decode at different precisions), whose last block is padded to it)")
     e.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache size = max context in tokens (default: the family's, e.g. 1024 for SmolVLM, "
                         "room for the default max tiles for InternVL)")

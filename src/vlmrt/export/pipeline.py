@@ -33,19 +33,26 @@ DTYPES = {"fp32": "float32", "fp16": "float16"}
 # max_context / 64 shapes per graph for ORT to plan and the host to bind (not tuned: 32 would read up to 32
 # fewer slots per step, exact lengths a new shape every token)
 DEFAULT_CONTEXT_STEP = 64
+# --prefill-ar's default: the one-graph CPU decoder takes any block up to it (a symbolic AR: no bundle-size cost), and a
+# long prompt prefills faster in larger blocks (docs/performance.md "Long prompts": TTFT at 1000 / 4000 tokens per
+# block; 128 rather than more: a follow-up re-prefills up to a block of the kept prompt, and the server's chunked
+# prefill delays running answers by a block per step); a prefill graph at a fixed AR (the HTP target, --context-step 0,
+# prefill and decode at different precisions) pads its last block to the full AR, so it keeps a short one
+PREFILL_AR = {"one_graph": 128, "fixed_ar": 32}
 
 
 class ExportError(ValueError):
     pass
 
 
-def export(src: str, out: str | Path, *, prefill_ar: int = 32, max_seq_len: int | None = None, dtype: str = "fp32",
+def export(src: str, out: str | Path, *, prefill_ar: int | None = None, max_seq_len: int | None = None, dtype: str = "fp32",
            quant: str | None = None, target: str = "cpu", calibration: list | None = None,
            soc_model: str | None = None, htp_arch: str | None = None, keep_qdq: bool = False, shared_context: bool = False,
            context_step: int | None = None, attention: str | None = None, lookahead_ar: int = 0, force: bool = False,
            max_patches: int | None = None, kv_cache: str = "fp32", progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
+    prefill_ar: tokens per prefill block (default PREFILL_AR: the one-graph CPU decoder's, else a fixed-AR graph's).
     dtype is the graphs' I/O (and KV cache) type; quant the weight precision, overall or per graph.
     target "htp": static graphs with a uint8 KV cache, each QDQ (16-bit activations, 8- or 4-bit weights) or float
     (fp16 on the HTP) as quant says (export/htp/precisions.py; default w8a16),
@@ -168,7 +175,7 @@ def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
     return prec
 
 
-def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int | None, dtype: str,
+def _plan(src: str, prec: dict[str, str], *, prefill_ar: int | None, max_seq_len: int | None, dtype: str,
           context_step: int | None, attention: str | None, htp: dict | None, max_patches: int | None = None) -> Plan:
     head = prec.get("lm_head")
     ckpt = Checkpoint.open(resolve(src))
@@ -203,11 +210,14 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int, max_seq_len: int |
         htp_precisions.check_blocks(htp["precisions"], t.hidden, t.heads * t.head_dim, t.intermediate)
     if max_seq_len is None:
         max_seq_len, _ = family.max_context(cfg, host)
+    if context_step is None:
+        context_step = min(DEFAULT_CONTEXT_STEP, max_seq_len)
+    if prefill_ar is None:  # (Plan.one_graph's condition, at a block > 1)
+        one = bool(context_step) and htp is None and prec["prefill"] == prec["decode"]
+        prefill_ar = min(PREFILL_AR["one_graph" if one else "fixed_ar"], max_seq_len)
     if prefill_ar < 1 or max_seq_len < 2 or prefill_ar > max_seq_len:
         raise ExportError("need 1 <= --prefill-ar <= --max-seq-len")
     cfg.text.rope.check_context(max_seq_len)  # a table of RoPE rows must hold the scaling up to the max context
-    if context_step is None:
-        context_step = min(DEFAULT_CONTEXT_STEP, max_seq_len)
     if context_step > max_seq_len:
         raise ExportError(f"--context-step {context_step} is larger than the max context {max_seq_len}")
     template = ckpt.chat_template()
@@ -447,7 +457,7 @@ def _decoder_kind(plan: Plan, batched: bool) -> mf.GqaInPlaceKind | mf.RowsDynam
                              verify_ar=plan.htp["lookahead_ar"] if plan.htp else 0)
 
 
-def _export(src: str, out: Path, p: Progress, *, prefill_ar: int, max_seq_len: int | None, dtype: str,
+def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq_len: int | None, dtype: str,
             quant: str | None, force: bool, context_step: int | None, attention: str | None, htp: dict | None,
             max_patches: int | None = None, kv_bits: int = 0, calibration: list | None = None) -> Path:
     import torch

@@ -190,6 +190,8 @@ class CacheQuant:
             want = kv_heads * head_dim if kind == "per_channel" else 1
             if len(scale) != want or not all(s > 0 for s in scale):
                 return f"quant.{name}_scale must hold {want} positive scales ({kind})"
+        if self.key != self.value:  # (ORT 1.32's CPU kernel: "requires k_quant_type == v_quant_type")
+            return f"quant.key {self.key} and quant.value {self.value} differ: GroupQueryAttention takes one type for both"
         return None
 
 
