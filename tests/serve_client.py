@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ASSETS, CASES, exported
+from conftest import ASSETS
+from fixtures_tiny import tiny  # noqa: F401  (the fixture, for the server tests that import it from here)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -132,11 +133,6 @@ def direct(vlm: VLM, messages, **kw) -> str:
 
 def status(r) -> dict:
     return get(r, "/health")[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return exported(CASES[0], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import CASES, exported
+from fixtures_tiny import alone, tiny  # noqa: F401  (fixtures)
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.decode import lookahead
 from vlmrt.runtime.decode.grammar import Constraint, GrammarError, GrammarSpec
@@ -32,16 +32,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "n", "ok"], "additionalProperties": False}
 JSON = GrammarSpec.json_schema(SCHEMA)
 WORDS = GrammarSpec("regex", "(red|green|blue)( (red|green|blue)){2,5}")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return exported(CASES[0], tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def alone(tiny):
-    return VLM.load(tiny.bundle)
 
 
 def _prompt(vlm, n: int) -> list[int]:

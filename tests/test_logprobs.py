@@ -12,8 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import CASES, exported
-from serve_client import TEXT, openai, request, start  # noqa: F401
+from serve_client import TEXT, openai, request, start, tiny, vlm  # noqa: F401  (fixtures)
 from vlmrt.runtime.answers import AnswerLoop
 from vlmrt.runtime.bundle import Bundle
 from vlmrt.runtime.decode import scheduler as scheduler_module
@@ -29,16 +28,6 @@ N = 12
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     return x - x.max() - np.log(np.exp(x - x.max()).sum())
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return exported(CASES[0], tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def vlm(tiny):
-    return VLM.load(tiny.bundle)
 
 
 def test_token_logprobs_is_log_softmax_of_the_row():

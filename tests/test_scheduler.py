@@ -13,6 +13,7 @@ import onnx
 import pytest
 
 from conftest import CASES, exported
+from fixtures_tiny import alone, tiny  # noqa: F401  (fixtures)
 from cpu_isa import plant_multi_row_rounding
 from vlmrt.batch.worker import Answerer
 from vlmrt.format.manifest import RowsDynamicKind
@@ -23,16 +24,6 @@ from vlmrt.runtime.decode.kv_cache import KVCache
 from vlmrt.runtime.vlm import VLM
 from vlmrt.runtime.decode.sampler import Sampler, SamplingConfig
 from vlmrt.runtime.decode.sequence import Sequence
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return exported(CASES[0], tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def alone(tiny):
-    return VLM.load(tiny.bundle)
 
 
 def _prompts(vlm, n):

@@ -110,6 +110,10 @@ def test_demo_answers_are_vlmrt_runs(demo_site, tmp_path):
         assert not any(u.endswith(".data") or u.endswith(".npy") for u in reloaded.requests)
 
 
+# logprobs, page vs Python: 4.6e-6 at most measured (onnxruntime-web's WASM logits vs native ORT's, float64 vs float32
+# sums) on the tiny SmolVLM and InternVL bundles, both modes, Zen 4
+LOGPROB_GAP = 5e-5
+
 # registered families whose bundles the browser runtime refuses, and why (web/site.py browser_problem)
 BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "qwen_vl": "rope positions (mrope, 3 rows)",
                    "gemma4": "sliding_attention cache layers"}
@@ -118,7 +122,8 @@ BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "qwen_vl": "rope positions (m
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tiny_bundles_answer_as_python(family, tmp_path_factory, tmp_path):
     """Every registered family's first tiny case (tests/family_cases.py): tiled images (resized, cut, a global tile /
-    thumbnail) through the vision graph, spliced, prefill + decode, in both modes."""
+    thumbnail) through the vision graph, spliced, prefill + decode, in both modes; the answers' logprobs (top 3) those
+    of VLM.generate(logprobs=3) (fail on 9ee29fd: the page had none)."""
     need_browser()
     pytest.importorskip("torch")
     fc = FAMILIES[family]
@@ -135,12 +140,22 @@ def test_tiny_bundles_answer_as_python(family, tmp_path_factory, tmp_path):
         page = _open(ctx, url)
         for image in (ASSETS / "chelsea.png", ASSETS / "page.png"):
             for mode in ("hybrid", "kv"):
-                want = vlm("Describe the image.", image, max_new_tokens=8, ignore_eos=True, mode=mode)
+                want = vlm("Describe the image.", image, max_new_tokens=8, ignore_eos=True, mode=mode, logprobs=3)
                 assert want.stats.image_tiles > 1
                 got = _ask(page, images=[_uri(image)], prompt="Describe the image.", maxNewTokens=8, ignoreEos=True,
-                           mode=mode)
+                           mode=mode, logprobs=3)
                 assert got["promptIds"] == want.prompt_ids
                 assert got["tokenIds"] == want.token_ids, (image.name, mode)
+                # logprobs (static/logprobs.js): the same rows' log_softmax, top 3 best first
+                assert [[t["id"] for t in e["top"]] for e in got["logprobs"]] == [[t.id for t in e.top]
+                                                                                   for e in want.logprobs]
+                # (a token holding part of a character: U+FFFD in the page, its bytes as \\xNN in Python)
+                assert [g["token"] for g, w in zip(got["logprobs"], want.logprobs) if "\ufffd" not in g["token"]] == \
+                    [w.token for w in want.logprobs if "\\x" not in w.token]
+                gap = max(abs(a - b) for g, w in zip(got["logprobs"], want.logprobs)
+                          for a, b in zip([g["logprob"]] + [t["logprob"] for t in g["top"]],
+                                          [w.logprob] + [t.logprob for t in w.top]))
+                assert gap < LOGPROB_GAP, (image.name, mode, gap)
 
 
 def test_a_tied_w4a16o_bundle_reads_its_head_rows_from_the_embedding_table(tmp_path_factory, tmp_path):
@@ -299,7 +314,8 @@ def test_without_bundle_the_demo_model(demo_model, tmp_path, monkeypatch, capsys
 
 def test_a_response_format_is_refused_in_one_line(default_bundle, tmp_path):
     """The browser runtime has no grammar engine (llguidance is a native library): VLM.chat's responseFormat other
-    than text is refused with one line before anything runs (run in Node on the site's own module)."""
+    than text is refused with one line before anything runs (run in Node on the site's own module); so is a logprobs
+    count outside 0..20."""
     import shutil
 
     if shutil.which("node") is None:
@@ -310,9 +326,41 @@ const v = Object.create(VLM.prototype);
 for (const rf of [{{type: "json_object"}}, {{type: "json_schema", json_schema: {{schema: {{}}}}}}, {{type: "text"}}]) {{
   try {{ await v.chat([{{role: "user", content: "hi"}}], {{responseFormat: rf}}); console.log("answered"); }}
   catch (e) {{ console.log(e.message.split("\\n").length + " " + e.message); }}
+}}
+for (const n of [21, -1, 1.5, "3"]) {{
+  try {{ await v.chat([{{role: "user", content: "hi"}}], {{logprobs: n}}); console.log("answered"); }}
+  catch (e) {{ console.log(e.message.split("\\n").length + " " + e.message); }}
 }}"""
     p = subprocess.run(["node", "--input-type=module", "-e", js], capture_output=True, text=True, timeout=60)
     lines = p.stdout.splitlines()
-    assert p.returncode == 0 and len(lines) == 3, p.stderr
+    assert p.returncode == 0 and len(lines) == 7, p.stderr
     assert all(ln.startswith("1 responseFormat: structured output") and "llguidance" in ln for ln in lines[:2])
     assert "responseFormat" not in lines[2]  # text: what it does anyway
+    assert [ln.split(" (")[0] for ln in lines[3:]] == ["1 logprobs must be null or an integer from 0 to 20"] * 4
+
+
+def test_logprobs_in_javascript_are_the_runtimes():
+    """static/logprobs.js (Node): a row's log_softmax at the token and its top ids, best first with ties by the lower
+    id, are runtime/decode/logprobs.py's (float64 there, float32 sums here: 1e-5)."""
+    import shutil
+
+    import numpy as np
+
+    from vlmrt.runtime.decode.logprobs import token_logprobs
+    from web_browser import STATIC
+
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    rng = np.random.default_rng(1)
+    rows = [(rng.standard_normal(5000) * 4).astype(np.float32), np.round(rng.standard_normal(300) * 2).astype(np.float32)]
+    rows[0][[11, 40]] = rows[0].max() + 1  # a tie at the top
+    js = f"""import {{ tokenLogprob }} from "{(STATIC / 'logprobs.js').as_posix()}";
+const rows = {json.dumps([r.tolist() for r in rows])};
+console.log(JSON.stringify(rows.map((r, i) => tokenLogprob(Float32Array.from(r), 7 + i, [20, 5][i]))));"""
+    p = subprocess.run(["node", "--input-type=module", "-e", js], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for got, row, top in zip(json.loads(p.stdout), rows, (20, 5)):
+        want = token_logprobs(row, got["id"], top=top)
+        assert [t["id"] for t in got["top"]] == [t.id for t in want.top]
+        assert max(abs(a - b) for a, b in zip([got["logprob"]] + [t["logprob"] for t in got["top"]],
+                                                [want.logprob] + [t.logprob for t in want.top])) < 1e-5

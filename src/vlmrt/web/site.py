@@ -30,7 +30,7 @@ BROWSER_DECODER_KINDS = ("gqa_in_place", "rows_dynamic", "rows_static")
 BROWSER_CACHE_KINDS = ("attention",)
 STATIC = HERE / "static"
 RUNTIME_FILES = ("vlmrt.js", "app.js", "decoder.js", "files.js", "image.js", "resample.js", "npy.js", "prompt.js",
-                 "sampler.js", "stop_strings.js")
+                 "sampler.js", "stop_strings.js", "logprobs.js")
 # (package, file in the package, name under vendor/): the WASM-only build of onnxruntime-web ("onnxruntime-web/wasm":
 # the default JSEP build refuses 8-bit MatMulNBits and returns GroupQueryAttention caches of another length)
 VENDOR = (

@@ -13,6 +13,7 @@ import { BundleFiles } from "./files.js";
 import { decodeImage, preprocess, unfoldPatches } from "./image.js";
 import { readNpy } from "./npy.js";
 import { ChatTemplate, parseMessages } from "./prompt.js";
+import { checkLogprobs, tokenLogprob } from "./logprobs.js";
 import { Sampler } from "./sampler.js";
 import { StopStrings } from "./stop_strings.js";
 
@@ -126,13 +127,15 @@ export class VLM {
 
   // The next assistant turn of OpenAI-style messages (everything computed afresh, as VLM.generate).
   // options: maxNewTokens (256), mode ("hybrid" | "kv"), temperature, topK, topP, seed, stop (strings), ignoreEos,
-  // onText(piece) as the answer streams, onToken(id); responseFormat: only {type: "text"} (structured output needs
-  // llguidance, a native library: vlmrt run / serve have it, the browser does not)
+  // onText(piece) as the answer streams, onToken(id); logprobs: N (0..20) gives the answer's logprobs (logprobs.js:
+  // each token's and its row's N most likely, as VLM.generate(logprobs=N)); responseFormat: only {type: "text"}
+  // (structured output needs llguidance, a native library: vlmrt run / serve have it, the browser does not)
   async chat(messages, { maxNewTokens = 256, mode = null, temperature = 0, topK = 0, topP = 1, seed = null, stop = null,
-    ignoreEos = false, onText = () => {}, onToken = () => {}, responseFormat = null } = {}) {
+    ignoreEos = false, onText = () => {}, onToken = () => {}, responseFormat = null, logprobs = null } = {}) {
     if (responseFormat !== null && !(responseFormat && responseFormat.type === "text")) {
       throw new Error("responseFormat: structured output (JSON schema, grammar) needs llguidance, a native library the browser runtime does not have; use vlmrt run or vlmrt serve");
     }
+    checkLogprobs(logprobs);
     if (this.busy) throw new Error("this VLM is answering another request (one at a time: its KV cache is one conversation's)");
     if (!(Number.isInteger(maxNewTokens) && maxNewTokens >= 1)) throw new RangeError("maxNewTokens must be an integer >= 1");
     const m = this.manifest;
@@ -141,13 +144,14 @@ export class VLM {
     const sampler = new Sampler({ temperature, topK, topP, seed }), cut = new StopStrings(stop);
     this.busy = true;
     try {
-      return await this.answer(parseMessages(messages), mode, maxNewTokens, sampler, cut, ignoreEos, onText, onToken);
+      return await this.answer(parseMessages(messages), mode, maxNewTokens, sampler, cut, ignoreEos, onText, onToken,
+        logprobs);
     } finally {
       this.busy = false;
     }
   }
 
-  async answer(conv, mode, maxNewTokens, sampler, cut, ignoreEos, onText, onToken) {
+  async answer(conv, mode, maxNewTokens, sampler, cut, ignoreEos, onText, onToken, logprobs = null) {
     const m = this.manifest, st = { mode, threads: this.threads, loadMs: this.loadMs };
     const t0 = performance.now();
     const images = [];
@@ -188,18 +192,24 @@ export class VLM {
       const k = Math.min(ar, n - b);
       out = await dec.step(ar > 1 ? "prefill" : "decode", embeds.subarray(b * h, (b + k) * h), k);
     }
-    const pick = (o) => (sampler.greedy && o.argmax !== null ? o.argmax : sampler.pick(o.logits));
+    let row;  // the logits row the token was picked from (for its logprobs)
+    const pick = (o) => { row = o.logits; return sampler.greedy && o.argmax !== null ? o.argmax : sampler.pick(o.logits); };
     let token = pick(out);
     const t3 = performance.now();
     st.prefillMs = t3 - t2;
     st.ttftMs = t3 - t0;
 
     // decode (Engine.generate): EOS is not emitted; stop at max_new_tokens, a full cache or a stop string
-    const eos = new Set(m.special_tokens.eos_token_ids), tokenIds = [];
+    const eos = new Set(m.special_tokens.eos_token_ids), tokenIds = [], entries = logprobs === null ? null : [];
+    const spelled = (e) => ({ ...e, token: this.tokenizer.decode([e.id], { skip_special_tokens: false }) });
     let shown = "", stopReason = "";
     for (;;) {
       if (eos.has(token) && !ignoreEos) { stopReason = "eos"; break; }
       tokenIds.push(token);
+      if (entries) {  // (row: a view of the step's output, read before the next step)
+        const e = tokenLogprob(row, token, logprobs);
+        entries.push({ ...spelled(e), top: e.top.map(spelled) });
+      }
       onToken(token);
       const full = this.tokenizer.decode(tokenIds, { skip_special_tokens: true });
       if (full.length > shown.length && full.startsWith(shown) && !full.endsWith("\uFFFD")) {  // (held: a partial UTF-8 char)
@@ -227,6 +237,7 @@ export class VLM {
     st.prefillTokensPerS = n / (st.prefillMs / 1000);
     st.runMs = dec.runMs;
     st.totalMs = t4 - t0;
-    return { text: cut.stopped || full.startsWith(shown) ? cut.text : full, tokenIds, promptIds: ids, stats: st };
+    return { text: cut.stopped || full.startsWith(shown) ? cut.text : full, tokenIds, promptIds: ids, stats: st,
+      ...(entries ? { logprobs: entries } : {}) };
   }
 }
