@@ -28,6 +28,9 @@ N, IMAGE, REPEAT = 1200, (40, 320), 5
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import torchvision_ops
+
+    torchvision_ops.declare()
     import fixtures_gemma4 as fx
 
     from vlmrt.export.pipeline import export
