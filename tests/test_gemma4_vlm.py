@@ -2,8 +2,9 @@
 transformers (tests/fixtures_gemma4.py) through `vlmrt export` (exported once per session, prefill blocks of 16 so
 blocks split the images) and `vlmrt run`: the prompt ids and 24 greedy ids equal transformers' Gemma4Processor +
 generate with images of two aspect ratios, in kv and hybrid modes; the hub's config form gives the same shapes;
-a checkpoint with an audio tower loads its vision and text; bidirectional attention over images is refused at
-export in one line (vlmrt's decoder is causal: never a wrong answer)."""
+a checkpoint with an audio tower loads its vision and text; with bidirectional attention over images
+(use_bidirectional_attention "vision", exported with blocks of 32 that would split an image) the ids equal generate
+too, and a follow-up turn reuses the first turn's rows."""
 
 from __future__ import annotations
 
@@ -77,23 +78,79 @@ def test_hub_config_form_gives_the_same_family_config(bundle):
     assert {s.head_dim for s in fam.config(saved).text.shapes} == {16, 32}
 
 
-def test_bidirectional_vision_attention_is_refused_in_one_line(bundle, tmp_path, capsys):
-    """use_bidirectional_attention "vision" (transformers: an image token sees its whole image on the sliding
-    layers during prefill) would answer differently from a causal decoder: `vlmrt export` refuses it, one line,
-    nothing written."""
-    from vlmrt import cli
+@pytest.fixture(scope="module")
+def bidirectional(bundle, tmp_path_factory):
+    """The test checkpoint with use_bidirectional_attention "vision" (the same weights), exported with prefill
+    blocks of 32: (checkpoint, bundle)."""
+    from vlmrt.export.pipeline import export
 
-    ckpt = tmp_path / "ckpt"
+    tmp = tmp_path_factory.mktemp("gemma4_bidir")
+    ckpt = tmp / "ckpt"
     shutil.copytree(bundle.ckpt, ckpt)
     config = json.loads((ckpt / "config.json").read_text())
     config["text_config"]["use_bidirectional_attention"] = "vision"
     (ckpt / "config.json").write_text(json.dumps(config))
-    capsys.readouterr()
-    assert cli.main(["export", str(ckpt), str(tmp_path / "out")]) != 0
-    err = capsys.readouterr().err.strip().splitlines()  # (the progress line, then the error)
-    assert err[-1].startswith("vlmrt: error: Gemma 4 use_bidirectional_attention 'vision'")
-    assert not any("Traceback" in line for line in err)
-    assert not (tmp_path / "out").exists()
+    return ckpt, export(str(ckpt), tmp / "bundle", prefill_ar=32, max_seq_len=256, progress=False)
+
+
+def _hf_chat(ckpt, images, messages, n):
+    """(prompt ids, greedy new ids) of transformers' Gemma4Processor + generate on a conversation (EOS ignored)."""
+    import copy
+
+    import torch
+
+    from fixtures_gemma4 import hf_model, hf_processor
+
+    model, processor = hf_model(ckpt), hf_processor(ckpt)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[images], return_tensors="pt")
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(**inputs, generation_config=cfg, do_sample=False, max_new_tokens=n)
+    k = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), out[0, k:].tolist()
+
+
+def test_bidirectional_vision_attention_equals_generate(bundle, bidirectional, tmp_path):
+    """use_bidirectional_attention "vision" (an image token sees its whole image on the sliding layers during
+    prefill): the manifest names the span input; with a wide and a tall image where a plain block of 32 would split
+    the second, 24 greedy ids equal Gemma4Processor + generate in both modes (the blocks cut at the image: the
+    answer differs from the causal export's), and a follow-up turn reusing the first turn's rows equals generate on
+    the whole conversation."""
+    from vlmrt.runtime.vlm import VLM
+
+    ckpt, b = bidirectional
+    assert json.loads((b / "manifest.json").read_text())["decoder"]["span_input"] == "span_ids"
+    images = [image(s, k) for k, s in enumerate(SIZES)]
+    paths = []
+    for k, im in enumerate(images):
+        paths.append(str(tmp_path / f"im{k}.png"))
+        im.save(paths[-1])
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": PROMPT}]}
+    ids, want = _hf_chat(ckpt, images, [user], 24)
+    image_id = json.loads((ckpt / "config.json").read_text())["image_token_id"]
+    at = [i for i, t in enumerate(ids) if t == image_id]
+    assert at[0] < 32 <= at[-1] and 31 in at and 32 in at  # (a block of 32 ends inside the second image)
+    vlm = VLM.load(b)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": p}} for p in paths]
+             + [{"type": "text", "text": PROMPT}]}]
+    for mode in ("kv", "hybrid"):
+        vlm.reset()
+        "".join(vlm.chat(msgs, mode=mode, max_new_tokens=24, ignore_eos=True))
+        assert vlm.result.prompt_ids == ids and vlm.result.token_ids == want, mode
+    causal = VLM.load(bundle.bundle)  # the causal export of the same weights answers otherwise
+    "".join(causal.chat(msgs, max_new_tokens=24, ignore_eos=True))
+    assert causal.result.token_ids != want
+    answer = vlm.result.text
+    follow = "And the shapes?"
+    ids2, want2 = _hf_chat(ckpt, images, [user, {"role": "assistant", "content": answer},
+                                          {"role": "user", "content": follow}], 24)
+    msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow}]
+    "".join(vlm.chat(msgs, max_new_tokens=24, ignore_eos=True))
+    assert vlm.result.prompt_ids == ids2 and vlm.result.token_ids == want2
+    first_end = next(i for i in at if i + 1 not in at) + 1
+    assert vlm.result.stats.reused_prompt_tokens >= first_end  # (the first image's rows kept, not run again)
 
 
 def test_weight_only_precision_is_refused_in_one_line(bundle, tmp_path, capsys):

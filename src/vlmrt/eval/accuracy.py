@@ -30,7 +30,7 @@ def evaluate(bundle: VLM, reference: VLM, samples, *, tokens: int = 32, mode: st
     for image, prompt in samples:
         p = reference.prompt(prompt, [] if image is None else [image])
         ids, ref = p.ids, reference.decoder_inputs(p)  # embeddings, rope positions, row input
-        kw = dict(positions=ref.positions, rows=ref.rows)
+        kw = dict(positions=ref.positions, rows=ref.rows, spans=ref.spans)
         seq = list(reference.scheduler.generate(ref.embeds, mode="hybrid", max_new_tokens=tokens, **kw))
         if not seq:  # the reference answered EOS at once: score that single position
             seq = [int(np.argmax(reference.row.prefill(ref.embeds, "hybrid", **kw)))]
@@ -39,7 +39,7 @@ def evaluate(bundle: VLM, reference: VLM, samples, *, tokens: int = 32, mode: st
         if pb.ids != ids:
             raise ValueError("the bundle and the reference tokenize the prompt differently: not the same model")
         x = bundle.decoder_inputs(pb)
-        got = bundle.row.score(x.embeds, seq, mode, positions=x.positions, rows=x.rows)
+        got = bundle.row.score(x.embeds, seq, mode, positions=x.positions, rows=x.rows, spans=x.spans)
         r = compare_logits(ref_logits, got)
         r.update(image=str(image) if image else None, prompt=prompt, prompt_tokens=len(ids),
                  reference_text=reference.bundle.tokenizer.decode(seq, skip_special_tokens=True))

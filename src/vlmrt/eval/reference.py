@@ -73,6 +73,7 @@ class TorchDecoder:
         if k.token_rows_input:  # the graph's own addition of the int8 rows (export/graphs.py TokenRows)
             embeds = embeds + t[k.token_rows_input].float() * t[k.token_scales_input][:, None]
         row_input = [t[d.row_input.input].float()] if d.row_input else []
+        row_input += [t[d.span_input]] if d.span_input else []
         with torch.no_grad():
             out = self.module(embeds, t[d.positions.input], *row_input, *step, *[t[n].float() for n in self.past], *rows)
         by_name = dict(zip(self.outs, (o.numpy() for o in out)))

@@ -4,7 +4,10 @@ ORT's contrib ops have no schema in `onnx`, and the dynamo exporter builds a nod
 registers the op's schema (the inputs vlmrt uses, in ORT's order: docs/ContribOperators.md of onnxruntime) once, and
 gives the exporter the translation (`TABLE`, torch.onnx.export's custom_translation_table). do_rotary with the cos /
 sin caches applies RoPE at the host's position_ids (rotary_interleaved 0: transformers' rotate-half form); scale 1/sqrt(head_dim), ORT's default,
-unless the op is given one; a sliding window as local_window_size.
+unless the op is given one; a sliding window as local_window_size. With spans (a token of an image span also sees the
+span's later tokens: families/gqa.py) the node takes causal 0 and an attention_bias [B, 1, s, total] built here from
+the step's slots (seqlens_k, its rows) and spans: 0 where the key is at or before the query's slot or a token of the
+query's span in the step, and within the window; the lowest value else.
 `pack_qkv` then feeds the op the fused q/k/v projection whole (its packed-QKV form), without the Split between.
 """
 
@@ -14,6 +17,7 @@ import onnx
 import onnxscript
 import torch
 from onnx.defs import OpSchema
+from onnxscript import opset18 as op
 
 from ..families import gqa  # noqa: F401  (registers the torch op)
 
@@ -27,12 +31,14 @@ def _register() -> None:
     inputs = [p("query", "T"), p("key", "T", param_option=opt), p("value", "T", param_option=opt),
               p("past_key", "T", param_option=opt), p("past_value", "T", param_option=opt), p("seqlens_k", "M"),
               p("total_sequence_length", "M"), p("cos_cache", "T", param_option=opt),
-              p("sin_cache", "T", param_option=opt), p("position_ids", "P", param_option=opt)]
+              p("sin_cache", "T", param_option=opt), p("position_ids", "P", param_option=opt),
+              p("attention_bias", "T", param_option=opt)]
     outputs = [p("output", "T"), p("present_key", "T"), p("present_value", "T")]
     a, at = OpSchema.Attribute, OpSchema.AttrType
     attributes = [a("num_heads", at.INT, "", required=True), a("kv_num_heads", at.INT, "", required=True),
                   a("do_rotary", at.INT, "", required=False), a("rotary_interleaved", at.INT, "", required=False),
-                  a("local_window_size", at.INT, "", required=False), a("scale", at.FLOAT, "", required=False)]
+                  a("local_window_size", at.INT, "", required=False), a("scale", at.FLOAT, "", required=False),
+                  a("causal", at.INT, "", required=False)]
     onnx.defs.register_schema(OpSchema(
         "GroupQueryAttention", DOMAIN, 1, inputs=inputs, outputs=outputs, attributes=attributes,
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], ""),
@@ -44,17 +50,49 @@ _msft = onnxscript.values.Opset(DOMAIN, 1)
 
 
 def _group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads: int,
-                           kv_heads: int, window: int = 0, scale: float = 0.0):
+                           kv_heads: int, window: int = 0, scale: float = 0.0, spans=None):
     """window > 0: a sliding window of that many keys, the query's own included (local_window_size = window: ORT
     1.32's CPU kernel attends slots q - window < k <= q, measured against transformers' sliding mask by
     tests/test_gemma4_decoder.py; the schema's "left window" reads one less); scale 0: the op's default 1/sqrt(head_dim)."""
-    extra = {}
-    if window > 0:
+    extra, bias = {}, []
+    if spans is not None:  # the window goes into the bias (ORT: local_window_size -1 with causal 0)
+        extra["causal"] = 0
+        bias = [_span_bias(q, seqlens_k, total, spans, window)]
+    elif window > 0:
         extra["local_window_size"] = window
     if scale:
         extra["scale"] = float(scale)
-    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, num_heads=heads,
-                                     kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, **extra)
+    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, *bias,
+                                     num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, **extra)
+
+
+def _span_bias(q, seqlens_k, total, spans, window: int):
+    """attention_bias [B, 1, s, total] (module doc): q [B, s, ·] (s: the rows of each sequence), seqlens_k [B] int32
+    (each step's last slot), total [] int32, spans [B·s] int64."""
+    i64 = onnx.TensorProto.INT64
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    s = op.Shape(q, start=1, end=2)  # [1]
+    s0 = op.Squeeze(s, op.Constant(value_ints=[0]))
+    keys = op.Range(zero, op.Cast(total, to=i64), one)  # [T] slots
+    first = op.Sub(op.Add(op.Cast(seqlens_k, to=i64), one), s0)  # [B] each step's first slot
+    # (Reshape, not Unsqueeze on axis 0: batch_dim.add_batch_dim takes an Unsqueeze(0) into an Add for hidden rows)
+    row_vector = op.Constant(value_ints=[1, -1])
+    slots = op.Unsqueeze(op.Add(op.Unsqueeze(first, op.Constant(value_ints=[1])),
+                                op.Reshape(op.Range(zero, s0, one), row_vector)),
+                         op.Constant(value_ints=[2]))  # [B, s, 1] the queries' slots
+    keys3 = op.Reshape(keys, op.Constant(value_ints=[1, 1, -1]))  # [1, 1, T]
+    sp = op.Reshape(spans, op.Concat(op.Constant(value_ints=[-1]), s, axis=0))  # [B, s]
+    row = op.Sub(op.Reshape(keys, row_vector), op.Unsqueeze(first, op.Constant(value_ints=[1])))
+    key_span = op.Where(op.GreaterOrEqual(row, zero),
+                        op.GatherElements(sp, op.Max(op.Min(row, op.Sub(s0, one)), zero), axis=1),
+                        op.Constant(value_int=-1))  # [B, T] each key's span (-1: before the step or none)
+    qs = op.Unsqueeze(sp, op.Constant(value_ints=[2]))  # [B, s, 1]
+    same = op.And(op.Equal(qs, op.Unsqueeze(key_span, op.Constant(value_ints=[1]))), op.GreaterOrEqual(qs, zero))
+    seen = op.Or(op.LessOrEqual(keys3, slots), same)
+    if window > 0:
+        seen = op.And(seen, op.Greater(keys3, op.Sub(slots, op.Constant(value_int=window))))
+    bias = op.Where(seen, op.Constant(value_float=0.0), op.Constant(value_float=-3.0e38))
+    return op.CastLike(op.Unsqueeze(bias, op.Constant(value_ints=[1])), q)
 
 
 TABLE = {torch.ops.vlmrt.group_query_attention.default: _group_query_attention}

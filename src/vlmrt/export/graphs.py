@@ -26,7 +26,7 @@ from onnx import external_data_helper
 
 from ..format.manifest import TensorSpec
 from .cache_kinds import CACHE_KINDS, CacheLayout, batchable, state_names
-from .decoder_inputs import ROW_INPUT, decoder_inputs
+from .decoder_inputs import ROW_INPUT, SPAN_INPUT, decoder_inputs
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -199,7 +199,7 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
                                    rope_positions=max_context + (0 if layout.in_place else ar))
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     n = torch.export.Dim("ar", min=1, max=ar) if dynamic_ar else None
-    dims = {"inputs_embeds": {0: n}, "position_ids": {1: n}, ROW_INPUT: {0: n}} if dynamic_ar else {}
+    dims = {"inputs_embeds": {0: n}, "position_ids": {1: n}, ROW_INPUT: {0: n}, SPAN_INPUT: {0: n}} if dynamic_ar else {}
     if layout.in_place:
         step = {"seqlens_k": torch.tensor([ar - 1], dtype=torch.int32),
                 "total_sequence_length": torch.tensor(ar, dtype=torch.int32)}

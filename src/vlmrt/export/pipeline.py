@@ -21,7 +21,7 @@ from ..format import staging
 from ..families import Family, FamilyConfig, HostSpec, family_for, vision_examples, vision_row_outputs
 from ..progress import Laps, Progress
 from . import cache_kinds, graphs
-from .decoder_inputs import ROW_INPUT
+from .decoder_inputs import ROW_INPUT, SPAN_INPUT
 from .htp import precisions as htp_precisions, qnn_context
 from .cpu import kv_quant, quantize
 from .htp import bundle as htp_mod
@@ -388,11 +388,12 @@ def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
 
 
 def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embed_dtype: str,
-              scale_file: str | None, kv_layers: list, batched: bool, extra_inputs: list, row_outputs: list) -> mf.Manifest:
+              scale_file: str | None, kv_layers: list, batched: bool, extra_inputs: list, row_outputs: list,
+              spans: bool = False) -> mf.Manifest:
     """The manifest of the files in tmp (all of them: a file it does not list is an error). kv_layers: the decoder's
     cache layers (cache_kinds.kv_layers); batched: whether its gqa_in_place graph takes a batch; extra_inputs: the
     vision graph's inputs after the patch rows, by role; row_outputs: its outputs after the embeddings (the decoder's
-    row input)."""
+    row input); spans: the decoder takes each row's image span (decoder.span_input)."""
     t, host = plan.cfg.text, plan.host
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
@@ -417,7 +418,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                                           op=host.positions_op),
                                logits_output="logits", kind=_decoder_kind(plan, batched),
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
-                               row_input=_row_input(plan, row_outputs)),
+                               row_input=_row_input(plan, row_outputs), span_input=SPAN_INPUT if spans else None),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds", tile_inputs=host.tile_inputs,
                              extra_inputs={role: role for role in extra_inputs}, params=_tile_params(plan),
                              row_outputs=list(row_outputs)),
@@ -476,6 +477,12 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
     vision, decoder, embed = plan.family.weights(plan.cfg, plan.ckpt.tensors())
     row_outputs = vision_row_outputs(vision)
     rope_rows, levels = decoder.rope_rows, decoder.row_levels  # (families.DecoderModule, checked by Family.weights)
+    spans = decoder.span_input
+    if spans and not plan.one_graph:
+        raise ExportError("this checkpoint's image tokens attend to their whole image (bidirectional vision attention), "
+                          "so a prompt block holds a whole image: that needs one decoder graph of any AR, not static "
+                          "graphs (--target htp, --context-step 0, --prefill-ar 1 or different prefill / decode "
+                          "precisions)")
     if rope_rows != plan.host.positions_rows or bool(levels) != bool(row_outputs):
         raise plan.family.fail(f"the decoder takes {rope_rows} rope rows and {levels} row levels; the host plan gives "
                                f"{plan.host.positions_rows} rows and the vision graph {len(row_outputs)} row outputs")
@@ -500,7 +507,8 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
         del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
         gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
         p.start("manifest")
-        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, kv, batched, extra_inputs, row_outputs)
+        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, kv, batched, extra_inputs, row_outputs,
+                      spans)
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back
         p.done()

@@ -120,7 +120,8 @@ class DecoderModule:
     the base class of every decoder a family builds (beside torch.nn.Module: layers.CausalDecoder, lfm2_vl/language.py
     Lfm2Decoder), its members read as they are (no probing), the defaults below where a decoder has no such part.
     One step over the cache outside the graph, as layers.CausalDecoder's doc says: forward(inputs_embeds [ar, hidden],
-    position_ids [rope_rows, ar], [row_input [ar, row_levels * hidden]], *the attention kind's step inputs, *state
+    position_ids [rope_rows, ar], [row_input [ar, row_levels * hidden]], [span_ids [ar] int64], *the attention kind's
+    step inputs, *state
     per layer (layer_kinds)[, logit_rows [r]]) -> (logits, *new state[, next_token]) (export/decoder_inputs.py builds
     these inputs for the export and the GPTQ calibration alike). `Family.weights` checks the members."""
 
@@ -129,6 +130,10 @@ class DecoderModule:
     lm_head: Any
     rope_rows: int = 1  # position_ids' rows (M-RoPE: 3; HostSpec.positions_rows must agree)
     row_levels: int = 0  # DeepStack: a row_input [ar, row_levels * hidden] after position_ids (0: no such input)
+    # span_ids [ar] int64 after them: each row's image span (-1: none), whose rows see each other both ways on the
+    # layers the family says (Gemma 4's bidirectional vision attention); a step never splits a span (manifest
+    # decoder.span_input)
+    span_input: bool = False
     conv_state: tuple[int, int] = (0, 0)  # (width, channels) of a conv layer's window (read only where a layer is "conv")
     # (width, channels, heads, key_dim, value_dim) of a recurrent layer's conv window and state (where one is "recurrent")
     recurrent_state: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)

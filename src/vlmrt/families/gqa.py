@@ -4,13 +4,17 @@
         q [1, s, heads*d], k [1, s, kv_heads*d], v [1, s, kv_heads*d],      (before RoPE)
         past_k [1, kv_heads, max_context, d], past_v [...],                 (the cache, post-RoPE keys)
         seqlens_k [1] int32 (= total - 1), total [] int32 (= past + s),
-        cos [table rows, d/2], sin [table rows, d/2], position_ids [1, s] int64, heads, kv_heads[, window, scale])
+        cos [table rows, d/2], sin [table rows, d/2], position_ids [1, s] int64, heads, kv_heads[, window, scale,
+        spans])
 
 The s new tokens go to cache slots total - s .. total - 1: RoPE (rotate-half, transformers' form) is applied to q
 and k at their position_ids (the rope positions, which need not be the slots), their K/V rows are written into
 present at those slots, and each new token attends to slots 0..its own slot (causal inside the block); with
 window > 0 only to the last `window` of them (slots q - window < k <= q: the node's local_window_size = window).
-scale: the scores' factor (0: 1/sqrt(d), the op's default; Gemma 4's 1). ORT 1.32
+scale: the scores' factor (0: 1/sqrt(d), the op's default; Gemma 4's 1). spans [s] int64 (None: none): each new
+token's span (a run of image tokens; -1: none); a token of a span also sees the span's later tokens of the step (a
+span is never split across steps: runtime/decode/spans.py), the window still applied (slots k > q - window). The ORT
+node then takes causal 0 and an attention_bias built from slots and spans in the graph (export/gqa_onnx.py). ORT 1.32
 reads position_ids per token except on a step that starts at slot 0 (its "first prompt"), where it rotates token i
 by position_ids[0] + i; the runtime refuses other positions there (runtime/decode/decoder_kinds.py). `present` has the shape of `past`: the runtime binds both to one
 buffer, so the graph updates the cache in place (ORT's past/present share-buffer mode). export/gqa_onnx.py maps
@@ -35,7 +39,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
                           past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, position_ids: torch.Tensor, heads: int, kv_heads: int, window: int = 0,
-                          scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          scale: float = 0.0, spans: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s, d = q.shape[1], past_k.shape[-1]
     n = int(total)
     pos = torch.arange(n - s, n)  # the slots
@@ -49,6 +54,9 @@ def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pas
     values = present_v[0, :, :n].repeat_interleave(heads // kv_heads, 0)
     scores = qh @ keys.transpose(1, 2) * (scale or 1 / math.sqrt(d))  # [heads, s, n]
     hidden = torch.arange(n)[None, :] > pos[:, None]  # [s, n]: slots after a token's position
+    if spans is not None:  # but a span's later tokens of the step
+        own = torch.cat([torch.full((n - s,), -1, dtype=spans.dtype), spans.reshape(-1)])
+        hidden = hidden & ~((own[None, :] == spans.reshape(-1)[:, None]) & (spans.reshape(-1)[:, None] >= 0))
     if window > 0:  # and slots at or before q - window
         hidden = hidden | (torch.arange(n)[None, :] <= pos[:, None] - window)
     probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), -1).to(q.dtype)
@@ -57,5 +65,6 @@ def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pas
 
 
 @group_query_attention.register_fake
-def _(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads, kv_heads, window=0, scale=0.0):
+def _(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads, kv_heads, window=0, scale=0.0,
+      spans=None):
     return torch.empty_like(q), torch.empty_like(past_k), torch.empty_like(past_v)

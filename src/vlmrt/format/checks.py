@@ -39,7 +39,7 @@ def decoder_inputs(m) -> list[str]:
     the cache's."""
     d = m.decoder
     return [d.embeds_input, d.positions.input, *d.kind.parts().inputs(), *m.kv.state_inputs(),
-            *([d.row_input.input] if d.row_input else [])]
+            *([d.row_input.input] if d.row_input else []), *([d.span_input] if d.span_input else [])]
 
 
 def check_io_names(m) -> None:

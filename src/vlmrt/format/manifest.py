@@ -525,6 +525,11 @@ class DecoderSpec:
     kind: GqaInPlaceKind | RowsDynamicKind | RowsStaticKind
     embedding_scale_file: str | None = None
     row_input: RowInputSpec | None = None  # a per-token row input (VisionSpec.row_outputs); None: the graphs take none
+    # [ar] int64: each row's image span (a run of image-token rows; -1: none): a span's rows see each other both ways
+    # on the layers the graph applies it to (Gemma 4's bidirectional vision attention), so the runtime never splits a
+    # span across steps (runtime/decode/spans.py: a prompt block ends before a span it would cut, or runs on to its
+    # end); decode and verify steps feed -1. None: the graphs take none (causal)
+    span_input: str | None = None
 
 
 @dataclass

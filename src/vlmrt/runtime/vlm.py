@@ -93,11 +93,12 @@ def peak_rss_mb() -> float:
 @dataclass
 class DecoderInputs:
     """A prompt's decoder inputs from a slot on (VLM.decoder_inputs): vlm.row.prefill(x.embeds, mode,
-    positions=x.positions, rows=x.rows)."""
+    positions=x.positions, rows=x.rows, spans=x.spans)."""
 
     embeds: np.ndarray  # [n, hidden]
     positions: np.ndarray  # [rope rows, n] int64
     rows: np.ndarray | None  # [n, decoder.row_input.width], or None
+    spans: np.ndarray | None = None  # [n] int64: each row's image span (decoder.span_input), or None
 
 
 @dataclass
@@ -300,12 +301,13 @@ class VLM:
         embeds = self.embed_prompt(prompt, start, cache)
         return DecoderInputs(embeds, *self._positions_rows(prompt, start))
 
-    def _positions_rows(self, prompt: Prompt, start: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """(rope positions, row input or None) of the prompt's slots start.. (see decoder_inputs)."""
+    def _positions_rows(self, prompt: Prompt, start: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(rope positions, row input or None, image spans or None) of the prompt's slots start.. (see
+        decoder_inputs)."""
         d = self.manifest.decoder
         positions = prompt_positions(d.positions, prompt, start, self.row.cache.position_after(start))
         rows = prompt.row_input(d.hidden_size, d.row_input.width, self.row.dtype, start) if d.row_input else None
-        return positions, rows
+        return positions, rows, prompt.spans(start) if d.span_input else None
 
     def prompt_embeds(self, prompt: str, image=None, max_tiles: int | None = None) -> tuple[list[int], np.ndarray]:
         """(prompt ids, prompt embeddings [n, hidden]) of one user turn (an image, then the text), without the
@@ -653,9 +655,9 @@ class VLM:
         st.vision_load_s = self.lazy_load_s - lazy0
         st.vision_s = encode_s + time.perf_counter() - t1 - st.vision_load_s
         st.vision_skipped = a.media and not todo
-        positions, rows = self._positions_rows(a.prompt, a.start)
+        positions, rows, spans = self._positions_rows(a.prompt, a.start)
         a.seq = Sequence(embeds, a.mode, a.max_new_tokens, a.sampler, a.ignore_eos, a.start, a.prompt.ids, positions,
-                         rows, constraint=a.constraint, logprobs=a.logprobs)
+                         rows, constraint=a.constraint, logprobs=a.logprobs, spans=spans)
 
     def admit(self, a: "Answer") -> None:
         """The answer's sequence onto this VLM's row of its scheduler (an answer of this VLM left unfinished there by

@@ -93,6 +93,9 @@ def browser_problem(m: Manifest) -> str | None:
     if pos.op != "slots" or pos.rows != 1:
         return (f"this bundle's rope positions ({pos.op}, {pos.rows} rows) are not computed by the browser runtime "
                 f"yet; use vlmrt run")
+    if m.decoder.span_input:
+        return ("this bundle's decoder takes image spans (decoder.span_input: each image's tokens attend to the whole "
+                "image), which the browser runtime does not feed yet; use vlmrt run")
     other = next((layer.kind for layer in m.kv.layers if layer.kind not in BROWSER_CACHE_KINDS), None)
     if other:
         return f"this bundle has {other} cache layers, which the browser runtime does not keep yet; use vlmrt run"

@@ -11,6 +11,7 @@ What is read, and from where both ways configs are written (the hub's and transf
                        frequencies rotate, the rest are zero: cos 1, sin 0)
   num_kv_shared_layers the last layers read the K/V of the last earlier non-shared layer of their type
   per-layer inputs     hidden_size_per_layer_input (0: none), vocab_size_per_layer_input
+  use_bidirectional_attention  "vision": image tokens see their whole image on the sliding layers in prefill
 Refused in one line: MoE experts (enable_moe_block), a layer type other than the two, a rope type other than the two,
 bidirectional attention over all tokens (use_bidirectional_attention "all")."""
 
@@ -69,6 +70,9 @@ class Gemma4TextConfig:
     softcap: float  # final_logit_softcapping (0: none)
     pad_id: int
     tie_word_embeddings: bool
+    # use_bidirectional_attention "vision": during prefill an image token also sees its image's later tokens on the
+    # sliding layers (transformers' create_masks_for_vision_model; full layers stay causal): the decoder's span input
+    bidirectional_vision: bool = False
 
     @property
     def layers(self) -> int:
@@ -151,7 +155,8 @@ class Gemma4TextConfig:
                    per_layer_vocab=int(t.get("vocab_size_per_layer_input") or t["vocab_size"]),
                    double_wide_mlp=bool(t.get("use_double_wide_mlp", False)),
                    softcap=float(t.get("final_logit_softcapping") or 0.0), pad_id=int(t.get("pad_token_id") or 0),
-                   tie_word_embeddings=bool(t.get("tie_word_embeddings", True)))
+                   tie_word_embeddings=bool(t.get("tie_word_embeddings", True)),
+                   bidirectional_vision=t.get("use_bidirectional_attention") == "vision")
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -193,11 +198,6 @@ class Gemma4Config:
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Gemma4Config":
         t = config["text_config"]
-        if t.get("use_bidirectional_attention") == "vision":
-            # transformers then lets an image token see its whole image (later tokens too) on the sliding layers
-            # during prefill (create_masks_for_vision_model); vlmrt's decoder is causal: refuse, never a wrong answer
-            raise UnsupportedCheckpoint("Gemma 4 use_bidirectional_attention 'vision' (image tokens attending to their "
-                                        "whole image) is not supported: vlmrt exports causal decoders")
         v = config.get("vision_config")
         if not v:
             raise UnsupportedCheckpoint("the Gemma 4 checkpoint has no vision_config (a text-only checkpoint: vlmrt "

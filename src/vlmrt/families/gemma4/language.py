@@ -21,7 +21,8 @@ drafts and batched rows carry them without a part of their own; at an image toke
 token's (as transformers replaces image ids by the pad id there). The graph projects the embedding part
 (per_layer_model_projection × hidden^-0.5, RMSNorm per layer) and adds the token part: (proj + rows) × 2^-0.5.
 
-    forward(inputs_embeds [ar, hidden + L·P], position_ids [1, ar], seqlens_k [1], total_sequence_length [],
+    forward(inputs_embeds [ar, hidden + L·P], position_ids [1, ar], [span_ids [ar] int64: bidirectional vision
+            attention's image spans, -1 elsewhere], seqlens_k [1], total_sequence_length [],
             *state (per layer by kind: attention / sliding_attention past_key_i, past_value_i; shared_kv none),
             logit_rows [r]) -> (logits [r, vocab], *the buffers updated, next_token [r])
 """
@@ -77,10 +78,12 @@ class Gemma4Attention(nn.Module):
             self.k_norm = Gemma4RMSNorm(s.head_dim, t.eps)
             self.v_norm = Gemma4RMSNorm(s.head_dim, t.eps, with_scale=False)
 
-    def forward(self, x, rope, step, kv):
+    def forward(self, x, rope, step, kv, spans=None):
         """gqa_in_place: x [1, ar, hidden]; rope (position_ids, cos, sin) of the layer's type; step (seqlens_k,
         total); kv: this layer's (past_k, past_v) buffers, or for a shared layer the source's (past_k, past_v, k rows,
-        v rows) -> (out, present_k, present_v, k rows, v rows). The rows kinds: rows (below)."""
+        v rows) -> (out, present_k, present_v, k rows, v rows); spans [ar] (None: causal): the step's image spans,
+        whose tokens see each other both ways (a sliding layer's, with bidirectional vision attention). The rows
+        kinds: rows (below), the spans already in their mask."""
         if len(step) == 1:
             return self.rows(x, rope, step[0], kv)
         seqlens_k, total = step
@@ -96,7 +99,7 @@ class Gemma4Attention(nn.Module):
             k = self.k_norm(raw).reshape(1, ar, kvh * d)
             v = self.v_norm(v_raw).reshape(1, ar, kvh * d)
         out, pk, pv = torch.ops.vlmrt.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin,
-                                                            positions, h, kvh, self.window, 1.0)
+                                                            positions, h, kvh, self.window, 1.0, spans)
         return self.o_proj(out), pk, pv, k, v
 
     def rows(self, x, rope, mask, kv):
@@ -154,8 +157,8 @@ class Gemma4Layer(nn.Module):
             self.per_layer_projection = nn.Linear(t.per_layer, t.hidden, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(t.hidden, t.eps)
 
-    def forward(self, x, per_layer_input, rope, step, kv):
-        a, pk, pv, k, v = self.self_attn(self.input_layernorm(x), rope, step, kv)
+    def forward(self, x, per_layer_input, rope, step, kv, spans=None):
+        a, pk, pv, k, v = self.self_attn(self.input_layernorm(x), rope, step, kv, spans)
         x = x + self.post_attention_layernorm(a)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.per_layer:
@@ -170,6 +173,7 @@ class Gemma4Decoder(nn.Module, DecoderModule):
     def __init__(self, t: Gemma4TextConfig, logit_rows: bool = False, attention: str = ATTENTION):
         super().__init__()
         self.text, self.logit_rows = t, logit_rows
+        self.span_input = t.bidirectional_vision  # (DecoderModule.span_input: the sliding layers read the spans)
         self.window = t.window
         self.attention = ATTENTION_KINDS[attention]
         self.layers = nn.ModuleList(Gemma4Layer(t, i) for i in range(t.layers))
@@ -213,6 +217,9 @@ class Gemma4Decoder(nn.Module, DecoderModule):
 
     def forward(self, inputs_embeds, position_ids, *rest):
         t, kind = self.text, self.attention
+        spans = None
+        if self.span_input:
+            spans, *rest = rest  # [ar] int64: each row's image span, -1 for none
         n_step = len(kind.step_inputs)
         step, state = rest[:n_step], rest[n_step:]
         if self.logit_rows:
@@ -226,7 +233,8 @@ class Gemma4Decoder(nn.Module, DecoderModule):
             ropes = {k: tuple(torch.cat([c, c], -1) for c in (getattr(self, f"cos_{k}")[position_ids[0]].to(dt),
                                                                   getattr(self, f"sin_{k}")[position_ids[0]].to(dt)))
                      for k in t.ropes}
-            steps = {"full_attention": step, "sliding_attention": (self._windowed(step[0]),)}
+            steps = {"full_attention": step, "sliding_attention": (self._windowed(step[0], spans),)}
+            spans = None  # (in the sliding mask)
         e = kind.enter(inputs_embeds)  # [1, ar, hidden + L·P] (gqa_in_place) or [ar, ...]
         x = e[..., : t.hidden]
         per_layer = None
@@ -243,7 +251,8 @@ class Gemma4Decoder(nn.Module, DecoderModule):
                 kv = tuple(state[at:at + 2])
                 at += 2
             pli = per_layer[..., i, :] if per_layer is not None else None
-            x, pk, pv, k, v = layer(x, pli, ropes[layer.type], steps[layer.type], kv)
+            x, pk, pv, k, v = layer(x, pli, ropes[layer.type], steps[layer.type], kv,
+                                    spans if layer.type == "sliding_attention" else None)
             if cache != "shared_kv":
                 new += [pk, pv]
                 kept[i] = (kv[0], kv[1], k, v)
@@ -255,13 +264,18 @@ class Gemma4Decoder(nn.Module, DecoderModule):
             logits = torch.tanh(logits / t.softcap) * t.softcap
         return (logits, *new, logits.argmax(-1)) if kind.argmax else (logits, *new)
 
-    def _windowed(self, mask):
+    def _windowed(self, mask, spans=None):
         """The rows kinds' mask [ar, ctx + ar] with the sliding window too: the step's first slot is the count of
         cache slots row 0 sees (the mask is built from slots: 0 for slots before the step's), query i is at that +
         i, a cache column j at slot j, a new column at the step's slot + its row; a key at slot k <= q - window is
-        masked (the lowest of the dtype: combined by min, not added)."""
+        masked (the lowest of the dtype: combined by min, not added). spans [ar]: a row of a span also sees the
+        span's later rows of the step (bidirectional vision attention)."""
         ar = mask.shape[0]
         ctx = mask.shape[1] - ar
+        if spans is not None:
+            own = (spans[:, None] == spans[None, :]) & (spans[:, None] >= 0)  # [ar, ar]
+            opened = torch.cat([torch.zeros(ar, ctx, dtype=torch.bool), own], dim=1)
+            mask = torch.where(opened, torch.zeros((), dtype=mask.dtype), mask)
         first = (mask[0, :ctx] == 0).sum()
         q = first + torch.arange(ar)
         k = torch.cat([torch.arange(ctx), q])

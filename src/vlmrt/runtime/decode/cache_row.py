@@ -27,6 +27,7 @@ from .embedding import TokenEmbedding
 from .kv_cache import KVCache
 from .grammar import Constraint
 from .sampler import Sampler
+from .spans import block_end
 from .step import PlainStep, StepBuffers, make_step
 
 MODES = ("kv", "hybrid")
@@ -101,6 +102,9 @@ class CacheRow:
         # (mode, n, cache epoch): the cache's rows 0..n-1 are bit for bit those a fresh prefill of the same prompt in
         # that mode computes (see reusable)
         self._exact: tuple[str, int, int] = ("", 0, -1)
+        # with a span input (decoder.span_input): the slots where the cache's prompt blocks began and where the last
+        # ended (a span plan's blocks need not start at multiples of AR: runtime/decode/spans.py)
+        self._bounds: list[int] = [0]
 
     def embed(self, ids) -> np.ndarray:
         """Token embeddings [n, hidden] of ids (TokenEmbedding.embed)."""
@@ -128,18 +132,21 @@ class CacheRow:
                                                     rows_out, self.sessions.head)
         return step
 
-    def _call(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray:
-        """step(embeds, positions, rows) at the cache's next slots, its time and argmax kept; the cache is not
-        written. rows: the decoder's row input (decoder.row_input) for these tokens, None: zeros."""
-        logits = step(embeds, positions, self.cache.length, rows)
+    def _call(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None,
+              spans: np.ndarray | None = None) -> np.ndarray:
+        """step(embeds, positions, rows, spans) at the cache's next slots, its time and argmax kept; the cache is not
+        written. rows: the decoder's row input (decoder.row_input) for these tokens, None: zeros; spans: their image
+        spans (decoder.span_input), None: none."""
+        logits = step(embeds, positions, self.cache.length, rows, spans)
         self.run_s += step.run_s
         self._argmax = step.buffers.argmax_ids
         return logits
 
-    def _run(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray:
+    def _run(self, step, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None,
+             spans: np.ndarray | None = None) -> np.ndarray:
         """_call, then the rows of all n tokens go into the cache; logits of at most n rows."""
         n = embeds.shape[0]
-        logits = self._call(step, embeds, positions, rows)
+        logits = self._call(step, embeds, positions, rows, spans)
         self.kind.store(self.cache, step.staged, n, step.buffers.positions)
         return logits if n == len(logits) else logits[:n]
 
@@ -164,17 +171,18 @@ class CacheRow:
         return np.broadcast_to(self.cache.next_position() + np.arange(n, dtype=np.int64), (self.dec.positions.rows, n))
 
     def step(self, purpose: str, embeds: np.ndarray, positions: np.ndarray | None = None,
-             rows: np.ndarray | None = None) -> np.ndarray:
+             rows: np.ndarray | None = None, spans: np.ndarray | None = None) -> np.ndarray:
         """One graph call ("prefill" or "decode") over embeds [n, hidden] at positions [rows, n] (None: those after
         the cache's, CacheRow.positions), written to the cache's next slots; rows [n, width]: the decoder's row input
-        (decoder.row_input; None: zeros). Returns logits [n, vocab] ([1, vocab], the last token's, with logit_rows),
-        possibly a view of a buffer that the next step of the same shape overwrites."""
+        (decoder.row_input; None: zeros); spans [n]: their image spans (decoder.span_input; None: none). Returns
+        logits [n, vocab] ([1, vocab], the last token's, with logit_rows), possibly a view of a buffer that the next
+        step of the same shape overwrites."""
         n = embeds.shape[0]
         positions = self.positions(n) if positions is None else np.asarray(positions, np.int64)
         if positions.shape != (self.dec.positions.rows, n):
             raise ValueError(f"positions must be [{self.dec.positions.rows}, {n}], not {list(positions.shape)}")
         self.kind.check_positions(positions, self.cache.length)
-        return self._run(self._step_for(purpose, n), embeds, positions, rows)
+        return self._run(self._step_for(purpose, n), embeds, positions, rows, spans)
 
     def step_token(self, token: int) -> np.ndarray:
         """step("decode", embed([token]))[-1], the token's row written straight into the step's input buffer."""
@@ -254,7 +262,13 @@ class CacheRow:
         if m != mode or epoch != self.cache.epoch:
             return 0
         n = min(common, rows, self.cache.length)
+        if self._span_blocks(mode):  # (a span plan: the blocks' own starts)
+            return max(b for b in self._bounds if b <= n)
         return self.cache.restorable(n - n % self.blocks(mode), self.blocks(mode))
+
+    def _span_blocks(self, mode: str) -> bool:
+        """Whether prompt blocks in mode follow a span plan (a span input and blocks of more than one row)."""
+        return bool(self.dec.span_input) and self.blocks(mode) > 1
 
     # --- a prompt, block by block (the scheduler runs one block per round) ---
     def begin(self, prompt_embeds: np.ndarray, mode: str, start: int = 0,
@@ -273,7 +287,8 @@ class CacheRow:
                 f"(room is needed for at least one new token); re-export with a larger --max-seq-len"
             )
         ar = self.blocks(mode)
-        if start and (start % ar or start > self.reusable(mode, start)):
+        off_block = start not in self._bounds if self._span_blocks(mode) else start % ar
+        if start and (off_block or start > self.reusable(mode, start)):
             raise ValueError(f"cannot resume a {mode} prefill at {start}: not a reusable prefix of the cache")
         positions_given = positions is not None
         if positions_given:
@@ -284,6 +299,7 @@ class CacheRow:
             self.cache.rewind(start)
         else:
             self.cache.reset()
+        self._bounds = [b for b in self._bounds if b <= start] if start else [0]
         if not positions_given:
             positions = self.positions(n)
         reading = self.kv_spec.encodings.get("prefill" if ar > 1 else "decode")
@@ -291,11 +307,14 @@ class CacheRow:
             self.cache.clear_unused(reading)
         return positions
 
-    def block(self, mode: str, embeds: np.ndarray, positions: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """One prompt block (prefill_ar rows in hybrid mode, one in kv mode) through its graph into the cache; at a
-        block's end (a multiple of the mode's block) a snapshot of the states that keep them (KVCache.checkpoint: a
-        recurrent layer's, for a later prompt to keep this prefix)."""
-        logits = self.step("prefill" if self.blocks(mode) > 1 else "decode", embeds, positions, rows)
+    def block(self, mode: str, embeds: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
+              spans: np.ndarray | None = None) -> np.ndarray:
+        """One prompt block (prefill_ar rows in hybrid mode, one in kv mode; with spans, block_end's: a whole span)
+        through its graph into the cache; at a block's end (a multiple of the mode's block) a snapshot of the states
+        that keep them (KVCache.checkpoint: a recurrent layer's, for a later prompt to keep this prefix)."""
+        logits = self.step("prefill" if self.blocks(mode) > 1 else "decode", embeds, positions, rows, spans)
+        if self._bounds[-1] != self.cache.length:
+            self._bounds.append(self.cache.length)
         if not self.cache.drops_rows and self.cache.length % self.blocks(mode) == 0:
             self.cache.checkpoint()
         return logits
@@ -305,30 +324,37 @@ class CacheRow:
         of them a later prompt may keep (reusable)."""
         ar, enc = self.blocks(mode), self.kv_spec.encodings
         exact = start + n - n % ar
+        if self._span_blocks(mode):  # (the last block's start: a fresh prefill of a longer prompt may cut it longer)
+            exact = self._bounds[-2] if len(self._bounds) > 1 else start
         if ar > 1 and self.kv_requant and enc.get("prefill") and enc.get("decode"):
             self.cache.requantize(enc["prefill"], enc["decode"])
             exact = 0  # the rows are in decode's encoding now, a prefill reads prefill's
         self._exact = (mode, exact, self.cache.epoch)
 
     def prefill(self, prompt_embeds: np.ndarray, mode: str, start: int = 0,
-                positions: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+                positions: np.ndarray | None = None, rows: np.ndarray | None = None,
+                spans: np.ndarray | None = None) -> np.ndarray:
         """Run the prompt through the decoder; returns the last token's logits. start > 0: prompt_embeds are the
         rows from slot start on and the cache's rows 0..start-1 are kept (start from reusable()). positions
         [rows, n] int64: the rope positions of prompt_embeds' rows (None: one past the other from the kept rows');
         runtime/prompt/positions.py computes a prompt's. rows [n, width]: the decoder's row input of prompt_embeds' rows
-        (decoder.row_input: the image rows' vision features; None: zeros), fed block by block."""
+        (decoder.row_input: the image rows' vision features; None: zeros), fed block by block; spans [n]: their
+        image spans (decoder.span_input; None: none), the blocks cut so that none splits a span (spans.block_end)."""
         positions = self.begin(prompt_embeds, mode, start, positions)
-        n, ar = prompt_embeds.shape[0], self.blocks(mode)
-        for b in range(0, n, ar):
-            logits = self.block(mode, prompt_embeds[b : b + ar], positions[:, b : b + ar],
-                                None if rows is None else rows[b : b + ar])
+        n, ar, b = prompt_embeds.shape[0], self.blocks(mode), 0
+        while b < n:
+            e = block_end(spans, b, ar, n)
+            logits = self.block(mode, prompt_embeds[b:e], positions[:, b:e], None if rows is None else rows[b:e],
+                                None if spans is None else spans[b:e])
+            b = e
         self.end(mode, start, n)
         return logits[-1]
 
     def score(self, prompt_embeds: np.ndarray, tokens: list[int], mode: str = "hybrid",
-              positions: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+              positions: np.ndarray | None = None, rows: np.ndarray | None = None,
+              spans: np.ndarray | None = None) -> np.ndarray:
         """Teacher forcing: logits [len(tokens), vocab], row i predicting tokens[i] after prompt + tokens[:i]."""
-        out = [self.prefill(prompt_embeds, mode, positions=positions, rows=rows).copy()]  # copies: bound steps reuse their logits
+        out = [self.prefill(prompt_embeds, mode, positions=positions, rows=rows, spans=spans).copy()]  # copies: bound steps reuse their logits
         for t in tokens[:-1]:
             if self.cache.length >= self.kv_spec.max_context:
                 break

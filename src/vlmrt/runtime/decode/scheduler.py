@@ -55,6 +55,7 @@ from .logprobs import token_logprobs
 from .lookahead import PromptLookup
 from .sampler import Sampler
 from .sequence import GenerationStats, Sequence
+from .spans import block_end
 from .step import _ORT_DTYPES, BoundStep, StepBuffers, can_bind
 
 
@@ -165,14 +166,15 @@ class Scheduler:
         row, ar, b = self.rows[seq.row], self.rows[seq.row].blocks(seq.mode), seq.next_block
         try:
             costs = row.cache.costs()  # (empty but for a state that keeps snapshots)
-            logits = row.block(seq.mode, seq.embeds[b : b + ar], seq.positions[:, b : b + ar],
-                               None if seq.rows is None else seq.rows[b : b + ar])
+            n = len(seq.embeds)
+            e = block_end(seq.spans, b, ar, n)  # (b + ar, unless that splits an image span)
+            logits = row.block(seq.mode, seq.embeds[b:e], seq.positions[:, b:e],
+                               None if seq.rows is None else seq.rows[b:e], None if seq.spans is None else seq.spans[b:e])
             if costs:
                 after = row.cache.costs()
                 seq.stats.state_snapshots += int(after["snapshots"] - costs["snapshots"])
                 seq.stats.snapshot_s += after["snapshot_s"] - costs["snapshot_s"]
-            n = len(seq.embeds)
-            seq.next_block = min(n, b + ar)
+            seq.next_block = e
             if seq.prefilling:
                 return
             row.end(seq.mode, seq.start, n)
@@ -386,16 +388,17 @@ class Scheduler:
                  sampler: Sampler | None = None, ignore_eos: bool = False, start: int = 0,
                  prompt_ids: list[int] | None = None, positions: np.ndarray | None = None,
                  rows: np.ndarray | None = None, row: int | None = None,
-                 constraint: Constraint | None = None) -> Iterator[int]:
+                 constraint: Constraint | None = None, spans: np.ndarray | None = None) -> Iterator[int]:
         """Yield the generated ids of one sequence (EOS is not yielded), run through step() (with whatever else the
         scheduler holds); its stats land in self.last when it ends. start > 0: a prefix reuse, prompt_embeds are the
-        rows from slot start on (CacheRow.begin). positions: their rope positions; rows: their row input (see
-        CacheRow.prefill). prompt_ids: the whole prompt's ids (from slot 0), where lookahead looks up drafts;
+        rows from slot start on (CacheRow.begin). positions: their rope positions; rows: their row input; spans: their
+        image spans (see CacheRow.prefill). prompt_ids: the whole prompt's ids (from slot 0), where lookahead looks up drafts;
         lookahead runs with them and a greedy sampler only. constraint: the grammar its tokens are held to
         (runtime/decode/grammar.py). A call that fails the sequence raises here."""
         kw = {} if sampler is None else {"sampler": sampler}
         seq = self.add(Sequence(prompt_embeds, mode, max_new_tokens, ignore_eos=ignore_eos, start=start,
-                                prompt_ids=prompt_ids, positions=positions, rows=rows, constraint=constraint, **kw), row)
+                                prompt_ids=prompt_ids, positions=positions, rows=rows, constraint=constraint,
+                                spans=spans, **kw), row)
         try:
             while not seq.done:
                 self.step()

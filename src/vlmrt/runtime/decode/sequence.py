@@ -65,7 +65,8 @@ class Sequence:
     sampler, ignore_eos, positions [rope rows, n] (None: one past the other), rows [n, width] (the decoder's row input,
     None: zeros), prompt_ids (the whole prompt's ids from slot 0: lookahead drafts from them), constraint (the grammar
     its tokens are held to, None: free), logprobs (None, or the number of top tokens to record beside each emitted
-    token's log probability: runtime/decode/logprobs.py). The scheduler sets the rest: its row (the cache row it runs
+    token's log probability: runtime/decode/logprobs.py), spans [n] (the rows' image spans, decoder.span_input: no
+    prompt block splits one; None: none). The scheduler sets the rest: its row (the cache row it runs
     on), the prompt blocks still to run (next_block: where the next begins), the token to feed next, the lookahead
     drafter, the ids emitted (and not yet taken; their token_logprobs) and its stop state."""
 
@@ -80,6 +81,7 @@ class Sequence:
     rows: np.ndarray | None = None
     constraint: Constraint | None = None
     logprobs: int | None = None  # record each emitted token's log probability and this many top ones (None: off)
+    spans: np.ndarray | None = None  # [n] int64: the prompt rows' image spans (decoder.span_input; None: none)
     # --- the scheduler's ---
     row: int = -1  # the cache row (-1: not admitted)
     next_block: int = 0  # the next prompt row to run (== len(embeds): the prompt is in the cache)

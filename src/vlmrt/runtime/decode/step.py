@@ -68,6 +68,8 @@ class StepBuffers:
         self.token_mode = False  # token_rows[0] holds a decode step's row (token_row)
         self.row_input = None
         self.row_dirty = False  # row_input holds a non-zero row since the last load
+        self.spans = None
+        self.span_dirty = False  # spans holds a span (>= 0) since the last load
         for part in (kind.output, *kind.features):
             part.alloc(self)
 
@@ -87,17 +89,25 @@ class StepBuffers:
         else:
             self.positions[:, 0] = p
 
-    def load(self, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None) -> None:
+    def load(self, embeds: np.ndarray, positions: np.ndarray | None, rows: np.ndarray | None = None,
+             spans: np.ndarray | None = None) -> None:
         """The step's inputs in place: embeds [n <= ar, hidden] (zero rows after them) and positions [rows, n]
         (padding rows continue from the last one); embeds may be `first`, the buffer's first row, already written
         (then ar is 1: a decode step, its position set by set_position, positions None). rows [n, width]: the
-        decoder's row input (decoder.row_input; None: zeros)."""
+        decoder's row input (decoder.row_input; None: zeros); spans [n]: the rows' image spans (decoder.span_input;
+        None: -1, no span)."""
         if self.row_dirty:
             self.row_input[...] = 0
             self.row_dirty = False
         if rows is not None:
             self.row_input[: len(rows)] = rows
             self.row_dirty = True
+        if self.span_dirty:
+            self.spans[...] = -1
+            self.span_dirty = False
+        if spans is not None and self.spans is not None:
+            self.spans[: len(spans)] = spans
+            self.span_dirty = True
         if embeds is self.first:  # CacheRow.step_token wrote the row in place (or the token's int8 row: token_mode)
             self.n = 1
             return
@@ -200,10 +210,10 @@ class BoundStep:
         self._before, self._after = tuple(binding.before_call), _chain(binding.after_call)
 
     def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int,
-                 rows: np.ndarray | None = None) -> np.ndarray:
+                 rows: np.ndarray | None = None, spans: np.ndarray | None = None) -> np.ndarray:
         """embeds [n <= ar, hidden] at positions [rows, n] (and the row input's rows, None: zeros), going to slots
-        slot.. -> logits (a view of the buffer the next step reuses)."""
-        self.buffers.load(embeds, positions, rows)
+        slot.. -> logits (a view of the buffer the next step reuses); spans: the rows' image spans (None: none)."""
+        self.buffers.load(embeds, positions, rows, spans)
         for f in self._before:
             f(slot)
         t = time.perf_counter()
@@ -227,8 +237,8 @@ class PlainStep:
         self._takes = [(p, len(p.outputs)) for p in self.parts if p.outputs]
 
     def __call__(self, embeds: np.ndarray, positions: np.ndarray | None, slot: int,
-                 rows: np.ndarray | None = None) -> np.ndarray:
-        self.buffers.load(embeds, positions, rows)
+                 rows: np.ndarray | None = None, spans: np.ndarray | None = None) -> np.ndarray:
+        self.buffers.load(embeds, positions, rows, spans)
         feeds: dict[str, np.ndarray] = {}
         for p in self.parts:
             p.feed(feeds, self, slot)

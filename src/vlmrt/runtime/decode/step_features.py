@@ -13,6 +13,7 @@ loops over its parts instead of asking which the decoder has (runtime/decode/ste
   LogitRows    logit_rows_input [rows_out] int64: which (last) rows' logits the graph returns
   Argmax       argmax_output [rows_out] int64: each logits row's argmax (greedy decoding reads it)
   RowInput     decoder.row_input [ar, width]: a per-token row beside the embeddings (image rows' vision features)
+  SpanInput    decoder.span_input [ar] int64: each row's image span, -1 for none (decode and verify steps: all -1)
   StepMask     a rows kind's additive mask [ar, ctx + ar] (from slots), set before each call
   EndSlot(s)   gqa_in_place's end slot: seqlens_k, total_sequence_length (a batch's: one per sequence)
 The cache is a part too (step.CachePart over runtime/decode/kv_cache.py's states).
@@ -159,6 +160,20 @@ class RowInput(Part):
         feeds[self.name] = step.buffers.row_input
 
 
+class SpanInput(Part):
+    def __init__(self, name: str):
+        self.name = name
+
+    def alloc(self, b) -> None:
+        b.spans = np.full(b.ar, -1, np.int64)  # -1 but on a prompt block's span rows (StepBuffers.load: span_dirty)
+
+    def bind(self, io, b) -> None:
+        io.input(self.name, b.spans)
+
+    def feed(self, feeds: dict, step, slot: int) -> None:
+        feeds[self.name] = step.buffers.spans
+
+
 def decoder_features(dec: DecoderSpec, parts: KindParts) -> tuple[Part, list[Part]]:
     """The step parts the manifest names, built in this one place: the output part (the logits, or the head graph's
     input: a plain call's first output, as export/htp/calibrate.py's recorders read it), then the inputs and the
@@ -173,6 +188,8 @@ def decoder_features(dec: DecoderSpec, parts: KindParts) -> tuple[Part, list[Par
         features.append(Argmax(parts.argmax_output))
     if dec.row_input:
         features.append(RowInput(dec.row_input.input, dec.row_input.width))
+    if dec.span_input:
+        features.append(SpanInput(dec.span_input))
     return output, features
 
 

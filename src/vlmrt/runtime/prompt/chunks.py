@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from ..decode.spans import prompt_spans
+
 if TYPE_CHECKING:
     from ...format.manifest import PromptSpec
 
@@ -124,6 +126,14 @@ class Prompt:
                 raise ValueError(f"{c.label}'s rows are {c.embeds.shape[1]} wide, not hidden + row input = {hidden + width}")
             out[slots[keep] - start] = c.embeds[keep, hidden:]
         return out
+
+    def spans(self, start: int = 0) -> np.ndarray:
+        """[n_tokens - start] int64: each slot's image span from start on, a maximal run of image-token slots
+        numbered from the prompt's first (-1 elsewhere; the decoder's span input, runtime/decode/spans.py)."""
+        is_image = np.zeros(self.n_tokens, bool)
+        for o, c in self.images():
+            is_image[o + c.rows] = True
+        return prompt_spans(is_image)[start:]
 
     def _image_slots(self, start: int):
         """(first slot, chunk, its image slots, which of them are at or after start) of the image chunks with rows

@@ -53,6 +53,7 @@ export function browserProblem(m) {
   if (!["gqa_in_place", "rows_dynamic", "rows_static"].includes(p.kind)) return `this vlmrt has no decoder kind '${p.kind}'; upgrade vlmrt`;
   if (p.hiddenOutput) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
   if (p.positionsOp !== "slots" || p.positionRows !== 1) return `this bundle's rope positions (${p.positionsOp}, ${p.positionRows} rows) are not computed by the browser runtime yet; use vlmrt run`;
+  if (m.decoder.span_input) return "this bundle's decoder takes image spans (decoder.span_input: each image's tokens attend to the whole image), which the browser runtime does not feed yet; use vlmrt run";
   const other = p.layers.find((l) => l.kind !== "attention");
   if (other) return `this bundle has ${other.kind} cache layers, which the browser runtime does not keep yet; use vlmrt run`;
   return null;
