@@ -314,6 +314,36 @@ def lfm2_tools(tmp_path_factory):
     r.stop()
 
 
+@pytest.fixture(scope="module")
+def gemma4_tools(tmp_path_factory):
+    """The Gemma 4 tiny bundle with Gemma 4's tool parts (tests/tool_templates.py: gemma4), one slot; its tokenizer's
+    three audio markers (unused without audio) renamed <|tool_call>, <tool_call|> and <|"|>: special tokens, as in
+    the released tokenizer, so that the answer's text must keep them (VLM._kept)."""
+    import shutil
+
+    from family_cases import GEMMA4_CASES, gemma4_exported
+    from fixtures_gemma4 import AUDIO, BOA, EOA
+    from tool_templates import GEMMA4_TOOLS
+
+    bundle = tmp_path_factory.mktemp("gemma4-tools") / "bundle"
+    shutil.copytree(gemma4_exported(GEMMA4_CASES[0], tmp_path_factory).bundle, bundle)
+    from vlmrt.format.manifest import sha256_file
+
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["prompt"]["chat_template"] = GEMMA4_TOOLS
+    path = bundle / m["tokenizer_file"]
+    tok = json.loads(path.read_text())
+    renamed = {BOA: "<|tool_call>", AUDIO: "<tool_call|>", EOA: '<|"|>'}
+    for t in tok["added_tokens"]:
+        t["content"] = renamed.get(t["content"], t["content"])
+    path.write_text(json.dumps(tok))
+    m["files"][m["tokenizer_file"]].update(sha256=sha256_file(path), bytes=path.stat().st_size)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    r = start(bundle, "--slots", "1", "--queue", "4")
+    yield r, VLM.load(bundle)
+    r.stop()
+
+
 @pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools", "qwen_xml_tools", "lfm2_tools"],
                          ids=["generic", "hermes", "qwen_xml", "pythonic"])
 def test_tools_rendered_then_a_tool_result_in_the_next_turn(served, request):
@@ -691,4 +721,37 @@ def test_responses_text_and_calls_streamed_as_items(qwen_tools):
 def test_responses_bad_tools_are_a_400_naming_the_field(server, body, param):
     status, got, _ = post_responses(server, {"model": "m", "input": "hi", **body})
     assert status == 400 and got["error"]["param"] == param and got["error"]["message"].startswith(param + ": "), got
+
+
+def test_gemma4_calls_held_read_and_answered_in_the_same_turn(gemma4_tools):
+    """Gemma 4's format (main had none: its template's tools were refused): a named call held to the function's
+    parameters, its markers and string quotes special tokens kept in the answer's text so that it reads back as
+    tool_calls (finish_reason tool_calls), streamed alike; the tool's result is rendered in the model's turn, which the
+    next answer continues, the rows kept. (One short tool: the tiny bundle's context is 256 tokens.)"""
+    r, ref = gemma4_tools
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    tool = {"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"c": {"type": "string", "maxLength": 6}, "u": {"enum": ["c", "f"]}},
+        "required": ["c", "u"]}}}
+    ask_ = {"role": "user", "content": "Weather?"}
+    named = {"type": "function", "function": {"name": "w"}}
+    out = c.chat.completions.create(model="m", messages=[ask_], tools=[tool], tool_choice=named, max_tokens=40)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "w" and set(args) == {"c", "u"} and args["u"] in ("c", "f")
+    assert isinstance(args["c"], str) and len(args["c"]) <= 6
+    text = direct(ref, [ask_], max_new_tokens=40, tools=[tool], tool_choice="w")
+    assert text.startswith('<|tool_call>call:w{c:<|"|>') and text.endswith("<tool_call|>")
+    chunks = list(c.chat.completions.create(model="m", messages=[ask_], tools=[tool], tool_choice=named,
+                                            max_tokens=40, stream=True))
+    streamed = [t for x in chunks if x.choices for t in x.choices[0].delta.tool_calls or ()]
+    assert "".join(t.function.arguments or "" for t in streamed) == call.function.arguments
+
+    messages = [ask_, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "clear"}]
+    after = c.chat.completions.create(model="m", messages=messages, tools=[tool], max_tokens=8)
+    assert after.choices[0].message.content == direct(ref, messages, max_new_tokens=8, tools=[tool])
+    assert after.usage.prompt_tokens_details.cached_tokens > 0
 

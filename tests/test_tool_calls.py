@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tool_templates import LFM2_VL_TOOLS, QWEN3_VL_TOOLS, QWEN35_TOOLS
+from tool_templates import GEMMA4_TOOLS, LFM2_VL_TOOLS, QWEN3_VL_TOOLS, QWEN35_TOOLS
 from vlmrt.format.manifest import PromptSpec
 from vlmrt.runtime.prompt.conversation import ChatTemplate, ConversationError, Literal, parse_messages
 from vlmrt.runtime.prompt.tool_calls import FORMATS, held_from, tool_format
@@ -237,6 +237,15 @@ CALLS = {  # (calls the grammar takes: the format's own writing), (ones it refus
                   '<|tool_call_start|>[get_weather(city="Oslo", unit="c", hot=true)]<|tool_call_end|>',  # JSON's
                   '<|tool_call_start|>[get_weather(city="Oslo")]<|tool_call_end|>',  # unit required
                   '<|tool_call_start|>[rm()]<|tool_call_end|>']),
+    "gemma4": ([[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}],
+                [{"name": "get_weather", "arguments": FULL}, {"name": "get_time", "arguments": {"zone": "CET"}}],
+                [{"name": "get_weather", "arguments": {"city": "12", "unit": "c", "hot": False, "at": None}}]],
+               ['<|tool_call>call:get_weather{city:<|"|>Paris, France<|"|>,unit:<|"|>c<|"|>}<tool_call|>',
+                '<|tool_call>call:get_weather{unit:<|"|>c<|"|>,city:<|"|>Oslo<|"|>}<tool_call|>',  # not sorted
+                '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,hot:True,unit:<|"|>c<|"|>}<tool_call|>',
+                '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>',  # unit required
+                '<|tool_call>call:get_weather{city:"Oslo",unit:<|"|>c<|"|>}<tool_call|>',  # JSON's quotes
+                '<|tool_call>call:rm{}<tool_call|>']),
 }
 
 
@@ -247,11 +256,17 @@ def grammars_for(fmt: str, tmp_path):
 
     if fmt == "qwen_xml":
         from fixtures_qwen import make_tokenizer
+    elif fmt == "gemma4":
+        from fixtures_gemma4 import make_tokenizer
     else:
         from fixtures_lfm2_vl import make_lfm2_vl_tokenizer as make_tokenizer
     make_tokenizer(tmp_path)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    return tok, Grammars(tok, tok.get_vocab_size(), [tok.token_to_id("<|im_end|>")])
+    return tok, Grammars(tok, tok.get_vocab_size(), [end_id(tok)])
+
+
+def end_id(tok) -> int:
+    return tok.token_to_id("<|im_end|>") or tok.token_to_id("<end_of_turn>")
 
 
 def held_to(grammars, tok, spec, text: str) -> bool:
@@ -261,11 +276,11 @@ def held_to(grammars, tok, spec, text: str) -> bool:
         if not c.allows(t):
             return False
         c.accept(t)
-    return c.allows(tok.token_to_id("<|im_end|>"))
+    return c.allows(end_id(tok))
 
 
-@pytest.mark.parametrize("fmt", ["qwen_xml", "pythonic"])
-def test_qwen_xml_and_pythonic_calls_are_held_to_the_parameters(fmt, tmp_path):
+@pytest.mark.parametrize("fmt", ["qwen_xml", "pythonic", "gemma4"])
+def test_qwen_xml_pythonic_and_gemma4_calls_are_held_to_the_parameters(fmt, tmp_path):
     """A forced call in each format (main refused them: no grammar) is held to a call of a given function whose
     arguments validate against its parameters: what the format writes for valid arguments is taken and reads back
     as them (typed per the schema: qwen_xml's "12" for a string stays a string, True a bool); a value of the wrong
@@ -295,7 +310,7 @@ def test_qwen_xml_and_pythonic_calls_are_held_to_the_parameters(fmt, tmp_path):
         "type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}, "b-c": {"type": "integer"}}}}}
     with pytest.raises(GrammarError) as e:
         call_grammar(f, [ANY, nameless], g.literal, at=[3, 5])
-    assert e.value.param == "tools[5].function.parameters"  # (qwen_xml: a bare string's pattern; pythonic: b-c)
+    assert e.value.param == "tools[5].function.parameters"  # (a bare string's pattern; pythonic: b-c)
 
 
 def test_qwen_xml_values_read_per_their_parameter_type():
@@ -306,3 +321,34 @@ def test_qwen_xml_values_read_per_their_parameter_type():
     assert fmt.parse(text, {"get_weather": HELD["function"]["parameters"]}) == ("", [{"name": "get_weather",
                                                                                       "arguments": typed}])
     assert fmt.parse(text, {"get_weather"})[1][0]["arguments"] == {"city": 2, "days": 2, "hot": "True", "at": "None"}
+
+
+def test_gemma4_format_renders_as_transformers_and_reads_what_the_template_writes():
+    """Gemma 4's format (<|tool_call>call:NAME{key:value}<tool_call|>, strings between <|"|> quotes, keys sorted;
+    main had no Gemma 4 format: its template's tools were refused): chosen for a template that writes it, rendered
+    as transformers renders it (the call and the tool response in the model's turn, which the answer continues), the
+    calls read back with their values typed."""
+    fmt = tool_format(GEMMA4_TOOLS)
+    assert fmt is FORMATS["gemma4"]
+    ours = "".join(ChatTemplate(spec(GEMMA4_TOOLS, "<|image|>")).render(parse_messages(conversation(), [WEATHER, TIME])))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": {"city": "Paris", "days": 2}}}
+    want = oracle(GEMMA4_TOOLS, [
+        {"role": "system", "content": text_parts("Be brief.")}, {"role": "user", "content": text_parts("Weather in Paris?")},
+        {"role": "assistant", "content": [], "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": text_parts('{"sky": "clear"}')}],
+        [WEATHER, TIME])
+    assert ours == want
+    written = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
+    assert ours.endswith("<start_of_turn>model\n" + written + '<|tool_response>response:get_weather{value:<|"|>'
+                         '{"sky": "clear"}<|"|>}<tool_response|>')
+    paris = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+    assert fmt.parse(written, NAMES) == ("", [paris]) and fmt.write([paris]) == written
+    nested = {"name": "get_weather", "arguments": {"a": [1, None, True, -2.5], "city": "Zürich {x, y}", "o": {"k": "v"}}}
+    assert fmt.parse("Sure." + fmt.write([nested]) + fmt.write([paris]), NAMES) == ("Sure.", [nested, paris])
+    for text in ('<|tool_call>call:rm{}<tool_call|>', '<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>',
+                 '<|tool_call>get_weather{}<tool_call|>', '<|tool_call>call:get_weather{city:Paris}<tool_call|>',
+                 '<|tool_call>call:get_weather{}', "Sunny."):
+        assert fmt.parse(text, NAMES) == (text, []), text
+    assert held_from(fmt, "Sure <|tool_") == len("Sure ")
+

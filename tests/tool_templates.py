@@ -93,3 +93,49 @@ QWEN35_TOOLS = _TEXT_OF + (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# Gemma 4's tool parts (reconstructed from the released template's, not copied; turns as tests/fixtures_gemma4.py's
+# template writes them): the tools declared in the system turn as <|tool>declaration:NAME{...}<tool|> (the declaration
+# simplified: description and parameters in the argument syntax), an assistant's calls as
+# <|tool_call>call:NAME{key:value,...}<tool_call|> (keys sorted and bare, strings between <|"|> quotes,
+# format_argument), the tool messages that follow as <|tool_response>response:NAME{value:...}<tool_response|> in the
+# same model turn, which the answer then continues (no new generation prompt after a tool response).
+GEMMA4_TOOLS = (
+    "{%- macro format_argument(argument) -%}"
+    "{%- if argument is string -%}{{- '<|\"|>' + argument + '<|\"|>' -}}"
+    "{%- elif argument is boolean -%}{{- 'true' if argument else 'false' -}}"
+    "{%- elif argument is none -%}{{- 'null' -}}"
+    "{%- elif argument is mapping -%}{{- '{' -}}{%- for key, value in argument | dictsort -%}"
+    "{{- key + ':' + format_argument(value) -}}{%- if not loop.last %},{% endif -%}{%- endfor -%}{{- '}' -}}"
+    "{%- elif argument is sequence -%}{{- '[' -}}{%- for item in argument -%}{{- format_argument(item) -}}"
+    "{%- if not loop.last %},{% endif -%}{%- endfor -%}{{- ']' -}}"
+    "{%- else -%}{{- argument -}}{%- endif -%}{%- endmacro -%}"
+    "{%- macro text_of(c) -%}{%- if c is string -%}{{- c -}}{%- else -%}{%- for item in c -%}"
+    "{%- if item['type'] == 'image' -%}{{- '<|image|>' -}}{%- elif item['type'] == 'text' -%}{{- item['text'] -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+    "{%- set ns = namespace(prev=None) -%}{%- set loop_messages = messages -%}"
+    "{{- bos_token -}}"
+    "{%- if tools or messages[0]['role'] == 'system' -%}{{- '<start_of_turn>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- text_of(messages[0]['content']) -}}"
+    "{%- set loop_messages = messages[1:] -%}{%- endif -%}"
+    "{%- for tool in tools or [] -%}{{- '<|tool>declaration:' + tool['function']['name'] -}}"
+    "{%- set params = tool['function']['parameters'] or {} -%}"
+    "{{- format_argument({'description': tool['function']['description'], 'parameters': params}"
+    " if tool['function']['description'] else {'parameters': params}) + '<tool|>' -}}{%- endfor -%}"
+    "{{- '<end_of_turn>\\n' -}}{%- endif -%}"
+    "{%- for message in loop_messages -%}{%- if message['role'] != 'tool' -%}{%- set ns.prev = None -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{- '<|tool_call>call:' + call['function']['name'] + format_argument(call['function']['arguments'])"
+    " + '<tool_call|>' -}}{%- set ns.prev = 'call' -%}{%- endfor -%}"
+    "{%- if message['tool_calls'] -%}{%- set scan = namespace(on=true) -%}"
+    "{%- for follow in loop_messages[loop.index0 + 1:] -%}"
+    "{%- if scan.on and follow['role'] == 'tool' -%}"
+    "{{- '<|tool_response>response:' + follow['name'] + '{value:' + format_argument(text_of(follow['content']))"
+    " + '}<tool_response|>' -}}{%- set ns.prev = 'response' -%}{%- else -%}{%- set scan.on = false -%}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- set said = text_of(message['content']) -%}{{- said -}}"
+    "{%- if not (ns.prev == 'response' and not said) -%}{{- '<end_of_turn>\\n' -}}{%- endif -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt and ns.prev != 'response' -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+)

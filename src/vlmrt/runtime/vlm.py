@@ -208,6 +208,11 @@ class VLM:
         self.row = self.scheduler.rows[row]  # its cache rows and the one-sequence calls on them
         self.result = Result()
         self.template = ChatTemplate(m.prompt, () if allow_special_tokens else control_strings(bundle.tokenizer))
+        # the special tokens of the template's tool-call syntax that an answer's text keeps (Gemma 4's <|tool_call>,
+        # <tool_call|>, <|"|>: without them its calls cannot be read); every other special token is left out
+        kept = self.template.tool_format.kept if self.template.tool_format is not None else ()
+        self._kept = {i: t.content for i, t in bundle.tokenizer.get_added_tokens_decoder().items()
+                      if t.special and t.content in kept}
         self.prefix = PrefixCache(self.row.cache)
         self.image_cache = ImageCache(image_cache_bytes)
         self.fetch = fetch
@@ -683,11 +688,22 @@ class VLM:
                 res.logprobs.append(self._spelled(a.seq.token_logprobs[len(res.token_ids)]))
             res.token_ids.append(token)
             piece = a.decode.step(tok, token)
+            if token in self._kept:
+                piece = (piece or "") + self._kept[token]
             if piece:
                 a.fed += piece
                 out = a.cut.feed(piece)
                 if out:
                     yield out
+
+    def _decoded(self, ids: list[int]) -> str:
+        """ids' text, special tokens left out but the kept ones (self._kept)."""
+        tok, out, start = self.bundle.tokenizer, [], 0
+        for i, t in enumerate(ids):
+            if t in self._kept:
+                out += [tok.decode(ids[start:i], skip_special_tokens=True), self._kept[t]]
+                start = i + 1
+        return "".join(out) + tok.decode(ids[start:], skip_special_tokens=True)
 
     def _spelled(self, e: TokenLogprob) -> TokenLogprob:
         """e and its top tokens with their text and bytes (TokenBytes)."""
@@ -708,7 +724,7 @@ class VLM:
         self.release(a, True)
         res, st, cut = a.res, a.res.stats, a.cut
         # DecodeStream holds back an incomplete UTF-8 sequence; flush what the full decode has beyond it
-        full = self.bundle.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        full = self._decoded(res.token_ids)
         if not cut.stopped and full.startswith(a.fed) and len(full) > len(a.fed):
             out = cut.feed(full[len(a.fed):])
             if out:

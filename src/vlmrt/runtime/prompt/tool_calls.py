@@ -19,6 +19,10 @@ The registry, by name (FORMATS), chosen from the template's own text:
            `<|tool_call_start|>[name(arg="v", n=1), ...]<|tool_call_end|>` (Python call syntax, literal arguments)
            then text; where the markers are special tokens the decoded text lacks them, so a leading `[name(...)]`
            whose every name is a given tool is read as calls too.
+  gemma4   the template writes `<|tool_call>` (Gemma 4): `<|tool_call>call:NAME{key:value,...}<tool_call|>` blocks, the
+           values in the template's format_argument syntax (keys bare and sorted, strings between `<|"|>` quotes,
+           true / false / null, numbers, [...], {...}); the markers and the quote are special tokens of its tokenizer
+           that an answer's text keeps (ToolFormat.kept; VLM leaves every other special token out).
   generic  a template that does not mention tools (SmolLM2, SmolVLM, the demo model): the tools are described in a
            system turn (system_text), the answer is a JSON object {"tool_calls": [{"name", "arguments"}]} or plain
            text, and tool results are given back as a user turn (result_text).
@@ -227,6 +231,97 @@ def _pythonic_write(calls: list[Call]) -> str:
     return f"{PY_START}[{body}]{PY_END}"
 
 
+# --- gemma4 ------------------------------------------------------------------------------------------------------
+G_START, G_END, G_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+_G_NAME = re.compile(r"call:([A-Za-z0-9_.\-]+)(?=\{)")
+_G_SCALAR = re.compile(r"[^,}\]]*")
+
+
+def _g_value(s: str, i: int):
+    """(the value at s[i:], where it ends) in Gemma 4's argument syntax (format_argument): <|"|>text<|"|> strings,
+    {key:value,...} with bare (or quoted) keys, [value,...], true / false / null (None), numbers; ValueError else."""
+    if s.startswith(G_QUOTE, i):
+        j = s.find(G_QUOTE, i + len(G_QUOTE))
+        if j < 0:
+            raise ValueError("unclosed string")
+        return s[i + len(G_QUOTE):j], j + len(G_QUOTE)
+    if s.startswith('"', i):  # (a JSON string, as some fine-tunes write them)
+        return json.JSONDecoder().raw_decode(s, i)
+    if s.startswith("{", i):
+        out, i = {}, i + 1
+        while not s.startswith("}", i):
+            if s.startswith(G_QUOTE, i):
+                key, i = _g_value(s, i)
+            else:
+                j = s.find(":", i)
+                key, i = s[i:j], j
+                if j < 0 or not re.fullmatch(r"[^\s{}\[\],:<>]+", key):
+                    raise ValueError("bad key")
+            if not s.startswith(":", i) or key in out:
+                raise ValueError("bad member")
+            out[key], i = _g_value(s, i + 1)
+            if s.startswith(",", i) and not s.startswith("}", i + 1):
+                i += 1
+            elif not s.startswith("}", i):
+                raise ValueError("bad object")
+        return out, i + 1
+    if s.startswith("[", i):
+        out, i = [], i + 1
+        while not s.startswith("]", i):
+            v, i = _g_value(s, i)
+            out.append(v)
+            if s.startswith(",", i) and not s.startswith("]", i + 1):
+                i += 1
+            elif not s.startswith("]", i):
+                raise ValueError("bad list")
+        return out, i + 1
+    word = _G_SCALAR.match(s, i).group()
+    if word in ("true", "false"):
+        return word == "true", i + len(word)
+    if word in ("null", "None"):
+        return None, i + len(word)
+    if not re.fullmatch(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", word):
+        raise ValueError("bad scalar")
+    return json.loads(word), i + len(word)
+
+
+def _gemma4_one(body: str, names) -> list[Call] | None:
+    m = _G_NAME.match(body)
+    if m is None:
+        return None
+    try:
+        args, end = _g_value(body, m.end())
+    except (ValueError, IndexError, RecursionError):
+        return None
+    if body[end:].strip():
+        return None
+    call = _call(m.group(1), args, names)
+    return None if call is None else [call]
+
+
+def _gemma4_parse(text: str, names) -> tuple[str, list[Call]]:
+    return _blocks(text, G_START, G_END, lambda b: _gemma4_one(b, names))
+
+
+def _g_written(v) -> str:
+    """A value as Gemma 4's template writes it (format_argument, keys bare and sorted)."""
+    if isinstance(v, str):
+        return G_QUOTE + v + G_QUOTE
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_g_written(x)}" for k, x in sorted(v.items())) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(_g_written(x) for x in v) + "]"
+    return json.dumps(v)
+
+
+def _gemma4_write(calls: list[Call]) -> str:
+    return "".join(f"{G_START}call:{c['name']}{_g_written(c['arguments'])}{G_END}" for c in calls)
+
+
 # --- generic -----------------------------------------------------------------------------------------------------
 def _generic_parse(text: str, names: set[str]) -> tuple[str, list[Call]]:
     body = text.strip()
@@ -269,12 +364,14 @@ class ToolFormat:
     write: Callable[[list[Call]], str]  # calls as the model writes them
     start: str | None  # what begins a call in an answer: a stream holds text back from it (None: generic, below)
     renders_tools: bool  # the template itself lists the tools and takes tool messages (else: generic's turns)
+    kept: tuple[str, ...] = ()  # its markers an answer's text keeps where the tokenizer has them as special tokens
 
 
 FORMATS = {
     "hermes": ToolFormat("hermes", _hermes_parse, _hermes_write, "<tool_call>", True),
     "qwen_xml": ToolFormat("qwen_xml", _xml_parse, _xml_write, "<tool_call>", True),
     "pythonic": ToolFormat("pythonic", _pythonic_parse, _pythonic_write, PY_START, True),
+    "gemma4": ToolFormat("gemma4", _gemma4_parse, _gemma4_write, G_START, True, (G_START, G_END, G_QUOTE)),
     # an answer that begins with "{" (or a ``` fence) may be a call: a stream holds it back until the end
     "generic": ToolFormat("generic", _generic_parse, _generic_write, None, False),
 }
@@ -467,6 +564,95 @@ def _py_object(lark: _Lark, schema: dict) -> str:
     return f'"{{" {lark.members(items, ", ")} "}}"'
 
 
+def _g_string(lark: _Lark, schema: dict) -> str:
+    """A Gemma 4 string: <|"|>text<|"|> (the text cannot hold the quote; its length held)."""
+    for key in ("pattern", "format"):
+        if key in schema:
+            raise _Unsupported(f"{key!r} on a string (written between <|\"|> quotes in this format)")
+    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+    q = lark.literal(G_QUOTE)
+    if q.startswith("<["):  # the quote is a token: text cannot spell it
+        if hi is not None and int(hi) == 0:
+            return f"{q} {q}"
+        text = lark.add(f"/(?s:.{{{max(lo, 1)},{'' if hi is None else int(hi)}}})/", terminal=True)
+        return f"{q} {text}{'?' if lo == 0 else ''} {q}"
+    m = re.escape(G_QUOTE)
+    closed = lark.add(f"/(?s:.{{{lo},{'' if hi is None else int(hi)}}}){m}/ & ~/(?s:.*{m}.*{m}.*)/", terminal=True)
+    return f"{q} {closed}"
+
+
+def _g_any(lark: _Lark) -> str:
+    """Any Gemma 4 argument value."""
+    if "gany" not in "".join(lark.lines):
+        s, n = _g_string(lark, {}), lark.json({"type": "number"})
+        key = lark.add("/[^\\s{}\\[\\],:<>\"]+/", terminal=True)
+        lark.lines.append(f'gany: {s} | {n} | "true" | "false" | "null" | "[" (gany ("," gany)*)? "]" '
+                          f'| "{{" ({key} ":" gany ("," {key} ":" gany)*)? "}}"')
+    return "gany"
+
+
+def _g_param(lark: _Lark, schema) -> str:
+    """A Gemma 4 argument value valid against schema (format_argument's syntax)."""
+    alts = []
+    for b in _branches(schema):
+        kind = b.get("type")
+        if "enum" in b:
+            alts += [" ".join(_g_literal(lark, _g_written(v))) for v in b["enum"]]
+        elif kind is None:
+            alts.append(_g_any(lark))
+        elif kind == "string":
+            alts.append(_g_string(lark, b))
+        elif kind in ("integer", "number"):
+            alts.append(lark.json(b))
+        elif kind == "boolean":
+            alts.append('("true" | "false")')
+        elif kind == "null":
+            alts.append('"null"')
+        elif kind == "array":
+            item = _g_param(lark, b.get("items", {}))
+            lo, hi = int(b.get("minItems", 0)), b.get("maxItems")
+            if hi is not None and int(hi) < lo:
+                raise _Unsupported("maxItems below minItems")
+            if hi is not None and int(hi) == 0:
+                alts.append('"[]"')
+                continue
+            more = f'("," {item})' + ("*" if hi is None and lo <= 1 else
+                                      f"{{{max(lo - 1, 0)},{'' if hi is None else int(hi) - 1}}}")
+            alts.append(f'"[" {item} {more} "]"' if lo else f'"[" ({item} {more})? "]"')
+        else:
+            alts.append(_g_object(lark, b))
+    return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
+
+
+def _g_literal(lark: _Lark, text: str) -> list[str]:
+    """text (a written value) as Lark terms, its quotes the tokenizer's token where it has one."""
+    parts = text.split(G_QUOTE)
+    out = []
+    for i, part in enumerate(parts):
+        if i:
+            out.append(lark.literal(G_QUOTE))
+        if part:
+            out.append(json.dumps(part))
+    return out
+
+
+_G_KEY = re.compile(r"[^\s{}\[\],:<>\"]+")
+
+
+def _g_object(lark: _Lark, schema: dict) -> str:
+    """{key:value,...}: the properties in sorted order (the template's dictsort), keys bare."""
+    props = schema.get("properties")
+    if not props and schema.get("additionalProperties") is not False:
+        key, any_ = lark.add('/[^\\s{}\\[\\],:<>"]+/', terminal=True), _g_any(lark)
+        return f'"{{" ({key} ":" {any_} ("," {key} ":" {any_})*)? "}}"'
+    props, required = props or {}, set(schema.get("required", ()))
+    bad = next((k for k in props if not _G_KEY.fullmatch(k)), None)
+    if bad is not None:
+        raise _Unsupported(f"the parameter name {bad!r} (written bare in this format)")
+    items = [(f"{json.dumps(k + ':')} {_g_param(lark, props[k])}", k in required) for k in sorted(props)]
+    return f'"{{" {lark.members(items, ",")} "}}"'
+
+
 def _arguments(lark: _Lark, fmt: str, parameters: dict | None, held: bool) -> str:
     """The rule of a call's arguments in fmt (qwen_xml: <parameter=...> blocks; pythonic: keyword arguments), per the
     function's parameters (an object schema) where held, else any."""
@@ -475,6 +661,8 @@ def _arguments(lark: _Lark, fmt: str, parameters: dict | None, held: bool) -> st
     obj = branches[0]
     if len(branches) > 1 or obj.get("type") not in ("object", None):
         raise _Unsupported("parameters must be an object schema")
+    if fmt == "gemma4":
+        return _g_object(lark, obj if held else {})
     props = obj.get("properties")
     if not props and obj.get("additionalProperties") is not False:  # any arguments
         if fmt == "qwen_xml":
@@ -522,12 +710,16 @@ def _format_grammar(fmt: ToolFormat, tools: list[dict], literal, many: bool, opt
             raise _ToolSchemaError(i, f"{e} is not supported in this model's tool calls ({fmt.name} format)") from None
         if fmt.name == "qwen_xml":
             calls.append(f'{json.dumps("<function=" + f["name"] + ">" + chr(10))} {args} "</function>"')
+        elif fmt.name == "gemma4":
+            calls.append(f'{json.dumps("call:" + f["name"])} {args}')
         else:
             calls.append(f'{json.dumps(f["name"] + "(")} {args} ")"')
     call = lark.add(" | ".join(calls))
     if fmt.name == "qwen_xml":  # <tool_call>\n<function=...>...</function>\n</tool_call>, blocks one a line
         block = lark.add(f'"\\n" {call} "\\n"')
         top = _blocks_grammar(lark, "<tool_call>", "</tool_call>", block, "\n", many, optional)
+    elif fmt.name == "gemma4":  # <|tool_call>call:NAME{...}<tool_call|>, blocks back to back
+        top = _blocks_grammar(lark, G_START, G_END, call, "", many, optional)
     else:  # <|tool_call_start|>[call, call]<|tool_call_end|>: one list holds the calls
         block = lark.add(f'"[" {call} (", " {call})* "]"' if many else f'"[" {call} "]"')
         top = _blocks_grammar(lark, PY_START, PY_END, block, "", False, optional)
@@ -577,7 +769,7 @@ def call_grammar(fmt: ToolFormat, tools: list[dict], literal: Callable[[str], st
                                        "TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/\n", param="tools")
         more = ' ("\\n" call)*' if many else ""
         return GrammarSpec("lark", f"start: call{more}\n" + call, param="tools")
-    if fmt.name in ("qwen_xml", "pythonic"):
+    if fmt.name in ("qwen_xml", "pythonic", "gemma4"):
         try:
             return GrammarSpec("lark", _format_grammar(fmt, tools, literal, many, optional, held), param="tools")
         except _ToolSchemaError as e:
@@ -593,6 +785,8 @@ def tool_format(chat_template: str) -> ToolFormat | None:
         return FORMATS["qwen_xml" if "<function=" in chat_template else "hermes"]
     if PY_START in chat_template or "<|tool_list_start|>" in chat_template:
         return FORMATS["pythonic"]
+    if G_START in chat_template:
+        return FORMATS["gemma4"]
     if re.search(r"\btools\b", chat_template):
         return None
     return FORMATS["generic"]
