@@ -2,8 +2,8 @@
 shared runner and test_qwen_vl.py: a long text prompt whose state crosses many prefill blocks equals transformers in
 both modes (snapshots taken at the block ends); lookahead with rejected drafts gives plain decoding's ids and leaves
 the recurrent state, the conv windows and the K/V rows plain decoding's (each partly rejected call run again), and
-without that replay the state and the answer part from it; configs vlmrt cannot export are refused in one line
-naming the field, nothing written."""
+without that replay the state and the answer part from it; static graphs keep a padded block out of the state;
+configs vlmrt cannot export are refused in one line naming the field, nothing written."""
 
 from __future__ import annotations
 
@@ -140,14 +140,59 @@ def test_unexportable_config_is_refused_in_one_line(edit, message, tmp_path, tmp
     assert not out.exists() and not list(tmp_path.glob("bundle*"))
 
 
-def test_static_graphs_are_refused_in_one_line(tmp_path, tmp_path_factory, capsys):
-    """Static graphs pad a prompt's last block, whose padding a recurrent state would take in: refused at export in
-    one line, no bundle (and the runtime refuses to keep part of such a step: KVCache.store)."""
-    from vlmrt.cli import main
+@pytest.fixture(scope="module")
+def static(tmp_path_factory):
+    """CASES[0]'s checkpoint exported with static graphs (--context-step 0: prefill AR 8, decode AR 1, the whole cache
+    as I/O, the gated delta rule in plain ops, valid_rows masking a padded block), and the case's own bundle."""
+    from vlmrt.export.pipeline import export
 
-    src = qwen_exported(CASES[0], tmp_path_factory).ckpt
-    out = tmp_path / "bundle"
-    rc = main(["export", str(src), str(out), "--context-step", "0"])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vlmrt: ")]
-    assert rc == 1 and len(err) == 1 and "state is not per slot" in err[0], err
-    assert not out.exists() and not list(tmp_path.glob("bundle*"))
+    ex = qwen_exported(CASES[0], tmp_path_factory)
+    out = export(str(ex.ckpt), tmp_path_factory.mktemp("qwen3.5-static") / "bundle", progress=False,
+                 prefill_ar=ex.case.prefill_ar, context_step=0, max_seq_len=512)
+    return ex, out
+
+
+def after_prompt(bundle, text: str, images=(), mode: str = "hybrid", leak: bool = False):
+    """(the answer's 24 greedy ids, the recurrent layers' arrays right after the prompt's last block). leak: the
+    padding rows marked real (valid_rows all 1), as a graph without the mask would take them."""
+    from vlmrt.runtime.decode import step_features
+
+    vlm = VLM.load(bundle)
+    p = vlm.prompt(text, list(images))
+    g = vlm.scheduler.generate(vlm.embed_prompt(p), mode=mode, max_new_tokens=24, ignore_eos=True)
+    set_valid = step_features.ValidRows.__dict__["set"]  # (the staticmethod itself)
+    if leak:
+        step_features.ValidRows.set = staticmethod(lambda b: None)
+    try:
+        first = next(g)
+    finally:
+        step_features.ValidRows.set = set_valid
+    state = [a.copy() for a in vlm.row.cache.states["recurrent"].arrays]
+    return [first, *g], state, len(p.ids)
+
+
+def test_static_graphs_keep_a_padded_block_out_of_the_state(static, tmp_path):
+    """Static graphs (what --target htp builds): a text prompt whose last prefill block is padded (35 tokens in blocks
+    of 8) answers transformers' 24 greedy ids in both modes, and the recurrent state and conv windows after the prompt
+    are the GroupQueryAttention bundle's (LinearAttention over exactly the prompt's rows) within float rounding; the
+    padding taken in (valid_rows all 1) moves the state by far more. An image prompt whose image
+    the blocks cut gives the other bundle's ids."""
+    import family_runner
+
+    ex, bundle = static
+    text = "Describe the colours of a sunset over the sea."
+    ids, want = hf_ids(ex, text, 24)
+    assert len(ids) % ex.case.prefill_ar  # the last block is padded
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["decoder"]["kind"]["name"] == "rows_static" and m["decoder"]["kind"]["valid_rows_input"] == "valid_rows"
+    got, state, n = after_prompt(bundle, text)
+    assert n == len(ids) and got == want and len(set(want)) > 4
+    assert after_prompt(bundle, text, mode="kv")[0] == want
+    _, ref, _ = after_prompt(ex.bundle, text)
+    err = max(float(np.abs(a.reshape(b.shape) - b).max()) for a, b in zip(state, ref))
+    assert err < 1e-5, err  # measured 1.2e-6
+    _, bad, _ = after_prompt(bundle, text, leak=True)
+    assert max(float(np.abs(a.reshape(b.shape) - b).max()) for a, b in zip(bad, ref)) > 100 * err
+    image = family_runner.three_images(ex)[1]
+    assert after_prompt(bundle, "What is in the image?", [image])[0] == after_prompt(ex.bundle, "What is in the image?",
+                                                                                      [image])[0]

@@ -58,6 +58,7 @@ class TorchDecoder:
         # the same weights with the kind's attention
         module = module.with_options(attention=torch_attention.attention, logit_rows=torch_attention.gathers_rows,
                                      rope_positions=m.kv.max_context + m.decoder.prefill_ar)
+        module.valid_rows = bool(self.parts.valid_rows_input)  # (a static graph's padding kept out of its state)
         self.module, self.m = module, m
         self.step = list(self.parts.step_inputs)
         self.past = m.kv.state_inputs()
@@ -74,8 +75,10 @@ class TorchDecoder:
             embeds = embeds + t[k.token_rows_input].float() * t[k.token_scales_input][:, None]
         row_input = [t[d.row_input.input].float()] if d.row_input else []
         row_input += [t[d.span_input]] if d.span_input else []
+        valid = [t[k.valid_rows_input].float()] if k.valid_rows_input else []
         with torch.no_grad():
-            out = self.module(embeds, t[d.positions.input], *row_input, *step, *[t[n].float() for n in self.past], *rows)
+            out = self.module(embeds, t[d.positions.input], *row_input, *step, *[t[n].float() for n in self.past], *rows,
+                              *valid)
         by_name = dict(zip(self.outs, (o.numpy() for o in out)))
         if k.logit_rows_input and not self.module.logit_rows:
             by_name[d.logits_output] = by_name[d.logits_output][feeds[k.logit_rows_input]]  # the graph's rows only

@@ -103,7 +103,8 @@ class RecurrentCache:
     name = "recurrent"
     tensors = 2
     batchable = True  # (both [B, ...]: export/batch_dim.py)
-    padded = False  # a static graph's padded rows would be in the state after the step
+    padded = False  # a static graph's padded rows would be in the state after the step (unless it masks them:
+    # export/graphs.py static_valid_rows)
 
     def names(self, i: int, out_prefix: str) -> tuple[list[str], list[str]]:
         return [f"past_conv_{i}", f"past_state_{i}"], [f"present_conv_{i}", f"present_state_{i}"]
@@ -119,8 +120,9 @@ class RecurrentCache:
                                  conv_input=ins[0], state_input=ins[1], conv_output=outs[0], state_output=outs[1])
 
     def encoded(self, layer: mf.RecurrentLayer) -> list[tuple[str, str, str]]:
-        return [("recurrent_conv", layer.conv_input, layer.conv_output),
-                ("recurrent_state", layer.state_input, layer.state_output)]
+        """None: an HTP bundle keeps the conv window and the state as float graph I/O (16-bit inside its graphs, as
+        any activation): both are rewritten whole by every step, so no uint8 rows need one encoding across graphs."""
+        return []
 
     def empty(self, decoder, layer) -> list[torch.Tensor]:
         width, channels, heads, dk, dv = decoder.recurrent_state

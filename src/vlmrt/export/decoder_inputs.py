@@ -10,6 +10,7 @@ from .cache_kinds import state_names
 
 ROW_INPUT = "row_input"  # the decoder graph's per-token row input, where it has one (manifest decoder.row_input)
 SPAN_INPUT = "span_ids"  # each row's image span, where the decoder has one (manifest decoder.span_input)
+VALID_ROWS = "valid_rows"  # a static graph's real rows (1) and padding (0), where it takes them (graphs.static_valid_rows)
 
 
 def decoder_inputs(decoder, embeds: torch.Tensor, *, start: int = 0, step: dict[str, torch.Tensor],

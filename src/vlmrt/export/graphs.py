@@ -25,8 +25,8 @@ import torch
 from onnx import external_data_helper
 
 from ..format.manifest import TensorSpec
-from .cache_kinds import CACHE_KINDS, CacheLayout, batchable, state_names
-from .decoder_inputs import ROW_INPUT, SPAN_INPUT, decoder_inputs
+from .cache_kinds import CACHE_KINDS, CacheLayout, batchable, padded, state_names
+from .decoder_inputs import ROW_INPUT, SPAN_INPUT, VALID_ROWS, decoder_inputs
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -182,7 +182,9 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
     token_rows: two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows).
     kv_quant: a gqa_in_place graph's quantized cache, each attention layer's manifest.CacheQuant
-    (export/cpu/kv_quant.py: the GroupQueryAttention nodes store K and V in int8 / uint8 buffers)."""
+    (export/cpu/kv_quant.py: the GroupQueryAttention nodes store K and V in int8 / uint8 buffers).
+    A fixed-AR rows graph (a padded last prompt block) of a decoder with layers whose state is not per slot
+    (cache_kinds.padded False: a recurrent layer) takes valid_rows [ar] float32 last (static_valid_rows)."""
     from ..families.layers import ATTENTION_KINDS
     from . import batch_dim, fuse, gqa_onnx, linear_attention_onnx
     from .cpu import quantize
@@ -197,6 +199,8 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     # buffers' max_context slots hold the step's rows too)
     decoder = decoder.with_options(attention=attention, logit_rows=dynamic_ar,
                                    rope_positions=max_context + (0 if layout.in_place else ar))
+    valid = static_valid_rows(decoder.layer_kinds, attention, dynamic_ar)
+    decoder.valid_rows = valid  # (the copy's: DecoderModule.valid_rows)
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     n = torch.export.Dim("ar", min=1, max=ar) if dynamic_ar else None
     dims = {"inputs_embeds": {0: n}, "position_ids": {1: n}, ROW_INPUT: {0: n}, SPAN_INPUT: {0: n}} if dynamic_ar else {}
@@ -217,6 +221,8 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     if dynamic_ar:
         tail["logit_rows"] = torch.arange(ar, dtype=torch.int64)
         dims["logit_rows"] = {0: torch.export.Dim("rows", min=1, max=ar)}
+    if valid:
+        tail[VALID_ROWS] = torch.ones(ar)
     if token_rows:  # [ar, hidden] int8, [ar] float32
         module = TokenRows(module)
         tail.update(token_rows=torch.zeros(ar, hidden, dtype=torch.int8), token_scales=torch.zeros(ar))
@@ -259,6 +265,13 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
                 if d.dim_param == width:
                     d.dim_param = "ctx + ar"
         onnx.save(model, str(path))
+
+
+def static_valid_rows(layer_kinds, attention: str, dynamic_ar: bool) -> bool:
+    """Whether a decoder graph takes valid_rows: a fixed-AR rows graph (the runtime pads a prompt's last block to its
+    AR) of layers not all of whose state is per slot (the host cannot drop a padded row's part of a recurrent state:
+    the graph keeps the state at the last real row)."""
+    return not dynamic_ar and not LAYOUTS[attention].in_place and not padded(layer_kinds)
 
 
 def _name_weights(model: onnx.ModelProto) -> int:

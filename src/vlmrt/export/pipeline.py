@@ -21,7 +21,7 @@ from ..format import staging
 from ..families import Family, FamilyConfig, HostSpec, family_for, vision_examples, vision_row_outputs
 from ..progress import Laps, Progress
 from . import cache_kinds, graphs
-from .decoder_inputs import ROW_INPUT, SPAN_INPUT
+from .decoder_inputs import ROW_INPUT, SPAN_INPUT, VALID_ROWS
 from .htp import precisions as htp_precisions, qnn_context
 from .cpu import kv_quant, quantize
 from .htp import bundle as htp_mod
@@ -389,11 +389,12 @@ def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
 
 def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embed_dtype: str,
               scale_file: str | None, kv_layers: list, batched: bool, extra_inputs: list, row_outputs: list,
-              spans: bool = False) -> mf.Manifest:
+              valid_rows: bool, spans: bool = False) -> mf.Manifest:
     """The manifest of the files in tmp (all of them: a file it does not list is an error). kv_layers: the decoder's
     cache layers (cache_kinds.kv_layers); batched: whether its gqa_in_place graph takes a batch; extra_inputs: the
     vision graph's inputs after the patch rows, by role; row_outputs: its outputs after the embeddings (the decoder's
-    row input); spans: the decoder takes each row's image span (decoder.span_input)."""
+    row input); valid_rows: the static decoder graphs take valid_rows (graphs.static_valid_rows); spans: the decoder
+    takes each row's image span (decoder.span_input)."""
     t, host = plan.cfg.text, plan.host
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
@@ -416,7 +417,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                embeds_input="inputs_embeds",
                                positions=mf.PositionsSpec(input="position_ids", rows=host.positions_rows,
                                                           op=host.positions_op),
-                               logits_output="logits", kind=_decoder_kind(plan, batched),
+                               logits_output="logits", kind=_decoder_kind(plan, batched, valid_rows),
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
                                row_input=_row_input(plan, row_outputs), span_input=SPAN_INPUT if spans else None),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds", tile_inputs=host.tile_inputs,
@@ -441,7 +442,7 @@ def _row_input(plan: Plan, row_outputs: list[str]) -> mf.RowInputSpec | None:
     return mf.RowInputSpec(input=ROW_INPUT, width=len(row_outputs) * plan.cfg.text.hidden) if row_outputs else None
 
 
-def _decoder_kind(plan: Plan, batched: bool) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
+def _decoder_kind(plan: Plan, batched: bool, valid_rows: bool) -> mf.GqaInPlaceKind | mf.RowsDynamicKind | mf.RowsStaticKind:
     """The decoder graphs' kind (manifest.DECODER_KINDS) with its tensor names, as the export wrote them (batched: a
     gqa_in_place graph whose layers' cache kinds take a batch, cache_kinds.batchable)."""
     if graphs.LAYOUTS[plan.attention].in_place:
@@ -455,7 +456,8 @@ def _decoder_kind(plan: Plan, batched: bool) -> mf.GqaInPlaceKind | mf.RowsDynam
                                   logit_rows_input="logit_rows")
     return mf.RowsStaticKind(name="rows_static", mask_input="attention_mask", context_step=plan.context_step,
                              mask_value=htp_mod.HTP_MASK_VALUE if plan.htp else None,
-                             verify_ar=plan.htp["lookahead_ar"] if plan.htp else 0)
+                             verify_ar=plan.htp["lookahead_ar"] if plan.htp else 0,
+                             valid_rows_input=VALID_ROWS if valid_rows else None)
 
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq_len: int | None, dtype: str,
@@ -491,9 +493,6 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
               if "max_patches" in plan.host.image.params else "")
     p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note}{budget})")
 
-    if not plan.context_step and not cache_kinds.padded(decoder.layer_kinds):
-        raise ExportError(f"family {plan.family.name}'s decoder has layers whose state is not per slot: static graphs "
-                          "(--context-step 0, --target htp) would take a padded block's rows into it; export without")
     kv = cache_kinds.kv_layers(decoder, plan.cfg.text, graphs.LAYOUTS[plan.attention].out_prefix)
     batched = cache_kinds.batchable(decoder.layer_kinds)
     extra_inputs = [r for r in vision_examples(vision, plan.cfg.patches_per_tile, 3 * plan.cfg.vision.patch_size**2)
@@ -504,11 +503,13 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
         decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian, kv)
         embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
         _share_weights(tmp, decoder_graphs, p)
+        layer_kinds = decoder.layer_kinds
         del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
         gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
         p.start("manifest")
+        valid = graphs.static_valid_rows(layer_kinds, plan.attention, plan.one_graph)
         m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, kv, batched, extra_inputs, row_outputs,
-                      spans)
+                      valid, spans)
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back
         p.done()

@@ -138,6 +138,10 @@ class DecoderModule:
     # (width, channels, heads, key_dim, value_dim) of a recurrent layer's conv window and state (where one is "recurrent")
     recurrent_state: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     logit_rows: bool = False  # the graph takes logit_rows last and returns those rows' logits (with_options sets it)
+    # a static graph of a decoder whose state is not per slot (a "recurrent" layer): it takes valid_rows [ar] last (1:
+    # the step's real rows, 0: padding) and keeps that state at the last real row; export_decoder sets it on
+    # with_options' copy (only such a decoder reads it)
+    valid_rows: bool = False
     # the attention kinds (layers.ATTENTION_KINDS) with_options builds; empty: every one (Qwen3.5's: gqa_in_place)
     attention_kinds: tuple[str, ...] = ()
     window: int = 0  # the keys a sliding_attention layer's query sees (read only where a layer is "sliding_attention")

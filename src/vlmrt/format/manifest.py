@@ -399,7 +399,9 @@ class KindParts:
       token_rows_input, token_scales_input  an int8 token row [ar, hidden] and its scale [ar] the graph adds to embeds
       hidden_output     the decoder's final-norm rows [ar, hidden], mapped to logits by graphs.head (one row)
       verify_ar         the AR of graphs.verify (a lookahead verify graph; 0: none)
-      batched           one call advances several sequences (export/batch_dim.py)"""
+      batched           one call advances several sequences (export/batch_dim.py)
+      valid_rows_input  [ar] float32, 1 for the step's real rows and 0 for a padded block's padding: a static graph of
+                        recurrent layers keeps their state at the last real row (export/graphs.py static_valid_rows)"""
 
     step_inputs: tuple[str, ...] = ()
     logit_rows_input: str | None = None
@@ -409,11 +411,12 @@ class KindParts:
     hidden_output: str | None = None
     verify_ar: int = 0
     batched: bool = False
+    valid_rows_input: str | None = None
 
     def inputs(self) -> list[str]:
         """The kind's own graph inputs (beside embeds, positions, the row input and the cache)."""
-        return [n for n in (*self.step_inputs, self.logit_rows_input, self.token_rows_input, self.token_scales_input)
-                if n]
+        return [n for n in (*self.step_inputs, self.logit_rows_input, self.token_rows_input, self.token_scales_input,
+                            self.valid_rows_input) if n]
 
     def outputs(self, logits_output: str) -> list[str]:
         """The decoder graphs' outputs beside the cache's: the logits (or the head graph's input), the argmax."""
@@ -483,7 +486,8 @@ class RowsStaticKind:
     (AR = 1), and verify (AR = verify_ar > 0: the lookahead verify graph, every row's logits). context_step 0: the
     cache inputs are the whole cache (the HTP target); > 0: the prefix [:ctx] as rows_dynamic's (two-graph CPU
     exports). logits [ar, vocab]; with hidden_output the graphs return the final norm's [ar, hidden] and graphs.head
-    maps a step's last valid row (that input) to logits [1, vocab]."""
+    maps a step's last valid row (that input) to logits [1, vocab]. valid_rows_input (KindParts): where a layer's
+    state is not per slot (kv.layers kind "recurrent"), the graphs keep it at a padded step's last real row."""
 
     name: str  # "rows_static"
     mask_input: str
@@ -491,14 +495,19 @@ class RowsStaticKind:
     mask_value: float | None = None  # additive mask for hidden slots; None = the I/O dtype's lowest value
     verify_ar: int = 0
     hidden_output: str | None = None
+    valid_rows_input: str | None = None
 
     def parts(self) -> KindParts:
-        return KindParts((self.mask_input,), hidden_output=self.hidden_output, verify_ar=self.verify_ar)
+        return KindParts((self.mask_input,), hidden_output=self.hidden_output, verify_ar=self.verify_ar,
+                         valid_rows_input=self.valid_rows_input)
 
     def check(self, m: "Manifest") -> None:
         _float_cache(m)
         if self.context_step < 0:
             raise _malformed("decoder.kind.context_step must not be negative")
+        if not self.valid_rows_input and any(isinstance(layer, RecurrentLayer) for layer in m.kv.layers):
+            raise _malformed("static decoder graphs of recurrent layers (kv.layers kind recurrent) need "
+                             "decoder.kind.valid_rows_input: a padded block would enter their state")
 
 
 def _float_cache(m: "Manifest") -> None:

@@ -137,7 +137,9 @@ class RowsRecorder(Recorder):
 
     def run(self, names, feeds):
         out = super().run(names, feeds)
-        for (name, i, _, _), r in zip(self.edges, out[1:]):  # outputs: logits (or hidden), then the state rows
+        by_name = dict(zip(names, out))
+        for name, i, _, fout in self.edges:  # (a layer kind without encodings, a recurrent layer's, has no edge)
+            r = by_name[fout]
             lo, hi = self.ranges[name][i]
             self.ranges[name][i] = (min(lo, float(r.min())), max(hi, float(r.max())))
         return out

@@ -17,12 +17,14 @@ dims are permuted at load so that its rotate-half pairs are the partial rotation
 out * sigmoid(gate); o_proj. The norms scale by 1 + w (Qwen3_5RMSNorm: the
 weights load as 1 + w) but the DeltaNet's gated norm (w).
 
-The CPU target's kinds are built (gqa_in_place; rows_copy_free: `--attention portable`, and the float decoder the GPTQ
-calibration runs); `with_options` refuses rows_concat (the HTP target's float graphs) in one line.
+Every attention kind is built: gqa_in_place, rows_copy_free (`--attention portable`, the float decoder the GPTQ
+calibration runs) and rows_concat (the HTP target's float graphs). A static graph (fixed AR, its last prompt block
+padded: DecoderModule.valid_rows) takes valid_rows [ar] last and runs the rule in plain ops with the padding masked
+out of the state and the conv window (families/gated_delta_rule.py); the others, one LinearAttention node.
 
     forward(inputs_embeds [ar, hidden], position_ids [3, ar], *the attention kind's step inputs, *state per layer
             (attention: the kind's K/V; recurrent: past_conv_i, past_state_i: [1, W, C], [1, heads, dk, dv] under
-            gqa_in_place, [W, C], [heads, dk, dv] under the rows kinds)[, logit_rows [r]])
+            gqa_in_place, [W, C], [heads, dk, dv] under the rows kinds)[, logit_rows [r]][, valid_rows [ar]])
       -> (logits, *the state out per layer[, next_token [r]: gqa_in_place])
 """
 
@@ -34,6 +36,7 @@ from torch import nn
 
 from .. import DecoderModule, layers
 from .. import linear_attention  # noqa: F401  (registers torch.ops.vlmrt.linear_attention)
+from ..gated_delta_rule import gated_delta_block, window_at_last_row
 from ..decoder import UnsupportedCheckpoint
 from ..layers import ATTENTION_KINDS, GatedMLP, RMSNorm
 from .config import DeltaTextConfig, QwenVLConfig
@@ -61,9 +64,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, t.eps)  # the gated norm: weight * norm(o), then * silu(z)
         self.out_proj = nn.Linear(value, t.hidden, bias=False)
 
-    def forward(self, x, conv_past, state):
+    def forward(self, x, conv_past, state, valid=None):
         """x [B, s, hidden] (gqa_in_place's layout: B sequences of s rows), conv_past [B, W, C], state [B, heads, dk,
-        dv] -> (out like x, the conv window after the step [B, W, C], the state after it)."""
+        dv] -> (out like x, the conv window after the step [B, W, C], the state after it). valid [s] (a static graph's,
+        B = 1: 1 for the step's real rows, 0 for its padding): the rule in plain ops, the state and the window kept at
+        the last real row (gated_delta_rule.py); None: every row real, one LinearAttention node."""
         key = self.kh * self.dk
         qkv = self.in_proj_qkv(x)  # [B, s, C]
         seq = torch.cat([conv_past, qkv], dim=1)  # [B, W + s, C]
@@ -79,10 +84,16 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.reshape(1, -1, self.kh, self.dk).float()).reshape(1, -1, key).to(x.dtype)
         beta = torch.sigmoid(self.in_proj_b(x))  # [B, s, heads]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [B, s, heads]
-        out, new_state = torch.ops.vlmrt.linear_attention(q, k, v, state, g.to(x.dtype), beta, self.kh, self.vh)
+        if valid is None:
+            out, new_state = torch.ops.vlmrt.linear_attention(q, k, v, state, g.to(x.dtype), beta, self.kh, self.vh)
+            window = seq[:, -self.width:]
+        else:
+            out, new_state = gated_delta_block(q[0], k[0], v[0], state[0], g[0], beta[0], valid.float(), self.kh, self.vh)
+            out, new_state = out[None].to(x.dtype), new_state[None].to(state.dtype)
+            window = window_at_last_row(seq[0], valid, self.width)[None]
         z = self.in_proj_z(x).reshape(1, -1, self.vh, self.dv)
         o = self.norm(out.reshape(1, -1, self.vh, self.dv)) * F.silu(z.float()).to(x.dtype)
-        return self.out_proj(o.reshape(1, -1, self.vh * self.dv)), seq[:, -self.width:], new_state
+        return self.out_proj(o.reshape(1, -1, self.vh * self.dv)), window, new_state
 
 
 class GatedAttention(nn.Module):
@@ -158,12 +169,12 @@ class DeltaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(t.hidden, t.eps)
         self.mlp = GatedMLP(t.hidden, t.intermediate, "silu")
 
-    def forward(self, x, kind, rope, step, a, b):
+    def forward(self, x, kind, rope, step, a, b, valid=None):
         y = self.input_layernorm(x)
         if self.kind == "linear_attention" and x.dim() == 3:  # gqa_in_place's [B, s, hidden]
             out, *new = self.linear_attn(y, a, b)
         elif self.kind == "linear_attention":  # the rows kinds' [ar, hidden], the state without a batch dim
-            out, *new = self.linear_attn(y[None], a[None], b[None])
+            out, *new = self.linear_attn(y[None], a[None], b[None], valid)
             out, new = out[0], [t[0] for t in new]
         else:
             out, *new = self.self_attn(y, kind, rope, step, a, b)
@@ -175,9 +186,7 @@ class DeltaDecoder(nn.Module, DecoderModule):
     """The decoder graph's module (module doc)."""
 
     rope_rows = 3
-    # (rows_concat, the HTP target's float graphs, and static graphs are not built: their padded blocks would enter
-    # the recurrent state)
-    attention_kinds = ("gqa_in_place", "rows_copy_free")
+    attention_kinds = ("gqa_in_place", "rows_copy_free", "rows_concat")
 
     def __init__(self, t: DeltaTextConfig, rope_rows: tuple[int, ...], attention: str = "rows_copy_free",
                  logit_rows: bool = False):
@@ -207,10 +216,6 @@ class DeltaDecoder(nn.Module, DecoderModule):
         return t.conv_kernel - 1, t.conv_channels, t.linear_value_heads, t.linear_key_dim, t.linear_value_dim
 
     def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> "DeltaDecoder":
-        if attention not in self.attention_kinds:
-            raise UnsupportedCheckpoint(f"Qwen3.5's decoder is exported for the CPU target's attention kinds "
-                                        f"({', '.join(self.attention_kinds)}) only, not {attention} (--target htp is "
-                                        "not supported for it yet)")
         new = DeltaDecoder(self.text, self.rows_of_freq, attention, logit_rows=logit_rows)
         new.load_state_dict(self.state_dict())
         new.rope_table(rope_positions)
@@ -232,10 +237,13 @@ class DeltaDecoder(nn.Module, DecoderModule):
         step, state = rest[:n_step], rest[n_step:]
         if self.logit_rows:
             *state, rows = state
+        valid = None
+        if self.valid_rows:
+            *state, valid = state
         rope = kind.rotary(self, position_ids, inputs_embeds.dtype)  # (M-RoPE's rows gathered: layers._gqa_rope)
         x, new = kind.enter(inputs_embeds), []
         for i, layer in enumerate(self.layers):
-            x, *out = layer(x, kind, rope, step, state[2 * i], state[2 * i + 1])
+            x, *out = layer(x, kind, rope, step, state[2 * i], state[2 * i + 1], valid)
             new += out
         x = kind.leave(x)
         if self.logit_rows:

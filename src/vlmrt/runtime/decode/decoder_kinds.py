@@ -149,6 +149,11 @@ class RowsStatic(_Rows):
     def mask_value(self) -> float | None:
         return self.spec.mask_value  # (quantized HTP graphs: a moderate value)
 
+    def store(self, cache: KVCache, staged: list[np.ndarray], n: int, positions: np.ndarray) -> None:
+        """With valid_rows_input the graph kept a state that is not per slot at the step's last real row: the step is
+        n rows long for such a state (a padded block's padding never entered it)."""
+        cache.store(staged, n, positions[:, :n] if self.parts.valid_rows_input else positions)
+
 
 @register_kind
 class GqaInPlace(_SymbolicAR, _Kind):

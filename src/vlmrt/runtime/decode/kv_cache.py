@@ -279,7 +279,7 @@ class KVCache:
             raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.max_context}")
         if self._snapshotting and n_valid != positions.shape[1]:  # (a padded static block: its padding would be in)
             raise ValueError(f"a step of {positions.shape[1]} rows cannot be kept in part ({n_valid}) by a recurrent "
-                             "state: re-export the bundle without static graphs")
+                             "state (a static graph without decoder.kind.valid_rows_input): re-export the bundle")
         if n_valid == 1 and self._one_row:  # a decode step's position: one item (no slices)
             self._positions[0, pos] = positions[0, 0]
         else:

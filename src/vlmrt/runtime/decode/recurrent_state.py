@@ -41,6 +41,13 @@ def _shapes(layer: RecurrentLayer, layout: CacheLayout) -> tuple[tuple, tuple]:
     return window, (*window[:-2], layer.heads, layer.key_dim, layer.value_dim)
 
 
+def _float(dtype) -> np.dtype:
+    """The state's dtype: the cache's, but float32 under a uint8 cache (an HTP bundle's: its graphs take the
+    recurrent state as float I/O, export/cache_kinds.py RecurrentCache.encoded)."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.kind == "f" else np.dtype(np.float32)
+
+
 @register_state
 class RecurrentState:
     name = "recurrent"
@@ -53,6 +60,7 @@ class RecurrentState:
                  arrays: Iterator[np.ndarray] | None = None):
         """arrays: each layer's conv window and state arrays in turn (a sequence's rows of a batch's); None: its own."""
         self.indices, self.specs = [i for i, _ in layers], [layer for _, layer in layers]
+        dtype = _float(dtype)
         self.arrays_ = []
         for layer in self.specs:
             for shape in _shapes(layer, layout):
@@ -65,7 +73,7 @@ class RecurrentState:
     def batch_arrays(layers: list[tuple[int, RecurrentLayer]], layout: CacheLayout, max_context: int, n: int,
                      dtype) -> list[np.ndarray]:
         """n sequences' arrays per layer: [n, width, channels], [n, heads, key_dim, value_dim]."""
-        return [np.zeros((n, *shape[1:]), dtype) for _, layer in layers for shape in _shapes(layer, layout)]
+        return [np.zeros((n, *shape[1:]), _float(dtype)) for _, layer in layers for shape in _shapes(layer, layout)]
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -141,7 +149,7 @@ class RecurrentState:
         self.at = n
 
     def clear_unused(self, enc: dict, n: int, end: int) -> None:
-        """(a float state only: no uint8 encoding of it yet)"""
+        """(a float state only: no uint8 encoding of it)"""
 
     def requantize(self, src: dict, dst: dict, n: int) -> None:
         """(a float state only)"""

@@ -66,7 +66,8 @@ class StepBuffers:
         self.first, self.first_row = self.embeds[:1], self.embeds[0]
         self.logit_rows = self.hidden = self.head_in = self.token_rows = self.token_scales = self.token_buf = None
         self.token_mode = False  # token_rows[0] holds a decode step's row (token_row)
-        self.row_input = None
+        self.row_input = self.valid_rows = None
+        self.valid_n = 0
         self.row_dirty = False  # row_input holds a non-zero row since the last load
         self.spans = None
         self.span_dirty = False  # spans holds a span (>= 0) since the last load

@@ -14,6 +14,8 @@ loops over its parts instead of asking which the decoder has (runtime/decode/ste
   Argmax       argmax_output [rows_out] int64: each logits row's argmax (greedy decoding reads it)
   RowInput     decoder.row_input [ar, width]: a per-token row beside the embeddings (image rows' vision features)
   SpanInput    decoder.span_input [ar] int64: each row's image span, -1 for none (decode and verify steps: all -1)
+  ValidRows    valid_rows_input [ar] float32: 1 for the step's rows, 0 for a static graph's padding (a recurrent
+               layer's graph keeps its state at the last real row)
   StepMask     a rows kind's additive mask [ar, ctx + ar] (from slots), set before each call
   EndSlot(s)   gqa_in_place's end slot: seqlens_k, total_sequence_length (a batch's: one per sequence)
 The cache is a part too (step.CachePart over runtime/decode/kv_cache.py's states).
@@ -174,6 +176,30 @@ class SpanInput(Part):
         feeds[self.name] = step.buffers.spans
 
 
+class ValidRows(Part):
+    def __init__(self, name: str):
+        self.name = name
+
+    def alloc(self, b) -> None:
+        b.valid_rows = np.ones(b.ar, np.float32)
+        b.valid_n = b.ar  # the real rows valid_rows says now
+
+    @staticmethod
+    def set(b) -> None:
+        if b.valid_n != b.n:  # (a decode step's, and every full block's: unchanged)
+            b.valid_rows[: b.n] = 1
+            b.valid_rows[b.n:] = 0
+            b.valid_n = b.n
+
+    def bind(self, io, b) -> None:
+        io.input(self.name, b.valid_rows)
+        io.before(lambda slot: self.set(b))
+
+    def feed(self, feeds: dict, step, slot: int) -> None:
+        self.set(step.buffers)
+        feeds[self.name] = step.buffers.valid_rows
+
+
 def decoder_features(dec: DecoderSpec, parts: KindParts) -> tuple[Part, list[Part]]:
     """The step parts the manifest names, built in this one place: the output part (the logits, or the head graph's
     input: a plain call's first output, as export/htp/calibrate.py's recorders read it), then the inputs and the
@@ -190,6 +216,8 @@ def decoder_features(dec: DecoderSpec, parts: KindParts) -> tuple[Part, list[Par
         features.append(RowInput(dec.row_input.input, dec.row_input.width))
     if dec.span_input:
         features.append(SpanInput(dec.span_input))
+    if parts.valid_rows_input:
+        features.append(ValidRows(parts.valid_rows_input))
     return output, features
 
 
