@@ -292,9 +292,24 @@ def _table(bundle: str, how: str, tokens: int) -> None:
                       "s": round(time.perf_counter() - t, 2)}))
 
 
+def _merges(convert: str, src: str, dst: str) -> None:
+    sys.path.insert(0, str(Path(convert).parent / "gguf-py"))
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(src, "r")
+    writer = gguf.GGUFWriter(dst, arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents(),
+                             endianess=reader.endianess)
+    merges = MetadataDetails(gguf.GGUFValueType.ARRAY, ["▁ w"], sub_type=gguf.GGUFValueType.STRING)
+    copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.MERGES: merges}, [])
+
+
 def main() -> None:
     if sys.argv[1:2] == ["_positions"]:
         print(json.dumps(decode_positions(Path(sys.argv[2]))))
+        return
+    if sys.argv[1:2] == ["_merges"]:
+        _merges(*sys.argv[2:5])
         return
     if sys.argv[1:2] == ["_table"]:
         _table(*sys.argv[2:4], int(sys.argv[4]))
@@ -347,8 +362,13 @@ def main() -> None:
         if not (work / "mmproj.f16.gguf").exists():
             subprocess.run([sys.executable, *run, "--mmproj", "--outfile", str(work / "mmproj.f16.gguf")], check=True,
                            env=env)
-        subprocess.run([f"{a.llama}/llama-quantize", str(f16), str(work / f"text.{a.qtype}.gguf"), a.qtype], check=True,
+        gemma = SHAPES[a.model]["family"] == "gemma4"
+        out = work / (f"text.{a.qtype}.nomerges.gguf" if gemma else f"text.{a.qtype}.gguf")
+        subprocess.run([f"{a.llama}/llama-quantize", str(f16), str(out), a.qtype], check=True,
                        env={**os.environ, "LD_LIBRARY_PATH": a.llama})
+        if gemma:  # llama.cpp's gemma4 vocabulary needs tokenizer merges; this tokenizer has none: one, no tensor changed
+            subprocess.run([sys.executable, "-m", "benchmarks.released_shapes", "_merges", a.convert, str(out),
+                            str(work / f"text.{a.qtype}.gguf")], check=True, cwd=ROOT)
     else:
         r = {"vlmrt": vlmrt_arm, "llama": llama_arm, "table": table_rss}[a.step](a, work)
         res = {"model": a.model, "depth": a.depth, "full_depth": SHAPES[a.model]["full_depth"], "step": a.step,
