@@ -159,8 +159,15 @@ class Plan:
             and self.prefill_ar > 1
 
     @property
+    def int8_table(self) -> bool:
+        """Weight-only decoders take an int8 token table, one scale per row; rows that carry per-layer rows beside the
+        embedding (Gemma 4) stay float16: as int8 they lose the answers (docs/gemma4.md, the table benchmark)."""
+        return bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS)) \
+            and self.cfg.text.row_width == self.cfg.text.hidden
+
+    @property
     def token_rows(self) -> bool:  # the in-place (gqa_in_place) decoder scales an int8 embedding row itself (token_rows_input)
-        return graphs.LAYOUTS[self.attention].in_place and bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS))
+        return graphs.LAYOUTS[self.attention].in_place and self.int8_table
 
 
 def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
@@ -241,11 +248,6 @@ def _plan(src: str, prec: dict[str, str], *, prefill_ar: int | None, max_seq_len
     plan = Plan(src, ckpt, family, cfg, host, tok_json, prec, head, dtype, prefill_ar, max_seq_len, context_step,
                 htp, "rows_concat" if htp else "rows_copy_free", prompt)
     t = cfg.text
-    if t.row_width != t.hidden and {prec["prefill"], prec["decode"], head or prec["decode"]} & set(quantize.WEIGHT_ONLY_BITS):
-        # (_write_host_files: weight-only decoders take an int8 table, one scale per row)
-        raise ExportError(f"weight-only precisions write an int8 token table, and this checkpoint's rows carry "
-                          f"per-layer rows beside the embedding ({t.hidden} + {t.row_width - t.hidden} values), which "
-                          "lose the answers as int8 (docs/gemma4.md); export it at a float precision")
     gqa_fits = plan.one_graph and cfg.text.head_dim % 16 == 0
     if attention == "gqa" and not gqa_fits:
         raise ExportError("--attention gqa needs the one-graph CPU decoder (symbolic cache length, one precision for "
@@ -358,14 +360,15 @@ def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> 
     prec = plan.prec
     dec_precs = {prec["prefill"], prec["decode"], plan.head or prec["decode"]}
     scale_file = None
-    if dec_precs & set(quantize.WEIGHT_ONLY_BITS):
+    if plan.int8_table:
         q, scale = quantize.int8_rows(embed)
         np.save(tmp / "embed.npy", q)
         scale_file = "embed_scale.npy"
         np.save(tmp / scale_file, scale)
         embed_dtype = "int8"
     else:
-        embed_dtype = "float16" if dec_precs == {"fp16"} else DTYPES[plan.dtype]
+        embed_dtype = "float16" if dec_precs == {"fp16"} or dec_precs & set(quantize.WEIGHT_ONLY_BITS) \
+            else DTYPES[plan.dtype]
         np.save(tmp / "embed.npy", embed.astype(embed_dtype))
     shutil.copyfile(plan.ckpt.path / "tokenizer.json", tmp / "tokenizer.json")
     p.done()
