@@ -513,9 +513,10 @@ def test_vision_w8a8_is_the_int8_gemm(tmp_path_factory, default_bundle):
 def test_calibration_recorder_keeps_its_byte_budget():
     """export/htp_calibrate.Recorder: the calls that start a sequence are all kept; the reservoir of the others stops
     at its limit (64 of the 108 others) or at its byte budget (a 1B decoder's recorded caches would otherwise be ~2 GB),
-    lowering its limit; RowsRecorder's
+    lowering its limit; RowsRecorder's (which reads the state rows by output name)
     KV ranges are the min / max over every call's rows (not only the kept ones)."""
     from vlmrt.export.htp.calibrate import Recorder, RowsRecorder, kv_ranges
+    from vlmrt.format import manifest as mf
 
     class Echo:  # a one-layer graph: outputs logits, the new key row, the new value row
         def run(self, names, feeds):
@@ -528,13 +529,14 @@ def test_calibration_recorder_keeps_its_byte_budget():
         return m
 
     kept = []
-    for cls, budget in ((Recorder, 1 << 30), (RowsRecorder, 10_000)):
-        rec = cls(Echo(), {"k", "v"}, 64, "attention_mask", budget=budget)  # the slot is read from the mask
+    layer = mf.AttentionLayer("attention", 1, 8, "k", "v", "k_row", "v_row")  # the rows' outputs read by name
+    for cls, extra in ((Recorder, {"budget": 1 << 30}), (RowsRecorder, {"budget": 10_000, "layers": [layer]})):
+        rec = cls(Echo(), {"k", "v"}, 64, "attention_mask", **extra)  # the slot is read from the mask
         for seq in range(3):
             for pos in range(40):  # caches [64, 8] float32, their first pos rows used: 32 bytes a row each
                 past = np.full((64, 8), pos, np.float32)
-                rec.run(None, {"k": past, "v": past, "attention_mask": mask_at(pos, 64)})
-        assert len(rec.first) == 12 and rec.calls == 120 and rec.bytes <= budget
+                rec.run(["logits", "k_row", "v_row"], {"k": past, "v": past, "attention_mask": mask_at(pos, 64)})
+        assert len(rec.first) == 12 and rec.calls == 120 and rec.bytes <= extra["budget"]
         kept.append(len(rec.sampled))
     assert kept[0] == 64 and 4 <= kept[1] < 64 and rec.limit < 64
     small = Recorder(Echo(), {"k", "v"}, 8, "attention_mask")
