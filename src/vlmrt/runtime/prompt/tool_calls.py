@@ -537,19 +537,22 @@ def _py_param(lark: _Lark, schema) -> str:
         elif kind == "null":
             alts.append('"None"')
         elif kind == "array":
-            item = _py_param(lark, b.get("items", {}))
-            lo, hi = int(b.get("minItems", 0)), b.get("maxItems")
-            if hi is not None and int(hi) < lo:
-                raise _Unsupported("maxItems below minItems")
-            if hi is not None and int(hi) == 0:
-                alts.append('"[]"')
-                continue
-            more = f'(", " {item})' + ("*" if hi is None and lo <= 1 else
-                                       f"{{{max(lo - 1, 0)},{'' if hi is None else int(hi) - 1}}}")
-            alts.append(f'"[" {item} {more} "]"' if lo else f'"[" ({item} {more})? "]"')
+            alts.append(_list_rule(b, _py_param(lark, b.get("items", {})), ", "))
         else:  # object: a dict literal, its properties in order
             alts.append(_py_object(lark, b))
     return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
+
+
+def _list_rule(schema: dict, item: str, sep: str) -> str:
+    """A list literal [a<sep>b ...] of item rules, its length held to minItems / maxItems (pythonic and Gemma 4)."""
+    lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
+    if hi is not None and int(hi) < lo:
+        raise _Unsupported("maxItems below minItems")
+    if hi is not None and int(hi) == 0:
+        return '"[]"'
+    more = f'({json.dumps(sep)} {item})' + ("*" if hi is None and lo <= 1 else
+                                           f"{{{max(lo - 1, 0)},{'' if hi is None else int(hi) - 1}}}")
+    return f'"[" {item} {more} "]"' if lo else f'"[" ({item} {more})? "]"'
 
 
 def _py_object(lark: _Lark, schema: dict) -> str:
@@ -609,16 +612,7 @@ def _g_param(lark: _Lark, schema) -> str:
         elif kind == "null":
             alts.append('"null"')
         elif kind == "array":
-            item = _g_param(lark, b.get("items", {}))
-            lo, hi = int(b.get("minItems", 0)), b.get("maxItems")
-            if hi is not None and int(hi) < lo:
-                raise _Unsupported("maxItems below minItems")
-            if hi is not None and int(hi) == 0:
-                alts.append('"[]"')
-                continue
-            more = f'("," {item})' + ("*" if hi is None and lo <= 1 else
-                                      f"{{{max(lo - 1, 0)},{'' if hi is None else int(hi) - 1}}}")
-            alts.append(f'"[" {item} {more} "]"' if lo else f'"[" ({item} {more})? "]"')
+            alts.append(_list_rule(b, _g_param(lark, b.get("items", {})), ","))
         else:
             alts.append(_g_object(lark, b))
     return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
