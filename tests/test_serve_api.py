@@ -296,9 +296,24 @@ def qwen_xml_tools(tmp_path_factory):
     r.stop()
 
 
+def rename_special_tokens(bundle, m: dict, renamed: dict[str, str]) -> None:
+    """Rename added tokens of the bundle's tokenizer (unused ones: the ids and rows stay) and record its new hash in
+    the manifest m (written by the caller)."""
+    from vlmrt.format.manifest import sha256_file
+
+    path = bundle / m["tokenizer_file"]
+    tok = json.loads(path.read_text())
+    for t in tok["added_tokens"]:
+        t["content"] = renamed.get(t["content"], t["content"])
+    path.write_text(json.dumps(tok))
+    m["files"][m["tokenizer_file"]].update(sha256=sha256_file(path), bytes=path.stat().st_size)
+
+
 @pytest.fixture(scope="module")
 def lfm2_tools(tmp_path_factory):
-    """The LFM2-VL tiny bundle (family_cases.LFM2_CASES[0]) with its template's tool parts (pythonic), one slot."""
+    """The LFM2-VL tiny bundle (family_cases.LFM2_CASES[0]) with its template's tool parts (pythonic), one slot; two
+    of its tokenizer's grid markers that no test image reaches (row 10, columns 9 and 10) renamed <|tool_call_start|>
+    and <|tool_call_end|>: special tokens, as in the released tokenizer (ids 10 and 11 there)."""
     import shutil
 
     from family_cases import LFM2_CASES, lfm2_exported
@@ -308,6 +323,8 @@ def lfm2_tools(tmp_path_factory):
     shutil.copytree(lfm2_exported(LFM2_CASES[0], tmp_path_factory).bundle, bundle)
     m = json.loads((bundle / "manifest.json").read_text())
     m["prompt"]["chat_template"] = LFM2_VL_TOOLS
+    rename_special_tokens(bundle, m, {"<|img_row_10_col_9|>": "<|tool_call_start|>",
+                                      "<|img_row_10_col_10|>": "<|tool_call_end|>"})
     (bundle / "manifest.json").write_text(json.dumps(m))
     r = start(bundle, "--slots", "1", "--queue", "4")
     yield r, VLM.load(bundle)
@@ -327,17 +344,9 @@ def gemma4_tools(tmp_path_factory):
 
     bundle = tmp_path_factory.mktemp("gemma4-tools") / "bundle"
     shutil.copytree(gemma4_exported(GEMMA4_CASES[0], tmp_path_factory).bundle, bundle)
-    from vlmrt.format.manifest import sha256_file
-
     m = json.loads((bundle / "manifest.json").read_text())
     m["prompt"]["chat_template"] = GEMMA4_TOOLS
-    path = bundle / m["tokenizer_file"]
-    tok = json.loads(path.read_text())
-    renamed = {BOA: "<|tool_call>", AUDIO: "<tool_call|>", EOA: '<|"|>'}
-    for t in tok["added_tokens"]:
-        t["content"] = renamed.get(t["content"], t["content"])
-    path.write_text(json.dumps(tok))
-    m["files"][m["tokenizer_file"]].update(sha256=sha256_file(path), bytes=path.stat().st_size)
+    rename_special_tokens(bundle, m, {BOA: "<|tool_call>", AUDIO: "<tool_call|>", EOA: '<|"|>'})
     (bundle / "manifest.json").write_text(json.dumps(m))
     r = start(bundle, "--slots", "1", "--queue", "4")
     yield r, VLM.load(bundle)
@@ -723,12 +732,17 @@ def test_responses_bad_tools_are_a_400_naming_the_field(server, body, param):
     assert status == 400 and got["error"]["param"] == param and got["error"]["message"].startswith(param + ": "), got
 
 
-def test_gemma4_calls_held_read_and_answered_in_the_same_turn(gemma4_tools):
-    """Gemma 4's format (main had none: its template's tools were refused): a named call held to the function's
-    parameters, its markers and string quotes special tokens kept in the answer's text so that it reads back as
-    tool_calls (finish_reason tool_calls), streamed alike; the tool's result is rendered in the model's turn, which the
-    next answer continues, the rows kept. (One short tool: the tiny bundle's context is 256 tokens.)"""
-    r, ref = gemma4_tools
+@pytest.mark.parametrize("served, opens, closes", [
+    ("gemma4_tools", '<|tool_call>call:w{c:<|"|>', "<tool_call|>"),
+    ("lfm2_tools", "<|tool_call_start|>[w(c=", ")]<|tool_call_end|>")], ids=["gemma4", "pythonic"])
+def test_calls_with_special_token_markers_held_read_and_answered(served, opens, closes, request):
+    """Formats whose markers are special tokens of the released tokenizer (Gemma 4's <|tool_call>, <tool_call|>,
+    <|"|>; LFM2's <|tool_call_start|>, <|tool_call_end|>): a named call held to the function's parameters, its markers
+    kept in the answer's text so that it reads back as tool_calls (finish_reason tool_calls), streamed alike; the
+    tool's result is rendered in the model's turn, which the next answer continues, the rows kept. (Gemma 4 had no
+    format on main 9ee29fd; LFM2's markers were dropped from the text on main f2d6421, its calls read only from a bare
+    leading list.) One short tool: the tiny bundles' contexts are 256 tokens."""
+    r, ref = request.getfixturevalue(served)
     c = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
     tool = {"type": "function", "function": {"name": "w", "parameters": {
         "type": "object", "properties": {"c": {"type": "string", "maxLength": 6}, "u": {"enum": ["c", "f"]}},
@@ -743,15 +757,15 @@ def test_gemma4_calls_held_read_and_answered_in_the_same_turn(gemma4_tools):
     assert call.function.name == "w" and set(args) == {"c", "u"} and args["u"] in ("c", "f")
     assert isinstance(args["c"], str) and len(args["c"]) <= 6
     text = direct(ref, [ask_], max_new_tokens=40, tools=[tool], tool_choice="w")
-    assert text.startswith('<|tool_call>call:w{c:<|"|>') and text.endswith("<tool_call|>")
+    assert text.startswith(opens) and text.endswith(closes), text
     chunks = list(c.chat.completions.create(model="m", messages=[ask_], tools=[tool], tool_choice=named,
                                             max_tokens=40, stream=True))
     streamed = [t for x in chunks if x.choices for t in x.choices[0].delta.tool_calls or ()]
     assert "".join(t.function.arguments or "" for t in streamed) == call.function.arguments
+    assert not "".join(x.choices[0].delta.content or "" for x in chunks if x.choices).strip()  # no call as content
 
     messages = [ask_, choice.message.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": call.id, "content": "clear"}]
     after = c.chat.completions.create(model="m", messages=messages, tools=[tool], max_tokens=8)
     assert after.choices[0].message.content == direct(ref, messages, max_new_tokens=8, tools=[tool])
     assert after.usage.prompt_tokens_details.cached_tokens > 0
-

@@ -92,17 +92,19 @@ def test_hermes_parser_reads_what_the_template_writes():
         assert fmt.parse(text, NAMES) == (text, [])
 
 
-def test_pythonic_parser_reads_lfm2_calls_with_and_without_their_markers():
+def test_pythonic_parser_reads_lfm2_calls_between_their_markers():
     fmt = tool_format(LFM2_VL_TOOLS)
     assert fmt is FORMATS["pythonic"]
     written = fmt.write([{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}])
     assert written == '<|tool_call_start|>[get_weather(city="Paris", days=2)]<|tool_call_end|>'
     assert fmt.parse(written + "Checking.", NAMES) == (
         "Checking.", [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}])
-    bare = '[get_weather(city="Oslo"), get_time()] Checking both.'  # the markers dropped as special tokens
-    assert fmt.parse(bare, NAMES) == (" Checking both.", [{"name": "get_weather", "arguments": {"city": "Oslo"}},
-                                                          {"name": "get_time", "arguments": {}}])
-    for text in ('[__import__("os").system("x")]', "[get_weather(city=open('f').read())]", "[1, 2] are numbers",
+    assert fmt.kept == ("<|tool_call_start|>", "<|tool_call_end|>")  # special tokens of LFM2's: the text keeps them
+    two = 'Checking both. <|tool_call_start|>[get_weather(city="Oslo"), get_time()]<|tool_call_end|>'
+    assert fmt.parse(two, NAMES) == ("Checking both. ", [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                                         {"name": "get_time", "arguments": {}}])
+    for text in ('[get_weather(city="Oslo")]',  # no markers: text (the markers are kept where the model wrote them)
+                 '[__import__("os").system("x")]', "[get_weather(city=open('f').read())]", "[1, 2] are numbers",
                  '<|tool_call_start|>[get_weather("Paris")]<|tool_call_end|>', "[unknown(a=1)]"):
         assert fmt.parse(text, NAMES) == (text, []), text  # only literal keyword arguments of given functions
     nested = {"name": "get_weather", "arguments": {"city": "Zürich \"old\"", "opts": {"a": [1, None, True]}}}
@@ -175,7 +177,8 @@ def test_stream_text_held_back_where_a_call_may_begin():
     assert held_from(hermes, "Sure. <tool_call>\n{\"na") == len("Sure. ")
     assert held_from(hermes, "a < b") == len("a < b")
     assert held_from(generic, "  {\"tool") == 0 and held_from(generic, "It is") == 5 and held_from(generic, " ") == 0
-    assert held_from(pythonic, "[get_weather(") == 0 and held_from(pythonic, "Hi <|tool_") == 3
+    assert held_from(pythonic, "Hi <|tool_") == 3 and held_from(pythonic, "Hi <|tool_call_start|>[g") == 3
+    assert held_from(pythonic, "[1, 2] are") == len("[1, 2] are")  # a list is content: a call has its marker
 
 
 def test_control_tokens_in_tool_data_stay_text():

@@ -17,8 +17,8 @@ The registry, by name (FORMATS), chosen from the template's own text:
            the text it is.
   pythonic the template writes `<|tool_list_start|>` / `<|tool_call_start|>` (LFM2, LFM2-VL):
            `<|tool_call_start|>[name(arg="v", n=1), ...]<|tool_call_end|>` (Python call syntax, literal arguments)
-           then text; where the markers are special tokens the decoded text lacks them, so a leading `[name(...)]`
-           whose every name is a given tool is read as calls too.
+           then text; the markers are special tokens of LFM2's tokenizer (ids 10 and 11) that an answer's text keeps
+           (ToolFormat.kept), as gemma4's.
   gemma4   the template writes `<|tool_call>` (Gemma 4): `<|tool_call>call:NAME{key:value,...}<tool_call|>` blocks, the
            values in the template's format_argument syntax (keys bare and sorted, strings between `<|"|>` quotes,
            true / false / null, numbers, [...], {...}); the markers and the quote are special tokens of its tokenizer
@@ -202,15 +202,7 @@ def _pythonic_list(body: str, names: set[str]) -> list[Call] | None:
 
 
 def _pythonic_parse(text: str, names: set[str]) -> tuple[str, list[Call]]:
-    if PY_START in text:
-        return _blocks(text, PY_START, PY_END, lambda b: _pythonic_list(b, names))
-    stripped = text.lstrip()
-    if stripped.startswith("["):  # the markers were special tokens, dropped from the decoded text
-        for end in [m.end() for m in re.finditer(r"\]", stripped)]:
-            calls = _pythonic_list(stripped[:end], names)
-            if calls:
-                return stripped[end:], calls
-    return text, []
+    return _blocks(text, PY_START, PY_END, lambda b: _pythonic_list(b, names))
 
 
 def _py_value(v) -> str:
@@ -370,7 +362,7 @@ class ToolFormat:
 FORMATS = {
     "hermes": ToolFormat("hermes", _hermes_parse, _hermes_write, "<tool_call>", True),
     "qwen_xml": ToolFormat("qwen_xml", _xml_parse, _xml_write, "<tool_call>", True),
-    "pythonic": ToolFormat("pythonic", _pythonic_parse, _pythonic_write, PY_START, True),
+    "pythonic": ToolFormat("pythonic", _pythonic_parse, _pythonic_write, PY_START, True, (PY_START, PY_END)),
     "gemma4": ToolFormat("gemma4", _gemma4_parse, _gemma4_write, G_START, True, (G_START, G_END, G_QUOTE)),
     # an answer that begins with "{" (or a ``` fence) may be a call: a stream holds it back until the end
     "generic": ToolFormat("generic", _generic_parse, _generic_write, None, False),
@@ -798,6 +790,4 @@ def held_from(fmt: ToolFormat, text: str) -> int:
     for k in range(min(len(fmt.start) - 1, len(text)), 0, -1):
         if fmt.start.startswith(text[-k:]):
             return len(text) - k
-    if fmt.name == "pythonic" and text.lstrip()[:1] in ("", "["):  # a bare call list (markers dropped)
-        return 0
     return len(text)
