@@ -161,3 +161,42 @@ console.log(JSON.stringify(out));"""
         mode, rows, err = got[name]
         assert mode == how and np.array_equal(np.array(rows, np.float32), want), name
         assert err == "token id 50 out of range 0..49"
+
+
+def test_server_answers_single_ranges(tmp_path, monkeypatch):
+    """vlmrt web's server (web/server.py): a single byte range is a 206 with its bytes and Content-Range; an open end
+    runs to the file's end; a range past the end a 416; a range over RANGE_BYTES, or another form, the whole file
+    (200); nothing outside the folder. A page whose server answers a row's Range request with 200 is refused in one
+    line (table.js), not fed the wrong bytes."""
+    import urllib.error
+    import urllib.request
+
+    from web_browser import STATIC
+    from vlmrt.web import server
+
+    data = bytes(range(256)) * 40
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "t.npy").write_bytes(data)
+    (tmp_path / "secret.txt").write_text("no")
+
+    def get(url, rng):
+        req = urllib.request.Request(url, headers={"Range": rng} if rng else {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.headers.get("Content-Range"), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Content-Range"), b""
+
+    with served(tmp_path / "site") as url:
+        assert get(url + "/t.npy", "bytes=10-19") == (206, f"bytes 10-19/{len(data)}", data[10:20])
+        assert get(url + "/t.npy", "bytes=10200-") == (206, f"bytes 10200-10239/{len(data)}", data[10200:])
+        assert get(url + "/t.npy", "bytes=20000-20010")[:2] == (416, f"bytes */{len(data)}")
+        assert get(url + "/t.npy", "bytes=0-1,5-6") == (200, None, data)
+        assert get(url + "/../secret.txt", "bytes=0-1")[0] == 404
+        monkeypatch.setattr(server, "RANGE_BYTES", 4)
+        assert get(url + "/t.npy", "bytes=0-9") == (200, None, data)
+        js = f"""import {{ openTable }} from "{(STATIC / 'table.js').as_posix()}";
+const m = {{decoder: {{embedding_file: "t.npy", embedding_scale_file: null}}, files: {{"t.npy": {{bytes: {len(data)}}}}}}};
+try {{ await openTable({{base: "{url}/", leaveOut() {{}}}}, m, "ranged"); }} catch (e) {{ console.log(e.message); }}"""
+        line = _node(js).strip()
+    assert "\n" not in line and "with HTTP 200, not 206" in line and "needs a server that takes Range requests" in line
