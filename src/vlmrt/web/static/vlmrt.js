@@ -165,13 +165,17 @@ export class VLM {
     }
     const t1 = performance.now();
     st.preprocessMs = t1 - t0;
-    // splice: the image-token rows, in order, are the vision graph's
-    const h = m.decoder.hidden_size, embeds = await this.embed(ids);
+    // splice: the image-token rows, in order, are the vision graph's (a ranged table's row requests go out before
+    // the images are encoded, and arrive meanwhile)
+    const h = m.decoder.hidden_size, tokenRows = this.embed(ids);
+    tokenRows.catch(() => {});  // (awaited below; a vision error first must not leave it unhandled)
+    const encoded = [];
+    for (const im of images) encoded.push(await this.encodeImage(im));
+    const embeds = await tokenRows;
     const slots = [];
     ids.forEach((id, i) => { if (id === m.special_tokens.image_token_id) slots.push(i); });
     let at = 0;
-    for (const im of images) {
-      const rows = await this.encodeImage(im);
+    for (const rows of encoded) {
       const count = rows.length / h;
       for (let r = 0; r < count; r++) {
         if (at >= slots.length) throw new Error("the image gives more embeddings than the prompt has image tokens");
