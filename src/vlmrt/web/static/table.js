@@ -121,13 +121,15 @@ async function rangeGet(url, first, last, size) {
 }
 
 // The bundle's token table: ranged when asked ("ranged") or when the file is over WHOLE_TABLE_BYTES (auto: null),
-// else whole. files: the bundle's BundleFiles (a ranged table's bytes leave its load total).
+// unless a graph reads it as external data (a tied w4a16o head's rows: fetched whole for the session anyway), else
+// whole. files: the bundle's BundleFiles (a ranged table's bytes leave its load total).
 export async function openTable(files, m, how = null) {
   const name = m.decoder.embedding_file, entry = m.files[name];
   if (!entry) throw new TableError(`the manifest does not list ${name}`);
   if (how !== null && !["whole", "ranged"].includes(how)) throw new TableError(`table: '${how}' is not whole or ranged`);
   const scales = m.decoder.embedding_scale_file ? readNpy(await files.get(m.decoder.embedding_scale_file)).data : null;
-  if ((how ?? (entry.bytes > WHOLE_TABLE_BYTES ? "ranged" : "whole")) === "whole") {
+  const graphData = Object.values(m.graphs ?? {}).some((g) => (g.data_files ?? []).includes(name));
+  if ((how ?? (entry.bytes > WHOLE_TABLE_BYTES && !graphData ? "ranged" : "whole")) === "whole") {
     return new WholeTable(readNpy(await files.get(name)), scales);
   }
   files.leaveOut(name);
