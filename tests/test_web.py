@@ -115,8 +115,9 @@ def test_demo_answers_are_vlmrt_runs(demo_site, tmp_path):
 LOGPROB_GAP = 5e-5
 
 # registered families whose bundles the browser runtime refuses, and why (web/site.py browser_problem)
-BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "qwen_vl": "rope positions (mrope, 3 rows)",
-                   "gemma4": "sliding_attention cache layers"}
+BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "qwen_vl": "rope positions (mrope, 3 rows)"}
+# families whose tiling keeps an image whole (one tile at its own aspect ratio: Gemma 4's pooled_aspect)
+ONE_TILE = {"gemma4"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -141,7 +142,7 @@ def test_tiny_bundles_answer_as_python(family, tmp_path_factory, tmp_path):
         for image in (ASSETS / "chelsea.png", ASSETS / "page.png"):
             for mode in ("hybrid", "kv"):
                 want = vlm("Describe the image.", image, max_new_tokens=8, ignore_eos=True, mode=mode, logprobs=3)
-                assert want.stats.image_tiles > 1
+                assert want.stats.image_tiles > 1 or family in ONE_TILE
                 got = _ask(page, images=[_uri(image)], prompt="Describe the image.", maxNewTokens=8, ignoreEos=True,
                            mode=mode, logprobs=3)
                 assert got["promptIds"] == want.prompt_ids

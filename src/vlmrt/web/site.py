@@ -27,10 +27,10 @@ HERE = Path(__file__).parent
 # what the browser runtime implements (static/decoder.js decoderPlan: its own code per kind): the decoder kinds
 # (manifest.DECODER_KINDS) and the cache layer kinds (manifest.CACHE_LAYER_KINDS) it runs
 BROWSER_DECODER_KINDS = ("gqa_in_place", "rows_dynamic", "rows_static")
-BROWSER_CACHE_KINDS = ("attention",)
+BROWSER_CACHE_KINDS = ("attention", "sliding_attention", "shared_kv")  # (static/windowed.js: the two of Gemma 4)
 STATIC = HERE / "static"
 RUNTIME_FILES = ("vlmrt.js", "app.js", "decoder.js", "files.js", "image.js", "resample.js", "npy.js", "prompt.js",
-                 "sampler.js", "stop_strings.js", "logprobs.js")
+                 "sampler.js", "stop_strings.js", "logprobs.js", "windowed.js", "spans.js", "image_pooled.js", "table.js")
 # (package, file in the package, name under vendor/): the WASM-only build of onnxruntime-web ("onnxruntime-web/wasm":
 # the default JSEP build refuses 8-bit MatMulNBits and returns GroupQueryAttention caches of another length)
 VENDOR = (
@@ -93,9 +93,6 @@ def browser_problem(m: Manifest) -> str | None:
     if pos.op != "slots" or pos.rows != 1:
         return (f"this bundle's rope positions ({pos.op}, {pos.rows} rows) are not computed by the browser runtime "
                 f"yet; use vlmrt run")
-    if m.decoder.span_input:
-        return ("this bundle's decoder takes image spans (decoder.span_input: each image's tokens attend to the whole "
-                "image), which the browser runtime does not feed yet; use vlmrt run")
     other = next((layer.kind for layer in m.kv.layers if layer.kind not in BROWSER_CACHE_KINDS), None)
     if other:
         return f"this bundle has {other} cache layers, which the browser runtime does not keep yet; use vlmrt run"

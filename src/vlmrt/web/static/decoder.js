@@ -11,11 +11,14 @@
 //             with positions and an additive mask [ar, ctx + ar]; static graphs (no dynamic_ar) take a fixed AR and
 //             the last prompt block padded, its padded rows dropped.
 
+import { WINDOWED_LAYERS, slotLayers } from "./windowed.js";
+import { spanFeed } from "./spans.js";
+
 // The manifest's decoder as one plain description (the only reader of the manifest's decoder and kv fields):
 //   {kind: "gqa_in_place" | "rows_dynamic" | "rows_static", dynamicAR, contextStep, maskInput, maskValue,
 //    positionsInput, logitRowsInput, lastLogits, argmaxOutput, seqlensInput, totalLengthInput, tokenRowsInput,
-//    tokenScalesInput, hiddenOutput, layers: [{kind: "attention", kvHeads, headDim, keyInput, valueInput, keyOutput,
-//    valueOutput}]}
+//    tokenScalesInput, hiddenOutput, spanInput, layers: [{kind: "attention" | "sliding_attention", kvHeads, headDim,
+//    keyInput, valueInput, keyOutput, valueOutput}] (the layers with buffers: windowed.js), otherLayers: [kinds]}
 export function decoderPlan(m) {
   const d = m.decoder, kv = m.kv;
   const k = d.kind;
@@ -25,9 +28,10 @@ export function decoderPlan(m) {
     positionRows: d.positions.rows, positionsOp: d.positions.op, logitRowsInput: k.logit_rows_input ?? null,
     lastLogits: false, argmaxOutput: k.argmax_output ?? null, seqlensInput: k.seqlens_input ?? null,
     totalLengthInput: k.total_length_input ?? null, tokenRowsInput: k.token_rows_input ?? null,
-    tokenScalesInput: k.token_scales_input ?? null, hiddenOutput: k.hidden_output ?? null,
-    layers: kv.layers.map((l) => (l.kind === "attention" ? { kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
-      keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output } : { kind: l.kind })),
+    tokenScalesInput: k.token_scales_input ?? null, hiddenOutput: k.hidden_output ?? null, spanInput: d.span_input ?? null,
+    layers: slotLayers(kv.layers).map((l) => ({ kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
+      keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output })),
+    otherLayers: kv.layers.map((l) => l.kind).filter((kind) => kind !== "attention" && !(kind in WINDOWED_LAYERS)),
   };
 }
 
@@ -53,9 +57,8 @@ export function browserProblem(m) {
   if (!["gqa_in_place", "rows_dynamic", "rows_static"].includes(p.kind)) return `this vlmrt has no decoder kind '${p.kind}'; upgrade vlmrt`;
   if (p.hiddenOutput) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
   if (p.positionsOp !== "slots" || p.positionRows !== 1) return `this bundle's rope positions (${p.positionsOp}, ${p.positionRows} rows) are not computed by the browser runtime yet; use vlmrt run`;
-  if (m.decoder.span_input) return "this bundle's decoder takes image spans (decoder.span_input: each image's tokens attend to the whole image), which the browser runtime does not feed yet; use vlmrt run";
-  const other = p.layers.find((l) => l.kind !== "attention");
-  if (other) return `this bundle has ${other.kind} cache layers, which the browser runtime does not keep yet; use vlmrt run`;
+  const other = p.otherLayers[0];
+  if (other) return `this bundle has ${other} cache layers, which the browser runtime does not keep yet; use vlmrt run`;
   return null;
 }
 
@@ -101,8 +104,9 @@ export class Decoder {
     return step ? Math.min(top, Math.max(step, Math.ceil(pos / step) * step)) : top;
   }
 
-  // embeds: Float32Array [n * hidden] at positions length..length+n-1; kind "prefill" | "decode" (the graph)
-  async step(graph, embeds, n) {
+  // embeds: Float32Array [n * hidden] at positions length..length+n-1; kind "prefill" | "decode" (the graph); spans:
+  // the rows' image spans (BigInt64Array [n]; a decoder with a span input: -1 where not given)
+  async step(graph, embeds, n, spans = null) {
     const p = this.p, T = this.ort.Tensor, hidden = this.hidden, pos = this.length;
     if (pos + n > this.maxContext) throw new Error(`the cache holds ${this.maxContext} positions; a step at ${pos} of ${n} tokens does not fit`);
     const ar = p.dynamicAR ? n : (graph === "prefill" ? this.prefillAR : 1);
@@ -123,6 +127,7 @@ export class Decoder {
     const fetches = [this.sessions.logitsOutput];
     if (p.argmaxOutput) fetches.push(p.argmaxOutput);
     feeds[p.positionsInput] = new T("int64", this.positions(pos, ar), [1, ar]);  // every kind: [rows = 1, ar]
+    if (p.spanInput) feeds[p.spanInput] = new T("int64", spanFeed(spans, ar), [ar]);
     if (p.kind === "gqa_in_place") {
       feeds[p.seqlensInput] = new T("int32", Int32Array.from([pos + ar - 1]), [1]);
       feeds[p.totalLengthInput] = new T("int32", Int32Array.from([pos + ar]), []);

@@ -17,9 +17,11 @@ function gridMarkers(rows, cols, tiles, p) {
   return text + `\n${fake}${glob}${run}${fake}`;
 }
 
-// InternVL: `<img>` + `<IMG_CONTEXT>` × (tokens per tile × tiles) + `</img>`
-function wrappedRun(rows, cols, tiles, p) {
-  return p.params.start_token + p.params.image_token.repeat(p.tokens_per_tile * tiles) + p.params.end_token;
+// InternVL: `<img>` + `<IMG_CONTEXT>` × (tokens per tile × tiles) + `</img>`; Gemma 4: `<boi>` + the image token ×
+// the image's tokens (tileTokens: each tile's, from the tiling) + `<eoi>`
+function wrappedRun(rows, cols, tiles, p, tileTokens = null) {
+  const n = tileTokens ? tileTokens.reduce((a, b) => a + b, 0) : p.tokens_per_tile * tiles;
+  return p.params.start_token + p.params.image_token.repeat(n) + p.params.end_token;
 }
 
 export const EXPANSION = { grid_markers: gridMarkers, wrapped_run: wrappedRun };
@@ -76,7 +78,7 @@ export class ChatTemplate {
     return msgs;
   }
 
-  // the prompt text; grids: [rows, cols, tiles] per image, in order
+  // the prompt text; grids: [rows, cols, tiles(, tile tokens)] per image, in order
   render(conv, grids) {
     const p = this.p, expand = EXPANSION[p.expansion];
     if (!expand) throw new Error(`this vlmrt has no prompt expansion op '${p.expansion}'; upgrade vlmrt`);
@@ -88,7 +90,7 @@ export class ChatTemplate {
       throw new ConversationError(`the rendered conversation has ${pieces.length - 1} image tokens (${p.image_placeholder}) for ${grids.length} images: message text must not contain '${p.image_placeholder}'`);
     }
     let out = pieces[0];
-    grids.forEach((g, i) => { out += expand(g[0], g[1], g[2], p) + pieces[i + 1]; });
+    grids.forEach((g, i) => { out += expand(g[0], g[1], g[2], p, g[3]) + pieces[i + 1]; });
     return out;
   }
 }
