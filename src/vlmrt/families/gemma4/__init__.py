@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import Family, HostSpec, Weights, processor_image
+from ...runtime.media.video import MAX_SOURCE_FRAMES  # ("every frame": do_sample_frames false)
 from ..decoder import UnsupportedCheckpoint
 from ..weights import Tensors
 from . import language, vision
@@ -77,7 +78,6 @@ def host_spec(ckpt, cfg: Gemma4Config, tok_json: dict) -> HostSpec:
 # Gemma4Processor writes a video's frames with this token (processing_gemma4.py: "<|video|>", added to the tokenizer
 # when it lacks it), each as "MM:SS <boi><|video|>×n<eoi>", frames joined by a space
 VIDEO_TOKEN = "<|video|>"
-MAX_FRAMES = 100_000  # (runtime/media/video.py MAX_SOURCE_FRAMES: "every frame")
 
 
 def video_spec(ckpt, cfg: Gemma4Config, names: dict[int, str], image) -> dict[str, Any] | None:
@@ -113,7 +113,7 @@ def video_spec(ckpt, cfg: Gemma4Config, names: dict[int, str], image) -> dict[st
                             params={"max_soft_tokens": soft, "pooling_kernel": kernel,
                                     "graph_patches": cfg.patches_per_tile},
                             resample=3, mean=[0.0] * 3, std=[1.0] * 3)
-    return {"fps": float(fps or 0), "max_frames": int(frames or MAX_FRAMES), "placeholder": VIDEO_TOKEN,
+    return {"fps": float(fps or 0), "max_frames": int(frames or MAX_SOURCE_FRAMES), "placeholder": VIDEO_TOKEN,
             "frame_line": "{timestamp} ", "separator": " ", "sampling": "uniform", "frames": "image_tiling",
             "frame_image": frame, "frame_params": {"image_token": VIDEO_TOKEN}, "frame_token_id": cfg.video_token_id}
 
@@ -131,7 +131,7 @@ def default_max_context(cfg: Gemma4Config, host: HostSpec) -> tuple[int, str]:
     tokens = cfg.max_soft_tokens + 2
     media, why = 2 * tokens, f"2 images × {tokens} tokens (max_soft_tokens and the markers)"
     if host.video is not None:
-        count = not host.video["fps"] and host.video["max_frames"] < MAX_FRAMES
+        count = not host.video["fps"] and host.video["max_frames"] < MAX_SOURCE_FRAMES
         frames = host.video["max_frames"] if count else 32
         each = host.video["frame_image"].params["max_soft_tokens"] + 2 + 6
         if frames * each > media:
