@@ -229,3 +229,27 @@ def test_uniform_sampling_equals_transformers():
                 want = proc.sample_frames(meta)
             np.testing.assert_array_equal(V.sample_indices(clip, spec), want, err_msg=f"{fps} {count} {total} {rate}")
         assert len(V.sample_indices(V.Clip("c", 250, 25.0, 10.0, lambda i: []), spec, 3)) == 3  # --max-frames 3
+
+
+def test_the_tower_ignores_the_padding_rows(bundle):
+    """What padding a frame to the vision graph's budget (the image's) rather than the video's relies on:
+    transformers' tower gives a frame's soft tokens the same from 630 rows as from 2520 (the padding rows are masked
+    out; measured 3e-7 of 2.0)."""
+    import torch
+
+    from fixtures_gemma4 import hf_model
+
+    model = hf_model(bundle.ckpt)
+    rng = np.random.default_rng(0)
+    gh, gw = 24, 18
+    pixels = torch.zeros(1, 2520, 48)
+    pixels[0, : gh * gw] = torch.from_numpy(rng.random((gh * gw, 48)).astype(np.float32))
+    pos = torch.full((1, 2520, 2), -1, dtype=torch.long)
+    xs, ys = np.meshgrid(np.arange(gw), np.arange(gh), indexing="xy")
+    pos[0, : gh * gw] = torch.from_numpy(np.stack([xs, ys], -1).reshape(-1, 2))
+    one = torch.tensor([1])
+    with torch.no_grad():
+        short = model.model.get_video_features(pixels[:, :630], pos[:, :630], num_frames_per_video=one).pooler_output[0]
+        long = model.model.get_video_features(pixels, pos, num_frames_per_video=one).pooler_output[0]
+    assert short.shape == long.shape == (gh * gw // 9, 64)
+    np.testing.assert_allclose(long.numpy(), short.numpy(), rtol=0, atol=1e-5)
