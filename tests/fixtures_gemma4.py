@@ -5,7 +5,8 @@ transformers imported inside them.
 * :func:`make_gemma4_checkpoint` -- the decoder of tests/test_gemma4_decoder.py's "shared" pattern (2:1 sliding /
   full, window 5, 2 kv-shared layers, per-layer inputs, k_eq_v, soft-capping) and test_gemma4_vision.py's tower
   (patch 4, kernel 3, max_soft_tokens 70), a byte-level BPE with Gemma's markers (`<boi>`, `<|image|>`, `<eoi>`,
-  turns), a chat template, Gemma4ImageProcessor's settings; optionally an audio tower.
+  `<|video|>`, turns), a chat template (images and videos), Gemma4ImageProcessor's and Gemma4VideoProcessor's
+  settings (4 frames a video); optionally an audio tower.
 * :func:`hf_processor`, :func:`hf_generate` -- transformers' Gemma4Processor (the Pillow image processor) and
   generate as the oracle (fp32, greedy, EOS ignored).
 """
@@ -19,8 +20,10 @@ PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 TURN, END_TURN = "<start_of_turn>", "<end_of_turn>"
 BOI, IMAGE, EOI = "<boi>", "<|image|>", "<eoi>"
 BOA, AUDIO, EOA = "<boa>", "<|audio|>", "<eoa>"  # (Gemma4Processor reads them even without audio)
-SPECIAL_TOKENS = [PAD, EOS, BOS, TURN, END_TURN, BOI, IMAGE, EOI, BOA, AUDIO, EOA]
+VIDEO = "<|video|>"  # (Gemma4Processor's video token, config.json's video_token_id)
+SPECIAL_TOKENS = [PAD, EOS, BOS, TURN, END_TURN, BOI, IMAGE, EOI, BOA, AUDIO, EOA, VIDEO]
 SOFT = 70
+VIDEO_FRAMES = 4  # the video processor's num_frames (its class default is 32)
 
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
@@ -29,6 +32,7 @@ CHAT_TEMPLATE = (
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for item in message['content'] -%}"
     "{%- if item['type'] == 'image' -%}{{- '<|image|>' -}}"
+    "{%- elif item['type'] == 'video' -%}{{- '<|video|>' -}}"
     "{%- elif item['type'] == 'text' -%}{{- item['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{- '<end_of_turn>\n' -}}"
@@ -83,7 +87,7 @@ def make_gemma4_checkpoint(out_dir: Path, *, seed: int = 0, audio: bool = False)
     audio_config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32) if audio \
         else None
     cfg = Gemma4Config(text_config=text, vision_config=VISION, audio_config=audio_config, image_token_id=ids[IMAGE],
-                       boi_token_id=ids[BOI], eoi_token_id=ids[EOI])
+                       boi_token_id=ids[BOI], eoi_token_id=ids[EOI], video_token_id=ids[VIDEO])
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # spread what a random init leaves at 1 / 0 / small (as tests/test_gemma4_*.py)
@@ -107,6 +111,9 @@ def make_gemma4_checkpoint(out_dir: Path, *, seed: int = 0, audio: bool = False)
            "max_soft_tokens": SOFT, "pooling_kernel_size": 3, "do_resize": True, "resample": 3, "do_rescale": True,
            "rescale_factor": 1 / 255, "do_normalize": False, "image_mean": [0.0] * 3, "image_std": [1.0] * 3}
     (out_dir / "preprocessor_config.json").write_text(json.dumps(pre, indent=1) + "\n")
+    video = {"video_processor_type": "Gemma4VideoProcessor", "patch_size": 4, "max_soft_tokens": SOFT,
+             "pooling_kernel_size": 3, "num_frames": VIDEO_FRAMES}
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1) + "\n")
     (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor"}) + "\n")
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}) + "\n")
     return out_dir
@@ -120,20 +127,20 @@ def hf_model(ckpt: Path):
 
 
 def hf_processor(ckpt: Path):
-    """Gemma4Processor over the Pillow image processor (the checkpoint's settings, as transformers reads them in
-    either layout), the tokenizer, and the audio / video processors it requires (unused here)."""
+    """Gemma4Processor over the Pillow image processor and the video processor (the checkpoint's settings, as
+    transformers reads them in either layout), the tokenizer, and the audio feature extractor it requires (unused)."""
     from transformers import AutoTokenizer
     from transformers.models.gemma4 import Gemma4Processor
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from oracle import settings, without_types
+    from oracle import settings, video_settings, without_types
 
     pre, _ = settings(ckpt)
     return Gemma4Processor(image_processor=Gemma4ImageProcessorPil(**without_types(pre)),
                            tokenizer=AutoTokenizer.from_pretrained(str(ckpt)), feature_extractor=Gemma4AudioFeatureExtractor(),
-                           video_processor=Gemma4VideoProcessor(), chat_template=CHAT_TEMPLATE)
+                           video_processor=Gemma4VideoProcessor(**without_types(video_settings(ckpt))), chat_template=CHAT_TEMPLATE)
 
 
 def hf_generate(model, processor, images: list, prompt: str, n: int) -> tuple[list[int], list[int]]:

@@ -148,6 +148,10 @@ def host(image_edit=None, **edit) -> families.HostSpec:
     (host({"patch_size": 8}), "the host unfolds patches of 8 pixels, the vision tower takes 4"),
     (host(image_token_id=40), "image_token_id 40 is not a token of the 40-token vocabulary"),
     (host(image={"tiling": "longest_edge_grid"}), "host_spec must give a HostSpec whose image is a manifest.ImageSpec"),
+    (host(video={"sampling": "keyframes"}), "video sampling 'keyframes' is not a host op of the runtime"),
+    (host(video={"frames": "crop"}), "video frames 'crop' is not a host op of the runtime"),
+    (host(video={"frames": "image_tiling", "frame_image": host({"tiling": "square_grid"}).image}),
+     "the video's frame tiling 'square_grid' is not a host op of the runtime"),
 ])
 def test_host_ops_must_exist_in_the_runtime(spec, message):
     cfg = smolvlm.FAMILY.config(CONFIG)

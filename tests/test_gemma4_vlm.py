@@ -184,3 +184,96 @@ def test_audio_tower_checkpoint_loads_vision_and_text(tmp_path):
     fam.host(Checkpoint.open(ckpt), cfg, json.loads((ckpt / "tokenizer.json").read_text()))
     weights = fam.weights(cfg, tensors)
     assert weights.embed.shape[1] == cfg.text.row_width
+
+
+def test_bidirectional_video_frames_are_spans(bundle, bidirectional, capsys):
+    """A video on the "vision" bidirectional export: transformers counts video tokens as vision, so each frame's run
+    of <|video|> rows (68, longer than the blocks of 32, with "<eoi> MM:SS <boi>" between frames) sees itself both
+    ways on the sliding layers; vlmrt's frames are image chunks, so spans of their own: `--video --max-frames 2` gives
+    Gemma4Processor (num_frames 2) + generate's prompt ids and 24 greedy ids in both modes (the causal export's
+    differ)."""
+    from transformers.video_utils import VideoMetadata
+
+    import oracle
+    from conftest import ASSETS
+    from family_runner import cli_json
+    from fixtures_gemma4 import hf_model, hf_processor
+    from vlmrt.runtime.media import video as V
+
+    ckpt, b = bidirectional
+    gif = ASSETS / "no_time_for_that_tiny.gif"
+    clip = V.read_video(gif)
+    frames = np.stack([np.asarray(f) for f in clip.frames(np.arange(clip.total_frames))])
+    proc = hf_processor(ckpt)
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]}],
+                                    add_generation_prompt=True, tokenize=False)
+    meta = VideoMetadata(total_num_frames=clip.total_frames, fps=clip.fps, duration=clip.duration)
+    inputs = proc(text=[text], videos=[frames], video_metadata=[meta], num_frames=2, return_tensors="pt")
+    types = inputs["mm_token_type_ids"][0].numpy()
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], types == 2, [0]]).astype(int)) == 1)
+    assert len(runs) == 2 and (types == 2).sum() > 2 * 32  # (two frame spans, each longer than a block)
+    want = oracle.greedy_new_ids(hf_model(ckpt), inputs, 24, ignore_eos=True)
+    args = ["--video", gif, "--max-frames", 2, "--prompt", PROMPT, "--max-new-tokens", 24, "--ignore-eos"]
+    for mode in ("kv", "hybrid"):
+        got = cli_json(capsys, b, *args, "--mode", mode)
+        assert got["prompt_tokens"] == inputs["input_ids"].shape[1] and got["token_ids"] == want, mode
+    assert cli_json(capsys, bundle.bundle, *args)["token_ids"] != want
+
+
+def edge_images(folder):
+    """Images at sizes and in modes the other tests do not cover: (name, path)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+
+    def noise(h, w, c=3):
+        return (rng.random((h, w, c)) * 255).astype(np.uint8)
+
+    out = []
+
+    def save(name, im, **kw):
+        path = folder / name
+        im.save(path, **kw)
+        out.append((name, path))
+
+    save("one-pixel.png", Image.fromarray(noise(1, 1)))
+    save("one-pixel-wide.png", Image.fromarray(noise(300, 1)))
+    save("one-pixel-high.png", Image.fromarray(noise(1, 500)))
+    save("huge.jpg", Image.fromarray(noise(2000, 3000)), quality=90)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90° clockwise to show
+    save("exif-rotated.jpg", Image.fromarray(noise(40, 90)), exif=exif.tobytes())
+    rgba = noise(50, 70, 4)
+    rgba[..., 3] = np.linspace(0, 255, 70, dtype=np.uint8)[None, :]
+    save("rgba.png", Image.fromarray(rgba, "RGBA"))
+    save("grey.png", Image.fromarray(noise(33, 61, 1)[..., 0], "L"))
+    save("grey-alpha.png", Image.fromarray(noise(45, 30, 2), "LA"))
+    pal = Image.fromarray(noise(64, 48)).quantize(16)
+    save("palette-transparent.png", pal, transparency=3)
+    save("grey-16bit.png", Image.fromarray((rng.random((20, 37)) * 65535).astype(np.uint16)))
+    return out
+
+
+def test_image_edge_cases_give_the_processors_patches(bundle, tmp_path):
+    """Images at sizes and modes not covered elsewhere (1×1, 1 px wide / high, 3000×2000, EXIF-rotated, RGBA,
+    greyscale, greyscale + alpha, a palette with a transparent index, 16-bit greyscale): vlmrt's patch rows and prompt
+    ids equal Gemma4Processor's on the same file opened as transformers' load_image opens it (EXIF orientation
+    applied; the processor composites transparency onto white, as vlmrt does) to 1e-6."""
+    from PIL import Image, ImageOps
+
+    from fixtures_gemma4 import hf_processor
+    from vlmrt.runtime.vlm import VLM
+
+    vlm = VLM.load(bundle.bundle)
+    proc = hf_processor(bundle.ckpt)
+    for name, path in edge_images(tmp_path):
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}},
+                                             {"type": "text", "text": PROMPT}]}]
+        p = vlm.prompt(msgs)
+        im = ImageOps.exif_transpose(Image.open(path))
+        text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}],
+                                        add_generation_prompt=True, tokenize=False)
+        want = proc(text=[text], images=[[im]], return_tensors="pt")
+        assert p.ids == want["input_ids"][0].tolist(), name
+        got = p.images()[0][1].pixels[0]
+        np.testing.assert_allclose(got, want["pixel_values"][0].numpy(), rtol=0, atol=1e-6, err_msg=name)

@@ -153,7 +153,7 @@ def test_sampling_equals_transformers_sample_frames():
 
     for fps, max_frames in ((1.0, 4), (1.0, 64), (2.0, 8), (0.5, 3)):
         proc = SmolVLMVideoProcessor(video_sampling={"fps": fps, "max_frames": max_frames, "video_size": {"longest_edge": 64}})
-        spec = VideoSpec(fps, max_frames, 1.0, 64, 64, "lanczos", "<video>", "", "", "", "")
+        spec = VideoSpec(fps, max_frames, "<video>", "", skip_secs=1.0, longest_edge=64, frame_size=64)
         for total, rate in ((1, 10.0), (2, 14.3), (24, 14.2857), (40, 4.0), (250, 25.0), (3000, 29.97), (17, 0.5)):
             clip = V.Clip("c", total, rate, total / rate, lambda i: [])
             want = proc.sample_frames(VideoMetadata(total_num_frames=total, fps=rate, duration=total / rate))

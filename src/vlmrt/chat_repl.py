@@ -1,7 +1,7 @@
 """`vlmrt chat`: an interactive conversation over VLM.chat, one line per user turn.
 
     /image PATH|URL   attach an image to the next turn (repeatable)
-    /video PATH|URL   attach a video to the next turn (SmolVLM2 bundles; a folder of frames: --fps on the command line)
+    /video PATH|URL   attach a video to the next turn (SmolVLM2 and Gemma 4 bundles; a folder of frames: --fps on the command line)
     /reset            start a new conversation (the caches stay: a repeated image is not encoded again)
     /stats            the last turn's statistics in full
     /quit             leave (so does end of input)

@@ -174,7 +174,7 @@ def _generation_args(r, threads_help: str = "intra-op threads (default: physical
                    help="native-resolution bundles (Qwen2.5-VL, Qwen3-VL): at most this many patches per image (4 per "
                         "image token), below the bundle's vision graph budget; the image is resized to fit")
     r.add_argument("--max-frames", type=int, default=None,
-                   help="sample at most this many frames of a video (default: the checkpoint's, e.g. 64 for SmolVLM2)")
+                   help="sample at most this many frames of a video (default: the checkpoint's, e.g. 64 for SmolVLM2, 32 for Gemma 4)")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda", "htp"],
                    help="htp: all graphs on the Qualcomm NPU via the QNN EP (the HTP simulator on x86-64), no CPU fallback")
     r.add_argument("--htp-arch", default=None,
@@ -193,7 +193,7 @@ def _image_arg(r) -> None:
                    help="image: a file, an http(s):// URL or a data:image/...;base64, URI (repeatable: several "
                         "images, in order, before the text)")
     r.add_argument("--video", default=None,
-                   help="video (SmolVLM2 bundles): an animated GIF / WebP, an mp4 / webm / mkv / mov file (needs "
+                   help="video (SmolVLM2 and Gemma 4 bundles): an animated GIF / WebP, an mp4 / webm / mkv / mov file (needs "
                         "vlmrt[video]), a folder of numbered frames (with --fps), an http(s):// URL or a data URI; "
                         "put before the images and the text (docs/video.md)")
     r.add_argument("--fps", type=float, default=None, help="the frame rate of a --video folder of frames")

@@ -321,6 +321,18 @@ class Family:
         if host.prompt_expansion not in EXPANSION:
             raise self.fail(f"prompt expansion {host.prompt_expansion!r} is not a host op of the runtime "
                             f"({', '.join(EXPANSION)}; runtime/prompt/build.py EXPANSION)")
+        if host.video is not None:
+            from ..runtime.media.video import FRAMES, SAMPLING
+
+            v = host.video
+            for what, name, ops, where in (("video sampling", v.get("sampling", "smolvlm"), SAMPLING, "SAMPLING"),
+                                           ("video frames", v.get("frames", "square_tile"), FRAMES, "FRAMES")):
+                if name not in ops:
+                    raise self.fail(f"{what} {name!r} is not a host op of the runtime ({', '.join(ops)}; "
+                                    f"runtime/media/video.py {where})")
+            if v.get("frame_image") is not None and v["frame_image"].tiling not in TILING:
+                raise self.fail(f"the video's frame tiling {v['frame_image'].tiling!r} is not a host op of the runtime "
+                                f"({', '.join(TILING)}; runtime/media/image.py TILING)")
         if host.image.patch_size != cfg.vision.patch_size:
             raise self.fail(f"the host unfolds patches of {host.image.patch_size} pixels, the vision tower takes "
                             f"{cfg.vision.patch_size}")

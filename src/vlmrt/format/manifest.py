@@ -114,19 +114,31 @@ class ImageSpec:
 @dataclass
 class VideoSpec:
     """How a video becomes frames and prompt text (runtime/media/video.py), as the checkpoint's video processor does it
-    (SmolVLM2: SmolVLMVideoProcessor + SmolVLMProcessor). Absent from a bundle: --video is refused."""
+    (SmolVLM2: SmolVLMVideoProcessor + SmolVLMProcessor; Gemma 4: Gemma4VideoProcessor + Gemma4Processor). Absent from
+    a bundle: --video is refused. Named host ops, no family branch: `sampling` (video.SAMPLING) picks the frames,
+    `frames` (video.FRAMES) makes each one a tile, the pieces (intro, a frame line before each frame, separator,
+    outro) are its text, each frame's image text written by the prompt's expansion with `frame_params` over the
+    prompt's params and its rows on `frame_token_id` (None: the image token)."""
 
-    fps: float  # frames sampled per second of video ...
-    max_frames: int  # ... at most this many
-    skip_secs: float  # a clip long enough loses this much at each end before sampling
-    longest_edge: int  # a frame's longest edge is resized to this first ...
-    frame_size: int  # ... then the frame to frame_size × frame_size: one tile
-    resample: str  # Pillow filter name, as ImageSpec.resample
-    placeholder: str  # what the rendered template holds for one video ("<video>")
-    chat_template: str  # the template a conversation with a video is rendered with (the processor's own for videos)
-    intro: str  # "You are provided the following series of {frame_count} frames from a {video_duration} ..."
-    frame_line: str  # "\nFrame from {timestamp}:" before each frame's image text
-    outro: str  # after the last frame
+    fps: float  # frames sampled per second of video (0: a fixed count, "uniform") ...
+    max_frames: int  # ... at most this many ("uniform": the count)
+    placeholder: str  # what the rendered template holds for one video ("<video>", "<|video|>")
+    frame_line: str  # "\nFrame from {timestamp}:" before each frame's image text ("{timestamp} ": Gemma 4)
+    resample: str = "lanczos"  # Pillow filter name, as ImageSpec.resample ("square_tile")
+    skip_secs: float = 0.0  # a clip long enough loses this much at each end before sampling ("smolvlm")
+    longest_edge: int = 0  # a frame's longest edge is resized to this first ... ("square_tile")
+    frame_size: int = 0  # ... then the frame to frame_size × frame_size: one tile ("square_tile")
+    # the template a conversation with a video is rendered with (SmolVLM: the processor's own for videos); None: the
+    # bundle's chat template
+    chat_template: str | None = None
+    intro: str = ""  # "You are provided the following series of {frame_count} frames from a {video_duration} ..."
+    outro: str = ""  # after the last frame
+    separator: str = ""  # between one frame's image text and the next frame's line (Gemma 4: " ")
+    sampling: str = "smolvlm"  # video.SAMPLING: "smolvlm" (fps × duration, skip_secs) | "uniform" (transformers' default)
+    frames: str = "square_tile"  # video.FRAMES: "square_tile" (SmolVLM) | "image_tiling" (frame_image's tiling op)
+    frame_image: ImageSpec | None = None  # "image_tiling": the ImageSpec a frame is tiled with
+    frame_params: dict[str, Any] = field(default_factory=dict)  # a frame's expansion params over PromptSpec.params
+    frame_token_id: int | None = None  # the token of a frame's rows (Gemma 4's video token); None: the image token
 
 
 @dataclass

@@ -514,7 +514,13 @@ class VLM:
                 hits += 1
                 out.append(item.reused(label))
             else:
-                out.append(ImageChunk(key, (0, 0, 1), pixels=video_ops.frame_tile(im, spec, m.image)[None], label=label))
+                tiles = video_ops.frame_tiles(im, spec, m.image)
+                tokens = None
+                if tiles.patch_grids is not None:
+                    tokens = tile_inputs.tile_op(m.vision).tokens(tiles.patch_grids, len(tiles.pixels), m)
+                out.append(ImageChunk(key, tiles.grid, pixels=tiles.pixels, label=label, tile_tokens=tokens,
+                                      patch_grids=tiles.patch_grids))
+            out[-1].expansion_params, out[-1].token_id = spec.frame_params or None, spec.frame_token_id
         return video_ops.video_pieces(spec, clip, idx), out, clip, hits
 
     def _build(self, conv: Conversation, images: list[ImageChunk], videos: list = ()) -> Prompt:
@@ -538,9 +544,11 @@ class VLM:
         spec, ctx = self.manifest.prompt.video, self.manifest.kv.max_context
         for k in range(max(len(f) for _, f, _ in videos) - 1, 0, -1):
             alt = []
-            for _, _, clip in videos:
+            for _, got, clip in videos:
                 idx = video_ops.sample_indices(clip, spec, k)
-                frames = [ImageChunk(None, (0, 0, 1), label="frame") for _ in idx]
+                f = got[0]  # (a clip's frames are of one size: the same tokens each)
+                frames = [ImageChunk(None, f.grid, label="frame", tile_tokens=f.tile_tokens,
+                                     expansion_params=f.expansion_params, token_id=f.token_id) for _ in idx]
                 alt.append((video_ops.video_pieces(spec, clip, idx), frames, clip))
             if self._build(conv, images, alt).n_tokens < ctx:
                 return k

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import Family, HostSpec, Weights, processor_image
+from ...runtime.media.video import MAX_SOURCE_FRAMES  # ("every frame": do_sample_frames false)
 from ..decoder import UnsupportedCheckpoint
 from ..weights import Tensors
 from . import language, vision
@@ -70,7 +71,51 @@ def host_spec(ckpt, cfg: Gemma4Config, tok_json: dict) -> HostSpec:
         tokens[role] = names[tid]
     return HostSpec(image=image, prompt_expansion="wrapped_run", prompt_params=tokens,
                     image_placeholder=tokens["image_token"], image_token_id=cfg.image_token_id,
-                    tile_inputs="pooled_positions", tile_params={"pooling_kernel": kernel})
+                    tile_inputs="pooled_positions", tile_params={"pooling_kernel": kernel},
+                    video=video_spec(ckpt, cfg, names, image))
+
+
+# Gemma4Processor writes a video's frames with this token (processing_gemma4.py: "<|video|>", added to the tokenizer
+# when it lacks it), each as "MM:SS <boi><|video|>×n<eoi>", frames joined by a space
+VIDEO_TOKEN = "<|video|>"
+
+
+def video_spec(ckpt, cfg: Gemma4Config, names: dict[int, str], image) -> dict[str, Any] | None:
+    """Gemma4VideoProcessor's settings (Checkpoint.video_processor, as transformers reads them; its class defaults
+    for what they leave out: 32 frames, 70 soft tokens a frame, bicubic, x / 255) as the manifest's video spec:
+    transformers' default sampling ("uniform": num_frames, or fps), each frame tiled as an image at the video's
+    budget with torchvision's resize ("pooled_aspect_tensor", padded to the vision graph's budget), and
+    Gemma4Processor's frame text. None (the bundle refuses videos) where the tokenizer has no `<|video|>` at
+    config.json's video_token_id (transformers would add one the model has no row for)."""
+    if names.get(cfg.video_token_id) != VIDEO_TOKEN:
+        return None
+    vp = ckpt.video_processor() or {}
+    soft, kernel, patch = (int(vp.get("max_soft_tokens", 70)), int(vp.get("pooling_kernel_size", 3)),
+                           int(vp.get("patch_size", 16)))
+    if soft not in SOFT_TOKENS:
+        raise UnsupportedCheckpoint(f"the video processor's max_soft_tokens {soft} is not one of "
+                                    f"{', '.join(map(str, SOFT_TOKENS))}")
+    if kernel != cfg.kernel or patch != cfg.vision.patch_size:
+        raise UnsupportedCheckpoint(f"the video processor's pooling_kernel_size {kernel} / patch_size {patch} are "
+                                    f"not the vision tower's {cfg.kernel} / {cfg.vision.patch_size}")
+    if soft > cfg.max_soft_tokens:
+        raise UnsupportedCheckpoint(f"the video processor's max_soft_tokens {soft} is over the image processor's "
+                                    f"{cfg.max_soft_tokens} (the vision graph's budget)")
+    fps, frames = vp.get("fps"), vp.get("num_frames", 32)
+    if fps is not None and frames is not None:
+        raise UnsupportedCheckpoint("the video processor sets both fps and num_frames (transformers refuses both: "
+                                    "`num_frames` and `fps` are mutually exclusive)")
+    if not vp.get("do_sample_frames", True):
+        fps, frames = None, None  # every frame
+    normalize = vp.get("do_normalize", True)  # (Gemma4VideoProcessor's default, over mean 0 / std 1)
+    frame = processor_image(vp if normalize else {**vp, "image_mean": [0.0] * 3, "image_std": [1.0] * 3},
+                            tiling="pooled_aspect_tensor", tile_size=kernel * patch, patch_size=patch,
+                            params={"max_soft_tokens": soft, "pooling_kernel": kernel,
+                                    "graph_patches": cfg.patches_per_tile},
+                            resample=3, mean=[0.0] * 3, std=[1.0] * 3)
+    return {"fps": float(fps or 0), "max_frames": int(frames or MAX_SOURCE_FRAMES), "placeholder": VIDEO_TOKEN,
+            "frame_line": "{timestamp} ", "separator": " ", "sampling": "uniform", "frames": "image_tiling",
+            "frame_image": frame, "frame_params": {"image_token": VIDEO_TOKEN}, "frame_token_id": cfg.video_token_id}
 
 
 def _vocab(tok_json: dict) -> dict[str, int]:
@@ -80,9 +125,18 @@ def _vocab(tok_json: dict) -> dict[str, int]:
 
 
 def default_max_context(cfg: Gemma4Config, host: HostSpec) -> tuple[int, str]:
+    """2 images at the budget, or one video of the video processor's frames (32 where it samples by fps or takes
+    every frame) at its
+    budget with the markers and ~6 tokens of timestamp, whichever is more, + 1024 of text."""
     tokens = cfg.max_soft_tokens + 2
-    ctx = -(-(2 * tokens + 1024) // 256) * 256
-    return ctx, f"2 images × {tokens} tokens (max_soft_tokens and the markers) + 1024 for text"
+    media, why = 2 * tokens, f"2 images × {tokens} tokens (max_soft_tokens and the markers)"
+    if host.video is not None:
+        count = not host.video["fps"] and host.video["max_frames"] < MAX_SOURCE_FRAMES
+        frames = host.video["max_frames"] if count else 32
+        each = host.video["frame_image"].params["max_soft_tokens"] + 2 + 6
+        if frames * each > media:
+            media, why = frames * each, f"a video of {frames} frames × {each} tokens (soft tokens, markers, timestamp)"
+    return -(-(media + 1024) // 256) * 256, why + " + 1024 for text"
 
 
 FAMILY = Family(name="gemma4", model_types=MODEL_TYPES, config_from_hf=config_from_hf, load_weights=load_weights,

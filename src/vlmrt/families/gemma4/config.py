@@ -183,6 +183,7 @@ class Gemma4Config:
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int
+    video_token_id: int
     audio: bool  # the checkpoint has an audio tower (its weights are left out; audio input is refused)
     max_soft_tokens: int = 280  # Gemma4ImageProcessor's default, until host_spec reads the processor's
     tie_word_embeddings: bool = True
@@ -207,5 +208,6 @@ class Gemma4Config:
                    kernel=int(v.get("pooling_kernel_size", 3)),
                    image_token_id=int(config.get("image_token_id", 258_880)),
                    boi_token_id=int(config.get("boi_token_id", 255_999)),
-                   eoi_token_id=int(config.get("eoi_token_id", 258_882)), audio=bool(config.get("audio_config")),
+                   eoi_token_id=int(config.get("eoi_token_id", 258_882)),
+                   video_token_id=int(config.get("video_token_id", 258_884)), audio=bool(config.get("audio_config")),
                    tie_word_embeddings=text.tie_word_embeddings)

@@ -467,9 +467,18 @@ def pooled_aspect(im: Image.Image, spec: ImageSpec) -> Tiles:
     return Tiles(rows[None], int(grid[0]) // k, int(grid[1]) // k, grid[None])
 
 
+def pooled_aspect_tensor(im: Image.Image, spec: ImageSpec) -> Tiles:
+    """Gemma 4's video frames (Gemma4VideoProcessor): pooled_aspect's patches resized by torchvision's antialiased
+    uint8 resize, as the video processor resizes frame tensors."""
+    rows, grid = image_pooled.pooled_patches(im, spec, tensor_resize=True)
+    k = int(spec.params["pooling_kernel"])
+    return Tiles(rows[None], int(grid[0]) // k, int(grid[1]) // k, grid[None])
+
+
 # image.tiling -> (image, spec) -> Tiles
 TILING = {"longest_edge_grid": square_tiles(longest_edge_grid), "closest_aspect_grid": square_tiles(closest_aspect_grid),
-          "naflex_tiles": naflex_tiles, "smart_resize": smart_resize, "pooled_aspect": pooled_aspect}
+          "naflex_tiles": naflex_tiles, "smart_resize": smart_resize, "pooled_aspect": pooled_aspect,
+          "pooled_aspect_tensor": pooled_aspect_tensor}
 
 
 def with_max_tiles(spec: ImageSpec, max_tiles: int | None) -> ImageSpec:

@@ -10,6 +10,8 @@ patches gives (gh / k)·(gw / k) tokens, the first rows of the graph's output.
 
 The manifest selects it with `image.tiling` = "pooled_aspect" (params: max_soft_tokens, pooling_kernel) and
 `vision.tile_inputs` = "pooled_positions" (runtime/media/tile_inputs.py: the patch rows and the positions).
+Gemma 4's video frames (Gemma4VideoProcessor) are "pooled_aspect_tensor": the same patches at the video processor's
+budget (its max_soft_tokens), resized by torchvision's uint8 resize, padded to the graph's budget (graph_patches).
 """
 
 from __future__ import annotations
@@ -45,18 +47,29 @@ def pooled_size(height: int, width: int, patch: int, max_patches: int, kernel: i
     return h, w
 
 
-def pooled_patches(im: Image.Image, spec: ImageSpec) -> tuple[np.ndarray, np.ndarray]:
-    """One image -> (patch rows [budget, p·p·3] float32, zero rows after the real ones; its patch grid [gh, gw])."""
+def pooled_patches(im: Image.Image, spec: ImageSpec, tensor_resize: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """One image -> (patch rows [budget, p·p·3] float32, zero rows after the real ones; its patch grid [gh, gw]).
+    The size is the one of max_soft_tokens × kernel² patches; the rows are padded to params["graph_patches"] where
+    given (a video frame's budget below the vision graph's), else to that budget. tensor_resize: resized by
+    torchvision's antialiased uint8 resize (runtime/media/aa_resize.py, what Gemma4VideoProcessor resizes frames
+    with), else by Pillow (Gemma4ImageProcessorPil)."""
     p, patch = spec.params, spec.patch_size
     kernel, budget = int(p["pooling_kernel"]), int(p["max_soft_tokens"]) * int(p["pooling_kernel"]) ** 2
     width, height = im.size
     h, w = pooled_size(height, width, patch, budget, kernel)
     if (h, w) != (im.height, im.width):
-        im = im.resize((w, h), resample=resample_filter(spec.resample))
+        if tensor_resize:
+            from PIL import Image as PILImage
+
+            from . import aa_resize
+
+            im = PILImage.fromarray(aa_resize.resize(np.asarray(im.convert("RGB"), np.uint8), h, w, spec.resample))
+        else:
+            im = im.resize((w, h), resample=resample_filter(spec.resample))
     x = normalize([im], spec)[0].transpose(1, 2, 0)  # [h, w, 3]
     gh, gw = h // patch, w // patch
     rows = x.reshape(gh, patch, gw, patch, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, patch * patch * 3)
-    out = np.zeros((budget, patch * patch * 3), np.float32)
+    out = np.zeros((int(p.get("graph_patches", budget)), patch * patch * 3), np.float32)
     out[: len(rows)] = rows
     return out, np.array([gh, gw], np.int64)
 

@@ -1,10 +1,11 @@
-"""Video input as SmolVLM2 reads it: decode, sample frames, one tile per frame, and the frames' prompt text.
+"""Video input as the checkpoint's video processor reads it (SmolVLM2, Gemma 4): decode, sample frames, tile each
+frame, and the frames' prompt text, by the manifest's named ops (VideoSpec.sampling, .frames).
 
     clip = read_video("clip.gif")                      # or a folder of numbered frames (fps=...), an mp4 / webm (PyAV)
-    idx = sample_indices(clip, spec)                   # transformers' SmolVLMVideoProcessor.sample_frames
+    idx = sample_indices(clip, spec)                   # SmolVLMVideoProcessor.sample_frames, or transformers' default
     frames = clip.frames(idx)                          # PIL RGB images
-    tile = frame_tile(frames[0], spec, image_spec)     # [3, S, S]: resized as the video processor does
-    pieces = video_pieces(spec, clip, idx)             # the intro, a "Frame from MM:SS:" line per frame, None per frame
+    tiles = frame_tiles(frames[0], spec, image_spec)   # resized as the video processor does (one tile per frame)
+    pieces = video_pieces(spec, clip, idx)             # the intro, a timestamp line per frame, None per frame
 
 A clip is a sequence of frames at a constant rate (`fps`, `total_frames`, `duration`), as a video decoder reports it.
 An animated GIF / WebP shows each frame for its own duration: its rate is frames / total duration (FFmpeg's average
@@ -77,7 +78,7 @@ class Clip:
         return read_video, (None, None, self.data, self.label)
 
 
-def sample_indices(clip: Clip, spec: VideoSpec, max_frames: int | None = None) -> np.ndarray:
+def smolvlm_indices(clip: Clip, spec: VideoSpec, max_frames: int | None = None) -> np.ndarray:
     """transformers' SmolVLMVideoProcessor.sample_frames: round(fps × duration) frames, at most max_frames, uniformly
     between the first and last frame, or between skip_secs from each end when the clip is long enough."""
     num_frames = spec.max_frames if max_frames is None else max_frames
@@ -90,6 +91,28 @@ def sample_indices(clip: Clip, spec: VideoSpec, max_frames: int | None = None) -
     if start >= end:
         start, end = 0, total - 1
     return np.unique(np.linspace(start, end, desired, dtype=int))
+
+
+def uniform_indices(clip: Clip, spec: VideoSpec, max_frames: int | None = None) -> np.ndarray:
+    """transformers' default_sample_indices_fn (BaseVideoProcessor.sample_frames, Gemma4VideoProcessor's): n frames
+    at arange(n) × total // n, n the processor's num_frames (spec.max_frames), or max(1, int(total / rate × fps))
+    when it samples by fps (spec.fps); at most max_frames (--max-frames) and at most the clip's frames (transformers
+    refuses a count over them; vlmrt takes every frame: the processor's answer with num_frames = the frame count)."""
+    total = clip.total_frames
+    cap = spec.max_frames if max_frames is None else max_frames
+    n = min(max(1, int(total / clip.fps * spec.fps)) if spec.fps else cap, cap, total)
+    return np.arange(n, dtype=np.int64) * total // n
+
+
+# VideoSpec.sampling -> (clip, spec, max_frames) -> the sampled frames' indices, ascending
+SAMPLING = {"smolvlm": smolvlm_indices, "uniform": uniform_indices}
+
+
+def sample_indices(clip: Clip, spec: VideoSpec, max_frames: int | None = None) -> np.ndarray:
+    """The frames the bundle's video processor samples (its named op, VideoSpec.sampling)."""
+    if spec.sampling not in SAMPLING:
+        raise VideoError(f"this vlmrt has no video sampling op {spec.sampling!r}; upgrade vlmrt")
+    return SAMPLING[spec.sampling](clip, spec, max_frames)
 
 
 def timestamps(clip: Clip, indices: np.ndarray) -> list[float]:
@@ -118,12 +141,14 @@ def number_words(n: int) -> str:
 
 
 def video_pieces(spec: VideoSpec, clip: Clip, indices: np.ndarray) -> list:
-    """The video's prompt text as pieces (SmolVLMProcessor's): the intro with the frame count in words and the
-    duration as H:MM:SS, then per frame its "Frame from MM:SS:" line and None where the frame's image goes, then
-    the outro."""
+    """The video's prompt text as pieces (its processor's): the intro (SmolVLM: the frame count in words and the
+    duration as H:MM:SS), then per frame its line with the timestamp as MM:SS ("Frame from MM:SS:", Gemma 4's
+    "MM:SS ") and None where the frame's image text goes, the separator between frames, then the outro."""
     duration = timedelta(seconds=int(clip.duration))
     pieces: list = [spec.intro.format(frame_count=number_words(len(indices)), video_duration=str(duration))]
-    for t in timestamps(clip, indices):
+    for k, t in enumerate(timestamps(clip, indices)):
+        if k:
+            pieces.append(spec.separator)
         pieces += [spec.frame_line.format(timestamp=f"{int(t // 60):02d}:{int(t % 60):02d}"), None]
     return pieces + [spec.outro]
 
@@ -150,6 +175,29 @@ def frame_tile(im, spec: VideoSpec, image: ImageSpec) -> np.ndarray:
     h, w = frame_size(x.shape[0], x.shape[1], spec.longest_edge)
     x = aa_resize.resize(aa_resize.resize(x, h, w, spec.resample), spec.frame_size, spec.frame_size, spec.resample)
     return img_ops.normalize([x], image)[0]
+
+
+def square_tile(im, spec: VideoSpec, image: ImageSpec) -> img_ops.Tiles:
+    """SmolVLM2's frame: one square tile (frame_tile), written as a lone global tile."""
+    return img_ops.Tiles(frame_tile(im, spec, image)[None], 0, 0)
+
+
+def image_tiling(im, spec: VideoSpec, image: ImageSpec) -> img_ops.Tiles:
+    """A frame tiled by spec.frame_image's tiling op, as an image is (Gemma 4: pooled_aspect_tensor, the video
+    processor's budget and resize)."""
+    if spec.frame_image is None:
+        raise VideoError("the bundle's video spec names no frame_image for its image_tiling frames")
+    return img_ops.preprocess(im, spec.frame_image)
+
+
+# VideoSpec.frames -> (frame, spec, the bundle's ImageSpec) -> the frame's Tiles
+FRAMES = {"square_tile": square_tile, "image_tiling": image_tiling}
+
+
+def frame_tiles(im, spec: VideoSpec, image: ImageSpec) -> img_ops.Tiles:
+    if spec.frames not in FRAMES:
+        raise VideoError(f"this vlmrt has no video frame op {spec.frames!r}; upgrade vlmrt")
+    return FRAMES[spec.frames](im, spec, image)
 
 
 # --- sources -------------------------------------------------------------------------------------------------------
@@ -432,4 +480,5 @@ def frame_key(im, spec: VideoSpec) -> tuple:
 
     h = hashlib.sha256(f"{im.mode}{im.size}".encode())
     h.update(im.tobytes())
-    return ("frame", h.hexdigest(), spec.longest_edge, spec.frame_size, spec.resample)
+    how = spec.frame_image.params if spec.frame_image is not None else None
+    return ("frame", h.hexdigest(), spec.frames, spec.longest_edge, spec.frame_size, spec.resample, repr(how))

@@ -15,6 +15,7 @@ the whole text gave it are replaced by its tokens as plain text (special tokens 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -82,7 +83,8 @@ def build(pieces: list, media: list[ImageChunk], p: PromptSpec, tokenizer, image
         if x is None:
             m = next(it)
             a = len(text)
-            text += expand(m.grid[0], m.grid[1], m.tokens(p), p)
+            mp = p if m.expansion_params is None else dataclasses.replace(p, params={**p.params, **m.expansion_params})
+            text += expand(m.grid[0], m.grid[1], m.tokens(p), mp)
             spans.append((a, len(text), m))
         else:
             if isinstance(x, Literal) and x:
@@ -107,7 +109,7 @@ def build(pieces: list, media: list[ImageChunk], p: PromptSpec, tokenizer, image
         while last < n and in_text(last) and offsets[last][1] <= b:
             last += 1
         run = ids[first:last]
-        rows = np.flatnonzero(np.asarray(run, dtype=np.int64) == image_token_id)
+        rows = np.flatnonzero(np.asarray(run, dtype=np.int64) == (image_token_id if m.token_id is None else m.token_id))
         want = sum(m.tokens(p))
         if not run or offsets[first][0] != a or offsets[last - 1][1] != b or len(rows) != want:
             raise ValueError(f"{m.label}: its expansion does not tokenize into its own tokens with {want} image tokens "

@@ -14,8 +14,10 @@ An image has one record, its ImageChunk, from the moment it is read to the image
 embeddings the image cache kept), placed by prompt.build (its expansion's ids and rows written on it), given its
 embeddings by the vision graph, and kept as it is by the image cache (runtime/decode/prefix_cache.py ImageCache).
 
-A video is not a chunk type: runtime/media/video.py writes it as text chunks (the intro, a "Frame from MM:SS:" line per
-frame) and one image chunk per frame, so a repeated frame's embeddings come from the image cache like an image's.
+A video is not a chunk type: runtime/media/video.py writes it as text chunks (the intro, a timestamp line per frame)
+and one image chunk per frame (its expansion params and row token the video's, where its processor writes frames
+with their own token: Gemma 4's `<|video|>`), so a repeated frame's embeddings come from the image cache like an
+image's, and a frame is a span of its own where the decoder takes spans (Gemma 4's bidirectional vision attention).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class ImageChunk:
     tile_tokens: list[int] | None = None
     patch_grids: np.ndarray | None = None  # NaFlex tiles' patch grids [tiles, 2] (the vision tile-inputs op reads)
     resized_to_fit: bool = False  # image.Tiles.resized_to_fit: shrunk to fit the vision graph's patch budget
+    # a video frame's expansion params over PromptSpec.params and the token of its rows (VideoSpec.frame_params,
+    # .frame_token_id: Gemma 4's video token); None: an image's
+    expansion_params: dict | None = None
+    token_id: int | None = None
     ids: list[int] = field(default_factory=list)  # the expansion's token ids, markers included (written by build)
     # [len(embeds)] int64 offsets in ids of the image-token slots, in order (written by build)
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -73,7 +79,8 @@ class ImageChunk:
     def reused(self, label: str) -> "ImageChunk":
         """This image's record for another prompt from its embeddings (an image cache hit): its tiling, rows and
         label there, not yet placed."""
-        return ImageChunk(self.key, self.grid, embeds=self.embeds, label=label, tile_tokens=self.tile_tokens)
+        return ImageChunk(self.key, self.grid, embeds=self.embeds, label=label, tile_tokens=self.tile_tokens,
+                          expansion_params=self.expansion_params, token_id=self.token_id)
 
 
 Chunk = Union[TextChunk, ImageChunk]

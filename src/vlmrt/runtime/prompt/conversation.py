@@ -68,7 +68,7 @@ def video_refusal(p: PromptSpec) -> str | None:
     """Why a bundle of this prompt spec takes no videos (None: it takes them), said before a video is read."""
     if p.video is None:
         return ("this bundle takes no videos: its checkpoint's processor reads none, or it was exported by an older "
-                "vlmrt (re-export a SmolVLM2 checkpoint)")
+                "vlmrt (re-export a SmolVLM2 or Gemma 4 checkpoint)")
     if p.content_format != "parts":
         return "this bundle's chat template takes no videos"
     return None
@@ -252,7 +252,8 @@ class ChatTemplate:
         self._template = self._compile(p.chat_template)
         self.tool_format = tool_format(p.chat_template)  # runtime/prompt/tool_calls.py; None: tools it cannot take
         self._renders_calls = "tool_calls" in p.chat_template  # else an assistant's calls are written as its text
-        self._video_template = self._compile(p.video.chat_template) if p.video else None
+        self._video_template = self._compile(p.video.chat_template) if p.video and p.video.chat_template else \
+            self._template
         # longest first: the alternation then matches as the tokenizer's added vocabulary does (leftmost-longest)
         lit = sorted(set(literal), key=lambda t: (-len(t), t))
         self._literal = re.compile("|".join(re.escape(t) for t in lit)) if lit else None
@@ -347,7 +348,8 @@ class ChatTemplate:
     def render(self, conv: Conversation) -> list:
         """The rendered conversation as pieces: text, and ("image", i) / ("video", j) where each image's / video's
         prompt text goes, in order. A conversation with a video is rendered with the template the checkpoint's
-        processor renders videos with (PromptSpec.video.chat_template), as transformers does."""
+        processor renders videos with (PromptSpec.video.chat_template; None: the bundle's own), as transformers
+        does."""
         p = self.p
         template = self._template
         if conv.videos:
