@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
-from vlmrt.export import cache_kinds, graphs
+from vlmrt.export import cache_kinds, fuse, graphs
 from vlmrt.families.gemma4 import language
 from vlmrt.families.gemma4.config import Gemma4TextConfig
 from vlmrt.format.manifest import DecoderSpec, GqaInPlaceKind, KVSpec, PositionsSpec, RowsDynamicKind
@@ -274,3 +275,29 @@ def test_static_graphs_answer_as_generate(tmp_path):
                               pad_token_id=0)[0, len(PROMPTS[1]):].tolist()
     for mode in ("kv", "hybrid"):
         assert list(sched.generate(sched.embed(PROMPTS[1]), mode=mode, max_new_tokens=N, ignore_eos=True)) == want
+    # the HTP target fuses every one of its RMSNorms (Gemma's (mean + eps)^-0.5 form, the weightless v_norm too) into
+    # the op the HTP computes whole (export/fuse.py; none fused before: each edge then had its own 16-bit range)
+    graph, fused = fuse.prepare_for_qdq(onnx.load(str(tmp_path / f"static{AR}.onnx")))
+    assert fused == 46 and not [n for n in graph.graph.node if n.op_type == "ReduceMean"]  # (8 a layer, 6 a shared one, 2)
+    assert fuse.fuse_rms_norm(onnx.load(str(tmp_path / f"static{AR}.onnx"))) == 0  # (the CPU graphs' chains only)
+
+
+@pytest.mark.parametrize("neg", [None, -100.0])
+def test_window_keeps_the_masks_hidden_value(neg):
+    """The rows kinds' sliding mask hides a key out of the window with the mask's own hidden value (float32's lowest
+    on the CPU, the HTP's -100): its 16-bit range in a QDQ graph stays the mask's (the lowest float there made the
+    tensor's scale ~5e33, every hidden slot read back as 0: the sliding layers saw every slot)."""
+    from vlmrt.runtime.decode.kv_cache import attention_mask
+
+    text = Gemma4TextConfig.from_hf(dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, **CONFIGS["plain"]))
+    decoder = language.Gemma4Decoder(text)
+    low = np.finfo(np.float32).min if neg is None else neg
+    for pos, ar in ((0, 4), (6, 4), (9, 1), (CTX, 1)):
+        mask = attention_mask(pos, ar, CTX, neg=neg)
+        got = decoder._windowed(torch.from_numpy(mask)).numpy()
+        q = pos + np.arange(ar)[:, None]
+        k = np.concatenate([np.arange(CTX), pos + np.arange(ar)])[None, :]
+        seen = (mask == 0) & (k > q - text.window)
+        assert set(np.unique(got)) <= {0.0, low if pos < CTX else -100.0}
+        assert np.array_equal(got == 0, seen)

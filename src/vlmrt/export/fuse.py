@@ -4,6 +4,10 @@ The exporter writes RMSNorm (layers.RMSNorm, mirroring transformers' LlamaRMSNor
 
     x -> Pow(2) -> ReduceMean(-1, keepdims) -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x, .) -> Mul(weight, .)
 
+and Gemma 4's (families/gemma4/language.py, transformers' Gemma4RMSNorm) with Pow(-0.5) for Sqrt -> Reciprocal. The
+CHAINS a caller names are fused: the HTP target both, the CPU graphs the first only (Gemma 4's CPU graphs keep their
+primitive ops, as their ids are tested against transformers).
+
 :func:`fuse_rms_norm` replaces each chain with one ``SimplifiedLayerNormalization`` (domain "", ORT's
 fused RMSNorm kernel, which the QNN EP maps to the HTP's RmsNorm). Why, per target:
 
@@ -47,9 +51,12 @@ def _scalar(inits, name, producers) -> float | None:
     return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
 
 
-def fuse_rms_norm(model: onnx.ModelProto) -> int:
-    """Replace every RMSNorm chain (see module doc) in ``model`` by one SimplifiedLayerNormalization;
-    returns how many. Chains whose intermediates are used elsewhere are left alone."""
+CHAINS = {"sqrt_reciprocal": ("Sqrt", "Reciprocal"), "pow": ("Pow",)}  # mean + eps -> its reciprocal square root
+
+
+def fuse_rms_norm(model: onnx.ModelProto, chains: tuple[str, ...] = ("sqrt_reciprocal",)) -> int:
+    """Replace every RMSNorm chain (see module doc) of the CHAINS named in ``model`` by one
+    SimplifiedLayerNormalization; returns how many. Chains whose intermediates are used elsewhere are left alone."""
     g = model.graph
     producers = {o: n for n in g.node for o in n.output}
     inits = {i.name: i for i in g.initializer}
@@ -63,7 +70,7 @@ def fuse_rms_norm(model: onnx.ModelProto) -> int:
         c = consumers.get(t, [])
         return c[0] if len(c) == 1 and c[0].op_type == op and t not in graph_outputs else None
 
-    drop, new = [], {}  # new: id(first node to replace) -> fused node
+    drop, new = [], {}  # new: id(first node to replace) -> its fused nodes
     for pow_ in g.node:
         if pow_.op_type != "Pow" or _scalar(inits, pow_.input[1], producers) != 2.0:
             continue
@@ -81,37 +88,49 @@ def fuse_rms_norm(model: onnx.ModelProto) -> int:
         if add is None:
             continue
         eps = _scalar(inits, add.input[1] if add.input[0] == mean.output[0] else add.input[0], producers)
-        sqrt = only(add.output[0], "Sqrt")
-        recip = only(sqrt.output[0], "Reciprocal") if sqrt is not None else None
-        norm = only(recip.output[0], "Mul") if recip is not None else None
+        steps = _rsqrt_steps(add.output[0], chains, only, inits, producers)
+        norm = only(steps[-1].output[0], "Mul") if steps else None
         if eps is None or norm is None or x not in norm.input:
             continue
-        scale = only(norm.output[0], "Mul")
-        w_name = None
-        if scale is not None:
+        scales = consumers.get(norm.output[0], [])  # one weight, or several (Gemma 4's k_eq_v: k_norm and v_norm
+        weights = []  # of the same rows share the normalized product in the exported graph)
+        for scale in scales:
             other = scale.input[0] if scale.input[1] == norm.output[0] else scale.input[1]
-            w = _const(inits, other, producers)
-            if w is not None and w.ndim == 1:
-                w_name = other
-        chain = [pow_, mean, add, sqrt, recip, norm]
-        if w_name is None:  # no weight: a ones vector of the last dimension is not known here statically
-            continue
-        chain.append(scale)
-        fused = helper.make_node("SimplifiedLayerNormalization", [x, w_name], [scale.output[0]],
-                                 name=f"{norm.name or norm.output[0]}_rmsnorm", axis=-1, epsilon=eps, stash_type=1)
-        drop += chain
-        new[id(pow_)] = fused
+            w = _const(inits, other, producers) if scale.op_type == "Mul" else None
+            weights.append(other if w is not None and w.ndim == 1 else None)
+        if not scales or None in weights or norm.output[0] in graph_outputs:
+            continue  # (no weight: a ones vector of the last dimension is not known here statically)
+        drop += [pow_, mean, add, *steps, norm, *scales]
+        new[id(pow_)] = [helper.make_node("SimplifiedLayerNormalization", [x, w_name], [scale.output[0]],
+                                          name=f"{norm.name or norm.output[0]}_rmsnorm{'_' + str(k) if k else ''}",
+                                          axis=-1, epsilon=eps, stash_type=1)
+                         for k, (scale, w_name) in enumerate(zip(scales, weights))]
     if not new:
         return 0
     gone = {id(n) for n in drop}
     nodes = []
     for n in g.node:
         if id(n) in new:
-            nodes.append(new[id(n)])
+            nodes += new[id(n)]
         elif id(n) not in gone:
             nodes.append(n)
     set_nodes(g, nodes)  # also drops the chains' 2.0 / eps constants
-    return len(new)
+    return sum(len(fused) for fused in new.values())
+
+
+def _rsqrt_steps(t: str, chains, only, inits, producers) -> list | None:
+    """The nodes that take t (mean + eps) to its reciprocal square root, in one of the named CHAINS; None if none."""
+    for name in chains:
+        steps, at = [], t
+        for op in CHAINS[name]:
+            node = only(at, op)
+            if node is None or (op == "Pow" and _scalar(inits, node.input[1], producers) != -0.5):
+                break
+            steps.append(node)
+            at = node.output[0]
+        else:
+            return steps
+    return None
 
 
 def prepare_for_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -124,4 +143,4 @@ def prepare_for_qdq(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         if main.version != 20 or any(n.op_type == "GroupNormalization" for n in model.graph.node):
             raise ValueError(f"HTP quantization expects an opset-20 graph without GroupNormalization (got opset {main.version})")
         main.version = QDQ_OPSET
-    return model, fuse_rms_norm(model)
+    return model, fuse_rms_norm(model, tuple(CHAINS))

@@ -42,16 +42,20 @@ ATTENTION = "gqa_in_place"  # the CPU's kind (sliding windows: the op's local_wi
 
 
 class Gemma4RMSNorm(nn.Module):
-    """transformers' Gemma4RMSNorm: x · (mean(x²) + eps)^-0.5, times w (not 1 + w); with_scale False: no weight."""
+    """transformers' Gemma4RMSNorm: x · (mean(x²) + eps)^-0.5, times w (not 1 + w); with_scale False: no weight,
+    written as a product with ones (exact) so that the HTP target fuses it as it fuses the others (fuse.py: a padded
+    row's (0 + eps)^-0.5 = 1e3 would otherwise set that tensor's 16-bit range)."""
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+        if not with_scale:
+            self.register_buffer("ones", torch.ones(dim), persistent=False)
 
     def forward(self, x):
         y = x.float() * torch.pow(x.float().pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        return (y if self.weight is None else y * self.weight.float()).to(x.dtype)
+        return (y * (self.ones if self.weight is None else self.weight.float())).to(x.dtype)
 
 
 def _act(name: str):
@@ -268,8 +272,10 @@ class Gemma4Decoder(nn.Module, DecoderModule):
         """The rows kinds' mask [ar, ctx + ar] with the sliding window too: the step's first slot is the count of
         cache slots row 0 sees (the mask is built from slots: 0 for slots before the step's), query i is at that +
         i, a cache column j at slot j, a new column at the step's slot + its row; a key at slot k <= q - window is
-        masked (the lowest of the dtype: combined by min, not added). spans [ar]: a row of a span also sees the
-        span's later rows of the step (bidirectional vision attention)."""
+        masked with the mask's own hidden value (its lowest entry: the dtype's lowest on the CPU, the HTP bundle's
+        moderate mask_value, which a 16-bit range must hold; -100 where the mask hides nothing; combined by min, not
+        added). spans [ar]: a row of a span also sees the span's later rows of the step (bidirectional vision
+        attention)."""
         ar = mask.shape[0]
         ctx = mask.shape[1] - ar
         if spans is not None:
@@ -280,7 +286,8 @@ class Gemma4Decoder(nn.Module, DecoderModule):
         q = first + torch.arange(ar)
         k = torch.cat([torch.arange(ctx), q])
         out = k[None, :] <= q[:, None] - self.window
-        return torch.minimum(mask, torch.where(out, torch.finfo(mask.dtype).min, 0.0).to(mask.dtype))
+        hidden = torch.clamp(mask.min(), max=-100.0)
+        return torch.minimum(mask, torch.where(out, hidden, torch.zeros((), dtype=mask.dtype)))
 
 
 def load(t: Gemma4TextConfig, take, prefix: str) -> tuple[Gemma4Decoder, torch.Tensor]:
