@@ -27,10 +27,11 @@ HERE = Path(__file__).parent
 # what the browser runtime implements (static/decoder.js decoderPlan: its own code per kind): the decoder kinds
 # (manifest.DECODER_KINDS) and the cache layer kinds (manifest.CACHE_LAYER_KINDS) it runs
 BROWSER_DECODER_KINDS = ("gqa_in_place", "rows_dynamic", "rows_static")
-BROWSER_CACHE_KINDS = ("attention",)
+BROWSER_CACHE_KINDS = ("attention", "recurrent")
+BROWSER_POSITION_OPS = ("slots", "mrope")  # static/positions.js POSITION_OPS
 STATIC = HERE / "static"
 RUNTIME_FILES = ("vlmrt.js", "app.js", "decoder.js", "files.js", "image.js", "resample.js", "npy.js", "prompt.js",
-                 "sampler.js", "stop_strings.js", "logprobs.js")
+                 "sampler.js", "stop_strings.js", "logprobs.js", "positions.js", "recurrent.js", "image_native.js")
 # (package, file in the package, name under vendor/): the WASM-only build of onnxruntime-web ("onnxruntime-web/wasm":
 # the default JSEP build refuses 8-bit MatMulNBits and returns GroupQueryAttention caches of another length)
 VENDOR = (
@@ -89,10 +90,8 @@ def browser_problem(m: Manifest) -> str | None:
         return f"this vlmrt has no decoder kind {kind.name!r}; upgrade vlmrt"
     if kind.parts().hidden_output:
         return f"this bundle's lm head is its own graph (an NPU export); {BROWSER_EXPORT}"
-    pos = m.decoder.positions
-    if pos.op != "slots" or pos.rows != 1:
-        return (f"this bundle's rope positions ({pos.op}, {pos.rows} rows) are not computed by the browser runtime "
-                f"yet; use vlmrt run")
+    if m.decoder.positions.op not in BROWSER_POSITION_OPS:
+        return f"this vlmrt has no positions op {m.decoder.positions.op!r}; upgrade vlmrt"
     if m.decoder.span_input:
         return ("this bundle's decoder takes image spans (decoder.span_input: each image's tokens attend to the whole "
                 "image), which the browser runtime does not feed yet; use vlmrt run")

@@ -17,9 +17,10 @@ function gridMarkers(rows, cols, tiles, p) {
   return text + `\n${fake}${glob}${run}${fake}`;
 }
 
-// InternVL: `<img>` + `<IMG_CONTEXT>` × (tokens per tile × tiles) + `</img>`
-function wrappedRun(rows, cols, tiles, p) {
-  return p.params.start_token + p.params.image_token.repeat(p.tokens_per_tile * tiles) + p.params.end_token;
+// InternVL: `<img>` + `<IMG_CONTEXT>` × (tokens per tile × tiles) + `</img>`; Qwen-VL / Qwen3.5:
+// `<|vision_start|>` + `<|image_pad|>` × the image's tokens (grid[3]: one per merge block) + `<|vision_end|>`
+function wrappedRun(rows, cols, tiles, p, tokens) {
+  return p.params.start_token + p.params.image_token.repeat(tokens ?? p.tokens_per_tile * tiles) + p.params.end_token;
 }
 
 export const EXPANSION = { grid_markers: gridMarkers, wrapped_run: wrappedRun };
@@ -76,7 +77,7 @@ export class ChatTemplate {
     return msgs;
   }
 
-  // the prompt text; grids: [rows, cols, tiles] per image, in order
+  // the prompt text; grids: [rows, cols, tiles(, tokens: where tiles differ from tokens_per_tile)] per image, in order
   render(conv, grids) {
     const p = this.p, expand = EXPANSION[p.expansion];
     if (!expand) throw new Error(`this vlmrt has no prompt expansion op '${p.expansion}'; upgrade vlmrt`);
@@ -88,7 +89,7 @@ export class ChatTemplate {
       throw new ConversationError(`the rendered conversation has ${pieces.length - 1} image tokens (${p.image_placeholder}) for ${grids.length} images: message text must not contain '${p.image_placeholder}'`);
     }
     let out = pieces[0];
-    grids.forEach((g, i) => { out += expand(g[0], g[1], g[2], p) + pieces[i + 1]; });
+    grids.forEach((g, i) => { out += expand(g[0], g[1], g[2], p, g[3]) + pieces[i + 1]; });
     return out;
   }
 }

@@ -11,6 +11,8 @@ import { Tokenizer } from "./vendor/tokenizers.min.mjs";
 import { Decoder, browserProblem } from "./decoder.js";
 import { BundleFiles } from "./files.js";
 import { decodeImage, preprocess, unfoldPatches } from "./image.js";
+import { encodeNative } from "./image_native.js";
+import { promptPositions } from "./positions.js";
 import { readNpy } from "./npy.js";
 import { ChatTemplate, parseMessages } from "./prompt.js";
 import { checkLogprobs, tokenLogprob } from "./logprobs.js";
@@ -156,7 +158,7 @@ export class VLM {
     const t0 = performance.now();
     const images = [];
     for (const src of conv.images) images.push(preprocess(await decodeImage(src), m.image));
-    const grids = images.map((x) => x.grid);
+    const grids = images.map((x) => (x.patchGrid ? [...x.grid, x.grid[0] * x.grid[1]] : x.grid));  // (native: tokens)
     const text = this.template.render(conv, grids);
     const ids = this.tokenizer.encode(text, { add_special_tokens: m.prompt.add_special_tokens }).ids;
     st.promptTokens = ids.length;
@@ -168,15 +170,19 @@ export class VLM {
     st.preprocessMs = t1 - t0;
     // splice: the image-token rows, in order, are the vision graph's
     const h = m.decoder.hidden_size, embeds = this.embed(ids);
-    const slots = [];
+    const width = m.decoder.row_input?.width ?? 0, rowInput = width ? new Float32Array(ids.length * width) : null;
+    const slots = [], placed = [];  // placed: each image's slots and token grid (the positions op's)
     ids.forEach((id, i) => { if (id === m.special_tokens.image_token_id) slots.push(i); });
     let at = 0;
     for (const im of images) {
-      const rows = await this.encodeImage(im.pixels, im.grid[2]);
-      const count = rows.length / h;
+      const enc = im.patchGrid ? await encodeNative(ort, this.sessions.vision, m, im) : { embeds: await this.encodeImage(im.pixels, im.grid[2]), rows: null };
+      const rows = enc.embeds, count = rows.length / h;
+      placed.push({ slots: slots.slice(at, at + count), rows: im.grid[0], cols: im.grid[1] });
       for (let r = 0; r < count; r++) {
         if (at >= slots.length) throw new Error("the image gives more embeddings than the prompt has image tokens");
-        embeds.set(rows.subarray(r * h, (r + 1) * h), slots[at++] * h);
+        embeds.set(rows.subarray(r * h, (r + 1) * h), slots[at] * h);
+        if (enc.rows) rowInput.set(enc.rows.subarray(r * width, (r + 1) * width), slots[at] * width);
+        at++;
       }
     }
     if (at !== slots.length) throw new Error(`prompt has ${slots.length} image tokens but the images give ${at} embeddings`);
@@ -185,12 +191,15 @@ export class VLM {
 
     // prefill (Engine.prefill): blocks of prefill_ar tokens (hybrid) or one token at a time (kv)
     const dec = this.decoder, ar = dec.blocks(mode), n = ids.length;
+    const R = m.decoder.positions.rows, positions = promptPositions(m.decoder.positions.op, R, n, placed);
     dec.reset();
     dec.runMs = 0;
     let out;
     for (let b = 0; b < n; b += ar) {
-      const k = Math.min(ar, n - b);
-      out = await dec.step(ar > 1 ? "prefill" : "decode", embeds.subarray(b * h, (b + k) * h), k);
+      const k = Math.min(ar, n - b), pos = new BigInt64Array(R * k);
+      for (let r = 0; r < R; r++) pos.set(positions.subarray(r * n + b, r * n + b + k), r * k);
+      out = await dec.step(ar > 1 ? "prefill" : "decode", embeds.subarray(b * h, (b + k) * h), k, pos,
+        rowInput && rowInput.subarray(b * width, (b + k) * width));
     }
     let row;  // the logits row the token was picked from (for its logprobs)
     const pick = (o) => { row = o.logits; return sampler.greedy && o.argmax !== null ? o.argmax : sampler.pick(o.logits); };
