@@ -80,12 +80,14 @@ function patchify(im, spec, h, w) {
   return out;
 }
 
-// image.smart_resize: {pixels [patches * row], grid [rows, cols, 1] in tokens (merge blocks), patchGrid [h, w]}
+// image.smart_resize: {pixels [patches * row], grid [rows, cols, 1] in tokens (merge blocks), patchGrid [h, w],
+// tileTokens [rows * cols] (the prompt expansion's count: one token per merge block)}
 export function smartResizeImage(im, spec) {
   const q = spec.params, p = spec.patch_size;
   const [h, w] = budgetSize(im.height, im.width, p, q.merge, q.min_pixels, q.max_pixels, q.max_patches);
   if (h !== im.height || w !== im.width) im = resize(im, w, h, spec.resample);
-  return { pixels: patchify(im, spec, h, w), grid: [h / p / q.merge, w / p / q.merge, 1], patchGrid: [h / p, w / p] };
+  const rows = h / p / q.merge, cols = w / p / q.merge;
+  return { pixels: patchify(im, spec, h, w), grid: [rows, cols, 1], patchGrid: [h / p, w / p], tileTokens: [rows * cols] };
 }
 
 export const NATIVE_TILING = { smart_resize: smartResizeImage };

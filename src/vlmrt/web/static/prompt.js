@@ -17,10 +17,11 @@ function gridMarkers(rows, cols, tiles, p) {
   return text + `\n${fake}${glob}${run}${fake}`;
 }
 
-// InternVL: `<img>` + `<IMG_CONTEXT>` × (tokens per tile × tiles) + `</img>`; Qwen-VL / Qwen3.5:
-// `<|vision_start|>` + `<|image_pad|>` × the image's tokens (grid[3]: one per merge block) + `<|vision_end|>`
-function wrappedRun(rows, cols, tiles, p, tokens) {
-  return p.params.start_token + p.params.image_token.repeat(tokens ?? p.tokens_per_tile * tiles) + p.params.end_token;
+// InternVL: `<img>` + `<IMG_CONTEXT>` × (tokens per tile × tiles) + `</img>`; Gemma 4: `<boi>` + the image token ×
+// the image's tokens (tileTokens: each tile's, from the tiling) + `<eoi>`
+function wrappedRun(rows, cols, tiles, p, tileTokens = null) {
+  const n = tileTokens ? tileTokens.reduce((a, b) => a + b, 0) : p.tokens_per_tile * tiles;
+  return p.params.start_token + p.params.image_token.repeat(n) + p.params.end_token;
 }
 
 export const EXPANSION = { grid_markers: gridMarkers, wrapped_run: wrappedRun };
@@ -77,7 +78,7 @@ export class ChatTemplate {
     return msgs;
   }
 
-  // the prompt text; grids: [rows, cols, tiles(, tokens: where tiles differ from tokens_per_tile)] per image, in order
+  // the prompt text; grids: [rows, cols, tiles(, tile tokens)] per image, in order
   render(conv, grids) {
     const p = this.p, expand = EXPANSION[p.expansion];
     if (!expand) throw new Error(`this vlmrt has no prompt expansion op '${p.expansion}'; upgrade vlmrt`);

@@ -158,7 +158,7 @@ export class VLM {
     const t0 = performance.now();
     const images = [];
     for (const src of conv.images) images.push(preprocess(await decodeImage(src), m.image));
-    const grids = images.map((x) => (x.patchGrid ? [...x.grid, x.grid[0] * x.grid[1]] : x.grid));  // (native: tokens)
+    const grids = images.map((x) => (x.tileTokens ? [...x.grid, x.tileTokens] : x.grid));
     const text = this.template.render(conv, grids);
     const ids = this.tokenizer.encode(text, { add_special_tokens: m.prompt.add_special_tokens }).ids;
     st.promptTokens = ids.length;
