@@ -232,3 +232,6 @@ export async function encodeNative(ort, session, m, im) {
   }
   return { embeds, rows };
 }
+
+// vision.tile_inputs -> (ort, vision session, manifest, preprocessed image) -> {embeds, rows}
+export const NATIVE_TILE_INPUTS = { native_grid: encodeNative };

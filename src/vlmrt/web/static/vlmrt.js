@@ -11,7 +11,7 @@ import { Tokenizer } from "./vendor/tokenizers.min.mjs";
 import { Decoder, browserProblem } from "./decoder.js";
 import { BundleFiles } from "./files.js";
 import { decodeImage, preprocess, unfoldPatches } from "./image.js";
-import { encodeNative } from "./image_native.js";
+import { NATIVE_TILE_INPUTS } from "./image_native.js";
 import { promptPositions } from "./positions.js";
 import { readNpy } from "./npy.js";
 import { ChatTemplate, parseMessages } from "./prompt.js";
@@ -174,8 +174,9 @@ export class VLM {
     const slots = [], placed = [];  // placed: each image's slots and token grid (the positions op's)
     ids.forEach((id, i) => { if (id === m.special_tokens.image_token_id) slots.push(i); });
     let at = 0;
+    const native = NATIVE_TILE_INPUTS[m.vision.tile_inputs];  // (image_native.js; else the tiles, encodeImage)
     for (const im of images) {
-      const enc = im.patchGrid ? await encodeNative(ort, this.sessions.vision, m, im) : { embeds: await this.encodeImage(im.pixels, im.grid[2]), rows: null };
+      const enc = native ? await native(ort, this.sessions.vision, m, im) : { embeds: await this.encodeImage(im.pixels, im.grid[2]), rows: null };
       const rows = enc.embeds, count = rows.length / h;
       placed.push({ slots: slots.slice(at, at + count), rows: im.grid[0], cols: im.grid[1] });
       for (let r = 0; r < count; r++) {
