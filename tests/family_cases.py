@@ -152,6 +152,31 @@ def gemma4_exported(case: Gemma4Case, tmp_path_factory, nested: dict | None = No
                        max_seq_len=256)
 
 
+_BIDIRECTIONAL: dict = {}
+
+
+def gemma4_bidirectional_exported(tmp_path_factory) -> tuple:
+    """(checkpoint, bundle): the Gemma 4 checkpoint with use_bidirectional_attention "vision" (the same weights),
+    exported with prefill blocks of 32 (a span input: decoder.span_input), once per test session (test_gemma4_vlm.py,
+    test_web_gemma4.py)."""
+    if not _BIDIRECTIONAL:
+        import json
+        import shutil
+
+        from vlmrt.export.pipeline import export
+
+        base = gemma4_exported(GEMMA4_CASES[0], tmp_path_factory)
+        tmp = tmp_path_factory.mktemp("gemma4_bidir")
+        ckpt = tmp / "ckpt"
+        shutil.copytree(base.ckpt, ckpt)
+        config = json.loads((ckpt / "config.json").read_text())
+        config["text_config"]["use_bidirectional_attention"] = "vision"
+        (ckpt / "config.json").write_text(json.dumps(config))
+        _BIDIRECTIONAL["export"] = ckpt, export(str(ckpt), tmp / "bundle", prefill_ar=32, max_seq_len=256,
+                                                progress=False)
+    return _BIDIRECTIONAL["export"]
+
+
 @dataclass(frozen=True)
 class PathsCase:
     """The case of a family that test_family_paths.py runs the user commands on (its index in FamilyCases.cases), and

@@ -9,7 +9,6 @@ too, and a follow-up turn reuses the first turn's rows."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -79,18 +78,12 @@ def test_hub_config_form_gives_the_same_family_config(bundle):
 
 
 @pytest.fixture(scope="module")
-def bidirectional(bundle, tmp_path_factory):
+def bidirectional(tmp_path_factory):
     """The test checkpoint with use_bidirectional_attention "vision" (the same weights), exported with prefill
-    blocks of 32: (checkpoint, bundle)."""
-    from vlmrt.export.pipeline import export
+    blocks of 32: (checkpoint, bundle), once per session (family_cases; test_web_gemma4.py takes it too)."""
+    from family_cases import gemma4_bidirectional_exported
 
-    tmp = tmp_path_factory.mktemp("gemma4_bidir")
-    ckpt = tmp / "ckpt"
-    shutil.copytree(bundle.ckpt, ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["text_config"]["use_bidirectional_attention"] = "vision"
-    (ckpt / "config.json").write_text(json.dumps(config))
-    return ckpt, export(str(ckpt), tmp / "bundle", prefill_ar=32, max_seq_len=256, progress=False)
+    return gemma4_bidirectional_exported(tmp_path_factory)
 
 
 def _hf_chat(ckpt, images, messages, n):

@@ -114,9 +114,10 @@ def test_demo_answers_are_vlmrt_runs(demo_site, tmp_path):
 LOGPROB_GAP = 5e-5
 
 # registered families whose bundles the browser runtime refuses, and why (web/site.py browser_problem)
-BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "gemma4": "sliding_attention cache layers"}
-# families whose tiling keeps an image whole (one tile at its own aspect ratio: Qwen-VL's smart_resize)
-ONE_TILE = {"qwen_vl"}
+BROWSER_REFUSES = {"lfm2_vl": "conv cache layers"}
+# families whose tiling keeps an image whole (one tile at its own aspect ratio: Gemma 4's pooled_aspect, Qwen-VL's
+# smart_resize)
+ONE_TILE = {"gemma4", "qwen_vl"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -1,6 +1,7 @@
 """The browser runtime's image preprocessing is the Python runtime's to the bit: static/resample.js against Pillow's
 Image.resize for every filter, and static/image.js's tiling + normalize against runtime/media/image.py preprocess on a
-SmolVLM-shaped and an InternVL-shaped bundle's image spec (and the real models' sizes), in headless Chromium."""
+SmolVLM-shaped, an InternVL-shaped and a Gemma 4-shaped bundle's image spec (and the real models' sizes), in headless
+Chromium."""
 
 from __future__ import annotations
 
@@ -100,6 +101,13 @@ SPECS = {
                                **INTERNVL),
     "internvl3-1b": ImageSpec(tile_size=448, patch_size=14, params={"min_tiles": 1, "max_tiles": 12, "thumbnail": True},
                               **INTERNVL),
+    # Gemma 4's pooled_aspect (static/image_pooled.js): the tiny test bundle's (tests/fixtures_gemma4.py) and E2B's
+    "gemma4-tiny": ImageSpec(tiling="pooled_aspect", tile_size=12, patch_size=4, resample="bicubic",
+                             rescale_factor=1 / 255, mean=[0.0] * 3, std=[1.0] * 3,
+                             params={"max_soft_tokens": 70, "pooling_kernel": 3}),
+    "gemma4-e2b": ImageSpec(tiling="pooled_aspect", tile_size=48, patch_size=16, resample="bicubic",
+                            rescale_factor=1 / 255, mean=[0.0] * 3, std=[1.0] * 3,
+                            params={"max_soft_tokens": 280, "pooling_kernel": 3}),
 }
 
 

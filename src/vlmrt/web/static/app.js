@@ -19,6 +19,7 @@ const threads = params.has("threads") ? Number(params.get("threads")) : null;
 const ready = VLM.load(params.get("bundle") || "bundle/", {
   threads,
   ep: params.get("ep") || "wasm",
+  table: params.get("table"),  // whole | ranged (table.js; default: ranged over 512 MB)
   onProgress: ({ done, total, fromNetwork }) => {
     $("progress").max = total;
     $("progress").value = done;

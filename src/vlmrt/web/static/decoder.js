@@ -11,11 +11,17 @@
 //             with positions and an additive mask [ar, ctx + ar]; static graphs (no dynamic_ar) take a fixed AR and
 //             the last prompt block padded, its padded rows dropped.
 
+import { WINDOWED_LAYERS, slotLayers } from "./windowed.js";
+import { spanFeed } from "./spans.js";
+import { positionAfter, positionsProblem, stepPositions } from "./positions.js";
+import { recurrentLayers, RecurrentState } from "./recurrent.js";
+
 // The manifest's decoder as one plain description (the only reader of the manifest's decoder and kv fields):
 //   {kind: "gqa_in_place" | "rows_dynamic" | "rows_static", dynamicAR, contextStep, maskInput, maskValue,
 //    positionsInput, logitRowsInput, lastLogits, argmaxOutput, seqlensInput, totalLengthInput, tokenRowsInput,
-//    tokenScalesInput, hiddenOutput, validRowsInput, rowInput, rowWidth, layers: [{kind: "attention", kvHeads, headDim,
-//    keyInput, valueInput, keyOutput, valueOutput}], recurrent: [recurrent.js recurrentLayers]}
+//    tokenScalesInput, hiddenOutput, spanInput, validRowsInput, rowInput, rowWidth, layers: [{kind: "attention" |
+//    "sliding_attention", kvHeads, headDim, keyInput, valueInput, keyOutput, valueOutput}] (the layers with buffers:
+//    windowed.js), recurrent: [recurrent.js recurrentLayers], otherLayers: [kinds]}
 export function decoderPlan(m) {
   const d = m.decoder, kv = m.kv;
   const k = d.kind;
@@ -25,11 +31,12 @@ export function decoderPlan(m) {
     positionRows: d.positions.rows, positionsOp: d.positions.op, logitRowsInput: k.logit_rows_input ?? null,
     lastLogits: false, argmaxOutput: k.argmax_output ?? null, seqlensInput: k.seqlens_input ?? null,
     totalLengthInput: k.total_length_input ?? null, tokenRowsInput: k.token_rows_input ?? null,
-    tokenScalesInput: k.token_scales_input ?? null, hiddenOutput: k.hidden_output ?? null,
+    tokenScalesInput: k.token_scales_input ?? null, hiddenOutput: k.hidden_output ?? null, spanInput: d.span_input ?? null,
     validRowsInput: k.valid_rows_input ?? null, rowInput: d.row_input?.input ?? null, rowWidth: d.row_input?.width ?? 0,
     recurrent: recurrentLayers(kv),
-    layers: kv.layers.filter((l) => l.kind !== "recurrent").map((l) => (l.kind === "attention" ? { kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
-      keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output } : { kind: l.kind })),
+    layers: slotLayers(kv.layers).map((l) => ({ kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
+      keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output })),
+    otherLayers: kv.layers.map((l) => l.kind).filter((kind) => kind !== "attention" && kind !== "recurrent" && !(kind in WINDOWED_LAYERS)),
   };
 }
 
@@ -56,14 +63,10 @@ export function browserProblem(m) {
   if (p.hiddenOutput) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
   const positions = positionsProblem(p.positionsOp);
   if (positions) return positions;
-  if (m.decoder.span_input) return "this bundle's decoder takes image spans (decoder.span_input: each image's tokens attend to the whole image), which the browser runtime does not feed yet; use vlmrt run";
-  const other = p.layers.find((l) => l.kind !== "attention");
-  if (other) return `this bundle has ${other.kind} cache layers, which the browser runtime does not keep yet; use vlmrt run`;
+  const other = p.otherLayers[0];
+  if (other) return `this bundle has ${other} cache layers, which the browser runtime does not keep yet; use vlmrt run`;
   return null;
 }
-
-import { positionAfter, positionsProblem, stepPositions } from "./positions.js";
-import { recurrentLayers, RecurrentState } from "./recurrent.js";
 
 const F32_LOWEST = -3.4028234663852886e38;
 
@@ -112,8 +115,9 @@ export class Decoder {
 
   // embeds: Float32Array [n * hidden] at slots length..length+n-1; kind "prefill" | "decode" (the graph); positions:
   // BigInt64Array [rows * n] (positions.js; null: each one past the last); rows: the decoder's row input [n * width]
-  // (decoder.row_input; null: zeros)
-  async step(graph, embeds, n, positions = null, rows = null) {
+  // (decoder.row_input; null: zeros); spans: the rows' image spans (BigInt64Array [n]; a decoder with a span input:
+  // -1 where not given)
+  async step(graph, embeds, n, { positions = null, rows = null, spans = null } = {}) {
     const p = this.p, T = this.ort.Tensor, hidden = this.hidden, pos = this.length;
     if (pos + n > this.maxContext) throw new Error(`the cache holds ${this.maxContext} positions; a step at ${pos} of ${n} tokens does not fit`);
     const ar = p.dynamicAR ? n : (graph === "prefill" ? this.prefillAR : 1);
@@ -135,6 +139,7 @@ export class Decoder {
     if (p.argmaxOutput) fetches.push(p.argmaxOutput);
     const at = stepPositions(positions, p.positionRows, n, ar, this.next);
     feeds[p.positionsInput] = new T("int64", at, [p.positionRows, ar]);  // every kind: [rows, ar]
+    if (p.spanInput) feeds[p.spanInput] = new T("int64", spanFeed(spans, ar), [ar]);
     this.stepInputs(feeds, fetches, n, ar, rows);
     if (p.kind === "gqa_in_place") {
       feeds[p.seqlensInput] = new T("int32", Int32Array.from([pos + ar - 1]), [1]);

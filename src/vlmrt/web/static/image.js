@@ -4,6 +4,7 @@
 
 import { crop, resize } from "./resample.js";
 import { NATIVE_TILING } from "./image_native.js";
+import { POOLED_TILING } from "./image_pooled.js";
 
 export const MAX_IMAGE_SIZE = 4096;  // transformers' SmolVLM/Idefics3 cap on the resized image
 export const MAX_IMAGE_PIXELS = 120_000_000;  // runtime/media/image.py's limits
@@ -172,9 +173,11 @@ export function normalize(tiles, spec) {
   return out;
 }
 
-// {pixels [tiles, 3, S, S], grid [rows, cols, tiles]} of an RGB image, as runtime/media/image.py preprocess
+// {pixels [tiles, 3, S, S], grid [rows, cols, tiles]} of an RGB image, as runtime/media/image.py preprocess (a
+// pooled tiling: its own pixels, with the patch grid and the image's tokens: image_pooled.js)
 export function preprocess(im, spec) {
   if (NATIVE_TILING[spec.tiling]) return NATIVE_TILING[spec.tiling](im, spec);  // (one tile of patch rows: image_native.js)
+  if (POOLED_TILING[spec.tiling]) return POOLED_TILING[spec.tiling](im, spec);
   const op = TILING[spec.tiling];
   if (!op) throw new ImageError(`this vlmrt has no image tiling op '${spec.tiling}'; upgrade vlmrt`);
   const [tiles, rows, cols] = op(im, spec);

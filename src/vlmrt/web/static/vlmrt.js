@@ -13,7 +13,9 @@ import { BundleFiles } from "./files.js";
 import { decodeImage, preprocess, unfoldPatches } from "./image.js";
 import { NATIVE_TILE_INPUTS } from "./image_native.js";
 import { promptPositions } from "./positions.js";
-import { readNpy } from "./npy.js";
+import { openTable } from "./table.js";
+import { blockEnd, promptSpans } from "./spans.js";
+import { POOLED_TILE_INPUTS } from "./image_pooled.js";
 import { ChatTemplate, parseMessages } from "./prompt.js";
 import { checkLogprobs, tokenLogprob } from "./logprobs.js";
 import { Sampler } from "./sampler.js";
@@ -38,8 +40,9 @@ async function createSession(files, graph, providers) {
 
 export class VLM {
   // base: URL of the bundle folder (ending in /). options: threads (WASM threads; they need cross-origin isolation),
-  // onProgress({done, total, fromNetwork}) as bytes arrive
-  static async load(base, { threads = null, ep = "wasm", onProgress = () => {} } = {}) {
+  // onProgress({done, total, fromNetwork}) as bytes arrive; table: how the token table reaches the page (table.js:
+  // "whole", "ranged" (HTTP Range rows), null: ranged when the file is over 512 MB)
+  static async load(base, { threads = null, ep = "wasm", onProgress = () => {}, table = null } = {}) {
     const t0 = performance.now();
     base = new URL(base, document.baseURI).href;
     const r = await fetch(new URL("manifest.json", base), { cache: "no-store" });
@@ -61,8 +64,7 @@ export class VLM {
     if (threads) ort.env.wasm.numThreads = threads;
     const files = new BundleFiles(base, m, onProgress);
     const tokenizer = new Tokenizer(JSON.parse(new TextDecoder().decode(await files.get(m.tokenizer_file))), { clean_up_tokenization_spaces: false });
-    const table = readNpy(await files.get(m.decoder.embedding_file));
-    const scales = m.decoder.embedding_scale_file ? readNpy(await files.get(m.decoder.embedding_scale_file)).data : null;
+    const rows = await openTable(files, m, table);
     const sessions = {};
     const byFile = new Map();
     for (const name of ["vision", "prefill", "decode"]) {
@@ -70,7 +72,7 @@ export class VLM {
       if (!byFile.has(g.file)) byFile.set(g.file, await createSession(files, g, ep === "webgpu" ? ["webgpu", "wasm"] : ["wasm"]));
       sessions[name] = byFile.get(g.file);
     }
-    const vlm = new VLM(m, tokenizer, table, scales, sessions);
+    const vlm = new VLM(m, tokenizer, rows, sessions);
     vlm.loadMs = performance.now() - t0;
     vlm.bytes = { total: files.total, fromNetwork: files.fromNetwork };
     vlm.threads = ort.env.wasm.numThreads;
@@ -78,11 +80,10 @@ export class VLM {
     return vlm;
   }
 
-  constructor(manifest, tokenizer, table, scales, sessions) {
+  constructor(manifest, tokenizer, table, sessions) {
     this.manifest = manifest;
     this.tokenizer = tokenizer;
-    this.table = table;  // [vocab, hidden]
-    this.scales = scales;  // [vocab] for an int8 table
+    this.table = table;  // rows by token id (table.js: whole or ranged)
     this.sessions = sessions;
     this.template = new ChatTemplate(manifest.prompt);
     this.decoder = new Decoder(ort, manifest, { prefill: sessions.prefill, decode: sessions.decode,
@@ -90,23 +91,21 @@ export class VLM {
     this.busy = false;
   }
 
-  // token rows [n * hidden] float32 (Engine.embed: an int8 row times its scale, in float32)
+  // token rows [n * hidden] float32 (Engine.embed: an int8 row times its scale, a float16 row widened, in float32)
   embed(ids) {
-    const h = this.manifest.decoder.hidden_size, vocab = this.table.shape[0], out = new Float32Array(ids.length * h);
-    ids.forEach((id, i) => {
-      if (!(id >= 0 && id < vocab)) throw new RangeError(`token id ${id} out of range 0..${vocab - 1}`);
-      const row = this.table.data.subarray(id * h, (id + 1) * h);
-      if (this.scales) {
-        const s = this.scales[id];
-        for (let j = 0; j < h; j++) out[i * h + j] = Math.fround(row[j] * s);
-      } else out.set(row, i * h);
-    });
-    return out;
+    return this.table.rows(ids);
   }
 
-  // [tiles, 3, S, S] -> image rows [tiles * tokens_per_tile * hidden], the vision graph tile by tile
-  async encodeImage(pixels, tiles) {
-    const m = this.manifest, s = m.image.tile_size, p = m.image.patch_size, plane = 3 * s * s;
+  // a preprocessed image -> its rows [tokens * hidden]: the vision graph tile by tile ([tiles, 3, S, S] unfolded),
+  // or the feeds of a named tile-inputs op (image_pooled.js)
+  async encodeImage({ pixels, grid, ...image }) {
+    const m = this.manifest, s = m.image.tile_size, p = m.image.patch_size, plane = 3 * s * s, tiles = grid[2];
+    const own = POOLED_TILE_INPUTS[m.vision.tile_inputs];
+    if (own) {
+      const { feeds, tokens } = own(ort, { pixels, grid, ...image }, m);
+      const out = await this.sessions.vision.run(feeds, [m.vision.embeds_output]);
+      return out[m.vision.embeds_output].data.subarray(0, tokens * m.decoder.hidden_size);
+    }
     const parts = [];
     for (let t = 0; t < tiles; t++) {
       const patches = unfoldPatches(pixels, t * plane, s, p);
@@ -168,17 +167,24 @@ export class VLM {
     }
     const t1 = performance.now();
     st.preprocessMs = t1 - t0;
-    // splice: the image-token rows, in order, are the vision graph's
-    const h = m.decoder.hidden_size, embeds = this.embed(ids);
+    // splice: the image-token rows, in order, are the vision graph's (a ranged table's row requests go out before
+    // the images are encoded, and arrive meanwhile); a decoder with a row input (decoder.row_input) gets the vision
+    // graph's row outputs at the image rows
+    const h = m.decoder.hidden_size, tokenRows = this.embed(ids);
+    tokenRows.catch(() => {});  // (awaited below; a vision error first must not leave it unhandled)
+    const encoded = [];
+    const native = NATIVE_TILE_INPUTS[m.vision.tile_inputs];  // (image_native.js; else encodeImage)
+    for (const im of images) {
+      encoded.push(native ? await native(ort, this.sessions.vision, m, im) : { embeds: await this.encodeImage(im), rows: null });
+    }
+    const embeds = await tokenRows;
     const width = m.decoder.row_input?.width ?? 0, rowInput = width ? new Float32Array(ids.length * width) : null;
     const slots = [], placed = [];  // placed: each image's slots and token grid (the positions op's)
     ids.forEach((id, i) => { if (id === m.special_tokens.image_token_id) slots.push(i); });
     let at = 0;
-    const native = NATIVE_TILE_INPUTS[m.vision.tile_inputs];  // (image_native.js; else the tiles, encodeImage)
-    for (const im of images) {
-      const enc = native ? await native(ort, this.sessions.vision, m, im) : { embeds: await this.encodeImage(im.pixels, im.grid[2]), rows: null };
+    for (const [i, enc] of encoded.entries()) {
       const rows = enc.embeds, count = rows.length / h;
-      placed.push({ slots: slots.slice(at, at + count), rows: im.grid[0], cols: im.grid[1] });
+      placed.push({ slots: slots.slice(at, at + count), rows: images[i].grid[0], cols: images[i].grid[1] });
       for (let r = 0; r < count; r++) {
         if (at >= slots.length) throw new Error("the image gives more embeddings than the prompt has image tokens");
         embeds.set(rows.subarray(r * h, (r + 1) * h), slots[at] * h);
@@ -190,17 +196,20 @@ export class VLM {
     const t2 = performance.now();
     st.visionMs = t2 - t1;
 
-    // prefill (Engine.prefill): blocks of prefill_ar tokens (hybrid) or one token at a time (kv)
+    // prefill (Engine.prefill): blocks of prefill_ar tokens (hybrid) or one token at a time (kv); a decoder with a
+    // span input gets each block's image spans, and no block ends inside an image (spans.js)
     const dec = this.decoder, ar = dec.blocks(mode), n = ids.length;
+    const spans = m.decoder.span_input ? promptSpans(ids.map((id) => id === m.special_tokens.image_token_id)) : null;
     const R = m.decoder.positions.rows, positions = promptPositions(m.decoder.positions.op, R, n, placed);
     dec.reset();
     dec.runMs = 0;
     let out;
-    for (let b = 0; b < n; b += ar) {
-      const k = Math.min(ar, n - b), pos = new BigInt64Array(R * k);
-      for (let r = 0; r < R; r++) pos.set(positions.subarray(r * n + b, r * n + b + k), r * k);
-      out = await dec.step(ar > 1 ? "prefill" : "decode", embeds.subarray(b * h, (b + k) * h), k, pos,
-        rowInput && rowInput.subarray(b * width, (b + k) * width));
+    for (let b = 0, e; b < n; b = e) {
+      e = blockEnd(spans, b, ar, n);
+      const k = e - b, pos = new BigInt64Array(R * k);
+      for (let r = 0; r < R; r++) pos.set(positions.subarray(r * n + b, r * n + e), r * k);
+      out = await dec.step(ar > 1 ? "prefill" : "decode", embeds.subarray(b * h, e * h), k,
+        { positions: pos, rows: rowInput && rowInput.subarray(b * width, e * width), spans: spans?.subarray(b, e) });
     }
     let row;  // the logits row the token was picked from (for its logprobs)
     const pick = (o) => { row = o.logits; return sampler.greedy && o.argmax !== null ? o.argmax : sampler.pick(o.logits); };
@@ -230,7 +239,7 @@ export class VLM {
       }
       if (tokenIds.length >= maxNewTokens) { stopReason = "length"; break; }
       if (dec.length >= m.kv.max_context) { stopReason = "context"; break; }
-      token = pick(await dec.step("decode", this.embed([token]), 1));
+      token = pick(await dec.step("decode", await this.embed([token]), 1));
     }
     const t4 = performance.now();
     const full = this.tokenizer.decode(tokenIds, { skip_special_tokens: true });
