@@ -217,3 +217,22 @@ def test_native_vision_inputs_are_the_python_runtimes(page, params):
             assert js.dtype == w.dtype and js.shape == w.shape, (k, gh, gw)
             bad = np.count_nonzero(js != w)
             assert bad == 0, f"{params} {gh}x{gw} {k}: {bad} of {js.size} values differ"
+
+
+def test_mrope_positions_are_the_python_runtimes(page):
+    """static/positions.js's mrope op against runtime/prompt/mrope.py on a prompt with a wide and a tall image (text
+    before, between and after), and the step positions after it: each row one past the last slot's largest (fails on
+    f2d6421: the page had no positions op)."""
+    from vlmrt.runtime.prompt.mrope import mrope_rows, next_position
+
+    n, runs, grids = 120, [(5, 59), (70, 82)], [(6, 9), (4, 3)]  # (rows, cols) in tokens
+    want = mrope_rows(n, runs, [(1, r, c) for r, c in grids], 1)
+    got = page.evaluate("""async ([n, runs, grids]) => {
+        const m = await import('/positions.js');
+        const images = runs.map(([a, b], i) => ({ slots: Array.from({ length: b - a }, (_, k) => a + k), rows: grids[i][0], cols: grids[i][1] }));
+        const p = m.promptPositions('mrope', 3, n, images);
+        const next = m.positionAfter(p, 3, n, n);
+        return [Array.from(p, Number), next, Array.from(m.stepPositions(null, 3, 1, 2, next), Number)];
+    }""", [n, runs, grids])
+    assert np.array_equal(np.array(got[0]).reshape(3, n), want)
+    assert got[1] == next_position(want[:, -1:]) and got[2] == [got[1], got[1] + 1] * 3
