@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -115,15 +114,16 @@ def test_demo_answers_are_vlmrt_runs(demo_site, tmp_path):
 LOGPROB_GAP = 5e-5
 
 # registered families whose bundles the browser runtime refuses, and why (web/site.py browser_problem)
-BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "qwen_vl": "rope positions (mrope, 3 rows)"}
-# families whose tiling keeps an image whole (one tile at its own aspect ratio: Gemma 4's pooled_aspect)
-ONE_TILE = {"gemma4"}
+BROWSER_REFUSES = {"lfm2_vl": "conv cache layers"}
+# families whose tiling keeps an image whole (one tile at its own aspect ratio: Gemma 4's pooled_aspect, Qwen-VL's
+# smart_resize)
+ONE_TILE = {"gemma4", "qwen_vl"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tiny_bundles_answer_as_python(family, tmp_path_factory, tmp_path):
     """Every registered family's first tiny case (tests/family_cases.py): tiled images (resized, cut, a global tile /
-    thumbnail) through the vision graph, spliced, prefill + decode, in both modes; the answers' logprobs (top 3) those
+    thumbnail; Qwen2.5-VL: one native-resolution tile, window-ordered, M-RoPE positions) through the vision graph, spliced, prefill + decode, in both modes; the answers' logprobs (top 3) those
     of VLM.generate(logprobs=3) (fail on 9ee29fd: the page had none)."""
     need_browser()
     pytest.importorskip("torch")
@@ -157,6 +157,59 @@ def test_tiny_bundles_answer_as_python(family, tmp_path_factory, tmp_path):
                           for a, b in zip([g["logprob"]] + [t["logprob"] for t in g["top"]],
                                           [w.logprob] + [t.logprob for t in w.top]))
                 assert gap < LOGPROB_GAP, (image.name, mode, gap)
+
+
+# family_cases.QWEN_CASES' name -> the (image or None, mode) prompts asked (the first case also a follow-up turn)
+QWEN_PROMPTS = {"qwen3.5": [(None, "hybrid"), ("chelsea.png", "hybrid"), ("chelsea.png", "kv")],
+                "qwen3.5-rows": [("chelsea.png", "hybrid")], "qwen3-vl": [(None, "hybrid"), ("chelsea.png", "hybrid")]}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN_PROMPTS))
+def test_qwen_bundles_answer_as_python(name, tmp_path_factory, tmp_path):
+    """Qwen3.5 (family_cases' qwen3.5 case: Gated DeltaNet layers beside gated attention, prefill blocks of 8 that cut
+    the image; also on the rows contract, rows_dynamic) and Qwen3-VL (DeepStack: the vision graph's row outputs as the
+    decoder's row input) in the page: M-RoPE positions (static/positions.js), the recurrent state
+    (static/recurrent.js), native-resolution patches and the tower's inputs (static/image_native.js). Greedy ids are
+    VLM's on a text prompt and on a non-square image (451x300: a 6x9 token grid; Qwen3.5 in both modes); the
+    follow-up turn with a second image of another grid, which Python answers
+    from its kept prefix (its recurrent state restored from a snapshot) and the page afresh, and a new prompt after it
+    (the page's state reset).
+    Fails on f2d6421: the bundles were refused (rope positions mrope)."""
+    need_browser()
+    pytest.importorskip("torch")
+    from family_cases import QWEN_CASES, qwen_exported
+
+    ex = qwen_exported(next(c for c in QWEN_CASES if c.name == name), tmp_path_factory)
+    site = write_site(ex.bundle, tmp_path / "site")
+    vlm = VLM.load(ex.bundle)
+    chelsea, page_png = ASSETS / "chelsea.png", ASSETS / "page.png"
+    with served(site) as url, browser(tmp_path / "profile") as ctx:
+        page = _open(ctx, url)
+        for image, mode in QWEN_PROMPTS[name]:
+            images = [ASSETS / image] if image else []
+            want = vlm("Describe the image.", images[0] if images else None, max_new_tokens=12, ignore_eos=True,
+                       mode=mode)
+            got = _ask(page, images=[_uri(i) for i in images], prompt="Describe the image.", maxNewTokens=12,
+                       ignoreEos=True, mode=mode)
+            assert got["promptIds"] == want.prompt_ids
+            assert got["tokenIds"] == want.token_ids and len(set(want.token_ids)) > 3, (images, mode)
+        if name != "qwen3.5":
+            return
+        first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _uri(chelsea)}},
+                                              {"type": "text", "text": "Describe the image."}]}]
+        for _ in vlm.chat(first, max_new_tokens=12, ignore_eos=True):
+            pass
+        follow = first + [{"role": "assistant", "content": vlm.result.text},
+                          {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _uri(page_png)}},
+                                                       {"type": "text", "text": "And this one?"}]}]
+        for _ in vlm.chat(follow, max_new_tokens=12, ignore_eos=True):
+            pass
+        want = vlm.result
+        assert want.stats.reused_prompt_tokens > 0  # (Python kept the first turn's rows and restored its state)
+        got = page.evaluate("m => window.vlmrt.ready.then(v => v.chat(m, {maxNewTokens: 12, ignoreEos: true}))", follow)
+        assert got["promptIds"] == want.prompt_ids and got["tokenIds"] == want.token_ids
+        again = _ask(page, prompt="Tell me a story.", maxNewTokens=12, ignoreEos=True)
+        assert again["tokenIds"] == vlm("Tell me a story.", max_new_tokens=12, ignore_eos=True).token_ids
 
 
 def test_a_tied_w4a16o_bundle_reads_its_head_rows_from_the_embedding_table(tmp_path_factory, tmp_path):

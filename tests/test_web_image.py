@@ -136,3 +136,103 @@ def test_transparency_is_composited_onto_white(page):
     assert grid == want.grid
     levels = np.abs(got - want.pixels.ravel()) / (2 / 255)  # in 8-bit levels (std 0.5: 1 level = 2/255)
     assert levels.max() <= 3.01, levels.max()
+
+
+# native resolution (static/image_native.js, runtime/media/image_native.py): the tiny Qwen3.5 / Qwen3-VL and Qwen2.5-VL
+# bundles' specs (tests/fixtures_qwen.py) and Qwen3.5's released processor (patch 16, 65536..16777216 pixels) under
+# a 1024-patch budget (a budget that cuts it: images_resized)
+QWEN = dict(tiling="smart_resize", resample="bicubic", rescale_factor=1 / 255)
+NATIVE_SPECS = {
+    "qwen3.5-tiny": ImageSpec(tile_size=32, patch_size=16, mean=[0.5] * 3, std=[0.5] * 3, **QWEN, params={
+        "merge": 2, "temporal_patch": 2, "min_pixels": 4096, "max_pixels": 65536, "max_patches": 256}),
+    "qwen2.5-vl-tiny": ImageSpec(tile_size=28, patch_size=14, mean=[0.48145466, 0.4578275, 0.40821073],
+                                 std=[0.26862954, 0.26130258, 0.27577711], **QWEN, params={
+        "merge": 2, "temporal_patch": 2, "min_pixels": 3136, "max_pixels": 50176, "max_patches": 256}),
+    "qwen3.5-released": ImageSpec(tile_size=32, patch_size=16, mean=[0.5] * 3, std=[0.5] * 3, **QWEN, params={
+        "merge": 2, "temporal_patch": 2, "min_pixels": 65536, "max_pixels": 16777216, "max_patches": 1024}),
+}
+
+
+@pytest.mark.parametrize("spec", sorted(NATIVE_SPECS))
+def test_native_resolution_patches_are_the_python_runtimes(page, spec, tmp_path):
+    """Resized under the patch budget (smart_resize, with Python's round-half-even), normalized and cut into patch rows in
+    merge-block order, bit for bit; an aspect ratio over 200:1 refused in both (fails on f2d6421: the page had no
+    smart_resize op)."""
+    s = NATIVE_SPECS[spec]
+    # sides at k + 0.5 factors of 32 and of 28 (round-half-even: 2.5 -> 2, 4.5 -> 4)
+    halves = {f"{w}x{h}": Image.fromarray(_rgb(w, h, w + h)) for w, h in ((144, 80), (70, 126))}
+    for name, im in {**_images(tmp_path), **halves}.items():
+        if name == "700x2":  # 350:1
+            with pytest.raises(Exception, match="aspect ratio is 350:1"):
+                preprocess(im, s)
+            with pytest.raises(Exception, match="aspect ratio is 350:1"):
+                _browser_preprocess(page, _png_uri(im), s)
+            continue
+        want = preprocess(im, s)
+        digest, grid = _browser_preprocess(page, _png_uri(im), s)
+        assert grid == want.grid, (spec, name)
+        if digest != hashlib.sha256(want.pixels.tobytes()).hexdigest():
+            got, _ = _browser_preprocess(page, _png_uri(im), s, full=True)
+            bad = np.count_nonzero(got != want.pixels.ravel())
+            pytest.fail(f"{spec} {name}: {bad} of {got.size} values differ")
+
+
+# the tiny bundles' vision params (Qwen2.5-VL: window attention; Qwen3-VL / Qwen3.5: the interpolated position table)
+# and Qwen3.5's released tower's (head_dim 64, a 48² table)
+VISION_PARAMS = {
+    "window_order": {"ops": ["rotary_2d", "window_order"], "head_dim": 16, "theta": 10000.0, "merge": 2,
+                     "window": 56, "patch": 14, "mask_value": -3.4028234663852886e38},
+    "interpolated": {"ops": ["rotary_2d", "interpolated_positions"], "head_dim": 16, "theta": 10000.0, "merge": 2,
+                     "position_side": 6, "mask_value": -3.4028234663852886e38},
+    "interpolated-released": {"ops": ["rotary_2d", "interpolated_positions"], "head_dim": 64, "theta": 10000.0,
+                              "merge": 2, "position_side": 48, "mask_value": -3.4028234663852886e38},
+}
+
+
+@pytest.mark.parametrize("params", sorted(VISION_PARAMS))
+def test_native_vision_inputs_are_the_python_runtimes(page, params):
+    """The vision graph's inputs for an image's grid (rows padded to the budget, 2-D rotary, window order and masks or
+    the position table's taps and weights, the attention mask) and the token order, bit for bit (fails on f2d6421:
+    the page had no native_grid op)."""
+    from vlmrt.runtime.media.vision_inputs import build_feeds
+
+    p, rows, row_len = VISION_PARAMS[params], 256, 12
+    for gh, gw in ((2, 2), (4, 14), (16, 6), (10, 12), (2, 128), (16, 16)):
+        x = np.random.default_rng(gh * gw).standard_normal((gh * gw, row_len)).astype(np.float32)
+        want = build_feeds(x, (1, gh, gw), p["ops"], p, rows, p["mask_value"])
+        got = page.evaluate(f"""async ([x, grid, p, rows, len]) => {{
+            const {{ nativeGridFeeds }} = await import('/image_native.js');
+            const b64 = {B64}, tob64 = {TO_B64};
+            const f = nativeGridFeeds(new Float32Array(b64(x).buffer), grid, p, rows, len);
+            const feeds = {{}};
+            for (const [k, [type, data, dims]] of Object.entries(f.feeds)) feeds[k] = [type, tob64(new Uint8Array(data.buffer)), dims];
+            return [feeds, f.tokens, f.order];
+        }}""", [base64.b64encode(x.tobytes()).decode(), [gh, gw], p, rows, row_len])
+        feeds, tokens, order = got
+        assert tokens == want.tokens and sorted(feeds) == sorted(want.feeds), (gh, gw)
+        assert order == (None if want.token_order is None else want.token_order.tolist()), (gh, gw)
+        for k, (dtype, data, dims) in feeds.items():
+            js = np.frombuffer(base64.b64decode(data), {"float32": np.float32, "int64": np.int64}[dtype]).reshape(dims)
+            w = want.feeds[k]
+            assert js.dtype == w.dtype and js.shape == w.shape, (k, gh, gw)
+            bad = np.count_nonzero(js != w)
+            assert bad == 0, f"{params} {gh}x{gw} {k}: {bad} of {js.size} values differ"
+
+
+def test_mrope_positions_are_the_python_runtimes(page):
+    """static/positions.js's mrope op against runtime/prompt/mrope.py on a prompt with a wide and a tall image (text
+    before, between and after), and the step positions after it: each row one past the last slot's largest (fails on
+    f2d6421: the page had no positions op)."""
+    from vlmrt.runtime.prompt.mrope import mrope_rows, next_position
+
+    n, runs, grids = 120, [(5, 59), (70, 82)], [(6, 9), (4, 3)]  # (rows, cols) in tokens
+    want = mrope_rows(n, runs, [(1, r, c) for r, c in grids], 1)
+    got = page.evaluate("""async ([n, runs, grids]) => {
+        const m = await import('/positions.js');
+        const images = runs.map(([a, b], i) => ({ slots: Array.from({ length: b - a }, (_, k) => a + k), rows: grids[i][0], cols: grids[i][1] }));
+        const p = m.promptPositions('mrope', 3, n, images);
+        const next = m.positionAfter(p, 3, n, n);
+        return [Array.from(p, Number), next, Array.from(m.stepPositions(null, 3, 1, 2, next), Number)];
+    }""", [n, runs, grids])
+    assert np.array_equal(np.array(got[0]).reshape(3, n), want)
+    assert got[1] == next_position(want[:, -1:]) and got[2] == [got[1], got[1] + 1] * 3

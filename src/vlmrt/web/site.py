@@ -27,10 +27,13 @@ HERE = Path(__file__).parent
 # what the browser runtime implements (static/decoder.js decoderPlan: its own code per kind): the decoder kinds
 # (manifest.DECODER_KINDS) and the cache layer kinds (manifest.CACHE_LAYER_KINDS) it runs
 BROWSER_DECODER_KINDS = ("gqa_in_place", "rows_dynamic", "rows_static")
-BROWSER_CACHE_KINDS = ("attention", "sliding_attention", "shared_kv")  # (static/windowed.js: the two of Gemma 4)
+# (static/windowed.js: Gemma 4's two; static/recurrent.js: Qwen3.5's)
+BROWSER_CACHE_KINDS = ("attention", "sliding_attention", "shared_kv", "recurrent")
+BROWSER_POSITION_OPS = ("slots", "mrope")  # static/positions.js POSITION_OPS
 STATIC = HERE / "static"
 RUNTIME_FILES = ("vlmrt.js", "app.js", "decoder.js", "files.js", "image.js", "resample.js", "npy.js", "prompt.js",
-                 "sampler.js", "stop_strings.js", "logprobs.js", "windowed.js", "spans.js", "image_pooled.js", "table.js")
+                 "sampler.js", "stop_strings.js", "logprobs.js", "windowed.js", "spans.js", "image_pooled.js", "table.js",
+                 "positions.js", "recurrent.js", "image_native.js")
 # (package, file in the package, name under vendor/): the WASM-only build of onnxruntime-web ("onnxruntime-web/wasm":
 # the default JSEP build refuses 8-bit MatMulNBits and returns GroupQueryAttention caches of another length)
 VENDOR = (
@@ -89,10 +92,8 @@ def browser_problem(m: Manifest) -> str | None:
         return f"this vlmrt has no decoder kind {kind.name!r}; upgrade vlmrt"
     if kind.parts().hidden_output:
         return f"this bundle's lm head is its own graph (an NPU export); {BROWSER_EXPORT}"
-    pos = m.decoder.positions
-    if pos.op != "slots" or pos.rows != 1:
-        return (f"this bundle's rope positions ({pos.op}, {pos.rows} rows) are not computed by the browser runtime "
-                f"yet; use vlmrt run")
+    if m.decoder.positions.op not in BROWSER_POSITION_OPS:
+        return f"this vlmrt has no positions op {m.decoder.positions.op!r}; upgrade vlmrt"
     other = next((layer.kind for layer in m.kv.layers if layer.kind not in BROWSER_CACHE_KINDS), None)
     if other:
         return f"this bundle has {other} cache layers, which the browser runtime does not keep yet; use vlmrt run"

@@ -13,12 +13,15 @@
 
 import { WINDOWED_LAYERS, slotLayers } from "./windowed.js";
 import { spanFeed } from "./spans.js";
+import { positionAfter, positionsProblem, stepPositions } from "./positions.js";
+import { recurrentLayers, RecurrentState } from "./recurrent.js";
 
 // The manifest's decoder as one plain description (the only reader of the manifest's decoder and kv fields):
 //   {kind: "gqa_in_place" | "rows_dynamic" | "rows_static", dynamicAR, contextStep, maskInput, maskValue,
 //    positionsInput, logitRowsInput, lastLogits, argmaxOutput, seqlensInput, totalLengthInput, tokenRowsInput,
-//    tokenScalesInput, hiddenOutput, spanInput, layers: [{kind: "attention" | "sliding_attention", kvHeads, headDim,
-//    keyInput, valueInput, keyOutput, valueOutput}] (the layers with buffers: windowed.js), otherLayers: [kinds]}
+//    tokenScalesInput, hiddenOutput, spanInput, validRowsInput, rowInput, rowWidth, layers: [{kind: "attention" |
+//    "sliding_attention", kvHeads, headDim, keyInput, valueInput, keyOutput, valueOutput}] (the layers with buffers:
+//    windowed.js), recurrent: [recurrent.js recurrentLayers], otherLayers: [kinds]}
 export function decoderPlan(m) {
   const d = m.decoder, kv = m.kv;
   const k = d.kind;
@@ -29,9 +32,11 @@ export function decoderPlan(m) {
     lastLogits: false, argmaxOutput: k.argmax_output ?? null, seqlensInput: k.seqlens_input ?? null,
     totalLengthInput: k.total_length_input ?? null, tokenRowsInput: k.token_rows_input ?? null,
     tokenScalesInput: k.token_scales_input ?? null, hiddenOutput: k.hidden_output ?? null, spanInput: d.span_input ?? null,
+    validRowsInput: k.valid_rows_input ?? null, rowInput: d.row_input?.input ?? null, rowWidth: d.row_input?.width ?? 0,
+    recurrent: recurrentLayers(kv),
     layers: slotLayers(kv.layers).map((l) => ({ kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
       keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output })),
-    otherLayers: kv.layers.map((l) => l.kind).filter((kind) => kind !== "attention" && !(kind in WINDOWED_LAYERS)),
+    otherLayers: kv.layers.map((l) => l.kind).filter((kind) => kind !== "attention" && kind !== "recurrent" && !(kind in WINDOWED_LAYERS)),
   };
 }
 
@@ -56,7 +61,8 @@ export function browserProblem(m) {
   const p = decoderPlan(m);
   if (!["gqa_in_place", "rows_dynamic", "rows_static"].includes(p.kind)) return `this vlmrt has no decoder kind '${p.kind}'; upgrade vlmrt`;
   if (p.hiddenOutput) return `this bundle's lm head is its own graph (an NPU export); ${reexport}`;
-  if (p.positionsOp !== "slots" || p.positionRows !== 1) return `this bundle's rope positions (${p.positionsOp}, ${p.positionRows} rows) are not computed by the browser runtime yet; use vlmrt run`;
+  const positions = positionsProblem(p.positionsOp);
+  if (positions) return positions;
   const other = p.otherLayers[0];
   if (other) return `this bundle has ${other} cache layers, which the browser runtime does not keep yet; use vlmrt run`;
   return null;
@@ -76,12 +82,15 @@ export class Decoder {
     this.length = 0;  // slots holding rows (= the next position)
     this.runMs = 0;  // time inside session.run, accumulated
     this.zeros = new Map();  // ar -> zero token rows / scales (int8 tables: the host multiplies, VLM.embed)
+    this.recurrent = new RecurrentState(ort, this.p.recurrent, this.p.kind === "gqa_in_place");
     this.reset();
   }
 
   reset() {
     const T = this.ort.Tensor, top = this.maxContext;
     this.length = 0;
+    this.next = 0;  // the rope position after the kept rows (KVCache.next_position)
+    this.recurrent.reset();
     if (this.p.kind === "gqa_in_place") {
       // one zero buffer per shape: a step returns new tensors and never writes its inputs
       this.past = this.p.layers.map((l) => {
@@ -104,9 +113,11 @@ export class Decoder {
     return step ? Math.min(top, Math.max(step, Math.ceil(pos / step) * step)) : top;
   }
 
-  // embeds: Float32Array [n * hidden] at positions length..length+n-1; kind "prefill" | "decode" (the graph); spans:
-  // the rows' image spans (BigInt64Array [n]; a decoder with a span input: -1 where not given)
-  async step(graph, embeds, n, spans = null) {
+  // embeds: Float32Array [n * hidden] at slots length..length+n-1; kind "prefill" | "decode" (the graph); positions:
+  // BigInt64Array [rows * n] (positions.js; null: each one past the last); rows: the decoder's row input [n * width]
+  // (decoder.row_input; null: zeros); spans: the rows' image spans (BigInt64Array [n]; a decoder with a span input:
+  // -1 where not given)
+  async step(graph, embeds, n, { positions = null, rows = null, spans = null } = {}) {
     const p = this.p, T = this.ort.Tensor, hidden = this.hidden, pos = this.length;
     if (pos + n > this.maxContext) throw new Error(`the cache holds ${this.maxContext} positions; a step at ${pos} of ${n} tokens does not fit`);
     const ar = p.dynamicAR ? n : (graph === "prefill" ? this.prefillAR : 1);
@@ -126,8 +137,10 @@ export class Decoder {
     if (p.logitRowsInput) feeds[p.logitRowsInput] = new T("int64", BigInt64Array.from([BigInt(n - 1)]), [1]);
     const fetches = [this.sessions.logitsOutput];
     if (p.argmaxOutput) fetches.push(p.argmaxOutput);
-    feeds[p.positionsInput] = new T("int64", this.positions(pos, ar), [1, ar]);  // every kind: [rows = 1, ar]
+    const at = stepPositions(positions, p.positionRows, n, ar, this.next);
+    feeds[p.positionsInput] = new T("int64", at, [p.positionRows, ar]);  // every kind: [rows, ar]
     if (p.spanInput) feeds[p.spanInput] = new T("int64", spanFeed(spans, ar), [ar]);
+    this.stepInputs(feeds, fetches, n, ar, rows);
     if (p.kind === "gqa_in_place") {
       feeds[p.seqlensInput] = new T("int32", Int32Array.from([pos + ar - 1]), [1]);
       feeds[p.totalLengthInput] = new T("int32", Int32Array.from([pos + ar]), []);
@@ -160,7 +173,9 @@ export class Decoder {
         this.cache[i][1].set(v.data.subarray(0, n * dim), pos * dim);
       }
     });
+    this.recurrent.take(out);
     this.length = pos + n;
+    this.next = positionAfter(at, p.positionRows, n, ar);
     const logits = out[this.sessions.logitsOutput];
     const vocab = logits.dims[1];
     const row = p.logitRowsInput || p.lastLogits ? logits.dims[0] - 1 : n - 1;  // the last valid token's row
@@ -169,11 +184,18 @@ export class Decoder {
     return result;
   }
 
-  // the "slots" positions op: the position of slot p is p (a padded block's rows continue the count)
-  positions(pos, ar) {
-    const x = new BigInt64Array(ar);
-    for (let i = 0; i < ar; i++) x[i] = BigInt(pos + i);
-    return x;
+  // the inputs beside the cache's that some decoders take: the recurrent state (recurrent.js), the row input
+  // (decoder.row_input: zeros but for image rows) and a static graph's valid rows (1 for the step's n rows)
+  stepInputs(feeds, fetches, n, ar, rows) {
+    const p = this.p, T = this.ort.Tensor;
+    this.recurrent.feed(feeds);
+    fetches.push(...this.recurrent.fetches());
+    if (p.rowInput) {
+      const x = new Float32Array(ar * p.rowWidth);
+      if (rows) x.set(rows.subarray(0, n * p.rowWidth));
+      feeds[p.rowInput] = new T("float32", x, [ar, p.rowWidth]);
+    }
+    if (p.validRowsInput) feeds[p.validRowsInput] = new T("float32", new Float32Array(ar).fill(1, 0, n), [ar]);
   }
 
   // kv_cache.attention_mask: slots < pos visible, causal within the step, the rest at the mask value

@@ -3,6 +3,7 @@
 // (resample.js), so the tiles are the Python runtime's to the bit.
 
 import { crop, resize } from "./resample.js";
+import { NATIVE_TILING } from "./image_native.js";
 import { POOLED_TILING } from "./image_pooled.js";
 
 export const MAX_IMAGE_SIZE = 4096;  // transformers' SmolVLM/Idefics3 cap on the resized image
@@ -175,6 +176,7 @@ export function normalize(tiles, spec) {
 // {pixels [tiles, 3, S, S], grid [rows, cols, tiles]} of an RGB image, as runtime/media/image.py preprocess (a
 // pooled tiling: its own pixels, with the patch grid and the image's tokens: image_pooled.js)
 export function preprocess(im, spec) {
+  if (NATIVE_TILING[spec.tiling]) return NATIVE_TILING[spec.tiling](im, spec);  // (one tile of patch rows: image_native.js)
   if (POOLED_TILING[spec.tiling]) return POOLED_TILING[spec.tiling](im, spec);
   const op = TILING[spec.tiling];
   if (!op) throw new ImageError(`this vlmrt has no image tiling op '${spec.tiling}'; upgrade vlmrt`);

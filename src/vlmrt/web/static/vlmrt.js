@@ -11,6 +11,8 @@ import { Tokenizer } from "./vendor/tokenizers.min.mjs";
 import { Decoder, browserProblem } from "./decoder.js";
 import { BundleFiles } from "./files.js";
 import { decodeImage, preprocess, unfoldPatches } from "./image.js";
+import { NATIVE_TILE_INPUTS } from "./image_native.js";
+import { promptPositions } from "./positions.js";
 import { openTable } from "./table.js";
 import { blockEnd, promptSpans } from "./spans.js";
 import { POOLED_TILE_INPUTS } from "./image_pooled.js";
@@ -166,20 +168,28 @@ export class VLM {
     const t1 = performance.now();
     st.preprocessMs = t1 - t0;
     // splice: the image-token rows, in order, are the vision graph's (a ranged table's row requests go out before
-    // the images are encoded, and arrive meanwhile)
+    // the images are encoded, and arrive meanwhile); a decoder with a row input (decoder.row_input) gets the vision
+    // graph's row outputs at the image rows
     const h = m.decoder.hidden_size, tokenRows = this.embed(ids);
     tokenRows.catch(() => {});  // (awaited below; a vision error first must not leave it unhandled)
     const encoded = [];
-    for (const im of images) encoded.push(await this.encodeImage(im));
+    const native = NATIVE_TILE_INPUTS[m.vision.tile_inputs];  // (image_native.js; else encodeImage)
+    for (const im of images) {
+      encoded.push(native ? await native(ort, this.sessions.vision, m, im) : { embeds: await this.encodeImage(im), rows: null });
+    }
     const embeds = await tokenRows;
-    const slots = [];
+    const width = m.decoder.row_input?.width ?? 0, rowInput = width ? new Float32Array(ids.length * width) : null;
+    const slots = [], placed = [];  // placed: each image's slots and token grid (the positions op's)
     ids.forEach((id, i) => { if (id === m.special_tokens.image_token_id) slots.push(i); });
     let at = 0;
-    for (const rows of encoded) {
-      const count = rows.length / h;
+    for (const [i, enc] of encoded.entries()) {
+      const rows = enc.embeds, count = rows.length / h;
+      placed.push({ slots: slots.slice(at, at + count), rows: images[i].grid[0], cols: images[i].grid[1] });
       for (let r = 0; r < count; r++) {
         if (at >= slots.length) throw new Error("the image gives more embeddings than the prompt has image tokens");
-        embeds.set(rows.subarray(r * h, (r + 1) * h), slots[at++] * h);
+        embeds.set(rows.subarray(r * h, (r + 1) * h), slots[at] * h);
+        if (enc.rows) rowInput.set(enc.rows.subarray(r * width, (r + 1) * width), slots[at] * width);
+        at++;
       }
     }
     if (at !== slots.length) throw new Error(`prompt has ${slots.length} image tokens but the images give ${at} embeddings`);
@@ -190,12 +200,16 @@ export class VLM {
     // span input gets each block's image spans, and no block ends inside an image (spans.js)
     const dec = this.decoder, ar = dec.blocks(mode), n = ids.length;
     const spans = m.decoder.span_input ? promptSpans(ids.map((id) => id === m.special_tokens.image_token_id)) : null;
+    const R = m.decoder.positions.rows, positions = promptPositions(m.decoder.positions.op, R, n, placed);
     dec.reset();
     dec.runMs = 0;
     let out;
     for (let b = 0, e; b < n; b = e) {
       e = blockEnd(spans, b, ar, n);
-      out = await dec.step(ar > 1 ? "prefill" : "decode", embeds.subarray(b * h, e * h), e - b, spans?.subarray(b, e));
+      const k = e - b, pos = new BigInt64Array(R * k);
+      for (let r = 0; r < R; r++) pos.set(positions.subarray(r * n + b, r * n + e), r * k);
+      out = await dec.step(ar > 1 ? "prefill" : "decode", embeds.subarray(b * h, e * h), k,
+        { positions: pos, rows: rowInput && rowInput.subarray(b * width, e * width), spans: spans?.subarray(b, e) });
     }
     let row;  // the logits row the token was picked from (for its logprobs)
     const pick = (o) => { row = o.logits; return sampler.greedy && o.argmax !== null ? o.argmax : sampler.pick(o.logits); };
