@@ -119,3 +119,32 @@ def test_scale_pages_dropped_while_the_session_builds(tmp_path):
         assert _resident_pages(mapped) == 0  # dropped while the block runs
     assert _resident_pages(mapped) == 0
     np.testing.assert_array_equal(mapped, data)
+
+
+def test_prompt_rows_are_made_a_block_at_a_time(default_bundle):
+    """A request's prompt embeddings are made one prefill block at a time (runtime/prompt/prompt_rows.py), never the
+    whole prompt's at once: at 4000 tokens of SmolLM2 those float rows were 9.2 MB resident beside the KV cache at
+    the prefill's end, the process's peak (docs/performance.md, "Memory at 4000 tokens"). Each block's rows are bit
+    for bit the whole splice's (two images' rows, blocks cutting through them), so the answer is unchanged."""
+    from PIL import Image
+
+    from vlmrt.runtime.prompt.prompt_rows import PromptRows
+    from vlmrt.runtime.vlm import VLM
+
+    vlm = VLM.load(default_bundle.bundle, verify=False)
+    images = [Image.new("RGB", (40, 30), (200, 30, 30)), Image.new("RGB", (30, 40), (30, 30, 200))]
+    p = vlm.prompt("describe both " * 12, images)
+    whole = vlm.embed_prompt(p)
+    rows = PromptRows(p, vlm.scheduler.embed, 0)
+    assert rows.shape == whole.shape and rows.dtype == whole.dtype
+    for b in range(0, p.n_tokens, 7):  # (7: blocks that start and end inside the images' rows)
+        assert np.array_equal(rows[b:b + 7], whole[b:b + 7])
+    start = p.images()[1][0] + 3  # from inside the second image (a kept prefix before it)
+    assert np.array_equal(PromptRows(p, vlm.scheduler.embed, start)[0:10], vlm.embed_prompt(p, start)[0:10])
+
+    sizes, embed = [], vlm.scheduler.embed
+    vlm.scheduler.embed = lambda ids: (sizes.append(len(ids)), embed(ids))[1]
+    ar = vlm.row.blocks("hybrid")
+    r = vlm("describe both " * 12, images=images[:1], max_new_tokens=2, ignore_eos=True)
+    assert r.stats.prompt_tokens > 2 * ar  # several blocks
+    assert sizes and max(sizes) <= ar, f"prompt rows embedded {max(sizes)} at once, more than a block ({ar})"

@@ -37,6 +37,7 @@ from .bundle import Bundle
 from .sessions import Sessions
 from .prompt.chunks import ImageChunk, Prompt
 from .prompt.positions import position_op, prompt_positions
+from .prompt.prompt_rows import PromptRows
 from .decode.cache_row import MODES, ContextOverflow, DecoderConfig, DecoderSessions, check_lookahead
 from .decode.logprobs import MAX_TOP, TokenLogprob
 from .decode.lookahead import check_exact
@@ -664,7 +665,7 @@ class VLM:
                     encode_s += time.perf_counter() - t1
                     yield
                     t1 = time.perf_counter()
-        embeds = self.embed_prompt(a.prompt, a.start, cache=a.cached)
+        embeds = PromptRows(a.prompt, self.scheduler.embed, a.start)  # a block's rows at a time, as it prefills
         st.vision_load_s = self.lazy_load_s - lazy0
         st.vision_s = encode_s + time.perf_counter() - t1 - st.vision_load_s
         st.vision_skipped = a.media and not todo

@@ -15,6 +15,7 @@ advances the grammar, and a grammar that allows nothing more ends the sequence (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from .grammar import Constraint, GrammarError
 from .logprobs import TokenLogprob
 from .lookahead import PromptLookup
 from .sampler import Sampler, SamplingConfig
+
+if TYPE_CHECKING:
+    from ..prompt.prompt_rows import PromptRows
 
 
 @dataclass
@@ -61,7 +65,8 @@ class GenerationStats:
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's state. Given: prompt embeddings [n, hidden] (from slot start on), mode, max_new_tokens,
+    """One request's state. Given: prompt embeddings [n, hidden] (from slot start on; an array, or the runtime's
+    PromptRows, which makes each block's rows when it runs), mode, max_new_tokens,
     sampler, ignore_eos, positions [rope rows, n] (None: one past the other), rows [n, width] (the decoder's row input,
     None: zeros), prompt_ids (the whole prompt's ids from slot 0: lookahead drafts from them), constraint (the grammar
     its tokens are held to, None: free), logprobs (None, or the number of top tokens to record beside each emitted
@@ -70,7 +75,7 @@ class Sequence:
     on), the prompt blocks still to run (next_block: where the next begins), the token to feed next, the lookahead
     drafter, the ids emitted (and not yet taken; their token_logprobs) and its stop state."""
 
-    embeds: np.ndarray
+    embeds: np.ndarray | PromptRows
     mode: str = "hybrid"
     max_new_tokens: int = 256
     sampler: Sampler = field(default_factory=lambda: Sampler(SamplingConfig()))
