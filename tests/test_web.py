@@ -116,7 +116,7 @@ LOGPROB_GAP = 5e-5
 
 # registered families whose bundles the browser runtime refuses, and why (web/site.py browser_problem)
 BROWSER_REFUSES = {"lfm2_vl": "conv cache layers", "qwen_vl": "rope positions (mrope, 3 rows)",
-                   "gemma4": "sliding_attention cache layers"}
+                   "gemma4": "windowed_attention cache layers"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
