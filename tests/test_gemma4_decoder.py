@@ -178,7 +178,7 @@ def test_lookahead_drafts_keep_the_answer(gemma4, monkeypatch):
     too), rejected drafts rewind the windowed rows, and every answer is plain decoding's."""
     monkeypatch.setattr(lookahead, "NGRAMS", (3, 2))
     sched = gemma4.scheduler(lookahead=3)
-    drafted = replays = 0
+    drafted = 0
     for first in PROMPTS:
         ids = first + gemma4.generate(first)[:8] + first
         got = list(sched.generate(sched.embed(ids), mode="hybrid", max_new_tokens=N, ignore_eos=True, prompt_ids=ids))

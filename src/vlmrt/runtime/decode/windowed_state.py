@@ -25,8 +25,9 @@ The windowed cache, as the recurrent state (runtime/decode/recurrent_state.py) i
       (a copy of the buffers), or there is none and the state is unusable until a reset (restorable never offers
       such an n).
   snapshots: a prompt block's end (KVCache.checkpoint) only marks its slot wanted; the copy is taken when a store
-      would move first() past it (at most one per G slots, the KEEP most recent kept): a follow-up turn keeping that
-      prefix restores it. Counted (snapshots, snapshot_s, restores) in `costs`, as the recurrent state's.
+      would move first() past it (at most one per G slots, the KEEP = 2 most recent kept: decode steps mark none, so
+      the last prompt's end survives its answer): a follow-up turn keeping that prefix restores it; an earlier
+      block end whose copy was dropped is not offered (restorable: a shorter prefix, or none). Counted (snapshots, snapshot_s, restores) in `costs`, as the recurrent state's.
   a lookahead call whose rejected drafts leave n of its rows: keeps(n) says whether first(pos + n) == first(pos +
       ar) (the staging then holds the n rows' layout: stored as is); else KVCache.drops_rows is False's path:
       nothing of the call is stored and CacheRow.verify runs the kept rows again (a replay, in the stats).
@@ -47,7 +48,8 @@ from ...format.manifest import SharedKVLayer, WindowedAttentionLayer
 from .cache_layouts import CacheLayout
 from .state_kinds import AttentionState, Bind, register_state
 
-KEEP = 8  # snapshots kept per sequence (the most recent)
+KEEP = 2  # snapshots kept per sequence (the most recent: a follow-up turn keeps the last prompt's end; each is the
+# buffers' size, so more would give back what the window saves: docs/gemma4.md)
 
 
 @register_state
