@@ -4,11 +4,11 @@ ORT's contrib ops have no schema in `onnx`, and the dynamo exporter builds a nod
 registers the op's schema (the inputs vlmrt uses, in ORT's order: docs/ContribOperators.md of onnxruntime) once, and
 gives the exporter the translation (`TABLE`, torch.onnx.export's custom_translation_table). do_rotary with the cos /
 sin caches applies RoPE at the host's position_ids (rotary_interleaved 0: transformers' rotate-half form); scale 1/sqrt(head_dim), ORT's default,
-unless the op is given one; a sliding window as local_window_size, a windowed cache (capacity > 0: the buffers hold
-the last slots, not one per slot) as sliding_window_cache 1. With spans (a token of an image span also sees the
-span's later tokens: families/gqa.py) the node takes causal 0 and an attention_bias [B, 1, s, total] built here from
-the step's slots (seqlens_k, its rows) and spans: 0 where the key is at or before the query's slot or a token of the
-query's span in the step, and within the window; the lowest value else.
+unless the op is given one; a sliding window as local_window_size over a windowed cache (capacity > 0: the buffers
+hold the last slots, not one per slot) as sliding_window_cache 1. With spans (a token of an image span also sees the
+span's later tokens: families/gqa.py) a second node takes causal 0 and an attention_bias [B, 1, s, total] built here
+from the step's slots (seqlens_k, its rows) and spans: 0 where the key is at or before the query's slot or a token of
+the query's span in the step, and within the window; the lowest value else (_windowed_spans).
 `pack_qkv` then feeds the op the fused q/k/v projection whole (its packed-QKV form), without the Split between.
 """
 
@@ -52,27 +52,23 @@ _msft = onnxscript.values.Opset(DOMAIN, 1)
 
 def _group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads: int,
                            kv_heads: int, window: int = 0, scale: float = 0.0, spans=None, capacity: int = 0):
-    """window > 0: a sliding window of that many keys, the query's own included (local_window_size = window: ORT
+    """window > 0 (with capacity): a sliding window of that many keys, the query's own included (local_window_size = window: ORT
     1.32's CPU kernel attends slots q - window < k <= q, measured against transformers' sliding mask by
     tests/test_gemma4_decoder.py; the schema's "left window" reads one less); scale 0: the op's default 1/sqrt(head_dim);
     capacity > 0: the buffers are a windowed cache of that many rows (sliding_window_cache 1); with spans too, two
     nodes (_windowed_spans)."""
-    extra, bias = {}, []
-    if capacity:
-        if window <= 0:
-            raise ValueError("a windowed cache takes a sliding window")
+    extra = {}
+    if window > 0 or spans is not None:
+        if not capacity or window <= 0:
+            raise ValueError("a sliding window (and spans) take a windowed cache: capacity > 0 "
+                             "(export/graphs.py window_capacity)")
         if spans is not None:
             return _windowed_spans(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads, kv_heads,
                                    window, scale, spans, capacity)
-        extra["sliding_window_cache"] = 1
-    if spans is not None:  # the window goes into the bias (ORT: local_window_size -1 with causal 0)
-        extra["causal"] = 0
-        bias = [_span_bias(q, seqlens_k, total, spans, window)]
-    elif window > 0:
-        extra["local_window_size"] = window
+        extra.update(local_window_size=window, sliding_window_cache=1)
     if scale:
         extra["scale"] = float(scale)
-    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, *bias,
+    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids,
                                      num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, **extra)
 
 

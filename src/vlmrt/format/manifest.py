@@ -308,10 +308,10 @@ class RecurrentLayer:
 @dataclass
 class SlidingAttentionLayer(AttentionLayer):
     """An attention layer whose queries see only the last `window` keys: a key at slot k is seen by the query at slot
-    q when q - window < k <= q (Gemma 4's sliding_attention layers). Its K and V rows are kept one per slot like an
-    attention layer's (runtime/decode/windowed_state.py: so a prefix reuse, a rejected lookahead draft or a chunked
-    prefill rewinds by moving the length, no row a kept prefix needs is ever dropped); the graph applies the window
-    (GroupQueryAttention's local_window_size = window; under the rows kinds, added to the kind's mask in the graph)."""
+    q when q - window < k <= q (Gemma 4's sliding_attention layers under the rows kinds). Its K and V rows are kept
+    one per slot like an attention layer's (runtime/decode/windowed_state.py: so a prefix reuse, a rejected lookahead
+    draft or a chunked prefill rewinds by moving the length); the graph adds the window to the kind's mask. The CPU's
+    gqa_in_place graphs keep these layers in a windowed cache instead (WindowedAttentionLayer)."""
 
     window: int = 0  # keys a query sees, its own included
 

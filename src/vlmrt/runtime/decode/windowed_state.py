@@ -7,9 +7,8 @@
                       window + 1 rows at once, so first(t) moves once every G slots). Memory and step cost do not
                       grow with the context. Below.
   sliding_attention   the same layer with K and V rows by slot, as an attention layer's, the graph applying the
-                      window: the rows kinds (static graphs, --attention portable, the browser) and a graph with a
-                      span input (bidirectional vision attention: its sliding nodes take causal 0, which ORT refuses
-                      with a windowed cache). Every rewind is a move of the length.
+                      window in its mask: the rows kinds (static graphs, --attention portable, the browser). Every
+                      rewind is a move of the length.
   shared_kv           a layer that reads an earlier layer's K and V (manifest SharedKVLayer.source) inside the graph:
                       no state, no graph input or output of its own; nothing to store, load or rewind.
 
@@ -27,7 +26,8 @@ The windowed cache, as the recurrent state (runtime/decode/recurrent_state.py) i
   snapshots: a prompt block's end (KVCache.checkpoint) only marks its slot wanted; the copy is taken when a store
       would move first() past it (at most one per G slots, the KEEP = 2 most recent kept: decode steps mark none, so
       the last prompt's end survives its answer): a follow-up turn keeping that prefix restores it; an earlier
-      block end whose copy was dropped is not offered (restorable: a shorter prefix, or none). Counted (snapshots, snapshot_s, restores) in `costs`, as the recurrent state's.
+      block end whose copy was dropped is not offered (restorable: a shorter prefix, or none). Counted
+      (snapshots, snapshot_s, restores) in `costs`, as the recurrent state's.
   a lookahead call whose rejected drafts leave n of its rows: keeps(n) says whether first(pos + n) == first(pos +
       ar) (the staging then holds the n rows' layout: stored as is); else KVCache.drops_rows is False's path:
       nothing of the call is stored and CacheRow.verify runs the kept rows again (a replay, in the stats).
