@@ -1,8 +1,10 @@
 """Gemma 4's text decoder (families/gemma4) exported as the CPU's gqa_in_place graph and run through the real cache
-(sliding_attention, attention and shared_kv state kinds: runtime/decode/windowed_state.py) and scheduler, against
-transformers' Gemma4ForCausalLM on tiny random checkpoints built with its own classes: 24 greedy ids equal
-`generate` in kv and hybrid modes on prompts longer than the sliding window (prefill blocks of 4 crossing it), a
-follow-up turn reusing the prefix, lookahead drafts, and three conversations batched answering as alone.
+(windowed_attention / sliding_attention, attention and shared_kv state kinds: runtime/decode/windowed_state.py) and
+scheduler, against transformers' Gemma4ForCausalLM on tiny random checkpoints built with its own classes: 24 greedy
+ids equal `generate` in kv and hybrid modes on prompts several windows long (prefill blocks of 4 crossing the
+evictions of the windowed cache: window + 4 rows, 5 slots between evictions), a follow-up turn reusing a prefix
+longer than the window (restored from a snapshot), lookahead drafts (rejected ones across an eviction run again), and
+three conversations batched answering as alone.
 
 Two checkpoints: "shared" (a 2:1 sliding / full pattern, window 5, 2 kv-shared layers with double-wide MLPs,
 per-layer inputs, attention_k_eq_v with its own kv heads and global_head_dim on the full layers, proportional RoPE,
@@ -24,6 +26,7 @@ from vlmrt.families.gemma4.config import Gemma4TextConfig
 from vlmrt.format.manifest import DecoderSpec, GqaInPlaceKind, KVSpec, PositionsSpec, RowsDynamicKind
 from vlmrt.runtime.decode import lookahead
 from vlmrt.runtime.decode.cache_row import DecoderConfig, DecoderSessions
+from vlmrt.runtime.decode.sampler import Sampler, SamplingConfig
 from vlmrt.runtime.decode.scheduler import Scheduler
 from vlmrt.runtime.decode.sequence import Sequence
 
@@ -70,6 +73,7 @@ class Exported:
         self.text = Gemma4TextConfig.from_hf(config)
         sd = model.state_dict()
         self.decoder, table = language.load(self.text, sd.__getitem__, "model.")
+        self.decoder.window_capacity = graphs.window_capacity(self.decoder, attention, AR)  # (as the pipeline's)
         self.table = table.numpy()
         graphs.export_decoder(self.decoder, attention=attention, ar=AR, max_context=CTX,
                               hidden=self.table.shape[1], kv_heads=self.text.kv_heads, head_dim=self.text.head_dim,
@@ -125,8 +129,22 @@ def test_manifest_layers_name_their_kinds(gemma4):
             assert shapes[layer.source].type == shape.type and shapes[layer.source].shares < 0
         else:
             assert (layer.kv_heads, layer.head_dim) == (shape.kv_heads, shape.head_dim)
-        if layer.kind == "sliding_attention":
+        if shape.type == "sliding_attention" and shape.shares < 0:  # gqa_in_place: a windowed cache of window + AR rows
             assert layer.window == gemma4.text.window
+            windowed = gemma4.attention == "gqa_in_place"
+            assert layer.kind == ("windowed_attention" if windowed else "sliding_attention")
+            assert not windowed or layer.capacity == gemma4.text.window + AR
+    if gemma4.attention == "gqa_in_place":
+        import onnx
+
+        g = onnx.load(str(gemma4.path), load_external_data=False).graph
+        window = {n.name: {a.name: a.i for a in n.attribute} for n in g.node if n.op_type == "GroupQueryAttention"}
+        assert sorted(a.get("sliding_window_cache", 0) for a in window.values()) == sorted(
+            int(s.type == "sliding_attention") for s in shapes)
+        dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
+        for layer in gemma4.layers:
+            if layer.kind == "windowed_attention":
+                assert dims[layer.key_input][1:] == [layer.kv_heads, layer.capacity, layer.head_dim]
 
 
 def test_greedy_ids_equal_generate_in_both_modes(gemma4):
@@ -151,6 +169,9 @@ def test_follow_up_reuses_the_prefix(gemma4):
     got = list(sched.generate(sched.embed(turn)[start:], mode="hybrid", max_new_tokens=N, ignore_eos=True,
                               start=start))
     assert got == gemma4.generate(turn)
+    if gemma4.attention == "gqa_in_place":  # the kept prefix's rows were evicted by the answer: a snapshot's copy
+        costs = sched.rows[0].cache.costs()
+        assert costs["restores"] == 1 and costs["snapshots"] >= 1
 
 
 def test_lookahead_drafts_keep_the_answer(gemma4, monkeypatch):
@@ -165,6 +186,25 @@ def test_lookahead_drafts_keep_the_answer(gemma4, monkeypatch):
         assert got == gemma4.generate(ids)
         drafted += sched.last.drafted_tokens
     assert drafted > 0
+
+
+def test_rejected_drafts_across_evictions(gemma4):
+    """Verify calls of 1 + 3 rows at every slot of the answer, their drafts generate's next ids up to a wrong one
+    (0, 1 or 2 accepted): the ids are generate's. A windowed cache keeps a call's first rows alone where its eviction
+    left their rows in place, and runs them again where it moved them (replays > 0)."""
+    want = gemma4.generate(PROMPTS[1])
+    sched = gemma4.scheduler(lookahead=3)
+    row = sched.rows[0]
+    out = [int(np.argmax(row.prefill(row.embed(PROMPTS[1]), "hybrid")))]
+    greedy, j = Sampler(SamplingConfig()), 0
+    while len(out) < N:
+        good = want[len(out): len(out) + 3]
+        k = min(j % 3, len(good))
+        drafts = good[:k] + ([(good[k] + 1) % gemma4.text.vocab] if k < len(good) else [])
+        out += row.verify(out[-1], drafts, greedy)
+        j += 1
+    assert out[:N] == want
+    assert (row.replays > 0) == (gemma4.attention == "gqa_in_place")
 
 
 def test_three_conversations_batched_answer_as_alone(gemma4):

@@ -56,8 +56,10 @@ def test_manifest_rows_are_wider_than_hidden(bundle):
     width = TEXT["hidden_size"] + TEXT["num_hidden_layers"] * TEXT["hidden_size_per_layer_input"]
     assert m["decoder"]["hidden_size"] == width
     assert np.load(bundle.bundle / "embed.npy", mmap_mode="r").shape[1] == width
-    assert [layer["kind"] for layer in m["kv"]["layers"]] == ["sliding_attention", "sliding_attention", "attention",
-                                                              "sliding_attention", "shared_kv", "shared_kv"]
+    assert [layer["kind"] for layer in m["kv"]["layers"]] == ["windowed_attention", "windowed_attention", "attention",
+                                                              "windowed_attention", "shared_kv", "shared_kv"]
+    # (a windowed cache of window + the prefill block's rows: the CPU graph's GroupQueryAttention evicts itself)
+    assert m["kv"]["layers"][0]["capacity"] == m["kv"]["layers"][0]["window"] + m["decoder"]["prefill_ar"]
 
 
 def test_hub_config_form_gives_the_same_family_config(bundle):
@@ -114,7 +116,10 @@ def test_bidirectional_vision_attention_equals_generate(bundle, bidirectional, t
     from vlmrt.runtime.vlm import VLM
 
     ckpt, b = bidirectional
-    assert json.loads((b / "manifest.json").read_text())["decoder"]["span_input"] == "span_ids"
+    m = json.loads((b / "manifest.json").read_text())
+    assert m["decoder"]["span_input"] == "span_ids"
+    # (the sliding layers in a windowed cache: its graph's span nodes read the buffers before the step)
+    assert {layer["kind"] for layer in m["kv"]["layers"]} == {"windowed_attention", "attention", "shared_kv"}
     images = [image(s, k) for k, s in enumerate(SIZES)]
     paths = []
     for k, im in enumerate(images):

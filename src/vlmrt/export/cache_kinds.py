@@ -158,6 +158,24 @@ class SlidingAttentionCache(AttentionCache):
                                   "with --kv-cache fp32")
 
 
+class WindowedAttentionCache(SlidingAttentionCache):
+    """A sliding-window layer's K and V in a windowed cache (gqa_in_place graphs: DecoderModule.window_capacity rows
+    per buffer, ORT's GroupQueryAttention evicting in the graph: runtime/decode/windowed_state.py): its kv.layers
+    entry has the window and the capacity."""
+
+    name = "windowed_attention"
+    padded = False  # (no static graph takes it: gqa_in_place only)
+
+    def examples(self, decoder, layout: CacheLayout, i: int) -> list[tuple[torch.Tensor, dict | None]]:
+        kv_heads, head_dim = decoder.kv_shape(i)
+        return [(torch.zeros(*layout.lead, kv_heads, decoder.window_capacity, head_dim, dtype=layout.dtype), None)
+                for _ in range(2)]
+
+    def layer(self, decoder, text, i: int, ins: list[str], outs: list[str]) -> mf.WindowedAttentionLayer:
+        return mf.WindowedAttentionLayer("windowed_attention", *decoder.kv_shape(i), ins[0], ins[1], outs[0], outs[1],
+                                         window=decoder.window, capacity=decoder.window_capacity)
+
+
 class SharedKVCache:
     """A layer that reads an earlier layer's K and V inside the graph (Gemma 4's kv-shared layers): no state tensors;
     its kv.layers entry names the source (DecoderModule.kv_source)."""
@@ -191,7 +209,7 @@ class SharedKVCache:
 
 
 CACHE_KINDS = {k.name: k for k in (AttentionCache(), ConvCache(), RecurrentCache(), SlidingAttentionCache(),
-                                  SharedKVCache())}
+                                  WindowedAttentionCache(), SharedKVCache())}
 
 
 def state_names(layer_kinds: tuple[str, ...], out_prefix: str = "new") -> tuple[list[str], list[str]]:

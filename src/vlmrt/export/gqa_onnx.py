@@ -4,10 +4,11 @@ ORT's contrib ops have no schema in `onnx`, and the dynamo exporter builds a nod
 registers the op's schema (the inputs vlmrt uses, in ORT's order: docs/ContribOperators.md of onnxruntime) once, and
 gives the exporter the translation (`TABLE`, torch.onnx.export's custom_translation_table). do_rotary with the cos /
 sin caches applies RoPE at the host's position_ids (rotary_interleaved 0: transformers' rotate-half form); scale 1/sqrt(head_dim), ORT's default,
-unless the op is given one; a sliding window as local_window_size. With spans (a token of an image span also sees the
-span's later tokens: families/gqa.py) the node takes causal 0 and an attention_bias [B, 1, s, total] built here from
-the step's slots (seqlens_k, its rows) and spans: 0 where the key is at or before the query's slot or a token of the
-query's span in the step, and within the window; the lowest value else.
+unless the op is given one; a sliding window as local_window_size over a windowed cache (capacity > 0: the buffers
+hold the last slots, not one per slot) as sliding_window_cache 1. With spans (a token of an image span also sees the
+span's later tokens: families/gqa.py) a second node takes causal 0 and an attention_bias [B, 1, s, total] built here
+from the step's slots (seqlens_k, its rows) and spans: 0 where the key is at or before the query's slot or a token of
+the query's span in the step, and within the window; the lowest value else (_windowed_spans).
 `pack_qkv` then feeds the op the fused q/k/v projection whole (its packed-QKV form), without the Split between.
 """
 
@@ -38,7 +39,7 @@ def _register() -> None:
     attributes = [a("num_heads", at.INT, "", required=True), a("kv_num_heads", at.INT, "", required=True),
                   a("do_rotary", at.INT, "", required=False), a("rotary_interleaved", at.INT, "", required=False),
                   a("local_window_size", at.INT, "", required=False), a("scale", at.FLOAT, "", required=False),
-                  a("causal", at.INT, "", required=False)]
+                  a("causal", at.INT, "", required=False), a("sliding_window_cache", at.INT, "", required=False)]
     onnx.defs.register_schema(OpSchema(
         "GroupQueryAttention", DOMAIN, 1, inputs=inputs, outputs=outputs, attributes=attributes,
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], ""),
@@ -50,20 +51,58 @@ _msft = onnxscript.values.Opset(DOMAIN, 1)
 
 
 def _group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads: int,
-                           kv_heads: int, window: int = 0, scale: float = 0.0, spans=None):
-    """window > 0: a sliding window of that many keys, the query's own included (local_window_size = window: ORT
+                           kv_heads: int, window: int = 0, scale: float = 0.0, spans=None, capacity: int = 0):
+    """window > 0 (with capacity): a sliding window of that many keys, the query's own included (local_window_size = window: ORT
     1.32's CPU kernel attends slots q - window < k <= q, measured against transformers' sliding mask by
-    tests/test_gemma4_decoder.py; the schema's "left window" reads one less); scale 0: the op's default 1/sqrt(head_dim)."""
-    extra, bias = {}, []
-    if spans is not None:  # the window goes into the bias (ORT: local_window_size -1 with causal 0)
-        extra["causal"] = 0
-        bias = [_span_bias(q, seqlens_k, total, spans, window)]
-    elif window > 0:
-        extra["local_window_size"] = window
+    tests/test_gemma4_decoder.py; the schema's "left window" reads one less); scale 0: the op's default 1/sqrt(head_dim);
+    capacity > 0: the buffers are a windowed cache of that many rows (sliding_window_cache 1); with spans too, two
+    nodes (_windowed_spans)."""
+    extra = {}
+    if window > 0 or spans is not None:
+        if not capacity or window <= 0:
+            raise ValueError("a sliding window (and spans) take a windowed cache: capacity > 0 "
+                             "(export/graphs.py window_capacity)")
+        if spans is not None:
+            return _windowed_spans(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads, kv_heads,
+                                   window, scale, spans, capacity)
+        extra.update(local_window_size=window, sliding_window_cache=1)
     if scale:
         extra["scale"] = float(scale)
-    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, *bias,
+    return _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids,
                                      num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, **extra)
+
+
+def _windowed_spans(q, k, v, past_k, past_v, seqlens_k, total, cos, sin, position_ids, heads: int, kv_heads: int,
+                    window: int, scale: float, spans, capacity: int):
+    """A windowed cache with spans: ORT takes sliding_window_cache with a causal window only (causal 0 needs
+    local_window_size -1, sliding_window_cache a window), so two nodes. The first (causal, windowed) writes the
+    present buffers (its output unused); the second (causal 0, the span bias, no window attribute) gives the output,
+    reading the buffers before the step, padded by s rows, as a cache by slot in the frame of their row 0: the step's
+    slots are L(p) .. L(p) + s - 1 there (p = seqlens_k + 1 - s, L the resident rows: format/manifest.py `resident`),
+    its present ([B, kv_heads, capacity + s, d]) unused. The bias is built from
+    those frame slots (the window and the span test are differences of slots; the rotary is at position_ids)."""
+    common = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)
+    if scale:
+        common["scale"] = float(scale)
+    _, present_k, present_v = _msft.GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin,
+                                                        position_ids, local_window_size=window,
+                                                        sliding_window_cache=1, **common)
+    i32 = onnx.TensorProto.INT32
+    one = op.Cast(op.Constant(value_int=1), to=i32)
+    c = op.Cast(op.Constant(value_int=capacity), to=i32)
+    g = op.Cast(op.Constant(value_int=capacity - window + 1), to=i32)
+    s = op.Cast(op.Shape(q, start=1, end=2), to=i32)  # [1]
+    p = op.Sub(op.Add(seqlens_k, one), s)  # [B] the slots before the step
+    evicted = op.Mul(op.Div(op.Add(op.Sub(p, c), op.Sub(g, one)), g), g)  # G * ceil((p - C) / G)
+    resident = op.Where(op.Greater(p, c), op.Sub(p, evicted), p)  # [B] L(p)
+    frame_k = op.Sub(op.Add(resident, s), one)  # [B] the frame's seqlens_k
+    frame_total = op.Add(op.ReduceMax(frame_k, keepdims=0), one)
+    bias = _span_bias(q, frame_k, frame_total, spans, window)
+    # (s zero rows after the buffers: a cache by slot must hold the frame's total, L(p) + s <= capacity + s)
+    pads = op.Concat(op.Constant(value_ints=[0] * 6), op.Shape(q, start=1, end=2), op.Constant(value_ints=[0]), axis=0)
+    out, _, _ = _msft.GroupQueryAttention(q, k, v, op.Pad(past_k, pads), op.Pad(past_v, pads), frame_k, frame_total,
+                                          cos, sin, position_ids, bias, causal=0, **common)
+    return out, present_k, present_v
 
 
 def _span_bias(q, seqlens_k, total, spans, window: int):

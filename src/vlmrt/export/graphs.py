@@ -201,6 +201,7 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
                                    rope_positions=max_context + (0 if layout.in_place else ar))
     valid = static_valid_rows(decoder.layer_kinds, attention, dynamic_ar)
     decoder.valid_rows = valid  # (the copy's: DecoderModule.valid_rows)
+    decoder.window_capacity = window_capacity(decoder, attention, ar)
     module = CastIO(decoder, TORCH_DTYPES[compute_dtype(precision, io_dtype)], dt)
     n = torch.export.Dim("ar", min=1, max=ar) if dynamic_ar else None
     dims = {"inputs_embeds": {0: n}, "position_ids": {1: n}, ROW_INPUT: {0: n}, SPAN_INPUT: {0: n}} if dynamic_ar else {}
@@ -265,6 +266,16 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
                 if d.dim_param == width:
                     d.dim_param = "ctx + ar"
         onnx.save(model, str(path))
+
+
+def window_capacity(decoder, attention: str, ar: int) -> int:
+    """The rows of a windowed cache's buffers (DecoderModule.window_capacity) for a graph of this attention kind and
+    prefill block: window + ar for a gqa_in_place graph of a decoder with a window (ORT's CPU GroupQueryAttention
+    with sliding_window_cache; the slack above the window is how many slots pass between two evictions: docs/
+    gemma4.md); 0 (rows by slot) for the rows kinds (static graphs, --attention portable)."""
+    if not decoder.window or not LAYOUTS[attention].in_place:
+        return 0
+    return decoder.window + ar
 
 
 def static_valid_rows(layer_kinds, attention: str, dynamic_ar: bool) -> bool:

@@ -496,6 +496,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
               if "max_patches" in plan.host.image.params else "")
     p.done(f"({plan.ckpt.path}; max context {plan.max_seq_len} tokens: {note}{budget})")
 
+    decoder.window_capacity = graphs.window_capacity(decoder, plan.attention, plan.prefill_ar)  # (as the graphs')
     kv = cache_kinds.kv_layers(decoder, plan.cfg.text, graphs.LAYOUTS[plan.attention].out_prefix)
     batched = cache_kinds.batchable(decoder.layer_kinds)
     extra_inputs = [r for r in vision_examples(vision, plan.cfg.patches_per_tile, 3 * plan.cfg.vision.patch_size**2)

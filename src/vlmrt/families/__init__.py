@@ -55,6 +55,9 @@ DECODER_LAYER_WEIGHTS = {
     "sliding_attention": ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                           "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
                           "mlp.down_proj"),
+    "windowed_attention": ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                           "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                           "mlp.down_proj"),
     "shared_kv": ("input_layernorm", "self_attn.q_proj", "self_attn.o_proj", "post_attention_layernorm",
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 }
@@ -145,6 +148,9 @@ class DecoderModule:
     # the attention kinds (layers.ATTENTION_KINDS) with_options builds; empty: every one (Qwen3.5's: gqa_in_place)
     attention_kinds: tuple[str, ...] = ()
     window: int = 0  # the keys a sliding_attention layer's query sees (read only where a layer is "sliding_attention")
+    # rows of a windowed cache's buffers (export/graphs.py window_capacity sets it where the graph takes one; a
+    # decoder with a window then names its sliding layers "windowed_attention"); 0: sliding rows by slot
+    window_capacity: int = 0
 
     def kv_shape(self, i: int) -> tuple[int, int]:
         """(kv_heads, head_dim) of layer i's K/V (an attention layer's self_attn; Gemma 4's full layers differ)."""

@@ -320,15 +320,52 @@ class RecurrentLayer:
 @dataclass
 class SlidingAttentionLayer(AttentionLayer):
     """An attention layer whose queries see only the last `window` keys: a key at slot k is seen by the query at slot
-    q when q - window < k <= q (Gemma 4's sliding_attention layers). Its K and V rows are kept one per slot like an
-    attention layer's (runtime/decode/windowed_state.py: so a prefix reuse, a rejected lookahead draft or a chunked
-    prefill rewinds by moving the length, no row a kept prefix needs is ever dropped); the graph applies the window
-    (GroupQueryAttention's local_window_size = window; under the rows kinds, added to the kind's mask in the graph)."""
+    q when q - window < k <= q (Gemma 4's sliding_attention layers under the rows kinds). Its K and V rows are kept
+    one per slot like an attention layer's (runtime/decode/windowed_state.py: so a prefix reuse, a rejected lookahead
+    draft or a chunked prefill rewinds by moving the length); the graph adds the window to the kind's mask. The CPU's
+    gqa_in_place graphs keep these layers in a windowed cache instead (WindowedAttentionLayer)."""
 
     window: int = 0  # keys a query sees, its own included
 
     def problem(self) -> str | None:
         return super().problem() or (None if self.window > 0 else "window must be positive")
+
+
+def resident(t: int, capacity: int, window: int) -> int:
+    """L(t) of a windowed cache (WindowedAttentionLayer; ORT 1.32's GroupQueryAttention, sliding_window_cache): the
+    rows [0, L) that hold slots t - L .. t - 1 after t slots, capacity C, window W: t while t <= C, else t - G *
+    ceil((t - C) / G), G = C - W + 1 (eviction frees G rows at once; min(t, W) <= L <= min(t, C))."""
+    if t <= capacity:
+        return t
+    g = capacity - window + 1
+    return t - g * -(-(t - capacity) // g)
+
+
+@dataclass
+class WindowedAttentionLayer(SlidingAttentionLayer):
+    """A sliding-window layer whose K and V buffers hold `capacity` rows, not one per slot (gqa_in_place graphs:
+    ORT's GroupQueryAttention with sliding_window_cache, which evicts in the graph): after T slots rows [0, L(T))
+    hold slots T - L(T) .. T - 1, L(T) = T while T <= capacity, else T - G * ceil((T - capacity) / G), G = capacity
+    - window + 1 (runtime/decode/windowed_state.py: how the runtime stores, rewinds and batches them)."""
+
+    capacity: int = 0  # rows of each K / V buffer (>= window)
+
+    def resident(self, t: int) -> int:
+        """L(t): the rows holding slots after t slots were written (class doc)."""
+        return resident(t, self.capacity, self.window)
+
+    def first(self, t: int) -> int:
+        """The slot in row 0 after t slots: t - L(t). Two counts with the same first slot share their rows: the
+        buffers of the larger hold the smaller's (a rewind between them moves the length only)."""
+        return t - resident(t, self.capacity, self.window)
+
+    def lowest(self, t: int) -> int:
+        """The smallest count whose first slot is first(t) (0 while nothing was evicted, else first + window)."""
+        f = self.first(t)
+        return f + self.window if f else 0
+
+    def problem(self) -> str | None:
+        return super().problem() or (None if self.capacity >= self.window else "capacity must be at least window")
 
 
 @dataclass
@@ -353,7 +390,8 @@ class SharedKVLayer:
 
 
 CACHE_LAYER_KINDS = {"attention": AttentionLayer, "conv": ConvLayer, "recurrent": RecurrentLayer,
-                     "sliding_attention": SlidingAttentionLayer, "shared_kv": SharedKVLayer}
+                     "sliding_attention": SlidingAttentionLayer, "windowed_attention": WindowedAttentionLayer,
+                     "shared_kv": SharedKVLayer}
 
 
 def attention_layers(n: int, kv_heads: int, head_dim: int, key_input: str = "past_key_{layer}",
@@ -371,7 +409,8 @@ class KVSpec:
 
     max_context: int
     dtype: str
-    layers: list[AttentionLayer | ConvLayer | RecurrentLayer | SlidingAttentionLayer | SharedKVLayer]
+    layers: list[AttentionLayer | ConvLayer | RecurrentLayer | SlidingAttentionLayer | WindowedAttentionLayer
+                 | SharedKVLayer]
     # uint8 caches (HTP bundles): per graph, per layer (scale, zero_point) of K and V rows,
     # {"prefill": {"key": [[s, zp], ...], "value": [...]}, "decode": {...}}; q = round(x / s) + zp
     encodings: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)

@@ -11,7 +11,7 @@ from ..format import manifest as mf
 from ..format.checks import decoder_inputs
 from ..format.verify_record import identity
 from .decode.decoder_kinds import decoder_kind
-from .decode import windowed_state  # noqa: F401  (registers the sliding_attention and shared_kv state kinds)
+from .decode import windowed_state  # noqa: F401  (registers the windowed_attention, sliding_attention and shared_kv kinds)
 from .decode.state_kinds import STATE_KINDS, by_kind
 from .media.tile_inputs import tile_op
 from .sessions import Sessions, _graph_files, agree, check_threads

@@ -1,8 +1,11 @@
 """Gemma 4's text decoder as one gqa_in_place step (transformers/models/gemma4/modeling_gemma4.py Gemma4TextModel is
 the reference), its state outside the graph:
 
-  sliding_attention layers  K/V buffers by slot (cache kind "sliding_attention"); GroupQueryAttention sees the last
-                            `window` keys (local_window_size = window), RoPE of the sliding theta
+  sliding_attention layers  a windowed cache (cache kind "windowed_attention": window_capacity rows per buffer,
+                            GroupQueryAttention's sliding_window_cache evicting in the graph; export/graphs.py
+                            window_capacity) or, with a span input and under the rows kinds, K/V rows by slot (cache
+                            kind "sliding_attention"); the node sees the last `window` keys (local_window_size =
+                            window), RoPE of the sliding theta
   full_attention layers     K/V buffers of their own head_dim / kv heads (cache kind "attention"), proportional RoPE
                             (partial_rotary_factor of each head's frequencies rotate; the rest have frequency 0);
                             attention_k_eq_v: the values are the raw key projection
@@ -23,7 +26,8 @@ token's (as transformers replaces image ids by the pad id there). The graph proj
 
     forward(inputs_embeds [ar, hidden + L·P], position_ids [1, ar], [span_ids [ar] int64: bidirectional vision
             attention's image spans, -1 elsewhere], seqlens_k [1], total_sequence_length [],
-            *state (per layer by kind: attention / sliding_attention past_key_i, past_value_i; shared_kv none),
+            *state (per layer by kind: attention / windowed_attention / sliding_attention past_key_i, past_value_i;
+            shared_kv none),
             logit_rows [r]) -> (logits [r, vocab], *the buffers updated, next_token [r])
 """
 
@@ -82,12 +86,13 @@ class Gemma4Attention(nn.Module):
             self.k_norm = Gemma4RMSNorm(s.head_dim, t.eps)
             self.v_norm = Gemma4RMSNorm(s.head_dim, t.eps, with_scale=False)
 
-    def forward(self, x, rope, step, kv, spans=None):
+    def forward(self, x, rope, step, kv, spans=None, capacity: int = 0):
         """gqa_in_place: x [1, ar, hidden]; rope (position_ids, cos, sin) of the layer's type; step (seqlens_k,
         total); kv: this layer's (past_k, past_v) buffers, or for a shared layer the source's (past_k, past_v, k rows,
         v rows) -> (out, present_k, present_v, k rows, v rows); spans [ar] (None: causal): the step's image spans,
-        whose tokens see each other both ways (a sliding layer's, with bidirectional vision attention). The rows
-        kinds: rows (below), the spans already in their mask."""
+        whose tokens see each other both ways (a sliding layer's, with bidirectional vision attention); capacity: the
+        rows of a windowed cache's buffers (a sliding layer's; 0: by slot). The rows kinds: rows (below), the spans
+        already in their mask."""
         if len(step) == 1:
             return self.rows(x, rope, step[0], kv)
         seqlens_k, total = step
@@ -103,7 +108,8 @@ class Gemma4Attention(nn.Module):
             k = self.k_norm(raw).reshape(1, ar, kvh * d)
             v = self.v_norm(v_raw).reshape(1, ar, kvh * d)
         out, pk, pv = torch.ops.vlmrt.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, cos, sin,
-                                                            positions, h, kvh, self.window, 1.0, spans)
+                                                            positions, h, kvh, self.window, 1.0, spans,
+                                                            capacity if self.window else 0)
         return self.o_proj(out), pk, pv, k, v
 
     def rows(self, x, rope, mask, kv):
@@ -161,8 +167,8 @@ class Gemma4Layer(nn.Module):
             self.per_layer_projection = nn.Linear(t.per_layer, t.hidden, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(t.hidden, t.eps)
 
-    def forward(self, x, per_layer_input, rope, step, kv, spans=None):
-        a, pk, pv, k, v = self.self_attn(self.input_layernorm(x), rope, step, kv, spans)
+    def forward(self, x, per_layer_input, rope, step, kv, spans=None, capacity: int = 0):
+        a, pk, pv, k, v = self.self_attn(self.input_layernorm(x), rope, step, kv, spans, capacity)
         x = x + self.post_attention_layernorm(a)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.per_layer:
@@ -190,9 +196,12 @@ class Gemma4Decoder(nn.Module, DecoderModule):
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's cache kind: "shared_kv" for the kv-shared layers, else its attention type's."""
-        return tuple("shared_kv" if s.shares >= 0 else ("sliding_attention" if s.type == "sliding_attention"
-                                                         else "attention") for s in self.text.shapes)
+        """Each layer's cache kind: "shared_kv" for the kv-shared layers, else its attention type's (a sliding
+        layer's: "windowed_attention" where the graph takes a windowed cache, window_capacity, else
+        "sliding_attention")."""
+        sliding = "windowed_attention" if self.window_capacity else "sliding_attention"
+        return tuple("shared_kv" if s.shares >= 0 else (sliding if s.type == "sliding_attention" else "attention")
+                     for s in self.text.shapes)
 
     def kv_source(self, i: int) -> int:
         return self.text.shapes[i].shares
@@ -256,7 +265,7 @@ class Gemma4Decoder(nn.Module, DecoderModule):
                 at += 2
             pli = per_layer[..., i, :] if per_layer is not None else None
             x, pk, pv, k, v = layer(x, pli, ropes[layer.type], steps[layer.type], kv,
-                                    spans if layer.type == "sliding_attention" else None)
+                                    spans if layer.type == "sliding_attention" else None, self.window_capacity)
             if cache != "shared_kv":
                 new += [pk, pv]
                 kept[i] = (kv[0], kv[1], k, v)

@@ -234,9 +234,10 @@ class CacheRow:
         finally:
             if constraint is not None:
                 constraint.rollback(advanced)
-        if len(out) == n or self.cache.drops_rows:
+        if self.cache.keeps(len(out), n):
             self.kind.store(self.cache, step.staged, len(out), step.buffers.positions)
-        else:  # a recurrent state cannot keep part of the call: it still holds the state before it; the kept rows again
+        else:  # a state that cannot keep this part of the call (a recurrent one; a windowed cache whose kept rows
+            # the call evicted) still holds the state before it: the kept rows again
             if rows is not None:  # (the rows outlive the call that replays: copies)
                 rows[:] = [r.copy() for r in rows]
             t = time.perf_counter()
@@ -262,8 +263,8 @@ class CacheRow:
         if m != mode or epoch != self.cache.epoch:
             return 0
         n = min(common, rows, self.cache.length)
-        if self._span_blocks(mode):  # (a span plan: the blocks' own starts)
-            return max(b for b in self._bounds if b <= n)
+        if self._span_blocks(mode):  # (a span plan: the blocks' own starts, where every state can be had)
+            return max(b for b in self._bounds if b <= n and self.cache.restorable(b) == b)
         return self.cache.restorable(n - n % self.blocks(mode), self.blocks(mode))
 
     def _span_blocks(self, mode: str) -> bool:
@@ -310,12 +311,13 @@ class CacheRow:
     def block(self, mode: str, embeds: np.ndarray, positions: np.ndarray, rows: np.ndarray | None,
               spans: np.ndarray | None = None) -> np.ndarray:
         """One prompt block (prefill_ar rows in hybrid mode, one in kv mode; with spans, block_end's: a whole span)
-        through its graph into the cache; at a block's end (a multiple of the mode's block) a snapshot of the states
-        that keep them (KVCache.checkpoint: a recurrent layer's, for a later prompt to keep this prefix)."""
+        through its graph into the cache; at a block's end (a multiple of the mode's block; each block's under a span
+        plan) a snapshot of the states that keep them (KVCache.checkpoint: a recurrent layer's, a windowed cache's,
+        for a later prompt to keep this prefix)."""
         logits = self.step("prefill" if self.blocks(mode) > 1 else "decode", embeds, positions, rows, spans)
         if self._bounds[-1] != self.cache.length:
             self._bounds.append(self.cache.length)
-        if not self.cache.drops_rows and self.cache.length % self.blocks(mode) == 0:
+        if not self.cache.drops_rows and (self._span_blocks(mode) or self.cache.length % self.blocks(mode) == 0):
             self.cache.checkpoint()
         return logits
 

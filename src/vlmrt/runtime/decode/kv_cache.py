@@ -25,7 +25,7 @@ import numpy as np
 from ...format.manifest import KVSpec
 from . import recurrent_state  # noqa: F401  (registers the "recurrent" state kind)
 from .cache_layouts import HEADS, ROWS, CacheLayout, zeroed
-from . import windowed_state  # noqa: F401  (registers the sliding_attention and shared_kv state kinds)
+from . import windowed_state  # noqa: F401  (registers the windowed_attention, sliding_attention and shared_kv kinds)
 from .state_kinds import STATE_KINDS, by_kind
 
 __all__ = ["HEADS", "ROWS", "BatchArrays", "CacheLayout", "KVCache", "attention_mask", "context_slots", "zeroed"]
@@ -207,6 +207,12 @@ class KVCache:
         for s in self._snapshotting:
             s.checkpoint(self.length)
 
+    def keeps(self, n: int, ar: int) -> bool:
+        """Whether a step of ar rows at the next slot can keep its first n alone (store): always where every state
+        is per slot; a recurrent state only n == ar; a windowed cache where its rows after n are those after ar
+        (runtime/decode/windowed_state.py)."""
+        return n == ar or all(s.keeps(self.length, n, ar) for s in self._snapshotting)
+
     def restorable(self, n: int, step: int = 1) -> int:
         """The largest slot <= n (a multiple of step; n is one) at which every state can be had again: n where every
         state keeps its prefix by slot, else where the snapshotting states have one (0: the empty state)."""
@@ -277,9 +283,10 @@ class KVCache:
         pos = self.length
         if pos + n_valid > self.max_context:
             raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.max_context}")
-        if self._snapshotting and n_valid != positions.shape[1]:  # (a padded static block: its padding would be in)
-            raise ValueError(f"a step of {positions.shape[1]} rows cannot be kept in part ({n_valid}) by a recurrent "
-                             "state (a static graph without decoder.kind.valid_rows_input): re-export the bundle")
+        if not self.keeps(n_valid, positions.shape[1]):  # (a padded static block: its padding would be in)
+            raise ValueError(f"a step of {positions.shape[1]} rows cannot be kept in part ({n_valid}) by a state "
+                             "not per slot (a static graph without decoder.kind.valid_rows_input: re-export the "
+                             "bundle; a lookahead call: CacheRow.verify runs the kept rows again)")
         if n_valid == 1 and self._one_row:  # a decode step's position: one item (no slices)
             self._positions[0, pos] = positions[0, 0]
         else:

@@ -105,6 +105,10 @@ class RecurrentState:
         for name, s in zip(outs, staged):
             s[...] = outputs[name]
 
+    def keeps(self, pos: int, n: int, ar: int) -> bool:
+        """A step is kept whole or not at all (module doc)."""
+        return n == ar
+
     def store(self, staged: list[np.ndarray], pos: int, n: int) -> None:
         """The step's state after its last row replaces the arrays' (a step stored whole: KVCache.drops_rows is
         False, so the cache row never stores part of a step here, it runs the kept rows again)."""
