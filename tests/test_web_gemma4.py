@@ -34,8 +34,8 @@ def _image(size, seed) -> Image.Image:
 def test_gemma4_site_answers_as_vlmrt_run(tmp_path_factory, tmp_path):
     """A wide image alone (kv mode: the image one step) and a wide + a tall one (hybrid: a block of 32 would end inside
     the second image, so the block stops before it): 16 greedy ids and the prompt ids equal VLM.chat's, the table
-    read by Range rows, never fetched whole. (On main f2d6421 `vlmrt web` refused the bundle: sliding_attention
-    cache layers, the span input.)"""
+    read by Range rows, never fetched whole; the sliding layers in window-sized buffers, past their capacity. (On main
+    f2d6421 `vlmrt web` refused the bundle: sliding_attention cache layers, the span input.)"""
     need_browser()
     pytest.importorskip("torch")
     from family_cases import gemma4_bidirectional_exported
@@ -49,8 +49,9 @@ def _answers_as_python(bundle, tmp_path):
     from vlmrt.web.site import write_site
 
     m = mf.load(bundle)
-    assert m.decoder.span_input and {layer.kind for layer in m.kv.layers} == {"attention", "sliding_attention",
+    assert m.decoder.span_input and {layer.kind for layer in m.kv.layers} == {"attention", "windowed_attention",
                                                                                "shared_kv"}
+    capacity = max(layer.capacity for layer in m.kv.layers if layer.kind == "windowed_attention")
     site = write_site(bundle, tmp_path / "site")
     wide, tall = _image((37, 90), 0), _image((120, 41), 1)
     vlm = VLM.load(bundle)
@@ -74,6 +75,7 @@ def _answers_as_python(bundle, tmp_path):
                                                              "mode": mode})
             assert got["promptIds"] == want.prompt_ids, mode
             assert got["tokenIds"] == want.token_ids, mode
+            assert len(want.prompt_ids) + 16 > capacity  # the graph evicted sliding rows (the page keeps none itself)
             if len(images) == 2:  # (a plain block of 32 would end inside the second image)
                 at = [i for i, t in enumerate(want.prompt_ids) if t == m.special_tokens.image_token_id]
                 assert 31 in at and 32 in at and at[0] < 32

@@ -27,8 +27,8 @@ HERE = Path(__file__).parent
 # what the browser runtime implements (static/decoder.js decoderPlan: its own code per kind): the decoder kinds
 # (manifest.DECODER_KINDS) and the cache layer kinds (manifest.CACHE_LAYER_KINDS) it runs
 BROWSER_DECODER_KINDS = ("gqa_in_place", "rows_dynamic", "rows_static")
-# (static/windowed.js: Gemma 4's two; static/recurrent.js: Qwen3.5's)
-BROWSER_CACHE_KINDS = ("attention", "sliding_attention", "shared_kv", "recurrent")
+# (static/windowed.js: Gemma 4's three; static/recurrent.js: Qwen3.5's)
+BROWSER_CACHE_KINDS = ("attention", "windowed_attention", "sliding_attention", "shared_kv", "recurrent")
 BROWSER_POSITION_OPS = ("slots", "mrope")  # static/positions.js POSITION_OPS
 STATIC = HERE / "static"
 RUNTIME_FILES = ("vlmrt.js", "app.js", "decoder.js", "files.js", "image.js", "resample.js", "npy.js", "prompt.js",

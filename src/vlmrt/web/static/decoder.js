@@ -20,7 +20,8 @@ import { recurrentLayers, RecurrentState } from "./recurrent.js";
 //   {kind: "gqa_in_place" | "rows_dynamic" | "rows_static", dynamicAR, contextStep, maskInput, maskValue,
 //    positionsInput, logitRowsInput, lastLogits, argmaxOutput, seqlensInput, totalLengthInput, tokenRowsInput,
 //    tokenScalesInput, hiddenOutput, spanInput, validRowsInput, rowInput, rowWidth, layers: [{kind: "attention" |
-//    "sliding_attention", kvHeads, headDim, keyInput, valueInput, keyOutput, valueOutput}] (the layers with buffers:
+//    "sliding_attention" | "windowed_attention", kvHeads, headDim, capacity (windowed: the buffer's rows, else null),
+//    keyInput, valueInput, keyOutput, valueOutput}] (the layers with buffers:
 //    windowed.js), recurrent: [recurrent.js recurrentLayers], otherLayers: [kinds]}
 export function decoderPlan(m) {
   const d = m.decoder, kv = m.kv;
@@ -35,7 +36,8 @@ export function decoderPlan(m) {
     validRowsInput: k.valid_rows_input ?? null, rowInput: d.row_input?.input ?? null, rowWidth: d.row_input?.width ?? 0,
     recurrent: recurrentLayers(kv),
     layers: slotLayers(kv.layers).map((l) => ({ kind: l.kind, kvHeads: l.kv_heads, headDim: l.head_dim,
-      keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output, valueOutput: l.value_output })),
+      capacity: l.capacity ?? null, keyInput: l.key_input, valueInput: l.value_input, keyOutput: l.key_output,
+      valueOutput: l.value_output })),
     otherLayers: kv.layers.map((l) => l.kind).filter((kind) => kind !== "attention" && kind !== "recurrent" && !(kind in WINDOWED_LAYERS)),
   };
 }
@@ -94,7 +96,8 @@ export class Decoder {
     if (this.p.kind === "gqa_in_place") {
       // one zero buffer per shape: a step returns new tensors and never writes its inputs
       this.past = this.p.layers.map((l) => {
-        const shape = [1, l.kvHeads, top, l.headDim], zero = new Float32Array(l.kvHeads * top * l.headDim);
+        const rows = l.capacity ?? top;  // a windowed layer's buffers hold capacity rows (the op evicts)
+        const shape = [1, l.kvHeads, rows, l.headDim], zero = new Float32Array(l.kvHeads * rows * l.headDim);
         return [new T("float32", zero, shape), new T("float32", zero, shape)];
       });
     } else {
