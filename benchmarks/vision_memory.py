@@ -1,7 +1,7 @@
 """Where a Qwen-VL / Qwen3.5 vision graph's memory goes at its patch budget (issue 46 item 5): the tower alone at a
 released vision shape (random init, fp32), exported with a given attention block (vision.QUERY_ROWS), then run once
 on the 1024×768 photo's patches padded to the budget in a fresh process under ORT's default CPU session options or
-with the arena / memory patterns off; prints one JSON line per variant: RSS after load, peak RSS, the run's seconds.
+with the arena / memory patterns off; prints one JSON line per variant: RSS after load and after the inputs are built, the peak before and after the run, the run's seconds.
 
     python -m benchmarks.vision_memory [--shape qwen3_5-0.8b] [--rows 4096] [--query-rows 4096,256] [--options default,no-arena,no-pattern]
 """
@@ -76,9 +76,11 @@ def run(path: str, shape: str, rows: int, options: str) -> None:
     p = native.smart_resize_patches(photo, spec("qwen3_vl", 64 * 32 * 32, 16384 * 32 * 32, max_patches=rows))
     ops, params = vision.host_inputs(v)
     f = vi.build_feeds(p.patches, p.grid, ops, params, rows, float(np.finfo(np.float32).min))
+    fed, fed_peak = _rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t = time.perf_counter()
     sess.run(None, {n: f.feeds[n] for n in vision.input_names(v)})
-    print(json.dumps({"patches": len(p.patches), "rss_loaded_mb": round(loaded, 1), "run_s": round(time.perf_counter() - t, 2),
+    print(json.dumps({"patches": len(p.patches), "rss_loaded_mb": round(loaded, 1), "rss_fed_mb": round(fed, 1),
+                      "peak_before_run_mb": round(fed_peak, 1), "run_s": round(time.perf_counter() - t, 2),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
 
 
