@@ -217,7 +217,7 @@ def llama_arm(a, work: Path) -> dict:
         log = p.stdout + p.stderr
         if p.returncode:
             raise SystemExit(f"llama-mtmd-cli failed ({p.returncode}): {log[-2000:]}")
-        enc = [float(x) for x in re.findall(r"image slice encoded in (\d+) ms", log)]
+        enc = [float(x) for x in re.findall(r"(?:image slice encoded|batch encoding done) in (\d+) ms", log)]  # (mtmd-cli 0c1e570: the latter)
         dec = [float(x) for x in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+) ms", log)]
         pe = re.search(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", log)
         ev = re.search(r"\seval time =\s+([\d.]+) ms /\s+(\d+) runs", log)
