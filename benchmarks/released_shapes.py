@@ -35,8 +35,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.recurrent_decode import POSITIONS  # 100, 1000, 4000
+
 ROOT = Path(__file__).resolve().parents[1]
-POSITIONS = (100, 1000, 4000)
 
 S, F = "sliding_attention", "full_attention"
 # google/gemma-4-E2B(-it) config.json, text_config: 35 layers (every fifth full attention), the last 20 kv-shared
@@ -178,25 +179,11 @@ def cli(*args: str, capture: bool = False) -> str:
 
 
 def decode_positions(bundle: Path, steps: int = 16, rounds: int = 3) -> dict:
-    """ms per decode step from cache lengths 100 / 1000 / 4000 (benchmarks/recurrent_decode.py's method)."""
-    import numpy as np
+    """ms per decode step from cache lengths 100 / 1000 / 4000 (benchmarks/recurrent_decode.py's loop)."""
+    from benchmarks.recurrent_decode import time_positions
 
-    from vlmrt.runtime.vlm import VLM
-
-    vlm = VLM.load(bundle)
-    row, best = vlm.row, {p: float("inf") for p in POSITIONS}
-    cache = row.cache
-    for _ in range(rounds):
-        for p in POSITIONS:
-            cache.reset()
-            cache.length = p
-            cache.positions[:, :p] = np.arange(p)
-            for _ in range(steps):
-                t = time.perf_counter()
-                row.decode_token(300)
-                best[p] = min(best[p], time.perf_counter() - t)
-    return {"ms_per_step": {p: round(1000 * best[p], 2) for p in POSITIONS},
-            "tok_per_s": {p: round(1 / best[p], 1) for p in POSITIONS}, "cache_mb": round(cache.nbytes / 2**20, 1)}
+    out = time_positions(bundle, steps, rounds)
+    return {**out, "tok_per_s": {p: round(1000 / ms, 1) for p, ms in out["ms_per_step"].items()}}
 
 
 def vlmrt_arm(a, work: Path) -> dict:
@@ -230,7 +217,7 @@ def llama_arm(a, work: Path) -> dict:
         log = p.stdout + p.stderr
         if p.returncode:
             raise SystemExit(f"llama-mtmd-cli failed ({p.returncode}): {log[-2000:]}")
-        enc = [float(x) for x in re.findall(r"image slice encoded in (\d+) ms", log)]
+        enc = [float(x) for x in re.findall(r"(?:image slice encoded|batch encoding done) in (\d+) ms", log)]  # (mtmd-cli 0c1e570: the latter)
         dec = [float(x) for x in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+) ms", log)]
         pe = re.search(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", log)
         ev = re.search(r"\seval time =\s+([\d.]+) ms /\s+(\d+) runs", log)

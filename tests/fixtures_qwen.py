@@ -141,6 +141,7 @@ def loaded(kind: str, tmp_path_factory):
 
 
 _VISION_GRAPHS: dict = {}
+VISION_PATHS: dict = {}  # (kind, rows) -> the exported graph file (vision_graph)
 
 
 def vision_graph(kind: str, tmp_path_factory, rows: int):
@@ -157,6 +158,7 @@ def vision_graph(kind: str, tmp_path_factory, rows: int):
     v = cfg.vision
     path = tmp_path_factory.mktemp(f"{kind}-vision") / "vision.onnx"
     export_graph(tower, vision.example_inputs(v, rows, -1e30), vision.input_names(v), vision.output_names(v), path)
+    VISION_PATHS[kind, rows] = path
     _VISION_GRAPHS[kind, rows] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return _VISION_GRAPHS[kind, rows]
 

@@ -44,3 +44,25 @@ def test_simulator_equals_the_cpu_ep_with_a_padded_block(htp_bundle):
         want = cpu(PROMPT, mode=mode, max_new_tokens=16, ignore_eos=True)
         assert len(want.prompt_ids) % m.decoder.prefill_ar and len(set(want.token_ids)) > 4
         assert npu(PROMPT, mode=mode, max_new_tokens=16, ignore_eos=True).token_ids == want.token_ids, mode
+
+
+def test_the_other_held_in_prompt_parts_only_at_near_ties(htp_bundle):
+    """The other held-in text prompt, in kv mode, parts from the CPU EP at token 5: there the CPU EP's top two logits
+    are 0.024 apart (measured; hybrid mode gives equal ids), within TIE (test_qwen_vl_htp.py's criterion); at most
+    two parted tokens in 16, each such a near tie."""
+    import numpy as np
+
+    from test_qnn_context import TIE
+
+    prompt, mode = "What is the capital of France?", "kv"
+    cpu, npu = VLM.load(htp_bundle), VLM.load(htp_bundle, device="htp")
+    want = cpu(prompt, mode=mode, max_new_tokens=16, ignore_eos=True)
+    xc, xn = cpu.decoder_inputs(cpu.prompt(prompt)), npu.decoder_inputs(npu.prompt(prompt))
+    lc = cpu.row.score(xc.embeds, want.token_ids, mode, positions=xc.positions, rows=xc.rows)
+    ln = npu.row.score(xn.embeds, want.token_ids, mode, positions=xn.positions, rows=xn.rows)
+    assert (lc.argmax(-1) == want.token_ids).all()
+    top2 = np.sort(lc, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    parted = [i for i in range(16) if ln[i].argmax() != want.token_ids[i]]
+    assert all(margin[i] <= TIE for i in parted), (parted, margin.round(3).tolist())
+    assert len(parted) <= 2, parted

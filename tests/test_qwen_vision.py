@@ -12,7 +12,7 @@ from PIL import Image
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from fixtures_qwen import loaded, vision_graph  # noqa: E402
+from fixtures_qwen import VISION_PATHS, loaded, vision_graph  # noqa: E402
 from vlmrt.families.qwen_vl import vision  # noqa: E402
 from test_image_native import spec  # noqa: E402
 from vlmrt.runtime.media import image_native as native  # noqa: E402
@@ -159,3 +159,29 @@ def test_missing_window_order_is_caught(towers):
         got = ours(torch.from_numpy(f.feeds["patches"]), torch.from_numpy(f.feeds["rotary_cos"]),
                    torch.from_numpy(f.feeds["rotary_sin"]), m, m).numpy()
     assert np.abs(got - want).max() > 100 * 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_in_query_blocks_equals_transformers(kind, towers, tmp_path_factory):
+    """A budget over vision.QUERY_ROWS: the graph attends in blocks of QUERY_ROWS queries (and a ragged last one),
+    each softmax over [heads, <= QUERY_ROWS, budget] (one over [heads, budget, budget] before: 805 MB a tensor at
+    the released 4096-patch budget), and still gives transformers' tokens for an image that fills both blocks."""
+    import onnx
+
+    rows = vision.QUERY_ROWS + 64
+    cfg, visual, _ = towers[kind]
+    sess = vision_graph(kind, tmp_path_factory, rows)
+    model = onnx.shape_inference.infer_shapes(onnx.load(VISION_PATHS[kind, rows], load_external_data=False))
+    shapes = {x.name: [d.dim_value for d in x.type.tensor_type.shape.dim] for x in model.graph.value_info}
+    softmax = [shapes[n.input[0]] for n in model.graph.node if n.op_type == "Softmax"]
+    assert len(softmax) == 2 * cfg.vision.depth  # two blocks a layer
+    assert sorted({s[-2] for s in softmax}) == [64, vision.QUERY_ROWS] and {s[-1] for s in softmax} == {rows}
+    v = 14 if kind == "qwen2_5_vl" else 16
+    p = native.smart_resize_patches(noise(600, 500, seed=2), spec(kind, 4 * (2 * v) ** 2, 80 * (2 * v) ** 2,
+                                                                  max_patches=rows))
+    assert vision.QUERY_ROWS < len(p.patches) <= rows
+    want, deep = reference(visual, p)
+    f = vi.build_feeds(p.patches, p.grid, ops(cfg), params(cfg), rows, MASK)
+    got = sess.run(vision.output_names(cfg.vision), {n: f.feeds[n] for n in vision.input_names(cfg.vision)})
+    for g, w in zip(got, [want, *deep]):
+        np.testing.assert_allclose(f.restore(g), w, rtol=0, atol=2e-5)

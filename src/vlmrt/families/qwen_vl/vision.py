@@ -35,8 +35,16 @@ class PatchEmbed(nn.Module):
         return self.proj(patches)
 
 
+# Queries per attention block: the graph attends QUERY_ROWS patches at a time over all keys, so the scores it holds
+# are [heads, QUERY_ROWS, N], not [heads, N, N] (each row's softmax is its own: the same numbers). At the 4096-patch
+# budget one [12, 4096, 4096] fp32 score tensor is 805 MB and ORT held two to three at once (the image run of the
+# Qwen3.5-0.8B shape peaked at 2.5 GB); blocks of 256 rows hold 50 MB each (figures: docs/qwen-vl.md).
+QUERY_ROWS = 256
+
+
 class VisionAttention(nn.Module):
-    """Fused qkv, 2-D rotary on q and k (in float32, as transformers), attention under an additive mask."""
+    """Fused qkv, 2-D rotary on q and k (in float32, as transformers), attention under an additive mask, in blocks
+    of QUERY_ROWS queries."""
 
     def __init__(self, v: VisionConfig):
         super().__init__()
@@ -49,8 +57,14 @@ class VisionAttention(nn.Module):
         q, k, val = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)  # [N, heads, d] each
         q = layers.apply_rope(q.float(), cos, sin).to(x.dtype).transpose(0, 1)  # [heads, N, d]
         k = layers.apply_rope(k.float(), cos, sin).to(x.dtype).permute(1, 2, 0)  # [heads, d, N]
-        p = torch.softmax(torch.matmul(q, k) * self.head_dim**-0.5 + mask, dim=-1)
-        return self.proj(torch.matmul(p, val.transpose(0, 1)).transpose(0, 1).reshape(n, -1))
+        val = val.transpose(0, 1)  # [heads, N, d]
+        out = []
+        for i in range(0, n, QUERY_ROWS):  # N is static in the graph: the blocks unroll
+            p = torch.softmax(torch.matmul(q[:, i:i + QUERY_ROWS], k) * self.head_dim**-0.5 + mask[i:i + QUERY_ROWS],
+                              dim=-1)
+            out.append(torch.matmul(p, val))  # [heads, rows, d]
+        o = torch.cat(out, dim=1) if len(out) > 1 else out[0]
+        return self.proj(o.transpose(0, 1).reshape(n, -1))
 
 
 class GatedMLP(nn.Module):
