@@ -324,6 +324,23 @@ def _content_key(raw: bytes, data_type: int, dims) -> str:
     return hashlib.sha256(raw + repr((data_type, tuple(dims))).encode()).hexdigest()
 
 
+def _file_content_key(path: Path, offset: int, length: int, data_type: int, dims, chunk: int = 64 << 20) -> str:
+    """_content_key of the bytes at path[offset:offset + length], read a chunk at a time (a token table of GBs is
+    never in memory whole)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            block = f.read(min(chunk, left))
+            if not block:
+                raise OSError(f"{path} ends before its data")
+            h.update(block)
+            left -= len(block)
+    h.update(repr((data_type, tuple(dims))).encode())
+    return h.hexdigest()
+
+
 def npy_tensors(folder: Path, files: list[str]) -> dict[str, tuple[str, int, int]]:
     """The arrays of .npy files in folder as share_weights' known tensors: content key -> (file, data offset,
     length). (The host's int8 embedding table and its row scales: a tied lm head's re-scored rows are those bytes.)"""
@@ -335,7 +352,7 @@ def npy_tensors(folder: Path, files: list[str]) -> dict[str, tuple[str, int, int
         arr = np.load(path, mmap_mode="r")  # (the header: shape, dtype, where the data starts)
         if not arr.flags.c_contiguous or arr.offset % 64:  # (np.save aligns the data to 64 bytes)
             continue
-        key = _content_key(arr.tobytes(), onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
+        key = _file_content_key(path, arr.offset, arr.nbytes, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
         known[key] = (name, arr.offset, arr.nbytes)
         del arr
     return known
