@@ -23,6 +23,7 @@ import torch
 from vlmrt.export import cache_kinds, fuse, graphs
 from vlmrt.families.gemma4 import language
 from vlmrt.families.gemma4.config import Gemma4TextConfig
+from vlmrt.families.weights import Tensors
 from vlmrt.format.manifest import DecoderSpec, GqaInPlaceKind, KVSpec, PositionsSpec, RowsDynamicKind
 from vlmrt.runtime.decode import lookahead
 from vlmrt.runtime.decode.cache_row import DecoderConfig, DecoderSessions
@@ -72,9 +73,9 @@ class Exported:
         self.model, self.path, self.attention = model, path, attention
         self.text = Gemma4TextConfig.from_hf(config)
         sd = model.state_dict()
-        self.decoder, table = language.load(self.text, sd.__getitem__, "model.")
+        self.decoder, table = language.load(self.text, Tensors(sd), "model.")
         self.decoder.window_capacity = graphs.window_capacity(self.decoder, attention, AR)  # (as the pipeline's)
-        self.table = table.numpy()
+        self.table = table.rows(0, self.text.vocab)
         graphs.export_decoder(self.decoder, attention=attention, ar=AR, max_context=CTX,
                               hidden=self.table.shape[1], kv_heads=self.text.kv_heads, head_dim=self.text.head_dim,
                               io_dtype="fp32", precision="fp32", head="fp32", path=path, dynamic_context=True,
@@ -295,8 +296,8 @@ def test_static_graphs_answer_as_generate(tmp_path):
 
     model, config = _checkpoint("shared", tmp_path)
     text = Gemma4TextConfig.from_hf(config)
-    decoder, table = language.load(text, model.state_dict().__getitem__, "model.")
-    table = table.numpy()
+    decoder, table = language.load(text, Tensors(model.state_dict()), "model.")
+    table = table.rows(0, text.vocab)
     sessions = {}
     for ar in (AR, 1):
         path = tmp_path / f"static{ar}.onnx"

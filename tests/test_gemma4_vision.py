@@ -14,6 +14,7 @@ from PIL import Image
 from vlmrt.export import graphs
 from vlmrt.families.gemma4 import language, vision
 from vlmrt.families.gemma4.config import Gemma4TextConfig
+from vlmrt.families.weights import Tensors
 
 TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size_per_layer_input=300, hidden_size_per_layer_input=8, num_hidden_layers=2,
@@ -46,7 +47,8 @@ def tower(tmp_path_factory):
         model.model.vision_tower.std_scale.uniform_(0.5, 2)
     sd = model.state_dict()
     text = Gemma4TextConfig.from_hf(cfg.text_config.to_dict())
-    _, table = language.load(text, sd.__getitem__, "model.language_model.")
+    _, table = language.load(text, Tensors(sd), "model.language_model.")
+    table = torch.from_numpy(table.rows(0, 1))
     module = vision.load(cfg.vision_config.to_dict(), sd.__getitem__, "model.", text.hidden, table[0, text.hidden:],
                          BUDGET)
     path = tmp_path_factory.mktemp("gemma4-vision") / "vision.onnx"

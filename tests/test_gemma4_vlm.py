@@ -282,3 +282,86 @@ def test_image_edge_cases_give_the_processors_patches(bundle, tmp_path):
         assert p.ids == want["input_ids"][0].tolist(), name
         got = p.images()[0][1].pixels[0]
         np.testing.assert_allclose(got, want["pixel_values"][0].numpy(), rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_token_table_is_read_from_the_checkpoint_in_row_blocks(bundle, tmp_path, monkeypatch):
+    """Export memory (issue 45): the token table [vocab, hidden + layers × per_layer] (11 GB as float32 at E2B) is
+    never whole in memory. The loader gives it as row blocks of the checkpoint's own tensors (safetensors' map: the
+    same storage, not a float32 copy), bit-equal to the table computed whole; the exporter writes embed.npy a block
+    at a time (at most a quarter of the rows here), byte-equal to np.save of the whole table, float16 and int8 rows +
+    scales alike, and a large table's write allocates under a tenth of the file (tracemalloc). On main f2d6421 the
+    loader built the float32 table whole (torch.cat) and the export converted it whole (np.save(embed.astype(...))."""
+    import tracemalloc
+    from types import SimpleNamespace
+
+    import torch
+
+    from vlmrt.export import graphs, pipeline
+    from vlmrt.export.cpu import quantize
+    from vlmrt.families import family_for, token_table
+    from vlmrt.families.checkpoint import Checkpoint
+    from vlmrt.progress import Progress
+
+    ckpt = Checkpoint.open(bundle.ckpt)
+    fam = family_for(ckpt.config)
+    cfg = fam.config(ckpt.config)
+    fam.host(ckpt, cfg, json.loads((bundle.ckpt / "tokenizer.json").read_text()))
+    tensors = ckpt.tensors()
+    table = fam.weights(cfg, tensors).embed
+    t = cfg.text
+    names = ["model.language_model.embed_tokens.weight", "model.language_model.embed_tokens_per_layer.weight"]
+    assert [s.data_ptr() for s, _ in table.parts] == [tensors[n].data_ptr() for n in names]
+    whole = torch.cat([tensors[names[0]].float() * torch.tensor(t.hidden ** 0.5),
+                       tensors[names[1]].float() * torch.tensor(t.per_layer ** 0.5)], dim=1).numpy()
+    assert table.shape == whole.shape and np.array_equal(table.rows(0, t.vocab), whole)
+    assert np.array_equal(table[[3, 0, 3]], whole[[3, 0, 3]])
+    assert np.array_equal(np.load(bundle.bundle / "embed.npy"), whole)  # (the fp32 export)
+
+    sizes = []
+    rows = token_table.TokenTable.rows
+    monkeypatch.setattr(token_table.TokenTable, "rows", lambda self, a, b: sizes.append(b - a) or rows(self, a, b))
+    monkeypatch.setattr(token_table, "BLOCK_BYTES", 4 * t.row_width * (t.vocab // 4))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+
+    def write(int8: bool, table, folder):
+        folder.mkdir()
+        plan = SimpleNamespace(prec={"prefill": "w8a16", "decode": "w8a16"}, head=None, dtype="fp32", int8_table=int8,
+                               ckpt=SimpleNamespace(path=tmp_path / "ckpt"))
+        return pipeline._write_host_files(plan, table, folder, Progress(1, False))
+
+    assert write(False, table, tmp_path / "f16") == ("float16", None)
+    assert (tmp_path / "f16" / "embed.npy").read_bytes() == _npy(whole.astype(np.float16))
+    assert write(True, table, tmp_path / "i8") == ("int8", "embed_scale.npy")
+    q, scale = quantize.int8_rows(whole)
+    assert (tmp_path / "i8" / "embed.npy").read_bytes() == _npy(q)
+    assert (tmp_path / "i8" / "embed_scale.npy").read_bytes() == _npy(scale)
+    assert max(sizes) <= t.vocab // 4 and sum(sizes) == 2 * t.vocab
+    npy = tmp_path / "i8" / "embed.npy"  # share_weights' key of a table file, read a chunk at a time
+    arr, offset = np.load(npy), np.load(npy, mmap_mode="r").offset
+    assert graphs.npy_tensors(tmp_path / "i8", ["embed.npy"]) == {
+        graphs._content_key(arr.tobytes(), onnx_dtype(arr.dtype), arr.shape): ("embed.npy", offset, arr.nbytes)}
+
+    big = token_table.TokenTable([(torch.ones(16384, 1024, dtype=torch.bfloat16), 2.0)], 16384)  # 32 MB as float16
+    monkeypatch.setattr(token_table, "BLOCK_BYTES", 1 << 20)
+    tracemalloc.start()
+    try:
+        write(False, big, tmp_path / "big")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (tmp_path / "big" / "embed.npy").stat().st_size > 32 << 20 and peak < (32 << 20) // 10, peak
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+def onnx_dtype(dtype) -> int:
+    import onnx
+
+    return onnx.helper.np_dtype_to_tensor_dtype(dtype)

@@ -94,4 +94,4 @@ def torch_bundle(ckpt_path: Path, m: Manifest, tokenizer) -> Bundle:
     vision, decoder, embed = family.weights(family.config(ckpt.config), ckpt.tensors())
     dec = TorchDecoder(decoder.float(), m)
     sessions = {"vision": TorchVision(vision.float(), m), "prefill": dec, "decode": dec}
-    return Bundle(Path(ckpt_path), m, sessions, tokenizer, embed.numpy().astype(np.float32))
+    return Bundle(Path(ckpt_path), m, sessions, tokenizer, embed.rows(0, embed.shape[0]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import gc
 import hashlib
 import io
 import logging
@@ -70,6 +71,8 @@ def export_graph(module: torch.nn.Module, args: tuple, input_names: list[str], o
             dynamic_shapes=dynamic_shapes, custom_translation_table=translations,
         )
         program.save(str(path), external_data=True)
+    del program
+    gc.collect()  # (the exported program is in reference cycles: its constants would outlive this call)
     onnx.checker.check_model(str(path))
 
 
@@ -161,9 +164,9 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
 
 
-def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden: int, kv_heads: int, head_dim: int,
+def trace_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden: int, kv_heads: int, head_dim: int,
                    io_dtype: str, precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
-                   dynamic_ar: bool = False, hessian=None, token_rows: bool = False, kv_quant: list | None = None) -> None:
+                   dynamic_ar: bool = False, hessian=None, token_rows: bool = False, kv_quant: list | None = None) -> "DecoderTrace":
     """A decoder graph (families.DecoderModule) of the attention kind (families/layers.py ATTENTION_KINDS; its
     GraphLayout: LAYOUTS) at the shapes of its example inputs (export/decoder_inputs.py: inputs_embeds [ar, hidden],
     position_ids [rope rows, ar], the row input, the step inputs, the state per layer by its cache kind).
@@ -186,8 +189,7 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     A fixed-AR rows graph (a padded last prompt block) of a decoder with layers whose state is not per slot
     (cache_kinds.padded False: a recurrent layer) takes valid_rows [ar] float32 last (static_valid_rows)."""
     from ..families.layers import ATTENTION_KINDS
-    from . import batch_dim, fuse, gqa_onnx, linear_attention_onnx
-    from .cpu import quantize
+    from . import gqa_onnx, linear_attention_onnx
 
     layout = LAYOUTS[attention]
     if layout.in_place and not (cpu and dynamic_context and dynamic_ar):
@@ -236,28 +238,64 @@ def export_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden
     dynamic = (tuple(dims.get(name) for name in inputs),) if dynamic_context else None
     export_graph(module, tuple(inputs.values()), list(inputs), outputs, path, dynamic,
                  {**linear_attention_onnx.TABLE, **(gqa_onnx.TABLE if layout.in_place else {})})
-    if layout.in_place:
-        model = onnx.load(str(path))
-        if _name_weights(model):
-            rewrite(path, model)
-    if precision in quantize.WEIGHT_ONLY_BITS or head in quantize.WEIGHT_ONLY_BITS:
-        with _quiet():
-            rewrite(path, quantize.quantize_decoder(onnx.load(str(path)), precision, head, "logits", hessian))
-    if cpu:
-        model = onnx.load(str(path))
-        changed = fuse.fuse_rms_norm(model)
-        if layout.in_place:
-            gqa_onnx.pack_qkv(model)
-            if batchable(decoder.layer_kinds):  # B sequences per call: B = len(seqlens_k)
-                batch_dim.add_batch_dim(model, "seqlens_k")
-            if kv_quant:
-                from .cpu import kv_quant as kvq
+    return DecoderTrace(path, layout.in_place, precision, head, hessian, cpu, decoder.layer_kinds, kv_quant or [],
+                        kv_heads, head_dim, dynamic_ar and "attention_mask" in inputs)
 
-                kvq.quantize_cache(model, kv_quant, kv_heads, head_dim)
-            largest_matmul_first(model)
-        if changed or layout.in_place:
+
+class DecoderTrace(NamedTuple):
+    """A decoder graph as torch exported it (trace_decoder), and what finish_decoder's ONNX passes need: they read
+    the graph back without the torch module, so the caller can free the torch weights first (export memory)."""
+
+    path: Path
+    in_place: bool
+    precision: str
+    head: str
+    hessian: object
+    cpu: bool
+    layer_kinds: tuple
+    kv_quant: list
+    kv_heads: int
+    head_dim: int
+    dynamic_mask: bool  # a symbolic-AR rows graph's attention_mask: its derived width is named "ctx + ar"
+
+
+def export_decoder(decoder, **options) -> None:
+    """trace_decoder, then finish_decoder (the options: trace_decoder's)."""
+    finish_decoder(trace_decoder(decoder, **options))
+
+
+def finish_decoder(tr: DecoderTrace) -> None:
+    """The ONNX passes of a traced decoder graph (trace_decoder), on one copy of the graph read back once: its
+    weights named (in place), weight-only quantization, the fused RMSNorm, packed q/k/v, the batch dim, the
+    quantized cache, the LM head's MatMul first; written back once."""
+    from . import batch_dim, fuse, gqa_onnx
+    from .cpu import quantize
+
+    path = tr.path
+    quantized = tr.precision in quantize.WEIGHT_ONLY_BITS or tr.head in quantize.WEIGHT_ONLY_BITS
+    if tr.in_place or quantized or tr.cpu:
+        model = onnx.load(str(path), load_external_data=not quantized)  # (quantize_decoder reads the data itself)
+        changed = _name_weights(model) if tr.in_place else 0
+        if quantized:
+            with _quiet():
+                model = quantize.quantize_decoder(model, tr.precision, tr.head, "logits", tr.hessian, folder=path.parent)
+            changed = True
+        if tr.cpu:
+            changed = fuse.fuse_rms_norm(model) or changed
+            if tr.in_place:
+                gqa_onnx.pack_qkv(model)
+                if batchable(tr.layer_kinds):  # B sequences per call: B = len(seqlens_k)
+                    batch_dim.add_batch_dim(model, "seqlens_k")
+                if tr.kv_quant:
+                    from .cpu import kv_quant as kvq
+
+                    kvq.quantize_cache(model, tr.kv_quant, tr.kv_heads, tr.head_dim)
+                largest_matmul_first(model)
+                changed = True
+        if changed:
             rewrite(path, model)
-    if dynamic_ar and "attention_mask" in inputs:  # the exporter names the mask's derived width s<N>
+        del model
+    if tr.dynamic_mask:  # the exporter names the mask's derived width s<N>
         model = onnx.load(str(path), load_external_data=False)
         mask = next(i for i in model.graph.input if i.name == "attention_mask")
         width = mask.type.tensor_type.shape.dim[1].dim_param
@@ -335,6 +373,23 @@ def _content_key(raw: bytes, data_type: int, dims) -> str:
     return hashlib.sha256(raw + repr((data_type, tuple(dims))).encode()).hexdigest()
 
 
+def _file_content_key(path: Path, offset: int, length: int, data_type: int, dims, chunk: int = 64 << 20) -> str:
+    """_content_key of the bytes at path[offset:offset + length], read a chunk at a time (a token table of GBs is
+    never in memory whole)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            block = f.read(min(chunk, left))
+            if not block:
+                raise OSError(f"{path} ends before its data")
+            h.update(block)
+            left -= len(block)
+    h.update(repr((data_type, tuple(dims))).encode())
+    return h.hexdigest()
+
+
 def npy_tensors(folder: Path, files: list[str]) -> dict[str, tuple[str, int, int]]:
     """The arrays of .npy files in folder as share_weights' known tensors: content key -> (file, data offset,
     length). (The host's int8 embedding table and its row scales: a tied lm head's re-scored rows are those bytes.)"""
@@ -346,7 +401,7 @@ def npy_tensors(folder: Path, files: list[str]) -> dict[str, tuple[str, int, int
         arr = np.load(path, mmap_mode="r")  # (the header: shape, dtype, where the data starts)
         if not arr.flags.c_contiguous or arr.offset % 64:  # (np.save aligns the data to 64 bytes)
             continue
-        key = _content_key(arr.tobytes(), onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
+        key = _file_content_key(path, arr.offset, arr.nbytes, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
         known[key] = (name, arr.offset, arr.nbytes)
         del arr
     return known

@@ -11,7 +11,6 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -27,6 +26,7 @@ from .cpu import kv_quant, quantize
 from .htp import bundle as htp_mod
 from .chat_template import renders_one_image
 from ..families.checkpoint import Checkpoint, CheckpointError, resolve
+from ..families.token_table import TokenTable
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 # CPU decoder graphs take any cache length; a step reads the prefix rounded up to this many slots: at most
@@ -266,7 +266,7 @@ def _uses_gptq(quant: str | None) -> bool:
         return False  # _precisions reports it
 
 
-def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
+def _gptq_hessians(plan: Plan, decoder, embed: TokenTable, p: Progress):
     """Hessians.for_weight of the float decoder on the calibration prompts, when a graph's precision is GPTQ's."""
     if not {plan.prec["prefill"], plan.prec["decode"], plan.head} & set(quantize.GPTQ):
         return None
@@ -279,7 +279,7 @@ def _gptq_hessians(plan: Plan, decoder, embed: np.ndarray, p: Progress):
     return calibrate_gptq.prompt_hessians(decoder, embed, plan.tok_json, plan.prompt, p).for_weight
 
 
-def _kv_quant(plan: Plan, decoder, embed: np.ndarray, kv_layers: list, calibration: list | None, p: Progress) -> list:
+def _kv_quant(plan: Plan, decoder, embed: TokenTable, kv_layers: list, calibration: list | None, p: Progress) -> list:
     """kv_layers with their quantized cache's scales (--kv-cache int8 / int4: export/cpu/kv_quant.py), calibrated on
     the float decoder over the calibration prompts (calibration's, as text, where given; else GPTQ's) each followed by
     its greedy answer; unchanged for the float cache."""
@@ -303,37 +303,50 @@ def _kv_quant(plan: Plan, decoder, embed: np.ndarray, kv_layers: list, calibrati
     return out
 
 
-def _write_graphs(plan: Plan, vision, decoder, tmp: Path, p: Progress, hessian=None,
+def _write_graphs(plan: Plan, modules: dict, tmp: Path, p: Progress, hessian=None,
                   kv_layers: list = ()) -> list[tuple[str, str]]:
     """vision.onnx and the decoder graph(s), each with its own data (_share_weights gathers them); returns
-    [(graph name, file stem)].
+    [(graph name, file stem)]. modules: {"vision": tower, "decoder": decoder}, the torch modules, taken out of the
+    dict (the caller keeps no other reference): each is freed once traced for the last time, so the last decoder
+    graph's ONNX passes (graphs.finish_decoder: the float graph read back and quantized) run without the torch
+    weights beside them (export memory: at the E2B shape those are GBs).
     hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision; kv_layers: the manifest's (their
     quant: a quantized cache's scales)."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
     budget = "patch budget" if "max_patches" in plan.host.image.params else "1 tile ="
     p.start(f"vision graph ({budget} {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
+    vision = modules.pop("vision")
     graphs.export_vision(vision, vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2),
                          ["image_embeds", *vision_row_outputs(vision)], plan.dtype, prec["vision"], tmp / "vision.onnx")
+    del vision
     p.done()
+    decoder = modules.pop("decoder")
     decoder_graphs = []
     verify = plan.htp["lookahead_ar"] if plan.htp else 0
-    for name, ar in (("prefill", plan.prefill_ar), ("decode", 1), *([("verify", verify)] if verify else [])):
+    steps = [(name, ar) for name, ar in (("prefill", plan.prefill_ar), ("decode", 1),
+                                         *([("verify", verify)] if verify else []))
+             if not (plan.one_graph and name == "decode")]
+    for k, (name, ar) in enumerate(steps):
         h = plan.head or prec[_like(name)]
-        if plan.one_graph and name == "decode":
-            decoder_graphs.append(("decode", "decoder"))
-            continue
         ctx = plan.max_seq_len
         cdesc = f"any context <= {ctx} in steps of {plan.context_step}" if plan.context_step else f"context {ctx}"
         what = f"prefill + decode graph (AR=1..{ar}" if plan.one_graph else f"{name} graph (AR={ar}"
         p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[_like(name)]}, lm head {h})")
         stem = "decoder" if plan.one_graph else name
-        graphs.export_decoder(decoder, attention=plan.attention, ar=ar, max_context=ctx, hidden=t.row_width,
-                              kv_heads=t.kv_heads, head_dim=t.head_dim, io_dtype=plan.dtype,
-                              precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx", cpu=plan.htp is None,
-                              dynamic_context=plan.context_step > 0, dynamic_ar=plan.one_graph, hessian=hessian,
-                              token_rows=plan.token_rows, kv_quant=[layer.quant for layer in kv_layers
-                                        if isinstance(layer, mf.AttentionLayer) and layer.quant])
+        traced = graphs.trace_decoder(decoder, attention=plan.attention, ar=ar, max_context=ctx, hidden=t.row_width,
+                                      kv_heads=t.kv_heads, head_dim=t.head_dim, io_dtype=plan.dtype,
+                                      precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx",
+                                      cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
+                                      dynamic_ar=plan.one_graph, hessian=hessian, token_rows=plan.token_rows,
+                                      kv_quant=[layer.quant for layer in kv_layers
+                                                if isinstance(layer, mf.AttentionLayer) and layer.quant])
+        if k == len(steps) - 1:
+            del decoder
+            gc.collect()
+        graphs.finish_decoder(traced)
         decoder_graphs.append((name, stem))
+        if plan.one_graph:
+            decoder_graphs.append(("decode", "decoder"))
         p.done()
     return decoder_graphs
 
@@ -353,23 +366,29 @@ def _like(graph: str) -> str:
     return "decode" if graph == "verify" else graph
 
 
-def _write_host_files(plan: Plan, embed: np.ndarray, tmp: Path, p: Progress) -> tuple[str, str | None]:
+def _write_host_files(plan: Plan, embed: TokenTable, tmp: Path, p: Progress) -> tuple[str, str | None]:
     """The embedding table (int8 rows + scales under weight-only decoders: a lookup touches a few rows) and the
-    tokenizer; returns (embedding dtype, scale file or None)."""
+    tokenizer; returns (embedding dtype, scale file or None). The table is converted and written row block by row
+    block (TokenTable.blocks: never whole in memory; the file is np.save's, byte for byte)."""
     p.start("embedding table + tokenizer")
     prec = plan.prec
     dec_precs = {prec["prefill"], prec["decode"], plan.head or prec["decode"]}
     scale_file = None
     if plan.int8_table:
-        q, scale = quantize.int8_rows(embed)
-        np.save(tmp / "embed.npy", q)
-        scale_file = "embed_scale.npy"
-        np.save(tmp / scale_file, scale)
-        embed_dtype = "int8"
+        embed_dtype, scale_file = "int8", "embed_scale.npy"
     else:
         embed_dtype = "float16" if dec_precs == {"fp16"} or dec_precs & set(quantize.WEIGHT_ONLY_BITS) \
             else DTYPES[plan.dtype]
-        np.save(tmp / "embed.npy", embed.astype(embed_dtype))
+    scales = np.empty(embed.shape[0], np.float32)
+    with open(tmp / "embed.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(embed_dtype)),
+                                                 "fortran_order": False, "shape": embed.shape})
+        for start, rows in embed.blocks():
+            if scale_file:
+                rows, scales[start:start + len(rows)] = quantize.int8_rows(rows)
+            f.write(rows.astype(embed_dtype, copy=False).tobytes())
+    if scale_file:
+        np.save(tmp / scale_file, scales)
     shutil.copyfile(plan.ckpt.path / "tokenizer.json", tmp / "tokenizer.json")
     p.done()
     return embed_dtype, scale_file
@@ -502,14 +521,16 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
     extra_inputs = [r for r in vision_examples(vision, plan.cfg.patches_per_tile, 3 * plan.cfg.vision.patch_size**2)
                     if r != "patches"]
     with staging.staged(out) as tmp:
-        hessian = _gptq_hessians(plan, decoder, embed.numpy(), p)
-        kv = _kv_quant(plan, decoder, embed.numpy(), kv, calibration, p)
-        decoder_graphs = _write_graphs(plan, vision, decoder, tmp, p, hessian, kv)
-        embed_dtype, scale_file = _write_host_files(plan, embed.numpy(), tmp, p)
-        _share_weights(tmp, decoder_graphs, p)
+        hessian = _gptq_hessians(plan, decoder, embed, p)
+        kv = _kv_quant(plan, decoder, embed, kv, calibration, p)
         layer_kinds = decoder.layer_kinds
-        del vision, decoder, embed, hessian  # the torch weights (3.6 GB at InternVL3.5-1B): the graphs hold them now
-        gc.collect()  # (the exporter's programs, which reference them, are in reference cycles)
+        modules = {"vision": vision, "decoder": decoder}
+        del vision, decoder  # (_write_graphs frees them once traced: the torch weights, GBs at the E2B shape)
+        decoder_graphs = _write_graphs(plan, modules, tmp, p, hessian, kv)
+        embed_dtype, scale_file = _write_host_files(plan, embed, tmp, p)
+        _share_weights(tmp, decoder_graphs, p)
+        del embed, hessian
+        gc.collect()
         p.start("manifest")
         valid = graphs.static_valid_rows(layer_kinds, plan.attention, plan.one_graph)
         m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, kv, batched, extra_inputs, row_outputs,

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # (torch only for export: this module is imported without it)
 
     from .checkpoint import Checkpoint
     from .decoder import TextConfig
+    from .token_table import TokenTable
 
 # config.json model_type -> the family module (vlmrt.families.<name>) whose FAMILY exports it
 REGISTRY = {"smolvlm": "smolvlm", "idefics3": "smolvlm", "internvl": "internvl", "internvl_chat": "internvl",
@@ -218,7 +219,8 @@ class Weights(NamedTuple):
 
     vision: VisionModule  # forward(patches [patches_per_tile, 3*p*p]) -> [tokens_per_tile, text hidden]
     decoder: DecoderModule  # layers.CausalDecoder (families/decoder.py `build` / `load`), or a family's own
-    embed: torch.Tensor  # the token-embedding table [vocab, hidden] (the host's lookup: embed.npy)
+    embed: TokenTable  # the token table [vocab, row width] (the host's lookup: embed.npy); load_weights may give a
+    # torch tensor (Family.weights wraps it) or a TokenTable of row blocks (a table too large to hold: Gemma 4's)
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,7 @@ class Family:
         import torch
 
         from ..format.manifest import CACHE_LAYER_KINDS
+        from .token_table import TokenTable
 
         vision, decoder, embed = self.load_weights(cfg, tensors)
         t = cfg.text
@@ -292,7 +295,9 @@ class Family:
                                          and all(map(_positive, decoder.recurrent_state))):
             raise self.fail("a decoder with recurrent layers must give recurrent_state = (width, channels, heads, "
                             "key_dim, value_dim), positive ints")
-        if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (t.vocab, t.row_width):
+        if isinstance(embed, torch.Tensor):
+            embed = TokenTable.of(embed)
+        if not isinstance(embed, TokenTable) or tuple(embed.shape) != (t.vocab, t.row_width):
             raise self.fail(f"the embedding table must be a [vocab, row width] = [{t.vocab}, {t.row_width}] tensor, not "
                             f"{tuple(getattr(embed, 'shape', ())) or type(embed).__name__}")
         if not isinstance(vision, torch.nn.Module) or not isinstance(vision, VisionModule):

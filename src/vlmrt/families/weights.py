@@ -36,12 +36,17 @@ class Tensors:
         return self.tensors.keys()
 
     def take(self, name: str) -> torch.Tensor:
+        return self.stored(name).float()
+
+    __call__ = take
+
+    def stored(self, name: str) -> torch.Tensor:
+        """The tensor as the checkpoint stores it (its dtype; safetensors' memory map, nothing copied): what a
+        token_table.TokenTable reads row block by row block."""
         if name not in self.tensors:
             raise UnsupportedCheckpoint(f"checkpoint is missing weight {name}")
         self.used.add(name)
-        return self.tensors[name].float()
-
-    __call__ = take
+        return self.tensors[name]
 
     def check_all_used(self, skip: Callable[[str], bool] = lambda name: False) -> None:
         """Refuse the checkpoint when a weight was not taken, other than old writers' buffers and what `skip` says

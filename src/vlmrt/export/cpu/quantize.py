@@ -32,11 +32,13 @@ implementation ORT GenAI uses) after turning the exporter's Gemm(transB=1) nodes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import external_data_helper, helper, numpy_helper
 
-from . import gptq as quantize_gptq, offsets as quantize_offsets, rescored_head
+from . import gptq as quantize_gptq, head_blocks, offsets as quantize_offsets, rescored_head
 
 PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o", "w4a16og",
               "w4a8og", "w4a16g", "w4a8g", "w4a16r", "w4a8r")
@@ -115,14 +117,15 @@ def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
     return out
 
 
-def gemm_to_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Gemm(x, W, b; transB=1) with constant W -> MatMul(x, Wᵀ) [+ Add(b)], which MatMulNBits can take."""
+def gemm_to_matmul(model: onnx.ModelProto, keep: set[str] = frozenset()) -> onnx.ModelProto:
+    """Gemm(x, W, b; transB=1) with constant W -> MatMul(x, Wᵀ) [+ Add(b)], which MatMulNBits can take; the nodes
+    named in keep stay."""
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     nodes = []
     for node in g.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if (node.op_type != "Gemm" or node.input[1] not in inits or attrs.get("transA", 0)
+        if (node.op_type != "Gemm" or node.name in keep or node.input[1] not in inits or attrs.get("transA", 0)
                 or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
             nodes.append(node)
             continue
@@ -176,19 +179,42 @@ def weight_only(model: onnx.ModelProto, bits: int, *, include: list[str] | None 
     return q.model.model
 
 
-def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, hessian=None) -> onnx.ModelProto:
+def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, hessian=None,
+                     folder: Path | None = None) -> onnx.ModelProto:
     """Weight-only quantization of a decoder graph exported in float: body and lm head precisions. hessian(weight
-    name) -> H [K, K] of that MatMul's input (calibrate_gptq.Hessians.for_weight): needed by the GPTQ precisions."""
+    name) -> H [K, K] of that MatMul's input (calibrate_gptq.Hessians.for_weight): needed by the GPTQ precisions.
+    folder: the model was read without its external data (onnx.load(..., load_external_data=False)), which is in
+    folder; a plain weight-only head is then quantized from its data file a block of rows at a time
+    (head_blocks.py: the same tensors, never whole in memory), the other tensors read first."""
     if (body in GPTQ or head in GPTQ) and hessian is None:
         raise QuantError(f"--quant {body if body in GPTQ else head}: GPTQ needs the decoder's calibration Hessians")
     if body not in WEIGHT_ONLY_BITS and head not in WEIGHT_ONLY_BITS:
+        if folder is not None:
+            external_data_helper.load_external_data_for_model(model, str(folder))
         return model
-    model = gemm_to_matmul(model)
-    lm = producer_matmul(model, logits)
+    streamed = None
+    if folder is not None:
+        plain = head in WEIGHT_ONLY_BITS and head not in (*OFFSETS, *GPTQ, *RESCORED)
+        node = head_blocks.head_node(model, logits) if plain else None
+        for init in model.graph.initializer:  # every external tensor but the head's weight
+            if external_data_helper.uses_external_data(init) and (node is None or init.name != node.input[1]):
+                external_data_helper.load_external_data_for_tensor(init, str(folder))
+                init.data_location = onnx.TensorProto.DEFAULT
+                del init.external_data[:]
+        model = gemm_to_matmul(model, keep={node.name} if node is not None else set())
+        if node is not None:
+            streamed = head_blocks.quantize_head(model, node, folder, WEIGHT_ONLY_BITS[head], BLOCK_SIZE,
+                                                 ACCURACY_LEVEL[head])
+        external_data_helper.load_external_data_for_model(model, str(folder))  # (anything else still external)
+    else:
+        model = gemm_to_matmul(model)
+    lm = streamed or producer_matmul(model, logits)
     if lm is None:
         raise QuantError("cannot find the lm head MatMul in the decoder graph")
     others = {n.name for n in model.graph.node if n.op_type == "MatMul"} - {lm}
-    if head in OFFSETS:
+    if streamed:
+        pass  # (the head is quantized)
+    elif head in OFFSETS:
         set_nodes(model.graph, quantize_offsets.offset_nodes(model, ACCURACY_LEVEL[head], exclude=others,
                                                              hessian=hessian if head in GPTQ else None))
     elif head in GPTQ:

@@ -37,7 +37,8 @@ def load_weights(cfg: Gemma4Config, tensors: dict[str, torch.Tensor]) -> Weights
     take = Tensors(tensors)
     t = cfg.text
     decoder, table = language.load(t, take, "model.language_model.")
-    tower = vision.load(cfg.vision_config, take, "model.", t.hidden, table[t.pad_id, t.hidden:],
+    pad_rows = torch.from_numpy(table.rows(t.pad_id, t.pad_id + 1)[0, t.hidden:])
+    tower = vision.load(cfg.vision_config, take, "model.", t.hidden, pad_rows,
                         cfg.patches_per_tile)
     take.check_all_used(skip=lambda name: name.startswith(AUDIO_PREFIXES))
     return Weights(tower, decoder, table)

@@ -39,6 +39,7 @@ from torch import nn
 
 from .. import DecoderModule
 from ..layers import ATTENTION_KINDS, apply_rope
+from ..token_table import TokenTable
 from .config import Gemma4TextConfig
 
 ATTENTION = "gqa_in_place"  # the CPU's kind (sliding windows: the op's local_window_size); the rows kinds build the
@@ -214,8 +215,9 @@ class Gemma4Decoder(nn.Module, DecoderModule):
     def with_options(self, *, attention: str, logit_rows: bool, rope_positions: int) -> "Gemma4Decoder":
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention kind {attention!r}; one of {', '.join(ATTENTION_KINDS)}")
-        new = Gemma4Decoder(self.text, logit_rows=logit_rows, attention=attention)
-        new.load_state_dict(self.state_dict())
+        with torch.device("meta"):  # (no weights of its own: it takes these, not a copy)
+            new = Gemma4Decoder(self.text, logit_rows=logit_rows, attention=attention)
+        new.load_state_dict(self.state_dict(), assign=True)
         new.rope_table(rope_positions)
         return new.eval()
 
@@ -299,21 +301,24 @@ class Gemma4Decoder(nn.Module, DecoderModule):
         return torch.minimum(mask, torch.where(out, hidden, torch.zeros((), dtype=mask.dtype)))
 
 
-def load(t: Gemma4TextConfig, take, prefix: str) -> tuple[Gemma4Decoder, torch.Tensor]:
+def load(t: Gemma4TextConfig, take, prefix: str) -> tuple[Gemma4Decoder, TokenTable]:
     """The decoder from the checkpoint's tensors under prefix (`model.language_model.`, or `model.` for a text-only
-    checkpoint) and the host's token table [vocab, hidden + L·P] (module doc). The lm head is the embedding (Gemma 4
-    ties them)."""
-    embed = take(prefix + "embed_tokens.weight")
-    dec = Gemma4Decoder(t)
+    checkpoint) and the host's token table [vocab, hidden + L·P] (module doc), as row blocks read from the
+    checkpoint's tensors (token_table.py: 11 GB as float32 at E2B). The lm head is the embedding (Gemma 4 ties
+    them). The module is built without weights of its own (the meta device) and takes the checkpoint's: one float32
+    copy of each weight."""
+    embed = take.stored(prefix + "embed_tokens.weight")
+    with torch.device("meta"):
+        dec = Gemma4Decoder(t)
     names = [n for n in dec.state_dict() if not n.startswith("lm_head.")]
     sd = {n: take(prefix + n) for n in names}
-    sd["lm_head.weight"] = embed
-    dec.load_state_dict(sd, strict=True)
-    table = embed * torch.tensor(t.hidden ** 0.5, dtype=embed.dtype)
+    sd["lm_head.weight"] = embed.float()
+    dec.load_state_dict(sd, strict=True, assign=True)
+    dec.rope_table(4096)  # (its buffers: not in the state dict, built on the meta device above)
+    parts = [(embed, t.hidden ** 0.5)]
     if t.per_layer:
-        rows = take(prefix + "embed_tokens_per_layer.weight")  # [per_layer_vocab, L·P]
-        rows = rows * torch.tensor(t.per_layer ** 0.5, dtype=rows.dtype)
+        rows = take.stored(prefix + "embed_tokens_per_layer.weight")  # [per_layer_vocab, L·P]
         if rows.shape[0] < t.vocab:  # (ids past the per-layer vocabulary: none in the released checkpoints)
             raise ValueError(f"the per-layer table has {rows.shape[0]} rows for a vocabulary of {t.vocab}")
-        table = torch.cat([table, rows[: t.vocab]], dim=1)
-    return dec.eval(), table
+        parts.append((rows, t.per_layer ** 0.5))
+    return dec.eval(), TokenTable(parts, t.vocab)
