@@ -219,7 +219,14 @@ class Gemma4Decoder(nn.Module, DecoderModule):
             new = Gemma4Decoder(self.text, logit_rows=logit_rows, attention=attention)
         new.load_state_dict(self.state_dict(), assign=True)
         new.rope_table(rope_positions)
+        new.unit_norms()
         return new.eval()
+
+    def unit_norms(self) -> None:
+        """The weightless norms' ones (buffers, not in the state dict: built on the meta device with the module)."""
+        for m in self.modules():
+            if isinstance(m, Gemma4RMSNorm) and m.weight is None:
+                m.ones = torch.ones(m.ones.shape)
 
     def rope_table(self, positions: int) -> None:
         """cos / sin [positions, head_dim / 2] per layer type (its theta, head_dim and rotating share), in fp32 as
@@ -315,6 +322,7 @@ def load(t: Gemma4TextConfig, take, prefix: str) -> tuple[Gemma4Decoder, TokenTa
     sd["lm_head.weight"] = embed.float()
     dec.load_state_dict(sd, strict=True, assign=True)
     dec.rope_table(4096)  # (its buffers: not in the state dict, built on the meta device above)
+    dec.unit_norms()
     parts = [(embed, t.hidden ** 0.5)]
     if t.per_layer:
         rows = take.stored(prefix + "embed_tokens_per_layer.weight")  # [per_layer_vocab, L·P]
