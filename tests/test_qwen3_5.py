@@ -86,20 +86,15 @@ def test_lookahead_rejections_replay_to_plain_state(ex, monkeypatch, mode):
 
 @pytest.mark.parametrize("guard", [True, False], ids=["guarded", "unguarded"])
 def test_lookahead_without_the_replay_keeps_rejected_drafts(ex, monkeypatch, guard):
-    """The planted fault: rows stored as if the state kept a call's first rows alone (KVCache.drops_rows true). The
-    cache refuses to keep part of a step (ValueError); with that guard planted out too, the rejected drafts stay in
-    the recurrent state, which then parts from plain decoding's."""
+    """The planted fault: CacheRow.verify told that the cache keeps a call's first rows alone (KVCache.keeps true, so
+    no replay). The cache's store refuses to keep part of a step (ValueError: it asks the states themselves); with
+    that guard planted out too, the rejected drafts stay in the recurrent state, which then parts from plain
+    decoding's."""
     from vlmrt.runtime.decode import kv_cache
 
-    init = kv_cache.KVCache.__init__
-
-    def dropping(self, *a, **k):
-        init(self, *a, **k)
-        self.drops_rows = True
-        if not guard:
-            self._snapshotting = []
-
-    monkeypatch.setattr(kv_cache.KVCache, "__init__", dropping)
+    monkeypatch.setattr(kv_cache.KVCache, "keeps", lambda self, n, ar: True)
+    if not guard:
+        monkeypatch.setattr(kv_cache.KVCache, "_states_keep", lambda self, n, ar: True)
     if guard:
         with pytest.raises(ValueError, match="cannot be kept in part"):
             lookahead_run(ex, monkeypatch, "hybrid")

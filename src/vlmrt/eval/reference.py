@@ -14,7 +14,7 @@ import torch
 
 from ..families.checkpoint import Checkpoint
 from ..families import family_for
-from ..format.manifest import Manifest, WindowedAttentionLayer
+from ..format.manifest import Manifest
 from ..runtime.bundle import Bundle
 
 
@@ -60,8 +60,7 @@ class TorchDecoder:
                                      rope_positions=m.kv.max_context + m.decoder.prefill_ar)
         module.valid_rows = bool(self.parts.valid_rows_input)  # (a static graph's padding kept out of its state)
         # (a windowed cache's buffers: the capacity the bundle's sliding layers have, as export_decoder sets it)
-        module.window_capacity = max((layer.capacity for layer in m.kv.layers
-                                      if isinstance(layer, WindowedAttentionLayer)), default=0)
+        module.window_capacity = m.kv.window_capacity()
         self.module, self.m = module, m
         self.step = list(self.parts.step_inputs)
         self.past = m.kv.state_inputs()

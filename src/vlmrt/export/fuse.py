@@ -95,8 +95,11 @@ def fuse_rms_norm(model: onnx.ModelProto, chains: tuple[str, ...] = ("sqrt_recip
         scales = consumers.get(norm.output[0], [])  # one weight, or several (Gemma 4's k_eq_v: k_norm and v_norm
         weights = []  # of the same rows share the normalized product in the exported graph)
         for scale in scales:
+            if scale.op_type != "Mul":  # (a Cast of an fp16 graph, ...: not a weight)
+                weights.append(None)
+                continue
             other = scale.input[0] if scale.input[1] == norm.output[0] else scale.input[1]
-            w = _const(inits, other, producers) if scale.op_type == "Mul" else None
+            w = _const(inits, other, producers)
             weights.append(other if w is not None and w.ndim == 1 else None)
         if not scales or None in weights or norm.output[0] in graph_outputs:
             continue  # (no weight: a ones vector of the last dimension is not known here statically)

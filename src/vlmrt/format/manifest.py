@@ -425,6 +425,10 @@ class KVSpec:
     def state_outputs(self) -> list[str]:
         return [n for layer in self.layers for n in layer.outputs]
 
+    def window_capacity(self) -> int:
+        """The rows of the windowed layers' buffers (WindowedAttentionLayer.capacity; 0: no windowed layer)."""
+        return max((layer.capacity for layer in self.layers if isinstance(layer, WindowedAttentionLayer)), default=0)
+
 
 @dataclass
 class PositionsSpec:

@@ -211,7 +211,11 @@ class KVCache:
         """Whether a step of ar rows at the next slot can keep its first n alone (store): always where every state
         is per slot; a recurrent state only n == ar; a windowed cache where its rows after n are those after ar
         (runtime/decode/windowed_state.py)."""
-        return n == ar or all(s.keeps(self.length, n, ar) for s in self._snapshotting)
+        return n == ar or self._states_keep(n, ar)
+
+    def _states_keep(self, n: int, ar: int) -> bool:
+        """Each snapshotting state's own answer to keeps (store's guard asks them, not keeps)."""
+        return all(s.keeps(self.length, n, ar) for s in self._snapshotting)
 
     def restorable(self, n: int, step: int = 1) -> int:
         """The largest slot <= n (a multiple of step; n is one) at which every state can be had again: n where every
@@ -283,7 +287,8 @@ class KVCache:
         pos = self.length
         if pos + n_valid > self.max_context:
             raise OverflowError(f"KV cache full: {pos} + {n_valid} > {self.max_context}")
-        if not self.keeps(n_valid, positions.shape[1]):  # (a padded static block: its padding would be in)
+        if n_valid != positions.shape[1] and not self._states_keep(n_valid, positions.shape[1]):  # (a padded static
+            # block: its padding would be in; a lookahead call whose caller did not ask keeps)
             raise ValueError(f"a step of {positions.shape[1]} rows cannot be kept in part ({n_valid}) by a state "
                              "not per slot (a static graph without decoder.kind.valid_rows_input: re-export the "
                              "bundle; a lookahead call: CacheRow.verify runs the kept rows again)")
