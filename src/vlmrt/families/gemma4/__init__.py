@@ -49,14 +49,7 @@ def host_spec(ckpt, cfg: Gemma4Config, tok_json: dict) -> HostSpec:
     pooled_aspect tiling's parameters and Gemma4Processor's image text as wrapped_run. Fixes cfg.max_soft_tokens, the
     vision graph's budget."""
     pp = ckpt.require_image_processor("Gemma4Processor")
-    soft, kernel, patch = (int(pp.get("max_soft_tokens", 280)), int(pp.get("pooling_kernel_size", 3)),
-                           int(pp.get("patch_size", 16)))
-    if soft not in SOFT_TOKENS:
-        raise UnsupportedCheckpoint(f"the image processor's max_soft_tokens {soft} is not one of "
-                                    f"{', '.join(map(str, SOFT_TOKENS))}")
-    if kernel != cfg.kernel or patch != cfg.vision.patch_size:
-        raise UnsupportedCheckpoint(f"the image processor's pooling_kernel_size {kernel} / patch_size {patch} are not "
-                                    f"the vision tower's {cfg.kernel} / {cfg.vision.patch_size}")
+    soft, kernel, patch = _pooling(pp, "image", 280, cfg)
     cfg.max_soft_tokens = soft
     normalize = pp.get("do_normalize", False)
     image = processor_image(pp if normalize else {**pp, "image_mean": [0.0] * 3, "image_std": [1.0] * 3},
@@ -91,14 +84,7 @@ def video_spec(ckpt, cfg: Gemma4Config, names: dict[int, str], image) -> dict[st
     if names.get(cfg.video_token_id) != VIDEO_TOKEN:
         return None
     vp = ckpt.video_processor() or {}
-    soft, kernel, patch = (int(vp.get("max_soft_tokens", 70)), int(vp.get("pooling_kernel_size", 3)),
-                           int(vp.get("patch_size", 16)))
-    if soft not in SOFT_TOKENS:
-        raise UnsupportedCheckpoint(f"the video processor's max_soft_tokens {soft} is not one of "
-                                    f"{', '.join(map(str, SOFT_TOKENS))}")
-    if kernel != cfg.kernel or patch != cfg.vision.patch_size:
-        raise UnsupportedCheckpoint(f"the video processor's pooling_kernel_size {kernel} / patch_size {patch} are "
-                                    f"not the vision tower's {cfg.kernel} / {cfg.vision.patch_size}")
+    soft, kernel, patch = _pooling(vp, "video", 70, cfg)
     if soft > cfg.max_soft_tokens:
         raise UnsupportedCheckpoint(f"the video processor's max_soft_tokens {soft} is over the image processor's "
                                     f"{cfg.max_soft_tokens} (the vision graph's budget)")
@@ -142,3 +128,17 @@ def default_max_context(cfg: Gemma4Config, host: HostSpec) -> tuple[int, str]:
 
 FAMILY = Family(name="gemma4", model_types=MODEL_TYPES, config_from_hf=config_from_hf, load_weights=load_weights,
                 host_spec=host_spec, default_max_context=default_max_context)
+
+
+def _pooling(settings: dict, which: str, default_soft: int, cfg) -> tuple[int, int, int]:
+    """(max_soft_tokens, pooling kernel, patch) of the image or video processor's settings: the budget one of
+    SOFT_TOKENS, the kernel and patch the tower's (UnsupportedCheckpoint naming the field otherwise)."""
+    soft, kernel, patch = (int(settings.get("max_soft_tokens", default_soft)),
+                           int(settings.get("pooling_kernel_size", 3)), int(settings.get("patch_size", 16)))
+    if soft not in SOFT_TOKENS:
+        raise UnsupportedCheckpoint(f"the {which} processor's max_soft_tokens {soft} is not one of "
+                                    f"{', '.join(map(str, SOFT_TOKENS))}")
+    if kernel != cfg.kernel or patch != cfg.vision.patch_size:
+        raise UnsupportedCheckpoint(f"the {which} processor's pooling_kernel_size {kernel} / patch_size {patch} are "
+                                    f"not the vision tower's {cfg.kernel} / {cfg.vision.patch_size}")
+    return soft, kernel, patch
