@@ -81,6 +81,18 @@ def _browser_preprocess(page, uri: str, spec: ImageSpec, full: bool = False):
     return (np.frombuffer(base64.b64decode(r[0]), np.float32) if full else r[0]), tuple(r[1])
 
 
+def _assert_pixels_equal(page, im: Image.Image, spec: ImageSpec, what: str) -> None:
+    """The page's preprocessed pixels and grid are the Python runtime's, bit for bit (a digest first; on a mismatch
+    the pixels themselves, to say how many values differ)."""
+    want = preprocess(im, spec)
+    digest, grid = _browser_preprocess(page, _png_uri(im), spec)
+    assert grid == want.grid, what
+    if digest != hashlib.sha256(want.pixels.tobytes()).hexdigest():
+        got, _ = _browser_preprocess(page, _png_uri(im), spec, full=True)
+        bad = np.count_nonzero(got != want.pixels.ravel())
+        pytest.fail(f"{what}: {bad} of {got.size} values differ")
+
+
 def _images(tmp_path) -> dict[str, Image.Image]:
     ims = {name: load_image(ASSETS / name) for name in ("chelsea.png", "page.png", "camera.png")}
     ims["tall"] = synthetic("tall")
@@ -117,13 +129,7 @@ def test_preprocess_is_the_python_runtimes(page, spec, tmp_path):
     for name, im in _images(tmp_path).items():
         if spec in ("smolvlm-256m", "internvl3-1b") and name not in ("chelsea.png", "tall", "3x200", "700x2"):
             continue  # the real sizes on fewer images (each is up to 17 tiles of 512²)
-        want = preprocess(im, s)
-        digest, grid = _browser_preprocess(page, _png_uri(im), s)
-        assert grid == want.grid, (spec, name)
-        if digest != hashlib.sha256(want.pixels.tobytes()).hexdigest():
-            got, _ = _browser_preprocess(page, _png_uri(im), s, full=True)
-            bad = np.count_nonzero(got != want.pixels.ravel())
-            pytest.fail(f"{spec} {name}: {bad} of {got.size} values differ")
+        _assert_pixels_equal(page, im, s, f"{spec} {name}")
 
 
 def test_transparency_is_composited_onto_white(page):
@@ -168,13 +174,7 @@ def test_native_resolution_patches_are_the_python_runtimes(page, spec, tmp_path)
             with pytest.raises(Exception, match="aspect ratio is 350:1"):
                 _browser_preprocess(page, _png_uri(im), s)
             continue
-        want = preprocess(im, s)
-        digest, grid = _browser_preprocess(page, _png_uri(im), s)
-        assert grid == want.grid, (spec, name)
-        if digest != hashlib.sha256(want.pixels.tobytes()).hexdigest():
-            got, _ = _browser_preprocess(page, _png_uri(im), s, full=True)
-            bad = np.count_nonzero(got != want.pixels.ravel())
-            pytest.fail(f"{spec} {name}: {bad} of {got.size} values differ")
+        _assert_pixels_equal(page, im, s, f"{spec} {name}")
 
 
 # the tiny bundles' vision params (Qwen2.5-VL: window attention; Qwen3-VL / Qwen3.5: the interpolated position table)
