@@ -1,6 +1,6 @@
 """What Gemma 4's bidirectional vision attention (use_bidirectional_attention "vision": the decoder's span input,
-docs/gemma4.md) costs the decoder: one random checkpoint at the E2B attention shape (hidden 512, 8 heads of 256, one
-KV head, window 512, 4 sliding layers and a full one, per-layer inputs 64) exported twice from the same weights,
+docs/gemma4.md) costs the decoder: one random checkpoint at the E2B attention shape
+(benchmarks/gemma4_attention_shape.py) exported twice from the same weights,
 causal and with the span input, both with prefill blocks of 64. Timed through the runtime's own CacheRow.prefill /
 decode_token on the same random prompt rows: 1200 rows holding one 280-row image (rows 40..319):
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,22 +26,13 @@ N, IMAGE, REPEAT = 1200, (40, 320), 5
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import torchvision_ops
-
-    torchvision_ops.declare()
-    import fixtures_gemma4 as fx
-
+    from benchmarks.gemma4_attention_shape import make_checkpoint
     from vlmrt.export.pipeline import export
     from vlmrt.runtime.vlm import VLM
 
-    fx.TEXT = dict(fx.TEXT, hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=1,
-                   head_dim=256, num_hidden_layers=5, sliding_window=512, global_head_dim=512,
-                   num_global_key_value_heads=1, layer_types=["sliding_attention"] * 4 + ["full_attention"],
-                   num_kv_shared_layers=0, hidden_size_per_layer_input=64, max_position_embeddings=4096)
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        ckpt = fx.make_gemma4_checkpoint(d / "causal")
+        ckpt = make_checkpoint(d / "causal", max_position_embeddings=4096)
         bidir = d / "bidir"
         import shutil
 

@@ -1,6 +1,6 @@
 """What the windowed cache (kv.layers kind windowed_attention, docs/gemma4.md) buys Gemma 4's sliding layers on the
 CPU: one random checkpoint at the E2B attention shape (hidden 512, 8 heads of 256, one KV head, window 512, 4 sliding
-layers and a full one, per-layer inputs 64: benchmarks/gemma4_bidirectional.py's), exported with prefill blocks of
+layers and a full one, per-layer inputs 64: benchmarks/gemma4_attention_shape.py), exported with prefill blocks of
 64 and a context of 4608, its sliding layers' rows by slot (a bundle exported by a vlmrt before the windowed kind)
 or in a windowed cache of window + slack rows. Timed through the runtime's own CacheRow: a random prompt of 1000 /
 4000 rows (hybrid), then 32 decode steps (the median); the cache's bytes there: allocated (KVCache.nbytes: the
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -28,17 +27,9 @@ POSITIONS, STEPS, AR, CONTEXT = (1000, 4000), 32, 64, 4608
 
 
 def build(d: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import torchvision_ops
+    from benchmarks.gemma4_attention_shape import make_checkpoint
 
-    torchvision_ops.declare()
-    import fixtures_gemma4 as fx
-
-    fx.TEXT = dict(fx.TEXT, hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=1,
-                   head_dim=256, num_hidden_layers=5, sliding_window=512, global_head_dim=512,
-                   num_global_key_value_heads=1, layer_types=["sliding_attention"] * 4 + ["full_attention"],
-                   num_kv_shared_layers=0, hidden_size_per_layer_input=64, max_position_embeddings=8192)
-    fx.make_gemma4_checkpoint(d / "ckpt")
+    make_checkpoint(d / "ckpt", max_position_embeddings=8192)
 
 
 def export(d: Path, slacks: list[int]) -> None:
