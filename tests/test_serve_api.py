@@ -262,51 +262,45 @@ def qwen_plain(tmp_path_factory):
     r.stop()
 
 
-@pytest.fixture(scope="module")
-def qwen_tools(tmp_path_factory):
-    """The Qwen3-VL tiny bundle with its template's tool parts (tests/tool_templates.py: hermes), one slot."""
+def with_template(source, tmp_path_factory, name: str, template: str, renamed: dict[str, str] | None = None):
+    """A copy of the bundle at source whose manifest holds the chat template (the checkpoint's tool parts) and whose
+    tokenizer's unused added tokens are renamed (renamed: old -> new content; the ids and rows stay, the manifest
+    records the tokenizer's new hash), served with one slot: yields (server, VLM) and stops the server."""
     import shutil
 
-    from tool_templates import QWEN3_VL_TOOLS
+    from vlmrt.format.manifest import sha256_file
 
-    bundle = tmp_path_factory.mktemp("qwen-tools") / "bundle"
-    shutil.copytree(qwen3_vl(tmp_path_factory), bundle)
+    bundle = tmp_path_factory.mktemp(name) / "bundle"
+    shutil.copytree(source, bundle)
     m = json.loads((bundle / "manifest.json").read_text())
-    m["prompt"]["chat_template"] = QWEN3_VL_TOOLS
+    m["prompt"]["chat_template"] = template
+    if renamed:
+        path = bundle / m["tokenizer_file"]
+        tok = json.loads(path.read_text())
+        for t in tok["added_tokens"]:
+            t["content"] = renamed.get(t["content"], t["content"])
+        path.write_text(json.dumps(tok))
+        m["files"][m["tokenizer_file"]].update(sha256=sha256_file(path), bytes=path.stat().st_size)
     (bundle / "manifest.json").write_text(json.dumps(m))
     r = start(bundle, "--slots", "1", "--queue", "4")
     yield r, VLM.load(bundle)
     r.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen_tools(tmp_path_factory):
+    """The Qwen3-VL tiny bundle with its template's tool parts (tests/tool_templates.py: hermes), one slot."""
+    from tool_templates import QWEN3_VL_TOOLS
+
+    yield from with_template(qwen3_vl(tmp_path_factory), tmp_path_factory, "qwen-tools", QWEN3_VL_TOOLS)
 
 
 @pytest.fixture(scope="module")
 def qwen_xml_tools(tmp_path_factory):
     """The Qwen3-VL tiny bundle with Qwen3.5's tool parts (tests/tool_templates.py: qwen_xml), one slot."""
-    import shutil
-
     from tool_templates import QWEN35_TOOLS
 
-    bundle = tmp_path_factory.mktemp("qwen-xml-tools") / "bundle"
-    shutil.copytree(qwen3_vl(tmp_path_factory), bundle)
-    m = json.loads((bundle / "manifest.json").read_text())
-    m["prompt"]["chat_template"] = QWEN35_TOOLS
-    (bundle / "manifest.json").write_text(json.dumps(m))
-    r = start(bundle, "--slots", "1", "--queue", "4")
-    yield r, VLM.load(bundle)
-    r.stop()
-
-
-def rename_special_tokens(bundle, m: dict, renamed: dict[str, str]) -> None:
-    """Rename added tokens of the bundle's tokenizer (unused ones: the ids and rows stay) and record its new hash in
-    the manifest m (written by the caller)."""
-    from vlmrt.format.manifest import sha256_file
-
-    path = bundle / m["tokenizer_file"]
-    tok = json.loads(path.read_text())
-    for t in tok["added_tokens"]:
-        t["content"] = renamed.get(t["content"], t["content"])
-    path.write_text(json.dumps(tok))
-    m["files"][m["tokenizer_file"]].update(sha256=sha256_file(path), bytes=path.stat().st_size)
+    yield from with_template(qwen3_vl(tmp_path_factory), tmp_path_factory, "qwen-xml-tools", QWEN35_TOOLS)
 
 
 @pytest.fixture(scope="module")
@@ -314,21 +308,12 @@ def lfm2_tools(tmp_path_factory):
     """The LFM2-VL tiny bundle (family_cases.LFM2_CASES[0]) with its template's tool parts (pythonic), one slot; two
     of its tokenizer's grid markers that no test image reaches (row 10, columns 9 and 10) renamed <|tool_call_start|>
     and <|tool_call_end|>: special tokens, as in the released tokenizer (ids 10 and 11 there)."""
-    import shutil
-
     from family_cases import LFM2_CASES, lfm2_exported
     from tool_templates import LFM2_VL_TOOLS
 
-    bundle = tmp_path_factory.mktemp("lfm2-tools") / "bundle"
-    shutil.copytree(lfm2_exported(LFM2_CASES[0], tmp_path_factory).bundle, bundle)
-    m = json.loads((bundle / "manifest.json").read_text())
-    m["prompt"]["chat_template"] = LFM2_VL_TOOLS
-    rename_special_tokens(bundle, m, {"<|img_row_10_col_9|>": "<|tool_call_start|>",
-                                      "<|img_row_10_col_10|>": "<|tool_call_end|>"})
-    (bundle / "manifest.json").write_text(json.dumps(m))
-    r = start(bundle, "--slots", "1", "--queue", "4")
-    yield r, VLM.load(bundle)
-    r.stop()
+    yield from with_template(lfm2_exported(LFM2_CASES[0], tmp_path_factory).bundle, tmp_path_factory, "lfm2-tools",
+                             LFM2_VL_TOOLS, {"<|img_row_10_col_9|>": "<|tool_call_start|>",
+                                             "<|img_row_10_col_10|>": "<|tool_call_end|>"})
 
 
 @pytest.fixture(scope="module")
@@ -336,21 +321,12 @@ def gemma4_tools(tmp_path_factory):
     """The Gemma 4 tiny bundle with Gemma 4's tool parts (tests/tool_templates.py: gemma4), one slot; its tokenizer's
     three audio markers (unused without audio) renamed <|tool_call>, <tool_call|> and <|"|>: special tokens, as in
     the released tokenizer, so that the answer's text must keep them (VLM._kept)."""
-    import shutil
-
     from family_cases import GEMMA4_CASES, gemma4_exported
     from fixtures_gemma4 import AUDIO, BOA, EOA
     from tool_templates import GEMMA4_TOOLS
 
-    bundle = tmp_path_factory.mktemp("gemma4-tools") / "bundle"
-    shutil.copytree(gemma4_exported(GEMMA4_CASES[0], tmp_path_factory).bundle, bundle)
-    m = json.loads((bundle / "manifest.json").read_text())
-    m["prompt"]["chat_template"] = GEMMA4_TOOLS
-    rename_special_tokens(bundle, m, {BOA: "<|tool_call>", AUDIO: "<tool_call|>", EOA: '<|"|>'})
-    (bundle / "manifest.json").write_text(json.dumps(m))
-    r = start(bundle, "--slots", "1", "--queue", "4")
-    yield r, VLM.load(bundle)
-    r.stop()
+    yield from with_template(gemma4_exported(GEMMA4_CASES[0], tmp_path_factory).bundle, tmp_path_factory,
+                             "gemma4-tools", GEMMA4_TOOLS, {BOA: "<|tool_call>", AUDIO: "<tool_call|>", EOA: '<|"|>'})
 
 
 @pytest.mark.parametrize("served", ["qwen_plain", "qwen_tools", "qwen_xml_tools", "lfm2_tools"],
