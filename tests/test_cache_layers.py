@@ -95,18 +95,24 @@ class MixedDecoder:
         return [out[n].astype(np.float32) for n in names]
 
 
-def make(one_graph: bool, lookahead: int = 0, ctx: int = 32):
-    rng = np.random.default_rng(3)
-    fake = MixedDecoder(rng)
+def engine(fake_class, seed: int, layers, one_graph: bool, lookahead: int, ctx: int):
+    """A Scheduler over a numpy fake decoder (fake_class(rng)) with the given cache layers: one graph with a dynamic
+    row count, or static prefill / decode (and verify with lookahead) graphs; returns (scheduler, fake)."""
+    rng = np.random.default_rng(seed)
+    fake = fake_class(rng)
     kind = (RowsDynamicKind("rows_dynamic", "attention_mask", 8, "logit_rows") if one_graph else
             RowsStaticKind("rows_static", "attention_mask", verify_ar=4 if lookahead else 0))
     dec = DecoderSpec(hidden_size=H, vocab_size=V, prefill_ar=4, embeds_input="inputs_embeds",
                       positions=PositionsSpec("position_ids"), logits_output="logits", embedding_file="embed.npy",
                       embedding_dtype="float32", kind=kind)
-    kv = KVSpec(max_context=ctx, dtype="float32", layers=LAYERS)
+    kv = KVSpec(max_context=ctx, dtype="float32", layers=layers)
     sessions = DecoderSessions(decode=fake, prefill=fake, verify=fake if lookahead and not one_graph else None)
     table = rng.standard_normal((V, H)).astype(np.float32)
     return Scheduler(sessions, DecoderConfig(kv, dec, [0], lookahead=lookahead), table), fake
+
+
+def make(one_graph: bool, lookahead: int = 0, ctx: int = 32):
+    return engine(MixedDecoder, 3, LAYERS, one_graph, lookahead, ctx)
 
 
 def greedy(engine, fake, prompt, n):
@@ -243,17 +249,7 @@ class WindowedDecoder(MixedDecoder):
 
 
 def make_windowed(one_graph: bool, lookahead: int = 0, ctx: int = 32):
-    rng = np.random.default_rng(5)
-    fake = WindowedDecoder(rng)
-    kind = (RowsDynamicKind("rows_dynamic", "attention_mask", 8, "logit_rows") if one_graph else
-            RowsStaticKind("rows_static", "attention_mask", verify_ar=4 if lookahead else 0))
-    dec = DecoderSpec(hidden_size=H, vocab_size=V, prefill_ar=4, embeds_input="inputs_embeds",
-                      positions=PositionsSpec("position_ids"), logits_output="logits", embedding_file="embed.npy",
-                      embedding_dtype="float32", kind=kind)
-    kv = KVSpec(max_context=ctx, dtype="float32", layers=WINDOWED)
-    sessions = DecoderSessions(decode=fake, prefill=fake, verify=fake if lookahead and not one_graph else None)
-    table = rng.standard_normal((V, H)).astype(np.float32)
-    return Scheduler(sessions, DecoderConfig(kv, dec, [0], lookahead=lookahead), table), fake
+    return engine(WindowedDecoder, 5, WINDOWED, one_graph, lookahead, ctx)
 
 
 def test_windowed_and_shared_states_allocate_by_kind():
