@@ -7,7 +7,7 @@ fuse_shared_input_matmuls' concatenated one are empty initializers (name, dims, 
 read (the data file through np.memmap, transposed, concatenated); `quantize_matmuls` then does what ORT's
 MatMulNBitsQuantizer does for a 2-D weight (QOperator, symmetric: DefaultWeightOnlyQuantizer.quantize_matmul) with the
 same kernel, names, attributes and initializer order, one weight in memory at a time. So the graph written back is the
-one the in-memory passes write, byte for byte (tests/test_export_memory.py compares the bundles).
+one the in-memory passes write, byte for byte (tests/test_file_weights.py).
 """
 
 from __future__ import annotations
