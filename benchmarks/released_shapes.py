@@ -55,7 +55,7 @@ GEMMA4_E2B_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_lay
 # Reduced depths keep the released kv-shared fraction (20 of 35 = 4 of 7): 7 layers = 3 own + 4 shared, each part
 # with one full-attention layer (released: 3 of 15 own, 4 of 20 shared)
 GEMMA4_LAYERS = {7: [S, S, F, S, S, S, F], 14: [S, S, S, S, S, F, S, S, S, S, F, S, S, F]}
-GEMMA4_SHARED = {7: 4, 14: 8}
+GEMMA4_SHARED = {7: 4, 14: 8, 35: 20}
 
 QWEN35_TEXT = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
                    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -106,25 +106,88 @@ def gemma4_tokenizer(out: Path, vocab_size: int) -> dict:
     return ids
 
 
-def build_gemma4(out: Path, depth: int) -> None:
+def gemma4_layers(depth: int) -> list[str]:
+    """The reduced depths' patterns (GEMMA4_LAYERS), or the released one: every fifth layer full attention."""
+    return GEMMA4_LAYERS.get(depth) or [F if (i + 1) % 5 == 0 else S for i in range(depth)]
+
+
+def stream_random_checkpoint(cfg, out: Path, seed: int = 0, block_bytes: int = 64 << 20) -> None:
+    """model.safetensors (bf16, as released) and config.json of cfg's Gemma4ForConditionalGeneration as transformers'
+    save_pretrained writes them, without the whole model in memory (the released E2B's ~5 B parameters need ~20 GB
+    as one torch model in fp32, ~10 GB in bf16): the names and shapes from the model built on the meta device, each
+    module's tensors made on the CPU in turn and initialized by transformers' own _init_weights, written, dropped;
+    an embedding table (the per-layer one: 262,144 × 35 × 256) by its init's rule (normal, std initializer_range,
+    the padding row zero) a block of rows at a time. Peak: a block or the largest module, not the model."""
     import torch
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, GenerationConfig
+    from transformers import Gemma4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.bfloat16)  # the released dtype
+    try:
+        with torch.device("meta"):
+            model = Gemma4ForConditionalGeneration(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    seen, owner = set(), {}  # (a tied weight is saved once, under its first name: as save_pretrained does)
+    for mname, module in model.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(module, kind).items():
+                if t is None or (kind == "_buffers" and name in module._non_persistent_buffers_set) or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                owner[f"{mname}.{name}" if mname else name] = (module, name)
+    names = sorted(owner)
+    header, offset = {}, 0
+    for n in names:
+        t = getattr(*owner[n])
+        size = t.numel() * 2
+        header[n] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    std = cfg.initializer_range
+    left = {}  # module -> how many of its saved tensors are not written yet
+    for n in names:
+        left[id(owner[n][0])] = left.get(id(owner[n][0]), 0) + 1
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for n in names:
+            module, name = owner[n]
+            t = getattr(module, name)
+            if isinstance(module, torch.nn.Embedding) and t.numel() * 2 > block_bytes:
+                rows = max(1, block_bytes // (4 * t.shape[1]))
+                for r0 in range(0, t.shape[0], rows):
+                    block = torch.empty(min(rows, t.shape[0] - r0), t.shape[1]).normal_(0.0, std)
+                    if module.padding_idx is not None and r0 <= module.padding_idx < r0 + len(block):
+                        block[module.padding_idx - r0] = 0
+                    f.write(block.to(torch.bfloat16).view(torch.uint16).numpy().tobytes())
+                continue
+            if t.is_meta:  # the module's own tensors on the CPU, initialized as transformers does
+                module.to_empty(device="cpu", recurse=False)
+                model._init_weights(module)
+            f.write(getattr(module, name).detach().to(torch.bfloat16).contiguous().view(torch.uint16).numpy().tobytes())
+            left[id(module)] -= 1
+            if not left[id(module)]:
+                module.to_empty(device="meta", recurse=False)  # written: dropped
+    model.config.dtype = torch.bfloat16
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
+
+
+def build_gemma4(out: Path, depth: int) -> None:
+    from transformers import Gemma4Config, GenerationConfig
 
     from fixtures_gemma4 import BOI, BOS, EOI, END_TURN, IMAGE, PAD
 
     ids = gemma4_tokenizer(out, GEMMA4_E2B["vocab_size"])
-    text = dict(GEMMA4_E2B, num_hidden_layers=depth, layer_types=GEMMA4_LAYERS[depth],
-                num_kv_shared_layers=GEMMA4_SHARED[depth], pad_token_id=ids[PAD], eos_token_id=ids[END_TURN],
-                bos_token_id=ids[BOS])
+    text = dict(GEMMA4_E2B, num_hidden_layers=depth, layer_types=gemma4_layers(depth),
+                num_kv_shared_layers=GEMMA4_SHARED[depth], pad_token_id=ids[PAD],
+                eos_token_id=ids[END_TURN], bos_token_id=ids[BOS])
     cfg = Gemma4Config(text_config=text, vision_config=GEMMA4_E2B_VISION, image_token_id=ids[IMAGE],
                        boi_token_id=ids[BOI], eoi_token_id=ids[EOI])
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)  # the released dtype; halves the build's memory
-    try:
-        model = Gemma4ForConditionalGeneration(cfg).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model.save_pretrained(out)
+    stream_random_checkpoint(cfg, out)
     GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[END_TURN], pad_token_id=ids[PAD],
                      do_sample=False).save_pretrained(out)
     # google/gemma-4-E2B processor: 280 soft tokens an image, 16 px patches pooled 3×3, pixels in [0, 1]

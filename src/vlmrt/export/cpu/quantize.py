@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
-from . import gptq as quantize_gptq, head_blocks, offsets as quantize_offsets, rescored_head
+from . import file_weights, gptq as quantize_gptq, head_blocks, offsets as quantize_offsets, rescored_head
 
 PRECISIONS = ("fp32", "fp16", "w8a16", "w4a16", "w8a8", "w4a8", "w4a16m", "w4a8m", "w4a16o", "w4a8o", "w4a16og",
               "w4a8og", "w4a16g", "w4a8g", "w4a16r", "w4a8r")
@@ -76,6 +76,11 @@ HEAD_OF_PLAIN = {"w4a16o": "w4a16r", "w4a8o": "w4a8r", "w4a16og": "w4a16r", "w4a
 # and the 8-bit part as w8a8 as accurate as w8a16 and faster (docs/precisions.md).
 MIXED_8BIT = (".self_attn.v_proj.", ".mlp.down_proj.")
 MIX_OF = {"w4a16m": "w8a8", "w4a8m": "w8a8"}
+
+
+# Bodies whose MatMuls MatMulNBitsQuantizer quantizes as they are (symmetric, one precision): quantize_decoder reads
+# their weights from the data file one at a time (file_weights.py).
+PLAIN_BODY = tuple(p for p in WEIGHT_ONLY_BITS if p not in (*OFFSETS, *GPTQ, *RESCORED, *MIX_OF))
 
 
 class QuantError(ValueError):
@@ -117,9 +122,10 @@ def parse(spec: str | None, default: str = "fp32") -> dict[str, str]:
     return out
 
 
-def gemm_to_matmul(model: onnx.ModelProto, keep: set[str] = frozenset()) -> onnx.ModelProto:
+def gemm_to_matmul(model: onnx.ModelProto, keep: set[str] = frozenset(),
+                   weights: file_weights.FileWeights | None = None) -> onnx.ModelProto:
     """Gemm(x, W, b; transB=1) with constant W -> MatMul(x, Wᵀ) [+ Add(b)], which MatMulNBits can take; the nodes
-    named in keep stay."""
+    named in keep stay. weights: a W left in the data file gets a stand-in for Wᵀ (file_weights.py), read later."""
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     nodes = []
@@ -129,11 +135,16 @@ def gemm_to_matmul(model: onnx.ModelProto, keep: set[str] = frozenset()) -> onnx
                 or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
             nodes.append(node)
             continue
-        w = numpy_helper.to_array(inits[node.input[1]])
-        if attrs.get("transB", 0):
-            w = np.ascontiguousarray(w.T)
         name_t = node.input[1] + "_kn"
-        g.initializer.append(numpy_helper.from_array(w, name_t))
+        if weights is not None and node.input[1] in weights:
+            init = inits[node.input[1]]
+            g.initializer.append(weights.transposed(node.input[1], name_t, init) if attrs.get("transB", 0) else
+                                 weights.placeholder(name_t, init.dims, init.data_type, weights.readers[init.name]))
+        else:
+            w = numpy_helper.to_array(inits[node.input[1]])
+            if attrs.get("transB", 0):
+                w = np.ascontiguousarray(w.T)
+            g.initializer.append(numpy_helper.from_array(w, name_t))
         out = node.output[0]
         if len(node.input) > 2 and node.input[2]:
             mm = node.name + "_matmul_out"
@@ -185,27 +196,34 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, 
     name) -> H [K, K] of that MatMul's input (calibrate_gptq.Hessians.for_weight): needed by the GPTQ precisions.
     folder: the model was read without its external data (onnx.load(..., load_external_data=False)), which is in
     folder; a plain weight-only head is then quantized from its data file a block of rows at a time
-    (head_blocks.py: the same tensors, never whole in memory), the other tensors read first."""
+    (head_blocks.py: the same tensors, never whole in memory); with a plain weight-only body (PLAIN_BODY) its MatMul
+    weights stay there too, each read when it is quantized (file_weights.py: the same graph, one float weight in
+    memory at a time), else the other tensors are read first."""
     if (body in GPTQ or head in GPTQ) and hessian is None:
         raise QuantError(f"--quant {body if body in GPTQ else head}: GPTQ needs the decoder's calibration Hessians")
     if body not in WEIGHT_ONLY_BITS and head not in WEIGHT_ONLY_BITS:
         if folder is not None:
             external_data_helper.load_external_data_for_model(model, str(folder))
         return model
-    streamed = None
+    streamed, weights = None, None
     if folder is not None:
         plain = head in WEIGHT_ONLY_BITS and head not in (*OFFSETS, *GPTQ, *RESCORED)
         node = head_blocks.head_node(model, logits) if plain else None
-        for init in model.graph.initializer:  # every external tensor but the head's weight
-            if external_data_helper.uses_external_data(init) and (node is None or init.name != node.input[1]):
+        if node is not None and body in PLAIN_BODY:
+            weights = file_weights.FileWeights(folder)
+            weights.defer(model, skip={node.input[1]})
+        for init in model.graph.initializer:  # every external tensor but the head's weight (and the deferred)
+            if external_data_helper.uses_external_data(init) and (node is None or init.name != node.input[1]) \
+                    and (weights is None or init.name not in weights):
                 external_data_helper.load_external_data_for_tensor(init, str(folder))
                 init.data_location = onnx.TensorProto.DEFAULT
                 del init.external_data[:]
-        model = gemm_to_matmul(model, keep={node.name} if node is not None else set())
+        model = gemm_to_matmul(model, keep={node.name} if node is not None else set(), weights=weights)
         if node is not None:
             streamed = head_blocks.quantize_head(model, node, folder, WEIGHT_ONLY_BITS[head], BLOCK_SIZE,
                                                  ACCURACY_LEVEL[head])
-        external_data_helper.load_external_data_for_model(model, str(folder))  # (anything else still external)
+        if weights is None:
+            external_data_helper.load_external_data_for_model(model, str(folder))  # (anything else still external)
     else:
         model = gemm_to_matmul(model)
     lm = streamed or producer_matmul(model, logits)
@@ -230,7 +248,15 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, 
     if body in MIX_OF and not wide:
         raise QuantError(f"--quant {body}: no v_proj/down_proj MatMul found in the decoder graph")
     if body in WEIGHT_ONLY_BITS:
-        fuse_shared_input_matmuls(model, keep_apart={lm, *wide})
+        fuse_shared_input_matmuls(model, keep_apart={lm, *wide}, weights=weights)
+    if weights is not None:  # (a plain body: MatMulNBitsQuantizer's pass below, one weight read at a time)
+        done = file_weights.all_2d(model, {lm})
+        if done:
+            file_weights.quantize_matmuls(model, weights, WEIGHT_ONLY_BITS[body], BLOCK_SIZE, ACCURACY_LEVEL[body],
+                                          exclude={lm})
+        weights.load_rest(model)  # (anything not quantized: read now, as the in-memory passes had it)
+        if done:
+            return model
     if wide:
         model = weight_only(model, 8, include=wide, accuracy_level=ACCURACY_LEVEL[MIX_OF[body]])
     if body in OFFSETS:  # the lm head is no MatMul any more when quantized; exclude it when it stays float
@@ -243,12 +269,14 @@ def quantize_decoder(model: onnx.ModelProto, body: str, head: str, logits: str, 
     return model
 
 
-def fuse_shared_input_matmuls(model: onnx.ModelProto, keep_apart: set[str]) -> int:
+def fuse_shared_input_matmuls(model: onnx.ModelProto, keep_apart: set[str],
+                              weights: file_weights.FileWeights | None = None) -> int:
     """MatMuls that read the same input with constant weights [K, N_i] (q/k/v, gate/up) -> one MatMul over the
     weights concatenated along N, then a Split into the original outputs. Weight-only quantization is per
     output column (blocks run along K), so the fused MatMulNBits computes every column as the separate ones
     did; what changes is one kernel call instead of 2-3 (an M=1 decode call is mostly dispatch and thread
     wake-up on 2 cores). Nodes named in keep_apart (the lm head, a mixed precision's 8-bit ones) stay.
+    weights: the fused weight of members left in the data file is a stand-in (file_weights.py), read later.
     Returns the number of fused groups."""
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -260,12 +288,16 @@ def fuse_shared_input_matmuls(model: onnx.ModelProto, keep_apart: set[str]) -> i
     fused: dict[str, list] = {}  # name of a group's first node -> [MatMul, Split]
     drop = set()
     for x, members in groups.items():
-        ws = [numpy_helper.to_array(inits[m.input[1]]) for m in members]
-        if len(members) < 2 or len({(w.shape[0], w.dtype) for w in ws}) != 1 or not all(m.name for m in members):
+        ws = [inits[m.input[1]] for m in members]
+        if len(members) < 2 or len({(w.dims[0], w.data_type) for w in ws}) != 1 or not all(m.name for m in members):
             continue
         name = members[0].name + "_fused"
-        w = numpy_helper.from_array(np.concatenate(ws, axis=1), "+".join(m.input[1] for m in members))
-        sizes = numpy_helper.from_array(np.array([w_.shape[1] for w_ in ws], np.int64), name + "_split_sizes")
+        fused_name = "+".join(m.input[1] for m in members)
+        if weights is not None and any(w.name in weights for w in ws):
+            w = weights.concatenated(ws, fused_name)
+        else:
+            w = numpy_helper.from_array(np.concatenate([numpy_helper.to_array(w_) for w_ in ws], axis=1), fused_name)
+        sizes = numpy_helper.from_array(np.array([w_.dims[1] for w_ in ws], np.int64), name + "_split_sizes")
         g.initializer.extend([w, sizes])
         fused[members[0].name] = [
             helper.make_node("MatMul", [x, w.name], [name + "_out"], name=name),
