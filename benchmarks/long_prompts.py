@@ -98,7 +98,8 @@ def measure(a) -> dict:
         arms.append((name, ("llama", cache)))
     lengths = [int(x) for x in a.lengths.split(",")]
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(), "threads": a.threads,
-           "gen_tokens": a.gen_tokens, "rounds": a.rounds, "lengths": lengths, "arms": [n for n, _ in arms], "env": envs,
+           "gen_tokens": a.gen_tokens, "rounds": a.rounds, "lengths": lengths, "arms": [n for n, _ in arms],
+           "env": envs,
            "load_before": os.getloadavg(), "runs": []}
     for rnd in range(a.rounds):
         for n in lengths:
