@@ -1,16 +1,20 @@
 """Long prompts side by side: TTFT, decode tokens/s and peak RSS at several prompt lengths, vlmrt bundles (any
 prefill block, any KV cache) and llama.cpp (its f16 or q8_0 cache) in one run, rounds interleaved, medians.
 
-    python -m benchmarks.long_prompts --arm NAME=BUNDLE[@AR] ... [--llama NAME=CACHE ...] [--llama-bin DIR]
-        [--lengths 128,1024,2048,4000] [--gen-tokens 32] [--rounds 3] [--threads 2] --out RESULT.json
+    python -m benchmarks.long_prompts --arm NAME=BUNDLE[@AR] ... [--env NAME=VAR=VALUE ...] [--llama NAME=CACHE ...]
+        [--llama-bin DIR] [--lengths 128,1024,2048,4000] [--gen-tokens 32] [--rounds 3] [--threads 2] [--decode-only]
+        --out RESULT.json
     python -m benchmarks.long_prompts --report RESULT.json [RESULT.json ...]   # the medians of several runs, markdown
 
 --arm NAME=BUNDLE@AR: the bundle with its manifest's prefill block (decoder.prefill_ar) set to AR (a copy of the
 manifest beside hard links to the bundle's files, under --work, on the bundle's file system): the CPU decoder graph takes any block from 1 to its
 symbolic AR, so one export serves every block (docs/performance.md "Long prompts").
+--env NAME=VAR=VALUE: the arm NAME's processes run with VAR=VALUE in their environment (e.g. ORT's
+ORT_GQA_DISABLE_FLASH_ATTENTION=0: a bundle on the attention kernel it ran before runtime/gqa_kernel.py chose by cache).
 --llama NAME=CACHE: llama.cpp's llama-bench (from --llama-bin) on the SmolLM2 GGUF (benchmarks.compare_gguf.find_gguf)
 with cache type CACHE (f16: its default, flash attention "auto"; q8_0: `-ctk q8_0 -ctv q8_0 -fa on`): TTFT = N / its prompt tokens/s (`-p N`),
 decode = its tokens/s generating --gen-tokens at depth N (`-n G -d N`), whose process's peak RSS is the row's.
+--decode-only: llama.cpp's `-p N` run (its TTFT) is skipped (its `-d N` run prefills N tokens untimed either way).
 vlmrt: `vlmrt bench B --prompt-tokens N --gen-tokens G --runs 1` in its own process (a cold load, TTFT of the first
 call; its peak RSS). Every measurement is one process; each round runs every (length, arm), arms in a rotated order.
 Run each round as its own call when a timing window is short (--rounds 1 --out R1.json, ...) and --report them
@@ -50,10 +54,11 @@ def with_block(bundle: Path, ar: int, work: Path) -> Path:
     return out
 
 
-def vlmrt_run(bundle: Path, n: int, gen: int, threads: int) -> dict:
+def vlmrt_run(bundle: Path, n: int, gen: int, threads: int, env: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "vlmrt.cli", "bench", str(bundle), "--prompt-tokens", str(n), "--gen-tokens", str(gen),
            "--runs", "1", "--threads", str(threads), "--json"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    p = subprocess.run(cmd, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})})
     if p.returncode != 0:
         raise RuntimeError(f"vlmrt bench {bundle} exited {p.returncode}: {p.stderr.strip()[-400:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -61,11 +66,11 @@ def vlmrt_run(bundle: Path, n: int, gen: int, threads: int) -> dict:
             "peak_rss_mb": r["peak_rss_mb"], "prompt_tokens": r["prompt_tokens"]}
 
 
-def llama_run(binary: Path, gguf: Path, cache: str, n: int, gen: int, threads: int) -> dict:
-    pp = compare_gguf.llama_bench(binary, gguf, threads, cache, prompt=n)
+def llama_run(binary: Path, gguf: Path, cache: str, n: int, gen: int, threads: int, decode_only: bool = False) -> dict:
+    pp = None if decode_only else compare_gguf.llama_bench(binary, gguf, threads, cache, prompt=n)
     tg = compare_gguf.llama_bench(binary, gguf, threads, cache, gen=gen, depth=n)
-    return {"ttft_s": n / pp["tokens_per_s"], "decode_tokens_per_s": tg["tokens_per_s"],
-            "peak_rss_mb": tg["peak_rss_mb"], "prompt_tokens": n, "pp_peak_rss_mb": pp["peak_rss_mb"],
+    return {"ttft_s": n / pp["tokens_per_s"] if pp else None, "decode_tokens_per_s": tg["tokens_per_s"],
+            "peak_rss_mb": tg["peak_rss_mb"], "prompt_tokens": n, "pp_peak_rss_mb": pp["peak_rss_mb"] if pp else None,
             "flash_attn": tg["flash_attn"], "cache": f"{tg['type_k']}/{tg['type_v']}"}
 
 
@@ -78,6 +83,13 @@ def measure(a) -> dict:
         path, _, ar = path.partition("@")
         b = Path(path)
         arms.append((name, ("vlmrt", with_block(b, int(ar), work) if ar else b)))
+    envs: dict[str, dict] = {}
+    for spec in a.env:
+        name, _, var = spec.partition("=")
+        var, _, value = var.partition("=")
+        if name not in dict(arms) or not var:
+            raise SystemExit(f"--env {spec}: give NAME=VAR=VALUE for a --arm's NAME")
+        envs.setdefault(name, {})[var] = value
     gguf = compare_gguf.find_gguf() if a.llama else None
     for spec in a.llama:
         name, _, cache = spec.partition("=")
@@ -87,6 +99,7 @@ def measure(a) -> dict:
     lengths = [int(x) for x in a.lengths.split(",")]
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(), "threads": a.threads,
            "gen_tokens": a.gen_tokens, "rounds": a.rounds, "lengths": lengths, "arms": [n for n, _ in arms],
+           "env": envs,
            "load_before": os.getloadavg(), "runs": []}
     for rnd in range(a.rounds):
         for n in lengths:
@@ -94,9 +107,10 @@ def measure(a) -> dict:
             for name, (kind, what) in arms[k:] + arms[:k]:  # rotated: no arm always first after a length change
                 try:
                     if kind == "vlmrt":
-                        r = vlmrt_run(what, n, a.gen_tokens, a.threads)
+                        r = vlmrt_run(what, n, a.gen_tokens, a.threads, envs.get(name))
                     else:
-                        r = llama_run(Path(a.llama_bin) / "llama-bench", gguf, what, n, a.gen_tokens, a.threads)
+                        r = llama_run(Path(a.llama_bin) / "llama-bench", gguf, what, n, a.gen_tokens, a.threads,
+                                      a.decode_only)
                 except RuntimeError as e:  # (recorded; the round goes on)
                     r = {"error": str(e)}
                 r.update(arm=name, length=n, round=rnd)
@@ -123,7 +137,7 @@ def report(results: list[dict]) -> str:
         for arm in arms:
             cells = []
             for n in lengths:
-                xs = [x[key] for x in runs if x["arm"] == arm and x["length"] == n]
+                xs = [x[key] for x in runs if x["arm"] == arm and x["length"] == n and x[key] is not None]
                 cells.append(f"{statistics.median(xs):.{3 if key == 'ttft_s' else 1}f}" if xs else "")
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -133,12 +147,14 @@ def report(results: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=BUNDLE[@AR]")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VAR=VALUE")
     ap.add_argument("--llama", action="append", default=[], metavar="NAME=CACHE")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", ""), help="folder of llama.cpp's llama-bench")
     ap.add_argument("--lengths", default="128,1024,2048,4000")
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-only", action="store_true", help="skip llama.cpp's -p run (its TTFT)")
     ap.add_argument("--work", default="/tmp/vlmrt-long-prompts")
     ap.add_argument("--out", help="the result JSON")
     ap.add_argument("--report", nargs="+", metavar="RESULT", help="print the medians of these results (markdown)")

@@ -11,6 +11,7 @@ and their rollback, a prefix reused, rows decoding together (the scheduler's bat
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -130,6 +131,36 @@ def test_every_path_answers_on_the_int8_cache_as_its_plain_run(int8):
                                             for i, p in enumerate(prompts)])}
     for i, want in enumerate(alone):
         assert lines[i]["token_ids"] == want, prompts[i]
+
+
+def test_a_quantized_cache_decodes_on_orts_scores_kernel(quantized, tiny, monkeypatch):
+    """ORT's GroupQueryAttention CPU kernel is picked when its session is built, from ORT_GQA_DISABLE_FLASH_ATTENTION
+    (runtime/gqa_kernel.py): the runtime builds a quantized cache's decoder on `scores` (measured faster at every
+    length, docs/performance.md), a float cache's on `flash`, and leaves the variable as it found it; a value the user
+    set wins. The two kernels give the same logits to float rounding (7e-6 on attention outputs of ~6: one
+    GroupQueryAttention node, int8 and fp32, batched and multi-row; measured)."""
+    import onnxruntime as ort
+
+    from vlmrt.runtime import gqa_kernel
+
+    kind, bundle = quantized
+    built, real = [], ort.InferenceSession
+
+    def spy(path, *a, **kw):
+        built.append((str(path).rsplit("/", 1)[-1], os.environ.get(gqa_kernel.ENV)))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    monkeypatch.delenv(gqa_kernel.ENV, raising=False)
+    scores, flat = VLM.load(bundle), VLM.load(tiny.bundle)
+    assert built == [("decoder.onnx", "1"), ("decoder.onnx", "0")] and gqa_kernel.ENV not in os.environ, built
+    monkeypatch.setenv(gqa_kernel.ENV, "0")  # the user's choice: flash
+    flash = VLM.load(bundle)
+    assert built[-1] == ("decoder.onnx", "0") and os.environ[gqa_kernel.ENV] == "0"
+    x = np.random.default_rng(1).standard_normal((21, scores.manifest.decoder.hidden_size)).astype(np.float32) * 0.5
+    tokens = list(range(5, 13))
+    np.testing.assert_allclose(scores.row.score(x, tokens), flash.row.score(x, tokens), atol=1e-4, rtol=0)
+    assert flat.row.cache.keys[0].dtype == np.float32
 
 
 def test_bad_cache_options_are_one_line(tiny, tmp_path):

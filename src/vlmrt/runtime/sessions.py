@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..format import manifest as mf
 from ..format.verify_record import identity
+from . import gqa_kernel
 from .weights import SharedWeights, release_freed_heap
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -182,6 +183,7 @@ class Sessions(Mapping):
                 self.users[loc] = self.users.get(loc, 0) + 1
         self.by_file: dict[str, object] = {}
         self.load_s: dict[str, float] = {}
+        self.gqa_kernel = gqa_kernel.for_cache(m.kv)  # ORT's GroupQueryAttention kernel, by the decoder's cache
 
     def __getitem__(self, name: str):
         g, f = self.m.graphs[name], self.files[name]
@@ -190,8 +192,9 @@ class Sessions(Mapping):
             t = time.perf_counter()
             self._still_verified(name)
             shared = self.shared if any(self.users[loc] > 1 for loc in g.data_files) else None
-            s = make_session(self.path / f, self.device, self.threads, self.m.target, shared, g, self.config.get(f),
-                             self.shared if g.load_only_weights else None)
+            with gqa_kernel.building(self.gqa_kernel):
+                s = make_session(self.path / f, self.device, self.threads, self.m.target, shared, g, self.config.get(f),
+                                 self.shared if g.load_only_weights else None)
             for other, spec in self.m.graphs.items():  # the graph file's I/O are what the manifest says
                 if self.files[other] == f:
                     check_io(s, other, spec, f)
