@@ -23,7 +23,7 @@ from onnx import helper
 from ...format import manifest as mf
 from ...runtime.weights import release_freed_heap
 from .. import fuse, graphs, onnx_names
-from . import head as htp_head, precisions as htp_precisions, verify as htp_verify, int4_blocks, qnn_context
+from . import head as htp_head, precisions as htp_precisions, verify as htp_verify, int4_blocks, qnn_context, softcap_sigmoid
 from ..cache_kinds import encoded_edges
 from .calibrate import calibrate, kv_ranges, uint8_encoding
 
@@ -241,6 +241,7 @@ def quantize_bundle(float_dir: Path, out_dir: Path, samples, *, target: dict, pr
         model, fused = fuse.prepare_for_qdq(onnx.load(str(float_dir / m.graphs[name].file)))  # with weights; RMSNorm fused
         if "head" in prec and name != "vision":
             own_head = htp_head.split(model, m.decoder.logits_output, m.decoder.hidden_size, m.decoder.vocab_size)
+        softcap_sigmoid.softcap_as_sigmoid(model)
         enc = like = None
         if name != "vision":  # (the verify graph reads and writes decode's cache: decode's encoding)
             ranges = kv_ranges(rec["prefill" if name == "prefill" else "decode"])
