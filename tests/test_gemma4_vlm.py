@@ -151,6 +151,48 @@ def test_bidirectional_vision_attention_equals_generate(bundle, bidirectional, t
     assert vlm.result.stats.reused_prompt_tokens >= first_end  # (the first image's rows kept, not run again)
 
 
+def test_bidirectional_static_graphs_hold_each_image_in_one_block(bidirectional, tmp_path, capsys):
+    """Static decoder graphs (`--attention portable --context-step 0`: the HTP target's rows_static kind, float, on
+    the CPU EP) of the "vision" bidirectional checkpoint: the prefill graph's AR is raised to an image's 70 rows (a
+    block holds the whole of every image it starts: blocks end before an image and the image's block is padded), an
+    AR below it is refused in one line; with text before two images, where a plain block of 70 would end inside the
+    first, the prompt ids and 24 greedy ids equal Gemma4Processor + generate in kv mode (each image one prefill-graph
+    call) and hybrid mode. On main ef8b8dc such an export was refused."""
+    from vlmrt import cli
+    from vlmrt.export.pipeline import export
+    from vlmrt.runtime.vlm import VLM
+
+    ckpt, _ = bidirectional
+    assert cli.main(["export", str(ckpt), str(tmp_path / "refused"), "--attention", "portable", "--context-step", "0",
+                     "--prefill-ar", "32", "--max-seq-len", "256"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--prefill-ar 70 or more" in err[-1] and "Traceback" not in "".join(err)
+    assert not (tmp_path / "refused").exists()
+    b = export(str(ckpt), tmp_path / "static", attention="portable", context_step=0, max_seq_len=256, progress=False)
+    m = json.loads((b / "manifest.json").read_text())
+    assert m["decoder"]["kind"]["name"] == "rows_static" and m["decoder"]["prefill_ar"] == 70
+    assert m["decoder"]["span_input"] == "span_ids"
+    images = [image(s, k) for k, s in enumerate(SIZES)]
+    paths = []
+    for k, im in enumerate(images):
+        paths.append(str(tmp_path / f"im{k}.png"))
+        im.save(paths[-1])
+    before = "Look closely at these: "
+    user = {"role": "user", "content": [{"type": "text", "text": before}, {"type": "image"}, {"type": "image"},
+                                        {"type": "text", "text": PROMPT}]}
+    ids, want = _hf_chat(ckpt, images, [user], 24)
+    image_id = json.loads((ckpt / "config.json").read_text())["image_token_id"]
+    at = [i for i, t in enumerate(ids) if t == image_id]
+    assert at[0] < 70 <= at[-1] and 69 in at and 70 in at  # (a block of 70 from 0 ends inside an image)
+    vlm = VLM.load(b)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": before}]
+             + [{"type": "image_url", "image_url": {"url": p}} for p in paths] + [{"type": "text", "text": PROMPT}]}]
+    for mode in ("kv", "hybrid"):
+        vlm.reset()
+        "".join(vlm.chat(msgs, mode=mode, max_new_tokens=24, ignore_eos=True))
+        assert vlm.result.prompt_ids == ids and vlm.result.token_ids == want, mode
+
+
 def test_weight_only_precision_keeps_a_float16_table(bundle, tmp_path, capsys):
     """A weight-only precision quantizes the graphs but keeps the token table float16 when its rows carry per-layer
     rows (as int8 rows they lose the answers: docs/gemma4.md, the table benchmark): the fp32 bundle's table in

@@ -482,6 +482,22 @@ def _decoder_kind(plan: Plan, batched: bool, valid_rows: bool) -> mf.GqaInPlaceK
                              valid_rows_input=VALID_ROWS if valid_rows else None)
 
 
+def _span_blocks(plan: Plan, asked: int | None) -> None:
+    """Static decoder graphs with a span input (an image's rows see each other both ways: runtime/decode/spans.py):
+    a prompt block holds the whole of every span it starts, so the prefill graph's AR must hold the longest span, an
+    image's rows (tokens_per_tile: one tile an image where a decoder takes spans). The default AR is raised to it;
+    an AR asked for (--prefill-ar) below it is refused."""
+    longest = plan.cfg.tokens_per_tile
+    if plan.prefill_ar >= longest:
+        return
+    if asked is not None or longest > plan.max_seq_len:
+        raise ExportError(f"this checkpoint's image tokens attend to their whole image (bidirectional vision "
+                          f"attention), so a static prefill block must hold an image's {longest} tokens: "
+                          f"--prefill-ar {longest} or more (this export: {plan.prefill_ar}, max context "
+                          f"{plan.max_seq_len})")
+    plan.prefill_ar = longest
+
+
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq_len: int | None, dtype: str,
             quant: str | None, force: bool, context_step: int | None, attention: str | None, htp: dict | None,
             max_patches: int | None = None, kv_bits: int = 0, calibration: list | None = None) -> Path:
@@ -503,10 +519,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
     rope_rows, levels = decoder.rope_rows, decoder.row_levels  # (families.DecoderModule, checked by Family.weights)
     spans = decoder.span_input
     if spans and not plan.one_graph:
-        raise ExportError("this checkpoint's image tokens attend to their whole image (bidirectional vision attention), "
-                          "so a prompt block holds a whole image: that needs one decoder graph of any AR, not static "
-                          "graphs (--target htp, --context-step 0, --prefill-ar 1 or different prefill / decode "
-                          "precisions)")
+        _span_blocks(plan, prefill_ar)
     if rope_rows != plan.host.positions_rows or bool(levels) != bool(row_outputs):
         raise plan.family.fail(f"the decoder takes {rope_rows} rope rows and {levels} row levels; the host plan gives "
                                f"{plan.host.positions_rows} rows and the vision graph {len(row_outputs)} row outputs")

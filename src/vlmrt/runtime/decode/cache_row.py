@@ -314,12 +314,26 @@ class CacheRow:
         through its graph into the cache; at a block's end (a multiple of the mode's block; each block's under a span
         plan) a snapshot of the states that keep them (KVCache.checkpoint: a recurrent layer's, a windowed cache's,
         for a later prompt to keep this prefix)."""
-        logits = self.step("prefill" if self.blocks(mode) > 1 else "decode", embeds, positions, rows, spans)
+        purpose = self._block_graph(mode, len(embeds))
+        enc = self.kv_spec.encodings
+        swap = purpose == "prefill" and self.blocks(mode) == 1 and enc.get("prefill") and enc.get("decode")
+        if swap:  # (a span in kv mode on a uint8 cache of two encodings: the prefill graph reads its own)
+            self.cache.requantize(enc["decode"], enc["prefill"])
+        logits = self.step(purpose, embeds, positions, rows, spans)
+        if swap:
+            self.cache.requantize(enc["prefill"], enc["decode"])
         if self._bounds[-1] != self.cache.length:
             self._bounds.append(self.cache.length)
         if not self.cache.drops_rows and (self._span_blocks(mode) or self.cache.length % self.blocks(mode) == 0):
             self.cache.checkpoint()
         return logits
+
+    def _block_graph(self, mode: str, n: int) -> str:
+        """The graph a prompt block of n rows in mode calls: prefill's in hybrid mode; in kv mode decode's, unless
+        the block is a span longer than the decode graph's AR (a static one's: 1), which only prefill's takes."""
+        if self.blocks(mode) > 1 or (n > self.kind.ar("decode", n) and self.sessions.prefill is not None):
+            return "prefill"
+        return "decode"
 
     def end(self, mode: str, start: int, n: int) -> None:
         """After a prompt's last block (start + n rows kept): its rows in decode's encoding (kv_requant), and how many

@@ -144,7 +144,10 @@ class RowsStatic(_Rows):
         return purpose
 
     def ar(self, purpose: str, n: int) -> int:  # the last prompt block (and a verify step) padded to the graph's AR
-        return {"prefill": self.dec.prefill_ar, "verify": self.verify_ar}.get(purpose, 1)
+        ar = {"prefill": self.dec.prefill_ar, "verify": self.verify_ar}.get(purpose, 1)
+        if n > ar and purpose != "decode":  # (a span longer than the prefill AR: the export keeps them within it)
+            raise ValueError(f"a {purpose} step of {n} rows is longer than the static {purpose} graph's AR {ar}")
+        return ar
 
     def mask_value(self) -> float | None:
         return self.spec.mask_value  # (quantized HTP graphs: a moderate value)
