@@ -585,9 +585,13 @@ class DecoderSpec:
     positions: PositionsSpec
     logits_output: str
     embedding_file: str  # [vocab, hidden] .npy, memory-mapped by the host
-    embedding_dtype: str  # float32 | float16 | int8 (then rows are scaled by embedding_scale_file [vocab])
+    # float32 | float16 | int8 | int4 (then rows are scaled by embedding_scale_file: runtime/table_rows.py)
+    embedding_dtype: str
     kind: GqaInPlaceKind | RowsDynamicKind | RowsStaticKind
     embedding_scale_file: str | None = None
+    # values per scale of an int8 / int4 table: None, one float32 scale per row ([vocab]); G, one float16 scale per G
+    # values of a row ([vocab, ⌈hidden_size / G⌉]; int4 codes two per byte, [vocab, ⌈hidden_size / 2⌉] uint8)
+    embedding_group: int | None = None
     row_input: RowInputSpec | None = None  # a per-token row input (VisionSpec.row_outputs); None: the graphs take none
     # [ar] int64: each row's image span (a run of image-token rows; -1: none): a span's rows see each other both ways
     # on the layers the graph applies it to (Gemma 4's bidirectional vision attention), so the runtime never splits a
