@@ -1,9 +1,10 @@
 """Gemma 4's token rows (the embedding and the per-layer rows side by side, families/gemma4/language.py) in each of
 the table's stored forms (runtime/table_rows.py, `vlmrt export --table`), against the float16 table: teacher-forced
-top-1 agreement and KL(float16 ‖ form) of the next-token distributions, on the float16 table's own greedy answers.
+top-1 agreement and KL(float16 ‖ form) of the next-token distributions, on the float16 table's own greedy answers;
+and with one part of the row (the embedding, or the per-layer rows) in a form, the other float16.
 
     python -m benchmarks.gemma4_table_rows tiny            # the decoder tests' "shared" and "plain" checkpoints
-    python -m benchmarks.gemma4_table_rows bundle DIR      # an exported bundle (its float16 / float32 table)
+    python -m benchmarks.gemma4_table_rows bundle DIR [--hidden 1536]   # a bundle (its float16 / float32 table)
     python -m benchmarks.gemma4_table_rows rewrite DIR OUT --table FORM   # DIR's bundle with its table in FORM
 
 `tiny` quantizes the float32 table the export would quantize; `bundle` the bundle's float16 rows (a bundle's
@@ -25,26 +26,40 @@ import numpy as np
 from vlmrt.runtime import table_rows
 
 FORMS = ["float16", "int8", "int8g64", "int4g32", "int4g64"]
+# one part of the row in a form, the other float16: "F@embedding" (the first `hidden` columns), "F@per_layer" (the rest)
+PARTS = ["int8g64@embedding", "int8g64@per_layer", "int4g32@embedding", "int4g32@per_layer"]
 TEXTS = ["Describe the picture in one sentence.", "What is the capital of France? Answer briefly.",
          "Write a short poem about the sea and the wind.", "List three prime numbers and explain why they are prime."]
+
+
+def stored(rows: np.ndarray, form: str, hidden: int) -> np.ndarray:
+    """float32 rows as `form` gives them back (a FORMS name, or one of PARTS: that part only, the other float16)."""
+    form, _, part = form.partition("@")
+    f16 = rows.astype(np.float16).astype(np.float32)
+    if not part:
+        return table_rows.dequantize(*table_rows.quantize(rows, form), form, rows.shape[1])
+    cols = slice(0, hidden) if part == "embedding" else slice(hidden, None)
+    x = rows[:, cols]
+    f16[:, cols] = table_rows.dequantize(*table_rows.quantize(x, form), form, x.shape[1])
+    return f16
 
 
 class FormRows:
     """rows by token id of a float table, as a stored form gives them (quantized and dequantized per row)."""
 
-    def __init__(self, table, form: str):
-        self.table, self.form = table, form
+    def __init__(self, table, form: str, hidden: int):
+        self.table, self.form, self.hidden = table, form, hidden
         self.shape, self.dtype = table.shape, np.dtype(np.float32)
 
     def __getitem__(self, ids):
         rows = np.asarray(self.table[np.asarray(ids, np.int64).reshape(-1)], np.float32)
-        return table_rows.dequantize(*table_rows.quantize(rows, self.form), self.form, self.shape[1])
+        return stored(rows, self.form, self.hidden)
 
     def row(self, token: int):
         return self[[token]][0]
 
 
-def compare(scheduler_for, prompts: list[list[int]], n: int) -> dict:
+def compare(scheduler_for, prompts: list[list[int]], n: int, forms: list[str]) -> dict:
     """form -> {top1, kl_mean, kl_max, positions}: each prompt's float16 greedy answer of n tokens, teacher-forced."""
     ref = scheduler_for("float16")
     answers, ref_logits = [], []
@@ -53,7 +68,7 @@ def compare(scheduler_for, prompts: list[list[int]], n: int) -> dict:
         answers.append(ans)
         ref_logits.append(ref.rows[0].score(ref.embed(ids), ans))
     out = {}
-    for form in FORMS:
+    for form in forms:
         sched = scheduler_for(form)
         top, kls = [], []
         for ids, ans, want in zip(prompts, answers, ref_logits):
@@ -64,7 +79,7 @@ def compare(scheduler_for, prompts: list[list[int]], n: int) -> dict:
         top, kls = np.concatenate(top), np.concatenate(kls)
         out[form] = {"top1": float(top.mean()), "kl_mean": float(kls.mean()), "kl_max": float(kls.max()),
                      "positions": int(top.size)}
-        print(f"  {form:8s} top-1 {out[form]['top1']:.4f}  KL mean {out[form]['kl_mean']:.2e}  max "
+        print(f"  {form:18s} top-1 {out[form]['top1']:.4f}  KL mean {out[form]['kl_mean']:.2e}  max "
               f"{out[form]['kl_max']:.2e}  ({top.size} positions)", flush=True)
     return out
 
@@ -93,14 +108,15 @@ def tiny() -> dict:
             print(f"{name}: table {fp32.shape}", flush=True)
 
             def scheduler_for(form, ex=ex, fp32=fp32):
-                ex.table = table_rows.dequantize(*table_rows.quantize(fp32, form), form, fp32.shape[1])
+                ex.table = stored(fp32, form, ex.text.hidden)
                 return ex.scheduler()
 
-            results[name] = {"table": list(fp32.shape), "forms": compare(scheduler_for, t.PROMPTS, 32)}
+            forms = FORMS + (PARTS if ex.text.per_layer else [])
+            results[name] = {"table": list(fp32.shape), "forms": compare(scheduler_for, t.PROMPTS, 32, forms)}
     return results
 
 
-def bundle(path: Path, n: int) -> dict:
+def bundle(path: Path, n: int, hidden: int) -> dict:
     from vlmrt.runtime.bundle import Bundle
     from vlmrt.runtime.vlm import VLM
 
@@ -110,11 +126,11 @@ def bundle(path: Path, n: int) -> dict:
     print(f"{path}: table {base.shape} {b.manifest.decoder.embedding_dtype}", flush=True)
 
     def scheduler_for(form):
-        b.embed_table = FormRows(base, form)
+        b.embed_table = FormRows(base, form, hidden)
         return VLM.scheduler_for(b, 1)
 
     t0 = time.time()
-    out = compare(scheduler_for, prompts, n)
+    out = compare(scheduler_for, prompts, n, FORMS + PARTS)
     print(f"  ({time.time() - t0:.0f} s)")
     return {"table": list(base.shape), "forms": out}
 
@@ -164,12 +180,13 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--table", default="int4g32")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=1536, help="bundle: the embedding part's width (E2B: 1536)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
     if a.what == "rewrite":
         rewrite(Path(a.path), Path(a.out), a.table)
         return
-    res = tiny() if a.what == "tiny" else bundle(Path(a.path), a.tokens)
+    res = tiny() if a.what == "tiny" else bundle(Path(a.path), a.tokens, a.hidden)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -508,9 +508,9 @@ class GqaInPlaceKind:
     def check(self, m: "Manifest") -> None:
         """This kind's fields fit together and with the manifest (BundleError if not)."""
         if bool(self.token_rows_input) != bool(self.token_scales_input) or (
-                self.token_rows_input and not m.decoder.embedding_scale_file):
+                self.token_rows_input and (m.decoder.embedding_dtype != "int8" or m.decoder.embedding_group)):
             raise _malformed("decoder.kind.token_rows_input and token_scales_input go together, with an int8 embedding "
-                             "table (embedding_scale_file)")
+                             "table of one scale per row (embedding_scale_file, no embedding_group)")
 
 
 @dataclass
