@@ -1,74 +1,194 @@
-"""Gemma 4's token rows (the embedding and the per-layer rows side by side, families/gemma4/language.py) at lower
-precision: greedy answers and teacher-forced logits of the tiny "shared" test checkpoint (tests/test_gemma4_decoder.py: random
-weights, 6 layers, per-layer width 8) with the host table in fp32, in fp16 and quantized four ways, dequantized on
-the host:
+"""Gemma 4's token rows (the embedding and the per-layer rows side by side, families/gemma4/language.py) in each of
+the table's stored forms (runtime/table_rows.py, `vlmrt export --table`), against the float16 table: teacher-forced
+top-1 agreement and KL(float16 ‖ form) of the next-token distributions, on the float16 table's own greedy answers;
+and with one part of the row (the embedding, or the per-layer rows) in a form, the other float16.
 
-  int8-row     one symmetric scale per row over both parts (the bundle's int8 table: export/cpu/quantize.int8_rows)
-  int8-2scale  one scale for the embedding part and one for the per-layer part of each row
-  int4-g16     symmetric 4-bit, one scale per group of 16 values
-  int4-g8      the same, groups of 8 (the per-layer width of the test checkpoint: one scale per layer's row)
+    python -m benchmarks.gemma4_table_rows tiny            # the decoder tests' "shared" and "plain" checkpoints
+    python -m benchmarks.gemma4_table_rows bundle DIR [--hidden 1536]   # a bundle (its float16 / float32 table)
+    python -m benchmarks.gemma4_table_rows rewrite DIR OUT --table FORM   # DIR's bundle with its table in FORM
 
-    python -m benchmarks.gemma4_table_rows
-Random weights say how the formats compare on rows whose parts differ in scale, not what a released checkpoint loses:
-measure that on its own weights."""
+`tiny` quantizes the float32 table the export would quantize; `bundle` the bundle's float16 rows (a bundle's
+float16 rows quantized again: the float16 step's error, 4e-4 of a row's range, is inside every form's). Each form's
+rows are table_rows.dequantize(table_rows.quantize(rows)), what the runtime reads. Random weights: these bound the
+error a form adds on rows of these magnitudes, not what a released checkpoint loses."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
+from vlmrt.runtime import table_rows
 
-def quantize(table: np.ndarray, hidden: int, variant: str) -> np.ndarray:
-    def sym(x: np.ndarray, levels: int) -> np.ndarray:
-        amax = np.abs(x).max(axis=-1, keepdims=True)
-        scale = np.where(amax > 0, amax / levels, 1.0).astype(np.float32)
-        return (np.clip(np.rint(x / scale), -levels, levels) * scale).astype(np.float32)
-
-    if variant == "fp16":
-        return table.astype(np.float16).astype(np.float32)
-    if variant == "int8-row":
-        return sym(table, 127)
-    if variant == "int8-2scale":
-        return np.concatenate([sym(table[:, :hidden], 127), sym(table[:, hidden:], 127)], axis=1)
-    group = int(variant.split("-g")[1])
-    n, w = table.shape
-    return sym(table.reshape(n, w // group, group), 7).reshape(n, w)
+FORMS = ["float16", "int8", "int8g64", "int4g32", "int4g64"]
+# one part of the row in a form, the other float16: "F@embedding" (the first `hidden` columns), "F@per_layer" (the rest)
+PARTS = ["int8g64@embedding", "int8g64@per_layer", "int4g32@embedding", "int4g32@per_layer"]
+TEXTS = ["Describe the picture in one sentence.", "What is the capital of France? Answer briefly.",
+         "Write a short poem about the sea and the wind.", "List three prime numbers and explain why they are prime."]
 
 
-def main() -> None:
+def stored(rows: np.ndarray, form: str, hidden: int) -> np.ndarray:
+    """float32 rows as `form` gives them back (a FORMS name, or one of PARTS: that part only, the other float16)."""
+    form, _, part = form.partition("@")
+    f16 = rows.astype(np.float16).astype(np.float32)
+    if not part:
+        return table_rows.dequantize(*table_rows.quantize(rows, form), form, rows.shape[1])
+    cols = slice(0, hidden) if part == "embedding" else slice(hidden, None)
+    x = rows[:, cols]
+    f16[:, cols] = table_rows.dequantize(*table_rows.quantize(x, form), form, x.shape[1])
+    return f16
+
+
+class FormRows:
+    """rows by token id of a float table, as a stored form gives them (quantized and dequantized per row)."""
+
+    def __init__(self, table, form: str, hidden: int):
+        self.table, self.form, self.hidden = table, form, hidden
+        self.shape, self.dtype = table.shape, np.dtype(np.float32)
+
+    def __getitem__(self, ids):
+        rows = np.asarray(self.table[np.asarray(ids, np.int64).reshape(-1)], np.float32)
+        return stored(rows, self.form, self.hidden)
+
+    def row(self, token: int):
+        return self[[token]][0]
+
+
+def compare(scheduler_for, prompts: list[list[int]], n: int, forms: list[str]) -> dict:
+    """form -> {top1, kl_mean, kl_max, positions}: each prompt's float16 greedy answer of n tokens, teacher-forced."""
+    ref = scheduler_for("float16")
+    answers, ref_logits = [], []
+    for ids in prompts:
+        ans = list(ref.generate(ref.embed(ids), mode="hybrid", max_new_tokens=n, ignore_eos=True))
+        answers.append(ans)
+        ref_logits.append(ref.rows[0].score(ref.embed(ids), ans))
+    out = {}
+    for form in forms:
+        sched = scheduler_for(form)
+        top, kls = [], []
+        for ids, ans, want in zip(prompts, answers, ref_logits):
+            got = sched.rows[0].score(sched.embed(ids), ans)
+            top.append(got.argmax(-1) == want.argmax(-1))
+            p, q = _log_softmax(want), _log_softmax(got)
+            kls.append((np.exp(p) * (p - q)).sum(-1))
+        top, kls = np.concatenate(top), np.concatenate(kls)
+        out[form] = {"top1": float(top.mean()), "kl_mean": float(kls.mean()), "kl_max": float(kls.max()),
+                     "positions": int(top.size)}
+        print(f"  {form:18s} top-1 {out[form]['top1']:.4f}  KL mean {out[form]['kl_mean']:.2e}  max "
+              f"{out[form]['kl_max']:.2e}  ({top.size} positions)", flush=True)
+    return out
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def tiny() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import torchvision_ops
 
     torchvision_ops.declare()
     import test_gemma4_decoder as t
 
+    results = {}
     with tempfile.TemporaryDirectory() as d:
-        folder = Path(d)
-        model, config = t._checkpoint("shared", folder)
-        ex = t.Exported(model, config, folder / "decoder.onnx")
-        hidden, fp32 = ex.text.hidden, ex.table.copy()
-        ref = {}
-        for variant in ("fp32", "fp16", "int8-row", "int8-2scale", "int4-g16", "int4-g8"):
-            ex.table = fp32 if variant == "fp32" else quantize(fp32, hidden, variant)
-            sched = ex.scheduler()
-            same, diff = [], []
-            for i, ids in enumerate(t.PROMPTS):
-                got = list(sched.generate(sched.embed(ids), mode="hybrid", max_new_tokens=t.N, ignore_eos=True))
-                if variant == "fp32":
-                    ref[i] = got, None
-                want = ref[i][0]
-                logits = sched.rows[0].score(sched.embed(ids), want)  # teacher-forced on fp32's answer
-                if variant == "fp32":
-                    ref[i] = want, logits
-                same.append(next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), len(want)))
-                diff.append(float(np.abs(logits - ref[i][1]).max()))
-            err = float(np.abs(ex.table - fp32).max() / np.abs(fp32).max())
-            print(f"{variant:12s} ids equal before the first difference: {same} of {t.N}; "
-                  f"teacher-forced logits max |diff| {max(diff):.2e}; "
-                  f"table max error / max |value| {err:.2e}")
+        for name in ("shared", "plain"):
+            folder = Path(d) / name
+            folder.mkdir()
+            model, config = t._checkpoint(name, folder)
+            ex = t.Exported(model, config, folder / "decoder.onnx")
+            fp32 = ex.table.copy()
+            print(f"{name}: table {fp32.shape}", flush=True)
+
+            def scheduler_for(form, ex=ex, fp32=fp32):
+                ex.table = stored(fp32, form, ex.text.hidden)
+                return ex.scheduler()
+
+            forms = FORMS + (PARTS if ex.text.per_layer else [])
+            results[name] = {"table": list(fp32.shape), "forms": compare(scheduler_for, t.PROMPTS, 32, forms)}
+    return results
+
+
+def bundle(path: Path, n: int, hidden: int) -> dict:
+    from vlmrt.runtime.bundle import Bundle
+    from vlmrt.runtime.vlm import VLM
+
+    b = Bundle.open(path, threads=2)
+    base = b.embed_table
+    prompts = [b.tokenizer.encode(text).ids for text in TEXTS]
+    print(f"{path}: table {base.shape} {b.manifest.decoder.embedding_dtype}", flush=True)
+
+    def scheduler_for(form):
+        b.embed_table = FormRows(base, form, hidden)
+        return VLM.scheduler_for(b, 1)
+
+    t0 = time.time()
+    out = compare(scheduler_for, prompts, n, FORMS + PARTS)
+    print(f"  ({time.time() - t0:.0f} s)")
+    return {"table": list(base.shape), "forms": out}
+
+
+def rewrite(src: Path, out: Path, form: str) -> None:
+    """The bundle src with its token table in another stored form (its other files hard-linked): src's rows
+    quantized a block at a time (export/pipeline.py's writers), the manifest's table fields and files updated. For
+    measuring a form without exporting again (a table quantized from float16 rows: `bundle` above says what that
+    differs by)."""
+    import dataclasses
+    import os
+
+    from vlmrt.export import pipeline
+    from vlmrt.format import manifest as mf
+
+    m = mf.load(src, verify=False)
+    out.mkdir(parents=True)
+    for name in m.files:
+        if name not in (m.decoder.embedding_file, m.decoder.embedding_scale_file, "tokenizer.json"):
+            os.link(src / name, out / name)
+    table = np.load(src / m.decoder.embedding_file, mmap_mode="r")
+    vocab, width = table.shape
+
+    class Blocks:  # TokenTable.blocks over the float rows
+        shape = table.shape
+
+        def blocks(self):
+            step = max(1, (64 << 20) // (4 * width))
+            for start in range(0, vocab, step):
+                yield start, np.asarray(table[start:start + step], np.float32)
+
+    plan = type("P", (), {"table_form": form, "ckpt": type("C", (), {"path": src})()})()
+    _, scale_file = pipeline._write_host_files(plan, Blocks(), out, pipeline.Progress(1, False))
+    dtype, group = table_rows.manifest_of(form)
+    files = [n for n in m.files if n not in (m.decoder.embedding_file, m.decoder.embedding_scale_file)]
+    files += [m.decoder.embedding_file] + ([scale_file] if scale_file else [])
+    dec = dataclasses.replace(m.decoder, embedding_dtype=dtype, embedding_group=group, embedding_scale_file=scale_file)
+    mf.save(dataclasses.replace(m, decoder=dec, files=mf.list_files(out, files)), out)
+    mf.load(out)
+    print(out, {n: (out / n).stat().st_size for n in (m.decoder.embedding_file, scale_file) if n})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["tiny", "bundle", "rewrite"])
+    ap.add_argument("path", nargs="?")
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--table", default="int4g32")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=1536, help="bundle: the embedding part's width (E2B: 1536)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args()
+    if a.what == "rewrite":
+        rewrite(Path(a.path), Path(a.out), a.table)
+        return
+    res = tiny() if a.what == "tiny" else bundle(Path(a.path), a.tokens, a.hidden)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

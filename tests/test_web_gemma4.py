@@ -125,31 +125,41 @@ console.log(JSON.stringify(out));"""
 
 @pytest.mark.parametrize("how", ["whole", "ranged"])
 def test_table_rows_in_javascript_are_the_runtimes(tmp_path, how):
-    """static/table.js (Node; ranged: HTTP Range requests to vlmrt web's server): float32, float16 and int8 (+ scale)
-    tables give TokenEmbedding.embed's float32 rows bit for bit; an id out of range is refused in one line. (float16
-    tables: Gemma 4's under the weight-only precisions; on main f2d6421 the page copied their raw bits.)"""
+    """static/table.js (Node; ranged: HTTP Range requests to vlmrt web's server, a grouped table's scale rows too):
+    float32, float16, int8 (+ a scale per row) and the grouped forms int8g64 / int4g32 / int4g64 (+ float16 scales
+    per group; a row of 75 values: a shorter last group, an odd last nibble) give the runtime's float32 rows bit for
+    bit (TokenEmbedding.embed over the bundle's readers: runtime/bundle.py _token_table); an id out of range is
+    refused in one line. (float16 tables: Gemma 4's under the weight-only precisions; on main f2d6421 the page copied
+    their raw bits; the grouped forms: on main ef8b8dc the page refused their uint8 codes / read no groups.)"""
     import json
+    from types import SimpleNamespace
 
     from web_browser import STATIC
+    from vlmrt.runtime import table_rows
+    from vlmrt.runtime.bundle import _token_table
     from vlmrt.runtime.decode.embedding import TokenEmbedding
 
     rng = np.random.default_rng(1)
-    tables = {"f32": (rng.standard_normal((50, 12)).astype(np.float32), None),
-              "f16": ((rng.standard_normal((50, 12)) * 300).astype(np.float16), None),
-              "i8": (rng.integers(-127, 128, (50, 12)).astype(np.int8), rng.random(50).astype(np.float32))}
-    for name, (t, s) in tables.items():
-        np.save(tmp_path / f"{name}.npy", t)
-        if s is not None:
-            np.save(tmp_path / f"{name}_scale.npy", s)
+    width = 75
+    rows = (rng.standard_normal((50, width)) * np.r_[np.full(40, 3.0), np.full(width - 40, 0.02)]).astype(np.float32)
+    forms = {"f32": "float32", "f16": "float16", "i8": "int8", "i8g64": "int8g64", "i4g32": "int4g32", "i4g64": "int4g64"}
+    manifests = {}
+    for name, form in forms.items():
+        codes, scales = table_rows.quantize(rows * (300 if form == "float16" else 1), form)
+        np.save(tmp_path / f"{name}.npy", codes)
+        if scales is not None:
+            np.save(tmp_path / f"{name}_scale.npy", scales)
+        dtype, group = table_rows.manifest_of(form)
+        manifests[name] = {"embedding_file": f"{name}.npy", "embedding_scale_file": f"{name}_scale.npy" if scales is not None else None,
+                           "embedding_dtype": dtype, "embedding_group": group, "hidden_size": width, "vocab_size": 50}
     ids = [3, 49, 0, 3, 17]
     with served(tmp_path) as url:
         js = f"""import {{ openTable }} from "{(STATIC / 'table.js').as_posix()}";
 import fs from "fs";
 const out = {{}};
-for (const name of ["f32", "f16", "i8"]) {{
-  const file = name + ".npy", scale = name === "i8" ? name + "_scale.npy" : null;
-  const m = {{decoder: {{embedding_file: file, embedding_scale_file: scale}}, files: {{}}}};
-  for (const f of [file, scale].filter(Boolean)) m.files[f] = {{bytes: fs.statSync("{tmp_path.as_posix()}/" + f).size}};
+for (const [name, decoder] of Object.entries({json.dumps(manifests)})) {{
+  const m = {{decoder, files: {{}}}};
+  for (const f of [decoder.embedding_file, decoder.embedding_scale_file].filter(Boolean)) m.files[f] = {{bytes: fs.statSync("{tmp_path.as_posix()}/" + f).size}};
   const files = {{base: "{url}/", get: async (f) => new Uint8Array(fs.readFileSync("{tmp_path.as_posix()}/" + f)),
                  leaveOut() {{}}}};
   const t = await openTable(files, m, "{how}");
@@ -158,11 +168,17 @@ for (const name of ["f32", "f16", "i8"]) {{
 }}
 console.log(JSON.stringify(out));"""
         got = json.loads(_node(js))
-    for name, (t, s) in tables.items():
-        want = TokenEmbedding(t, s, np.float32).embed(ids).ravel()
-        mode, rows, err = got[name]
-        assert mode == how and np.array_equal(np.array(rows, np.float32), want), name
+    for name, form in forms.items():
+        table, scale = _token_table(tmp_path, SimpleNamespace(**manifests[name]))
+        want = TokenEmbedding(table, scale, np.float32).embed(ids).ravel()
+        mode, js_rows, err = got[name]
+        assert mode == how and np.array_equal(np.array(js_rows, np.float32), want), name
         assert err == "token id 50 out of range 0..49"
+        if scale is None and form != "float32":  # the grouped forms' rows: the codec's, from the files
+            codes = np.load(tmp_path / f"{name}.npy")
+            scales = np.load(tmp_path / f"{name}_scale.npy") if manifests[name]["embedding_scale_file"] else None
+            assert np.array_equal(want.reshape(len(ids), width), table_rows.dequantize(codes[ids], None if scales is None
+                                                                                       else scales[ids], form, width))
 
 
 def test_server_answers_single_ranges(tmp_path, monkeypatch):

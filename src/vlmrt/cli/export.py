@@ -42,6 +42,11 @@ def add_parser(sub) -> None:
                         "(K and V per channel, scales calibrated at export; docs/performance.md: Long prompts). "
                         "Default fp32 (int8 holds 4x less at long contexts, but ORT prefills over it at half the "
                         "speed); int4 is for measurement (its top-1 falls to ~0.7)")
+    e.add_argument("--table", default=None, metavar="FORM",
+                   help="the token table's stored form (embed.npy, read per row on the host): float32, float16, int8 (a "
+                        "scale per row), int8g64 (a scale per 64 values), int4g32 / int4g64 (4-bit, a scale per 32 / 64 "
+                        "values); default: int8 under weight-only precisions, float16 where a row also carries "
+                        "per-layer rows (Gemma 4), else the graphs' float type (docs/bundle-format.md)")
     e.add_argument("--soc-model", default=None,
                    help="HTP: the Snapdragon the context binaries are compiled for: SM8850, SM8750, SM8650, SM8550, SC8380XP "
                         "or a QNN soc model id (default SM8750 = Snapdragon 8 Elite, htp_arch 79)")
@@ -83,6 +88,6 @@ def run(a) -> int:
                  target=a.target, calibration=calibration, soc_model=a.soc_model,
                  htp_arch=a.htp_arch, keep_qdq=a.keep_qdq, shared_context=a.htp_shared_context,
                  context_step=a.context_step, attention=a.attention, lookahead_ar=a.lookahead_ar, force=a.force,
-                 max_patches=a.max_patches, kv_cache=a.kv_cache, progress=not a.quiet)
+                 max_patches=a.max_patches, kv_cache=a.kv_cache, table=a.table, progress=not a.quiet)
     print(out)
     return 0

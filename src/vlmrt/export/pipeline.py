@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import gc
@@ -27,6 +28,7 @@ from .htp import bundle as htp_mod
 from .chat_template import renders_one_image
 from ..families.checkpoint import Checkpoint, CheckpointError, resolve
 from ..families.token_table import TokenTable
+from ..runtime import table_rows
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 # CPU decoder graphs take any cache length; a step reads the prefix rounded up to this many slots: at most
@@ -49,7 +51,8 @@ def export(src: str, out: str | Path, *, prefill_ar: int | None = None, max_seq_
            quant: str | None = None, target: str = "cpu", calibration: list | None = None,
            soc_model: str | None = None, htp_arch: str | None = None, keep_qdq: bool = False, shared_context: bool = False,
            context_step: int | None = None, attention: str | None = None, lookahead_ar: int = 0, force: bool = False,
-           max_patches: int | None = None, kv_cache: str = "fp32", progress: bool = True) -> Path:
+           max_patches: int | None = None, kv_cache: str = "fp32", table: str | None = None,
+           progress: bool = True) -> Path:
     """Export checkpoint src (folder or hub id) to bundle folder out; see `vlmrt export --help`.
 
     prefill_ar: tokens per prefill block (default PREFILL_AR: the one-graph CPU decoder's, else a fixed-AR graph's).
@@ -72,7 +75,11 @@ def export(src: str, out: str | Path, *, prefill_ar: int | None = None, max_seq_
     the processor makes larger is resized to fit; default: the family's, see the export's first line).
     kv_cache: "fp32" (the I/O dtype's cache), "int8" or "int4": the CPU decoder's GroupQueryAttention stores the cache
     quantized, scales calibrated here on `calibration`'s prompts (default: GPTQ's calibration prompts;
-    export/cpu/kv_quant.py)."""
+    export/cpu/kv_quant.py).
+    table: the token table's stored form (runtime/table_rows.py FORMS: float32, float16, int8 rows, int8 / 4-bit
+    row groups); None: the precisions' default (Plan.table_form)."""
+    if table is not None and table not in table_rows.FORMS:
+        raise ExportError(f"unknown --table {table!r}; choose one of {', '.join(table_rows.FORMS)}")
     if kv_cache not in kv_quant.KV_CACHES:
         raise ExportError(f"unknown --kv-cache {kv_cache!r}; choose one of {', '.join(kv_quant.KV_CACHES)}")
     if kv_cache != "fp32" and (target != "cpu" or attention == "portable" or dtype != "fp32"):
@@ -113,7 +120,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int | None = None, max_seq_
     try:
         return _export(src, Path(out), p, prefill_ar=prefill_ar, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                        force=force, context_step=context_step, attention=attention, max_patches=max_patches,
-                       kv_bits=kv_quant.KV_CACHES[kv_cache], calibration=calibration,
+                       kv_bits=kv_quant.KV_CACHES[kv_cache], calibration=calibration, table=table,
                        htp=dict(precisions=htp_prec, spec=htp_spec, calibration=calibration, target=qnn_target, keep_qdq=keep_qdq,
                                 shared_context=shared_context, lookahead_ar=lookahead_ar) if target == "htp" else None)
     except (qnn_context.TargetError, kv_quant.KVQuantError) as e:
@@ -150,6 +157,7 @@ class Plan:
     attention: str  # the decoder graphs' attention kind (families/layers.py ATTENTION_KINDS; --attention, the target)
     prompt: mf.PromptSpec  # the chat template and how it takes images, the expansion op
     kv_bits: int = 0  # --kv-cache: 8 / 4, the GroupQueryAttention cache quantized; 0: the float cache
+    table: str | None = None  # --table: the token table's stored form (runtime/table_rows.py FORMS); None: table_form's
 
     @property
     def one_graph(self) -> bool:
@@ -159,15 +167,25 @@ class Plan:
             and self.prefill_ar > 1
 
     @property
-    def int8_table(self) -> bool:
-        """Weight-only decoders take an int8 token table, one scale per row; rows that carry per-layer rows beside the
-        embedding (Gemma 4) stay float16: as int8 they lose the answers (docs/gemma4.md, the table benchmark)."""
-        return bool({self.prec["prefill"], self.prec["decode"], self.head} & set(quantize.WEIGHT_ONLY_BITS)) \
-            and self.cfg.text.row_width == self.cfg.text.hidden
+    def table_form(self) -> str:
+        """The token table's stored form (runtime/table_rows.py): --table, else int8 rows (one scale per row) under
+        weight-only decoders where a row is the embedding alone; rows that carry per-layer rows beside the embedding
+        (Gemma 4) float16 there (docs/gemma4.md, "The token table's stored forms": what int8 / 4-bit rows cost);
+        float16 under fp16 graphs, else the I/O dtype."""
+        if self.table:
+            return self.table
+        precs = {self.prec["prefill"], self.prec["decode"], self.head or self.prec["decode"]}
+        weight_only = bool(precs & set(quantize.WEIGHT_ONLY_BITS))
+        if weight_only and self.cfg.text.row_width == self.cfg.text.hidden:
+            return "int8"
+        return "float16" if precs == {"fp16"} or weight_only else DTYPES[self.dtype]
 
     @property
-    def token_rows(self) -> bool:  # the in-place (gqa_in_place) decoder scales an int8 embedding row itself (token_rows_input)
-        return graphs.LAYOUTS[self.attention].in_place and self.int8_table
+    def token_rows(self) -> bool:
+        """The in-place (gqa_in_place) decoder scales an int8 embedding row itself (token_rows_input): an int8 table
+        with one scale per row whose rows are the embedding alone."""
+        return graphs.LAYOUTS[self.attention].in_place and self.table_form == "int8" \
+            and self.cfg.text.row_width == self.cfg.text.hidden
 
 
 def _precisions(quant: str | None, dtype: str) -> dict[str, str]:
@@ -367,31 +385,36 @@ def _like(graph: str) -> str:
 
 
 def _write_host_files(plan: Plan, embed: TokenTable, tmp: Path, p: Progress) -> tuple[str, str | None]:
-    """The embedding table (int8 rows + scales under weight-only decoders: a lookup touches a few rows) and the
-    tokenizer; returns (embedding dtype, scale file or None). The table is converted and written row block by row
-    block (TokenTable.blocks: never whole in memory; the file is np.save's, byte for byte)."""
-    p.start("embedding table + tokenizer")
-    prec = plan.prec
-    dec_precs = {prec["prefill"], prec["decode"], plan.head or prec["decode"]}
-    scale_file = None
-    if plan.int8_table:
-        embed_dtype, scale_file = "int8", "embed_scale.npy"
-    else:
-        embed_dtype = "float16" if dec_precs == {"fp16"} or dec_precs & set(quantize.WEIGHT_ONLY_BITS) \
-            else DTYPES[plan.dtype]
-    scales = np.empty(embed.shape[0], np.float32)
-    with open(tmp / "embed.npy", "wb") as f:
-        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(embed_dtype)),
-                                                 "fortran_order": False, "shape": embed.shape})
-        for start, rows in embed.blocks():
+    """The embedding table in its stored form (Plan.table_form: float rows, or int8 / 4-bit codes + scales: a lookup
+    touches a few rows) and the tokenizer; returns (form, scale file or None). The table is converted, quantized and
+    written row block by row block (TokenTable.blocks: never whole in memory; each file is np.save's, byte for byte)."""
+    form = plan.table_form
+    p.start(f"embedding table ({form}) + tokenizer")
+    vocab, width = embed.shape
+    codes = np.dtype(table_rows.CODE_DTYPES[table_rows.manifest_of(form)[0]])
+    scale_file = None if table_rows.FORMS[form][0] > 8 else "embed_scale.npy"
+    with contextlib.ExitStack() as files:
+        table = _npy_writer(files, tmp / "embed.npy", codes, (vocab, table_rows.code_width(form, width)))
+        if scale_file:
+            group = table_rows.FORMS[form][1]
+            scales = _npy_writer(files, tmp / scale_file, np.dtype(np.float16 if group else np.float32),
+                                 (vocab, table_rows.scale_width(form, width)) if group else (vocab,))
+        for _, rows in embed.blocks():
+            q, s = table_rows.quantize(rows, form)
+            table.write(q.tobytes())
             if scale_file:
-                rows, scales[start:start + len(rows)] = quantize.int8_rows(rows)
-            f.write(rows.astype(embed_dtype, copy=False).tobytes())
-    if scale_file:
-        np.save(tmp / scale_file, scales)
+                scales.write(s.tobytes())
     shutil.copyfile(plan.ckpt.path / "tokenizer.json", tmp / "tokenizer.json")
     p.done()
-    return embed_dtype, scale_file
+    return form, scale_file
+
+
+def _npy_writer(files: contextlib.ExitStack, path: Path, dtype: np.dtype, shape: tuple):
+    """An open file with np.save's header for a C-ordered array of dtype and shape; its data is written next."""
+    f = files.enter_context(open(path, "wb"))
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                             "shape": shape})
+    return f
 
 
 def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
@@ -409,7 +432,7 @@ def _graph_spec(plan: Plan, name: str, path: Path) -> mf.GraphSpec:
                         **graphs.weight_table(path))
 
 
-def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embed_dtype: str,
+def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], table_form: str,
               scale_file: str | None, kv_layers: list, batched: bool, extra_inputs: list, row_outputs: list,
               valid_rows: bool, spans: bool = False) -> mf.Manifest:
     """The manifest of the files in tmp (all of them: a file it does not list is an error). kv_layers: the decoder's
@@ -418,6 +441,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
     row input); valid_rows: the static decoder graphs take valid_rows (graphs.static_valid_rows); spans: the decoder
     takes each row's image span (decoder.span_input)."""
     t, host = plan.cfg.text, plan.host
+    embed_dtype, embed_group = table_rows.manifest_of(table_form)
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
                    | ({scale_file} if scale_file else set()))
@@ -440,7 +464,8 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], embe
                                positions=mf.PositionsSpec(input="position_ids", rows=host.positions_rows,
                                                           op=host.positions_op),
                                logits_output="logits", kind=_decoder_kind(plan, batched, valid_rows),
-                               embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_scale_file=scale_file,
+                               embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_group=embed_group,
+                               embedding_scale_file=scale_file,
                                row_input=_row_input(plan, row_outputs), span_input=SPAN_INPUT if spans else None),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds", tile_inputs=host.tile_inputs,
                              extra_inputs={role: role for role in extra_inputs}, params=_tile_params(plan),
@@ -500,7 +525,8 @@ def _span_blocks(plan: Plan, asked: int | None) -> None:
 
 def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq_len: int | None, dtype: str,
             quant: str | None, force: bool, context_step: int | None, attention: str | None, htp: dict | None,
-            max_patches: int | None = None, kv_bits: int = 0, calibration: list | None = None) -> Path:
+            max_patches: int | None = None, kv_bits: int = 0, calibration: list | None = None,
+            table: str | None = None) -> Path:
     import torch
 
     prec = _precisions(quant, dtype)
@@ -512,7 +538,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
     if kv_bits and not graphs.LAYOUTS[plan.attention].in_place:
         raise ExportError(f"--kv-cache int{kv_bits} needs the GroupQueryAttention decoder, which this export cannot "
                           "have (one graph for prefill and decode, --prefill-ar > 1, a head_dim multiple of 16)")
-    plan.kv_bits = kv_bits
+    plan.kv_bits, plan.table = kv_bits, table
     torch.manual_seed(0)
     vision, decoder, embed = plan.family.weights(plan.cfg, plan.ckpt.tensors())
     row_outputs = vision_row_outputs(vision)
@@ -540,13 +566,13 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
         modules = {"vision": vision, "decoder": decoder}
         del vision, decoder  # (_write_graphs frees them once traced: the torch weights, GBs at the E2B shape)
         decoder_graphs = _write_graphs(plan, modules, tmp, p, hessian, kv)
-        embed_dtype, scale_file = _write_host_files(plan, embed, tmp, p)
+        table_form, scale_file = _write_host_files(plan, embed, tmp, p)
         _share_weights(tmp, decoder_graphs, p)
         del embed, hessian
         gc.collect()
         p.start("manifest")
         valid = graphs.static_valid_rows(layer_kinds, plan.attention, plan.one_graph)
-        m = _manifest(plan, tmp, decoder_graphs, embed_dtype, scale_file, kv, batched, extra_inputs, row_outputs,
+        m = _manifest(plan, tmp, decoder_graphs, table_form, scale_file, kv, batched, extra_inputs, row_outputs,
                       valid, spans)
         mf.save(m, tmp)
         mf.load(tmp)  # what we wrote must read back

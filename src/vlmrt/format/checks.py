@@ -5,15 +5,19 @@ from __future__ import annotations
 
 from .errors import malformed as _malformed
 
-EMBEDDING_DTYPES = ("float32", "float16", "int8")  # DecoderSpec.embedding_dtype
+EMBEDDING_DTYPES = ("float32", "float16", "int8", "int4")  # DecoderSpec.embedding_dtype
+EMBEDDING_GROUPS = {"int8": (None, 64), "int4": (32, 64)}  # DecoderSpec.embedding_group (runtime/table_rows.py FORMS)
 
 
 def check_decoder(m) -> None:
     """m: a manifest.Manifest whose sections were read."""
     d, k = m.decoder, m.decoder.kind
-    if d.embedding_dtype not in EMBEDDING_DTYPES or (d.embedding_dtype == "int8") != bool(d.embedding_scale_file):
+    if d.embedding_dtype not in EMBEDDING_DTYPES or d.embedding_dtype.startswith("int") != bool(d.embedding_scale_file):
         raise _malformed(f"decoder.embedding_dtype {d.embedding_dtype[:20]!r} is not one of {', '.join(EMBEDDING_DTYPES)} "
-                         "(int8 with, and only with, an embedding_scale_file)")
+                         "(int8 / int4 with, and only with, an embedding_scale_file)")
+    if d.embedding_group not in EMBEDDING_GROUPS.get(d.embedding_dtype, (None,)):
+        raise _malformed(f"decoder.embedding_group {d.embedding_group!r} is not one of a {d.embedding_dtype} table's "
+                         f"({', '.join(map(str, EMBEDDING_GROUPS.get(d.embedding_dtype, (None,))))})")
     if d.positions.rows < 1:
         raise _malformed("decoder.positions.rows must be at least 1")
     if not m.kv.layers:

@@ -508,9 +508,9 @@ class GqaInPlaceKind:
     def check(self, m: "Manifest") -> None:
         """This kind's fields fit together and with the manifest (BundleError if not)."""
         if bool(self.token_rows_input) != bool(self.token_scales_input) or (
-                self.token_rows_input and not m.decoder.embedding_scale_file):
+                self.token_rows_input and (m.decoder.embedding_dtype != "int8" or m.decoder.embedding_group)):
             raise _malformed("decoder.kind.token_rows_input and token_scales_input go together, with an int8 embedding "
-                             "table (embedding_scale_file)")
+                             "table of one scale per row (embedding_scale_file, no embedding_group)")
 
 
 @dataclass
@@ -585,9 +585,13 @@ class DecoderSpec:
     positions: PositionsSpec
     logits_output: str
     embedding_file: str  # [vocab, hidden] .npy, memory-mapped by the host
-    embedding_dtype: str  # float32 | float16 | int8 (then rows are scaled by embedding_scale_file [vocab])
+    # float32 | float16 | int8 | int4 (then rows are scaled by embedding_scale_file: runtime/table_rows.py)
+    embedding_dtype: str
     kind: GqaInPlaceKind | RowsDynamicKind | RowsStaticKind
     embedding_scale_file: str | None = None
+    # values per scale of an int8 / int4 table: None, one float32 scale per row ([vocab]); G, one float16 scale per G
+    # values of a row ([vocab, ⌈hidden_size / G⌉]; int4 codes two per byte, [vocab, ⌈hidden_size / 2⌉] uint8)
+    embedding_group: int | None = None
     row_input: RowInputSpec | None = None  # a per-token row input (VisionSpec.row_outputs); None: the graphs take none
     # [ar] int64: each row's image span (a run of image-token rows; -1: none): a span's rows see each other both ways
     # on the layers the graph applies it to (Gemma 4's bidirectional vision attention), so the runtime never splits a

@@ -14,6 +14,7 @@ from .decode.decoder_kinds import decoder_kind
 from .decode import windowed_state  # noqa: F401  (registers the windowed_attention, sliding_attention and shared_kv kinds)
 from .decode.state_kinds import STATE_KINDS, by_kind
 from .media.tile_inputs import tile_op
+from . import table_rows
 from .sessions import Sessions, _graph_files, agree, check_threads
 from .weights import EmbeddingRows, SharedWeights, release_freed_heap
 
@@ -53,7 +54,7 @@ class Bundle:
     manifest: mf.Manifest
     sessions: Sessions  # graph name -> session, created on first use
     tokenizer: object  # tokenizers.Tokenizer
-    embed_table: EmbeddingRows  # [vocab, hidden], indexed by token ids
+    embed_table: EmbeddingRows | table_rows.GroupRows  # [vocab, hidden], indexed by token ids (_token_table)
     embed_scale: np.ndarray | None = None  # [vocab] row scales of an int8 table
     shared: SharedWeights | None = None  # must outlive the sessions: they read its memory
 
@@ -85,10 +86,30 @@ class Bundle:
             if name in m.graphs:
                 sessions[name]  # noqa: B018 (loads it)
         release_freed_heap()
-        table = EmbeddingRows(path / m.decoder.embedding_file)
-        if table.shape != (m.decoder.vocab_size, m.decoder.hidden_size):
-            raise mf.BundleError(f"embedding table shape {table.shape} does not match the manifest")
-        if str(table.dtype) != m.decoder.embedding_dtype:
-            raise mf.BundleError(f"embedding table dtype {table.dtype} is not the manifest's {m.decoder.embedding_dtype}")
-        scale = np.load(path / m.decoder.embedding_scale_file) if m.decoder.embedding_scale_file else None
+        table, scale = _token_table(path, m.decoder)
         return cls(path, m, sessions, tok, table, scale, shared)
+
+
+def _token_table(path: Path, d: mf.DecoderSpec):
+    """The token table as TokenEmbedding reads it, checked against the manifest: (rows by token id, [vocab] float32
+    row scales of an int8 table or None). A grouped table (int8 / int4 codes, a float16 scale per group) is read and
+    dequantized per row (table_rows.GroupRows: its scales read per row as well)."""
+    form = table_rows.form_of(d.embedding_dtype, d.embedding_group)
+    codes = EmbeddingRows(path / d.embedding_file)
+    want = (d.vocab_size, table_rows.code_width(form, d.hidden_size))
+    if codes.shape != want:
+        raise mf.BundleError(f"embedding table shape {codes.shape} does not match the manifest's {want}")
+    if codes.dtype != table_rows.CODE_DTYPES[d.embedding_dtype]:
+        raise mf.BundleError(f"embedding table dtype {codes.dtype} is not the manifest's {d.embedding_dtype}")
+    if not d.embedding_scale_file:
+        return codes, None
+    if not d.embedding_group:
+        scale = np.load(path / d.embedding_scale_file)
+        if scale.shape != (d.vocab_size,) or scale.dtype != np.float32:
+            raise mf.BundleError(f"{d.embedding_scale_file}: {scale.dtype} {scale.shape}, not float32 ({d.vocab_size},)")
+        return codes, scale
+    scales = EmbeddingRows(path / d.embedding_scale_file)
+    want = (d.vocab_size, table_rows.scale_width(form, d.hidden_size))
+    if scales.shape != want or scales.dtype != np.float16:
+        raise mf.BundleError(f"{d.embedding_scale_file}: {scales.dtype} {scales.shape}, not float16 {want}")
+    return table_rows.GroupRows(codes, scales, form, d.hidden_size), None

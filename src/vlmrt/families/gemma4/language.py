@@ -19,9 +19,9 @@ and the final logit soft-capping (tanh(logits / cap) * cap).
 
 Per-layer inputs: the host's token row is [hidden + layers × per_layer] wide: the token embedding (times
 sqrt(hidden)) and the token's per-layer row (embed_tokens_per_layer times sqrt(per_layer)) side by side, one table
-row read per token (the bundle's embed.npy, mmap'd / int8 rows as any family's), so prompts, decode steps, lookahead
-drafts and batched rows carry them without a part of their own; at an image token the per-layer part is the pad
-token's (as transformers replaces image ids by the pad id there). The graph projects the embedding part
+row read per token (the bundle's embed.npy, read per row in its stored form: runtime/table_rows.py), so prompts,
+decode steps, lookahead drafts and batched rows carry them without a part of their own; at an image token the
+per-layer part is the pad token's (as transformers replaces image ids by the pad id there). The graph projects the embedding part
 (per_layer_model_projection × hidden^-0.5, RMSNorm per layer) and adds the token part: (proj + rows) × 2^-0.5.
 
     forward(inputs_embeds [ar, hidden + L·P], position_ids [1, ar], [span_ids [ar] int64: bidirectional vision

@@ -1,5 +1,5 @@
 // A .npy file (NumPy's format, version 1-3, C order) -> {dtype, shape, data: a typed array over the bytes}.
-const TYPES = { "<f4": ["float32", Float32Array], "<f2": ["float16", Uint16Array], "|i1": ["int8", Int8Array], "<i8": ["int64", BigInt64Array] };
+const TYPES = { "<f4": ["float32", Float32Array], "<f2": ["float16", Uint16Array], "|i1": ["int8", Int8Array], "|u1": ["uint8", Uint8Array], "<i8": ["int64", BigInt64Array] };
 
 export function readNpy(bytes) {
   const magic = [0x93, 0x4e, 0x55, 0x4d, 0x50, 0x59];
