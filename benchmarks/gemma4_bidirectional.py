@@ -74,7 +74,7 @@ def static_time(d: Path) -> None:
     cases = [(label, src, ar, spans if label == "static spans" else None) for label, (src, ar) in STATIC.items()]
     cases.append(("static spans, text", "bidir", 280, np.full(N, -1, np.int64)))
     for label, src, ar, sp in cases:
-        vlm = VLM.load(d / f"static-{src}-{ar}.bundle")  # (held: its sessions outlive the row's calls)
+        vlm = VLM.load(d / f"static-{src}-{ar}.bundle")
         row = vlm.row
         embeds = (np.random.default_rng(0).standard_normal((N, row.dec.hidden_size)) * 0.5).astype(np.float32)
         times, calls = [], 0
@@ -111,7 +111,7 @@ def main() -> None:
         spans[IMAGE[0]:IMAGE[1]] = 0
         for label, name, sp in (("causal", "causal", None), ("spans", "bidir", spans),
                                 ("spans, text", "bidir", np.full(N, -1, np.int64))):
-            vlm = VLM.load(bundles[name])  # (held: its sessions outlive the row's calls)
+            vlm = VLM.load(bundles[name])
             row = vlm.row
             embeds = (rng.standard_normal((N, row.dec.hidden_size)) * 0.5).astype(np.float32)
             times = []

@@ -148,3 +148,29 @@ def test_prompt_rows_are_made_a_block_at_a_time(default_bundle):
     r = vlm("describe both " * 12, images=images[:1], max_new_tokens=2, ignore_eos=True)
     assert r.stats.prompt_tokens > 2 * ar  # several blocks
     assert sizes and max(sizes) <= ar, f"prompt rows embedded {max(sizes)} at once, more than a block ({ar})"
+
+
+def test_a_row_outlives_its_vlm(tmp_path_factory):
+    """A static bundle's prefill and decode graphs read their weights from one shared memory map (SharedWeights): a
+    CacheRow kept after its VLM is dropped still runs, the same logits (the sessions keep the mapped weights alive;
+    before, the map closed with the Bundle and the next call read unmapped memory: a segfault, rc -11)."""
+    import subprocess
+
+    from conftest import CASES, exported
+
+    case = next(c for c in CASES if c.static)
+    bundle = exported(case, tmp_path_factory).bundle
+    code = f"""
+import gc, numpy as np
+from vlmrt.runtime.vlm import VLM
+vlm = VLM.load({str(bundle)!r})
+assert len(vlm.bundle.shared.values) > 0  # (the graphs' weights come from the shared map)
+rows = (np.ones((5, vlm.row.dec.hidden_size)) * 0.1).astype(np.float32)
+want = vlm.row.prefill(rows, "hybrid").copy()
+vlm.reset()
+row = VLM.load({str(bundle)!r}).row
+gc.collect()
+print(np.array_equal(row.prefill(rows, "hybrid"), want))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], (r.returncode, r.stderr[-2000:])

@@ -93,6 +93,7 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     providers = None
+    held: list[object] = []  # the OrtValues the session reads its mapped weights from (kept alive with it)
     if device == "htp":
         # everything on the NPU: a node the HTP cannot take is an error, not a silent CPU fallback
         devs, backend = qnn_devices()
@@ -112,6 +113,7 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         if shared is not None:
             for name, value in shared.initializers(graph).items():
                 so.add_initializer(name, value)
+                held.append(value)
             if not graph.prepacked:
                 # prepacking would give each session a private packed copy of every float weight (on top of the
                 # shared mapping): far less memory and a faster load without it, at a slower prefill step (figures:
@@ -121,14 +123,21 @@ def make_session(path: Path, device: str, threads: int | None, target: dict | No
         if load_only is not None:
             for name, value in load_only.initializers(graph, graph.load_only_weights, own=True).items():
                 so.add_initializer(name, value)
+                held.append(value)
     building = load_only.dropping(graph.load_only_weights) if load_only is not None else contextlib.nullcontext()
     try:
         with building:
             if providers is None:
-                return ort.InferenceSession(str(path), sess_options=so)
-            return ort.InferenceSession(str(path), sess_options=so, providers=providers)
+                session = ort.InferenceSession(str(path), sess_options=so)
+            else:
+                session = ort.InferenceSession(str(path), sess_options=so, providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise mf.BundleError(f"cannot load graph {path.name}: {str(e).splitlines()[0]}") from None
+    # ORT reads added initializers where they are and holds no Python reference to them: the session keeps the
+    # OrtValues (each keeps its array, each array its memory map), so a session outliving its Bundle (a CacheRow
+    # kept after its VLM is dropped) does not read unmapped memory
+    session.vlmrt_weights = held
+    return session
 
 
 def _graph_files(m: mf.Manifest, device: str, htp_arch) -> tuple[dict[str, str], dict[str, dict]]:
