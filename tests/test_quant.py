@@ -587,3 +587,31 @@ def test_htp_graphs_reach_the_quantizer_at_opset_21(tmp_path, monkeypatch):
                                              "g", [], []), opset_imports=[helper.make_opsetid("", 20)])
     htp.at_opset21(gn)
     assert gn.opset_import[0].version == 20
+
+
+def test_vision_w8a8_from_the_file_is_the_in_memory_quantization(tmp_path):
+    """quantize.quantize_vision's w8a8 reads the traced graph from its files, transposes the Gemm weights one at a
+    time into a data file and lets ORT's quantizer read the graph from disk (export memory: the 2B tower's stage
+    peaked at 10.8 GB with the float weights in this process beside the quantizer's copies); the graph it gives is
+    the one the whole model in memory gave (gemm_to_matmul, then int8_matmuls on the ModelProto): same nodes, same
+    initializers bit for bit. Guards the bundles' vision graphs against the bounded path."""
+    import torch
+    from onnx import numpy_helper
+
+    from vlmrt.export import graphs
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.GELU(), torch.nn.Linear(64, 32, bias=False),
+                                 torch.nn.LayerNorm(32), torch.nn.Linear(32, 40)).eval()
+    path = tmp_path / "vision.onnx"
+    graphs.trace_vision(module, {"patches": torch.randn(20, 48)}, ["image_embeds"], "fp32", "w8a8", path)
+    with graphs._quiet():
+        ref = quantize.int8_matmuls(quantize.gemm_to_matmul(onnx.load(str(path))))
+        got = quantize.quantize_vision(path, "w8a8")
+    assert quantize.kn_data(path).exists()  # (finish_vision deletes it)
+    assert [(n.op_type, list(n.input), list(n.output)) for n in got.graph.node] == \
+        [(n.op_type, list(n.input), list(n.output)) for n in ref.graph.node]
+    assert sum(n.op_type == "MatMulInteger" for n in got.graph.node) == 3
+    assert [i.name for i in got.graph.initializer] == [i.name for i in ref.graph.initializer]
+    for a, b in zip(got.graph.initializer, ref.graph.initializer):
+        assert a.data_type == b.data_type and np.array_equal(numpy_helper.to_array(a), numpy_helper.to_array(b)), a.name

@@ -141,19 +141,35 @@ def compute_dtype(precision: str, io_dtype: str) -> str:
 
 def export_vision(vision: torch.nn.Module, inputs: dict, outputs: list[str], io_dtype: str, precision: str,
                   path: Path) -> None:
+    """trace_vision, then finish_vision."""
+    trace_vision(vision, inputs, outputs, io_dtype, precision, path)
+    finish_vision(path, precision)
+
+
+def trace_vision(vision: torch.nn.Module, inputs: dict, outputs: list[str], io_dtype: str, precision: str,
+                 path: Path) -> None:
     """The vision module at the shapes of its example inputs by role (families.vision_examples: "patches" first, the
     graph input pixel_patches; the others named by role, manifest vision.extra_inputs), float inputs and outputs in
-    the I/O dtype (int64 inputs as they are); outputs: the graph's output names (image_embeds, then row outputs)."""
-    from .cpu import quantize
-
+    the I/O dtype (int64 inputs as they are); outputs: the graph's output names (image_embeds, then row outputs).
+    The graph as torch exports it, in float: finish_vision quantizes it without the torch module (the caller frees
+    it first: export memory, as trace_decoder / finish_decoder)."""
     io = TORCH_DTYPES[io_dtype]
     args = tuple(x.to(io) if x.is_floating_point() else x for x in inputs.values())
     names = ["pixel_patches" if role == "patches" else role for role in inputs]
     module = CastIO(copy.deepcopy(vision), TORCH_DTYPES[compute_dtype(precision, io_dtype)], io)
     export_graph(module, args, names, outputs, path)
+
+
+def finish_vision(path: Path, precision: str) -> None:
+    """A traced vision graph (trace_vision) at its weight-only precision, written back to path (+ path.data)."""
+    from .cpu import quantize
+
     if precision in quantize.WEIGHT_ONLY_BITS:
         with _quiet():
-            rewrite(path, quantize.quantize_vision(onnx.load(str(path)), precision))
+            model = quantize.quantize_vision(path, precision)
+            rewrite(path, model)
+        del model
+        quantize.kn_data(path).unlink(missing_ok=True)
 
 
 def rewrite(path: Path, model: onnx.ModelProto) -> None:

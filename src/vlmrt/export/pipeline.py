@@ -334,9 +334,11 @@ def _write_graphs(plan: Plan, modules: dict, tmp: Path, p: Progress, hessian=Non
     budget = "patch budget" if "max_patches" in plan.host.image.params else "1 tile ="
     p.start(f"vision graph ({budget} {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
     vision = modules.pop("vision")
-    graphs.export_vision(vision, vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2),
-                         ["image_embeds", *vision_row_outputs(vision)], plan.dtype, prec["vision"], tmp / "vision.onnx")
+    graphs.trace_vision(vision, vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2),
+                        ["image_embeds", *vision_row_outputs(vision)], plan.dtype, prec["vision"], tmp / "vision.onnx")
     del vision
+    gc.collect()
+    graphs.finish_vision(tmp / "vision.onnx", prec["vision"])
     p.done()
     decoder = modules.pop("decoder")
     decoder_graphs = []
