@@ -112,11 +112,12 @@ def quantize_cache(model: onnx.ModelProto, layers: list[AttentionLayer]) -> int:
     _windowed_spans) quantized as that layer's quant says: its attributes, its k_scale / v_scale inputs (initializers,
     one pair per layer: a kv-shared layer's node, which reads its source's buffers, takes the source's), the cache
     tensors it reads and writes int8 / uint8 (past_* inputs and present_* outputs of the graph, the Pad between).
-    layers: the quantized attention layers (manifest entries with their quant), in kv.layers order. Returns the
-    nodes changed."""
+    layers: the quantized attention layers (manifest entries with their quant), in kv.layers order; a node reading
+    another graph input (a layer whose cache stays float) is left as it is. Returns the nodes changed."""
     g = model.graph
     by_key = {layer.key_input: (i, layer) for i, layer in enumerate(layers)}
     producers = {o: n for n in g.node for o in n.output}
+    graph_inputs = {i.name for i in g.input}
     io: dict[str, list] = {}
     for vi in [*g.input, *g.output, *g.value_info]:
         io.setdefault(vi.name, []).append(vi)
@@ -128,6 +129,8 @@ def quantize_cache(model: onnx.ModelProto, layers: list[AttentionLayer]) -> int:
         while past in producers and producers[past].op_type == "Pad":
             between.append(past)
             past = producers[past].input[0]
+        if past not in by_key and past in graph_inputs:  # a float layer's buffers (no quant): the node keeps them
+            continue
         if past not in by_key:
             raise KVQuantError(f"GroupQueryAttention {node.name or '?'} reads {past!r}, no quantized attention layer's "
                                "cache")
