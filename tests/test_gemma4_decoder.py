@@ -9,7 +9,9 @@ three conversations batched answering as alone.
 Two checkpoints: "shared" (a 2:1 sliding / full pattern, window 5, 2 kv-shared layers with double-wide MLPs,
 per-layer inputs, attention_k_eq_v with its own kv heads and global_head_dim on the full layers, proportional RoPE,
 logit soft-capping) and "plain" (a 1:1 pattern, window 3, no sharing, no per-layer inputs, no soft-capping), both
-saved by transformers (per_layer_config, not global_head_dim). Each decoder is exported once per session."""
+saved by transformers (per_layer_config, not global_head_dim). Each decoder is exported once per session; "shared"
+once more with the 8-bit cache (`--kv-cache int8`: every path against a fresh int8 run, the logits against the float
+cache's within measured bounds)."""
 
 from __future__ import annotations
 
@@ -69,26 +71,35 @@ def _checkpoint(name: str, folder):
 
 
 class Exported:
-    def __init__(self, model, config: dict, path, attention: str = "gqa_in_place", kv_bits: int = 0):
-        """kv_bits 8: the 8-bit cache (`--kv-cache int8`), its scales calibrated as the pipeline's (_int8_layers)."""
+    def __init__(self, model, config: dict, path, attention: str = "gqa_in_place"):
         self.model, self.path, self.attention = model, path, attention
         self.text = Gemma4TextConfig.from_hf(config)
         sd = model.state_dict()
         self.decoder, table = language.load(self.text, Tensors(sd), "model.")
         self.decoder.window_capacity = graphs.window_capacity(self.decoder, attention, AR)  # (as the pipeline's)
         self.table = table.rows(0, self.text.vocab)
-        self.layers = cache_kinds.kv_layers(self.decoder, self.text, graphs.LAYOUTS[attention].out_prefix)
-        if kv_bits:
-            self.layers = _int8_layers(self.decoder, self.table, self.layers)
         graphs.export_decoder(self.decoder, attention=attention, ar=AR, max_context=CTX,
                               hidden=self.table.shape[1],
                               io_dtype="fp32", precision="fp32", head="fp32", path=path, dynamic_context=True,
-                              dynamic_ar=True, kv_quant=[x for x in self.layers if isinstance(x, AttentionLayer) and x.quant])
-        import onnxruntime as ort
+                              dynamic_ar=True)
+        self.session = _session(path)
+        self.layers = cache_kinds.kv_layers(self.decoder, self.text, graphs.LAYOUTS[attention].out_prefix)
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = 1
-        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    def int8(self, path) -> "Exported":
+        """The same decoder with the 8-bit cache (`--kv-cache int8`): its scales calibrated as the pipeline's
+        (_int8_layers), the graph's GroupQueryAttention nodes edited as export_decoder's last pass does
+        (kv_quant.quantize_cache on this graph: no second export)."""
+        import copy
+
+        from vlmrt.export.cpu import kv_quant
+
+        new = copy.copy(self)
+        new.layers = _int8_layers(self.decoder, self.table, self.layers)
+        model = onnx.load(str(self.path))
+        kv_quant.quantize_cache(model, [x for x in new.layers if isinstance(x, AttentionLayer) and x.quant])
+        onnx.save(model, str(path))
+        new.path, new.session = path, _session(path)
+        return new
 
     def scheduler(self, rows: int = 1, lookahead: int = 0, session=None) -> Scheduler:
         kind = (GqaInPlaceKind(name="gqa_in_place", seqlens_input="seqlens_k", total_length_input="total_sequence_length",
@@ -111,6 +122,14 @@ class Exported:
             out = self.model.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)
         return out[0, len(ids):].tolist()
+
+
+def _session(path):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 def _int8_layers(decoder, table: np.ndarray, layers: list) -> list:
@@ -141,8 +160,11 @@ def _exported(name: str, attention: str, kv_bits: int, tmp_path_factory) -> Expo
     key = (name, attention, kv_bits)
     if key not in _EXPORTS:
         folder = tmp_path_factory.mktemp(f"gemma4-{name}-{attention}-{kv_bits}")
-        model, config = _checkpoint(name, folder)
-        _EXPORTS[key] = Exported(model, config, folder / "decoder.onnx", attention, kv_bits)
+        if kv_bits:
+            _EXPORTS[key] = _exported(name, attention, 0, tmp_path_factory).int8(folder / "decoder.onnx")
+        else:
+            model, config = _checkpoint(name, folder)
+            _EXPORTS[key] = Exported(model, config, folder / "decoder.onnx", attention)
     return _EXPORTS[key]
 
 
