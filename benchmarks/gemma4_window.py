@@ -10,6 +10,9 @@ ids whatever the cache).
 
     python -m benchmarks.gemma4_window build DIR                  # DIR/ckpt: the checkpoint
     python -m benchmarks.gemma4_window export DIR --slack 64 ...  # DIR/windowed-<slack>.bundle with this vlmrt
+    python -m benchmarks.gemma4_window export DIR --kv-cache int8 # DIR/windowed-64-int8.bundle: the 8-bit cache
+    python -m benchmarks.gemma4_window export DIR --kv-cache int8 --float-windows   # ...-int8-full.bundle: int8
+                                                                  # on the full layer only, the windows float
     python -m benchmarks.gemma4_window time BUNDLE...             # decode step and cache bytes at 1000 / 4000
 """
 
@@ -32,16 +35,24 @@ def build(d: Path) -> None:
     make_checkpoint(d / "ckpt", max_position_embeddings=8192)
 
 
-def export(d: Path, slacks: list[int]) -> None:
-    from vlmrt.export import graphs
-    from vlmrt.export.pipeline import export as run_export
+def export(d: Path, slacks: list[int], kv_cache: str = "fp32", float_windows: bool = False) -> None:
+    """float_windows (with kv_cache int8): the export's windowed layers keep a float cache, the full layer int8 (what
+    the 8-bit windows buy, measured against it)."""
+    import dataclasses
 
-    capacity = graphs.window_capacity
+    from vlmrt.export import graphs, pipeline
+    from vlmrt.format import manifest as mf
+
+    capacity, kv_quant = graphs.window_capacity, pipeline._kv_quant
+    if float_windows:
+        pipeline._kv_quant = lambda *a: [dataclasses.replace(x, quant=None) if isinstance(x, mf.WindowedAttentionLayer)
+                                         else x for x in kv_quant(*a)]
+    tail = "" if kv_cache == "fp32" else f"-{kv_cache}" + ("-full" if float_windows else "")
     for slack in slacks:  # (the exporter's capacity is window + the prefill block: here window + slack)
         graphs.window_capacity = lambda dec, attention, ar, slack=slack: capacity(dec, attention, ar) - ar + slack
-        run_export(str(d / "ckpt"), d / f"windowed-{slack}.bundle", prefill_ar=AR, max_seq_len=CONTEXT,
-                   progress=False)
-    graphs.window_capacity = capacity
+        pipeline.export(str(d / "ckpt"), d / f"windowed-{slack}{tail}.bundle", prefill_ar=AR, max_seq_len=CONTEXT,
+                        progress=False, kv_cache=kv_cache)
+    graphs.window_capacity, pipeline._kv_quant = capacity, kv_quant
 
 
 def time_bundles(bundles: list[Path]) -> None:
@@ -50,7 +61,8 @@ def time_bundles(bundles: list[Path]) -> None:
     for b in bundles:
         kv = json.loads((b / "manifest.json").read_text())["kv"]
         sliding = [x for x in kv["layers"] if x["kind"] in ("sliding_attention", "windowed_attention")]
-        row_bytes = sum(2 * x["kv_heads"] * x["head_dim"] * 4 for x in sliding)  # K and V of one slot, float32
+        row_bytes = sum(2 * x["kv_heads"] * x["head_dim"] * (1 if x.get("quant") else 4)  # K and V of one slot
+                        for x in sliding)
         capacity = sliding[0].get("capacity")
         row = VLM.load(b).row
         rng = np.random.default_rng(0)
@@ -81,12 +93,14 @@ def main() -> None:
     e = sub.add_parser("export")
     e.add_argument("dir", type=Path)
     e.add_argument("--slack", type=int, nargs="+", default=[AR])
+    e.add_argument("--kv-cache", default="fp32", choices=("fp32", "int8"))
+    e.add_argument("--float-windows", action="store_true")
     sub.add_parser("time").add_argument("bundles", type=Path, nargs="+")
     a = ap.parse_args()
     if a.cmd == "build":
         build(a.dir)
     elif a.cmd == "export":
-        export(a.dir, a.slack)
+        export(a.dir, a.slack, a.kv_cache, a.float_windows)
     else:
         time_bundles(a.bundles)
 

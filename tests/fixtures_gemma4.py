@@ -73,7 +73,10 @@ def make_tokenizer(out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
-def make_gemma4_checkpoint(out_dir: Path, *, seed: int = 0, audio: bool = False) -> Path:
+def make_gemma4_checkpoint(out_dir: Path, *, seed: int = 0, audio: bool = False, text: dict | None = None,
+                           spread: bool = True) -> Path:
+    """text: config entries over TEXT's (benchmarks' larger shapes and other layer patterns); spread False: the
+    weights as transformers' random init leaves them (the tests spread them for clear margins)."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, GenerationConfig, PreTrainedTokenizerFast
 
@@ -82,7 +85,7 @@ def make_gemma4_checkpoint(out_dir: Path, *, seed: int = 0, audio: bool = False)
     make_tokenizer(out_dir)
     tok = PreTrainedTokenizerFast(tokenizer_file=str(out_dir / "tokenizer.json"))
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    text = dict(TEXT, vocab_size=len(tok), vocab_size_per_layer_input=len(tok), pad_token_id=ids[PAD],
+    text = dict(TEXT, **(text or {}), vocab_size=len(tok), vocab_size_per_layer_input=len(tok), pad_token_id=ids[PAD],
                 eos_token_id=ids[END_TURN], bos_token_id=ids[BOS])
     audio_config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32) if audio \
         else None
@@ -91,7 +94,7 @@ def make_gemma4_checkpoint(out_dir: Path, *, seed: int = 0, audio: bool = False)
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # spread what a random init leaves at 1 / 0 / small (as tests/test_gemma4_*.py)
-        for n, p in model.named_parameters():
+        for n, p in model.named_parameters() if spread else ():
             if "audio" in n:
                 continue
             if "norm" in n:
@@ -100,10 +103,11 @@ def make_gemma4_checkpoint(out_dir: Path, *, seed: int = 0, audio: bool = False)
                 p.normal_()
             elif p.dim() == 2 and "embed_tokens" not in n:
                 p.mul_(5)
-        for layer in model.model.language_model.layers:
+        for layer in model.model.language_model.layers if spread else ():
             layer.layer_scalar.uniform_(0.5, 1.5)
-        model.model.vision_tower.std_bias.normal_()
-        model.model.vision_tower.std_scale.uniform_(0.5, 2)
+        if spread:
+            model.model.vision_tower.std_bias.normal_()
+            model.model.vision_tower.std_scale.uniform_(0.5, 2)
     model.save_pretrained(out_dir, safe_serialization=True)
     GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[END_TURN], pad_token_id=ids[PAD],
                      do_sample=False).save_pretrained(out_dir)

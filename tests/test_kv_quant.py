@@ -243,3 +243,69 @@ def test_lfm2_conv_layers_keep_float_rows_beside_an_int8_attention_cache(tmp_pat
     x = np.random.default_rng(1).standard_normal((21, a.manifest.decoder.hidden_size)).astype(np.float32) * 0.5
     c = metrics.compare_logits(f.row.score(x, list(range(5, 15))), a.row.score(x, list(range(5, 15))))
     assert c["top1"] >= 0.9 and c["kl"] < 0.01, c
+
+
+def test_each_node_takes_the_scales_of_the_buffers_it_reads():
+    """quantize_cache maps a GroupQueryAttention node to the layer whose K buffer it reads, not to its position:
+    Gemma 4's kv-shared layers run a node over their source's buffers, a span graph's windowed layer runs a second
+    node over a Pad of them, and a layer left float keeps its node as it is (ORT 1.32 takes the quantized cache with
+    each: docs/gemma4.md). On ef8b8dc the i-th node took the i-th layer's scales and one shape for all."""
+    import dataclasses
+
+    import onnx
+    from onnx import TensorProto as TP, helper
+
+    from vlmrt.export.cpu import kv_quant
+    from vlmrt.format.manifest import AttentionLayer, CacheQuant, WindowedAttentionLayer
+
+    def quant(n, s):
+        return CacheQuant(8, "per_channel", "per_channel", [s] * n, [s / 2] * n, 1.25, 300)
+
+    windowed = WindowedAttentionLayer("windowed_attention", 2, 16, "past_key_0", "past_value_0", "present_key_0",
+                                      "present_value_0", quant(32, 0.1), window=4, capacity=8)
+    full = AttentionLayer("attention", 1, 32, "past_key_1", "past_value_1", "present_key_1", "present_value_1",
+                          quant(32, 0.2))
+    f = TP.FLOAT
+    ins = [helper.make_tensor_value_info(n, f, [1, h, None, d]) for n, h, d in
+           [("past_key_0", 2, 16), ("past_value_0", 2, 16), ("past_key_1", 1, 32), ("past_value_1", 1, 32),
+            ("past_key_2", 1, 32), ("past_value_2", 1, 32)]]
+    pads = helper.make_tensor("pads", TP.INT64, [8], [0, 0, 0, 0, 0, 0, 4, 0])
+    nodes = [helper.make_node("Pad", ["past_key_0", "pads"], ["padded_k"]),
+             helper.make_node("Pad", ["past_value_0", "pads"], ["padded_v"])]
+    reads = [("past_key_0", "past_value_0", "present_key_0", "present_value_0"),  # the windowed layer's own node
+             ("padded_k", "padded_v", "span_k", "span_v"),  # a span graph's second node
+             ("past_key_1", "past_value_1", "present_key_1", "present_value_1"),  # the full layer's
+             ("past_key_0", "past_value_0", "shared_k", "shared_v"),  # a kv-shared layer reading the windowed one
+             ("past_key_2", "past_value_2", "present_key_2", "present_value_2")]  # a layer left float
+    for i, (k, v, pk, pv) in enumerate(reads):
+        nodes.append(helper.make_node("GroupQueryAttention", ["q", "", "", k, v, "seqlens_k", "total"],
+                                      [f"out{i}", pk, pv], domain="com.microsoft", num_heads=4, kv_num_heads=1))
+    outs = [helper.make_tensor_value_info(n, f, None) for n in
+            ("present_key_0", "present_value_0", "present_key_1", "present_value_1", "present_key_2", "present_value_2")]
+    model = helper.make_model(helper.make_graph(nodes, "g", ins, outs, [pads]))
+    assert kv_quant.quantize_cache(model, [windowed, full]) == 4
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    scales = [list(n.input[12:]) for n in gqa]
+    assert scales == [["k_scale_0", "v_scale_0"]] * 2 + [["k_scale_1", "v_scale_1"], ["k_scale_0", "v_scale_0"], []]
+    bits = [{a.name: a.i for a in n.attribute}.get("kv_cache_bit_width") for n in gqa]
+    assert bits == [8, 8, 8, 8, None]
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert inits["k_scale_0"].shape == (2, 1, 16) and inits["k_scale_1"].shape == (1, 1, 32)
+    assert float(inits["v_scale_1"].max()) == pytest.approx(0.1)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*model.graph.input, *model.graph.output]}
+    assert [types[n] for n in ("past_key_0", "present_value_1", "past_key_2")] == [TP.INT8, TP.INT8, TP.FLOAT]
+    with pytest.raises(kv_quant.KVQuantError, match="no GroupQueryAttention node reads the cache of past_key_9"):
+        kv_quant.quantize_cache(model, [dataclasses.replace(full, key_input="past_key_9")])
+
+
+def test_a_4bit_windowed_cache_needs_head_dim_a_multiple_of_32():
+    """ORT 1.32's windowed kernel refuses a 4-bit cache at head_dim 16 when run ("sliding_window_cache: head_size
+    (16) must be a multiple of 32 for a 4-bit KV cache."): the manifest entry says so (the loader, and the exporter
+    before writing anything: pipeline._kv_quant)."""
+    from vlmrt.format.manifest import CacheQuant, WindowedAttentionLayer
+
+    def layer(d):
+        q = CacheQuant(4, "per_channel", "per_channel", [0.1] * d, [0.1] * d, 1.0, 300)
+        return WindowedAttentionLayer("windowed_attention", 1, d, "a", "b", "c", "d", q, window=4, capacity=8)
+
+    assert "multiple of 32, not 16" in layer(16).problem() and layer(64).problem() is None

@@ -151,17 +151,12 @@ class SlidingAttentionCache(AttentionCache):
     def encoded(self, layer) -> list[tuple[str, str, str]]:
         return [("sliding_key", layer.key_input, layer.key_output), ("sliding_value", layer.value_input, layer.value_output)]
 
-    def absmax(self, new: list[torch.Tensor]):
-        """A quantized cache does not hold sliding-window layers yet: kv_quant.calibrate refuses it in one line,
-        before anything is written."""
-        raise NotImplementedError("--kv-cache int8/int4 does not hold sliding-window layers yet (Gemma 4): export "
-                                  "with --kv-cache fp32")
-
 
 class WindowedAttentionCache(SlidingAttentionCache):
     """A sliding-window layer's K and V in a windowed cache (gqa_in_place graphs: DecoderModule.window_capacity rows
     per buffer, ORT's GroupQueryAttention evicting in the graph: runtime/decode/windowed_state.py): its kv.layers
-    entry has the window and the capacity."""
+    entry has the window and the capacity. A quantized cache (--kv-cache int8) calibrates its scales on the float
+    decoder's rows by slot, as an attention layer's (absmax)."""
 
     name = "windowed_attention"
     padded = False  # (no static graph takes it: gqa_in_place only)

@@ -180,7 +180,7 @@ def rewrite(path: Path, model: onnx.ModelProto) -> None:
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
 
 
-def trace_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden: int, kv_heads: int, head_dim: int,
+def trace_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden: int,
                    io_dtype: str, precision: str, head: str, path: Path, cpu: bool = True, dynamic_context: bool = False,
                    dynamic_ar: bool = False, hessian=None, token_rows: bool = False, kv_quant: list | None = None) -> "DecoderTrace":
     """A decoder graph (families.DecoderModule) of the attention kind (families/layers.py ATTENTION_KINDS; its
@@ -200,7 +200,7 @@ def trace_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden:
     ar / B tokens each (export/batch_dim.py; B = 1 but for the batched decode step).
     hessian: the GPTQ precisions' calibration (quantize.quantize_decoder).
     token_rows: two more inputs, token_rows [ar, hidden] int8 and token_scales [ar] (TokenRows).
-    kv_quant: a gqa_in_place graph's quantized cache, each attention layer's manifest.CacheQuant
+    kv_quant: a gqa_in_place graph's quantized cache, the manifest's attention layers with their quant
     (export/cpu/kv_quant.py: the GroupQueryAttention nodes store K and V in int8 / uint8 buffers).
     A fixed-AR rows graph (a padded last prompt block) of a decoder with layers whose state is not per slot
     (cache_kinds.padded False: a recurrent layer) takes valid_rows [ar] float32 last (static_valid_rows)."""
@@ -255,7 +255,7 @@ def trace_decoder(decoder, *, attention: str, ar: int, max_context: int, hidden:
     export_graph(module, tuple(inputs.values()), list(inputs), outputs, path, dynamic,
                  {**linear_attention_onnx.TABLE, **(gqa_onnx.TABLE if layout.in_place else {})})
     return DecoderTrace(path, layout.in_place, precision, head, hessian, cpu, decoder.layer_kinds, kv_quant or [],
-                        kv_heads, head_dim, dynamic_ar and "attention_mask" in inputs)
+                        dynamic_ar and "attention_mask" in inputs)
 
 
 class DecoderTrace(NamedTuple):
@@ -269,9 +269,7 @@ class DecoderTrace(NamedTuple):
     hessian: object
     cpu: bool
     layer_kinds: tuple
-    kv_quant: list
-    kv_heads: int
-    head_dim: int
+    kv_quant: list  # the quantized attention layers (manifest entries)
     dynamic_mask: bool  # a symbolic-AR rows graph's attention_mask: its derived width is named "ctx + ar"
 
 
@@ -305,7 +303,7 @@ def finish_decoder(tr: DecoderTrace) -> None:
                 if tr.kv_quant:
                     from .cpu import kv_quant as kvq
 
-                    kvq.quantize_cache(model, tr.kv_quant, tr.kv_heads, tr.head_dim)
+                    kvq.quantize_cache(model, tr.kv_quant)
                 largest_matmul_first(model)
                 changed = True
         if changed:

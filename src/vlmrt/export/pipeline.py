@@ -317,6 +317,9 @@ def _kv_quant(plan: Plan, decoder, embed: TokenTable, kv_layers: list, calibrati
     quants = iter(kv_quant.scales(absmax, rows, plan.kv_bits))
     out = [dataclasses.replace(layer, quant=next(quants)) if isinstance(layer, mf.AttentionLayer) else layer
            for layer in kv_layers]
+    for i, layer in enumerate(out):  # (what the bundle's loader would refuse: before anything is written)
+        if problem := layer.problem():
+            raise kv_quant.KVQuantError(f"--kv-cache int{plan.kv_bits}: kv.layers[{i}] ({layer.kind}): {problem}")
     p.done(f"({rows} rows)")
     return out
 
@@ -354,11 +357,10 @@ def _write_graphs(plan: Plan, modules: dict, tmp: Path, p: Progress, hessian=Non
         p.start(f"{what}, {cdesc}, {t.layers} layers, {prec[_like(name)]}, lm head {h})")
         stem = "decoder" if plan.one_graph else name
         traced = graphs.trace_decoder(decoder, attention=plan.attention, ar=ar, max_context=ctx, hidden=t.row_width,
-                                      kv_heads=t.kv_heads, head_dim=t.head_dim, io_dtype=plan.dtype,
-                                      precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx",
+                                      io_dtype=plan.dtype, precision=prec[_like(name)], head=h, path=tmp / f"{stem}.onnx",
                                       cpu=plan.htp is None, dynamic_context=plan.context_step > 0,
                                       dynamic_ar=plan.one_graph, hessian=hessian, token_rows=plan.token_rows,
-                                      kv_quant=[layer.quant for layer in kv_layers
+                                      kv_quant=[layer for layer in kv_layers
                                                 if isinstance(layer, mf.AttentionLayer) and layer.quant])
         if k == len(steps) - 1:
             del decoder

@@ -365,6 +365,8 @@ class WindowedAttentionLayer(SlidingAttentionLayer):
         return f + self.window if f else 0
 
     def problem(self) -> str | None:
+        if self.quant and self.quant.bits == 4 and self.head_dim % 32:  # (ORT 1.32's sliding_window_cache kernel)
+            return f"a 4-bit windowed cache needs a head_dim that is a multiple of 32, not {self.head_dim}"
         return super().problem() or (None if self.capacity >= self.window else "capacity must be at least window")
 
 

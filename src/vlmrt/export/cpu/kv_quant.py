@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ...format.manifest import CacheQuant
+from ...format.manifest import AttentionLayer, CacheQuant
 
 KV_CACHES = {"fp32": 0, "int8": 8, "int4": 4}  # --kv-cache -> bits (0: the float cache)
 LEVELS = {8: 127, 4: 7}  # the largest quantized magnitude
@@ -33,6 +33,7 @@ HEADROOM = {8: 1.25, 4: 1.0}  # absmax multiplier: room for rows beyond the cali
 FLOOR = 0.5
 MIN_ROWS = 256  # fewer calibration rows (tokens) than this: the scales are refused as unstable
 STORAGE = {8: TensorProto.INT8, 4: TensorProto.UINT8}
+ROWS_STEP = ("attention_mask",)  # the step inputs of the rows kinds, which the float steps below take
 
 
 class KVQuantError(ValueError):
@@ -48,6 +49,10 @@ def calibrate(decoder, embed: np.ndarray, prompt_ids: list[list[int]], tokens: i
     from .calibrate_gptq import _step, empty_state, greedy_sequence
 
     decoder = decoder.float().eval()
+    if decoder.attention.step_inputs != ROWS_STEP:  # (Gemma 4's module is built as the CPU's gqa_in_place graph: the
+        # same weights as a rows-kind decoder, whose sliding layers keep their rows by slot, the window in the mask)
+        decoder = decoder.with_options(attention="rows_copy_free", logit_rows=False,
+                                       rope_positions=max(map(len, prompt_ids)) + tokens)
     absmax: list[np.ndarray] = []
     rows = 0
     with torch.no_grad():
@@ -101,30 +106,61 @@ def _scale_tensor(name: str, scale: list[float], kind: str, kv_heads: int, head_
     return numpy_helper.from_array(a.reshape(kv_heads, 1, head_dim) if kind == "per_channel" else a.reshape(()), name)
 
 
-def quantize_cache(model: onnx.ModelProto, quants: list[CacheQuant], kv_heads: int, head_dim: int) -> int:
-    """Each GroupQueryAttention node (the i-th attention layer's, in node order) stores its cache quantized as
-    quants[i] says: its attributes, its k_scale / v_scale inputs (initializers), the cache I/O it reads and writes
-    (past_* inputs and present_* outputs of the graph) int8 / uint8. Returns the nodes changed."""
+def quantize_cache(model: onnx.ModelProto, layers: list[AttentionLayer]) -> int:
+    """Each GroupQueryAttention node stores the cache of the attention layer whose K buffer it reads (its past_key:
+    the layer's key_input, or a Pad of it, as a span graph's second node of a windowed layer reads it: export/gqa_onnx.py
+    _windowed_spans) quantized as that layer's quant says: its attributes, its k_scale / v_scale inputs (initializers,
+    one pair per layer: a kv-shared layer's node, which reads its source's buffers, takes the source's), the cache
+    tensors it reads and writes int8 / uint8 (past_* inputs and present_* outputs of the graph, the Pad between).
+    layers: the quantized attention layers (manifest entries with their quant), in kv.layers order; a node reading
+    another graph input (a layer whose cache stays float) is left as it is. Returns the nodes changed."""
     g = model.graph
-    nodes = [n for n in g.node if n.op_type == "GroupQueryAttention"]
-    if len(nodes) != len(quants):
-        raise KVQuantError(f"{len(nodes)} GroupQueryAttention nodes for {len(quants)} attention layers")
+    by_key = {layer.key_input: (i, layer) for i, layer in enumerate(layers)}
+    producers = {o: n for n in g.node for o in n.output}
+    graph_inputs = {i.name for i in g.input}
     io: dict[str, list] = {}
     for vi in [*g.input, *g.output, *g.value_info]:
         io.setdefault(vi.name, []).append(vi)
-    for i, (node, q) in enumerate(zip(nodes, quants)):
+    done, seen = 0, set()
+    for node in g.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        past, between = node.input[3], []
+        while past in producers and producers[past].op_type == "Pad":
+            between.append(past)
+            past = producers[past].input[0]
+        if past not in by_key and past in graph_inputs:  # a float layer's buffers (no quant): the node keeps them
+            continue
+        if past not in by_key:
+            raise KVQuantError(f"GroupQueryAttention {node.name or '?'} reads {past!r}, no quantized attention layer's "
+                               "cache")
+        i, layer = by_key[past]
+        q = layer.quant
         names = (f"k_scale_{i}", f"v_scale_{i}")
-        g.initializer.extend([_scale_tensor(names[0], q.key_scale, q.key, kv_heads, head_dim),
-                              _scale_tensor(names[1], q.value_scale, q.value, kv_heads, head_dim)])
-        inputs = list(node.input) + [""] * (12 - len(node.input))  # 10 attention_bias, 11 head_sink: none
+        if i not in seen:
+            g.initializer.extend([_scale_tensor(names[0], q.key_scale, q.key, layer.kv_heads, layer.head_dim),
+                                  _scale_tensor(names[1], q.value_scale, q.value, layer.kv_heads, layer.head_dim)])
+            seen.add(i)
+        inputs = list(node.input) + [""] * (12 - len(node.input))  # 10 attention_bias, 11 head_sink
         del node.input[:]
         node.input.extend([*inputs[:12], *names])
         node.attribute.extend([helper.make_attribute("kv_cache_bit_width", q.bits),
                                helper.make_attribute("k_quant_type", q.key.upper()),
                                helper.make_attribute("v_quant_type", q.value.upper())])
-        for t in (node.input[3], node.input[4], node.output[1], node.output[2]):  # past / present K and V
-            for vi in io[t]:
+        v_between = []
+        past_v = node.input[4]
+        while past_v in producers and producers[past_v].op_type == "Pad":
+            v_between.append(past_v)
+            past_v = producers[past_v].input[0]
+        # past / present K and V, and what lies between the buffers and the node
+        for t in (node.input[3], node.input[4], node.output[1], node.output[2], *between, *v_between):
+            for vi in io.get(t, []):
                 tt = vi.type.tensor_type
                 tt.elem_type = STORAGE[q.bits]
-                tt.shape.dim[3].dim_value = head_dim // 2 if q.bits == 4 else head_dim
-    return len(nodes)
+                if len(tt.shape.dim) == 4:
+                    tt.shape.dim[3].dim_value = layer.cache_dim
+        done += 1
+    if len(seen) != len(layers):
+        missing = [layer.key_input for i, layer in enumerate(layers) if i not in seen]
+        raise KVQuantError(f"no GroupQueryAttention node reads the cache of {', '.join(missing)}")
+    return done

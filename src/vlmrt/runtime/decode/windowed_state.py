@@ -34,6 +34,9 @@ The windowed cache, as the recurrent state (runtime/decode/recurrent_state.py) i
   a batch (KVCache.batch_blocks): each layer's K and V [n, kv_heads, capacity, head_dim], sequence b's rows its
       window (the op's layout is per batch entry: ragged lengths); an idle row's junk step lands in the staging,
       which nobody stores.
+  a quantized cache (`--kv-cache int8`, manifest AttentionLayer.quant): the buffers, the staging and the snapshots
+      are the op's int8 rows (4-bit: uint8 nibble pairs), quantized and read back by the graph under scales that are
+      constants of it, so every copy above moves the same bytes a fresh run would hold: nothing else changes.
 """
 
 from __future__ import annotations
@@ -83,10 +86,10 @@ class WindowedAttentionState:
     def __init__(self, layers: list[tuple[int, WindowedAttentionLayer]], layout: CacheLayout, max_context: int, dtype,
                  arrays: Iterator[np.ndarray] | None = None):
         """arrays: each layer's K and V buffers in turn (a sequence's rows of a batch's); None: its own."""
-        if not layout.in_place or np.dtype(dtype).kind != "f":
-            raise BundleError("windowed_attention layers are a gqa_in_place graph's float cache")
+        if not layout.in_place:
+            raise BundleError("windowed_attention layers are a gqa_in_place graph's cache")
         self.indices, self.specs = [i for i, _ in layers], [layer for _, layer in layers]
-        self.buffers = [np.zeros((1, layer.kv_heads, layer.capacity, layer.head_dim), dtype) if arrays is None
+        self.buffers = [np.zeros(self._shape(layer, 1), layer.cache_dtype(dtype)) if arrays is None
                         else next(arrays) for layer in self.specs for _ in range(2)]
         self._layer = [layer for layer in self.specs for _ in range(2)]  # each buffer's layer
         self._shapes = list({(layer.capacity, layer.window): layer for layer in self.specs}.values())
@@ -100,8 +103,14 @@ class WindowedAttentionState:
     def batch_arrays(layers: list[tuple[int, WindowedAttentionLayer]], layout: CacheLayout, max_context: int, n: int,
                      dtype) -> list[np.ndarray]:
         """n sequences' buffers per layer, K and V: [n, kv_heads, capacity, head_dim]."""
-        return [np.zeros((n, layer.kv_heads, layer.capacity, layer.head_dim), dtype) for _, layer in layers
+        return [np.zeros(WindowedAttentionState._shape(layer, n), layer.cache_dtype(dtype)) for _, layer in layers
                 for _ in range(2)]
+
+    @staticmethod
+    def _shape(layer: WindowedAttentionLayer, n: int) -> tuple[int, ...]:
+        """n sequences' K (or V) buffer of a layer: [n, kv_heads, capacity, head_dim] in its cache dtype (a quantized
+        cache's int8 rows, or 4-bit nibble pairs [.., head_dim / 2]: manifest AttentionLayer.cache_dim)."""
+        return n, layer.kv_heads, layer.capacity, layer.cache_dim
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -213,10 +222,10 @@ class WindowedAttentionState:
         self.costs["restores"] += 1
 
     def clear_unused(self, enc: dict, n: int, end: int) -> None:
-        """(a float cache only)"""
+        """(no uint8 HTP cache: the graph reads rows [0, L) only, whatever its dtype)"""
 
     def requantize(self, src: dict, dst: dict, n: int) -> None:
-        """(a float cache only)"""
+        """(no uint8 HTP cache: a quantized cache's scales are constants of the graph)"""
 
     @staticmethod
     def check_graph(layers: list[tuple[int, WindowedAttentionLayer]], g, graph: str, layout: CacheLayout,
@@ -225,7 +234,7 @@ class WindowedAttentionState:
         from ..sessions import agree
 
         for i, layer in layers:
-            want = [1, layer.kv_heads, layer.capacity, layer.head_dim]
+            want = list(WindowedAttentionState._shape(layer, 1))
             for t in layer.inputs:
                 have = g.input(t).shape
                 if not agree(have, want):
