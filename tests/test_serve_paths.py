@@ -247,6 +247,24 @@ def test_concurrent_multi_turn_conversations_with_cancels(two_slots, vlm):
             assert text == direct(vlm, messages, max_new_tokens=10, **kw), messages[-1]
 
 
+def test_a_new_conversation_sharing_the_system_message_keeps_off_a_live_conversations_slot(two_slots):
+    """Conversations that share a system message (a deployment's system prompt): a new one does not take the slot of
+    one between its turns (common to both: the system message alone), so that one's follow-up finds its rows. Fails
+    on main 9148cae: the new conversation took the slot sharing the most leading messages (its system message), and
+    the follow-up prefilled cold (the Ray routing test's flake: a replica's conversations thrashed one slot)."""
+    r = two_slots
+    wait_idle(r)
+    system = {"role": "system", "content": f"You describe pictures briefly ({random.random()})."}
+    first = [system, ask("What is in this picture?", uri(picture(61)))]
+    a = answer(r, first, max_tokens=6, ignore_eos=True)
+    answer(r, [system, ask("Name a colour.")], max_tokens=6, ignore_eos=True)  # a new conversation, between A's turns
+    follow = first + [{"role": "assistant", "content": content(a)}, ask("And the shapes?")]
+    again = answer(r, follow, max_tokens=6, ignore_eos=True)
+    # its first prompt's rows (less its last few: the generation prompt, taken again with the answer), not the
+    # system message's alone
+    assert again["vlmrt"]["reused_prompt_tokens"] >= a["usage"]["prompt_tokens"] - 8, (a["usage"], again["vlmrt"])
+
+
 # ------------------------------------------------------------------------- streamed ends: an error, a stop string
 
 

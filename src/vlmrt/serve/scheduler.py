@@ -16,9 +16,10 @@ fails (a bad image, a context overflow, a bug in its own steps) fails alone; a b
 requests it was to advance, each with a 500 JSON error (their state is not retried: the call may have written part of
 their rows). Where the probe at load found one-row calls computing a row apart from multi-row ones
 (Scheduler.probe), every batched call runs at least two rows, so an answer does not depend on how many others decode
-beside it. A waiting request goes to the free slot whose last conversation shares the most leading messages with it
-(so a follow-up question finds its KV rows), else to a free slot that holds no conversation (the lowest), else to the
-least recently used one. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose
+beside it. A waiting request goes to the free slot whose last conversation it continues (the most leading messages shared,
+more than the system messages: a follow-up question finds its KV rows), else to a free slot that holds no
+conversation (the lowest), else to the least recently used one: a new conversation that shares only the system
+message with a conversation between its turns does not take that conversation's slot. Correctness does not depend on that choice: the slot's prefix cache keeps only rows whose
 keys match.
 """
 
@@ -41,6 +42,8 @@ from ..runtime.decode.prefix_cache import common_prefix
 from .errors import APIError, bad_request, context_exceeded, internal
 
 log = logging.getLogger("vlmrt.serve")
+
+SYSTEM_ROLES = ("system", "developer")  # leading messages many conversations share (a deployment's system prompt)
 
 
 class QueueFull(Exception):
@@ -209,9 +212,15 @@ class Scheduler:
             if not free:
                 return
             job = self.waiting.popleft()
-            # ties: a slot that holds no conversation (the lowest one), else the least recently used: never the slot
-            # of a conversation between its turns while an older one is free (its follow-up would prefill cold)
-            s = max(free, key=lambda s: (common_prefix(s.history, job.key), not s.history, -s.used, -s.index))
+            # the slot of the conversation this request continues (it shares more than the leading system messages:
+            # a follow-up finds its rows), else a slot that holds no conversation (the lowest), else the least
+            # recently used (the most leading messages shared among equals). Sharing only a system message does not
+            # make a conversation's slot the new one's: it would evict a conversation between its turns (its
+            # follow-up prefilled cold) to save the system message's rows
+            lead = next((i for i, (role, _) in enumerate(job.key) if role not in SYSTEM_ROLES), len(job.key))
+            shared = {s.index: common_prefix(s.history, job.key) for s in free}
+            s = max(free, key=lambda s: (shared[s.index] if shared[s.index] > lead else 0, not s.history, -s.used,
+                                         shared[s.index], -s.index))
             job.queue_s, job.slot = time.perf_counter() - job.submitted, s.index
             s.job, s.begun, s.history = job, False, []
 
