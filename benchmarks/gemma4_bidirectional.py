@@ -65,6 +65,22 @@ def static_export(d: Path) -> None:
                max_seq_len=2048, attention="portable", context_step=0, progress=False)
 
 
+def _time_row(row, embeds: np.ndarray, spans, repeat: int) -> tuple[float, float]:
+    """Median prefill time of `embeds` (after one warm-up) and median decode step of the 32 after it, in ms."""
+    times = []
+    for _ in range(repeat + 1):
+        t = time.perf_counter()
+        logits = row.prefill(embeds, "hybrid", spans=spans)
+        times.append(time.perf_counter() - t)
+    steps = []
+    token = int(np.argmax(logits))
+    for _ in range(32):
+        t = time.perf_counter()
+        token = int(np.argmax(row.step_token(token)))
+        steps.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3, statistics.median(steps) * 1e3
+
+
 def static_time(d: Path) -> None:
     from vlmrt.runtime.decode.spans import block_end
     from vlmrt.runtime.vlm import VLM
@@ -74,25 +90,14 @@ def static_time(d: Path) -> None:
     cases = [(label, src, ar, spans if label == "static spans" else None) for label, (src, ar) in STATIC.items()]
     cases.append(("static spans, text", "bidir", 280, np.full(N, -1, np.int64)))
     for label, src, ar, sp in cases:
-        vlm = VLM.load(d / f"static-{src}-{ar}.bundle")
-        row = vlm.row
+        row = VLM.load(d / f"static-{src}-{ar}.bundle").row
         embeds = (np.random.default_rng(0).standard_normal((N, row.dec.hidden_size)) * 0.5).astype(np.float32)
-        times, calls = [], 0
-        for _ in range(STATIC_REPEAT + 1):
-            t = time.perf_counter()
-            logits = row.prefill(embeds, "hybrid", spans=sp)
-            times.append(time.perf_counter() - t)
-        b = 0
+        prefill_ms, step_ms = _time_row(row, embeds, sp, STATIC_REPEAT)
+        b, calls = 0, 0
         while b < N:  # (the blocks CacheRow.prefill cuts)
             b, calls = block_end(sp if row.dec.span_input else None, b, ar, N), calls + 1
-        steps = []
-        token = int(np.argmax(logits))
-        for _ in range(32):
-            t = time.perf_counter()
-            token = int(np.argmax(row.step_token(token)))
-            steps.append(time.perf_counter() - t)
-        print(f"{label:20s} prefill of {N} rows in {calls} calls: {statistics.median(times[1:]) * 1e3:8.1f} ms "
-              f"(median of {STATIC_REPEAT}); decode step {statistics.median(steps) * 1e3:6.2f} ms")
+        print(f"{label:20s} prefill of {N} rows in {calls} calls: {prefill_ms:8.1f} ms "
+              f"(median of {STATIC_REPEAT}); decode step {step_ms:6.2f} ms")
 
 
 def main() -> None:
@@ -111,22 +116,11 @@ def main() -> None:
         spans[IMAGE[0]:IMAGE[1]] = 0
         for label, name, sp in (("causal", "causal", None), ("spans", "bidir", spans),
                                 ("spans, text", "bidir", np.full(N, -1, np.int64))):
-            vlm = VLM.load(bundles[name])
-            row = vlm.row
+            row = VLM.load(bundles[name]).row
             embeds = (rng.standard_normal((N, row.dec.hidden_size)) * 0.5).astype(np.float32)
-            times = []
-            for _ in range(REPEAT + 1):
-                t = time.perf_counter()
-                logits = row.prefill(embeds, "hybrid", spans=sp)
-                times.append(time.perf_counter() - t)
-            steps = []
-            token = int(np.argmax(logits))
-            for _ in range(32):
-                t = time.perf_counter()
-                token = int(np.argmax(row.step_token(token)))
-                steps.append(time.perf_counter() - t)
-            print(f"{label:12s} prefill of {N} rows: {statistics.median(times[1:]) * 1e3:8.1f} ms (median of {REPEAT}); "
-                  f"decode step {statistics.median(steps) * 1e3:6.2f} ms")
+            prefill_ms, step_ms = _time_row(row, embeds, sp, REPEAT)
+            print(f"{label:12s} prefill of {N} rows: {prefill_ms:8.1f} ms (median of {REPEAT}); "
+                  f"decode step {step_ms:6.2f} ms")
 
 
 if __name__ == "__main__":

@@ -238,6 +238,20 @@ def test_lookahead_drafts_keep_the_answer(gemma4, monkeypatch):
     assert drafted > 0
 
 
+def _verify_with_drafts(row, prompt: list[int], want: list[int], vocab: int) -> list[int]:
+    """The first N ids of `prompt`'s answer through verify calls of 1 + 3 rows at every slot: drafts are `want`'s next
+    ids up to a wrong one (0, 1 or 2 accepted in turn)."""
+    out = [int(np.argmax(row.prefill(row.embed(prompt), "hybrid")))]
+    greedy, j = Sampler(SamplingConfig()), 0
+    while len(out) < N:
+        good = want[len(out): len(out) + 3]
+        k = min(j % 3, len(good))
+        drafts = good[:k] + ([(good[k] + 1) % vocab] if k < len(good) else [])
+        out += row.verify(out[-1], drafts, greedy)
+        j += 1
+    return out[:N]
+
+
 def test_rejected_drafts_across_evictions(gemma4):
     """Verify calls of 1 + 3 rows at every slot of the answer, their drafts generate's next ids up to a wrong one
     (0, 1 or 2 accepted): the ids are generate's. A windowed cache keeps a call's first rows alone where its eviction
@@ -245,15 +259,7 @@ def test_rejected_drafts_across_evictions(gemma4):
     want = gemma4.generate(PROMPTS[1])
     sched = gemma4.scheduler(lookahead=3)
     row = sched.rows[0]
-    out = [int(np.argmax(row.prefill(row.embed(PROMPTS[1]), "hybrid")))]
-    greedy, j = Sampler(SamplingConfig()), 0
-    while len(out) < N:
-        good = want[len(out): len(out) + 3]
-        k = min(j % 3, len(good))
-        drafts = good[:k] + ([(good[k] + 1) % gemma4.text.vocab] if k < len(good) else [])
-        out += row.verify(out[-1], drafts, greedy)
-        j += 1
-    assert out[:N] == want
+    assert _verify_with_drafts(row, PROMPTS[1], want, gemma4.text.vocab) == want
     assert (row.replays > 0) == (gemma4.attention == "gqa_in_place")
 
 
@@ -468,15 +474,7 @@ def test_int8_cache_paths_answer_as_a_fresh_int8_run(gemma4_int8, monkeypatch):
     # verify calls of 1 + 3 rows, 0-2 drafts accepted
     want = list(alone.generate(alone.embed(PROMPTS[1]), mode="hybrid", max_new_tokens=N, ignore_eos=True))
     row = int8.scheduler(lookahead=3).rows[0]
-    out = [int(np.argmax(row.prefill(row.embed(PROMPTS[1]), "hybrid")))]
-    greedy, j = Sampler(SamplingConfig()), 0
-    while len(out) < N:
-        good = want[len(out): len(out) + 3]
-        k = min(j % 3, len(good))
-        drafts = good[:k] + ([(good[k] + 1) % int8.text.vocab] if k < len(good) else [])
-        out += row.verify(out[-1], drafts, greedy)
-        j += 1
-    assert out[:N] == want and row.replays > 0
+    assert _verify_with_drafts(row, PROMPTS[1], want, int8.text.vocab) == want and row.replays > 0
     # lookahead drafts on prompts that repeat themselves
     monkeypatch.setattr(lookahead, "NGRAMS", (3, 2))
     ahead, drafted = int8.scheduler(lookahead=3), 0
