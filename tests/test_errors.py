@@ -291,6 +291,21 @@ def _no_leftovers(parent):
     assert not [p for p in parent.iterdir() if ".tmp-" in p.name]
 
 
+@pytest.mark.parametrize("missing, command, extra", [
+    ("starlette", "serve", "serve"), ("uvicorn", "serve", "serve"), ("prometheus_client", "serve", "serve"),
+    ("torch", "export", "export"), ("onnx", "export", "export"), ("onnxscript", "export", "export"),
+])
+def test_a_command_whose_extra_is_not_installed_says_which(tmp_path, missing, command, extra):
+    """`vlmrt serve` on an install without the serve extra (the quick start's `vlmrt[export]`), `vlmrt export` on
+    the runtime alone: one line naming the extra, no traceback (both were tracebacks from an import)."""
+    code = (f"import sys; sys.modules[{missing!r}] = None; from vlmrt import cli; "
+            "sys.exit(cli.main(sys.argv[1:]))")
+    args = [command, tmp_path / "src", tmp_path / "out"] if command == "export" else [command, tmp_path, "--port", "0"]
+    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert_one_line_error(p, f"vlmrt {command} needs the {extra} extra", f"pip install 'vlmrt[{extra}]'")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_unknown_model_type(default_bundle, tmp_path, capsys):
     ck = tmp_path / "ck"
     shutil.copytree(default_bundle.ckpt, ck)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 
 def add_parser(sub) -> None:
     e = sub.add_parser("export", help="export a Hugging Face checkpoint (folder or hub id) to a bundle")
@@ -76,7 +78,18 @@ def add_parser(sub) -> None:
     e.set_defaults(fn=run)
 
 
+def _check_export_extra() -> None:
+    """An install without the export extra (`pip install vlmrt`: the runtime alone) is told so in one line."""
+    try:
+        for name in ("onnx", "onnxscript", "safetensors", "torch"):
+            importlib.import_module(name)
+    except ImportError as e:
+        raise ValueError(f"vlmrt export needs the export extra ({e.name} is not installed): "
+                         "pip install 'vlmrt[export]'") from None
+
+
 def run(a) -> int:
+    _check_export_extra()
     from ..export.pipeline import export
 
     calibration = None

@@ -42,9 +42,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 def build(a, bundle: str, on_load_error=None):
     """The app for parsed arguments a and a bundle folder (checked here, loaded at startup)."""
+    load, config = prepare(a, bundle)  # first: it says in one line when the serve extra is missing
     from .app import create_app
 
-    load, config = prepare(a, bundle)
     return create_app(load, config, on_load_error)
 
 
