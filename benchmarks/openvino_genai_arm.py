@@ -72,7 +72,8 @@ def text(a) -> dict:
     for n in [int(x) for x in a.prompt_tokens.split(",")]:
         prompt = prompt_of(tok, n)
         t = time.perf_counter()
-        res = pipe.generate(prompt, generation_config=cfg)
+        res = pipe.generate([prompt] if a.kind == "llm" else prompt, generation_config=cfg)  # (LLMPipeline: a list
+        # gives DecodedResults, with perf_metrics; one string only the text)
         rows.append({"prompt_tokens": n, **metrics(res, time.perf_counter() - t)})
     return {"load_s": round(load_s, 2), "runs": rows}
 
