@@ -1,9 +1,9 @@
 """Long prompts side by side: TTFT, decode tokens/s and peak RSS at several prompt lengths, vlmrt bundles (any
-prefill block, any KV cache) and llama.cpp (its f16 or q8_0 cache) in one run, rounds interleaved, medians.
+prefill block, any KV cache), llama.cpp (its f16 or q8_0 cache) and OpenVINO GenAI in one run, rounds interleaved, medians.
 
     python -m benchmarks.long_prompts --arm NAME=BUNDLE[@AR] ... [--env NAME=VAR=VALUE ...] [--llama NAME=CACHE ...]
-        [--llama-bin DIR] [--lengths 128,1024,2048,4000] [--gen-tokens 32] [--rounds 3] [--threads 2] [--decode-only]
-        --out RESULT.json
+        [--llama-bin DIR] [--openvino NAME=IR --ov-python PY] [--lengths 128,1024,2048,4000] [--gen-tokens 32]
+        [--rounds 3] [--threads 2] [--decode-only] --out RESULT.json
     python -m benchmarks.long_prompts --report RESULT.json [RESULT.json ...]   # the medians of several runs, markdown
 
 --arm NAME=BUNDLE@AR: the bundle with its manifest's prefill block (decoder.prefill_ar) set to AR (a copy of the
@@ -14,6 +14,11 @@ ORT_GQA_DISABLE_FLASH_ATTENTION=0: a bundle on the attention kernel it ran befor
 --llama NAME=CACHE: llama.cpp's llama-bench (from --llama-bin) on the SmolLM2 GGUF (benchmarks.compare_gguf.find_gguf)
 with cache type CACHE (f16: its default, flash attention "auto"; q8_0: `-ctk q8_0 -ctv q8_0 -fa on`): TTFT = N / its prompt tokens/s (`-p N`),
 decode = its tokens/s generating --gen-tokens at depth N (`-n G -d N`), whose process's peak RSS is the row's.
+--openvino NAME=IR: OpenVINO GenAI's LLMPipeline (CPU, INFERENCE_NUM_THREADS = --threads) on IR, an `optimum-cli
+export openvino --task text-generation-with-past` folder (benchmarks/smollm2_llama_folder.py writes the SmolLM2
+checkpoint's decoder as the Llama folder it takes), run by --ov-python (or $VLMRT_OV_PYTHON: a venv of its own,
+optimum-intel pins another transformers) through benchmarks/openvino_genai_arm.py: TTFT and decode from its perf
+metrics (a prompt of N tokens, no chat template, --gen-tokens after it), the process's peak RSS.
 --decode-only: llama.cpp's `-p N` run (its TTFT) is skipped (its `-d N` run prefills N tokens untimed either way).
 vlmrt: `vlmrt bench B --prompt-tokens N --gen-tokens G --runs 1` in its own process (a cold load, TTFT of the first
 call; its peak RSS). Every measurement is one process; each round runs every (length, arm), arms in a rotated order.
@@ -74,6 +79,20 @@ def llama_run(binary: Path, gguf: Path, cache: str, n: int, gen: int, threads: i
             "flash_attn": tg["flash_attn"], "cache": f"{tg['type_k']}/{tg['type_v']}"}
 
 
+def openvino_run(python: str, ir: Path, n: int, gen: int, threads: int) -> dict:
+    """OpenVINO GenAI's LLMPipeline on ir in its own venv's python (benchmarks/openvino_genai_arm.py), its own
+    process: TTFT and decode from the pipeline's perf metrics, the process's peak RSS."""
+    p = subprocess.run([python, str(ROOT / "benchmarks/openvino_genai_arm.py"), "text", str(ir), "--llm",
+                        "--prompt-tokens", str(n), "--gen", str(gen), "--threads", str(threads)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"openvino_genai_arm {ir} exited {p.returncode}: {p.stderr.strip()[-400:]}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    run = r["runs"][0]
+    return {"ttft_s": run["ttft_ms"] / 1000, "decode_tokens_per_s": run["decode_tok_s"], "peak_rss_mb": r["peak_rss_mb"],
+            "prompt_tokens": run["input_tokens"], "load_s": r["load_s"]}
+
+
 def measure(a) -> dict:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -96,6 +115,11 @@ def measure(a) -> dict:
         if cache not in compare_gguf.LLAMA_CACHES:
             raise SystemExit(f"--llama {spec}: cache {cache!r} is not one of {', '.join(compare_gguf.LLAMA_CACHES)}")
         arms.append((name, ("llama", cache)))
+    for spec in a.openvino:
+        name, _, ir = spec.partition("=")
+        if not a.ov_python or not (Path(ir) / "openvino_model.xml").is_file():
+            raise SystemExit(f"--openvino {spec}: give NAME=IR (an optimum-cli export) and --ov-python")
+        arms.append((name, ("openvino", Path(ir))))
     lengths = [int(x) for x in a.lengths.split(",")]
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(), "threads": a.threads,
            "gen_tokens": a.gen_tokens, "rounds": a.rounds, "lengths": lengths, "arms": [n for n, _ in arms],
@@ -108,6 +132,8 @@ def measure(a) -> dict:
                 try:
                     if kind == "vlmrt":
                         r = vlmrt_run(what, n, a.gen_tokens, a.threads, envs.get(name))
+                    elif kind == "openvino":
+                        r = openvino_run(a.ov_python, what, n, a.gen_tokens, a.threads)
                     else:
                         r = llama_run(Path(a.llama_bin) / "llama-bench", gguf, what, n, a.gen_tokens, a.threads,
                                       a.decode_only)
@@ -149,6 +175,9 @@ def main() -> None:
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=BUNDLE[@AR]")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VAR=VALUE")
     ap.add_argument("--llama", action="append", default=[], metavar="NAME=CACHE")
+    ap.add_argument("--openvino", action="append", default=[], metavar="NAME=IR")
+    ap.add_argument("--ov-python", default=os.environ.get("VLMRT_OV_PYTHON"),
+                    help="python of a venv with openvino-genai (default: $VLMRT_OV_PYTHON)")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", ""), help="folder of llama.cpp's llama-bench")
     ap.add_argument("--lengths", default="128,1024,2048,4000")
     ap.add_argument("--gen-tokens", type=int, default=32)
@@ -162,8 +191,8 @@ def main() -> None:
     if a.report:
         print(report([json.loads(Path(p).read_text()) for p in a.report]))
         return
-    if not a.out or not (a.arm or a.llama):
-        raise SystemExit("give --out and at least one --arm or --llama (or --report RESULT...)")
+    if not a.out or not (a.arm or a.llama or a.openvino):
+        raise SystemExit("give --out and at least one --arm, --llama or --openvino (or --report RESULT...)")
     if a.llama and not (Path(a.llama_bin) / "llama-bench").is_file():
         raise SystemExit(f"--llama needs llama-bench in --llama-bin (got {a.llama_bin!r})")
     res = measure(a)

@@ -80,7 +80,7 @@ def build(name: str, out: Path, depth: int) -> Path:
 
 
 def time_positions(bundle: Path, steps: int, rounds: int = 4) -> dict:
-    """ms per decode step from each of POSITIONS (benchmarks/released_shapes.py's decode figures too)."""
+    """ms per decode step from each of POSITIONS."""
     import numpy as np
 
     from vlmrt.runtime.vlm import VLM

@@ -4,9 +4,11 @@ llama.cpp on the same checkpoint (issues 45 and 46, item 5).
     python -m benchmarks.released_shapes build  gemma4-e2b|qwen3_5-0.8b|qwen3_5-2b|qwen3_vl-2b --depth TEXT [--work DIR]
     python -m benchmarks.released_shapes export MODEL --depth TEXT [--quant w4a8]
     python -m benchmarks.released_shapes gguf   MODEL --depth TEXT --llama DIR --convert CONVERT_HF_TO_GGUF.PY [--qtype Q4_0]
-    python -m benchmarks.released_shapes vlmrt  MODEL --depth TEXT [--quant w4a8]     # decode at positions, prefill, image TTFT, RSS
+    python -m benchmarks.released_shapes vlmrt  MODEL --depth TEXT [--quant w4a8]     # decode after 100/1000/4000, image TTFT, RSS
     python -m benchmarks.released_shapes llama  MODEL --depth TEXT --llama DIR [--qtype Q4_0]   # llama-bench + mtmd-cli
     python -m benchmarks.released_shapes table  gemma4-e2b --depth TEXT [--tokens 256]  # the token table's RSS, pread vs in RAM
+    python -m benchmarks.released_shapes ov-export MODEL --depth TEXT --ov-python PY [--ov-weights int4]  # optimum-cli
+    python -m benchmarks.released_shapes openvino  MODEL --depth TEXT --ov-python PY [--ov-weights int4]  # VLMPipeline
 
 Checkpoints: the released text widths, heads, vocabularies and layer patterns (numbers below, from the hub configs),
 TEXT decoder layers, the vision tower at its released depth; transformers' random init, saved in bf16 as released.
@@ -14,12 +16,15 @@ Gemma 4's tokenizer is a 262,144-entry byte-fallback BPE (special tokens, byte t
 fillers: what llama.cpp's gemma4 vocabulary reader and vlmrt both take); Qwen3.5's is the real Qwen3 tokenizer
 (151,665 entries) under the released 248,320-row embedding.
 
-vlmrt: `vlmrt export --quant Q`; decode step time from cache lengths 100 / 1000 / 4000 as
-benchmarks/recurrent_decode.py times it (the rows below p zeros, the positions interleaved, the fastest step of each
-kept); `vlmrt bench` on a 512-token text prompt (prefill) and on the 1024×768 photo (image TTFT, peak RSS).
+vlmrt: `vlmrt export --quant Q`; `vlmrt bench --gen-tokens 32` after 100 / 1000 / 4000 prompt tokens (TTFT, decode,
+peak RSS; real prefills, one run each) and on the 1024×768 photo (image TTFT, peak RSS; two runs).
 llama.cpp: `convert_hf_to_gguf.py --outtype f16`, `llama-quantize` to QTYPE, `--mmproj --outtype f16`;
 `llama-bench -t 2 -p 512 -n 32 -d 0,1000,4000 -r 2 -o json` and `llama-mtmd-cli` on the photo (its image encode
 and prefill, from its log; peak RSS from /usr/bin/time -v).
+OpenVINO GenAI (a peer in its own venv, --ov-python or $VLMRT_OV_PYTHON: optimum-intel pins a transformers older than
+vlmrt's): `optimum-cli export openvino --task image-text-to-text --weight-format int4` on the checkpoint with its
+config.json as the hub spells it (ov_checkpoint), then VLMPipeline on the CPU, 2 threads
+(benchmarks/openvino_genai_arm.py): decode after 100 / 1000 / 4000 prompt tokens, the photo's TTFT, peak RSS.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.recurrent_decode import POSITIONS  # 100, 1000, 4000
+POSITIONS = (100, 1000, 4000)  # prompt tokens before the decode figures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -241,24 +246,18 @@ def cli(*args: str, capture: bool = False) -> str:
     return p.stdout if capture else ""
 
 
-def decode_positions(bundle: Path, steps: int = 16, rounds: int = 3) -> dict:
-    """ms per decode step from cache lengths 100 / 1000 / 4000 (benchmarks/recurrent_decode.py's loop)."""
-    from benchmarks.recurrent_decode import time_positions
-
-    out = time_positions(bundle, steps, rounds)
-    return {**out, "tok_per_s": {p: round(1000 / ms, 1) for p, ms in out["ms_per_step"].items()}}
-
-
 def vlmrt_arm(a, work: Path) -> dict:
+    """`vlmrt bench` after 100 / 1000 / 4000 prompt tokens (real prefills: a windowed cache cannot be set to a
+    length by hand), then on the photo; each its own process (cold load, its peak RSS)."""
     bundle = work / a.quant
-    out = {"decode": json.loads(subprocess.run(
-        [sys.executable, "-m", "benchmarks.released_shapes", "_positions", str(bundle)], check=True,
-        capture_output=True, text=True, cwd=ROOT).stdout.strip().splitlines()[-1])}
-    out["text"] = json.loads(cli("bench", str(bundle), "--prompt-tokens", "512", "--gen-tokens", "32", "--runs", "2",
-                                 "--json", capture=True).strip().splitlines()[-1])
+
+    def bench(*args: str) -> dict:
+        return json.loads(cli("bench", str(bundle), *args, "--gen-tokens", "32", "--json",
+                              capture=True).strip().splitlines()[-1])
+
+    out = {"text": {p: bench("--prompt-tokens", str(p), "--runs", "1") for p in POSITIONS}}
     n = {"gemma4": 280, "qwen3_5": 768, "qwen3_vl": 768}[SHAPES[a.model]["family"]] + 24
-    out["image"] = json.loads(cli("bench", str(bundle), "--image", str(photo(work.parent)), "--prompt-tokens", str(n),
-                                  "--gen-tokens", "32", "--runs", "2", "--json", capture=True).strip().splitlines()[-1])
+    out["image"] = bench("--image", str(photo(work.parent)), "--prompt-tokens", str(n), "--runs", "2")
     return out
 
 
@@ -290,6 +289,67 @@ def llama_arm(a, work: Path) -> dict:
                      "decode_ms": float(ev.group(1)) if ev else None, "decode_runs": int(ev.group(2)) if ev else None,
                      "peak_rss_mb": int(rss.group(1)) / 1024 if rss else None, "log_tail": log[-1500:]})
     return {"llama_bench": bench, "mtmd": runs}
+
+
+def ov_python(a) -> str:
+    if not a.ov_python:
+        raise SystemExit("the openvino steps need OpenVINO's own venv: --ov-python PYTHON or VLMRT_OV_PYTHON "
+                         "(python3.11 -m venv DIR; DIR/bin/pip install openvino-genai 'optimum-intel[openvino]')")
+    return a.ov_python
+
+
+# transformers 5.24 saves Gemma 4's vision rope as rope_type "axial" (its name for the hub's "default": the same
+# inv_freq over head_dim // 2, H-H-W-W); transformers 5.5.4 (optimum-intel 2.2.0's pin) knows only "default" there
+# (KeyError 'axial'). Full layers' head_dim: 5.24 writes it into per_layer_config, 5.5.4 reads global_head_dim.
+def ov_checkpoint(ckpt: Path, out: Path) -> Path:
+    """ckpt's files linked into out with config.json as the hub spells it (what transformers 5.5.4 reads)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    cfg = json.loads((ckpt / "config.json").read_text())
+    rope = cfg["vision_config"]["rope_parameters"]
+    if rope.get("rope_type") == "axial":
+        rope["rope_type"] = "default"
+    text = cfg["text_config"]
+    full = {v["head_dim"] for v in (text.get("per_layer_config") or {}).values() if "head_dim" in v}
+    if full:
+        text["global_head_dim"] = full.pop()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def ov_export(a, work: Path) -> dict:
+    """optimum-cli export openvino --task image-text-to-text --weight-format Q (optimum-intel's defaults else)."""
+    src = ov_checkpoint(work / "ckpt", work / "ckpt-ov")
+    cmd = [str(Path(ov_python(a)).parent / "optimum-cli"), "export", "openvino", "--model", str(src), "--task",
+           "image-text-to-text", "--weight-format", a.ov_weights, str(work / f"ov-{a.ov_weights}")]
+    t = time.perf_counter()
+    p = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    log = p.stdout + p.stderr
+    if p.returncode:
+        raise SystemExit(f"optimum-cli export failed ({p.returncode}): {log[-3000:]}")
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log)
+    return {"command": " ".join(cmd[1:]), "export_s": round(time.perf_counter() - t, 1),
+            "peak_rss_mb": round(int(rss.group(1)) / 1024) if rss else None, "log_tail": log[-1500:],
+            "ir_mb": {f.name: round(f.stat().st_size / 2**20, 1) for f in sorted((work / f"ov-{a.ov_weights}").glob("*.bin"))}}
+
+
+def ov_arm(a, work: Path) -> dict:
+    """benchmarks/openvino_genai_arm.py in OpenVINO's venv: VLMPipeline, text (decode after 100 / 1000 / 4000 prompt
+    tokens) and the photo, each in its own process (its peak RSS)."""
+    ir, arm = work / f"ov-{a.ov_weights}", str(ROOT / "benchmarks/openvino_genai_arm.py")
+    if not (ir / "openvino_language_model.xml").is_file():
+        raise SystemExit(f"no OpenVINO export at {ir}: run the ov-export step first")
+    out = {"weights": a.ov_weights, "ov_python": ov_python(a)}
+    for what, extra in (("text", ["--prompt-tokens", ",".join(map(str, POSITIONS))]),
+                        ("image", ["--photo", str(photo(work.parent))])):
+        p = subprocess.run([ov_python(a), arm, what, str(ir), "--vlm", "--threads", "2", *extra],
+                           capture_output=True, text=True)
+        if p.returncode:
+            raise SystemExit(f"openvino_genai_arm {what} failed ({p.returncode}): {(p.stdout + p.stderr)[-3000:]}")
+        out[what] = json.loads(p.stdout.strip().splitlines()[-1])
+    return out
 
 
 def table_rss(a, work: Path) -> dict:
@@ -355,9 +415,6 @@ def _merges(convert: str, src: str, dst: str) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["_positions"]:
-        print(json.dumps(decode_positions(Path(sys.argv[2]))))
-        return
     if sys.argv[1:2] == ["_merges"]:
         _merges(*sys.argv[2:5])
         return
@@ -365,7 +422,7 @@ def main() -> None:
         _table(*sys.argv[2:4], int(sys.argv[4]))
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["build", "export", "gguf", "vlmrt", "llama", "table"])
+    ap.add_argument("step", choices=["build", "export", "gguf", "vlmrt", "llama", "table", "ov-export", "openvino"])
     ap.add_argument("model", choices=sorted(SHAPES))
     ap.add_argument("--depth", type=int, required=True)
     ap.add_argument("--work", default="/tmp/vlmrt-released")
@@ -374,6 +431,9 @@ def main() -> None:
     ap.add_argument("--llama", default=None, help="folder of llama.cpp's binaries")
     ap.add_argument("--convert", default=None, help="llama.cpp's convert_hf_to_gguf.py")
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--ov-python", default=os.environ.get("VLMRT_OV_PYTHON"),
+                    help="python of a venv with openvino-genai and optimum-intel (default: $VLMRT_OV_PYTHON)")
+    ap.add_argument("--ov-weights", default="int4", help="optimum-cli's --weight-format (int4, int8)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     import torchvision_ops
@@ -419,10 +479,12 @@ def main() -> None:
         if gemma:  # llama.cpp's gemma4 vocabulary needs tokenizer merges; this tokenizer has none: one, no tensor changed
             subprocess.run([sys.executable, "-m", "benchmarks.released_shapes", "_merges", a.convert, str(out),
                             str(work / f"text.{a.qtype}.gguf")], check=True, cwd=ROOT)
+    elif a.step == "ov-export":
+        print(json.dumps(ov_export(a, work)))
     else:
-        r = {"vlmrt": vlmrt_arm, "llama": llama_arm, "table": table_rss}[a.step](a, work)
+        r = {"vlmrt": vlmrt_arm, "llama": llama_arm, "table": table_rss, "openvino": ov_arm}[a.step](a, work)
         res = {"model": a.model, "depth": a.depth, "full_depth": SHAPES[a.model]["full_depth"], "step": a.step,
-               "quant": a.quant if a.step != "llama" else a.qtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "quant": {"llama": a.qtype, "openvino": a.ov_weights}.get(a.step, a.quant), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "loadavg": Path("/proc/loadavg").read_text().split()[:3], **r}
         print(json.dumps(res))
 
