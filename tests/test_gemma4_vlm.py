@@ -445,7 +445,7 @@ def test_token_table_is_read_from_the_checkpoint_in_row_blocks(bundle, tmp_path,
     never whole in memory. The loader gives it as row blocks of the checkpoint's own tensors (safetensors' map: the
     same storage, not a float32 copy), bit-equal to the table computed whole; the exporter writes embed.npy a block
     at a time (at most a quarter of the rows here), byte-equal to np.save of the whole table, float16 and int8 rows +
-    scales alike, and a large table's write allocates under a tenth of the file (tracemalloc). On main f2d6421 the
+    scales alike, and the split form's rows of bytes (table_rows.pack of the whole table), and a large table's write allocates under a tenth of the file (tracemalloc). On main f2d6421 the
     loader built the float32 table whole (torch.cat) and the export converted it whole (np.save(embed.astype(...))."""
     import tracemalloc
     from types import SimpleNamespace
@@ -483,7 +483,7 @@ def test_token_table_is_read_from_the_checkpoint_in_row_blocks(bundle, tmp_path,
 
     def write(form: str, table, folder):
         folder.mkdir()
-        plan = SimpleNamespace(table_form=form, ckpt=SimpleNamespace(path=tmp_path / "ckpt"))
+        plan = SimpleNamespace(table_form=form, ckpt=SimpleNamespace(path=tmp_path / "ckpt"), cfg=cfg)
         return pipeline._write_host_files(plan, table, folder, Progress(1, False))
 
     assert write("float16", table, tmp_path / "f16") == ("float16", None)
@@ -497,7 +497,10 @@ def test_token_table_is_read_from_the_checkpoint_in_row_blocks(bundle, tmp_path,
         q, scale = table_rows.quantize(whole, form)
         assert (tmp_path / form / "embed.npy").read_bytes() == _npy(q)
         assert (tmp_path / form / "embed_scale.npy").read_bytes() == _npy(scale)
-    assert max(sizes) <= t.vocab // 4 and sum(sizes) == 4 * t.vocab
+    assert write("float16+int4g32", table, tmp_path / "split") == ("float16+int4g32", None)  # rows of bytes
+    parts = table_rows.parts_of("float16+int4g32", t.hidden, t.row_width)
+    assert (tmp_path / "split" / "embed.npy").read_bytes() == _npy(table_rows.pack(whole, parts))
+    assert max(sizes) <= t.vocab // 4 and sum(sizes) == 5 * t.vocab
     npy = tmp_path / "i8" / "embed.npy"  # share_weights' key of a table file, read a chunk at a time
     arr, offset = np.load(npy), np.load(npy, mmap_mode="r").offset
     assert graphs.npy_tensors(tmp_path / "i8", ["embed.npy"]) == {

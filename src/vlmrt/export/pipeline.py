@@ -397,7 +397,7 @@ def _write_host_files(plan: Plan, embed: TokenTable, tmp: Path, p: Progress) -> 
     p.start(f"embedding table ({form}) + tokenizer")
     vocab, width = embed.shape
     codes = np.dtype(table_rows.CODE_DTYPES[table_rows.manifest_of(form)[0]])
-    parts = table_rows.parts_of(form, plan.cfg.text.hidden, width) if table_rows.split_of(form) else None
+    parts = table_rows.parts_of(form, plan.cfg.text.hidden, width)
     scale_file = None if parts or table_rows.FORMS[form][0] > 8 else "embed_scale.npy"
     with contextlib.ExitStack() as files:
         table = _npy_writer(files, tmp / "embed.npy", codes,
