@@ -382,10 +382,16 @@ def _table(bundle: str, how: str, tokens: int) -> None:
     path = Path(bundle) / m["decoder"]["embedding_file"]
     emb = vlm.scheduler.embedding
     if how != "pread":
+        from benchmarks.gemma4_table_rows import ArrayRows
+        from vlmrt.runtime.table_rows import PartRows
+
         arr = np.load(path, mmap_mode="r" if how == "mmap" else None)
-        emb.table = arr.view(np.ndarray) if how == "mmap" else arr
-        emb._row = emb.table.__getitem__
-        emb._read_row = None
+        if isinstance(emb.table, PartRows):  # a split table's rows of bytes, dequantized as the runtime does
+            emb.table.data = ArrayRows(arr.view(np.ndarray))
+        else:
+            emb.table = arr.view(np.ndarray) if how == "mmap" else arr
+            emb._row = emb.table.__getitem__
+            emb._read_row = None
         assert not emb.int8_rows, "int8 rows read with pread only"
     after_load = _rss_mb()
     rng = np.random.default_rng(0)

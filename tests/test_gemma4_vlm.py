@@ -193,11 +193,13 @@ def test_bidirectional_static_graphs_hold_each_image_in_one_block(bidirectional,
         assert vlm.result.prompt_ids == ids and vlm.result.token_ids == want, mode
 
 
-def test_weight_only_precision_keeps_a_float16_table(bundle):
-    """A weight-only precision quantizes the graphs but keeps the token table float16 by default when its rows carry
-    per-layer rows (int8 / 4-bit rows cost answers on random weights: docs/gemma4.md, "The token table's stored
-    forms"); an fp32 export keeps float32; `--table` names another form (Plan.table_form, on this checkpoint's
-    config). The export itself: test_table_in_4bit_row_groups_is_read_as_the_export_wrote_it."""
+def test_weight_only_precision_splits_the_table(bundle):
+    """A weight-only precision quantizes the graphs and, when a row carries per-layer rows, splits the token table
+    by default: the embedding columns float16, the per-layer columns 4-bit in groups of 32 (whole int8 / 4-bit rows
+    cost answers on random weights, the per-layer columns alone little: docs/gemma4.md, "The token table's stored
+    forms"); an fp32 export keeps float32, fp16 graphs float16; `--table` names another form (Plan.table_form, on
+    this checkpoint's config). On main 27f8984 the weight-only default was float16. The export itself:
+    test_split_table_is_read_as_the_export_wrote_it."""
     from types import SimpleNamespace
 
     from vlmrt.export.pipeline import Plan
@@ -212,8 +214,71 @@ def test_weight_only_precision_keeps_a_float16_table(bundle):
         plan = SimpleNamespace(table=table, prec={"prefill": quant, "decode": quant}, head=None, dtype="fp32", cfg=cfg)
         return Plan.table_form.fget(plan)
 
-    assert (form("w8a16"), form("w4a8"), form("fp32"), form("w4a8", "int8g64")) == ("float16", "float16", "float32",
-                                                                                   "int8g64")
+    assert (form("w8a16"), form("w4a8"), form("fp32"), form("fp16"), form("w4a8", "int8g64")) == (
+        "float16+int4g32", "float16+int4g32", "float32", "float16", "int8g64")
+
+
+def test_split_table_is_read_as_the_export_wrote_it(bundle, tmp_path, capsys):
+    """`--quant w8a16` (the default table there: float16+int4g32, runtime/table_rows.py): the manifest names the
+    parts (the hidden embedding columns float16, the per-layer columns int4 in groups of 32) and no scale file, and
+    reads back as written (save -> load: the same DecoderSpec); embed.npy is one uint8 row of 2·hidden + per-layer / 2
+    + 2·⌈per-layer / 32⌉ bytes a token, byte for byte table_rows.pack of the fp32 bundle's table (the same TokenTable
+    rows); the runtime's rows (Bundle.open: one pread a row) are the float16 embedding beside table_rows.dequantize of
+    the per-layer columns' int4g32 codes, bit for bit, by ids and one row at a time; the bundle answers 24 tokens.
+    A manifest whose parts do not sum to the row, or name a part's form the runtime has not, is refused in one line;
+    `--table float16+int3` is refused in one line before anything is read, and a split form on a family without
+    per-layer rows (SmolVLM's) in one line, nothing written. On main 27f8984 the split form was no --table choice and
+    a manifest's embedding_parts an unknown field."""
+    import dataclasses
+
+    from vlmrt import cli
+    from family_runner import cli_json
+    from fixtures import make_smolvlm_checkpoint
+    from vlmrt.format import manifest as mf
+    from vlmrt.runtime import table_rows
+    from vlmrt.runtime.bundle import Bundle
+
+    out = tmp_path / "split"
+    assert cli.main(["export", str(bundle.ckpt), str(out), "--quant", "w8a16", "--quiet"]) == 0
+    m = mf.load(out)
+    d, fp32 = m.decoder, np.load(bundle.bundle / "embed.npy")
+    hidden, width = d.embedding_parts[0].columns, fp32.shape[1]
+    assert (d.embedding_dtype, d.embedding_group, d.embedding_scale_file) == ("parts", None, None)
+    assert d.embedding_parts == [mf.TablePart(hidden, "float16", None), mf.TablePart(width - hidden, "int4", 32)]
+    assert not d.kind.token_rows_input and 0 < hidden < width
+    mf.save(m, tmp_path)
+    assert mf.load(tmp_path, verify=False).decoder == d
+    stored = np.load(out / "embed.npy")
+    parts = [("float16", hidden), ("int4g32", width - hidden)]
+    per = width - hidden
+    assert stored.dtype == np.uint8 and stored.shape == (fp32.shape[0], 2 * hidden + per // 2 + 2 * -(-per // 32))
+    assert np.array_equal(stored, table_rows.pack(fp32, parts))
+    q, s = table_rows.quantize(fp32[:, hidden:], "int4g32")
+    rows = np.concatenate([fp32[:, :hidden].astype(np.float16).astype(np.float32),
+                           table_rows.dequantize(q, s, "int4g32", per)], axis=1)
+    b = Bundle.open(out)
+    ids = np.arange(fp32.shape[0])
+    assert b.embed_scale is None and np.array_equal(b.embed_table[ids], rows)
+    assert all(np.array_equal(b.embed_table.row(int(t)), rows[t]) for t in (0, 7, len(ids) - 1))
+    got = cli_json(capsys, out, "--prompt", PROMPT, "--max-new-tokens", 24, "--ignore-eos")
+    assert len(got["token_ids"]) == 24
+
+    for bad, says in [([mf.TablePart(hidden, "float16"), mf.TablePart(per - 1, "int4", 32)], "sum to"),
+                      ([mf.TablePart(hidden, "float16"), mf.TablePart(per, "int4", 16)], "embedding_parts[1]")]:
+        mf.save(dataclasses.replace(m, decoder=dataclasses.replace(d, embedding_parts=bad)), tmp_path)
+        with pytest.raises(mf.BundleError) as e:
+            mf.load(tmp_path, verify=False)
+        assert says in str(e.value) and "\n" not in str(e.value)
+
+    smol = make_smolvlm_checkpoint(tmp_path / "smol")
+    capsys.readouterr()
+    assert cli.main(["export", str(bundle.ckpt), str(tmp_path / "bad"), "--table", "float16+int3"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "unknown --table 'float16+int3'" in err and "float16+int4g32" in err
+    assert cli.main(["export", str(smol), str(tmp_path / "bad"), "--table", "float16+int4g32", "--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "per-layer columns" in err and "int4g32" in err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_table_in_4bit_row_groups_is_read_as_the_export_wrote_it(bundle, tmp_path, capsys):
@@ -224,7 +289,7 @@ def test_table_in_4bit_row_groups_is_read_as_the_export_wrote_it(bundle, tmp_pat
     within half its group's scale of the float32 value (numpy's rounding: no CPU-dependent margin), and within 0.08
     of its row's largest magnitude of the float16 table's value (measured 0.072 here); the bundle answers 24
     tokens. An unknown form is refused in one line before anything is read. On main ef8b8dc `--table` is no
-    option (and the w8a16 export wrote the float16 table: the guard of test_weight_only_precision_keeps_a_float16_table
+    option (and the w8a16 export wrote the float16 table: the guard of test_weight_only_precision_splits_the_table
     before it)."""
     from vlmrt import cli
     from family_runner import cli_json
@@ -380,7 +445,7 @@ def test_token_table_is_read_from_the_checkpoint_in_row_blocks(bundle, tmp_path,
     never whole in memory. The loader gives it as row blocks of the checkpoint's own tensors (safetensors' map: the
     same storage, not a float32 copy), bit-equal to the table computed whole; the exporter writes embed.npy a block
     at a time (at most a quarter of the rows here), byte-equal to np.save of the whole table, float16 and int8 rows +
-    scales alike, and a large table's write allocates under a tenth of the file (tracemalloc). On main f2d6421 the
+    scales alike, and the split form's rows of bytes (table_rows.pack of the whole table), and a large table's write allocates under a tenth of the file (tracemalloc). On main f2d6421 the
     loader built the float32 table whole (torch.cat) and the export converted it whole (np.save(embed.astype(...))."""
     import tracemalloc
     from types import SimpleNamespace
@@ -418,7 +483,7 @@ def test_token_table_is_read_from_the_checkpoint_in_row_blocks(bundle, tmp_path,
 
     def write(form: str, table, folder):
         folder.mkdir()
-        plan = SimpleNamespace(table_form=form, ckpt=SimpleNamespace(path=tmp_path / "ckpt"))
+        plan = SimpleNamespace(table_form=form, ckpt=SimpleNamespace(path=tmp_path / "ckpt"), cfg=cfg)
         return pipeline._write_host_files(plan, table, folder, Progress(1, False))
 
     assert write("float16", table, tmp_path / "f16") == ("float16", None)
@@ -432,7 +497,10 @@ def test_token_table_is_read_from_the_checkpoint_in_row_blocks(bundle, tmp_path,
         q, scale = table_rows.quantize(whole, form)
         assert (tmp_path / form / "embed.npy").read_bytes() == _npy(q)
         assert (tmp_path / form / "embed_scale.npy").read_bytes() == _npy(scale)
-    assert max(sizes) <= t.vocab // 4 and sum(sizes) == 4 * t.vocab
+    assert write("float16+int4g32", table, tmp_path / "split") == ("float16+int4g32", None)  # rows of bytes
+    parts = table_rows.parts_of("float16+int4g32", t.hidden, t.row_width)
+    assert (tmp_path / "split" / "embed.npy").read_bytes() == _npy(table_rows.pack(whole, parts))
+    assert max(sizes) <= t.vocab // 4 and sum(sizes) == 5 * t.vocab
     npy = tmp_path / "i8" / "embed.npy"  # share_weights' key of a table file, read a chunk at a time
     arr, offset = np.load(npy), np.load(npy, mmap_mode="r").offset
     assert graphs.npy_tensors(tmp_path / "i8", ["embed.npy"]) == {

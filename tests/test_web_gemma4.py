@@ -126,15 +126,19 @@ console.log(JSON.stringify(out));"""
 @pytest.mark.parametrize("how", ["whole", "ranged"])
 def test_table_rows_in_javascript_are_the_runtimes(tmp_path, how):
     """static/table.js (Node; ranged: HTTP Range requests to vlmrt web's server, a grouped table's scale rows too):
-    float32, float16, int8 (+ a scale per row) and the grouped forms int8g64 / int4g32 / int4g64 (+ float16 scales
-    per group; a row of 75 values: a shorter last group, an odd last nibble) give the runtime's float32 rows bit for
-    bit (TokenEmbedding.embed over the bundle's readers: runtime/bundle.py _token_table); an id out of range is
-    refused in one line. (float16 tables: Gemma 4's under the weight-only precisions; on main f2d6421 the page copied
-    their raw bits; the grouped forms: on main ef8b8dc the page refused their uint8 codes / read no groups.)"""
+    float32, float16, int8 (+ a scale per row), the grouped forms int8g64 / int4g32 / int4g64 (+ float16 scales
+    per group; a row of 75 values: a shorter last group, an odd last nibble) and the split forms float16+int4g32 /
+    float32+int8g64 / float16+int4g64 (40 embedding columns, 35 per-layer ones: an odd last nibble; float32+int8g64's
+    scales start at an odd byte of the row) give the runtime's float32 rows bit for bit (TokenEmbedding.embed
+    over the bundle's readers: runtime/bundle.py _token_table); an id out of range is refused in one line. (float16
+    tables: Gemma 4's under the weight-only precisions; on main f2d6421 the page copied their raw bits; the grouped
+    forms: on main ef8b8dc the page refused their uint8 codes / read no groups; the split forms: on main 27f8984 the
+    page refused embedding_dtype "parts".)"""
     import json
     from types import SimpleNamespace
 
     from web_browser import STATIC
+    from vlmrt.format.manifest import TablePart
     from vlmrt.runtime import table_rows
     from vlmrt.runtime.bundle import _token_table
     from vlmrt.runtime.decode.embedding import TokenEmbedding
@@ -142,16 +146,23 @@ def test_table_rows_in_javascript_are_the_runtimes(tmp_path, how):
     rng = np.random.default_rng(1)
     width = 75
     rows = (rng.standard_normal((50, width)) * np.r_[np.full(40, 3.0), np.full(width - 40, 0.02)]).astype(np.float32)
-    forms = {"f32": "float32", "f16": "float16", "i8": "int8", "i8g64": "int8g64", "i4g32": "int4g32", "i4g64": "int4g64"}
-    manifests = {}
+    forms = {"f32": "float32", "f16": "float16", "i8": "int8", "i8g64": "int8g64", "i4g32": "int4g32", "i4g64": "int4g64",
+             "f16+i4g32": "float16+int4g32", "f32+i8g64": "float32+int8g64", "f16+i4g64": "float16+int4g64"}
+    manifests, parts = {}, {}
     for name, form in forms.items():
-        codes, scales = table_rows.quantize(rows * (300 if form == "float16" else 1), form)
+        parts[name] = table_rows.parts_of(form, 40, width) if table_rows.split_of(form) else None
+        if parts[name]:
+            codes, scales = table_rows.pack(rows, parts[name]), None
+        else:
+            codes, scales = table_rows.quantize(rows * (300 if form == "float16" else 1), form)
         np.save(tmp_path / f"{name}.npy", codes)
         if scales is not None:
             np.save(tmp_path / f"{name}_scale.npy", scales)
         dtype, group = table_rows.manifest_of(form)
         manifests[name] = {"embedding_file": f"{name}.npy", "embedding_scale_file": f"{name}_scale.npy" if scales is not None else None,
-                           "embedding_dtype": dtype, "embedding_group": group, "hidden_size": width, "vocab_size": 50}
+                           "embedding_dtype": dtype, "embedding_group": group, "hidden_size": width, "vocab_size": 50,
+                           "embedding_parts": parts[name] and [{"columns": c, "dtype": table_rows.manifest_of(f)[0],
+                                                                "group": table_rows.FORMS[f][1] or None} for f, c in parts[name]]}
     ids = [3, 49, 0, 3, 17]
     with served(tmp_path) as url:
         js = f"""import {{ openTable }} from "{(STATIC / 'table.js').as_posix()}";
@@ -169,12 +180,19 @@ for (const [name, decoder] of Object.entries({json.dumps(manifests)})) {{
 console.log(JSON.stringify(out));"""
         got = json.loads(_node(js))
     for name, form in forms.items():
-        table, scale = _token_table(tmp_path, SimpleNamespace(**manifests[name]))
+        spec = dict(manifests[name], embedding_parts=parts[name] and [TablePart(**p) for p in manifests[name]["embedding_parts"]])
+        table, scale = _token_table(tmp_path, SimpleNamespace(**spec))
         want = TokenEmbedding(table, scale, np.float32).embed(ids).ravel()
         mode, js_rows, err = got[name]
         assert mode == how and np.array_equal(np.array(js_rows, np.float32), want), name
         assert err == "token id 50 out of range 0..49"
-        if scale is None and form != "float32":  # the grouped forms' rows: the codec's, from the files
+        if parts[name]:  # the split forms' rows: each part's codec, from the file's bytes
+            split = table_rows.split_of(form)
+            data = np.load(tmp_path / f"{name}.npy")[ids]
+            assert np.array_equal(want.reshape(len(ids), width), table_rows.unpack(data, parts[name]))
+            assert np.array_equal(want.reshape(len(ids), width)[:, 40:], table_rows.dequantize(
+                *table_rows.quantize(rows[ids, 40:], split[1]), split[1], width - 40))
+        elif scale is None and form != "float32":  # the grouped forms' rows: the codec's, from the files
             codes = np.load(tmp_path / f"{name}.npy")
             scales = np.load(tmp_path / f"{name}_scale.npy") if manifests[name]["embedding_scale_file"] else None
             assert np.array_equal(want.reshape(len(ids), width), table_rows.dequantize(codes[ids], None if scales is None

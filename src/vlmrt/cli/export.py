@@ -47,8 +47,10 @@ def add_parser(sub) -> None:
     e.add_argument("--table", default=None, metavar="FORM",
                    help="the token table's stored form (embed.npy, read per row on the host): float32, float16, int8 (a "
                         "scale per row), int8g64 (a scale per 64 values), int4g32 / int4g64 (4-bit, a scale per 32 / 64 "
-                        "values); default: int8 under weight-only precisions, float16 where a row also carries "
-                        "per-layer rows (Gemma 4), else the graphs' float type (docs/bundle-format.md)")
+                        "values), or split E+P where a row also carries per-layer columns (Gemma 4): the embedding "
+                        "columns in E (float16 / float32), the per-layer ones in P (int4g32, int4g64, int8g64), one "
+                        "read a row; default: int8 under weight-only precisions, float16+int4g32 there for rows with "
+                        "per-layer columns, else the graphs' float type (docs/bundle-format.md)")
     e.add_argument("--soc-model", default=None,
                    help="HTP: the Snapdragon the context binaries are compiled for: SM8850, SM8750, SM8650, SM8550, SC8380XP "
                         "or a QNN soc model id (default SM8750 = Snapdragon 8 Elite, htp_arch 79)")

@@ -77,9 +77,10 @@ def export(src: str, out: str | Path, *, prefill_ar: int | None = None, max_seq_
     quantized, scales calibrated here on `calibration`'s prompts (default: GPTQ's calibration prompts;
     export/cpu/kv_quant.py).
     table: the token table's stored form (runtime/table_rows.py FORMS: float32, float16, int8 rows, int8 / 4-bit
-    row groups); None: the precisions' default (Plan.table_form)."""
-    if table is not None and table not in table_rows.FORMS:
-        raise ExportError(f"unknown --table {table!r}; choose one of {', '.join(table_rows.FORMS)}")
+    row groups; SPLIT_FORMS, E+P: rows whose per-layer columns (Gemma 4's) are stored in P, their embedding in E);
+    None: the precisions' default (Plan.table_form)."""
+    if table is not None and table not in table_rows.FORMS and table not in table_rows.SPLIT_FORMS:
+        raise ExportError(f"unknown --table {table!r}; choose one of {table_rows.names()}")
     if kv_cache not in kv_quant.KV_CACHES:
         raise ExportError(f"unknown --kv-cache {kv_cache!r}; choose one of {', '.join(kv_quant.KV_CACHES)}")
     if kv_cache != "fp32" and (target != "cpu" or attention == "portable" or dtype != "fp32"):
@@ -157,7 +158,7 @@ class Plan:
     attention: str  # the decoder graphs' attention kind (families/layers.py ATTENTION_KINDS; --attention, the target)
     prompt: mf.PromptSpec  # the chat template and how it takes images, the expansion op
     kv_bits: int = 0  # --kv-cache: 8 / 4, the GroupQueryAttention cache quantized; 0: the float cache
-    table: str | None = None  # --table: the token table's stored form (runtime/table_rows.py FORMS); None: table_form's
+    table: str | None = None  # --table: the token table's stored form (runtime/table_rows.py); None: table_form's
 
     @property
     def one_graph(self) -> bool:
@@ -170,15 +171,15 @@ class Plan:
     def table_form(self) -> str:
         """The token table's stored form (runtime/table_rows.py): --table, else int8 rows (one scale per row) under
         weight-only decoders where a row is the embedding alone; rows that carry per-layer rows beside the embedding
-        (Gemma 4) float16 there (docs/gemma4.md, "The token table's stored forms": what int8 / 4-bit rows cost);
-        float16 under fp16 graphs, else the I/O dtype."""
+        (Gemma 4) split there, the embedding float16 and the per-layer columns 4-bit in groups of 32
+        (float16+int4g32: docs/gemma4.md, "The token table's stored forms": what each form costs); float16 under
+        fp16 graphs, else the I/O dtype."""
         if self.table:
             return self.table
         precs = {self.prec["prefill"], self.prec["decode"], self.head or self.prec["decode"]}
-        weight_only = bool(precs & set(quantize.WEIGHT_ONLY_BITS))
-        if weight_only and self.cfg.text.row_width == self.cfg.text.hidden:
-            return "int8"
-        return "float16" if precs == {"fp16"} or weight_only else DTYPES[self.dtype]
+        if precs & set(quantize.WEIGHT_ONLY_BITS):
+            return "int8" if self.cfg.text.row_width == self.cfg.text.hidden else "float16+int4g32"
+        return "float16" if precs == {"fp16"} else DTYPES[self.dtype]
 
     @property
     def token_rows(self) -> bool:
@@ -396,14 +397,19 @@ def _write_host_files(plan: Plan, embed: TokenTable, tmp: Path, p: Progress) -> 
     p.start(f"embedding table ({form}) + tokenizer")
     vocab, width = embed.shape
     codes = np.dtype(table_rows.CODE_DTYPES[table_rows.manifest_of(form)[0]])
-    scale_file = None if table_rows.FORMS[form][0] > 8 else "embed_scale.npy"
+    parts = table_rows.parts_of(form, plan.cfg.text.hidden, width)
+    scale_file = None if parts or table_rows.FORMS[form][0] > 8 else "embed_scale.npy"
     with contextlib.ExitStack() as files:
-        table = _npy_writer(files, tmp / "embed.npy", codes, (vocab, table_rows.code_width(form, width)))
+        table = _npy_writer(files, tmp / "embed.npy", codes,
+                            (vocab, table_rows.row_bytes(parts) if parts else table_rows.code_width(form, width)))
         if scale_file:
             group = table_rows.FORMS[form][1]
             scales = _npy_writer(files, tmp / scale_file, np.dtype(np.float16 if group else np.float32),
                                  (vocab, table_rows.scale_width(form, width)) if group else (vocab,))
         for _, rows in embed.blocks():
+            if parts:  # a split form: each row one run of bytes, its parts side by side
+                table.write(table_rows.pack(rows, parts).tobytes())
+                continue
             q, s = table_rows.quantize(rows, form)
             table.write(q.tobytes())
             if scale_file:
@@ -446,6 +452,7 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], tabl
     takes each row's image span (decoder.span_input)."""
     t, host = plan.cfg.text, plan.host
     embed_dtype, embed_group = table_rows.manifest_of(table_form)
+    parts = table_rows.parts_of(table_form, t.hidden, t.row_width)
     gspecs = {name: _graph_spec(plan, name, tmp / f"{stem}.onnx") for name, stem in [("vision", "vision"), *decoder_graphs]}
     files = sorted({"vision.data", "decoder.data", "embed.npy", "tokenizer.json", *(g.file for g in gspecs.values())}
                    | ({scale_file} if scale_file else set()))
@@ -469,7 +476,8 @@ def _manifest(plan: Plan, tmp: Path, decoder_graphs: list[tuple[str, str]], tabl
                                                           op=host.positions_op),
                                logits_output="logits", kind=_decoder_kind(plan, batched, valid_rows),
                                embedding_file="embed.npy", embedding_dtype=embed_dtype, embedding_group=embed_group,
-                               embedding_scale_file=scale_file,
+                               embedding_scale_file=scale_file, embedding_parts=parts and [
+                                   mf.TablePart(columns, *table_rows.manifest_of(name)) for name, columns in parts],
                                row_input=_row_input(plan, row_outputs), span_input=SPAN_INPUT if spans else None),
         vision=mf.VisionSpec(patches_input="pixel_patches", embeds_output="image_embeds", tile_inputs=host.tile_inputs,
                              extra_inputs={role: role for role in extra_inputs}, params=_tile_params(plan),
@@ -543,6 +551,9 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
         raise ExportError(f"--kv-cache int{kv_bits} needs the GroupQueryAttention decoder, which this export cannot "
                           "have (one graph for prefill and decode, --prefill-ar > 1, a head_dim multiple of 16)")
     plan.kv_bits, plan.table = kv_bits, table
+    if table in table_rows.SPLIT_FORMS and plan.cfg.text.row_width == plan.cfg.text.hidden:
+        raise ExportError(f"--table {table} stores a row's per-layer columns apart from its embedding; "
+                          f"{plan.family.name}'s rows are the embedding alone: choose one of {', '.join(table_rows.FORMS)}")
     torch.manual_seed(0)
     vision, decoder, embed = plan.family.weights(plan.cfg, plan.ckpt.tensors())
     row_outputs = vision_row_outputs(vision)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from .errors import malformed as _malformed
 
-EMBEDDING_DTYPES = ("float32", "float16", "int8", "int4")  # DecoderSpec.embedding_dtype
+EMBEDDING_DTYPES = ("float32", "float16", "int8", "int4", "parts")  # DecoderSpec.embedding_dtype
 EMBEDDING_GROUPS = {"int8": (None, 64), "int4": (32, 64)}  # DecoderSpec.embedding_group (runtime/table_rows.py FORMS)
+PART_GROUPS = {"float32": (None,), "float16": (None,), "int8": (64,), "int4": (32, 64)}  # a TablePart's (dtype, group)
 
 
 def check_decoder(m) -> None:
@@ -18,6 +19,17 @@ def check_decoder(m) -> None:
     if d.embedding_group not in EMBEDDING_GROUPS.get(d.embedding_dtype, (None,)):
         raise _malformed(f"decoder.embedding_group {d.embedding_group!r} is not one of a {d.embedding_dtype} table's "
                          f"({', '.join(map(str, EMBEDDING_GROUPS.get(d.embedding_dtype, (None,))))})")
+    parts = d.embedding_parts or []
+    if (d.embedding_dtype == "parts") != bool(parts) or (parts and d.embedding_group):
+        raise _malformed("decoder.embedding_parts and embedding_dtype 'parts' go together (no embedding_group)")
+    for i, part in enumerate(parts):
+        if part.columns < 1 or part.group not in PART_GROUPS.get(part.dtype, ()):
+            raise _malformed(f"decoder.embedding_parts[{i}]: {part.columns} columns of {part.dtype[:20]!r} in groups of "
+                             f"{part.group} is not a part's form (float32, float16; int8 in groups of 64; int4 of 32 "
+                             "or 64)")
+    if parts and sum(part.columns for part in parts) != d.hidden_size:
+        raise _malformed(f"decoder.embedding_parts' columns sum to {sum(p.columns for p in parts)}, not hidden_size "
+                         f"{d.hidden_size}")
     if d.positions.rows < 1:
         raise _malformed("decoder.positions.rows must be at least 1")
     if not m.kv.layers:

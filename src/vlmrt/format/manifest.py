@@ -577,6 +577,15 @@ DECODER_KINDS = {"gqa_in_place": GqaInPlaceKind, "rows_dynamic": RowsDynamicKind
 
 
 @dataclass
+class TablePart:
+    """A run of a token row's columns stored in a form of its own (DecoderSpec.embedding_parts)."""
+
+    columns: int
+    dtype: str  # float32 | float16 | int8 | int4
+    group: int | None = None  # values per float16 scale (int8: 64; int4: 32 or 64); None for float columns
+
+
+@dataclass
 class DecoderSpec:
     """The decoder graphs' non-cache I/O; `kind` says which contract they follow (DECODER_KINDS), with its fields."""
 
@@ -587,13 +596,17 @@ class DecoderSpec:
     positions: PositionsSpec
     logits_output: str
     embedding_file: str  # [vocab, hidden] .npy, memory-mapped by the host
-    # float32 | float16 | int8 | int4 (then rows are scaled by embedding_scale_file: runtime/table_rows.py)
+    # float32 | float16 | int8 | int4 (then rows are scaled by embedding_scale_file: runtime/table_rows.py); parts: a
+    # row's columns in runs of their own forms (embedding_parts), a row stored as one run of bytes
     embedding_dtype: str
     kind: GqaInPlaceKind | RowsDynamicKind | RowsStaticKind
     embedding_scale_file: str | None = None
     # values per scale of an int8 / int4 table: None, one float32 scale per row ([vocab]); G, one float16 scale per G
     # values of a row ([vocab, ⌈hidden_size / G⌉]; int4 codes two per byte, [vocab, ⌈hidden_size / 2⌉] uint8)
     embedding_group: int | None = None
+    # embedding_dtype "parts": the row's parts in order (their columns sum to hidden_size), each stored as its form's
+    # codes then its float16 scales, side by side in a uint8 row (embed.npy [vocab, row bytes]); None otherwise
+    embedding_parts: list[TablePart] | None = None
     row_input: RowInputSpec | None = None  # a per-token row input (VisionSpec.row_outputs); None: the graphs take none
     # [ar] int64: each row's image span (a run of image-token rows; -1: none): a span's rows see each other both ways
     # on the layers the graph applies it to (Gemma 4's bidirectional vision attention), so the runtime never splits a

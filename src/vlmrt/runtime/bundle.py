@@ -54,7 +54,7 @@ class Bundle:
     manifest: mf.Manifest
     sessions: Sessions  # graph name -> session, created on first use
     tokenizer: object  # tokenizers.Tokenizer
-    embed_table: EmbeddingRows | table_rows.GroupRows  # [vocab, hidden], indexed by token ids (_token_table)
+    embed_table: EmbeddingRows | table_rows.GroupRows | table_rows.PartRows  # [vocab, hidden], indexed by token ids (_token_table)
     embed_scale: np.ndarray | None = None  # [vocab] row scales of an int8 table
     shared: SharedWeights | None = None  # must outlive the sessions: they read its memory
 
@@ -93,14 +93,18 @@ class Bundle:
 def _token_table(path: Path, d: mf.DecoderSpec):
     """The token table as TokenEmbedding reads it, checked against the manifest: (rows by token id, [vocab] float32
     row scales of an int8 table or None). A grouped table (int8 / int4 codes, a float16 scale per group) is read and
-    dequantized per row (table_rows.GroupRows: its scales read per row as well)."""
-    form = table_rows.form_of(d.embedding_dtype, d.embedding_group)
+    dequantized per row (table_rows.GroupRows: its scales read per row as well); a table of parts (a split form)
+    reads a row's bytes with one pread and dequantizes its parts (table_rows.PartRows)."""
     codes = EmbeddingRows(path / d.embedding_file)
-    want = (d.vocab_size, table_rows.code_width(form, d.hidden_size))
+    parts = [(table_rows.form_of(p.dtype, p.group), p.columns) for p in d.embedding_parts or []]
+    form = None if parts else table_rows.form_of(d.embedding_dtype, d.embedding_group)
+    want = (d.vocab_size, table_rows.row_bytes(parts) if parts else table_rows.code_width(form, d.hidden_size))
     if codes.shape != want:
         raise mf.BundleError(f"embedding table shape {codes.shape} does not match the manifest's {want}")
     if codes.dtype != table_rows.CODE_DTYPES[d.embedding_dtype]:
         raise mf.BundleError(f"embedding table dtype {codes.dtype} is not the manifest's {d.embedding_dtype}")
+    if parts:
+        return table_rows.PartRows(codes, parts), None
     if not d.embedding_scale_file:
         return codes, None
     if not d.embedding_group:

@@ -8,6 +8,12 @@ row read (numpy; static/table.js gives the same float32 rows bit for bit).
                       divide the width); 4-bit codes two per byte (code + 8, a row's even column in the low nibble;
                       an odd width's last high nibble 8), so a row is ⌈width / 2⌉ bytes
 
+  E+P                 split rows (Gemma 4's: embedding columns beside per-layer columns): the first `hidden`
+                      columns in E (float32 / float16), the rest in P (int8g64 / int4g32 / int4g64), each row one run
+                      of bytes (embed.npy [vocab, row bytes] uint8: E's values, then P's codes, then P's float16
+                      scales, little-endian), so a row is one pread; decoder.embedding_dtype "parts" with
+                      decoder.embedding_parts [(columns, dtype, group)] saying so
+
 A value is q · s computed in float32 (q an integer of at most 8 bits, s the float32 of the stored scale: the
 product is exact before its one rounding, which JavaScript's Math.fround(q * s) gives too).
 """
@@ -20,31 +26,59 @@ import numpy as np
 FORMS = {"float32": (32, 0), "float16": (16, 0), "int8": (8, 0), "int8g64": (8, 64), "int4g32": (4, 32),
          "int4g64": (4, 64)}
 LEVELS = {8: 127, 4: 7}
-CODE_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "int4": np.uint8}  # embed.npy's dtype
+CODE_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "int4": np.uint8,
+               "parts": np.uint8}  # embed.npy's dtype
+# a split form "E+P": E for the embedding columns, P for the rest (the per-layer columns)
+SPLIT_FIRST = ("float32", "float16")
+SPLIT_REST = tuple(name for name, (bits, group) in FORMS.items() if group)
+SPLIT_FORMS = tuple(f"{e}+{r}" for e in SPLIT_FIRST for r in SPLIT_REST)
 
 
 class TableFormError(ValueError):
     pass
 
 
+def names() -> str:
+    """The forms, as an error message lists them."""
+    return f"{', '.join(FORMS)}, or a split form E+P ({', '.join(SPLIT_FORMS)})"
+
+
 def check_form(name: str) -> str:
-    if name not in FORMS:
-        raise TableFormError(f"unknown token table form {name!r}; choose one of {', '.join(FORMS)}")
+    if name not in FORMS and name not in SPLIT_FORMS:
+        raise TableFormError(f"unknown token table form {name!r}; choose one of {names()}")
     return name
 
 
+def split_of(name: str) -> tuple[str, str] | None:
+    """A split form's (embedding form, per-layer form); None for a form of whole rows."""
+    first, plus, rest = check_form(name).partition("+")
+    return (first, rest) if plus else None
+
+
 def manifest_of(name: str) -> tuple[str, int | None]:
-    """(decoder.embedding_dtype, decoder.embedding_group) of a form."""
-    bits, group = FORMS[check_form(name)]
+    """(decoder.embedding_dtype, decoder.embedding_group) of a form ("parts", None for a split form: its parts are
+    parts_of's)."""
+    if split_of(name):
+        return "parts", None
+    bits, group = FORMS[name]
     if bits > 8:
         return name, None
     return f"int{bits}", group or None
 
 
+def parts_of(name: str, hidden: int, width: int) -> list[tuple[str, int]] | None:
+    """A split form's parts, (form, columns) in row order, for rows `width` wide whose first `hidden` columns are the
+    embedding; None for a form of whole rows."""
+    split = split_of(name)
+    return [(split[0], hidden), (split[1], width - hidden)] if split else None
+
+
 def form_of(dtype: str, group: int | None) -> str:
-    """The form a manifest's (embedding_dtype, embedding_group) names."""
+    """The whole-row form a manifest's (embedding_dtype, embedding_group) names (or a TablePart's (dtype, group))."""
     name = dtype if not group else f"{dtype}g{group}"
-    return check_form(name)
+    if name not in FORMS:
+        raise TableFormError(f"unknown token table form {name!r}; choose one of {names()}")
+    return name
 
 
 def code_width(name: str, width: int) -> int:
@@ -103,6 +137,64 @@ def dequantize(codes: np.ndarray, scales: np.ndarray | None, name: str, width: i
         q[:, :width] = codes
     s = np.asarray(scales).astype(np.float32)
     return (q.reshape(n, groups, group) * s[:, :, None]).reshape(n, -1)[:, :width]
+
+
+def part_bytes(name: str, width: int) -> int:
+    """Bytes of a part of `width` values in a whole-row form: its codes, then its float16 scales if grouped."""
+    return _code_bytes(name, width) + (2 * scale_width(name, width) if FORMS[name][1] else 0)
+
+
+def _code_bytes(name: str, width: int) -> int:
+    return code_width(name, width) * np.dtype(CODE_DTYPES[manifest_of(name)[0]]).itemsize
+
+
+def row_bytes(parts: list[tuple[str, int]]) -> int:
+    return sum(part_bytes(name, width) for name, width in parts)
+
+
+def pack(rows: np.ndarray, parts: list[tuple[str, int]]) -> np.ndarray:
+    """float32 rows [n, width] -> the split form's stored rows [n, row_bytes(parts)] uint8: each part's codes, then
+    its scales, as bytes (little-endian)."""
+    rows = np.asarray(rows, np.float32)
+    out, at = [], 0
+    for name, width in parts:
+        codes, scales = quantize(rows[:, at:at + width], name)
+        out.append(np.ascontiguousarray(codes).view(np.uint8).reshape(len(rows), -1))
+        if scales is not None:
+            out.append(np.ascontiguousarray(scales.astype("<f2")).view(np.uint8).reshape(len(rows), -1))
+        at += width
+    return np.concatenate(out, axis=1)
+
+
+def unpack(data: np.ndarray, parts: list[tuple[str, int]]) -> np.ndarray:
+    """The split form's stored rows [n, row_bytes(parts)] uint8 -> float32 rows [n, width]."""
+    out, at = [], 0
+    for name, width in parts:
+        size = _code_bytes(name, width)
+        codes = np.ascontiguousarray(data[:, at:at + size]).view(CODE_DTYPES[manifest_of(name)[0]])
+        at += size
+        scales = None
+        if FORMS[name][1]:
+            scales = np.ascontiguousarray(data[:, at:at + 2 * scale_width(name, width)]).view("<f2")
+            at += 2 * scale_width(name, width)
+        out.append(dequantize(codes, scales, name, width))
+    return np.concatenate(out, axis=1)
+
+
+class PartRows:
+    """A split table read per row: one pread of a row's bytes (an EmbeddingRows of uint8 [vocab, row bytes]), its
+    parts dequantized side by side, float32 rows [n, width] out; TokenEmbedding takes it as a float table."""
+
+    def __init__(self, data, parts: list[tuple[str, int]]):
+        self.data, self.parts = data, parts
+        self.shape, self.dtype = (data.shape[0], sum(width for _, width in parts)), np.dtype(np.float32)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        return unpack(self.data[np.asarray(ids, dtype=np.int64).reshape(-1)], self.parts)
+
+    def row(self, token: int) -> np.ndarray:
+        """Token's row [width] (0 <= token < vocab, unchecked here)."""
+        return unpack(self.data.row(token)[None], self.parts)[0]
 
 
 class GroupRows:

@@ -2,8 +2,11 @@
 // (runtime/table_rows.py): float32 / float16 rows, int8 rows with a float32 scale per row (embedding_scale_file
 // [vocab]), or int8 / 4-bit codes with a float16 scale per group of decoder.embedding_group values
 // (embedding_scale_file [vocab, ⌈width / G⌉]; 4-bit codes two per byte, code + 8, a row's even column in the low
-// nibble); rows by token id as runtime/decode/embedding.py reads them, float32 bit for bit (q · s in float32:
-// Math.fround of the exact product). Two ways to the page:
+// nibble), or a split table of parts (decoder.embedding_dtype "parts", decoder.embedding_parts: each row one run of
+// bytes, [vocab, row bytes] uint8, its parts side by side, each part's codes then its float16 scales, little-endian:
+// Gemma 4's float16 embedding beside 4-bit per-layer columns, one request a row); rows by token id as
+// runtime/decode/embedding.py reads them, float32 bit for bit (q · s in float32: Math.fround of the exact product).
+// Two ways to the page:
 //   whole   fetched once like every bundle file (sha256-checked, kept in Cache Storage), then indexed in memory: the
 //           default up to WHOLE_TABLE_BYTES
 //   ranged  only the rows the conversation uses, each one HTTP Range request (bytes of its row; a grouped table's
@@ -52,9 +55,47 @@ function rowDecoder(dtype, group, width) {
   };
 }
 
+// A split table's row decoder (runtime/table_rows.py unpack): (bytes: the stored row, _, out, at) -> its parts'
+// values side by side at out[at..]; each part's codes, then its float16 scales (read bytewise: a part may end on an
+// odd byte). parts: the manifest's [{columns, dtype, group}]; rowBytes: the stored row's length, checked.
+const PART_BYTES = { float32: (n) => 4 * n, float16: (n) => 2 * n, int8: (n) => n, int4: (n) => Math.ceil(n / 2) };
+function partsDecoder(parts, width, rowBytes) {
+  let at = 0, columns = 0;
+  const steps = parts.map(({ columns: n, dtype, group }) => {
+    const codes = PART_BYTES[dtype]?.(n), scales = group ? 2 * Math.ceil(n / group) : 0;
+    const ok = codes !== undefined && ((dtype === "int8" && group === 64) || (dtype === "int4" && [32, 64].includes(group)) || (dtype.startsWith("float") && !group));
+    if (!ok) throw new TableError(`a token table part of ${n} ${dtype} columns in groups of ${group} is not a form this page reads`);
+    const step = { n, dtype, group, at, col: columns, scaleAt: at + codes };
+    at += codes + scales;
+    columns += n;
+    return step;
+  });
+  if (columns !== width || at !== rowBytes) throw new TableError(`the token table's parts (${columns} values, ${at} bytes a row) are not its ${width} values of ${rowBytes} bytes`);
+  const f16 = (row, k) => F16[row[k] | (row[k + 1] << 8)];
+  return (row, _, out, o) => {
+    const view = new DataView(row.buffer, row.byteOffset, row.byteLength);
+    for (const { n, dtype, group, at, col, scaleAt } of steps) {
+      const base = o + col;
+      if (dtype === "float16") for (let j = 0; j < n; j++) out[base + j] = f16(row, at + 2 * j);
+      else if (dtype === "float32") for (let j = 0; j < n; j++) out[base + j] = view.getFloat32(at + 4 * j, true);
+      else if (dtype === "int8") for (let j = 0; j < n; j++) out[base + j] = Math.fround(view.getInt8(at + j) * f16(row, scaleAt + 2 * Math.floor(j / group)));
+      else {
+        for (let j = 0; j < n; j++) {
+          const q = ((j & 1 ? row[at + (j >> 1)] >> 4 : row[at + (j >> 1)]) & 15) - 8;
+          out[base + j] = Math.fround(q * f16(row, scaleAt + 2 * Math.floor(j / group)));
+        }
+      }
+    }
+  };
+}
+
 // the manifest's form, checked against the table file's dtype and row length
 function formOf(m, dtype, codeWidth) {
   const d = m.decoder, group = d.embedding_group ?? null, width = d.hidden_size;
+  if (d.embedding_dtype === "parts") {
+    if (dtype !== "uint8") throw new TableError(`the token table (${dtype}) is not the manifest's rows of parts (uint8 bytes)`);
+    return { width, group: null, decode: partsDecoder(d.embedding_parts ?? [], width, codeWidth) };
+  }
   const stored = { float32: "float32", float16: "float16", int8: "int8", int4: "uint8" }[d.embedding_dtype];
   const want = d.embedding_dtype === "int4" ? Math.ceil(width / 2) : width;
   if (!stored || stored !== dtype || want !== codeWidth || (d.embedding_dtype === "int4" && !group)) {
