@@ -8,9 +8,11 @@ has no option to ask for them. After a session is built, `collapse_populated` as
 anonymous read-write region that is (nearly) all resident (the heap and malloc's mapped chunks holding the packed
 weights) onto 2 MiB pages in place (madvise MADV_COLLAPSE, Linux 6.1+): the same bytes at the same addresses, no
 lasting flag on the mapping (later faults stay on 4 KiB pages, so memory that is touched sparsely, as the KV cache
-at a short prompt, is not made resident). Regions mostly unpopulated are left alone: collapsing fills a 2 MiB
-block's missing pages, and that would grow the resident set. Measured in docs/performance.md ("Huge pages under the
-packed weights"). Nothing changes where the call fails: another OS, a kernel before 6.1 (EINVAL), THP `never`.
+at a short prompt, is not made resident; the KV cache's own mapping refuses huge pages anyway). Regions mostly
+unpopulated are left alone: collapsing fills a 2 MiB block's missing pages, and that would grow the resident set.
+Measured (docs/performance.md, "The decode step's fixed cost, and huge pages under the packed weights"): a w4a8
+SmolLM2-135M decode step 5-17 % shorter at 128 and 1024 tokens, resident memory unchanged. Nothing changes where the
+call fails: another OS, a kernel before 6.1 (EINVAL), THP `never`.
 """
 
 from __future__ import annotations
