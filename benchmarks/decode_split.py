@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true")
     a = ap.parse_args()
 
+    import vlmrt  # noqa: F401  (before onnxruntime: vlmrt turns ORT's telemetry off as it is imported)
     import onnxruntime as ort
 
     if a.profile:
