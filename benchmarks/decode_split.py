@@ -35,7 +35,9 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true")
     a = ap.parse_args()
 
-    import vlmrt  # noqa: F401  (before onnxruntime: vlmrt turns ORT's telemetry off as it is imported)
+    from vlmrt.runtime.decode.sequence import Sequence  # (vlmrt before onnxruntime: it turns ORT's telemetry off)
+    from vlmrt.runtime.vlm import VLM
+
     import onnxruntime as ort
 
     if a.profile:
@@ -46,8 +48,6 @@ def main() -> None:
                 self.profile_file_prefix = f"/tmp/vlmrt-split-{os.getpid()}"
 
         ort.SessionOptions = Profiled  # (runtime/sessions.py builds its options from ort.SessionOptions)
-    from vlmrt.runtime.decode.sequence import Sequence
-    from vlmrt.runtime.vlm import VLM
 
     vlm = VLM.load(a.bundle, threads=a.threads, verify=False)
     s = vlm.scheduler
