@@ -23,8 +23,7 @@ from onnx import helper
 from ...format import manifest as mf
 from ...runtime.weights import release_freed_heap
 from .. import fuse, graphs, onnx_names
-from . import head as htp_head, precisions as htp_precisions, verify as htp_verify, int4_blocks, matmul_inputs, qnn_context, \
-    softcap_sigmoid
+from . import head as htp_head, precisions as htp_precisions, verify as htp_verify, int4_blocks, qnn_context, softcap_sigmoid
 from ..cache_kinds import encoded_edges
 from .calibrate import calibrate, kv_ranges, uint8_encoding
 
@@ -125,16 +124,13 @@ def at_opset21(model: onnx.ModelProto) -> None:
 
 
 def quantize_graph(src: Path, dst: Path, reader, overrides: dict | None = None) -> None:
-    """16-bit activations, uint8 per-channel weights (4-bit ones are re-made afterwards: int4_blocks.requantize); the
-    second input of a MatMul of two activations int16 symmetric (matmul_inputs.py); overrides (the KV edges') win."""
+    """16-bit activations, uint8 per-channel weights (4-bit ones are re-made afterwards: int4_blocks.requantize)."""
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
-    overrides = {**matmul_inputs.second_input_overrides(onnx.load(str(src), load_external_data=False)),
-                 **(overrides or {})}
     with graphs._quiet():
         cfg = get_qnn_qdq_config(str(src), reader, activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8,
-                                 per_channel=True, init_overrides=overrides or None)
+                                 per_channel=True, init_overrides=overrides)
         # (no CalibMaxIntermediateOutputs: ORT 1.32's MinMax calibrator drops, not folds, the data it clears;
         # the augmented model only outputs per-tensor ReduceMin/ReduceMax, so memory stays small anyway)
         cfg.use_external_data_format = True
