@@ -274,3 +274,23 @@ def test_int4_needs_whole_blocks(tmp_path, capsys):
     assert err == ["vlmrt: error: --target htp: 4-bit decoder weights are int4 blocks of 32 inputs, and this "
                    "checkpoint's intermediate_size 200 is not a multiple of 32; use w8a16 for the decoder graphs"]
     assert not (tmp_path / "b").exists()
+
+
+def test_lm_head_found_behind_the_soft_capping():
+    """Gemma 4's logits are tanh(head(x) / c)·c, on the HTP 2c·sigmoid(2·head(x) / c) − c (softcap_sigmoid.py): the
+    4-bit head (lm_head=w4a16 or a plain w4a16 decoder) needs its MatMul found through them (main 27f8984 refused it:
+    "cannot find the lm head")."""
+    from vlmrt.export.htp.softcap_sigmoid import softcap_as_sigmoid
+
+    w = np.random.default_rng(0).normal(0, 1, (8, 16)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["raw"], name="lm_head"),
+                           helper.make_node("Div", ["raw", "cap"], ["scaled"], name="div"),
+                           helper.make_node("Tanh", ["scaled"], ["t"], name="tanh"),
+                           helper.make_node("Mul", ["t", "cap"], ["logits"], name="mul")], "softcap",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 16])],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(30.0, np.float32), "cap")])
+    m = helper.make_model(g)
+    assert htp_precisions.head_node(m, "logits") == "lm_head"
+    assert softcap_as_sigmoid(m) == 1
+    assert htp_precisions.head_node(m, "logits") == "lm_head"

@@ -103,12 +103,24 @@ def check_blocks(prec: dict[str, str], hidden: int, attention: int, intermediate
                                   "use w8a16 for the decoder graphs")
 
 
+SOFTCAP_OPS = ("Tanh", "Sigmoid", "Mul", "Div", "Add", "Sub")  # the final logit soft-capping, tanh(x / c)·c or its
+# HTP form 2c·sigmoid(2x / c) − c (softcap_sigmoid.py): unary ops and ops with a scalar constant
+
+
 def head_node(model: onnx.ModelProto, output: str) -> str:
-    """Name of the MatMul / Gemm that produces graph output `output` (through casts, reshapes and a bias Add)."""
-    by_out = {o: n for n in model.graph.node for o in n.output}
+    """Name of the MatMul / Gemm that produces graph output `output` (through casts, reshapes, a bias Add and the
+    soft-capping's ops: SOFTCAP_OPS)."""
+    g = model.graph
+    by_out = {o: n for n in g.node for o in n.output}
+    scalars = {i.name for i in g.initializer if int(np.prod(i.dims)) == 1}
+
+    def source(node):  # the input that carries the logits (the other, if any, a constant)
+        computed = [i for i in node.input if i not in scalars]
+        return computed[0] if len(computed) == 1 else node.input[0]
+
     node = by_out.get(output)
-    while node is not None and node.op_type in ("Cast", "Identity", "Add", "Reshape", "Squeeze", "Unsqueeze"):
-        node = by_out.get(node.input[0])
+    while node is not None and node.op_type in ("Cast", "Identity", "Add", "Reshape", "Squeeze", "Unsqueeze") + SOFTCAP_OPS:
+        node = by_out.get(source(node) if node.op_type in SOFTCAP_OPS else node.input[0])
     if node is None or node.op_type not in ("MatMul", "Gemm") or not node.name:
         raise quantize.QuantError(f"cannot find the lm head MatMul / Gemm that produces {output!r}")
     return node.name
