@@ -21,7 +21,7 @@ The kernel is ORT's per node, so one session's prefill and decode calls run on t
 the decoder would hold a second packed copy of its weights). What bounds `scores`' buffer is the rows of a call: a
 decoder on it prefills in blocks of at most PREFILL_ROWS rows (the bundle's block if smaller; runtime/vlm.py
 scheduler_for): 10 MB at 64 rows, the same prefill time as 128 (2 threads: 0.99-1.01x at cache positions 1000 and
-4000; 32 rows: 1.02-1.08x) and a peak 13 MB lower at 4000 tokens (docs/performance.md "The scores kernel's buffer")."""
+4000; 32 rows: 1.02-1.08x) and a peak 14-21 MB lower at 4000 tokens (docs/performance.md "The scores kernel's buffer")."""
 
 from __future__ import annotations
 
