@@ -234,7 +234,7 @@ class VLM:
         sessions = DecoderSessions(decode=bundle.sessions["decode"], prefill=bundle.sessions.get("prefill"),
                                    verify=verify, head=bundle.sessions.get("head"))
         # the prompt block the attention kernel wants (ORT's `scores` kernel holds a call's scores: gqa_kernel.py)
-        dec = replace(m.decoder, prefill_ar=decoder_kind(m.decoder, m.kv).prompt_block(bundle.sessions.prefill_rows()))
+        dec = replace(m.decoder, prefill_ar=decoder_kind(m.decoder, m.kv).prompt_block(bundle.prefill_rows))
         config = DecoderConfig(m.kv, dec, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
         return Scheduler(sessions, config, bundle.embed_table, bundle.embed_scale, rows)
 
