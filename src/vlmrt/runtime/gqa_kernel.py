@@ -12,7 +12,7 @@ decodes in ~0.7x flash's time at every length (one layer at 4000 positions, 1 th
 0.65 -> 0.49 ms; the whole w4a8 decode step at 4000, 2 threads: 16.3 -> 13.4 ms) and prefills an int8 cache in the
 same time; over a float cache `flash` is the faster (fp32 0.62 vs 0.85 ms). Both give the same outputs to float
 rounding (7e-6 on outputs of ~6) and write the same cache bytes. `scores` holds a call's scores, [heads, rows,
-max_context] float32: 20 MB for SmolLM2's 128-row prefill block at 4352 slots, +20 MB of peak RSS at 4000 tokens
+max_context] float32: 20 MB for SmolLM2's 128-row prefill block at 4352 slots, +20 MB of peak RSS at 4000 tokens at that block
 (flash: an L2-sized tile per thread). So the kernel follows the cache's dtype
 (KERNEL_BY_CACHE); a decoder whose attention layers' caches would take different kernels keeps ORT's default. An
 ORT_GQA_DISABLE_FLASH_ATTENTION the user set wins (ORT's own switch: benchmarks compare the kernels with it).
