@@ -163,6 +163,36 @@ def test_a_quantized_cache_decodes_on_orts_scores_kernel(quantized, tiny, monkey
     assert flat.row.cache.keys[0].dtype == np.float32
 
 
+def test_the_scores_kernel_prefills_in_blocks_of_at_most_its_rows(int8, tmp_path, monkeypatch):
+    """ORT's `scores` kernel holds a call's scores, [heads, rows, max_context] float32 (SmolLM2 at 4352 slots: 20 MB
+    at the default block of 128 rows): a decoder on it prefills in blocks of at most gqa_kernel.PREFILL_ROWS rows
+    (64: no slower than 128, measured; docs/performance.md), whatever the bundle's block; on `flash` (the user's
+    choice here; a float cache's kernel) in the bundle's block. Before, 128-row blocks on either kernel."""
+    from vlmrt.runtime import gqa_kernel
+
+    view = tmp_path / "block-128"  # the int8 bundle with the default block (its graph takes any AR up to it)
+    view.mkdir()
+    for f in int8.iterdir():
+        if f.name != "manifest.json":
+            os.link(f, view / f.name)
+    m = json.loads((int8 / "manifest.json").read_text())
+    m["decoder"]["prefill_ar"] = 128
+    (view / "manifest.json").write_text(json.dumps(m))
+    x = np.random.default_rng(2).standard_normal((150, m["decoder"]["hidden_size"])).astype(np.float32) * 0.5
+
+    def blocks(vlm) -> list[int]:
+        sizes, step = [], vlm.row.step
+        vlm.row.step = lambda purpose, embeds, *a, **kw: sizes.append(len(embeds)) or step(purpose, embeds, *a, **kw)
+        vlm.row.prefill(x, "hybrid")
+        return sizes
+
+    monkeypatch.delenv(gqa_kernel.ENV, raising=False)
+    assert gqa_kernel.PREFILL_ROWS["scores"] == 64
+    assert blocks(VLM.load(view)) == [64, 64, 22]
+    monkeypatch.setenv(gqa_kernel.ENV, "0")
+    assert blocks(VLM.load(view)) == [128, 22]
+
+
 def test_bad_cache_options_are_one_line(tiny, tmp_path):
     from vlmrt.export.cpu import kv_quant
     from vlmrt.export.pipeline import ExportError

@@ -57,6 +57,8 @@ class Bundle:
     embed_table: EmbeddingRows | table_rows.GroupRows | table_rows.PartRows  # [vocab, hidden], indexed by token ids (_token_table)
     embed_scale: np.ndarray | None = None  # [vocab] row scales of an int8 table
     shared: SharedWeights | None = None  # must outlive the sessions: they read its memory
+    # the most rows a prefill call should take on the attention kernel the sessions run (Sessions.prefill_rows)
+    prefill_rows: int | None = None
 
     @classmethod
     def open(cls, path: str | Path, device: str = "cpu", threads: int | None = None, verify: bool = True,
@@ -87,7 +89,7 @@ class Bundle:
                 sessions[name]  # noqa: B018 (loads it)
         release_freed_heap()
         table, scale = _token_table(path, m.decoder)
-        return cls(path, m, sessions, tok, table, scale, shared)
+        return cls(path, m, sessions, tok, table, scale, shared, sessions.prefill_rows())
 
 
 def _token_table(path: Path, d: mf.DecoderSpec):

@@ -214,6 +214,12 @@ class Sessions(Mapping):
             self.load_s[name] = time.perf_counter() - t
         return s
 
+    def prefill_rows(self) -> int | None:
+        """The most rows a prefill call of the decoder should take on the attention kernel these sessions run
+        (gqa_kernel.PREFILL_ROWS: the CPU EP's `scores` kernel holds a call's scores); None: no bound but the bundle's
+        block."""
+        return gqa_kernel.PREFILL_ROWS[gqa_kernel.running(self.gqa_kernel)] if self.device == "cpu" else None
+
     def _still_verified(self, name: str) -> None:
         """The graph's files are those manifest.load verified, else hashed again (BundleError if altered)."""
         if self.verified is None:

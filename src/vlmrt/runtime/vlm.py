@@ -25,7 +25,7 @@ import resource
 import sys
 import time
 from numbers import Integral
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -39,6 +39,7 @@ from .prompt.chunks import ImageChunk, Prompt
 from .prompt.positions import position_op, prompt_positions
 from .prompt.prompt_rows import PromptRows
 from .decode.cache_row import MODES, ContextOverflow, DecoderConfig, DecoderSessions, check_lookahead
+from .decode.decoder_kinds import decoder_kind
 from .decode.logprobs import MAX_TOP, TokenLogprob
 from .decode.lookahead import check_exact
 from .media import video as video_ops
@@ -232,7 +233,9 @@ class VLM:
         verify = bundle.sessions["verify"] if lookahead and m.decoder.kind.parts().verify_ar else None
         sessions = DecoderSessions(decode=bundle.sessions["decode"], prefill=bundle.sessions.get("prefill"),
                                    verify=verify, head=bundle.sessions.get("head"))
-        config = DecoderConfig(m.kv, m.decoder, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
+        # the prompt block the attention kernel wants (ORT's `scores` kernel holds a call's scores: gqa_kernel.py)
+        dec = replace(m.decoder, prefill_ar=decoder_kind(m.decoder, m.kv).prompt_block(bundle.prefill_rows))
+        config = DecoderConfig(m.kv, dec, m.special_tokens.eos_token_ids, io_dtype, kv_requant, lookahead)
         return Scheduler(sessions, config, bundle.embed_table, bundle.embed_scale, rows)
 
     @staticmethod

@@ -86,6 +86,11 @@ class _Kind:
     def check_positions(self, positions: np.ndarray, slot: int) -> None:
         """Positions the graphs can take for a step at slot (ValueError if not)."""
 
+    def prompt_block(self, kernel_rows: int | None) -> int:
+        """The prompt block to run, given the most rows a call of the attention kernel should take (kernel_rows;
+        Sessions.prefill_rows): the manifest's, where attention is not on GroupQueryAttention or the AR is fixed."""
+        return self.dec.prefill_ar
+
     def batch_inputs(self, batch: int):
         """The step inputs of one call that advances `batch` sequences one token each; ValueError where the graph
         takes one sequence per call (the rows kinds: the NPU's static graphs stay one sequence per call)."""
@@ -176,6 +181,10 @@ class GqaInPlace(_SymbolicAR, _Kind):
 
     def bound_for_short_blocks(self) -> bool:
         return True  # (a plain call would return copies of the whole buffers)
+
+    def prompt_block(self, kernel_rows: int | None) -> int:
+        # (any AR up to the bundle's block: a smaller block is another shape of the same graph)
+        return self.dec.prefill_ar if kernel_rows is None else min(self.dec.prefill_ar, kernel_rows)
 
     def batch_inputs(self, batch: int) -> EndSlots:
         """The step inputs of one call advancing `batch` sequences by one token each (decoder.kind.batched)."""
