@@ -72,8 +72,20 @@ def export_graph(module: torch.nn.Module, args: tuple, input_names: list[str], o
         )
         program.save(str(path), external_data=True)
     del program
+    forget_trace()
     gc.collect()  # (the exported program is in reference cycles: its constants would outlive this call)
     onnx.checker.check_model(str(path))
+
+
+def forget_trace() -> None:
+    """Drop what torch.export keeps of its last trace: its non-strict tracer leaves the traced graph's nodes in a
+    module-level map (torch.fx.experimental.proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT, read only by its
+    fake-tensor leak check, cleared by the next trace), and the nodes hold the graph and through it the module traced
+    with its weights: the decoder's float32 torch weights (GBs at the E2B shape) outlived its trace and every ONNX
+    pass after it (export memory: docs/gemma4.md)."""
+    from torch.fx.experimental import proxy_tensor
+
+    proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT.clear()
 
 
 def io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:

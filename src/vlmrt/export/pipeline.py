@@ -326,24 +326,16 @@ def _kv_quant(plan: Plan, decoder, embed: TokenTable, kv_layers: list, calibrati
 
 
 def _write_graphs(plan: Plan, modules: dict, tmp: Path, p: Progress, hessian=None,
-                  kv_layers: list = ()) -> list[tuple[str, str]]:
-    """vision.onnx and the decoder graph(s), each with its own data (_share_weights gathers them); returns
+                  kv_layers: list = (), keep: set[int] = frozenset()) -> list[tuple[str, str]]:
+    """The decoder graph(s), then vision.onnx, each with its own data (_share_weights gathers them); returns
     [(graph name, file stem)]. modules: {"vision": tower, "decoder": decoder}, the torch modules, taken out of the
-    dict (the caller keeps no other reference): each is freed once traced for the last time, so the last decoder
-    graph's ONNX passes (graphs.finish_decoder: the float graph read back and quantized) run without the torch
-    weights beside them (export memory: at the E2B shape those are GBs).
+    dict (the caller keeps no other reference): each one's weights are released once traced for the last time
+    (release_weights; keep: the checkpoint's own storages), before the last decoder graph's ONNX passes (graphs.
+    finish_decoder: the float graph read back and quantized) and the vision graph (export memory: at the E2B shape
+    the decoder's are GBs; what torch.export still holds of them: docs/gemma4.md).
     hessian: the GPTQ calibration (_gptq_hessians), None without a GPTQ precision; kv_layers: the manifest's (their
     quant: a quantized cache's scales)."""
     cfg, prec, t = plan.cfg, plan.prec, plan.cfg.text
-    budget = "patch budget" if "max_patches" in plan.host.image.params else "1 tile ="
-    p.start(f"vision graph ({budget} {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
-    vision = modules.pop("vision")
-    graphs.trace_vision(vision, vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2),
-                        ["image_embeds", *vision_row_outputs(vision)], plan.dtype, prec["vision"], tmp / "vision.onnx")
-    del vision
-    gc.collect()
-    graphs.finish_vision(tmp / "vision.onnx", prec["vision"])
-    p.done()
     decoder = modules.pop("decoder")
     decoder_graphs = []
     verify = plan.htp["lookahead_ar"] if plan.htp else 0
@@ -364,6 +356,9 @@ def _write_graphs(plan: Plan, modules: dict, tmp: Path, p: Progress, hessian=Non
                                       kv_quant=[layer for layer in kv_layers
                                                 if isinstance(layer, mf.AttentionLayer) and layer.quant])
         if k == len(steps) - 1:
+            vision = modules["vision"]  # (traced next: a weight it shares with the decoder is kept)
+            release_weights(decoder, keep | {w.untyped_storage().data_ptr() for w in [*vision.parameters(), *vision.buffers()]})
+            del vision
             del decoder
             gc.collect()
         graphs.finish_decoder(traced)
@@ -371,7 +366,30 @@ def _write_graphs(plan: Plan, modules: dict, tmp: Path, p: Progress, hessian=Non
         if plan.one_graph:
             decoder_graphs.append(("decode", "decoder"))
         p.done()
+    budget = "patch budget" if "max_patches" in plan.host.image.params else "1 tile ="
+    p.start(f"vision graph ({budget} {cfg.patches_per_tile} patches -> {cfg.tokens_per_tile} tokens, {prec['vision']})")
+    vision = modules.pop("vision")  # (after the decoder: its weights, GBs, are gone by now)
+    graphs.trace_vision(vision, vision_examples(vision, cfg.patches_per_tile, 3 * cfg.vision.patch_size**2),
+                        ["image_embeds", *vision_row_outputs(vision)], plan.dtype, prec["vision"], tmp / "vision.onnx")
+    release_weights(vision, keep)
+    del vision
+    gc.collect()
+    graphs.finish_vision(tmp / "vision.onnx", prec["vision"])
+    p.done()
     return decoder_graphs
+
+
+def release_weights(module, keep: set[int]) -> None:
+    """Free the memory of a traced module's weights (its parameters' and buffers' storages, resized to 0 bytes), but
+    those of storages in keep (the checkpoint's own: a float32 checkpoint's tensors are the module's weights and the
+    token table's rows) and those the ONNX exporter made non-resizable (it reads weights through Tensor.numpy()).
+    Once its last graph is traced nothing reads them, but torch.export keeps tensors that share their storage alive
+    after the trace (graphs.forget_trace drops one holder): what is freed here is freed whatever holds it (at Gemma 4
+    E2B's full depth the 1.6 GB float32 tied head among it; export memory: docs/gemma4.md)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in keep and storage.resizable() and tensor.device.type == "cpu":
+            storage.resize_(0)
 
 
 def _share_weights(tmp: Path, decoder_graphs: list[tuple[str, str]], p: Progress) -> None:
@@ -555,7 +573,10 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
         raise ExportError(f"--table {table} stores a row's per-layer columns apart from its embedding; "
                           f"{plan.family.name}'s rows are the embedding alone: choose one of {', '.join(table_rows.FORMS)}")
     torch.manual_seed(0)
-    vision, decoder, embed = plan.family.weights(plan.cfg, plan.ckpt.tensors())
+    tensors = plan.ckpt.tensors()
+    checkpoint_storages = {t.untyped_storage().data_ptr() for t in tensors.values()}  # (release_weights keeps them)
+    vision, decoder, embed = plan.family.weights(plan.cfg, tensors)
+    del tensors
     row_outputs = vision_row_outputs(vision)
     rope_rows, levels = decoder.rope_rows, decoder.row_levels  # (families.DecoderModule, checked by Family.weights)
     spans = decoder.span_input
@@ -580,7 +601,7 @@ def _export(src: str, out: Path, p: Progress, *, prefill_ar: int | None, max_seq
         layer_kinds = decoder.layer_kinds
         modules = {"vision": vision, "decoder": decoder}
         del vision, decoder  # (_write_graphs frees them once traced: the torch weights, GBs at the E2B shape)
-        decoder_graphs = _write_graphs(plan, modules, tmp, p, hessian, kv)
+        decoder_graphs = _write_graphs(plan, modules, tmp, p, hessian, kv, checkpoint_storages)
         table_form, scale_file = _write_host_files(plan, embed, tmp, p)
         _share_weights(tmp, decoder_graphs, p)
         del embed, hessian
