@@ -5,7 +5,6 @@ import os
 import platform
 
 import numpy as np
-import pytest
 
 from vlmrt.runtime import huge_pages
 
@@ -43,19 +42,24 @@ def _mapping(mb: int):
     return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 
-@pytest.mark.skipif(not _kernel_collapses(), reason="needs Linux 6.1+ with transparent huge pages")
 def test_a_populated_region_goes_onto_huge_pages_and_a_sparse_one_does_not():
+    """Holds on every system: where the kernel collapses (Linux 6.1+, THP not `never`) the populated region is on huge
+    pages after the call; elsewhere the call asks nothing. A sparse region is never filled in, whatever the system's
+    THP mode (under `always` its faults may already have made huge pages: the call adds none)."""
     m, start = _mapping(24)
     a = np.frombuffer(m, np.uint8)
-    a[:: 1 << 20] = 1  # one page in 256 resident: collapsing would make 24 MiB of it resident
-    rss = _rss_kb()
+    a[:: 1 << 20] = 1  # one page in 256 resident (madvise / never): collapsing would make 24 MiB of it resident
+    rss, huge = _rss_kb(), _anon_huge_kb(start)
     huge_pages.collapse_populated()
-    assert _anon_huge_kb(start) == 0
     assert _rss_kb() - rss < 4 << 10
+    assert _anon_huge_kb(start) == huge
     a[:] = 2  # every page resident, as a session's packed weights are
-    huge_pages.collapse_populated()
-    # its whole 2 MiB blocks (10 or 11), or those the kernel found free huge pages for on a fragmented machine
-    assert _anon_huge_kb(start) >= 2 << 10
+    done = huge_pages.collapse_populated()
+    if _kernel_collapses():
+        # its whole 2 MiB blocks (10 or 11), or those the kernel found free huge pages for on a fragmented machine
+        assert _anon_huge_kb(start) >= 2 << 10
+    else:
+        assert done == 0
     assert np.all(a == 2)  # the same bytes
     del a
     m.close()
