@@ -129,7 +129,7 @@ def export(src: str, out: str | Path, *, prefill_ar: int | None = None, max_seq_
         raise ExportError(str(e)) from None
     except OSError as e:
         p.failed()
-        if e.errno == errno.ENOSPC:  # _export removed its work folder: nothing is left at or next to OUT
+        if _disk_full(e):  # _export removed its work folder: nothing is left at or next to OUT
             raise ExportError(f"no space left on device while exporting to {out}; nothing was written there. "
                               "Free some space (the bundle needs about twice its size while exporting) and retry") from None
         raise
@@ -400,6 +400,12 @@ def _share_weights(tmp: Path, decoder_graphs: list[tuple[str, str]], p: Progress
     graphs.share_weights(tmp, [f"{g}.onnx" for g in sorted({stem for _, stem in decoder_graphs})], "decoder.data",
                          known=graphs.npy_tensors(tmp, ["embed.npy", "embed_scale.npy"]))
     p.done()
+
+
+def _disk_full(e: OSError) -> bool:
+    """ENOSPC; or numpy's ndarray.tofile failing (onnx_ir writes a graph's external data with it), whose OSError keeps
+    no errno: "problem writing element N to file"."""
+    return e.errno == errno.ENOSPC or (e.errno is None and str(e).startswith("problem writing element"))
 
 
 def _like(graph: str) -> str:
