@@ -1,6 +1,7 @@
 """The packed weights on huge pages (runtime/huge_pages.py): a populated anonymous region is remapped onto 2 MiB pages in
 place, a sparse one is left alone, and every session the runtime builds is followed by the collapse."""
 
+import mmap
 import os
 import platform
 
@@ -53,6 +54,17 @@ def test_a_populated_region_goes_onto_huge_pages_and_a_sparse_one_does_not():
     huge_pages.collapse_populated()
     assert _rss_kb() - rss < 4 << 10
     assert _anon_huge_kb(start) == huge
+    m2, start2 = _mapping(64)
+    m2.madvise(mmap.MADV_DONTDUMP)  # (flags unlike the first mapping's too: the two are not merged into one region)
+    b = np.frombuffer(m2, np.uint8)
+    pages = b.reshape(-1, 4096)
+    pages[np.arange(len(pages)) % 20 != 0, 0] = 3  # 95 % resident, a hole in every 20 pages (a big process's heap):
+    # a collapse would fill 3.2 MiB of it
+    rss, huge = _rss_kb(), _anon_huge_kb(start2)
+    huge_pages.collapse_populated()
+    assert _rss_kb() - rss < 1 << 10 and _anon_huge_kb(start2) == huge
+    del b, pages
+    m2.close()
     a[:] = 2  # every page resident, as a session's packed weights are
     done = huge_pages.collapse_populated()
     if _kernel_collapses():
